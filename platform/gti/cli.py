@@ -1,0 +1,137 @@
+"""The `gti` command line: argparse subcommands, each handler a few lines.
+
+What it is for: turning arguments into calls of `gti.pipeline`, `gti.config` and the stage
+modules. It holds no ML logic. A user mistake (any `GtiError`) prints one line and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Callable, Sequence
+
+from gti.errors import GtiError
+
+
+def _cfg(args):
+    from gti import config
+
+    return config.load(args.config, args.overrides)
+
+
+def cmd_run(args) -> int:
+    from gti import pipeline
+
+    pipeline.run(_cfg(args), from_stage=args.from_stage, to_stage=args.to_stage, force=args.force)
+    return 0
+
+
+def cmd_stage(args) -> int:
+    from gti import pipeline
+
+    pipeline.run(_cfg(args), from_stage=args.name, to_stage=args.name, force=True)
+    return 0
+
+
+def cmd_config(args) -> int:
+    from gti import config
+
+    cfg = _cfg(args)
+    if args.action == "show":
+        print(config.dump(cfg), end="")
+    else:
+        print(f"{args.config or '<defaults>'}: OK")
+    return 0
+
+
+def _delegate(module: str, func: str = "main") -> Callable[[argparse.Namespace], int]:
+    """Handler that imports `module` only when the subcommand runs (keeps `gti --help` fast)."""
+
+    def handler(args) -> int:
+        return int(getattr(importlib.import_module(module), func)(args) or 0)
+
+    return handler
+
+
+def _add_config_args(p: argparse.ArgumentParser, required: bool = True) -> None:
+    p.add_argument("--config", "-c", required=required, help="YAML config (jobs/configs/*.yaml)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from gti.pipeline import STAGE_NAMES
+
+    ap = argparse.ArgumentParser(prog="gti", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("run", help="run the pipeline (skips stages that are up to date)")
+    _add_config_args(p)
+    p.add_argument("--from", dest="from_stage", choices=STAGE_NAMES)
+    p.add_argument("--to", dest="to_stage", choices=STAGE_NAMES)
+    p.add_argument("--force", action="store_true", help="rerun stages even if up to date")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("stage", help="run one stage (its upstream must be complete)")
+    p.add_argument("name", choices=STAGE_NAMES)
+    _add_config_args(p)
+    p.set_defaults(func=cmd_stage)
+
+    p = sub.add_parser("config", help="show or validate a resolved config")
+    p.add_argument("action", choices=["show", "validate"])
+    _add_config_args(p, required=False)
+    p.set_defaults(func=cmd_config)
+
+    p = sub.add_parser("data", help="data utilities")
+    dsub = p.add_subparsers(dest="data_command", required=True)
+    s = dsub.add_parser("synth", help="write a synthetic catalog + interactions")
+    s.add_argument("--items", type=int, required=True)
+    s.add_argument("--users", type=int, default=None, help="default: items // 2")
+    s.add_argument("--out", required=True, help="output folder")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--format", choices=["parquet", "csv", "jsonl"], default="parquet")
+    s.set_defaults(func=_delegate("gti.data.synth", "cli_main"))
+
+    p = sub.add_parser("recommend", help="top-K items for a history, from a finished run")
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--history", required=True, help="comma-separated item ids, oldest first")
+    p.add_argument("--k", type=int, default=10)
+    p.set_defaults(func=_delegate("gti.eval.recommend", "cli_main"))
+
+    p = sub.add_parser("compare", help="run initialisation arms x seeds and write one report")
+    _add_config_args(p)
+    p.add_argument("--arms", default="mean,gti")
+    p.add_argument("--seeds", type=int, default=1)
+    p.add_argument("--out", default=None, help="output folder (default: <run_dir>/compare)")
+    p.set_defaults(func=_delegate("gti.stages.compare", "cli_main"))
+
+    p = sub.add_parser("tune", help="Ray Tune sweep over the grounding stage")
+    _add_config_args(p)
+    p.set_defaults(func=_delegate("gti.stages.tune", "cli_main"))
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = build_parser()
+    # Overrides may come before or after options (`gti run -c X a=1 --to sid b=2`); argparse
+    # alone would reject the ones after an option, so collect key=value leftovers here.
+    args, extra = ap.parse_known_args(argv)
+    bad = [e for e in extra if "=" not in e or e.startswith("-")]
+    if bad:
+        ap.error(f"unrecognized arguments: {' '.join(bad)}")
+    if extra:
+        if not hasattr(args, "overrides"):
+            ap.error(f"{args.command} takes no key=value overrides: {' '.join(extra)}")
+        args.overrides = list(args.overrides or []) + extra
+    try:
+        return args.func(args)
+    except GtiError as err:
+        print(f"gti: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("gti: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

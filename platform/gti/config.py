@@ -1,0 +1,419 @@
+"""Typed run configuration: pydantic models per stage, YAML loading, key=value overrides.
+
+What it is for: one validated object (`RunConfig`) that every stage reads. Unknown keys are
+rejected with the key and the file named; `key=value` overrides are applied to the raw mapping
+and the whole config is validated again, so an override can never produce a state that a YAML
+file could not.
+
+What it does not know: how stages run, where outputs go (that is `pipeline`/`manifest`), or
+anything about Ray. It never imports ray or torch.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from gti.errors import GtiError
+
+
+class ConfigError(GtiError):
+    """A user mistake in a config file or override; the message is one line, ready to print."""
+
+
+class _Strict(BaseModel):
+    # extra="forbid" is what makes a mistyped key fail loudly instead of being ignored.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# --------------------------------------------------------------------------- data
+class ItemColumns(_Strict):
+    """Maps the user's column names to ours."""
+
+    id: str = "item_id"
+    title: str | None = "title"
+    description: str | None = "description"
+    category: str | None = "category"
+    # Extra attribute columns used for pseudo-text when title and description are missing.
+    attributes: list[str] = Field(default_factory=lambda: ["brand"])
+
+
+class InteractionColumns(_Strict):
+    user: str = "user_id"
+    item: str = "item_id"
+    # None means "file order is chronological order".
+    ts: str | None = "ts"
+
+
+class ItemsSource(_Strict):
+    # A local path, glob, directory or any URI pyarrow/fsspec understands, or
+    # "bundled:<name>" for a data set shipped inside the package.
+    path: str = "bundled:amazon-scientific"
+    format: Literal["auto", "parquet", "csv", "jsonl", "json", "amazon", "movielens"] = "auto"
+    columns: ItemColumns = Field(default_factory=ItemColumns)
+
+
+class InteractionsSource(_Strict):
+    path: str = "bundled:amazon-scientific"
+    format: Literal["auto", "parquet", "csv", "jsonl", "json", "movielens"] = "auto"
+    columns: InteractionColumns = Field(default_factory=InteractionColumns)
+
+
+class DataConfig(_Strict):
+    items: ItemsSource = Field(default_factory=ItemsSource)
+    interactions: InteractionsSource = Field(default_factory=InteractionsSource)
+    max_text_chars: int = Field(2000, gt=0)
+    min_seq_len: int = Field(3, ge=1)
+    max_history: int = Field(20, ge=1)
+    # Use only the first N items/users (after validation); None = all. Handy for quick runs.
+    max_items: int | None = Field(None, gt=0)
+    max_users: int | None = Field(None, gt=0)
+    # Ray Data read/processing parallelism; None lets Ray decide.
+    parallelism: int | None = Field(None, gt=0)
+
+
+# --------------------------------------------------------------------------- embed
+class EmbedConfig(_Strict):
+    # "minilm" | "hash" | "lm" | a local HF encoder folder path
+    encoder: str = "minilm"
+    # Model folder for encoder == "lm" (None = the run's LM, model.name).
+    lm_path: str | None = None
+    dim: int = Field(384, gt=0, description="output size for the hash encoder")
+    max_tokens: int = Field(256, gt=0)
+    batch_size: int = Field(256, gt=0)
+    concurrency: int = Field(1, ge=1, description="actors in the embedding pool")
+    num_gpus: float = Field(0.0, ge=0)
+    # Text fields joined into the text that is embedded.
+    fields: list[Literal["title", "description", "category", "attributes"]] = Field(
+        default_factory=lambda: ["title", "category", "attributes", "description"]
+    )
+
+
+# --------------------------------------------------------------------------- sid
+class SidGates(_Strict):
+    min_utilisation: float = Field(0.05, ge=0, le=1, description="per level, fraction of codes used")
+    max_collision_rate: float = Field(0.0, ge=0, le=1, description="after de-duplication")
+
+
+class SidConfig(_Strict):
+    method: Literal["rqvae", "rqkmeans"] = "rqvae"
+    levels: int = Field(4, ge=1, le=26)
+    codebook_size: int = Field(256, ge=2)
+    code_dim: int = Field(32, gt=0)
+    encoder_dims: list[int] = Field(default_factory=lambda: [512, 256])
+    dropout: float = Field(0.1, ge=0, lt=1)
+    epochs: int = Field(50, ge=1)
+    batch_size: int = Field(1024, gt=0)
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    commitment_beta: float = Field(0.25, ge=0)
+    rotation_trick: bool = False
+    diversity_weight: float = Field(0.0, ge=0)
+    kmeans_iters: int = Field(25, ge=1)
+    dead_code_threshold: int = Field(
+        0, ge=0, description="codes used <= this many times in an epoch are re-seeded"
+    )
+    balanced: bool = Field(True, description="rqkmeans: balanced cluster sizes")
+    sinkhorn_last_level: bool = True
+    sinkhorn_epsilon: float = Field(0.003, gt=0)
+    sinkhorn_iters: int = Field(50, ge=1)
+    dedup: Literal["extra_level", "reassign"] = "extra_level"
+    num_workers: int = Field(1, ge=1)
+    use_gpu: bool = False
+    assign_batch_size: int = Field(4096, gt=0)
+    # Token string format; {level} is a letter a, b, c, ...; {code} the code index.
+    token_format: str = "<{level}_{code}>"
+    gates: SidGates = Field(default_factory=SidGates)
+
+    @field_validator("token_format")
+    @classmethod
+    def _fmt_has_fields(cls, v: str) -> str:
+        if "{level}" not in v or "{code}" not in v:
+            raise ValueError("token_format must contain {level} and {code}")
+        return v
+
+
+# --------------------------------------------------------------------------- model / vocab
+class ModelConfig(_Strict):
+    # "smollm2-135m" (offline PyPI package), "tiny" (random tiny Llama built from config, for
+    # tests), a local HF folder, or a hub id where a network exists.
+    name: str = "smollm2-135m"
+    trust_remote_code: bool = False
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    sid_markers: bool = Field(False, description="add <sid_start>/<sid_end> tokens")
+    # Only for name == "tiny".
+    tiny_hidden: int = Field(64, gt=0)
+    tiny_layers: int = Field(2, gt=0)
+    tiny_heads: int = Field(4, gt=0)
+    tiny_tied: bool = True
+    tiny_pad_vocab_to: int | None = Field(None, description="pad embedding past the tokenizer")
+
+
+class InitConfig(_Strict):
+    method: Literal["mean", "mean_noise", "random", "description", "codebook"] = "mean"
+    noise_std: float = Field(0.02, ge=0, description="mean_noise: std relative to vocab std")
+
+
+# --------------------------------------------------------------------------- pairs
+DEFAULT_GROUNDING_TEMPLATES: dict[str, str] = {
+    "title2sid": "Which item has the title: {title}?",
+    "desc2sid": "Can you tell me what item is described as {description}?",
+    "titledesc2sid": "What item is called {title} and described as {description}?",
+    "sid2title": "Could you please tell me what item {sid} is called?",
+    "sid2desc": "Briefly describe item {sid}.",
+    "sid2titledesc": "What is the title and description of item {sid}?",
+}
+
+
+class PairsConfig(_Strict):
+    system_prompt: str = "You are a helpful assistant."
+    templates: dict[str, str] = Field(default_factory=lambda: dict(DEFAULT_GROUNDING_TEMPLATES))
+    max_len: int = Field(128, gt=8, description="tokens per rendered pair; longer text is cut")
+    max_desc_chars: int = Field(300, gt=0)
+    # Items kept out of grounding (cold-start studies): ids, or a path to a file of ids.
+    exclude_items: list[str] = Field(default_factory=list)
+    val_fraction: float = Field(0.02, ge=0, lt=1)
+
+    @field_validator("templates")
+    @classmethod
+    def _known_templates(cls, v: dict[str, str]) -> dict[str, str]:
+        unknown = set(v) - set(DEFAULT_GROUNDING_TEMPLATES)
+        if unknown:
+            raise ValueError(
+                f"unknown template name(s) {sorted(unknown)}; known: {sorted(DEFAULT_GROUNDING_TEMPLATES)}"
+            )
+        return v
+
+
+# --------------------------------------------------------------------------- training
+class TrainConfig(_Strict):
+    """Shared by grounding and SFT: optimiser, schedule, parallelism, checkpoints."""
+
+    enabled: bool = True
+    lr: float = Field(1e-3, gt=0)
+    steps: int = Field(100, ge=0)
+    batch_size: int = Field(8, gt=0, description="global batch (sequences per optimizer step)")
+    grad_accum: int = Field(1, ge=1)
+    warmup_steps: int = Field(0, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    schedule: Literal["constant", "cosine", "linear"] = "constant"
+    max_grad_norm: float = Field(1.0, gt=0)
+    num_workers: int = Field(1, ge=1)
+    use_gpu: bool = False
+    zero_stage: Literal[0, 1, 2, 3] = 2
+    precision: Literal["fp32", "bf16"] = "fp32"
+    checkpoint_every: int = Field(50, ge=1)
+    val_every: int = Field(50, ge=1)
+    val_samples: int = Field(64, ge=1)
+    max_failures: int = Field(0, ge=-1)
+    log_every: int = Field(1, ge=1)
+
+    def micro_batch_per_worker(self) -> int:
+        """Sequences per worker per micro step (global batch split over workers and accum)."""
+        per = self.batch_size // (self.num_workers * self.grad_accum)
+        return max(1, per)
+
+
+class GroundConfig(TrainConfig):
+    lr: float = Field(1e-3, gt=0)
+    steps: int = Field(200, ge=0)
+
+
+class LoraConfig(_Strict):
+    enabled: bool = False
+    r: int = Field(8, gt=0)
+    alpha: int = Field(32, gt=0)
+    dropout: float = Field(0.05, ge=0, lt=1)
+    quantize_4bit: bool = False
+
+
+class SftConfig(TrainConfig):
+    lr: float = Field(3e-4, gt=0)
+    steps: int = Field(200, ge=0)
+    schedule: Literal["constant", "cosine", "linear"] = "cosine"
+    weight_decay: float = Field(0.01, ge=0)
+    max_len: int = Field(160, gt=8)
+    # LC-Rec style multitask mix: weight of grounding-pair tasks relative to the sequence task.
+    multitask: bool = False
+    multitask_weight: float = Field(0.5, ge=0)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    val_users: int = Field(64, ge=1)
+
+
+# --------------------------------------------------------------------------- eval
+class EvalConfig(_Strict):
+    beam_width: int = Field(20, ge=1)
+    ks: list[int] = Field(default_factory=lambda: [5, 10, 20])
+    splits: list[Literal["valid", "test"]] = Field(default_factory=lambda: ["valid", "test"])
+    max_users: int | None = Field(None, gt=0, description="evaluate a sample of users")
+    batch_users: int = Field(8, ge=1)
+    concurrency: int = Field(1, ge=1)
+    num_gpus: float = Field(0.0, ge=0)
+    bootstrap: int = Field(1000, ge=0)
+    constrained: bool = True
+
+    @model_validator(mode="after")
+    def _k_le_beam(self) -> "EvalConfig":
+        bad = [k for k in self.ks if k > self.beam_width]
+        if bad:
+            raise ValueError(f"ks {bad} exceed beam_width {self.beam_width}")
+        return self
+
+
+class ReportConfig(_Strict):
+    max_heatmap_tokens: int = Field(256, gt=0)
+
+
+# --------------------------------------------------------------------------- tune
+class TuneConfig(_Strict):
+    # Search space: {param: {type: loguniform|uniform|choice, low, high, values}}
+    search_space: dict[str, dict[str, Any]] = Field(
+        default_factory=lambda: {
+            "ground.lr": {"type": "loguniform", "low": 1e-4, "high": 1e-2},
+            "ground.steps": {"type": "choice", "values": [100, 200, 400]},
+        }
+    )
+    num_samples: int = Field(4, ge=1)
+    objective: Literal["grounding", "sft"] = "grounding"
+    metric: str = "val_exact_match"
+    mode: Literal["max", "min"] = "max"
+    grace_period: int = Field(1, ge=1)
+    reduction_factor: int = Field(2, ge=2)
+    max_concurrent_trials: int | None = Field(None, ge=1)
+
+
+# --------------------------------------------------------------------------- run
+class RunConfig(_Strict):
+    run_dir: str = "runs/demo"
+    seed: int = 0
+    # Ray address: None starts/joins a local Ray; "auto" joins a running cluster.
+    ray_address: str | None = None
+    ray_num_cpus: int | None = Field(None, ge=1)
+    data: DataConfig = Field(default_factory=DataConfig)
+    embed: EmbedConfig = Field(default_factory=EmbedConfig)
+    sid: SidConfig = Field(default_factory=SidConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    init: InitConfig = Field(default_factory=InitConfig)
+    pairs: PairsConfig = Field(default_factory=PairsConfig)
+    ground: GroundConfig = Field(default_factory=GroundConfig)
+    sft: SftConfig = Field(default_factory=SftConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    report: ReportConfig = Field(default_factory=ReportConfig)
+    tune: TuneConfig = Field(default_factory=TuneConfig)
+
+    def resolved_run_dir(self) -> Path:
+        return Path(self.run_dir).expanduser().resolve()
+
+
+# --------------------------------------------------------------------------- loading
+_SECRET_RE = re.compile(r"(key|token|secret|password|passwd|credentials?)")
+REDACTED = "***redacted***"
+
+
+def redact(obj: Any) -> Any:
+    """Copy of a nested mapping with values of secret-looking keys replaced.
+
+    Used for everything written to manifests and logs, so that a token put in a config never
+    lands on disk. The match is on the last word of the key (`auth_token`, `api_key`), so
+    `max_tokens` (a count) is left alone.
+    """
+    if isinstance(obj, dict):
+        out = {}
+        for k, v in obj.items():
+            last = str(k).lower().split("_")[-1]
+            out[k] = REDACTED if _SECRET_RE.fullmatch(last) else redact(v)
+        return out
+    if isinstance(obj, list):
+        return [redact(v) for v in obj]
+    return obj
+
+
+def _parse_scalar(text: str) -> Any:
+    """Parse an override value the way YAML would ("1e-3" -> float, "[1,2]" -> list)."""
+    try:
+        val = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    # YAML 1.1 reads "1e-3" as a string; accept it as a float like a human would.
+    if isinstance(val, str):
+        try:
+            return float(val) if re.fullmatch(r"[-+]?\d*\.?\d+[eE][-+]?\d+", val) else val
+        except ValueError:
+            return val
+    return val
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str], source: str = "<overrides>") -> dict:
+    """Return a copy of `raw` with `a.b.c=value` overrides applied (validation comes later)."""
+    out = copy.deepcopy(raw)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' is not of the form key=value")
+        key, value = item.split("=", 1)
+        key = key.strip()
+        if not key:
+            raise ConfigError(f"override '{item}' has an empty key")
+        node = out
+        parts = key.split(".")
+        for p in parts[:-1]:
+            nxt = node.get(p)
+            if nxt is None:
+                nxt = node[p] = {}
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"override '{key}': '{p}' is not a section")
+            node = nxt
+        node[parts[-1]] = _parse_scalar(value)
+    return out
+
+
+def _format_error(err: ValidationError, source: str) -> str:
+    first = err.errors()[0]
+    loc = ".".join(str(p) for p in first["loc"])
+    if first["type"] == "extra_forbidden":
+        return f"{source}: unknown key '{loc}'"
+    msg = first["msg"]
+    return f"{source}: invalid value for '{loc}': {msg}" if loc else f"{source}: {msg}"
+
+
+def validate(raw: dict[str, Any], source: str = "<config>") -> RunConfig:
+    try:
+        return RunConfig.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(_format_error(err, source)) from None
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p}")
+    try:
+        raw = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{p}: not valid YAML: {str(err).splitlines()[0]}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{p}: top level must be a mapping")
+    return raw
+
+
+def load(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Load a YAML config (or defaults when path is None), apply overrides, validate."""
+    raw = read_yaml(path) if path is not None else {}
+    source = str(path) if path is not None else "<defaults>"
+    cfg = validate(raw, source)
+    if overrides:
+        cfg = validate(apply_overrides(raw, overrides), f"{source} (with overrides)")
+    return cfg
+
+
+def dump(cfg: RunConfig) -> str:
+    return yaml.safe_dump(redact(cfg.model_dump(mode="json")), sort_keys=False)
+
+
+def section(cfg: RunConfig, name: str) -> dict[str, Any]:
+    """The resolved mapping of one top-level section, for fingerprints and manifests."""
+    return cfg.model_dump(mode="json")[name]

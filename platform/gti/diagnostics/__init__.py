@@ -1,0 +1,1 @@
+"""gti.diagnostics"""

@@ -1,0 +1,150 @@
+"""Stage manifests, atomic writes and fingerprints.
+
+What it is for: every stage leaves `run_dir/<stage>/_manifest.json` holding its resolved config,
+input fingerprints, derived facts and package versions. The manifest is written last and
+atomically (temp file + os.replace), so a stage directory without a manifest is incomplete, and
+a stage directory with one is complete. Later stages read facts from here, never from paths a
+person copied.
+
+What it does not know: what any stage computes, or Ray.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from gti.errors import GtiError
+
+MANIFEST_NAME = "_manifest.json"
+_VERSIONED = ["gti", "torch", "ray", "transformers", "deepspeed", "pyarrow", "polars", "pydantic"]
+
+
+class ManifestError(GtiError):
+    """A manifest is missing, unreadable or inconsistent; the message names the file."""
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """Write `data` to `path` so that readers see the old file or the new one, never half.
+
+    Errors (disk full, permission denied) propagate as OSError naming the path, and the
+    previous file is left untouched because only a temp file was written.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def atomic_write_json(path: str | Path, obj: Any) -> None:
+    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n").encode())
+
+
+def stable_hash(obj: Any) -> str:
+    """sha256 of a JSON-serialisable object with sorted keys (first 16 hex digits)."""
+    blob = json.dumps(obj, sort_keys=True, default=str, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def file_fingerprint(path: str | Path, full_hash_below: int = 64 << 20) -> str:
+    """Fingerprint of a file or directory tree.
+
+    Files under `full_hash_below` bytes are hashed by content; larger ones by size and mtime
+    (hashing terabytes to decide whether to skip a stage would defeat the purpose).
+    """
+    p = Path(path)
+    h = hashlib.sha256()
+    files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
+    if not files or not all(f.exists() for f in files):
+        raise ManifestError(f"cannot fingerprint missing input: {p}")
+    for f in files:
+        st = f.stat()
+        h.update(str(f.relative_to(p) if p.is_dir() else f.name).encode())
+        if st.st_size < full_hash_below:
+            h.update(f.read_bytes())
+        else:
+            h.update(f"{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:16]
+
+
+def package_versions() -> dict[str, str]:
+    out = {}
+    for name in _VERSIONED:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = "not installed"
+    return out
+
+
+@dataclass
+class Manifest:
+    stage: str
+    fingerprint: str
+    config: dict[str, Any]
+    inputs: dict[str, str] = field(default_factory=dict)
+    facts: dict[str, Any] = field(default_factory=dict)
+    outputs: dict[str, str] = field(default_factory=dict)
+    versions: dict[str, str] = field(default_factory=package_versions)
+    created: float = field(default_factory=time.time)
+    duration_s: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "stage": self.stage,
+            "fingerprint": self.fingerprint,
+            "config": self.config,
+            "inputs": self.inputs,
+            "facts": self.facts,
+            "outputs": self.outputs,
+            "versions": self.versions,
+            "created": self.created,
+            "duration_s": self.duration_s,
+        }
+
+    def write(self, stage_dir: str | Path) -> Path:
+        path = Path(stage_dir) / MANIFEST_NAME
+        atomic_write_json(path, self.to_json())
+        return path
+
+    @classmethod
+    def read(cls, stage_dir: str | Path) -> "Manifest":
+        path = Path(stage_dir) / MANIFEST_NAME
+        if not path.is_file():
+            raise ManifestError(f"no manifest at {path}: has the stage run?")
+        try:
+            raw = json.loads(path.read_text())
+            return cls(**raw)
+        except (json.JSONDecodeError, TypeError) as err:
+            raise ManifestError(f"unreadable manifest {path}: {err}") from None
+
+    def output(self, stage_dir: str | Path, name: str) -> Path:
+        """Absolute path of a named output of this stage."""
+        if name not in self.outputs:
+            raise ManifestError(
+                f"stage '{self.stage}' has no output '{name}' (has: {sorted(self.outputs)})"
+            )
+        return Path(stage_dir) / self.outputs[name]
+
+    def fact(self, name: str) -> Any:
+        if name not in self.facts:
+            raise ManifestError(f"stage '{self.stage}' manifest has no fact '{name}'")
+        return self.facts[name]

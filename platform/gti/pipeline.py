@@ -1,0 +1,228 @@
+"""The one ordered list of stages, and the driver that runs a slice of it.
+
+What it is for: deciding which stages run, giving each a `StageContext`, and making the result
+atomic. A stage writes into `run_dir/.<stage>.partial/`; when it returns, its manifest is
+written there and the directory is swapped into `run_dir/<stage>/`. A crash leaves only the
+partial directory (which a rerun reuses, so training checkpoints inside it survive a killed
+driver); the previous complete output stays intact until the swap.
+
+A stage is skipped when its manifest fingerprint equals the fingerprint it would have now. The
+fingerprint covers the stage's config sections, the seed, its own input files and the
+fingerprints of the stages it depends on, so a change invalidates exactly the stages downstream.
+
+What it does not know: what a stage computes. Stage modules are imported lazily, so importing
+the pipeline imports neither ray nor torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from gti import config as C
+from gti.errors import GtiError
+from gti.manifest import MANIFEST_NAME, Manifest, ManifestError, atomic_write_bytes, stable_hash
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    name: str
+    module: str  # exposes run(ctx) -> StageResult and optionally input_files(cfg) -> dict
+    depends: tuple[str, ...]
+    sections: tuple[str, ...]  # config sections whose values enter the fingerprint
+    summary: str
+
+
+STAGES: list[StageSpec] = [
+    StageSpec("ingest", "gti.stages.ingest", (), ("data",), "validate catalog + interactions, split"),
+    StageSpec("embed", "gti.stages.embed", ("ingest",), ("embed",), "content embeddings"),
+    StageSpec("sid", "gti.stages.sid", ("embed",), ("sid",), "RQ-VAE semantic IDs"),
+    StageSpec("pairs", "gti.stages.pairs", ("ingest", "sid"), ("model", "pairs"), "grounding pairs"),
+    StageSpec(
+        "ground", "gti.stages.ground", ("pairs", "sid", "embed"), ("model", "init", "ground"),
+        "extend vocab, initialise, ground new rows",
+    ),
+    StageSpec("sft", "gti.stages.sft", ("ingest", "sid", "pairs", "ground"), ("sft",), "full SFT"),
+    StageSpec("evaluate", "gti.stages.evaluate", ("ingest", "sid", "sft"), ("eval",), "metrics"),
+    StageSpec(
+        "report", "gti.stages.report", ("sid", "ground", "sft", "evaluate"), ("report",),
+        "diagnostics + HTML report",
+    ),
+]
+STAGE_NAMES = [s.name for s in STAGES]
+
+
+class PipelineError(GtiError):
+    """A user-facing pipeline problem (unknown stage, missing upstream); one line."""
+
+
+@dataclass
+class StageResult:
+    """What a stage returns: named output paths (relative to its dir) and derived facts."""
+
+    outputs: dict[str, str] = field(default_factory=dict)
+    facts: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class StageContext:
+    spec: StageSpec
+    cfg: C.RunConfig
+    run_dir: Path
+    work_dir: Path  # write outputs here; it becomes run_dir/<stage>/ on success
+    fingerprint: str
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def stage_dir(self, stage: str) -> Path:
+        return self.run_dir / stage
+
+    def manifest(self, stage: str) -> Manifest:
+        return Manifest.read(self.stage_dir(stage))
+
+    def input(self, stage: str, output: str) -> Path:
+        """Absolute path of output `output` of upstream stage `stage` (from its manifest)."""
+        return self.manifest(stage).output(self.stage_dir(stage), output)
+
+    def log(self, msg: str) -> None:
+        print(f"[{self.name}] {msg}", file=sys.stderr, flush=True)
+
+
+def spec(name: str) -> StageSpec:
+    for s in STAGES:
+        if s.name == name:
+            return s
+    raise PipelineError(f"unknown stage '{name}' (stages: {', '.join(STAGE_NAMES)})")
+
+
+def stage_module(s: StageSpec):
+    return importlib.import_module(s.module)
+
+
+def _input_files(s: StageSpec, cfg: C.RunConfig) -> dict[str, str]:
+    mod = stage_module(s)
+    fn: Callable[[C.RunConfig], dict[str, str]] | None = getattr(mod, "input_fingerprints", None)
+    return fn(cfg) if fn else {}
+
+
+def fingerprint(s: StageSpec, cfg: C.RunConfig, run_dir: Path) -> tuple[str, dict[str, str]]:
+    """Fingerprint of stage `s` given the current config and upstream manifests."""
+    inputs: dict[str, str] = {}
+    for dep in s.depends:
+        try:
+            inputs[f"stage:{dep}"] = Manifest.read(run_dir / dep).fingerprint
+        except ManifestError:
+            raise PipelineError(
+                f"stage '{s.name}' needs stage '{dep}', which has not completed in {run_dir}"
+            ) from None
+    inputs.update(_input_files(s, cfg))
+    dumped = cfg.model_dump(mode="json")
+    payload = {
+        "stage": s.name,
+        "seed": cfg.seed,
+        "sections": {k: dumped[k] for k in s.sections},
+        "inputs": inputs,
+    }
+    return stable_hash(payload), inputs
+
+
+def is_complete(s: StageSpec, cfg: C.RunConfig, run_dir: Path) -> bool:
+    try:
+        m = Manifest.read(run_dir / s.name)
+        fp, _ = fingerprint(s, cfg, run_dir)
+    except (ManifestError, PipelineError):
+        return False
+    return m.fingerprint == fp
+
+
+def _select(from_stage: str | None, to_stage: str | None) -> tuple[int, int]:
+    lo = STAGE_NAMES.index(spec(from_stage).name) if from_stage else 0
+    hi = STAGE_NAMES.index(spec(to_stage).name) if to_stage else len(STAGES) - 1
+    if lo > hi:
+        raise PipelineError(f"--from {from_stage} comes after --to {to_stage}")
+    return lo, hi
+
+
+def run_stage(s: StageSpec, cfg: C.RunConfig, run_dir: Path) -> Manifest:
+    """Run one stage into its partial dir, write its manifest, swap it into place."""
+    fp, inputs = fingerprint(s, cfg, run_dir)
+    work = run_dir / f".{s.name}.partial"
+    marker = work / "_fingerprint"
+    # A partial dir from an interrupted attempt with the same fingerprint is reused, so that
+    # checkpoints inside it let the stage resume; one from a different config is discarded.
+    if work.exists() and (not marker.is_file() or marker.read_text().strip() != fp):
+        shutil.rmtree(work)
+    work.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(marker, fp.encode())
+    ctx = StageContext(spec=s, cfg=cfg, run_dir=run_dir, work_dir=work, fingerprint=fp)
+    t0 = time.time()
+    result: StageResult = stage_module(s).run(ctx)
+    dumped = C.redact(cfg.model_dump(mode="json"))
+    manifest = Manifest(
+        stage=s.name,
+        fingerprint=fp,
+        config={"seed": cfg.seed, **{k: dumped[k] for k in s.sections}},
+        inputs=inputs,
+        facts=result.facts,
+        outputs=result.outputs,
+        duration_s=round(time.time() - t0, 3),
+    )
+    missing = [n for n, rel in result.outputs.items() if not (work / rel).exists()]
+    if missing:
+        raise PipelineError(f"stage '{s.name}' declared outputs it did not write: {missing}")
+    manifest.write(work)
+    # The whole resolved config sits beside every artifact (litgpt style).
+    atomic_write_bytes(work / "config.yaml", C.dump(cfg).encode())
+    final = run_dir / s.name
+    old = run_dir / f".{s.name}.old"
+    if old.exists():
+        shutil.rmtree(old)
+    if final.exists():
+        final.rename(old)
+    work.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+    (final / "_fingerprint").unlink(missing_ok=True)
+    return manifest
+
+
+def run(
+    cfg: C.RunConfig,
+    from_stage: str | None = None,
+    to_stage: str | None = None,
+    force: bool = False,
+    echo: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True),
+) -> dict[str, Manifest]:
+    """Run stages [from_stage, to_stage]. Stages before from_stage must already be complete.
+
+    Stages in the slice whose fingerprint matches their manifest are skipped unless `force`
+    (or unless they are `from_stage` itself, which the user asked to rerun).
+    """
+    run_dir = cfg.resolved_run_dir()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(run_dir / "config.yaml", C.dump(cfg).encode())
+    lo, hi = _select(from_stage, to_stage)
+    done: dict[str, Manifest] = {}
+    for i, s in enumerate(STAGES[: hi + 1]):
+        if i < lo:
+            if not (run_dir / s.name / MANIFEST_NAME).is_file():
+                raise PipelineError(
+                    f"--from {STAGE_NAMES[lo]} needs stage '{s.name}' to have completed in {run_dir}"
+                )
+            continue
+        rerun_requested = force or (from_stage is not None and i == lo)
+        if not rerun_requested and is_complete(s, cfg, run_dir):
+            echo(f"[{i + 1}/{hi + 1}] {s.name}: up to date, skipped")
+            done[s.name] = Manifest.read(run_dir / s.name)
+            continue
+        echo(f"[{i + 1}/{hi + 1}] {s.name}: {s.summary} ...")
+        t0 = time.time()
+        done[s.name] = run_stage(s, cfg, run_dir)
+        echo(f"[{i + 1}/{hi + 1}] {s.name}: done in {time.time() - t0:.1f}s -> {run_dir / s.name}")
+    return done
