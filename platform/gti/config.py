@@ -56,12 +56,15 @@ class ItemsSource(_Strict):
     path: str = "bundled:amazon-scientific"
     format: Literal["auto", "parquet", "csv", "jsonl", "json", "amazon", "movielens"] = "auto"
     columns: ItemColumns = Field(default_factory=ItemColumns)
+    # fsspec/pyarrow filesystem options (e.g. credentials for s3://); redacted in manifests.
+    storage_options: dict[str, str] = Field(default_factory=dict)
 
 
 class InteractionsSource(_Strict):
     path: str = "bundled:amazon-scientific"
     format: Literal["auto", "parquet", "csv", "jsonl", "json", "movielens"] = "auto"
     columns: InteractionColumns = Field(default_factory=InteractionColumns)
+    storage_options: dict[str, str] = Field(default_factory=dict)
 
 
 class DataConfig(_Strict):

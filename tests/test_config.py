@@ -1,0 +1,80 @@
+"""Config loading, validation errors that name the key, overrides, redaction."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gti import config as C
+
+CONFIGS = Path(__file__).resolve().parents[1] / "jobs" / "configs"
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_loads_and_starts_with_its_command(path):
+    cfg = C.load(path)
+    assert isinstance(cfg, C.RunConfig)
+    first = path.read_text().splitlines()[0]
+    assert first.startswith("#") and "gti " in first, f"{path.name} must begin with its command"
+
+
+def test_unknown_key_names_key_and_file(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("sid:\n  levles: 4\n")
+    with pytest.raises(C.ConfigError) as err:
+        C.load(p)
+    msg = str(err.value)
+    assert "sid.levles" in msg and str(p) in msg and "\n" not in msg
+
+
+def test_bad_value_names_key(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("ground:\n  lr: -1\n")
+    with pytest.raises(C.ConfigError, match="ground.lr"):
+        C.load(p)
+
+
+def test_overrides_are_revalidated_and_typed():
+    cfg = C.load(CONFIGS / "tiny.yaml", ["ground.lr=1e-4", "sid.levels=3", "eval.ks=[1,2]"])
+    assert cfg.ground.lr == pytest.approx(1e-4) and isinstance(cfg.ground.lr, float)
+    assert cfg.sid.levels == 3 and cfg.eval.ks == [1, 2]
+    with pytest.raises(C.ConfigError, match="unknown key 'ground.lrr'"):
+        C.load(CONFIGS / "tiny.yaml", ["ground.lrr=1"])
+    with pytest.raises(C.ConfigError, match="sid.levels"):
+        C.load(CONFIGS / "tiny.yaml", ["sid.levels=many"])
+    with pytest.raises(C.ConfigError, match="key=value"):
+        C.load(CONFIGS / "tiny.yaml", ["nonsense"])
+
+
+def test_cross_field_validation():
+    with pytest.raises(C.ConfigError, match="beam_width"):
+        C.load(None, ["eval.beam_width=5", "eval.ks=[10]"])
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(C.ConfigError, match="not found"):
+        C.load(tmp_path / "nope.yaml")
+    p = tmp_path / "broken.yaml"
+    p.write_text("a: [1,\n")
+    with pytest.raises(C.ConfigError, match="not valid YAML"):
+        C.load(p)
+
+
+def test_redaction_of_secret_like_keys():
+    raw = {"auth_token": "abc", "api_key": "k", "nested": {"db_password": "p"},
+           "max_tokens": 256, "keys": [1]}
+    out = C.redact(raw)
+    assert out["auth_token"] == C.REDACTED and out["api_key"] == C.REDACTED
+    assert out["nested"]["db_password"] == C.REDACTED
+    assert out["max_tokens"] == 256 and out["keys"] == [1]
+
+
+def test_dump_round_trips():
+    cfg = C.load(CONFIGS / "tiny.yaml")
+    again = C.validate(yaml.safe_load(C.dump(cfg)))
+    assert again == cfg
+
+
+def test_derived_micro_batch():
+    t = C.TrainConfig(batch_size=16, num_workers=2, grad_accum=2)
+    assert t.micro_batch_per_worker() == 4
