@@ -44,7 +44,7 @@ STAGES: list[StageSpec] = [
     StageSpec("sid", "gti.stages.sid", ("embed",), ("sid",), "RQ-VAE semantic IDs"),
     StageSpec("pairs", "gti.stages.pairs", ("ingest", "sid"), ("model", "pairs"), "grounding pairs"),
     StageSpec(
-        "ground", "gti.stages.ground", ("pairs", "sid", "embed"), ("model", "init", "ground"),
+        "ground", "gti.stages.ground", ("ingest", "sid", "pairs"), ("model", "init", "ground"),
         "extend vocab, initialise, ground new rows",
     ),
     StageSpec("sft", "gti.stages.sft", ("ingest", "sid", "pairs", "ground"), ("sft",), "full SFT"),
