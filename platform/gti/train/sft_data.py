@@ -1,0 +1,287 @@
+"""SFT examples for generative recommendation: user history of SIDs -> next item's SID.
+
+What it is for: turning `sequences.parquet` (ingest: user_id, train_items list<str> oldest
+first, valid_item, test_item) and the SID map into token-id rows that the shared training
+loop consumes, in the same row format as the grounding pairs (`input_ids`, `labels` with -100
+outside the answer, `prompt_ids`, `answer_ids`, all list<int32>, plus `task`).
+
+- Training examples are sliding windows over each user's TRAINING items only: for every
+  position i >= 1 the target is train_items[i] and the history train_items[max(0, i-H):i]. The
+  valid and test items therefore never appear as a target or inside a training history.
+- Evaluation prompts: split "valid" uses history = train_items (last H), target valid_item;
+  split "test" uses history = train_items + [valid_item] (last H), target test_item.
+- Each training window gets one of the three retrieval templates, drawn by a seeded generator
+  over the window order, so the mix is deterministic and independent of how rows are batched.
+- SID token ids come from the SID codec (one row of L ids per item), never from re-tokenising
+  rendered text; prompts are rendered through `gti.lm.templates.render_rec_prompt`.
+- Over-long examples lose their OLDEST history items until they fit `max_len` (the target and
+  the template are never cut).
+- The optional LC-Rec multitask mix appends grounding pairs (split "train") so that there are
+  `round(weight * n_sequence_rows)` of them, drawn by a seeded permutation (cycled when more are
+  asked for than exist), then shuffles the union with the same seed.
+
+What it does not know: Ray, devices, models, or where files live. It is pure polars/numpy and
+calls the tokenizer only through the templates module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import polars as pl
+
+from gti.config import ConfigError
+from gti.errors import DataError
+
+# The three retrieval templates of the paper (issue 5); {history} is replaced by the SIDs.
+REC_TEMPLATES: tuple[str, ...] = (
+    "The user has interacted with items {history} in chronological order. "
+    "Can you predict the next possible item that the user may expect?",
+    "Based on the items that the user has interacted with: {history}, "
+    "can you determine what item would be recommended to the user next?",
+    "Here is the item interaction history of the user: {history}, "
+    "what to recommend to the user next?",
+)
+SEQ_TASK = "seqrec"
+IGNORE = -100
+ROW_COLUMNS = ("task", "input_ids", "labels", "prompt_ids", "answer_ids")
+_SEQ_COLUMNS = ("user_id", "train_items", "valid_item", "test_item")
+
+
+# --------------------------------------------------------------------------- windows
+def check_sequences(seqs: pl.DataFrame, source: str = "sequences.parquet") -> None:
+    """Raise DataError naming the first missing column of an ingest sequences table."""
+    missing = [c for c in _SEQ_COLUMNS if c not in seqs.columns]
+    if missing:
+        raise DataError(f"{source}: missing column(s) {missing}; expected {list(_SEQ_COLUMNS)}")
+
+
+def training_windows(
+    seqs: pl.DataFrame, max_history: int, seed: int = 0, n_templates: int = len(REC_TEMPLATES)
+) -> pl.DataFrame:
+    """Sliding windows over each user's training items.
+
+    Returns one row per (user, position i >= 1): user_id, pos, history list<str> (at most
+    `max_history` items, oldest first), target str, template (int8 index into the templates).
+    Row order is the input user order, then position, so it is deterministic.
+    """
+    check_sequences(seqs)
+    if max_history < 1:
+        raise ConfigError(f"data.max_history must be >= 1, got {max_history}")
+    h = pl.lit(max_history)
+    w = (
+        seqs.select("user_id", "train_items")
+        .with_columns(pos=pl.int_ranges(1, pl.col("train_items").list.len()))
+        .explode("pos")
+        .drop_nulls("pos")  # users with < 2 training items give no window (explode -> null)
+        .with_columns(
+            target=pl.col("train_items").list.get(pl.col("pos")),
+            history=pl.col("train_items").list.slice(
+                pl.max_horizontal(pl.col("pos") - h, pl.lit(0)), pl.min_horizontal(pl.col("pos"), h)
+            ),
+        )
+        .drop("train_items")
+    )
+    rng = np.random.default_rng([seed, 0x5F7])
+    tmpl = rng.integers(0, n_templates, size=w.height, dtype=np.int8)
+    return w.with_columns(pos=pl.col("pos").cast(pl.Int32), template=pl.Series(tmpl, dtype=pl.Int8))
+
+
+def eval_windows(seqs: pl.DataFrame, split: str, max_history: int) -> pl.DataFrame:
+    """Evaluation prompts for one split: user_id, split, history list<str>, target str.
+
+    valid: history = last `max_history` of train_items, target = valid_item.
+    test:  history = last `max_history` of train_items + [valid_item], target = test_item.
+    """
+    check_sequences(seqs)
+    if split == "valid":
+        hist, target = pl.col("train_items"), pl.col("valid_item")
+    elif split == "test":
+        hist, target = pl.concat_list(pl.col("train_items"), pl.col("valid_item")), pl.col("test_item")
+    else:
+        raise ConfigError(f"eval split must be 'valid' or 'test', got '{split}'")
+    return seqs.select(
+        "user_id",
+        split=pl.lit(split),
+        history=hist.list.tail(max_history),
+        target=target,
+    )
+
+
+def sample_users(user_ids: Sequence[str], n: int | None, seed: int) -> list[str]:
+    """A deterministic sample of `n` users (all, in input order, when n is None or too big)."""
+    users = list(user_ids)
+    if n is None or n >= len(users):
+        return users
+    idx = np.sort(np.random.default_rng([seed, 0xE7A1]).choice(len(users), size=n, replace=False))
+    return [users[i] for i in idx]
+
+
+# --------------------------------------------------------------------------- SID ids
+def sid_id_table(sid_map: pl.DataFrame, codec: Any, tokenizer: Any) -> dict[str, np.ndarray]:
+    """item_id -> int64[L] token ids of its SID, through `codec.token_ids` (never re-tokenised)."""
+    for col in ("item_id", "codes"):
+        if col not in sid_map.columns:
+            raise DataError(f"sid_map.parquet: missing column '{col}'")
+    codes = np.asarray(sid_map["codes"].to_list(), dtype=np.int64)
+    ids = codec.token_ids(codes, tokenizer)
+    ids = ids.numpy() if hasattr(ids, "numpy") else np.asarray(ids)
+    return dict(zip(sid_map["item_id"].to_list(), ids.astype(np.int64)))
+
+
+def check_items_known(frame: pl.DataFrame, sid_ids: dict[str, np.ndarray], what: str) -> None:
+    """DataError naming the first item of `frame` (history/target) that has no SID."""
+    items = pl.concat([frame["history"].explode(), frame["target"]]).drop_nulls().unique()
+    unknown = items.filter(~items.is_in(pl.Series(list(sid_ids), dtype=pl.Utf8))).sort()
+    if unknown.len():
+        raise DataError(
+            f"{what}: item '{unknown[0]}' has no SID in sid_map.parquet ({unknown.len()} such items)"
+        )
+
+
+# --------------------------------------------------------------------------- rendering
+RenderFn = Callable[[Any, list[list[int]], str, str], list[int]]
+
+
+def _default_render() -> RenderFn:
+    from gti.lm.templates import render_rec_prompt
+
+    return render_rec_prompt
+
+
+@dataclass
+class RecRenderer:
+    """Renders (history, target) windows into token rows.
+
+    `sid_ids` maps item_id -> int[L] SID token ids; `eot_ids` are the ids that close the
+    assistant turn (appended to the answer so the model learns to stop). `render` is
+    `render_rec_prompt(tokenizer, history_sid_ids, template, system_prompt) -> prompt ids`
+    (up to and including the assistant header).
+    """
+
+    tokenizer: Any
+    sid_ids: dict[str, np.ndarray]
+    system_prompt: str
+    max_len: int
+    eot_ids: list[int]
+    templates: Sequence[str] = REC_TEMPLATES
+    render: RenderFn = field(default_factory=_default_render)
+
+    def _prompt(self, history: Sequence[str], template: str, budget: int) -> tuple[list[int], int]:
+        """Prompt ids with as many of the newest history items as fit in `budget` tokens.
+
+        Returns (prompt_ids, number of history items kept)."""
+        hist = [self.sid_ids[i].tolist() for i in history]
+
+        def render(k: int) -> list[int]:
+            return list(self.render(self.tokenizer, hist[len(hist) - k :], template, self.system_prompt))
+
+        ids = render(len(hist))
+        if len(ids) <= budget:  # the common case: one render
+            return ids, len(hist)
+        # Binary search for the most newest-items that fit (prompt length grows with k).
+        lo, hi, best = 1, len(hist) - 1, None
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            cand = render(mid)
+            if len(cand) <= budget:
+                best, lo = (cand, mid), mid + 1
+            else:
+                hi = mid - 1
+        if best is None:
+            raise ConfigError(
+                f"sft.max_len={self.max_len} is too small: a prompt with one history item "
+                f"needs {len(render(1))} tokens plus {self.max_len - budget} for the answer"
+            )
+        return best
+
+    def prompt(self, history: Sequence[str], template_idx: int = 0) -> tuple[list[int], int]:
+        """Evaluation prompt: ids leaving room for one SID answer + end of turn."""
+        answer_len = len(next(iter(self.sid_ids.values()))) + len(self.eot_ids)
+        return self._prompt(history, self.templates[template_idx], self.max_len - answer_len)
+
+    def example(self, history: Sequence[str], target: str, template_idx: int) -> dict[str, Any]:
+        """One training row: input_ids = prompt + answer, labels = -100 on the prompt."""
+        answer = self.sid_ids[target].tolist() + list(self.eot_ids)
+        prompt, kept = self._prompt(history, self.templates[template_idx], self.max_len - len(answer))
+        return {
+            "task": SEQ_TASK,
+            "input_ids": prompt + answer,
+            "labels": [IGNORE] * len(prompt) + answer,
+            "prompt_ids": prompt,
+            "answer_ids": answer,
+            "history_kept": kept,
+        }
+
+    def render_windows(self, windows: dict[str, Any]) -> dict[str, list]:
+        """Batch form (columns history, target, template) for `map_batches` / plain use."""
+        rows = [
+            self.example(list(h), str(t), int(k))
+            for h, t, k in zip(windows["history"], windows["target"], windows["template"])
+        ]
+        return {c: [r[c] for r in rows] for c in (*ROW_COLUMNS, "history_kept")}
+
+    def render_prompts(self, windows: dict[str, Any]) -> dict[str, list]:
+        """Batch form of evaluation prompts (columns user_id, split, history, target)."""
+        out: dict[str, list] = {"user_id": [], "split": [], "prompt_ids": [], "target": []}
+        for u, s, h, t in zip(windows["user_id"], windows["split"], windows["history"], windows["target"]):
+            ids, _ = self.prompt(list(h))
+            out["user_id"].append(str(u))
+            out["split"].append(str(s))
+            out["prompt_ids"].append(ids)
+            out["target"].append(str(t))
+        return out
+
+
+def rows_frame(rows: dict[str, list]) -> pl.DataFrame:
+    """Rendered rows as a polars frame with list<int32> token columns."""
+    lists = {c: pl.List(pl.Int32) for c in ("input_ids", "labels", "prompt_ids", "answer_ids")}
+    return pl.DataFrame({c: rows[c] for c in ROW_COLUMNS}, schema={"task": pl.Utf8, **lists})
+
+
+# --------------------------------------------------------------------------- multitask mix
+@dataclass
+class MixStats:
+    n_sequence: int
+    n_pairs_available: int
+    n_pairs_too_long: int
+    n_pairs_used: int
+    tasks: dict[str, int]
+
+
+def multitask_mix(
+    seq_rows: pl.DataFrame, pairs: pl.DataFrame | None, weight: float, seed: int, max_len: int
+) -> tuple[pl.DataFrame, MixStats]:
+    """Sequence rows plus `round(weight * len(seq_rows))` grounding-pair rows, shuffled.
+
+    Pairs come from pairs.parquet (split == "train"); pairs longer than `max_len` cannot be
+    trained on and are counted in `n_pairs_too_long` (never dropped silently). With `pairs`
+    None or weight 0 this only shuffles. Deterministic for a given seed.
+    """
+    rng = np.random.default_rng([seed, 0x3A7])
+    parts = [seq_rows.select(ROW_COLUMNS)]
+    n_avail = n_long = n_used = 0
+    if pairs is not None and weight > 0:
+        for col in ROW_COLUMNS:
+            if col not in pairs.columns:
+                raise DataError(f"pairs.parquet: missing column '{col}'")
+        train = pairs.filter(pl.col("split") == "train") if "split" in pairs.columns else pairs
+        n_avail = train.height
+        fit = train.filter(pl.col("input_ids").list.len() <= max_len)
+        n_long = n_avail - fit.height
+        want = int(round(weight * seq_rows.height))
+        if want and fit.height == 0:
+            raise DataError(
+                f"pairs.parquet: no train pair fits sft.max_len={max_len} ({n_long} too long)"
+            )
+        if want:
+            reps = -(-want // fit.height)
+            idx = np.concatenate([rng.permutation(fit.height) for _ in range(reps)])[:want]
+            parts.append(fit.select(ROW_COLUMNS)[idx])
+            n_used = want
+    mixed = pl.concat([p.cast(parts[0].schema) for p in parts])
+    mixed = mixed[rng.permutation(mixed.height)]
+    tasks = dict(mixed.group_by("task").len().sort("task").iter_rows())
+    return mixed, MixStats(seq_rows.height, n_avail, n_long, n_used, tasks)

@@ -1,0 +1,204 @@
+"""Tests for gti/train/sft_data.py: leak-free windows, counts, answer-only labels, truncation,
+determinism, multitask proportions."""
+
+from __future__ import annotations
+
+import numpy as np
+import polars as pl
+import pytest
+
+from gti.config import ConfigError
+from gti.errors import DataError
+from gti.train import sft_data as S
+
+L = 3  # SID length in these tests
+EOT = [2]
+
+
+def _seqs(n_users: int = 30, seed: int = 0) -> pl.DataFrame:
+    """Users whose valid/test items are unique to them (v_<u>, t_<u>) and never in any train list."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for u in range(n_users):
+        n = int(rng.integers(1, 12))
+        rows.append(
+            {
+                "user_id": f"u{u}",
+                "train_items": [f"i{int(x)}" for x in rng.integers(0, 40, n)],
+                "valid_item": f"v_{u}",
+                "test_item": f"t_{u}",
+            }
+        )
+    return pl.DataFrame(rows)
+
+
+def _sid_ids(items) -> dict[str, np.ndarray]:
+    # Distinct fake SID ids per item, in a "new token" range starting at 1000.
+    return {it: np.array([1000 + 7 * k + j for j in range(L)]) for k, it in enumerate(sorted(items))}
+
+
+def _fake_render(tokenizer, history_sid_ids, template, system_prompt):
+    """Stand-in for gti.lm.templates.render_rec_prompt: 5 header ids, SIDs joined by a 9."""
+    ids = [1, 1, 1, 1, 1]
+    for h in history_sid_ids:
+        ids += list(h) + [9]
+    return ids + [len(template) % 50 + 10]
+
+
+def _all_items(seqs: pl.DataFrame) -> set[str]:
+    out = set(seqs["valid_item"]) | set(seqs["test_item"])
+    for t in seqs["train_items"]:
+        out |= set(t)
+    return out
+
+
+def test_training_windows_never_contain_valid_or_test_items():
+    seqs = _seqs(50)
+    w = S.training_windows(seqs, max_history=4, seed=0)
+    held_out = set(seqs["valid_item"]) | set(seqs["test_item"])
+    assert not held_out & set(w["target"])
+    for h in w["history"]:
+        assert not held_out & set(h)
+    # Each window's history is exactly the (<=4) items before the target in the training list.
+    train = dict(zip(seqs["user_id"].to_list(), seqs["train_items"].to_list()))
+    for u, pos, h, t in w.select("user_id", "pos", "history", "target").iter_rows():
+        assert t == train[u][pos]
+        assert list(h) == train[u][max(0, pos - 4) : pos]
+
+
+def test_training_window_counts():
+    seqs = _seqs(40)
+    w = S.training_windows(seqs, max_history=3, seed=1)
+    expected = sum(max(0, len(t) - 1) for t in seqs["train_items"])
+    assert w.height == expected
+    assert w["history"].list.len().max() <= 3
+    assert w["history"].list.len().min() >= 1
+    # users with a single training item contribute nothing
+    one = [u for u, t in zip(seqs["user_id"], seqs["train_items"]) if len(t) == 1]
+    assert one and not set(one) & set(w["user_id"])
+
+
+def test_eval_windows_valid_and_test():
+    seqs = pl.DataFrame(
+        {"user_id": ["a"], "train_items": [["1", "2", "3", "4"]], "valid_item": ["5"], "test_item": ["6"]}
+    )
+    v = S.eval_windows(seqs, "valid", max_history=3)
+    t = S.eval_windows(seqs, "test", max_history=3)
+    assert v.row(0, named=True) == {"user_id": "a", "split": "valid", "history": ["2", "3", "4"], "target": "5"}
+    assert t.row(0, named=True) == {"user_id": "a", "split": "test", "history": ["3", "4", "5"], "target": "6"}
+    with pytest.raises(ConfigError, match="split"):
+        S.eval_windows(seqs, "train", 3)
+
+
+def test_missing_sequence_column_is_named():
+    with pytest.raises(DataError, match="valid_item"):
+        S.training_windows(pl.DataFrame({"user_id": ["a"], "train_items": [["1"]]}), 3)
+
+
+def test_templates_rotate_deterministically():
+    seqs = _seqs(60)
+    a = S.training_windows(seqs, 4, seed=3)["template"].to_list()
+    b = S.training_windows(seqs, 4, seed=3)["template"].to_list()
+    c = S.training_windows(seqs, 4, seed=4)["template"].to_list()
+    assert a == b and a != c
+    assert set(a) == {0, 1, 2}
+
+
+def _renderer(seqs, max_len=200):
+    return S.RecRenderer(
+        tokenizer=None, sid_ids=_sid_ids(_all_items(seqs)), system_prompt="sys",
+        max_len=max_len, eot_ids=EOT, render=_fake_render,
+    )
+
+
+def test_answer_only_labels_and_answer_is_target_sid():
+    seqs = _seqs(20)
+    r = _renderer(seqs)
+    w = S.training_windows(seqs, 4, seed=0)
+    rows = r.render_windows(w.to_dict(as_series=False))
+    for ids, labels, ans, tgt in zip(rows["input_ids"], rows["labels"], rows["answer_ids"], w["target"]):
+        n = len(ans)
+        assert ans == r.sid_ids[tgt].tolist() + EOT
+        assert ids[-n:] == ans and labels[-n:] == ans
+        assert all(x == S.IGNORE for x in labels[:-n])
+        assert len(ids) == len(labels)
+    frame = S.rows_frame(rows)
+    assert frame.schema["input_ids"] == pl.List(pl.Int32)
+    assert frame.columns == list(S.ROW_COLUMNS)
+
+
+def test_truncation_drops_oldest_history_first():
+    seqs = pl.DataFrame(
+        {"user_id": ["a"], "train_items": [[f"x{i}" for i in range(10)]], "valid_item": ["v"], "test_item": ["t"]}
+    )
+    # header 5 + 4 per item + 1 template id; answer 3 + 1 -> 26 fits 4 history items exactly.
+    r = _renderer(seqs, max_len=5 + 4 * 4 + 1 + 4)
+    ex = r.example([f"x{i}" for i in range(9)], "x9", 0)
+    assert ex["history_kept"] == 4
+    assert len(ex["input_ids"]) <= r.max_len
+    # the newest 4 items are the ones kept, oldest first
+    kept = [r.sid_ids[f"x{i}"].tolist() for i in range(5, 9)]
+    assert ex["prompt_ids"][5:-1] == sum(([*k, 9] for k in kept), [])
+    too_small = _renderer(seqs, max_len=8)
+    with pytest.raises(ConfigError, match="sft.max_len"):
+        too_small.example(["x0", "x1"], "x2", 0)
+
+
+def test_unknown_item_is_named():
+    seqs = _seqs(5)
+    w = S.training_windows(seqs, 3)
+    ids = _sid_ids(_all_items(seqs))
+    victim = w["target"][0]
+    ids.pop(victim)
+    with pytest.raises(DataError, match=f"'{victim}'"):
+        S.check_items_known(w, ids, "sequences.parquet")
+
+
+def _pairs(n: int) -> pl.DataFrame:
+    rows = []
+    for i in range(n):
+        ln = 6 if i % 5 else 400  # every 5th pair is too long for max_len 100
+        rows.append(
+            {"item_id": f"i{i}", "task": "title2sid" if i % 2 else "sid2title", "split": "train" if i % 7 else "val",
+             "input_ids": [i] * ln, "labels": [-100] * (ln - 2) + [i, i], "prompt_ids": [i] * (ln - 2), "answer_ids": [i, i]}
+        )
+    return pl.DataFrame(rows, schema_overrides={c: pl.List(pl.Int32) for c in ("input_ids", "labels", "prompt_ids", "answer_ids")})
+
+
+def test_multitask_proportions_and_determinism():
+    seqs = _seqs(40)
+    r = _renderer(seqs)
+    seq_rows = S.rows_frame(r.render_windows(S.training_windows(seqs, 4).to_dict(as_series=False)))
+    pairs = _pairs(50)
+    mixed, st = S.multitask_mix(seq_rows, pairs, weight=0.5, seed=0, max_len=100)
+    assert st.n_sequence == seq_rows.height
+    assert st.n_pairs_used == round(0.5 * seq_rows.height)
+    assert mixed.height == st.n_sequence + st.n_pairs_used
+    assert st.tasks[S.SEQ_TASK] == seq_rows.height
+    # only train-split pairs that fit are used; the too-long ones are counted, not hidden
+    train = pairs.filter(pl.col("split") == "train")
+    assert st.n_pairs_available == train.height
+    assert st.n_pairs_too_long == train.filter(pl.col("input_ids").list.len() > 100).height
+    used = mixed.filter(pl.col("task") != S.SEQ_TASK)
+    assert used["input_ids"].list.len().max() <= 100
+    val_ids = set(pairs.filter(pl.col("split") == "val")["input_ids"].list.first())
+    assert not val_ids & set(used["input_ids"].list.first())
+    again, _ = S.multitask_mix(seq_rows, pairs, weight=0.5, seed=0, max_len=100)
+    assert again.equals(mixed)
+    other, _ = S.multitask_mix(seq_rows, pairs, weight=0.5, seed=1, max_len=100)
+    assert not other.equals(mixed)
+    # weight > available pairs cycles through them rather than failing
+    big, st2 = S.multitask_mix(seq_rows, pairs, weight=3.0, seed=0, max_len=100)
+    assert st2.n_pairs_used == round(3.0 * seq_rows.height)
+    # weight 0 keeps only the sequence rows (shuffled)
+    plain, st3 = S.multitask_mix(seq_rows, pairs, weight=0.0, seed=0, max_len=100)
+    assert st3.n_pairs_used == 0 and plain.height == seq_rows.height
+
+
+def test_sample_users_deterministic():
+    users = [f"u{i}" for i in range(100)]
+    a = S.sample_users(users, 10, seed=0)
+    assert a == S.sample_users(users, 10, seed=0)
+    assert len(set(a)) == 10 and a != S.sample_users(users, 10, seed=1)
+    assert S.sample_users(users, None, 0) == users
+    assert S.sample_users(users, 1000, 0) == users
