@@ -1,0 +1,170 @@
+"""Constrained beam search (gti/eval/decode.py) on a tiny random Llama: validity, exactness
+against exhaustive scoring, batch invariance, agreement with the transformers peer, and the
+generation-config override."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from gti.eval.decode import (
+    constrained_beam_search,
+    generate_with_prefix_fn,
+    override_generation_config,
+    score_all_sids,
+    topk_agreement,
+)
+from gti.sid.trie import SidTrie
+
+
+@pytest.fixture(params=["sidtrie", "dicttrie"])
+def trie_cls(request, sidspace):
+    return SidTrie if request.param == "sidtrie" else sidspace.DictTrie
+
+
+def _search(model, prompts, trie, s, **kw):
+    args = dict(beam_width=8, k=5, levels=s.LEVELS, pad_id=0)
+    args.update(kw)
+    return constrained_beam_search(model, prompts, trie, **args)
+
+
+def test_constrained_emits_only_catalog_sids(sidspace, trie_cls):
+    s = sidspace
+    sids = s.random_sids(40, s.LEVELS, s.CODEBOOK, s.FIRST_NEW)
+    trie = trie_cls(sids, s.FIRST_NEW, s.NEW_END)
+    # SID head rows shrunk: left free, the model would rather emit ordinary tokens.
+    model = s.tiny_llama(sid_row_scale=0.05)
+    res = _search(model, s.prompts(5), trie, s, batch_users=3)
+    assert res.items.shape == (5, 5) and res.sid_ids.shape == (5, 5, s.LEVELS)
+    assert (res.items >= 0).all(), "every user gets K valid items from a 40-item catalog"
+    assert res.n_invalid == 0 and res.invalid_sid_rate == 0.0 and res.n_returned == 25
+    for u in range(5):
+        assert len(set(res.items[u].tolist())) == 5, "items are distinct"
+        assert torch.equal(res.sid_ids[u], sids[res.items[u]]), "sid_ids are the items' SIDs"
+        assert (res.scores[u][:-1] >= res.scores[u][1:]).all(), "best first"
+    # The same model searched freely emits non-SID tokens: the mask is what keeps it valid.
+    free = _search(model, s.prompts(5), trie, s, constrained=False)
+    assert free.n_invalid > 0 and free.invalid_sid_rate > 0.5
+    # A free search maximises over a superset, so its best beam scores at least as high.
+    assert (free.beam_scores[:, 0] >= res.scores[:, 0] - 1e-5).all()
+
+
+@pytest.mark.parametrize("n_items", [6, 14])
+def test_topk_equals_exhaustive_scoring(sidspace, trie_cls, n_items):
+    """With W >= N nothing is ever pruned, so beam search must return the exact top-K of
+    teacher-forced scores over the whole catalog."""
+    s = sidspace
+    sids = s.random_sids(n_items, s.LEVELS, s.CODEBOOK, s.FIRST_NEW, seed=n_items)
+    trie = trie_cls(sids, s.FIRST_NEW, s.NEW_END)
+    model = s.tiny_llama(seed=3)
+    k = 5
+    users = s.prompts(3, seed=7)
+    res = _search(model, users, trie, s, beam_width=n_items, k=k)
+    for u, prompt in enumerate(users):
+        exact = score_all_sids(model, prompt, sids)
+        top_scores, top_items = exact.topk(k)
+        gaps = (top_scores[:-1] - top_scores[1:]).min()
+        assert gaps > 1e-3, "test model must not have near-ties"
+        assert res.items[u].tolist() == top_items.tolist()
+        torch.testing.assert_close(res.scores[u], top_scores, atol=1e-4, rtol=0)
+
+
+def test_fewer_items_than_k_pads(sidspace, trie_cls):
+    s = sidspace
+    sids = s.random_sids(3, s.LEVELS, s.CODEBOOK, s.FIRST_NEW, seed=5)
+    trie = trie_cls(sids, s.FIRST_NEW, s.NEW_END)
+    res = _search(s.tiny_llama(), s.prompts(2), trie, s, beam_width=6, k=5)
+    assert sorted(res.items[0, :3].tolist()) == [0, 1, 2]
+    assert (res.items[:, 3:] == -1).all() and torch.isinf(res.scores[:, 3:]).all()
+    assert (res.sid_ids[:, 3:] == -1).all()
+    assert res.n_invalid == 0 and res.n_returned == 6
+
+
+def test_batch_size_invariance(sidspace):
+    s = sidspace
+    sids = s.random_sids(60, s.LEVELS, s.CODEBOOK, s.FIRST_NEW, seed=2)
+    trie = SidTrie(sids, s.FIRST_NEW, s.NEW_END)
+    model = s.tiny_llama(seed=4)
+    users = s.prompts(4, seed=11)  # different lengths -> real left padding in the batch of 4
+    one = _search(model, users, trie, s, batch_users=1)
+    four = _search(model, users, trie, s, batch_users=4)
+    assert torch.equal(one.items, four.items)
+    torch.testing.assert_close(one.scores, four.scores, atol=1e-4, rtol=0)
+    # Prompts given as a tensor (equal lengths, no padding) give the same as lists.
+    eq = [p[:4] for p in users]
+    torch.testing.assert_close(
+        _search(model, torch.tensor(eq), trie, s).scores, _search(model, eq, trie, s).scores
+    )
+
+
+def test_matches_transformers_generate_with_prefix_fn(sidspace):
+    s = sidspace
+    sids = s.random_sids(50, s.LEVELS, s.CODEBOOK, s.FIRST_NEW, seed=9)
+    trie = SidTrie(sids, s.FIRST_NEW, s.NEW_END)
+    model = s.tiny_llama(seed=5)
+    users = s.prompts(4, seed=3)
+    ours = _search(model, users, trie, s, batch_users=2)
+    peer = generate_with_prefix_fn(
+        model, users, trie, beam_width=8, k=5, levels=s.LEVELS, pad_id=0, batch_users=4
+    )
+    assert peer.n_invalid == 0
+    agree = topk_agreement(ours, peer, atol=1e-4)
+    assert agree["exact_users"] == 4, agree
+    assert agree["max_score_diff"] < 1e-4
+
+
+def test_generation_config_override(sidspace):
+    """A checkpoint whose generation_config samples with top_k=5 / top_p=0.5 must not change
+    our search nor the peer path once overridden."""
+    s = sidspace
+    sids = s.random_sids(50, s.LEVELS, s.CODEBOOK, s.FIRST_NEW, seed=9)
+    trie = SidTrie(sids, s.FIRST_NEW, s.NEW_END)
+    users = s.prompts(3, seed=3)
+    clean = s.tiny_llama(seed=5)
+    reference = _search(clean, users, trie, s)
+
+    model = s.tiny_llama(seed=5)
+    sampling = GenerationConfig(
+        do_sample=True, top_k=5, top_p=0.5, temperature=0.7, repetition_penalty=1.3,
+        no_repeat_ngram_size=2, pad_token_id=0, eos_token_id=2,
+    )
+    model.generation_config = sampling
+    # The trap exists in this transformers: a fresh config passed to generate inherits the
+    # checkpoint's sampling settings for every field it leaves unset.
+    naive, _ = model._prepare_generation_config(GenerationConfig(num_beams=8, max_new_tokens=3))
+    assert naive.do_sample is True and naive.top_k == 5 and naive.top_p == 0.5
+
+    ours = _search(model, users, trie, s)
+    assert torch.equal(ours.items, reference.items)
+    torch.testing.assert_close(ours.scores, reference.scores)
+
+    cfg = override_generation_config(model, beam_width=8, k=5, levels=s.LEVELS, pad_id=0)
+    assert model.generation_config is cfg
+    resolved, _ = model._prepare_generation_config(cfg)
+    assert resolved.do_sample is False and resolved.top_k in (0, None) and resolved.top_p == 1.0
+    assert resolved.temperature == 1.0 and resolved.repetition_penalty == 1.0
+    assert resolved.no_repeat_ngram_size == 0 and resolved.num_beams == 8
+    assert resolved.eos_token_id == 2 and resolved.pad_token_id == 0, "token ids are kept"
+
+    # The peer path, on the sampling checkpoint (it overrides again internally), agrees with
+    # our search on the clean model, twice in a row (no sampling left).
+    model.generation_config = sampling
+    for _ in range(2):
+        peer = generate_with_prefix_fn(model, users, trie, beam_width=8, k=5, levels=s.LEVELS, pad_id=0)
+        agree = topk_agreement(reference, peer, atol=1e-4)
+        assert agree["exact_users"] == 3, agree
+
+
+def test_topk_agreement_treats_near_ties_as_equal():
+    from gti.eval.decode import DecodeResult
+
+    def res(items, scores):
+        it, sc = torch.tensor([items]), torch.tensor([scores])
+        return DecodeResult(it, sc, it.unsqueeze(-1), it.unsqueeze(-1), sc)
+
+    a = res([1, 2, 3], [-1.0, -2.0, -2.00001])
+    assert topk_agreement(a, res([1, 3, 2], [-1.0, -2.00001, -2.0]))["identical_users"] == 1
+    assert topk_agreement(a, res([1, 2, 4], [-1.0, -2.0, -2.00001]))["identical_users"] == 1
+    assert topk_agreement(a, res([2, 1, 3], [-1.0, -2.0, -2.00001]))["identical_users"] == 0
+    assert topk_agreement(a, res([1, 2, 3], [-1.0, -2.5, -2.6]))["mismatched_users"] == [0]
