@@ -206,8 +206,14 @@ class TrainConfig(_Strict):
     weight_decay: float = Field(0.0, ge=0)
     schedule: Literal["constant", "cosine", "linear"] = "constant"
     max_grad_norm: float = Field(1.0, gt=0)
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = Field(1e-8, gt=0)
     num_workers: int = Field(1, ge=1)
     use_gpu: bool = False
+    # Ray resources per Train worker (ScalingConfig.resources_per_worker), e.g. {CPU: 8, GPU: 1},
+    # or {CPU: 1, gti_worker: 1} with cluster/local_cluster.sh to force one worker per node.
+    # None = Ray Train's default (1 CPU, plus 1 GPU when use_gpu).
+    resources_per_worker: dict[str, float] | None = None
     zero_stage: Literal[0, 1, 2, 3] = 2
     precision: Literal["fp32", "bf16"] = "fp32"
     checkpoint_every: int = Field(50, ge=1)
@@ -270,6 +276,25 @@ class EvalConfig(_Strict):
 
 class ReportConfig(_Strict):
     max_heatmap_tokens: int = Field(256, gt=0)
+    # Name of this run in reports (None: derived from init method / grounding / multitask).
+    label: str | None = None
+    text_sample: int = Field(512, ge=0, description="old vocabulary rows for SID-text cosine")
+    rsa_max_codes_per_level: int = Field(1024, ge=2)
+    bootstrap: int = Field(1000, ge=0, description="resamples for report CIs")
+    baseline_arm: str = "mean"
+
+
+class CompareConfig(_Strict):
+    """`gti compare`: arms x seeds over shared SIDs (see gti/stages/compare.py)."""
+
+    # Arms without grounding get ground.steps added to sft.steps (equal total step budget).
+    equal_budget: bool = True
+    # Run arm x seed pipelines as concurrent Ray tasks (False: one after another in-process).
+    parallel: bool = True
+    # Concurrent arm runs; None = cluster CPUs (GPUs) / what one arm's Train workers need.
+    max_parallel: int | None = Field(None, ge=1)
+    # CPUs reserved by each arm's driver task; its stages request their own Ray resources.
+    arm_num_cpus: float = Field(0.0, ge=0)
 
 
 # --------------------------------------------------------------------------- tune
@@ -308,6 +333,7 @@ class RunConfig(_Strict):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     report: ReportConfig = Field(default_factory=ReportConfig)
     tune: TuneConfig = Field(default_factory=TuneConfig)
+    compare: CompareConfig = Field(default_factory=CompareConfig)
 
     def resolved_run_dir(self) -> Path:
         return Path(self.run_dir).expanduser().resolve()
