@@ -1,0 +1,115 @@
+"""The DeepSpeed config dict, built from the typed training config (pure function).
+
+What it is for: `build_ds_config(train_cfg, world_size, use_gpu=...)` turns a
+`gti.config.TrainConfig` (grounding or SFT) into the dict handed to `deepspeed.initialize`, and
+checks the batch arithmetic first, so a bad combination fails with a one-line `ConfigError`
+naming the key instead of a DeepSpeed assertion deep inside a Ray worker.
+
+Choices, and why:
+- Optimizer: AdamW from the config (lr, betas, eps, weight_decay) with `torch_adam: true`, i.e.
+  `torch.optim.AdamW`. DeepSpeed's default would be `FusedAdam`, a CUDA op that does not exist on
+  CPU and would need nvcc on GPU nodes; torch's AdamW (foreach) runs everywhere, is supported by
+  ZeRO 1-3, and keeps exactly two fp32 moment tensors per trainable element (the optimizer-state
+  size the grounding benchmark checks).
+- Scheduler: not in this dict. The loop builds a `LambdaLR` from `gti.train.schedule` and passes
+  it to `deepspeed.initialize(lr_scheduler=...)` (see that module for why).
+- Offload is off (`device: none`): the trainable set in grounding is tiny, and CPU-only machines
+  gain nothing from moving optimizer state between host and host.
+- `overlap_comm` only with a GPU (it needs CUDA streams to overlap anything).
+- bf16 iff `precision == "bf16"`; fp16 is never used (no loss scaling to tune).
+
+What it does not know: models, Ray, torch. It never imports deepspeed either.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gti.config import ConfigError, GroundConfig, SftConfig, TrainConfig
+
+# Bucket sizes (elements) for ZeRO gradient reduction / parameter all-gather. DeepSpeed's defaults
+# (5e8) allocate 2 GB fp32 buffers; these keep CPU workers small without measurable slowdown at
+# the model sizes we train.
+_BUCKET = 50_000_000
+
+
+def _section(train_cfg: TrainConfig) -> str:
+    """Config section name used in error messages ("ground" / "sft")."""
+    if isinstance(train_cfg, GroundConfig):
+        return "ground"
+    if isinstance(train_cfg, SftConfig):
+        return "sft"
+    return "train"
+
+
+def micro_batch(train_cfg: TrainConfig, world_size: int) -> int:
+    """Sequences per worker per micro step; raises ConfigError unless the global batch splits
+    exactly into world_size x grad_accum x micro."""
+    sec = _section(train_cfg)
+    if world_size < 1:
+        raise ConfigError(f"{sec}.num_workers: world size must be >= 1, got {world_size}")
+    per_step = world_size * train_cfg.grad_accum
+    if train_cfg.batch_size % per_step or train_cfg.batch_size < per_step:
+        raise ConfigError(
+            f"{sec}.batch_size ({train_cfg.batch_size}) must be a positive multiple of "
+            f"num_workers x grad_accum ({world_size} x {train_cfg.grad_accum} = {per_step})"
+        )
+    return train_cfg.batch_size // per_step
+
+
+def build_ds_config(train_cfg: TrainConfig, world_size: int, *, use_gpu: bool) -> dict[str, Any]:
+    """DeepSpeed config for `world_size` data-parallel workers.
+
+    train_batch_size == micro x grad_accum x world_size == train_cfg.batch_size (checked).
+    """
+    sec = _section(train_cfg)
+    micro = micro_batch(train_cfg, world_size)
+    stage = int(train_cfg.zero_stage)
+    bf16 = train_cfg.precision == "bf16"
+    beta1, beta2 = train_cfg.adam_betas
+    if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
+        raise ConfigError(f"{sec}.adam_betas: each beta must be in [0, 1), got {train_cfg.adam_betas}")
+
+    zero: dict[str, Any] = {
+        "stage": stage,
+        "contiguous_gradients": True,
+        "overlap_comm": bool(use_gpu),
+        "reduce_scatter": True,
+        "reduce_bucket_size": _BUCKET,
+        "allgather_bucket_size": _BUCKET,
+        "offload_optimizer": {"device": "none"},
+    }
+    if stage == 3:
+        zero.update(
+            {
+                "offload_param": {"device": "none"},
+                # Export gathers the full weights itself; this lets save_16bit_model work too.
+                "stage3_gather_16bit_weights_on_model_save": True,
+                "stage3_param_persistence_threshold": 10_000,
+                "stage3_prefetch_bucket_size": _BUCKET,
+            }
+        )
+
+    return {
+        "train_batch_size": micro * train_cfg.grad_accum * world_size,
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": train_cfg.grad_accum,
+        "gradient_clipping": float(train_cfg.max_grad_norm),
+        "bf16": {"enabled": bf16},
+        "fp16": {"enabled": False},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": float(train_cfg.lr),
+                "betas": [float(beta1), float(beta2)],
+                "eps": float(train_cfg.adam_eps),
+                "weight_decay": float(train_cfg.weight_decay),
+                "torch_adam": True,
+            },
+        },
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+        # Progress is reported by the loop through ray.train.report; keep DeepSpeed quiet.
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
