@@ -1,0 +1,163 @@
+#!/usr/bin/env bash
+# Run: cluster/local_cluster.sh start [--workers 2] [--cpus 2] [--dir /tmp/gti-cluster]
+#      source /tmp/gti-cluster/env      # RAY_ADDRESS, RAY_AUTH_MODE, RAY_AUTH_TOKEN_PATH, GTI_DASHBOARD
+#      gti run --config jobs/configs/tiny.yaml ray_address=auto ground.num_workers=2 \
+#          'ground.resources_per_worker={CPU: 1, gti_worker: 1}'
+#      cluster/local_cluster.sh stop [--dir /tmp/gti-cluster]
+#
+# A multi-node Ray cluster on one machine, for tests and for trying multi-node behaviour on a
+# laptop: a head and N worker nodes, each a `ray start --block` process. Every worker node
+# carries the custom resources `gti_worker: 1` and `gti_node_<i>: 1`, so a Train run that asks
+# for `gti_worker: 1` per worker is forced to put each worker on a different node.
+#
+# Token authentication is on: a random token is written to <dir>/auth_token (mode 600) and
+# every node and client reads it through RAY_AUTH_TOKEN_PATH (nothing touches ~/.ray).
+# The dashboard listens on 127.0.0.1 only.
+#
+# `stop` ends exactly the processes this script started, by the pids it recorded, with SIGTERM
+# (each `ray start --block` then tears down the raylet, GCS and workers it started). It never
+# calls `ray stop`, which would kill every Ray on the machine, including other users' clusters.
+set -euo pipefail
+
+cmd="${1:-}"
+shift || true
+WORKERS=2
+CPUS=2
+DIR="${TMPDIR:-/tmp}/gti-cluster"
+TIMEOUT=90
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --workers) WORKERS="$2"; shift 2 ;;
+    --cpus) CPUS="$2"; shift 2 ;;
+    --dir) DIR="$2"; shift 2 ;;
+    --timeout) TIMEOUT="$2"; shift 2 ;;
+    *) echo "local_cluster.sh: unknown option $1" >&2; exit 2 ;;
+  esac
+done
+
+RAY_BIN="${RAY_BIN:-$(command -v ray || true)}"
+PYTHON="${PYTHON:-$(command -v python || command -v python3)}"
+PIDS="$DIR/pids"
+
+free_port() {
+  "$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+
+# Ports every node would otherwise take by default; two nodes on one machine must not share them.
+node_ports() {
+  echo "--dashboard-agent-listen-port=$(free_port) --dashboard-agent-grpc-port=$(free_port)" \
+       "--metrics-export-port=$(free_port) --runtime-env-agent-port=$(free_port)"
+}
+
+start() {
+  if [[ -z "$RAY_BIN" ]]; then
+    echo "local_cluster.sh: 'ray' not found on PATH (activate the project venv)" >&2; exit 2
+  fi
+  if [[ -s "$PIDS" ]]; then
+    echo "local_cluster.sh: $DIR already has a cluster (pids in $PIDS); stop it first" >&2; exit 2
+  fi
+  mkdir -p "$DIR/logs"
+  : > "$PIDS"
+  # Short temp dir: Ray's socket paths must stay under the 107-byte AF_UNIX limit.
+  local tmp; tmp="$(mktemp -d /tmp/gtiray.XXXXXX)"
+  echo "$tmp" > "$DIR/temp_dir"
+  umask 077
+  "$PYTHON" -c 'import secrets; print(secrets.token_hex(32))' > "$DIR/auth_token"
+  umask 022
+  export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH="$DIR/auth_token" RAY_USAGE_STATS_ENABLED=0
+
+  local port dash
+  port="$(free_port)"; dash="$(free_port)"
+  # shellcheck disable=SC2046
+  "$RAY_BIN" start --head --block --port="$port" --num-cpus="$CPUS" \
+    --dashboard-host=127.0.0.1 --dashboard-port="$dash" --ray-client-server-port="$(free_port)" \
+    --temp-dir="$tmp" --resources='{"gti_head": 1}' --disable-usage-stats $(node_ports) \
+    > "$DIR/logs/head.log" 2>&1 &
+  echo "$!" >> "$PIDS"
+
+  # Workers can join only once the head's GCS answers.
+  wait_nodes "127.0.0.1:$port" 1
+  local i
+  for ((i = 1; i <= WORKERS; i++)); do
+    # shellcheck disable=SC2046
+    "$RAY_BIN" start --block --address="127.0.0.1:$port" --num-cpus="$CPUS" \
+      --resources="{\"gti_worker\": 1, \"gti_node_$i\": 1}" --disable-usage-stats $(node_ports) \
+      > "$DIR/logs/worker_$i.log" 2>&1 &
+    echo "$!" >> "$PIDS"
+    # One node at a time: a raylet must register with the GCS within 30 s, which several
+    # nodes starting together on a busy 2-core machine can miss.
+    wait_nodes "127.0.0.1:$port" $((i + 1))
+  done
+
+  cat > "$DIR/env" <<EOF
+export RAY_ADDRESS=127.0.0.1:$port
+export RAY_AUTH_MODE=token
+export RAY_AUTH_TOKEN_PATH=$DIR/auth_token
+export GTI_DASHBOARD=http://127.0.0.1:$dash
+EOF
+  echo "local_cluster.sh: head + $WORKERS workers up; address 127.0.0.1:$port, dashboard http://127.0.0.1:$dash"
+  echo "local_cluster.sh: source $DIR/env to use it; stop with: $0 stop --dir $DIR"
+}
+
+# Wait until `want` nodes are alive, or fail (and clean up) after TIMEOUT seconds.
+wait_nodes() {
+  local address="$1" want="$2"
+  if ! "$PYTHON" - "$address" "$want" "$TIMEOUT" <<'EOF'
+import sys, time
+import ray
+address, want, timeout = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+deadline = time.time() + timeout
+while True:
+    try:
+        ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+        break
+    except Exception:
+        if time.time() > deadline:
+            sys.exit(f"head at {address} did not answer within {timeout:.0f}s")
+        time.sleep(1)
+while sum(n["Alive"] for n in ray.nodes()) < want:
+    if time.time() > deadline:
+        sys.exit(f"only {sum(n['Alive'] for n in ray.nodes())}/{want} nodes alive after {timeout:.0f}s")
+    time.sleep(0.5)
+EOF
+  then
+    echo "local_cluster.sh: cluster did not come up; logs in $DIR/logs" >&2
+    stop
+    exit 1
+  fi
+}
+
+stop() {
+  if [[ ! -s "$PIDS" ]]; then
+    echo "local_cluster.sh: no cluster recorded in $DIR"; return 0
+  fi
+  # Workers first (reverse order), then the head.
+  local pids; pids="$(tac "$PIDS")"
+  local pid
+  for pid in $pids; do kill -TERM "$pid" 2>/dev/null || true; done
+  local waited=0
+  for pid in $pids; do
+    while kill -0 "$pid" 2>/dev/null && [[ $waited -lt 60 ]]; do sleep 0.5; waited=$((waited + 1)); done
+    # Still there after 30 s: this pid (and only it) gets SIGKILL.
+    kill -KILL "$pid" 2>/dev/null || true
+  done
+  : > "$PIDS"
+  if [[ -s "$DIR/temp_dir" ]]; then rm -rf "$(cat "$DIR/temp_dir")"; fi
+  rm -f "$DIR/env" "$DIR/temp_dir" "$DIR/auth_token"
+  echo "local_cluster.sh: stopped"
+}
+
+status() {
+  if [[ ! -s "$PIDS" ]]; then echo "local_cluster.sh: no cluster recorded in $DIR"; return 1; fi
+  local pid
+  for pid in $(cat "$PIDS"); do
+    if kill -0 "$pid" 2>/dev/null; then echo "$pid alive"; else echo "$pid gone"; fi
+  done
+}
+
+case "$cmd" in
+  start) start ;;
+  stop) stop ;;
+  status) status ;;
+  *) echo "usage: $0 start|stop|status [--workers N] [--cpus C] [--dir DIR] [--timeout S]" >&2; exit 2 ;;
+esac

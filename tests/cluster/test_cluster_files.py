@@ -1,0 +1,167 @@
+"""The shipped cluster files: they parse, carry the fields their tools require, bind the dashboard
+to 127.0.0.1, keep token authentication on, and point at real gti commands and configs.
+
+Nothing here starts Ray; `ray_cluster.yaml` is checked against the cluster launcher's own JSON
+schema, `jobs/runtime_env.yaml` through Ray's own RuntimeEnv validation.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+RAY_CLUSTER = ROOT / "ray_cluster.yaml"
+RAYJOB = ROOT / "cluster" / "rayjob.yaml"
+DOCKERFILE = ROOT / "cluster" / "Dockerfile"
+LOCAL_SH = ROOT / "cluster" / "local_cluster.sh"
+RUNTIME_ENV = ROOT / "jobs" / "runtime_env.yaml"
+# Where cluster/Dockerfile puts the checkout inside the image (its WORKDIR).
+IMAGE_ROOT = "/home/ray/gti"
+
+SHIPPED_YAML = sorted(
+    [RAY_CLUSTER, RUNTIME_ENV, *(ROOT / "cluster").glob("*.yaml"), *(ROOT / "jobs").glob("**/*.yaml")]
+)
+CLUSTER_FILES = [RAY_CLUSTER, *sorted(p for p in (ROOT / "cluster").iterdir() if p.is_file())]
+
+
+def _load(path: Path):
+    return yaml.safe_load(path.read_text())
+
+
+@pytest.mark.parametrize("path", SHIPPED_YAML, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_yaml_parses_and_opens_with_its_command(path):
+    data = _load(path)
+    assert isinstance(data, dict) and data, f"{path} is empty or not a mapping"
+    first = path.read_text().splitlines()[0]
+    # The first line says how to run the file, naming a real command.
+    assert re.match(r"# (Run|Used by|Build[^:]*):\s+\S", first), first
+    assert re.search(r"\b(gti|ray|kubectl|docker)\b", first), first
+
+
+def test_ray_cluster_yaml_matches_launcher_schema():
+    from ray.autoscaler._private.util import validate_config
+
+    cfg = _load(RAY_CLUSTER)
+    validate_config(cfg)  # raises jsonschema.ValidationError on a wrong or unknown field
+    types = cfg["available_node_types"]
+    assert cfg["head_node_type"] in types
+    gpu_types = [n for n, t in types.items() if t.get("resources", {}).get("GPU", 0) > 0]
+    assert gpu_types, "no GPU worker node type"
+    assert all(types[n].get("max_workers", 0) >= 1 for n in gpu_types)
+
+
+def test_ray_cluster_installs_project_with_pinned_torch():
+    cfg = _load(RAY_CLUSTER)
+    for key in ("head_setup_commands", "worker_setup_commands"):
+        cmds = cfg[key]
+        torch_i = next(i for i, c in enumerate(cmds) if "torch==2.13.0" in c)
+        gti_i = next(i for i, c in enumerate(cmds) if re.search(r"pip install .*-e ~/gti", c))
+        assert torch_i < gti_i, f"{key}: torch must be pinned before the project is installed"
+    assert "cu" in " ".join(cfg["worker_setup_commands"]), "GPU workers need a CUDA torch build"
+    assert "~/gti" in cfg["file_mounts"], "the project checkout must reach the nodes"
+
+
+def test_ray_cluster_keeps_auth_and_local_dashboard():
+    cfg = _load(RAY_CLUSTER)
+    head = " ".join(cfg["head_start_ray_commands"])
+    assert "--head" in head and "--dashboard-host=127.0.0.1" in head
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        starts = [c for c in cfg[key] if "ray start" in c]
+        assert starts and all("RAY_AUTH_MODE=token" in c for c in starts), key
+    # The client's token reaches every node.
+    assert "~/.ray/auth_token" in cfg["file_mounts"]
+    assert "/mnt/cluster_storage" in " ".join(cfg["setup_commands"])
+
+
+@pytest.mark.parametrize("path", CLUSTER_FILES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_dashboard_bound_to_localhost_everywhere(path):
+    text = path.read_text()
+    assert "0.0.0.0" not in text, f"{path.name} binds something to all interfaces"
+    hosts = re.findall(r"dashboard[-_]host[\"']?\s*[=:]\s*[\"']?([\w.]+)", text)
+    for h in hosts:
+        assert h == "127.0.0.1", f"{path.name}: dashboard host {h}"
+    if path.suffix == ".yaml" or path.suffix == ".sh":
+        # Files that start a head must say where its dashboard listens.
+        if "--head" in text or "headGroupSpec" in text:
+            assert hosts, f"{path.name} starts a head without --dashboard-host=127.0.0.1"
+
+
+def test_local_cluster_script_never_calls_ray_stop():
+    code = "\n".join(l for l in LOCAL_SH.read_text().splitlines() if not l.lstrip().startswith("#"))
+    assert "ray stop" not in code and '"$RAY_BIN" stop' not in code
+    assert "kill -TERM" in code and "RAY_AUTH_MODE=token" in code
+
+
+def _rayjob():
+    return _load(RAYJOB)
+
+
+def test_rayjob_required_fields():
+    job = _rayjob()
+    assert job["apiVersion"] == "ray.io/v1" and job["kind"] == "RayJob"
+    spec = job["spec"]
+    cluster = spec["rayClusterSpec"]
+    assert cluster["rayVersion"] == "2.60.0"
+    assert cluster["authOptions"]["mode"] == "token"
+    head = cluster["headGroupSpec"]
+    assert head["rayStartParams"]["dashboard-host"] == "127.0.0.1"
+    # The submitter must reach a localhost-only job API: it has to live in the head Pod.
+    assert spec["submissionMode"] == "SidecarMode"
+    assert head["template"]["spec"]["restartPolicy"] == "Never"
+    workers = cluster["workerGroupSpecs"]
+    assert any(
+        "nvidia.com/gpu" in c["resources"]["limits"]
+        for w in workers
+        for c in w["template"]["spec"]["containers"]
+    )
+    # Every Pod mounts the same run storage.
+    for tmpl in [head["template"], *(w["template"] for w in workers)]:
+        mounts = {m["mountPath"] for c in tmpl["spec"]["containers"] for m in c["volumeMounts"]}
+        assert "/mnt/cluster_storage" in mounts
+    yaml.safe_load(spec["runtimeEnvYAML"])
+
+
+def test_rayjob_entrypoint_is_a_real_gti_command():
+    from gti import cli, config
+
+    argv = shlex.split(_rayjob()["spec"]["entrypoint"])
+    assert argv[0] == "gti"
+    ap = cli.build_parser()
+    args, extra = ap.parse_known_args(argv[1:])
+    assert args.command == "run"
+    overrides = list(args.overrides or []) + extra
+    assert args.config.startswith(IMAGE_ROOT + "/"), "config must be inside the image's checkout"
+    local = ROOT / args.config[len(IMAGE_ROOT) + 1 :]
+    assert local.is_file(), f"entrypoint config {local} does not exist"
+    cfg = config.load(local, overrides)
+    # Outputs go to the shared volume, not into a Pod's private disk.
+    assert cfg.run_dir.startswith("/mnt/cluster_storage/")
+
+
+def test_dockerfile_installs_into_rayjob_path():
+    text = DOCKERFILE.read_text()
+    lines = [l.strip() for l in text.splitlines() if l.strip() and not l.startswith("#")]
+    assert lines[0].startswith("FROM ")
+    assert f"WORKDIR {IMAGE_ROOT}" in text
+    torch_i = next(i for i, l in enumerate(lines) if "torch==2.13.0" in l)
+    proj_i = next(i for i, l in enumerate(lines) if re.search(r"pip install \.( |$)", l))
+    assert torch_i < proj_i, "torch must be installed (pinned) before the project"
+    assert "COPY jobs" in text, "the RayJob entrypoint reads jobs/configs from the image"
+    assert "RAY_AUTH_MODE=token" in text
+
+
+def test_runtime_env_is_valid_for_ray():
+    from ray.runtime_env import RuntimeEnv
+
+    raw = _load(RUNTIME_ENV)
+    env = RuntimeEnv(**raw)  # Ray's own validation of field names and types
+    for mod in raw["py_modules"]:
+        assert (ROOT / mod / "__init__.py").is_file(), f"py_modules entry {mod} is not a package"
+    # The heavy, machine-local folders never get uploaded.
+    assert {".venv", ".git", "runs"} <= set(raw["excludes"])
+    assert env["env_vars"]["HF_HUB_OFFLINE"] == "1"
