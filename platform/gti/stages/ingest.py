@@ -1,0 +1,350 @@
+"""Stage `ingest`: validate the catalog and the interactions on Ray Data, build sequences.
+
+What it is for: turning the user's files (see `gti.data.adapters`) into the contract files of
+docs/ARCHITECTURE.md: items.parquet, items_quarantine.parquet, interactions.parquet,
+interactions_quarantine.parquet and sequences.parquet, plus the counting facts.
+
+How: the input is cut into read tasks (files, or row-group ranges of a parquet file). Ray Data
+runs read + row validation (`gti.data.catalog`) in parallel `map_batches` tasks and streams the
+validated batches back in input order (`preserve_order`), so the driver can apply the checks
+that need everything seen so far — duplicate ids (first kept), `data.max_items`, unknown items —
+while writing outputs incrementally; memory stays bounded by the block size plus the set of ids
+seen. Sequences are built with polars in one process (`gti.data.sequences`).
+
+Accounting: every input row ends in exactly one of the ok output or a quarantine file with a
+`reason`, so `*_rows_in == *_rows_ok + *_rows_quarantined` (a test checks it). With
+`data.max_items` set, reading the catalog stops at the N-th kept item: rows after it are not
+read and not counted, and interactions naming other items are quarantined as
+`outside_max_items` (they cannot be told apart from unknown items without reading the rest).
+
+What it does not know: embeddings or anything downstream.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import Counter
+from dataclasses import asdict
+from pathlib import Path
+
+import polars as pl
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from gti.data import adapters
+from gti.data import catalog as cat
+from gti.data.sequences import build_sequences
+from gti.errors import DataError, GtiError
+from gti.manifest import file_fingerprint
+from gti.pipeline import StageContext, StageResult
+
+ITEMS_OUT_SCHEMA = pa.schema([cat.ITEM_BATCH_SCHEMA.field(c) for c in cat.ITEMS_OUT_COLUMNS])
+ITEMS_Q_SCHEMA = pa.schema([cat.ITEM_BATCH_SCHEMA.field(c) for c in cat.QUARANTINE_COLUMNS])
+INTER_OUT_SCHEMA = pa.schema([("user_id", pa.string()), ("item_id", pa.string()), ("ts", pa.int64())])
+INTER_Q_SCHEMA = pa.schema([cat.INTERACTION_BATCH_SCHEMA.field(c) for c in cat.INTERACTIONS_QUARANTINE_COLUMNS])
+SEQ_SCHEMA = pa.schema(
+    [("user_id", pa.string()), ("train_items", pa.list_(pa.string())),
+     ("valid_item", pa.string()), ("test_item", pa.string())]
+)
+ROW_GROUP = 65_536
+
+
+# --------------------------------------------------------------------------- fingerprints
+def _fingerprint_files(path: str, kind: str) -> str:
+    parts = []
+    for f in adapters.expand_paths(path, kind):
+        if "://" in f and not f.startswith("file://"):
+            import pyarrow.fs as pafs
+
+            fs, p = pafs.FileSystem.from_uri(f)
+            info = fs.get_file_info(p)
+            parts.append(f"{f}:{info.size}:{info.mtime_ns}")
+        else:
+            parts.append(f"{os.path.basename(f)}:{file_fingerprint(f)}")
+    from gti.manifest import stable_hash
+
+    return stable_hash(parts)
+
+
+def input_fingerprints(cfg) -> dict[str, str]:
+    d = cfg.data
+    return {
+        "items": _fingerprint_files(d.items.path, "items"),
+        "interactions": _fingerprint_files(d.interactions.path, "interactions"),
+    }
+
+
+# --------------------------------------------------------------------------- Ray tasks
+def _read_validate(batch: dict, kind: str, columns: dict, max_text_chars: int, batch_rows: int):
+    """map_batches body (batch_size=1): one read task in, validated pyarrow batches out."""
+    from gti.config import InteractionColumns, ItemColumns
+
+    cols = ItemColumns(**columns) if kind == "items" else InteractionColumns(**columns)
+    for spec in batch["task"]:
+        task = adapters.ReadTask(**json.loads(spec))
+        for raw, first_row in adapters.iter_task(task, kind, cols, batch_rows):
+            if kind == "items":
+                yield cat.validate_items(raw, cols.attributes, max_text_chars, task.file, first_row)
+            else:
+                has_ts = cols.ts is not None or task.fmt == "movielens"
+                yield cat.validate_interactions(raw, has_ts, task.file, first_row)
+
+
+def _stream(tasks: list[adapters.ReadTask], kind: str, columns, max_text_chars: int, parallelism):
+    """Validated batches of all tasks, in input order."""
+    import ray
+
+    ds = ray.data.from_items(
+        [{"task": json.dumps(asdict(t))} for t in tasks], override_num_blocks=max(1, len(tasks))
+    )
+    ds = ds.map_batches(
+        _read_validate,
+        batch_size=1,
+        fn_kwargs=dict(kind=kind, columns=columns.model_dump(), max_text_chars=max_text_chars,
+                       batch_rows=8192),
+        concurrency=parallelism,
+    )
+    try:
+        yield from ds.iter_batches(batch_size=None, batch_format="pyarrow")
+    except Exception as err:  # a DataError raised inside a Ray task arrives wrapped
+        cause = getattr(err, "cause", None) or err.__cause__
+        if isinstance(cause, GtiError):
+            raise type(cause)(str(cause)) from None
+        raise
+
+
+def _precheck(tasks: list[adapters.ReadTask], kind: str, columns) -> list[str]:
+    """Header/schema checks in the driver, so a missing column fails before Ray starts work."""
+    missing: set[str] = set()
+    for t in tasks:
+        missing.update(adapters.missing_optional_columns(t, kind, columns))
+    return sorted(missing)
+
+
+# --------------------------------------------------------------------------- items
+class _Items:
+    def __init__(self) -> None:
+        self.rows_in = self.ok = self.quarantined = self.truncated = self.pseudo = 0
+        self.reasons: Counter[str] = Counter()
+        self.seen: set[str] = set()
+        self.limit_reached = False
+
+
+def _ingest_items(ctx: StageContext, out: Path) -> tuple[_Items, pa.Array]:
+    d = ctx.cfg.data
+    files = adapters.expand_paths(d.items.path, "items")
+    tasks = adapters.plan_tasks(files, d.items.format)
+    missing = _precheck(tasks, "items", d.items.columns)
+    if missing:
+        ctx.log(f"items: optional columns not in the input, treated as empty: {missing}")
+    ctx.log(f"items: {len(files)} file(s), {len(tasks)} read task(s) from {d.items.path}")
+    st = _Items()
+    st.missing_columns = missing  # type: ignore[attr-defined]
+    kept_ids: list[str] = []
+    w_ok = pq.ParquetWriter(out / "items.parquet", ITEMS_OUT_SCHEMA)
+    w_q = pq.ParquetWriter(out / "items_quarantine.parquet", ITEMS_Q_SCHEMA)
+    t0, last_log = time.time(), time.time()
+    try:
+        for batch in _stream(tasks, "items", d.items.columns, d.max_text_chars, d.parallelism):
+            ids = batch.column("item_id").to_pylist()
+            reasons = batch.column("reason").to_pylist()
+            keep = [False] * batch.num_rows
+            n_used = batch.num_rows
+            for i, (iid, r) in enumerate(zip(ids, reasons)):
+                if r is None:
+                    if iid in st.seen:
+                        reasons[i] = cat.DUPLICATE_ID
+                    else:
+                        st.seen.add(iid)
+                        keep[i] = True
+                        kept_ids.append(iid)
+                        if d.max_items is not None and len(kept_ids) >= d.max_items:
+                            st.limit_reached = True
+                            n_used = i + 1
+                            break
+            if n_used < batch.num_rows:
+                batch, keep, reasons = batch.slice(0, n_used), keep[:n_used], reasons[:n_used]
+            batch = batch.set_column(batch.schema.get_field_index("reason"), "reason",
+                                     pa.array(reasons, pa.string()))
+            dup = pa.array([r == cat.DUPLICATE_ID for r in reasons])
+            batch = batch.set_column(batch.schema.get_field_index("detail"), "detail",
+                                     pc.if_else(dup, pa.scalar("id", pa.string()), batch.column("detail")))
+            mask = pa.array(keep, pa.bool_())
+            ok = batch.filter(mask)
+            bad = batch.filter(pc.invert(mask))
+            if bad.num_rows:
+                bad = _fill_raw(bad)
+                w_q.write_table(bad.select(cat.QUARANTINE_COLUMNS).cast(ITEMS_Q_SCHEMA))
+            if ok.num_rows:
+                w_ok.write_table(ok.select(cat.ITEMS_OUT_COLUMNS).cast(ITEMS_OUT_SCHEMA), row_group_size=ROW_GROUP)
+            st.rows_in += batch.num_rows
+            st.ok += ok.num_rows
+            st.quarantined += bad.num_rows
+            st.truncated += pc.sum(ok.column("truncated")).as_py() or 0
+            st.pseudo += pc.sum(ok.column("text_is_pseudo")).as_py() or 0
+            st.reasons.update(r for r in reasons if r)
+            if time.time() - last_log > 10:
+                last_log = time.time()
+                ctx.log(f"items: {st.rows_in:,} rows read, {st.ok:,} ok ({st.rows_in / (last_log - t0):,.0f} rows/s)")
+            if st.limit_reached:
+                break
+    finally:
+        w_ok.close()
+        w_q.close()
+    if st.ok == 0:
+        detail = ", ".join(f"{k}: {v}" for k, v in st.reasons.most_common()) or "no rows"
+        raise DataError(f"data.items.path {d.items.path}: no valid items ({st.rows_in} rows read; {detail})")
+    return st, pa.array(kept_ids, pa.string())
+
+
+def _fill_raw(bad: pa.Table) -> pa.Table:
+    """Duplicates passed the row check, so they have no raw JSON yet; give them one."""
+    raw = bad.column("raw").to_pylist()
+    if all(r is not None for r in raw):
+        return bad
+    cols = {c: bad.column(c).to_pylist() for c in ("item_id", "title", "description", "category", "attributes_text")}
+    for i, r in enumerate(raw):
+        if r is None:
+            raw[i] = cat.raw_json({c: cols[c][i] for c in cols})
+    return bad.set_column(bad.schema.get_field_index("raw"), "raw", pa.array(raw, pa.string()))
+
+
+# --------------------------------------------------------------------------- interactions
+def _ingest_interactions(ctx: StageContext, out: Path, kept_ids: pa.Array, items_limited: bool) -> dict:
+    d = ctx.cfg.data
+    src = d.interactions
+    files = adapters.expand_paths(src.path, "interactions")
+    tasks = adapters.plan_tasks(files, src.format)
+    _precheck(tasks, "interactions", src.columns)
+    ctx.log(f"interactions: {len(files)} file(s) from {src.path}")
+    id_set = pa.array(kept_ids)
+    reasons: Counter[str] = Counter()
+    rows_in = quarantined = 0
+    order = 0
+    has_ts = src.columns.ts is not None
+    movielens = any(t.fmt == "movielens" for t in tasks)  # u.data always has timestamps
+    kept_parts: list[pa.Table] = []
+    w_q = pq.ParquetWriter(out / "interactions_quarantine.parquet", INTER_Q_SCHEMA)
+    try:
+        for batch in _stream(tasks, "interactions", src.columns, d.max_text_chars, d.parallelism):
+            n = batch.num_rows
+            rows_in += n
+            batch = batch.append_column("order", pa.array(range(order, order + n), pa.int64()))
+            order += n
+            valid = pc.is_null(batch.column("reason"))
+            known = pc.fill_null(pc.is_in(batch.column("item_id"), value_set=id_set), False)
+            unknown = pc.and_(valid, pc.invert(known))
+            unknown_reason = cat.OUTSIDE_MAX_ITEMS if items_limited else cat.UNKNOWN_ITEM
+            reason = pc.if_else(unknown, pa.scalar(unknown_reason, pa.string()), batch.column("reason"))
+            detail = pc.if_else(unknown, pa.scalar("item_id", pa.string()), batch.column("detail"))
+            batch = batch.set_column(batch.schema.get_field_index("reason"), "reason", reason)
+            batch = batch.set_column(batch.schema.get_field_index("detail"), "detail", detail)
+            ok_mask = pc.is_null(reason)
+            bad = batch.filter(pc.invert(ok_mask))
+            if bad.num_rows:
+                bad = _fill_raw_inter(bad)
+                w_q.write_table(bad.select(cat.INTERACTIONS_QUARANTINE_COLUMNS).cast(INTER_Q_SCHEMA))
+                quarantined += bad.num_rows
+                reasons.update(bad.column("reason").to_pylist())
+            ok = batch.filter(ok_mask).select(["user_id", "item_id", "ts", "order", "source_file", "source_row"])
+            if not has_ts and not movielens:
+                # No ts column: the global file position is the clock.
+                ok = ok.set_column(2, "ts", ok.column("order"))
+            kept_parts.append(ok)
+        if not kept_parts or sum(t.num_rows for t in kept_parts) == 0:
+            raise DataError(
+                f"data.interactions.path {src.path}: no valid interactions ({rows_in} rows read; "
+                + (", ".join(f"{k}: {v}" for k, v in reasons.most_common()) or "no rows") + ")"
+            )
+        df = pl.from_arrow(pa.concat_tables(kept_parts))
+        kept_parts.clear()
+        res = build_sequences(df, d.min_seq_len, d.max_users)
+        if res.dropped.height:
+            dropped = res.dropped.with_columns(
+                pl.lit("user_id").alias("detail"),
+                pl.struct("user_id", "item_id", "ts").map_elements(
+                    lambda s: json.dumps({k: None if v is None else str(v) for k, v in s.items()}),
+                    return_dtype=pl.String,
+                ).alias("raw"),
+            ).select(cat.INTERACTIONS_QUARANTINE_COLUMNS)
+            w_q.write_table(dropped.to_arrow().cast(INTER_Q_SCHEMA))
+            quarantined += dropped.height
+            reasons.update(res.dropped.get_column("reason").to_list())
+    finally:
+        w_q.close()
+    if res.sequences.height == 0:
+        raise DataError(
+            f"data.interactions.path {src.path}: no user has >= {res.min_seq_len} valid interactions "
+            f"({', '.join(f'{k}: {v}' for k, v in reasons.most_common())})"
+        )
+    pq.write_table(res.interactions.to_arrow().cast(INTER_OUT_SCHEMA), out / "interactions.parquet",
+                   row_group_size=ROW_GROUP)
+    pq.write_table(res.sequences.to_arrow().cast(SEQ_SCHEMA), out / "sequences.parquet",
+                   row_group_size=ROW_GROUP)
+    return dict(
+        rows_in=rows_in, ok=res.interactions.height, quarantined=quarantined, reasons=dict(reasons),
+        n_users=res.sequences.height, min_seq_len=res.min_seq_len,
+        n_items_interacted=res.interactions.get_column("item_id").n_unique(),
+    )
+
+
+def _fill_raw_inter(bad: pa.Table) -> pa.Table:
+    raw = bad.column("raw").to_pylist()
+    if all(r is not None for r in raw):
+        return bad
+    cols = {c: bad.column(c).to_pylist() for c in ("user_id", "item_id", "ts")}
+    for i, r in enumerate(raw):
+        if r is None:
+            raw[i] = cat.raw_json({c: cols[c][i] for c in cols})
+    return bad.set_column(bad.schema.get_field_index("raw"), "raw", pa.array(raw, pa.string()))
+
+
+# --------------------------------------------------------------------------- stage
+def run(ctx: StageContext) -> StageResult:
+    from gti.stages._ray import ensure_ray
+
+    ensure_ray(ctx.cfg)
+    import ray
+
+    # Input order matters: "first kept" for duplicates and ties in sequences follow file order.
+    ray.data.DataContext.get_current().execution_options.preserve_order = True
+    out = ctx.work_dir
+    t0 = time.time()
+    items, kept_ids = _ingest_items(ctx, out)
+    ctx.log(f"items: {items.ok:,} ok, {items.quarantined:,} quarantined in {time.time() - t0:.1f}s")
+    inter = _ingest_interactions(ctx, out, kept_ids, items.limit_reached)
+    ctx.log(f"interactions: {inter['ok']:,} ok, {inter['quarantined']:,} quarantined; {inter['n_users']:,} users")
+    all_reasons = Counter(items.reasons) + Counter(inter["reasons"])
+    facts = {
+        "items_rows_in": items.rows_in,
+        "items_rows_ok": items.ok,
+        "items_rows_quarantined": items.quarantined,
+        "interactions_rows_in": inter["rows_in"],
+        "interactions_rows_ok": inter["ok"],
+        "interactions_rows_quarantined": inter["quarantined"],
+        "n_items": items.ok,
+        "n_users": inter["n_users"],
+        "n_items_interacted": inter["n_items_interacted"],
+        "truncated_texts": int(items.truncated),
+        "pseudo_texts": int(items.pseudo),
+        "quarantine_reasons": dict(all_reasons),
+        "items_quarantine_reasons": dict(items.reasons),
+        "interactions_quarantine_reasons": inter["reasons"],
+        "items_limit_reached": items.limit_reached,
+        "items_missing_columns": items.missing_columns,  # type: ignore[attr-defined]
+        "min_seq_len_effective": inter["min_seq_len"],
+        "max_history": ctx.cfg.data.max_history,
+    }
+    return StageResult(
+        outputs={
+            "items": "items.parquet",
+            "items_quarantine": "items_quarantine.parquet",
+            "interactions": "interactions.parquet",
+            "interactions_quarantine": "interactions_quarantine.parquet",
+            "sequences": "sequences.parquet",
+        },
+        facts=facts,
+    )
