@@ -1,0 +1,74 @@
+"""Sinkhorn-Knopp balanced assignment (entropic optimal transport), in the log domain.
+
+What it is for: assigning N points to K codes so that every code receives about N/K points
+while each point still prefers near codes. The `sid` stage uses it on the last SID level to
+spread items that collide (as LC-Rec does); balanced residual k-means uses it in every
+assignment step.
+
+The cost is first shifted per row and scaled by its median gap (`normalise_cost`), so
+`epsilon` is relative to the typical gap between a point's best code and the others. Working with log-potentials keeps
+exp(-cost/epsilon) from underflowing in float32, where the textbook form needs float64.
+
+What it does not know: where the cost comes from (codebooks, residuals), SIDs, Ray.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def normalise_cost(cost: torch.Tensor) -> torch.Tensor:
+    """Cost [N, K] shifted per row to start at 0 and scaled by its median.
+
+    A per-row shift does not change the transport plan (the row potential absorbs it) but
+    removes each point's own distance to the codes, which otherwise lets a few far points set
+    the scale for everyone (the global [-1, 1] scaling LC-Rec uses). After this, `epsilon` is
+    relative to the typical gap between a point's best and other codes.
+    """
+    c = cost - cost.min(dim=1, keepdim=True).values
+    return c / c.median().clamp(min=1e-12)
+
+
+def sinkhorn_potentials(
+    cost: torch.Tensor, epsilon: float, iters: int, tol: float = 1e-4
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-domain Sinkhorn on cost [N, K] (already normalised).
+
+    Returns (u [N], v [K]) with plan log Q_ij = -cost_ij / epsilon + u_i + v_j, whose rows sum
+    to 1/N and columns to 1/K. Stops early once the column marginals are within `tol`
+    (relative) of uniform.
+    """
+    n, k = cost.shape
+    logits = (-cost / epsilon).float()
+    log_r, log_c = -math.log(n), -math.log(k)
+    u = torch.zeros(n, dtype=logits.dtype, device=cost.device)
+    v = torch.zeros(k, dtype=logits.dtype, device=cost.device)
+    for _ in range(iters):
+        u = log_r - torch.logsumexp(logits + v.unsqueeze(0), dim=1)
+        col = torch.logsumexp(logits + u.unsqueeze(1), dim=0)
+        # After the u step rows are exact; the columns then hold v + col (log mass).
+        converged = float((v + col - log_c).abs().max()) < tol
+        v = log_c - col
+        if converged:
+            break
+    return u, v
+
+
+def sinkhorn_plan(cost: torch.Tensor, epsilon: float = 0.003, iters: int = 50) -> torch.Tensor:
+    """Transport plan Q [N, K] (rows sum to 1, i.e. soft assignments; columns to N/K)."""
+    c = normalise_cost(cost)
+    u, v = sinkhorn_potentials(c, epsilon, iters)
+    return torch.exp(-c / epsilon + u.unsqueeze(1) + v.unsqueeze(0)) * cost.shape[0]
+
+
+def sinkhorn_assign(cost: torch.Tensor, epsilon: float = 0.003, iters: int = 50) -> torch.Tensor:
+    """Balanced hard assignment LongTensor[N]: argmax of the Sinkhorn plan per row.
+
+    Only the column potentials change the argmax, so this is nearest code under a per-code
+    price v_j that makes crowded codes dearer.
+    """
+    c = normalise_cost(cost)
+    _, v = sinkhorn_potentials(c, epsilon, iters)
+    return (-c / epsilon + v.unsqueeze(0)).argmax(dim=1)

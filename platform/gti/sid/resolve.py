@@ -1,0 +1,161 @@
+"""Making every item's SID unique: collision statistics, Sinkhorn spreading, de-duplication.
+
+What it is for: after greedy quantisation several items can share a SID (a collision). The
+`sid` stage resolves them in two steps:
+1. `sinkhorn_resolve` (as LC-Rec does): the colliding items' last-level codes are re-chosen
+   together by a Sinkhorn-balanced assignment, which forces near-identical items apart because
+   no code may take more than its share; repeated for a few rounds.
+2. De-duplication of whatever still collides: `dedup_extra_level` appends one level whose code
+   numbers the members of each collision group 0..n-1 (every other item gets 0), or
+   `dedup_reassign` moves all but one member of each group to the nearest last-level code that
+   is free under the same prefix (falling back to an extra level where a prefix is full).
+
+Re-scoring the last level needs distances from an item's last residual to the last codebook;
+the caller passes them as `last_cost(rows) -> [n, K]`, so this module never sees embeddings
+or models. Pure torch; no Ray.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from gti.sid.balance import sinkhorn_assign
+
+LastCost = Callable[[torch.Tensor], torch.Tensor]
+
+
+def group_ids(codes: torch.Tensor) -> torch.Tensor:
+    """LongTensor[N]: equal rows of codes [N, L] get equal ids (0..n_unique-1)."""
+    codes = codes.long()
+    if codes.shape[1] == 0:
+        return torch.zeros(codes.shape[0], dtype=torch.long)
+    radix = (codes.max(dim=0).values + 1).clamp(min=1)
+    # Pack each row into one int64 when it fits (much faster than unique over rows).
+    if float(torch.prod(radix.double())) < 2.0**62:
+        key = torch.zeros(codes.shape[0], dtype=torch.long, device=codes.device)
+        for j in range(codes.shape[1]):
+            key = key * radix[j] + codes[:, j]
+        return torch.unique(key, return_inverse=True)[1]
+    return torch.unique(codes, dim=0, return_inverse=True)[1]
+
+
+def collision_rate(codes: torch.Tensor) -> float:
+    """1 - unique/N: the share of items that would need another SID (0 = all unique)."""
+    n = codes.shape[0]
+    if n == 0:
+        return 0.0
+    return 1.0 - (int(group_ids(codes).max()) + 1) / n
+
+
+def colliding_rows(codes: torch.Tensor) -> torch.Tensor:
+    """Rows [m] whose SID is shared with at least one other row."""
+    gid = group_ids(codes)
+    counts = torch.bincount(gid)
+    return (counts[gid] > 1).nonzero().flatten()
+
+
+def sinkhorn_resolve(
+    codes: torch.Tensor,
+    last_cost: LastCost,
+    epsilon: float = 0.003,
+    iters: int = 50,
+    rounds: int = 20,
+) -> tuple[torch.Tensor, int]:
+    """Re-assign the last code of colliding items by balanced Sinkhorn, up to `rounds` times.
+
+    Returns (new codes [N, L], rounds run). Stops early when nothing collides or a round
+    changes nothing.
+    """
+    codes = codes.clone()
+    done = 0
+    for done in range(1, rounds + 1):
+        rows = colliding_rows(codes)
+        if rows.numel() == 0:
+            return codes, done - 1
+        new_last = sinkhorn_assign(last_cost(rows), epsilon, iters)
+        if torch.equal(new_last, codes[rows, -1]):
+            break
+        codes[rows, -1] = new_last
+    return codes, done
+
+
+def dedup_extra_level(codes: torch.Tensor) -> torch.Tensor:
+    """Append a level numbering the members of each collision group (0..n-1, in row order).
+
+    Returns codes unchanged when all rows are already unique; otherwise [N, L+1] whose last
+    column is 0 for every non-colliding item.
+    """
+    gid = group_ids(codes)
+    n = codes.shape[0]
+    if int(gid.max()) + 1 == n:
+        return codes
+    # Rank of each row inside its group: stable sort by group, position minus group start.
+    order = torch.sort(gid, stable=True).indices
+    sorted_gid = gid[order]
+    starts = torch.ones(n, dtype=torch.bool)
+    starts[1:] = sorted_gid[1:] != sorted_gid[:-1]
+    start_pos = torch.cummax(torch.where(starts, torch.arange(n), torch.zeros(n, dtype=torch.long)), 0).values
+    rank = torch.empty(n, dtype=torch.long)
+    rank[order] = torch.arange(n) - start_pos
+    return torch.cat([codes, rank.unsqueeze(1)], dim=1)
+
+
+def dedup_reassign(codes: torch.Tensor, last_cost: LastCost, max_rounds: int = 64) -> torch.Tensor:
+    """Move colliders to the nearest last-level code free under their prefix.
+
+    In each collision group the member nearest to its current code stays; the others take the
+    cheapest code not used by any item with the same first L-1 codes (ties between movers
+    wanting the same code go to the cheaper one, the rest retry next round). Items left over
+    because their prefix has no free code get an extra level (`dedup_extra_level`).
+    """
+    codes = codes.clone()
+    n, levels = codes.shape
+    prefix = group_ids(codes[:, :-1]) if levels > 1 else torch.zeros(n, dtype=torch.long)
+    for _ in range(max_rounds):
+        rows = colliding_rows(codes)
+        if rows.numel() == 0:
+            return codes
+        cost = last_cost(rows).float()
+        k = cost.shape[1]
+        own = cost.gather(1, codes[rows, -1:]).squeeze(1)
+        # Keeper per full-SID group: the member with the lowest cost at its current code.
+        gid = group_ids(codes[rows])
+        keeper = torch.zeros(rows.numel(), dtype=torch.bool)
+        best = torch.full((int(gid.max()) + 1,), float("inf"))
+        best.scatter_reduce_(0, gid, own, reduce="amin")
+        # Exact ties: the lowest row wins.
+        cand = (own == best[gid]).nonzero().flatten()
+        chosen = torch.full((int(gid.max()) + 1,), rows.numel(), dtype=torch.long)
+        chosen.scatter_reduce_(0, gid[cand], cand, reduce="amin")
+        keeper[chosen] = True
+        movers = (~keeper).nonzero().flatten()
+        m_rows = rows[movers]
+        # Codes already used under each mover's prefix.
+        pre = prefix[m_rows]
+        uniq_pre, pre_local = torch.unique(pre, return_inverse=True)
+        pmap = torch.full((int(prefix.max()) + 1,), -1, dtype=torch.long)
+        pmap[uniq_pre] = torch.arange(uniq_pre.numel())
+        holders = (pmap[prefix] >= 0).nonzero().flatten()
+        used = torch.zeros(uniq_pre.numel(), k, dtype=torch.bool)
+        used[pmap[prefix[holders]], codes[holders, -1]] = True
+        mc = cost[movers].masked_fill(used[pre_local], float("inf"))
+        best_cost, choice = mc.min(dim=1)
+        movable = torch.isfinite(best_cost)
+        if not movable.any():
+            break
+        # One mover per (prefix, code): the cheapest wins this round.
+        key = pre_local * k + choice
+        key = torch.where(movable, key, torch.full_like(key, -1))
+        win_cost = torch.full((uniq_pre.numel() * k,), float("inf"))
+        ok = movable.nonzero().flatten()
+        win_cost.scatter_reduce_(0, key[ok], best_cost[ok], reduce="amin")
+        is_win = movable & (best_cost == win_cost[key.clamp(min=0)])
+        # Exact ties: keep the lowest index per key.
+        win_idx = torch.full((uniq_pre.numel() * k,), movers.numel(), dtype=torch.long)
+        w = is_win.nonzero().flatten()
+        win_idx.scatter_reduce_(0, key[w], w, reduce="amin")
+        final = w[win_idx[key[w]] == w]
+        codes[m_rows[final], -1] = choice[final]
+    return dedup_extra_level(codes)

@@ -1,0 +1,58 @@
+"""Tests of gti.sid.kmeans."""
+
+from __future__ import annotations
+
+import torch
+
+from gti.sid.kmeans import kmeans, kmeans_plus_plus, nearest
+
+
+def test_seeds_are_data_points(clusters):
+    x, _ = clusters(300, 8, 5)
+    c = kmeans_plus_plus(x, 10, torch.Generator().manual_seed(0))
+    assert (c[:, None, :] == x[None, :, :]).all(-1).any(1).all()
+
+
+def test_finds_the_true_clusters(clusters):
+    x, lab = clusters(500, 6, 4, seed=1)
+    res = kmeans(x, 4, iters=20, generator=torch.Generator().manual_seed(0))
+    # Each found cluster is exactly one true cluster.
+    for j in range(4):
+        assert lab[res.assign == j].unique().numel() == 1
+    assert res.inertia < 0.05**2 * 6 * 1.5
+
+
+def test_deterministic_for_a_seed(clusters):
+    x, _ = clusters(200, 4, 8)
+    a = kmeans(x, 8, generator=torch.Generator().manual_seed(3)).centroids
+    b = kmeans(x, 8, generator=torch.Generator().manual_seed(3)).centroids
+    assert torch.equal(a, b)
+
+
+def test_no_empty_clusters_and_fewer_points_than_k():
+    x = torch.randn(100, 3)
+    res = kmeans(x, 32, generator=torch.Generator().manual_seed(0))
+    assert torch.bincount(res.assign, minlength=32).min() > 0
+    small = torch.randn(5, 3)
+    c = kmeans(small, 8, generator=torch.Generator().manual_seed(0)).centroids
+    assert c.shape == (8, 3) and torch.isfinite(c).all()
+    assert torch.unique(c, dim=0).shape[0] == 8  # no two identical codes
+
+
+def test_balanced_option_flattens_sizes():
+    g = torch.Generator().manual_seed(0)
+    # One dense blob and a sparse cloud: plain k-means gives very uneven sizes.
+    x = torch.cat([0.05 * torch.randn(900, 2, generator=g), 3 * torch.randn(100, 2, generator=g)])
+    plain = torch.bincount(kmeans(x, 10, generator=torch.Generator().manual_seed(0)).assign, minlength=10)
+    bal = torch.bincount(
+        kmeans(x, 10, generator=torch.Generator().manual_seed(0), balanced=True, sinkhorn_epsilon=0.1,
+               sinkhorn_iters=50).assign, minlength=10)
+    assert bal.float().std() < plain.float().std()
+    assert bal.max() <= 250 and plain.max() > 250
+
+
+def test_nearest_chunks_agree():
+    x, c = torch.randn(1000, 5), torch.randn(7, 5)
+    a, da = nearest(x, c, chunk=64)
+    assert torch.equal(a, torch.cdist(x, c).argmin(1))
+    assert torch.allclose(da, torch.cdist(x, c).min(1).values ** 2, atol=1e-4)

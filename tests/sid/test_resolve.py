@@ -1,0 +1,102 @@
+"""Tests of gti.sid.resolve (collisions, Sinkhorn spreading, de-duplication) and quality gates."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gti.errors import GateError
+from gti.sid.quality import check_gates, level_usage
+from gti.sid.resolve import (collision_rate, colliding_rows, dedup_extra_level, dedup_reassign,
+                             group_ids, sinkhorn_resolve)
+
+
+def _colliding_codes(seed=0, n=400, k=8):
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 3, (n, 3), generator=g)
+    codes[:, 2] = torch.randint(0, k, (n,), generator=g)
+    return codes
+
+
+def _cost_fn(n, k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    table = torch.rand(n, k, generator=g)
+    return lambda rows: table[rows]
+
+
+def test_group_ids_and_rate():
+    codes = torch.tensor([[0, 1], [0, 1], [2, 3], [0, 1], [2, 4]])
+    gid = group_ids(codes)
+    assert gid[0] == gid[1] == gid[3] and len({int(gid[2]), int(gid[4]), int(gid[0])}) == 3
+    assert collision_rate(codes) == pytest.approx(1 - 3 / 5)
+    assert colliding_rows(codes).tolist() == [0, 1, 3]
+    big = torch.tensor([[2**40, 2**40], [2**40, 2**40], [1, 0]])  # packing would overflow
+    assert group_ids(big).tolist()[0] == group_ids(big).tolist()[1] != group_ids(big).tolist()[2]
+
+
+def test_extra_level_makes_unique():
+    codes = _colliding_codes()
+    assert collision_rate(codes) > 0.3
+    out = dedup_extra_level(codes)
+    assert out.shape == (400, 4)
+    assert collision_rate(out) == 0.0
+    assert torch.equal(out[:, :3], codes)
+    # Non-colliding items get 0; a group of n gets 0..n-1.
+    gid = group_ids(codes)
+    for g in gid.unique()[:20]:
+        members = (gid == g).nonzero().flatten()
+        assert sorted(out[members, 3].tolist()) == list(range(members.numel()))
+    uniq = torch.unique(torch.tensor([[0, 1], [2, 3]]), dim=0)
+    assert torch.equal(dedup_extra_level(uniq), uniq)  # nothing to do: no level added
+
+
+def test_reassign_makes_unique_and_keeps_prefixes():
+    codes = _colliding_codes(k=64)  # 9 prefixes x 64 codes > 400 items: room for everyone
+    out = dedup_reassign(codes, _cost_fn(400, 64))
+    assert out.shape == codes.shape
+    assert collision_rate(out) == 0.0
+    assert torch.equal(out[:, :2], codes[:, :2])
+    # Items that did not collide keep their code.
+    clean = torch.ones(400, dtype=torch.bool)
+    clean[colliding_rows(codes)] = False
+    assert torch.equal(out[clean], codes[clean])
+
+
+def test_reassign_full_prefix_falls_back_to_extra_level():
+    codes = torch.zeros(10, 2, dtype=torch.long)
+    codes[:, 1] = torch.arange(10) % 2  # one prefix, 2 last codes, 10 items
+    out = dedup_reassign(codes, _cost_fn(10, 2))
+    assert out.shape == (10, 3) and collision_rate(out) == 0.0
+
+
+def test_sinkhorn_resolve_reduces_collisions():
+    g = torch.Generator().manual_seed(1)
+    n, k = 100, 64
+    codes = torch.zeros(n, 2, dtype=torch.long)
+    codes[:, 0] = torch.randint(0, 4, (n,), generator=g)
+    # Everyone prefers last code 0 or 1 by a little: greedy collides massively.
+    table = torch.rand(n, k, generator=g)
+    table[:, :2] -= 1.0
+    codes[:, 1] = table.argmin(1)
+    before = collision_rate(codes)
+    out, rounds = sinkhorn_resolve(codes, lambda rows: table[rows], epsilon=0.003, iters=100)
+    assert collision_rate(out) < before / 3
+    assert torch.equal(out[:, 0], codes[:, 0]) and rounds >= 1
+
+
+def test_level_usage():
+    codes = torch.tensor([[0, 0], [1, 0], [2, 0], [3, 0]])
+    util, perp = level_usage(codes, [4, 8])
+    assert util == [1.0, 1 / 8]
+    assert perp[0] == pytest.approx(4.0) and perp[1] == pytest.approx(1.0)
+
+
+def test_gate_failure_message():
+    with pytest.raises(GateError) as err:
+        check_gates([0.9, 0.01, 0.5], 0.02, min_utilisation=0.05, max_collision_rate=0.0,
+                    extra={"collision_rate_before": 0.3})
+    msg = str(err.value)
+    assert "\n" not in msg
+    assert "level(s) 1 (0.010)" in msg and "sid.gates.min_utilisation=0.05" in msg
+    assert "collision rate 0.0200" in msg and "collision_rate_before" in msg
+    check_gates([0.9, 0.5], 0.0, min_utilisation=0.05, max_collision_rate=0.0)  # passes

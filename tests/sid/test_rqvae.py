@@ -1,0 +1,96 @@
+"""Tests of gti.sid.rqvae."""
+
+from __future__ import annotations
+
+import torch
+
+from gti.sid.rqvae import RQVAE, RQVAEConfig, rotate_to
+
+
+def _model(in_dim=16, **kw):
+    cfg = RQVAEConfig(in_dim=in_dim, encoder_dims=[32], code_dim=8, levels=3, codebook_size=16,
+                      dropout=0.0, **kw)
+    torch.manual_seed(0)
+    return RQVAE(cfg)
+
+
+def test_kmeans_init_uses_the_data(clusters):
+    x, _ = clusters(400, 16, 16, seed=2)
+    m = _model()
+    before = m.codebooks.detach().clone()
+    m.init_codebooks(x, iters=10, generator=torch.Generator().manual_seed(0))
+    z = m.encoder(x).detach()
+    # Level-0 codes are encoder outputs of real items (k-means centroids lie among them) ...
+    d0 = torch.cdist(m.codebooks[0].detach(), z).min(1).values
+    assert d0.max() < torch.cdist(before[0], z).min(1).values.min()
+    # ... and the codebooks depend on the data.
+    m2 = _model()
+    m2.init_codebooks(x * 3 + 1, iters=10, generator=torch.Generator().manual_seed(0))
+    assert not torch.allclose(m.codebooks, m2.codebooks)
+    assert bool(m.initialised)
+
+
+def test_codes_in_range_and_shapes(clusters):
+    x, _ = clusters(100, 16, 4)
+    m = _model()
+    m.init_codebooks(x, generator=torch.Generator().manual_seed(0))
+    out = m(x)
+    assert out.codes.shape == (100, 3) and out.codes.dtype == torch.long
+    assert out.codes.min() >= 0 and out.codes.max() < 16
+    assert out.residuals.shape == (3, 100, 8)
+    codes = m.encode(x)
+    assert codes.min() >= 0 and codes.max() < 16
+    assert torch.equal(codes, out.codes)  # no dropout: training and eval codes agree
+    assert m.decode_codes(codes).shape == (100, 16)
+    assert m.last_residual(x).shape == (100, 8)
+
+
+def test_loss_falls_on_clustered_data(clusters):
+    x, _ = clusters(256, 16, 8, seed=3, spread=0.1)
+    for rotation in (False, True):
+        m = _model(rotation_trick=rotation, diversity_weight=0.1)
+        m.init_codebooks(x, generator=torch.Generator().manual_seed(0))
+        opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+        first = None
+        for step in range(40):
+            out = m(x)
+            opt.zero_grad()
+            out.loss.backward()
+            opt.step()
+            first = first if first is not None else out.recon_loss.item()
+        assert out.recon_loss.item() < 0.5 * first, rotation
+        assert torch.isfinite(out.loss)
+
+
+def test_rotation_trick_value_and_gradient():
+    e = torch.randn(5, 4, requires_grad=True)
+    q = torch.randn(5, 4)
+    out = rotate_to(e, q)
+    assert torch.allclose(out, q, atol=1e-5)
+    out.sum().backward()
+    assert e.grad is not None and torch.isfinite(e.grad).all()
+    # Unlike the STE, the gradient is not the identity.
+    assert not torch.allclose(e.grad, torch.ones_like(e.grad))
+
+
+def test_dead_code_revival_raises_utilisation(clusters):
+    x, _ = clusters(256, 16, 16, seed=4)
+    m = _model()
+    m.init_codebooks(x, generator=torch.Generator().manual_seed(0))
+    # Kill half of every codebook by moving codes far away.
+    with torch.no_grad():
+        m.codebooks[:, 8:] += 100.0
+    out = m(x)
+    counts = torch.stack([torch.bincount(out.codes[:, lv], minlength=16) for lv in range(3)])
+    used_before = (counts > 0).sum(1)
+    assert (used_before <= 8).all()
+    opt = torch.optim.Adam(m.parameters(), lr=1e-3)
+    out.loss.backward()
+    opt.step()
+    revived = m.revive_dead_codes(counts, out.residuals, generator=torch.Generator().manual_seed(0),
+                                  optimizer=opt)
+    assert revived == [int(v) for v in (counts == 0).sum(1)]
+    assert (opt.state[m.codebooks]["exp_avg"][0, 8:] == 0).all()
+    codes = m.encode(x)
+    used_after = torch.tensor([codes[:, lv].unique().numel() for lv in range(3)])
+    assert (used_after > used_before).all()
