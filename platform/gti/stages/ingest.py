@@ -93,8 +93,16 @@ def _read_validate(batch: dict, kind: str, columns: dict, max_text_chars: int, b
                 yield cat.validate_interactions(raw, has_ts, task.file, first_row)
 
 
-def _stream(tasks: list[adapters.ReadTask], kind: str, columns, max_text_chars: int, parallelism):
-    """Validated batches of all tasks, in input order."""
+def local_stream(tasks: list[adapters.ReadTask], kind: str, columns, max_text_chars: int, parallelism):
+    """The same validated batches as `ray_stream`, computed in this process (for tests and
+    for debugging a bad file without Ray)."""
+    for t in tasks:
+        yield from _read_validate({"task": [json.dumps(asdict(t))]}, kind, columns.model_dump(),
+                                  max_text_chars, 8192)
+
+
+def ray_stream(tasks: list[adapters.ReadTask], kind: str, columns, max_text_chars: int, parallelism):
+    """Validated batches of all tasks, in input order, read and checked by Ray Data tasks."""
     import ray
 
     ds = ray.data.from_items(
@@ -133,7 +141,7 @@ class _Items:
         self.limit_reached = False
 
 
-def _ingest_items(ctx: StageContext, out: Path) -> tuple[_Items, pa.Array]:
+def _ingest_items(ctx: StageContext, out: Path, stream) -> tuple[_Items, pa.Array]:
     d = ctx.cfg.data
     files = adapters.expand_paths(d.items.path, "items")
     tasks = adapters.plan_tasks(files, d.items.format)
@@ -148,7 +156,7 @@ def _ingest_items(ctx: StageContext, out: Path) -> tuple[_Items, pa.Array]:
     w_q = pq.ParquetWriter(out / "items_quarantine.parquet", ITEMS_Q_SCHEMA)
     t0, last_log = time.time(), time.time()
     try:
-        for batch in _stream(tasks, "items", d.items.columns, d.max_text_chars, d.parallelism):
+        for batch in stream(tasks, "items", d.items.columns, d.max_text_chars, d.parallelism):
             ids = batch.column("item_id").to_pylist()
             reasons = batch.column("reason").to_pylist()
             keep = [False] * batch.num_rows
@@ -213,7 +221,8 @@ def _fill_raw(bad: pa.Table) -> pa.Table:
 
 
 # --------------------------------------------------------------------------- interactions
-def _ingest_interactions(ctx: StageContext, out: Path, kept_ids: pa.Array, items_limited: bool) -> dict:
+def _ingest_interactions(ctx: StageContext, out: Path, kept_ids: pa.Array, items_limited: bool,
+                         stream) -> dict:
     d = ctx.cfg.data
     src = d.interactions
     files = adapters.expand_paths(src.path, "interactions")
@@ -229,7 +238,7 @@ def _ingest_interactions(ctx: StageContext, out: Path, kept_ids: pa.Array, items
     kept_parts: list[pa.Table] = []
     w_q = pq.ParquetWriter(out / "interactions_quarantine.parquet", INTER_Q_SCHEMA)
     try:
-        for batch in _stream(tasks, "interactions", src.columns, d.max_text_chars, d.parallelism):
+        for batch in stream(tasks, "interactions", src.columns, d.max_text_chars, d.parallelism):
             n = batch.num_rows
             rows_in += n
             batch = batch.append_column("order", pa.array(range(order, order + n), pa.int64()))
@@ -311,11 +320,17 @@ def run(ctx: StageContext) -> StageResult:
 
     # Input order matters: "first kept" for duplicates and ties in sequences follow file order.
     ray.data.DataContext.get_current().execution_options.preserve_order = True
+    return ingest(ctx, ray_stream)
+
+
+def ingest(ctx: StageContext, stream=local_stream) -> StageResult:
+    """The stage body; `stream` yields validated batches in input order (`ray_stream` in the
+    pipeline, `local_stream` in-process)."""
     out = ctx.work_dir
     t0 = time.time()
-    items, kept_ids = _ingest_items(ctx, out)
+    items, kept_ids = _ingest_items(ctx, out, stream)
     ctx.log(f"items: {items.ok:,} ok, {items.quarantined:,} quarantined in {time.time() - t0:.1f}s")
-    inter = _ingest_interactions(ctx, out, kept_ids, items.limit_reached)
+    inter = _ingest_interactions(ctx, out, kept_ids, items.limit_reached, stream)
     ctx.log(f"interactions: {inter['ok']:,} ok, {inter['quarantined']:,} quarantined; {inter['n_users']:,} users")
     all_reasons = Counter(items.reasons) + Counter(inter["reasons"])
     facts = {
