@@ -1,0 +1,367 @@
+"""`gti compare`: every initialisation arm x seed on identical data, SIDs, budgets; one report.
+
+    gti compare --config X --arms mean,random,description,gti,gti+multitask,lcrec --seeds 3 [--out DIR]
+
+Arms are sets of config overrides applied on top of the user's config (every arm sets the
+same keys, so nothing leaks from the base config into one arm and not another):
+
+| arm            | init.method | ground.enabled | sft.multitask | sft.steps (equal_budget on)  |
+|----------------|-------------|----------------|---------------|------------------------------|
+| mean           | mean        | false          | false         | sft.steps + ground.steps     |
+| random         | random      | false          | false         | sft.steps + ground.steps     |
+| description    | description | false          | false         | sft.steps + ground.steps     |
+| gti            | mean        | true           | false         | sft.steps                    |
+| gti+multitask  | mean        | true           | true          | sft.steps                    |
+| lcrec          | mean        | false          | true          | sft.steps + ground.steps     |
+
+`compare.equal_budget` (default true) gives arms without grounding the grounding steps as extra
+SFT steps, so every arm takes the same number of optimizer steps (steps, not tokens: a
+grounding step and an SFT step see different sequences). Each arm also gets
+`report.label=<arm>` and `seed=<s>`.
+
+Layout under `--out` (default `<run_dir>/compare`):
+- `shared/`: ingest -> embed -> sid -> pairs, run ONCE with the base seed (`seed` of the
+  config). SIDs and grounding pairs are therefore identical across arms and seeds.
+- `runs/<arm>/seed<s>/`: the shared stage folders hard-linked (copied across file systems), then
+  ground -> sft -> evaluate -> report with that arm's overrides and seed.
+- `report.html|json|csv`, `plots/`, `compare.json`: one report over all arms x seeds.
+
+Seeds are `seed, seed+1, ..., seed+N-1`. The seed enters every stage fingerprint, so the
+linked shared stages (fingerprinted with the base seed) would look stale to a run with another
+seed. The harness therefore starts each arm run at `--from <first incomplete stage from
+ground on>` (the pipeline takes stages before `--from` as they are) and skips runs whose
+ground..report stages are all up to date, so rerunning `gti compare` resumes where it stopped.
+
+Parallelism: with `compare.parallel` (default) and more than one run allowed at once, every arm
+x seed pipeline is a Ray task (`num_cpus=compare.arm_num_cpus`, default 0: the task only drives
+its stages, whose Ray Data tasks and Train workers request their own resources).
+`compare.max_parallel` caps concurrent runs; None sizes it from the cluster: CPUs (and GPUs when
+training uses them) divided by what one run's Train workers need. Otherwise runs go one after
+another in this process.
+
+What it does not know: what the stages compute; it only prepares configs and run folders,
+drives `gti.pipeline`, and hands the finished runs to `gti.diagnostics.report`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from gti import config as C
+from gti import pipeline
+from gti.errors import GtiError
+from gti.manifest import Manifest, ManifestError, atomic_write_json
+
+ARMS: dict[str, dict[str, Any]] = {
+    "mean": {"init.method": "mean", "ground.enabled": False, "sft.multitask": False},
+    "random": {"init.method": "random", "ground.enabled": False, "sft.multitask": False},
+    "description": {"init.method": "description", "ground.enabled": False, "sft.multitask": False},
+    "gti": {"init.method": "mean", "ground.enabled": True, "sft.multitask": False},
+    "gti+multitask": {"init.method": "mean", "ground.enabled": True, "sft.multitask": True},
+    "lcrec": {"init.method": "mean", "ground.enabled": False, "sft.multitask": True},
+}
+SHARED_STAGES = ("ingest", "embed", "sid", "pairs")
+ARM_STAGES = [s for s in pipeline.STAGE_NAMES if s not in SHARED_STAGES]
+
+
+class CompareError(GtiError):
+    """A bad `gti compare` argument, or arm runs that failed (named)."""
+
+
+def _echo(msg: str) -> None:
+    print(f"[compare] {msg}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- arms -> configs
+def parse_arms(text: str | Sequence[str]) -> list[str]:
+    """'mean,gti' -> ['mean', 'gti']; unknown or repeated arms raise CompareError."""
+    arms = [a.strip() for a in (text.split(",") if isinstance(text, str) else text) if a.strip()]
+    if not arms:
+        raise CompareError("--arms is empty (known arms: " + ", ".join(ARMS) + ")")
+    for a in arms:
+        if a not in ARMS:
+            raise CompareError(f"--arms: unknown arm '{a}' (known: {', '.join(ARMS)})")
+    if len(set(arms)) != len(arms):
+        raise CompareError(f"--arms: arm listed twice in '{','.join(arms)}'")
+    return arms
+
+
+def arm_overrides(cfg: C.RunConfig, arm: str) -> list[str]:
+    """key=value overrides that turn the base config into `arm` (incl. the step budget)."""
+    ov = dict(ARMS[arm])
+    if cfg.compare.equal_budget and not ov["ground.enabled"]:
+        ov["sft.steps"] = cfg.sft.steps + cfg.ground.steps
+    ov["report.label"] = arm
+    return [f"{k}={json.dumps(v) if isinstance(v, bool) else v}" for k, v in ov.items()]
+
+
+def _slug(arm: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", arm)
+
+
+def seeds_for(cfg: C.RunConfig, n: int) -> list[int]:
+    if n < 1:
+        raise CompareError(f"--seeds must be >= 1, got {n}")
+    return [cfg.seed + i for i in range(n)]
+
+
+def arm_config(cfg: C.RunConfig, arm: str, seed: int, run_dir: Path) -> C.RunConfig:
+    """The validated config of one arm x seed run in `run_dir`."""
+    raw = cfg.model_dump(mode="json")
+    ov = arm_overrides(cfg, arm) + [f"seed={seed}", f"run_dir={run_dir}"]
+    return C.validate(C.apply_overrides(raw, ov), f"arm '{arm}' seed {seed}")
+
+
+@dataclass
+class ArmRun:
+    arm: str
+    seed: int
+    run_dir: Path
+    cfg: C.RunConfig
+
+
+def plan(cfg: C.RunConfig, arms: Sequence[str], n_seeds: int, out: Path) -> list[ArmRun]:
+    """All arm x seed runs (arm-major), with their configs and run folders."""
+    runs = []
+    for arm in arms:
+        for seed in seeds_for(cfg, n_seeds):
+            rd = out / "runs" / _slug(arm) / f"seed{seed}"
+            runs.append(ArmRun(arm, seed, rd, arm_config(cfg, arm, seed, rd)))
+    return runs
+
+
+# --------------------------------------------------------------------------- shared stages
+def shared_config(cfg: C.RunConfig, out: Path) -> C.RunConfig:
+    return C.validate(C.apply_overrides(cfg.model_dump(mode="json"), [f"run_dir={out / 'shared'}"]))
+
+
+def _link_tree(src: Path, dst: Path) -> None:
+    """Hard-link every file of src into dst (copy where linking is impossible)."""
+
+    def link(s: str, d: str) -> None:
+        try:
+            os.link(s, d)
+        except OSError:
+            shutil.copy2(s, d)
+
+    tmp = dst.with_name(f".{dst.name}.linking")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp, copy_function=link)
+    if dst.exists():
+        shutil.rmtree(dst)
+    tmp.rename(dst)
+
+
+def adopt_shared(shared_dir: Path, run_dir: Path) -> None:
+    """Put the shared stages into run_dir (unless the same ones are already there)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for stage in SHARED_STAGES:
+        src = shared_dir / stage
+        want = Manifest.read(src).fingerprint
+        try:
+            if Manifest.read(run_dir / stage).fingerprint == want:
+                continue
+        except ManifestError:
+            pass
+        _link_tree(src, run_dir / stage)
+
+
+def first_incomplete(cfg: C.RunConfig, run_dir: Path) -> str | None:
+    """First of ground..report that is missing or stale in run_dir (None: all up to date)."""
+    for name in ARM_STAGES:
+        if not pipeline.is_complete(pipeline.spec(name), cfg, run_dir):
+            return name
+    return None
+
+
+def run_arm(cfg_json: dict[str, Any], cwd: str | None = None) -> dict[str, Any]:
+    """Run the arm stages of one prepared run folder; returns a small summary (picklable).
+
+    Called in-process or as a Ray task (then `cwd` restores the driver's working directory,
+    so relative data paths in the config resolve the same way).
+    """
+    if cwd and os.path.isdir(cwd):
+        os.chdir(cwd)
+    cfg = C.validate(cfg_json, "arm config")
+    run_dir = cfg.resolved_run_dir()
+    start = first_incomplete(cfg, run_dir)
+    t0 = time.time()
+    if start is None:
+        return {"run_dir": str(run_dir), "skipped": True, "seconds": 0.0}
+    pipeline.run(cfg, from_stage=start)
+    return {"run_dir": str(run_dir), "skipped": False, "from": start, "seconds": round(time.time() - t0, 1)}
+
+
+# --------------------------------------------------------------------------- scheduling
+def auto_parallel(cfg: C.RunConfig, resources: dict[str, float]) -> int:
+    """How many arm runs fit at once: cluster CPUs (and GPUs) / one run's Train workers."""
+
+    def need(t: C.TrainConfig, kind: str) -> float:
+        per = (t.resources_per_worker or {}).get(kind)
+        if per is None:
+            per = 1.0 if kind == "CPU" or t.use_gpu else 0.0
+        return t.num_workers * float(per)
+
+    cpu = max(need(cfg.ground, "CPU"), need(cfg.sft, "CPU"), float(cfg.eval.concurrency), 1.0)
+    fit = int(resources.get("CPU", 1.0) // cpu)
+    gpu = max(need(cfg.ground, "GPU"), need(cfg.sft, "GPU"), cfg.eval.num_gpus * cfg.eval.concurrency)
+    if gpu > 0:
+        fit = min(fit, int(resources.get("GPU", 0.0) // gpu))
+    return max(1, fit)
+
+
+def execute(
+    runs: Sequence[ArmRun], cfg: C.RunConfig, echo: Callable[[str], None] = _echo
+) -> dict[tuple[str, int], str]:
+    """Run every arm x seed; returns {(arm, seed): error text} for the runs that failed."""
+    failures: dict[tuple[str, int], str] = {}
+    width = 1
+    if cfg.compare.parallel and len(runs) > 1:
+        from gti.stages._ray import ensure_ray
+
+        ensure_ray(cfg)
+        import ray
+
+        width = cfg.compare.max_parallel or auto_parallel(cfg, ray.cluster_resources())
+    if width <= 1:
+        for r in runs:
+            echo(f"{r.arm} seed {r.seed}: running in {r.run_dir}")
+            try:
+                info = run_arm(r.cfg.model_dump(mode="json"))
+                echo(f"{r.arm} seed {r.seed}: {'up to date' if info['skipped'] else 'done'}")
+            except Exception as err:  # one failed arm must not lose the others
+                failures[(r.arm, r.seed)] = _describe(err)
+                echo(f"{r.arm} seed {r.seed}: FAILED: {failures[(r.arm, r.seed)].splitlines()[0]}")
+        return failures
+
+    import ray
+
+    echo(f"running {len(runs)} arm runs, up to {width} at once (Ray tasks)")
+    task = ray.remote(num_cpus=cfg.compare.arm_num_cpus, max_retries=0)(run_arm)
+    pending: dict[Any, ArmRun] = {}
+    queue = list(runs)
+    while queue or pending:
+        while queue and len(pending) < width:
+            r = queue.pop(0)
+            echo(f"{r.arm} seed {r.seed}: submitted ({r.run_dir})")
+            pending[task.remote(r.cfg.model_dump(mode="json"), os.getcwd())] = r
+        done, _ = ray.wait(list(pending), num_returns=1)
+        r = pending.pop(done[0])
+        try:
+            info = ray.get(done[0])
+            echo(f"{r.arm} seed {r.seed}: {'up to date' if info['skipped'] else 'done in %.0fs' % info['seconds']}")
+        except Exception as err:
+            cause = getattr(err, "cause", None) or err
+            failures[(r.arm, r.seed)] = _describe(cause)
+            echo(f"{r.arm} seed {r.seed}: FAILED: {failures[(r.arm, r.seed)].splitlines()[0]}")
+    return failures
+
+
+def _describe(err: BaseException) -> str:
+    if isinstance(err, GtiError):
+        return str(err)
+    return f"{type(err).__name__}: {err}\n" + "".join(traceback.format_exception(err))
+
+
+# --------------------------------------------------------------------------- report
+def load_record(r: ArmRun):
+    """A RunRecord of a finished run (metrics, per-phase diagnostics, config, versions)."""
+    from gti.diagnostics.report import RunRecord
+
+    rep = Manifest.read(r.run_dir / "report")
+    doc = json.loads(rep.output(r.run_dir / "report", "report_json").read_text())
+    ev = Manifest.read(r.run_dir / "evaluate")
+    metrics = json.loads(ev.output(r.run_dir / "evaluate", "metrics").read_text())
+    return RunRecord(
+        arm=r.arm, seed=r.seed, metrics=metrics, diagnostics=doc["runs"][0]["diagnostics"],
+        config=r.cfg.model_dump(mode="json"), versions=rep.versions, run_dir=str(r.run_dir),
+    )
+
+
+def _run_facts(r: ArmRun) -> dict[str, Any]:
+    return {
+        "init": r.cfg.init.method,
+        "ground_steps": r.cfg.ground.steps if r.cfg.ground.enabled else 0,
+        "sft_steps": r.cfg.sft.steps,
+        "multitask": r.cfg.sft.multitask,
+    }
+
+
+def write_report(runs: Sequence[ArmRun], cfg: C.RunConfig, out: Path, title: str) -> dict[str, Path]:
+    """The cross-arm report over the finished runs: spectra per phase, heat maps per arm."""
+    from gti.diagnostics.report import build_report, spectra_plots
+
+    done = [r for r in runs if (r.run_dir / "report" / "_manifest.json").is_file()]
+    if not done:
+        raise CompareError(f"no finished arm runs under {out / 'runs'} to report on")
+    records = [load_record(r) for r in done]
+    plot_dir = out / "plots"
+    plot_dir.mkdir(parents=True, exist_ok=True)
+    plots = dict(spectra_plots(records, plot_dir))
+    for arm in dict.fromkeys(r.arm for r in done):
+        first = next(r for r in done if r.arm == arm)
+        for name, caption in (("sid_sid_init", "SID-SID cosine at init"),
+                              ("sid_sid_sft", "SID-SID cosine after SFT"),
+                              ("sid_text_sft", "SID-text cosine after SFT")):
+            src = first.run_dir / "report" / "plots" / f"{name}.png"
+            if src.is_file():
+                dst = plot_dir / f"{_slug(arm)}_seed{first.seed}_{name}.png"
+                shutil.copyfile(src, dst)
+                plots[f"{arm} (seed {first.seed}): {caption}"] = dst
+    return build_report(
+        records, out, plots=plots, title=title, baseline_arm=cfg.report.baseline_arm,
+        n_boot=cfg.report.bootstrap, seed=cfg.seed, run_facts=[_run_facts(r) for r in done],
+    )
+
+
+# --------------------------------------------------------------------------- entry points
+def compare(
+    cfg: C.RunConfig, arms: Sequence[str], n_seeds: int, out: str | Path | None = None,
+    echo: Callable[[str], None] = _echo,
+) -> dict[str, Path]:
+    """Shared stages once, every arm x seed, one report; returns the report paths."""
+    arms = parse_arms(list(arms))
+    out = Path(out).expanduser().resolve() if out else cfg.resolved_run_dir() / "compare"
+    runs = plan(cfg, arms, n_seeds, out)  # validates every arm config before any work
+    shared = shared_config(cfg, out)
+    echo(f"shared stages ({', '.join(SHARED_STAGES)}) in {shared.resolved_run_dir()}")
+    pipeline.run(shared, to_stage=SHARED_STAGES[-1], echo=echo)
+    for r in runs:
+        adopt_shared(shared.resolved_run_dir(), r.run_dir)
+    atomic_write_json(out / "compare.json", {
+        "arms": {a: arm_overrides(cfg, a) for a in arms},
+        "seeds": seeds_for(cfg, n_seeds),
+        "equal_budget": cfg.compare.equal_budget,
+        "shared_run_dir": str(shared.resolved_run_dir()),
+        "runs": [{"arm": r.arm, "seed": r.seed, "run_dir": str(r.run_dir)} for r in runs],
+    })
+    failures = execute(runs, cfg, echo)
+    ok = [r for r in runs if (r.arm, r.seed) not in failures]
+    paths = write_report(ok, cfg, out, f"gti comparison: {', '.join(arms)} x {n_seeds} seed(s)") if ok else {}
+    if failures:
+        for (arm, seed), msg in failures.items():
+            print(f"--- {arm} seed {seed} failed:\n{msg}", file=sys.stderr)
+        names = ", ".join(f"{a}/seed{s}" for a, s in failures)
+        where = f"; report over the others: {paths['html']}" if paths else ""
+        raise CompareError(f"{len(failures)} of {len(runs)} arm runs failed ({names}){where}")
+    return paths
+
+
+def cli_main(args) -> int:
+    cfg = C.load(args.config, list(getattr(args, "overrides", None) or []))
+    try:
+        n_seeds = int(args.seeds)
+    except (TypeError, ValueError):
+        raise CompareError(f"--seeds must be an integer, got '{args.seeds}'") from None
+    paths = compare(cfg, parse_arms(args.arms), n_seeds, getattr(args, "out", None))
+    print(paths["html"])
+    return 0

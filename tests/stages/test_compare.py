@@ -1,0 +1,238 @@
+"""Tests of gti/stages/compare.py: arm overrides, shared stages built once, resume, one report.
+
+The unit tests drive the real pipeline and the real `report` stage with fast fake modules for
+the other stages (writing the documented outputs), so the harness logic is tested without
+training. `test_compare_tiny_end_to_end` runs the real tiny pipeline (slow, starts Ray).
+"""
+
+from __future__ import annotations
+
+import json
+import types
+from argparse import Namespace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from gti import config, pipeline
+from gti.stages import compare as CMP
+
+ROOT = Path(__file__).resolve().parents[2]
+SIZES = [6, 6]
+
+
+def _base_cfg(tmp_path, *ov):
+    return config.load(None, [f"run_dir={tmp_path / 'base'}", "model.name=tiny", "ground.steps=7",
+                              "sft.steps=5", "report.text_sample=0", "report.bootstrap=50",
+                              "compare.parallel=false", *ov])
+
+
+# --------------------------------------------------------------------------- arm logic
+def test_arm_override_table_and_equal_budget(tmp_path):
+    cfg = _base_cfg(tmp_path, "sft.multitask=true")  # base setting must not leak into arms
+    got = {}
+    for arm in CMP.ARMS:
+        c = CMP.arm_config(cfg, arm, 3, tmp_path / arm)
+        got[arm] = (c.init.method, c.ground.enabled, c.sft.multitask, c.sft.steps, c.seed, c.report.label)
+        assert c.resolved_run_dir() == (tmp_path / arm).resolve()
+    assert got == {
+        "mean": ("mean", False, False, 12, 3, "mean"),
+        "random": ("random", False, False, 12, 3, "random"),
+        "description": ("description", False, False, 12, 3, "description"),
+        "gti": ("mean", True, False, 5, 3, "gti"),
+        "gti+multitask": ("mean", True, True, 5, 3, "gti+multitask"),
+        "lcrec": ("mean", False, True, 12, 3, "lcrec"),
+    }
+    off = _base_cfg(tmp_path, "compare.equal_budget=false")
+    assert CMP.arm_config(off, "mean", 0, tmp_path / "m").sft.steps == 5
+
+
+def test_parse_arms_and_seeds_errors(tmp_path):
+    assert CMP.parse_arms("mean, gti+multitask") == ["mean", "gti+multitask"]
+    with pytest.raises(CMP.CompareError, match="unknown arm 'gtii'"):
+        CMP.parse_arms("mean,gtii")
+    with pytest.raises(CMP.CompareError, match="twice"):
+        CMP.parse_arms("mean,mean")
+    with pytest.raises(CMP.CompareError, match="empty"):
+        CMP.parse_arms(" , ")
+    cfg = _base_cfg(tmp_path, "seed=10")
+    assert CMP.seeds_for(cfg, 3) == [10, 11, 12]
+    with pytest.raises(CMP.CompareError, match="--seeds"):
+        CMP.seeds_for(cfg, 0)
+    runs = CMP.plan(cfg, ["mean", "gti+multitask"], 2, tmp_path / "out")
+    assert [(r.arm, r.seed, r.run_dir.name, r.run_dir.parent.name) for r in runs] == [
+        ("mean", 10, "seed10", "mean"), ("mean", 11, "seed11", "mean"),
+        ("gti+multitask", 10, "seed10", "gti_multitask"), ("gti+multitask", 11, "seed11", "gti_multitask"),
+    ]
+
+
+def test_auto_parallel_from_resources(tmp_path):
+    cfg = _base_cfg(tmp_path, "ground.num_workers=2", "sft.num_workers=2")
+    assert CMP.auto_parallel(cfg, {"CPU": 8}) == 4
+    assert CMP.auto_parallel(cfg, {"CPU": 1}) == 1
+    gpu = _base_cfg(tmp_path, "sft.use_gpu=true", "ground.use_gpu=true")
+    assert CMP.auto_parallel(gpu, {"CPU": 16, "GPU": 2}) == 2
+    assert CMP.auto_parallel(gpu, {"CPU": 16}) == 1
+
+
+# --------------------------------------------------------------------------- fake stages
+class FakeStages:
+    """Stage modules that write the documented outputs in milliseconds, counting calls."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, str]] = []
+
+    def module(self, spec):
+        if spec.name == "report":
+            import gti.stages.report as real
+
+            return real
+        return types.SimpleNamespace(run=getattr(self, spec.name))
+
+    def _note(self, ctx):
+        self.calls.append((ctx.name, str(ctx.run_dir)))
+
+    def ingest(self, ctx):
+        self._note(ctx)
+        (ctx.work_dir / "items.parquet").write_text("x")
+        return pipeline.StageResult({"items": "items.parquet"}, {"n_items": 3})
+
+    def embed(self, ctx):
+        self._note(ctx)
+        return pipeline.StageResult({}, {"dim": 4})
+
+    def sid(self, ctx):
+        self._note(ctx)
+        g = torch.Generator().manual_seed(ctx.cfg.seed)
+        save_file({f"level_{i}": torch.randn(k, 3, generator=g) for i, k in enumerate(SIZES)},
+                  str(ctx.work_dir / "codebooks.safetensors"))
+        tokens = [f"<{c}_{i}>" for c, k in zip("ab", SIZES) for i in range(k)]
+        return pipeline.StageResult({"codebooks": "codebooks.safetensors"},
+                                    {"codebook_sizes": SIZES, "new_tokens": tokens, "levels": 2})
+
+    def pairs(self, ctx):
+        self._note(ctx)
+        return pipeline.StageResult({}, {"new_token_ids": [100, 112]})
+
+    def ground(self, ctx):
+        self._note(ctx)
+        g = torch.Generator().manual_seed(ctx.cfg.seed)
+        init = torch.randn(1, 8, generator=g).repeat(12, 1)
+        if ctx.cfg.init.method == "random":
+            init = torch.randn(12, 8, generator=g)
+        grounded = torch.randn(12, 8, generator=g) if ctx.cfg.ground.enabled else init
+        save_file({"e_new": init}, str(ctx.work_dir / "e_new_init.safetensors"))
+        save_file({"e_new": grounded}, str(ctx.work_dir / "e_new_ground.safetensors"))
+        steps = ctx.cfg.ground.steps if ctx.cfg.ground.enabled else 0
+        return pipeline.StageResult(
+            {"init_embeddings": "e_new_init.safetensors", "ground_embeddings": "e_new_ground.safetensors"},
+            {"new_token_ids": [100, 112], "steps_done": steps},
+        )
+
+    def sft(self, ctx):
+        self._note(ctx)
+        e = torch.randn(12, 8, generator=torch.Generator().manual_seed(ctx.cfg.seed + 1))
+        save_file({"e_new": e}, str(ctx.work_dir / "e_new_sft.safetensors"))
+        return pipeline.StageResult({"sft_embeddings": "e_new_sft.safetensors"},
+                                    {"steps_done": ctx.cfg.sft.steps})
+
+    def evaluate(self, ctx):
+        self._note(ctx)
+        # metric encodes the run's budget and arm, so the test can see the overrides arrived
+        v = 0.1 + 0.01 * ctx.cfg.sft.steps + (0.05 if ctx.cfg.ground.enabled else 0) + 0.001 * ctx.cfg.seed
+        (ctx.work_dir / "metrics.json").write_text(json.dumps(
+            {"splits": {"test": {"recall@5": {"value": v, "ci": [v - 0.02, v + 0.02]}}},
+             "baselines": {}, "invalid_sid_rate": 0.0}))
+        return pipeline.StageResult({"metrics": "metrics.json"}, {})
+
+
+@pytest.fixture
+def fake_stages(monkeypatch):
+    fake = FakeStages()
+    monkeypatch.setattr(pipeline, "stage_module", fake.module)
+    return fake
+
+
+@pytest.mark.slow  # ~20 plots rendered by the real report stage
+def test_compare_shares_stages_runs_arms_and_resumes(tmp_path, fake_stages, capsys):
+    cfg = _base_cfg(tmp_path)
+    out = tmp_path / "cmp"
+    paths = CMP.compare(cfg, ["mean", "gti"], 2, out, echo=lambda m: None)
+    shared = [c for c in fake_stages.calls if c[0] in CMP.SHARED_STAGES]
+    assert [c[0] for c in shared] == list(CMP.SHARED_STAGES)  # built once, not per arm
+    assert all(c[1] == str(out / "shared") for c in shared)
+    arm_calls = [c for c in fake_stages.calls if c[0] == "ground"]
+    assert len(arm_calls) == 4
+    # shared stage files are the same inodes in every run folder (hard links)
+    cb = out / "shared" / "sid" / "codebooks.safetensors"
+    for arm in ("mean", "gti"):
+        for seed in (0, 1):
+            linked = out / "runs" / arm / f"seed{seed}" / "sid" / "codebooks.safetensors"
+            assert linked.stat().st_ino == cb.stat().st_ino
+    doc = json.loads(paths["json"].read_text())
+    assert doc["arms"] == ["mean", "gti"] and doc["seeds_per_arm"] == {"mean": 2, "gti": 2}
+    rows = {(r["arm"], r["name"]): r for r in doc["metrics"]}
+    # equal budget: mean got 5 + 7 SFT steps, gti 5 SFT steps + grounding
+    assert rows[("mean", "recall@5")]["mean"] == pytest.approx(0.1 + 0.12 + 0.0005)
+    assert rows[("gti", "recall@5")]["mean"] == pytest.approx(0.1 + 0.05 + 0.05 + 0.0005)
+    assert rows[("gti", "recall@5")]["lift"] == pytest.approx(0.2005 / 0.2205 - 1)
+    er = {(r["arm"], r["group"]): r["mean"] for r in doc["diagnostics"] if r["name"] == "effective_rank"}
+    assert er[("mean", "init")] == pytest.approx(1.0, abs=1e-5) and er[("gti", "ground")] > 3
+    assert ("mean", "ground") not in er  # no grounding in the mean arm
+    page = paths["html"].read_text()
+    assert "<th>mean</th>" in page and "<th>gti</th>" in page
+    assert page.count("data:image/png;base64,") >= 4
+    assert json.loads((out / "compare.json").read_text())["seeds"] == [0, 1]
+
+    # rerun: everything is up to date, no stage runs again
+    fake_stages.calls.clear()
+    CMP.compare(cfg, ["mean", "gti"], 2, out, echo=lambda m: None)
+    assert fake_stages.calls == []
+    # a changed SFT budget reruns only the arm stages from sft on
+    cfg2 = _base_cfg(tmp_path, "sft.steps=6")
+    CMP.compare(cfg2, ["gti"], 1, out, echo=lambda m: None)
+    assert [c[0] for c in fake_stages.calls] == ["sft", "evaluate"]
+
+
+def test_cli_main_prints_report_path_and_reports_failed_arms(tmp_path, fake_stages, capsys, monkeypatch):
+    args = Namespace(config=None, overrides=[f"run_dir={tmp_path / 'b'}", "model.name=tiny",
+                                             "compare.parallel=false", "report.text_sample=0",
+                                             "report.bootstrap=20"],
+                     arms="mean,gti", seeds="1", out=str(tmp_path / "o"))
+    assert CMP.cli_main(args) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "o" / "report.html")
+
+    def broken(ctx):
+        raise RuntimeError("sft exploded")
+
+    monkeypatch.setattr(fake_stages, "sft", broken)
+    args.overrides.append("sft.lr=1e-5")  # invalidates sft, so it reruns and fails
+    with pytest.raises(CMP.CompareError, match=r"2 of 2 arm runs failed \(mean/seed0, gti/seed0\)"):
+        CMP.cli_main(args)
+    assert "sft exploded" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- the real thing
+@pytest.mark.slow
+@pytest.mark.ray
+def test_compare_tiny_end_to_end(tmp_path):
+    """2 arms x 1 seed of the real tiny pipeline, arms as parallel Ray tasks."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    try:
+        cfg = config.load(ROOT / "jobs/configs/tiny.yaml", [f"run_dir={tmp_path / 'tiny'}"])
+        paths = CMP.compare(cfg, ["mean", "gti"], 1, tmp_path / "cmp")
+    finally:
+        ray.shutdown()
+    doc = json.loads(paths["json"].read_text())
+    assert doc["arms"] == ["mean", "gti"]
+    assert {r["arm"] for r in doc["metrics"]} == {"mean", "gti"}
+    er = {(r["arm"], r["group"]): r["mean"] for r in doc["diagnostics"] if r["name"] == "effective_rank"}
+    assert er[("mean", "init")] < 1.5  # mean init: (nearly) one point
+    assert er[("gti", "ground")] > er[("gti", "init")]
+    assert "<th>gti</th>" in paths["html"].read_text()
