@@ -129,6 +129,11 @@ class SidConfig(_Strict):
     num_workers: int = Field(1, ge=1)
     use_gpu: bool = False
     assign_batch_size: int = Field(4096, gt=0)
+    assign_concurrency: int = Field(1, ge=1, description="actors in the SID assignment pool")
+    kmeans_sample: int = Field(
+        65536, gt=0, description="items sampled for codebook k-means init / rqkmeans fitting"
+    )
+    sinkhorn_rounds: int = Field(20, ge=0, description="rounds of last-level Sinkhorn spreading")
     # Token string format; {level} is a letter a, b, c, ...; {code} the code index.
     token_format: str = "<{level}_{code}>"
     gates: SidGates = Field(default_factory=SidGates)
