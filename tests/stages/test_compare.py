@@ -45,6 +45,8 @@ def test_arm_override_table_and_equal_budget(tmp_path):
         "gti": ("mean", True, False, 5, 3, "gti"),
         "gti+multitask": ("mean", True, True, 5, 3, "gti+multitask"),
         "lcrec": ("mean", False, True, 12, 3, "lcrec"),
+        "mean_noise": ("mean_noise", False, False, 12, 3, "mean_noise"),
+        "codebook": ("codebook", False, False, 12, 3, "codebook"),
     }
     off = _base_cfg(tmp_path, "compare.equal_budget=false")
     assert CMP.arm_config(off, "mean", 0, tmp_path / "m").sft.steps == 5

@@ -13,6 +13,8 @@ same keys, so nothing leaks from the base config into one arm and not another):
 | gti            | mean        | true           | false         | sft.steps                    |
 | gti+multitask  | mean        | true           | true          | sft.steps                    |
 | lcrec          | mean        | false          | true          | sft.steps + ground.steps     |
+| mean_noise     | mean_noise  | false          | false         | sft.steps + ground.steps     |
+| codebook       | codebook    | false          | false         | sft.steps + ground.steps     |
 
 `compare.equal_budget` (default true) gives arms without grounding the grounding steps as extra
 SFT steps, so every arm takes the same number of optimizer steps (steps, not tokens: a
@@ -68,6 +70,9 @@ ARMS: dict[str, dict[str, Any]] = {
     "gti": {"init.method": "mean", "ground.enabled": True, "sft.multitask": False},
     "gti+multitask": {"init.method": "mean", "ground.enabled": True, "sft.multitask": True},
     "lcrec": {"init.method": "mean", "ground.enabled": False, "sft.multitask": True},
+    # Extra ablations (not in the paper's table): other initialisations without grounding.
+    "mean_noise": {"init.method": "mean_noise", "ground.enabled": False, "sft.multitask": False},
+    "codebook": {"init.method": "codebook", "ground.enabled": False, "sft.multitask": False},
 }
 SHARED_STAGES = ("ingest", "embed", "sid", "pairs")
 ARM_STAGES = [s for s in pipeline.STAGE_NAMES if s not in SHARED_STAGES]
