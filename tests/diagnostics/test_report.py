@@ -48,6 +48,8 @@ def _records(per_user=False):
         for seed in (0, 1):
             r10 = base[arm] + 0.01 * seed
             pu = rng.binomial(1, r10, size=200).astype(float) if per_user else None
+            if per_user:  # the reported value is the mean of the per-user values
+                r10 = float(pu.mean())
             recs.append(RunRecord(
                 arm=arm, seed=seed, metrics=_metrics(r10, r10 / 2, seed, pu),
                 diagnostics={"init": _diag(rng, rank1=arm == "mean"), "sft": _diag(rng)},
@@ -133,7 +135,9 @@ def test_paired_user_bootstrap_when_per_user_values_exist():
     row = rows[("gti+multitask", "recall@10")]
     assert row["ci_method"].startswith("user bootstrap") and "paired user bootstrap" in row["ci_method"]
     users = np.mean([r.metrics["per_user"]["test"]["recall@10"] for r in recs if r.arm == "gti+multitask"], 0)
+    assert row["mean"] == pytest.approx(users.mean())
     assert row["ci_lo"] < users.mean() < row["ci_hi"]
+    assert row["lift_ci_lo"] < row["lift"] < row["lift_ci_hi"]
     assert row["lift_ci_lo"] < row["lift_ci_hi"]
 
 
