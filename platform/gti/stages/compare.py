@@ -39,7 +39,8 @@ x seed pipeline is a Ray task (`num_cpus=compare.arm_num_cpus`, default 0: the t
 its stages, whose Ray Data tasks and Train workers request their own resources).
 `compare.max_parallel` caps concurrent runs; None sizes it from the cluster: CPUs (and GPUs when
 training uses them) divided by what one run's Train workers need. Otherwise runs go one after
-another in this process.
+another in this process. On a multi-node cluster `--out` must be on storage every node sees
+(as `run_dir` must be for any multi-node run): an arm task may land on any node.
 
 What it does not know: what the stages compute; it only prepares configs and run folders,
 drives `gti.pipeline`, and hands the finished runs to `gti.diagnostics.report`.
