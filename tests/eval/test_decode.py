@@ -142,7 +142,7 @@ def test_generation_config_override(sidspace):
     cfg = override_generation_config(model, beam_width=8, k=5, levels=s.LEVELS, pad_id=0)
     assert model.generation_config is cfg
     resolved, _ = model._prepare_generation_config(cfg)
-    assert resolved.do_sample is False and resolved.top_k in (0, None) and resolved.top_p == 1.0
+    assert resolved.do_sample is False and resolved.top_k != 5 and resolved.top_p == 1.0
     assert resolved.temperature == 1.0 and resolved.repetition_penalty == 1.0
     assert resolved.no_repeat_ngram_size == 0 and resolved.num_beams == 8
     assert resolved.eos_token_id == 2 and resolved.pad_token_id == 0, "token ids are kept"

@@ -10,7 +10,8 @@ How it is fast (MISSION section 7): transformers `generate` copies every prompt 
 before the prefill (U users x W beams prompt rows, ~91% of its time). Here the prompts are
 left-padded into one batch and prefilled ONCE per user; the KV cache is then repeated across the
 W beams (`DynamicCache.batch_repeat_interleave`) and only L-1 single-token steps follow, with
-`DynamicCache.reorder_cache` (index_select on the batch dim) after each beam selection. The
+a reorder after each beam selection that moves only the generated positions (a user's beams
+share identical prompt rows; `DynamicCache.reorder_cache` would copy the whole cache). The
 trie's `allowed()` mask is applied as a tensor over the new-token slice of the log-probs only,
 so a step's top-W runs over W x V_new candidates instead of W x V.
 
@@ -28,13 +29,16 @@ What it does NOT know: how prompts are rendered (`gti.lm.templates`), how the tr
 
 from __future__ import annotations
 
+import copy
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, GenerationConfig
+from transformers.cache_utils import DynamicLayer
 
 NEG_INF = float("-inf")
 
@@ -132,7 +136,10 @@ def override_generation_config(
     neutral: dict[str, Any] = dict(
         do_sample=False,
         temperature=1.0,
-        top_k=0,
+        # None, not 0: with do_sample=False no warper runs, and transformers warns about a
+        # non-default top_k; the checkpoint's value cannot leak back because the model's
+        # config is replaced below (None falls through to the global default, inert here).
+        top_k=None,
         top_p=1.0,
         typical_p=1.0,
         epsilon_cutoff=0.0,
@@ -155,7 +162,6 @@ def override_generation_config(
         neutral["num_return_sequences"] = k
     if levels is not None:
         neutral["max_new_tokens"] = levels
-        neutral["min_new_tokens"] = levels
     cfg = GenerationConfig(**keep)
     for name, val in neutral.items():
         # Set one by one: some fields (num_beam_groups, diversity_penalty) may not exist in every
@@ -294,8 +300,6 @@ def _search_batch(
     pad_id: int,
     constrained: bool,
 ) -> DecodeResult:
-    import time
-
     t0 = time.perf_counter()
     device = _model_device(model)
     n_users = len(prompts)
@@ -349,10 +353,25 @@ def _search_batch(
         tok = flat % n_cand + offset
         seqs = torch.cat([seqs.gather(1, src_beam.unsqueeze(-1).expand(-1, -1, step)), tok.unsqueeze(-1)], -1)
         if step < levels - 1:
-            # Beams of one user share their prompt rows, so reordering within a user is exact.
-            cache.reorder_cache((user_base + src_beam).reshape(-1))
+            _reorder_beams(cache, (user_base + src_beam).reshape(-1), ids.shape[1])
     del cache
     return _finalise(seqs, beam_scores, trie, k, {"prefill_s": t_prefill, "total_s": time.perf_counter() - t0})
+
+
+def _reorder_beams(cache: DynamicCache, rows: torch.Tensor, prompt_len: int) -> None:
+    """Reorder the cache rows to `rows` [U*W] (each index stays within its user's W rows).
+
+    A user's W beams share the same prompt keys/values (they were repeated from one prefill),
+    so only the generated positions [prompt_len:] need moving: an in-place index_select of
+    (t, not P + t) positions per row. Layers of another kind fall back to `reorder_cache`.
+    """
+    for layer in cache.layers:
+        keys = getattr(layer, "keys", None)
+        if type(layer) is DynamicLayer and keys is not None and keys.dim() == 4:
+            layer.keys[:, :, prompt_len:] = layer.keys[:, :, prompt_len:].index_select(0, rows)
+            layer.values[:, :, prompt_len:] = layer.values[:, :, prompt_len:].index_select(0, rows)
+        else:
+            layer.reorder_cache(rows)
 
 
 def _finalise(
@@ -445,12 +464,14 @@ def generate_with_prefix_fn(
     `override_generation_config(model, ...)`; pass the model's own config to see the trap.
     Returns a DecodeResult comparable with `constrained_beam_search` (beam_* hold the K
     returned sequences)."""
-    import time
-
     if generation_config is None:
         generation_config = override_generation_config(
             model, beam_width=beam_width, k=k, levels=levels, pad_id=pad_id
         )
+    run_cfg = copy.deepcopy(generation_config)
+    # sequences_scores needs both (LC-Rec asks for them the same way).
+    run_cfg.return_dict_in_generate = True
+    run_cfg.output_scores = True
     prompts = _as_prompt_lists(prompt_ids)
     device = _model_device(model)
     parts = []
@@ -460,10 +481,8 @@ def generate_with_prefix_fn(
         out = model.generate(
             input_ids=ids,
             attention_mask=mask,
-            generation_config=generation_config,
+            generation_config=run_cfg,
             prefix_allowed_tokens_fn=make_prefix_allowed_tokens_fn(trie, ids.shape[1]) if constrained else None,
-            return_dict_in_generate=True,
-            output_scores=True,
         )
         n = ids.shape[0]
         gen = out.sequences[:, ids.shape[1] :]
