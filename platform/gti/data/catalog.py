@@ -54,7 +54,6 @@ MALFORMED_RECORD = "malformed_record"
 
 _INTEGRAL_FLOAT_STR = re.compile(r"^[+-]?\d+\.0*$")
 _DIGITS = re.compile(r"^\+?\d+$")
-_WS = re.compile(r"\s+")
 
 # Schema of a validated item batch (ok and quarantined rows together, in input order).
 ITEM_BATCH_SCHEMA = pa.schema(
@@ -134,7 +133,8 @@ def clean_text(value: Any, max_chars: int) -> tuple[str | None, str | None, bool
             return None, INVALID_UTF8, False
     if not isinstance(value, str):
         return None, NON_STRING_TEXT, False
-    s = _WS.sub(" ", value).strip()
+    # split/join collapses any run of (Unicode) whitespace; ~2x faster than a regex here.
+    s = " ".join(value.split())
     if not s:
         return None, None, False
     if len(s) > max_chars:
