@@ -1,0 +1,398 @@
+"""`gti tune`: a Ray Tune sweep over the grounding stage (Ray Train V2 + Tune interop).
+
+What it is for: sampling settings of the grounding stage (`tune.search_space` in the config,
+e.g. `ground.lr` loguniform and `ground.steps` from a list), running one trial per setting, and
+writing the best setting as a complete, valid run config to `run_dir/tune/best.yaml`, which
+`gti run --config run_dir/tune/best.yaml --from ground` accepts.
+
+How a trial runs (the Train V2 interop pattern): the trial function is a *driver* that builds
+the grounding `TorchTrainer` itself, through the grounding stage's own code
+(`gti.stages.ground.run(ctx, run_name=..., callbacks=[TuneReportCallback()])`), so the trial
+trains exactly what `gti run` trains. The Train run's name is derived from the trial's index
+and its sampled parameters (`ground-t003-1a2b3c4d`), and its storage is the trial's folder under
+`run_dir/tune/trials/<name>/`; with the seeded searcher the same sweep re-creates the same names,
+so rerunning an interrupted `gti tune` resumes every trial's Train run from its checkpoints
+(Train V2 resumes a run re-created with the same storage path and name). No Tune experiment
+state is unpickled.
+
+Early stopping: ASHA on `tune.metric` (default `val_exact_match`, mode max), with the training
+step as its time axis; the grounding loop reports the metric after each validation and carries
+it forward in every later report. Reports before the first validation lack it, which ASHA
+ignores (strict metric checking is off for that reason).
+
+Objective `sft`: each trial grounds, then runs a short SFT and the evaluation stage in its own
+run folder (upstream stages hard-linked from the base run) and reports the evaluation's
+validation metric (`tune.metric`, e.g. `recall@10`) once at the end; ASHA then has nothing to
+stop early.
+
+Concurrency: `max_concurrent_trials` = what the cluster holds (total CPUs, GPUs and custom
+resources) divided by what one trial's Train workers ask for (`num_workers` x
+`resources_per_worker`), capped by `tune.num_samples` and `tune.max_concurrent_trials`.
+
+What it does NOT know: how grounding trains (that is `gti.stages.ground` and
+`gti.train.loop`), or how stages are fingerprinted (that is `gti.pipeline`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from gti import config as C
+from gti import pipeline
+from gti.errors import GtiError
+
+TUNE_DIR = "tune"
+SWEEP_NAME = "sweep"
+BEST_FILE = "best.yaml"
+RESULTS_FILE = "results.json"
+# A trial's driver only waits on its Train run; it must still ask Tune for some resource.
+DRIVER_CPU = 0.05
+SPACE_TYPES = ("loguniform", "uniform", "choice", "randint")
+
+
+class TuneError(GtiError):
+    """A user mistake in the sweep (bad search space, no trial finished); one line."""
+
+
+# --------------------------------------------------------------------------- search space
+@dataclass(frozen=True)
+class Param:
+    """One dimension of the search space: `key` is a dotted config path (`ground.lr`)."""
+
+    key: str
+    type: str
+    low: float | None = None
+    high: float | None = None
+    values: tuple[Any, ...] = ()
+
+    def bounds_or_values(self) -> list[Any]:
+        """The values a sample can take at the extremes (ranges) or all of them (choice)."""
+        return list(self.values) if self.type == "choice" else [self.low, self.high]
+
+    def contains(self, value: Any) -> bool:
+        if self.type == "choice":
+            return value in self.values
+        if self.type == "randint":  # Ray's randint excludes the upper bound
+            return float(value).is_integer() and self.low <= value < self.high
+        return self.low <= value <= self.high
+
+
+def parse_search_space(space: dict[str, dict[str, Any]], base: C.RunConfig) -> list[Param]:
+    """Validate `tune.search_space` against the config schema; ConfigError names the bad key.
+
+    Every key must be a config path that accepts the space's values (the extremes of a range,
+    every value of a choice): each is applied to `base` and the whole config validated again.
+    """
+    if not space:
+        raise C.ConfigError("tune.search_space is empty: give at least one parameter to search")
+    params: list[Param] = []
+    raw = base.model_dump(mode="json")
+    for key, spec in space.items():
+        where = f"tune.search_space.{key}"
+        if not isinstance(spec, dict):
+            raise C.ConfigError(f"{where}: expected a mapping like {{type: loguniform, low: .., high: ..}}")
+        kind = spec.get("type")
+        if kind not in SPACE_TYPES:
+            raise C.ConfigError(f"{where}.type: '{kind}' is not one of {list(SPACE_TYPES)}")
+        allowed = {"type", "values"} if kind == "choice" else {"type", "low", "high"}
+        extra = set(spec) - allowed
+        if extra:
+            raise C.ConfigError(f"{where}: unknown key(s) {sorted(extra)} for type {kind}")
+        if kind == "choice":
+            values = spec.get("values")
+            if not isinstance(values, list) or not values:
+                raise C.ConfigError(f"{where}.values: give a non-empty list")
+            p = Param(key, kind, values=tuple(values))
+        else:
+            try:
+                low, high = float(spec["low"]), float(spec["high"])
+            except (KeyError, TypeError, ValueError):
+                raise C.ConfigError(f"{where}: type {kind} needs numeric 'low' and 'high'") from None
+            if not low < high:
+                raise C.ConfigError(f"{where}: low ({low:g}) must be below high ({high:g})")
+            if kind == "loguniform" and low <= 0:
+                raise C.ConfigError(f"{where}.low: loguniform needs low > 0, got {low:g}")
+            if kind == "randint":
+                if not (low.is_integer() and high.is_integer()):
+                    raise C.ConfigError(f"{where}: randint needs integer low and high")
+                low, high = int(low), int(high)
+            p = Param(key, kind, low=low, high=high)
+        for v in p.bounds_or_values():
+            probe = v - 1 if (kind == "randint" and v == p.high) else v
+            try:
+                C.validate(C.apply_overrides(raw, [f"{key}={_fmt(probe)}"]), where)
+            except C.ConfigError as err:
+                raise C.ConfigError(f"{where}: value {probe!r} is not valid for config key '{key}' ({err})") from None
+        params.append(p)
+    return params
+
+
+def _fmt(v: Any) -> str:
+    """A value as override text that `config._parse_scalar` reads back to the same value."""
+    return json.dumps(v) if not isinstance(v, str) else v
+
+
+def to_tune_space(params: list[Param]) -> dict[str, Any]:
+    """The Ray Tune param_space for `params` (keys stay dotted config paths)."""
+    from ray import tune
+
+    out: dict[str, Any] = {}
+    for p in params:
+        if p.type == "loguniform":
+            out[p.key] = tune.loguniform(p.low, p.high)
+        elif p.type == "uniform":
+            out[p.key] = tune.uniform(p.low, p.high)
+        elif p.type == "randint":
+            out[p.key] = tune.randint(int(p.low), int(p.high))
+        else:
+            out[p.key] = tune.choice(list(p.values))
+    return out
+
+
+def apply_params(raw: dict[str, Any], params: dict[str, Any], source: str) -> C.RunConfig:
+    """The run config with sampled `params` ({dotted key: value}) applied and validated."""
+    return C.validate(C.apply_overrides(raw, [f"{k}={_fmt(v)}" for k, v in sorted(params.items())]), source)
+
+
+def trial_run_name(trial_id: str, params: dict[str, Any]) -> str:
+    """Deterministic Train run name of a trial: its index in the sweep (the numeric suffix of
+    Tune's trial id) and a hash of its parameters; the same seeded sweep gives the same names."""
+    index = trial_id.rsplit("_", 1)[-1]
+    index = f"t{int(index):03d}" if index.isdigit() else trial_id
+    digest = hashlib.sha256(json.dumps(params, sort_keys=True, default=str).encode()).hexdigest()[:8]
+    return f"ground-{index}-{digest}"
+
+
+# --------------------------------------------------------------------------- resources
+def trial_need(cfg: C.RunConfig) -> dict[str, float]:
+    """Resources one trial's Train workers hold at once (the larger of ground and SFT for the
+    sft objective)."""
+
+    def need(tc: C.TrainConfig) -> dict[str, float]:
+        per = dict(tc.resources_per_worker or {})
+        per.setdefault("CPU", 1.0)
+        if tc.use_gpu:
+            per.setdefault("GPU", 1.0)
+        return {k: float(v) * tc.num_workers for k, v in per.items() if v}
+
+    out = need(cfg.ground)
+    if cfg.tune.objective == "sft":
+        for k, v in need(cfg.sft).items():
+            out[k] = max(out.get(k, 0.0), v)
+    return out
+
+
+def derive_max_concurrent(cfg: C.RunConfig, cluster: dict[str, float]) -> int:
+    """Trials that fit side by side: min over needed resources of cluster total // need, capped
+    by num_samples and tune.max_concurrent_trials; at least 1 (trials then queue)."""
+    n = cfg.tune.num_samples
+    for res, amount in trial_need(cfg).items():
+        have = float(cluster.get(res, 0.0))
+        if have < amount:
+            raise TuneError(
+                f"one trial needs {amount:g} {res} (ground.num_workers x resources_per_worker) "
+                f"but the cluster has {have:g}"
+            )
+        n = min(n, int(math.floor(have / amount + 1e-9)))
+    if cfg.tune.max_concurrent_trials is not None:
+        n = min(n, cfg.tune.max_concurrent_trials)
+    return max(1, n)
+
+
+# --------------------------------------------------------------------------- trials
+def _echo(msg: str) -> None:
+    print(f"[tune] {msg}", file=sys.stderr, flush=True)
+
+
+def _trial_dir(run_dir: Path, name: str) -> Path:
+    return run_dir / TUNE_DIR / "trials" / name
+
+
+def ground_trial(params: dict[str, Any], base_raw: dict[str, Any], keys: list[str]) -> None:
+    """Tune trial driver (runs in the trial's actor): build and fit the grounding TorchTrainer
+    through the grounding stage, reporting to Tune via `TuneReportCallback`."""
+    import ray.tune
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    from gti.stages import ground
+
+    chosen = {k: params[k] for k in keys}
+    cfg = apply_params(base_raw, chosen, "<tune trial>")
+    run_dir = cfg.resolved_run_dir()
+    name = trial_run_name(ray.tune.get_context().get_trial_id(), chosen)
+    trial = _trial_dir(run_dir, name)
+    trial.mkdir(parents=True, exist_ok=True)
+    (trial / "params.json").write_text(json.dumps(chosen, sort_keys=True, indent=1))
+
+    if cfg.tune.objective == "grounding":
+        spec = pipeline.spec("ground")
+        fp, _ = pipeline.fingerprint(spec, cfg, run_dir)
+        ctx = pipeline.StageContext(
+            spec=spec, cfg=cfg, run_dir=run_dir, work_dir=trial / "ground", fingerprint=fp
+        )
+        ctx.work_dir.mkdir(parents=True, exist_ok=True)
+        result = ground.run(ctx, run_name=name, callbacks=[TuneReportCallback()])
+        (trial / "facts.json").write_text(json.dumps(result.facts, indent=1, default=str))
+        return
+
+    # objective == "sft": a short ground -> sft -> evaluate in the trial's own run folder.
+    from gti.stages.compare import adopt_shared
+
+    trial_run = trial / "run"
+    adopt_shared(run_dir, trial_run)
+    tcfg = cfg.model_copy(update={"run_dir": str(trial_run)})
+    done = pipeline.run(tcfg, from_stage="ground", to_stage="evaluate", echo=_echo)
+    metrics = _eval_metric(done["evaluate"].facts, cfg.tune.metric)
+    ray.tune.report({cfg.tune.metric: metrics, "step": tcfg.sft.steps})
+
+
+def _eval_metric(facts: dict[str, Any], metric: str) -> float:
+    """`metric` (e.g. `recall@10`) on the validation split from the evaluate stage's facts."""
+    table = facts.get("metrics", {})
+    split = table.get("valid") or next(iter(table.values()), {})
+    value = split.get(metric)
+    if isinstance(value, dict):
+        value = value.get("value", value.get("mean"))
+    if value is None:
+        raise TuneError(f"tune.metric '{metric}' is not among the evaluation metrics {sorted(split)}")
+    return float(value)
+
+
+# --------------------------------------------------------------------------- the sweep
+def _upstream_of_ground() -> str:
+    return pipeline.STAGE_NAMES[pipeline.STAGE_NAMES.index("ground") - 1]
+
+
+def sweep(cfg: C.RunConfig, raw: dict[str, Any] | None = None, echo=_echo) -> dict[str, Any]:
+    """Run the sweep; returns the summary also written to run_dir/tune/results.json.
+
+    `raw` is the config mapping the trials start from (default: `cfg` dumped), so best.yaml keeps
+    the user's own settings. Upstream stages are run (or found up to date) first.
+    """
+    import ray
+    from ray import tune
+
+    from gti.stages._ray import ensure_ray
+
+    run_dir = cfg.resolved_run_dir()
+    base_raw = dict(raw if raw is not None else cfg.model_dump(mode="json"))
+    # Trials may run in another cwd or on another node: pin run_dir to an absolute path.
+    base_raw["run_dir"] = str(run_dir)
+    params = parse_search_space(cfg.tune.search_space, cfg)
+    keys = [p.key for p in params]
+    if cfg.tune.objective == "grounding" and not cfg.ground.enabled:
+        raise C.ConfigError("tune.objective grounding needs ground.enabled: true")
+
+    echo(f"upstream stages up to '{_upstream_of_ground()}'")
+    pipeline.run(cfg, to_stage=_upstream_of_ground())
+
+    # Read by Tune in this process (and propagated to trial actors): trials keep the job's cwd
+    # so relative data paths still resolve; reports before the first validation carry no metric.
+    os.environ["RAY_CHDIR_TO_TRIAL_DIR"] = "0"
+    os.environ["TUNE_DISABLE_STRICT_METRIC_CHECKING"] = "1"
+    ensure_ray(cfg)
+    concurrent = derive_max_concurrent(cfg, ray.cluster_resources())
+    max_steps = max([cfg.ground.steps] + [int(v) for p in params if p.key == "ground.steps"
+                                          for v in p.bounds_or_values()])
+    echo(f"{cfg.tune.num_samples} trials over {keys}, up to {concurrent} at a time, "
+         f"ASHA on {cfg.tune.metric} ({cfg.tune.mode})")
+
+    scheduler = None
+    if cfg.tune.objective == "grounding":
+        scheduler = tune.schedulers.ASHAScheduler(
+            time_attr="step", max_t=max(1, max_steps),
+            grace_period=cfg.tune.grace_period, reduction_factor=cfg.tune.reduction_factor,
+        )
+    storage = run_dir / TUNE_DIR
+    shutil.rmtree(storage / SWEEP_NAME, ignore_errors=True)  # Tune's own bookkeeping only
+    t0 = time.time()
+    tuner = tune.Tuner(
+        tune.with_resources(
+            tune.with_parameters(ground_trial, base_raw=base_raw, keys=keys), {"cpu": DRIVER_CPU}
+        ),
+        param_space=to_tune_space(params),
+        tune_config=tune.TuneConfig(
+            metric=cfg.tune.metric, mode=cfg.tune.mode, num_samples=cfg.tune.num_samples,
+            max_concurrent_trials=concurrent, scheduler=scheduler,
+            # Seeded sampling: the same sweep samples the same settings (and trial run names).
+            search_alg=tune.search.BasicVariantGenerator(random_state=cfg.seed),
+        ),
+        run_config=tune.RunConfig(
+            name=SWEEP_NAME, storage_path=str(storage), verbose=0,
+            failure_config=tune.FailureConfig(max_failures=0),
+        ),
+    )
+    grid = tuner.fit()
+    wall = time.time() - t0
+    return summarise(cfg, base_raw, params, grid, wall, echo)
+
+
+def summarise(cfg, base_raw, params, grid, wall: float, echo=_echo) -> dict[str, Any]:
+    """Write results.json and best.yaml from a finished ResultGrid."""
+    run_dir = cfg.resolved_run_dir()
+    keys = [p.key for p in params]
+    trials = []
+    for r in grid:
+        chosen = {k: r.config[k] for k in keys}
+        m = r.metrics or {}
+        target = int(chosen.get("ground.steps", cfg.ground.steps))
+        steps_done = int(m.get("step", 0) or 0)
+        trials.append({
+            "trial_id": m.get("trial_id"),
+            "params": chosen,
+            "metric": m.get(cfg.tune.metric),
+            "steps_done": steps_done,
+            "steps_target": target,
+            "stopped_early": r.error is None and cfg.tune.objective == "grounding" and steps_done < target,
+            "error": None if r.error is None else str(r.error).splitlines()[0][:300],
+        })
+    ok = [t for t in trials if t["error"] is None and t["metric"] is not None]
+    if not ok:
+        first = next((t["error"] for t in trials if t["error"]), "no trial reported the metric")
+        raise TuneError(f"no trial finished with tune.metric '{cfg.tune.metric}': {first}")
+    # Prefer trials that ran to their target (an early-stopped trial's metric is an earlier one).
+    sign = 1 if cfg.tune.mode == "max" else -1
+    best = max(ok, key=lambda t: (not t["stopped_early"], sign * float(t["metric"])))
+    best_cfg = apply_params(base_raw, best["params"], "<tune best>")
+    out = run_dir / TUNE_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    best_path = out / BEST_FILE
+    header = (
+        f"# Run: gti run --config {best_path} --from ground\n"
+        f"# Best of {len(trials)} tune trials ({cfg.tune.metric} {cfg.tune.mode}: {best['metric']}); "
+        f"params {json.dumps(best['params'], sort_keys=True)}\n"
+    )
+    tmp = best_path.with_suffix(".yaml.tmp")
+    tmp.write_text(header + C.dump(best_cfg))
+    tmp.replace(best_path)
+    summary = {
+        "metric": cfg.tune.metric, "mode": cfg.tune.mode, "objective": cfg.tune.objective,
+        "wall_s": round(wall, 2), "trials": trials, "best": best, "best_config": str(best_path),
+        "stopped_early": sum(t["stopped_early"] for t in trials),
+        "errored": sum(t["error"] is not None for t in trials),
+    }
+    (out / RESULTS_FILE).write_text(json.dumps(summary, indent=1, default=str))
+    echo(f"{len(trials)} trials in {wall:.0f}s, {summary['stopped_early']} stopped early by ASHA, "
+         f"{summary['errored']} failed; best {best['params']} -> {best_path}")
+    return summary
+
+
+def cli_main(args) -> int:
+    """`gti tune --config X [key=value ...]`."""
+    raw = C.apply_overrides(C.read_yaml(args.config), list(args.overrides or []))
+    cfg = C.validate(raw, f"{args.config} (with overrides)" if args.overrides else str(args.config))
+    summary = sweep(cfg, raw=raw)
+    print(yaml.safe_dump({"best": summary["best"]["params"], "metric": summary["best"]["metric"],
+                          "best_config": summary["best_config"]}, sort_keys=False), end="")
+    return 0
