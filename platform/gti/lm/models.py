@@ -208,6 +208,35 @@ def load_model_and_tokenizer(model_cfg, dtype=None, path: str | Path | None = No
     return model, tok
 
 
+def load_tokenizer(model_cfg):
+    """The tokenizer alone (no weights): the tiny one, or from the resolved model folder."""
+    from transformers import AutoTokenizer
+
+    if model_cfg.name == TINY_NAME:
+        return build_tiny_tokenizer()
+    src = resolve_model_path(model_cfg)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(src), trust_remote_code=bool(model_cfg.trust_remote_code))
+    except OSError as err:
+        raise ModelError(f"model.name '{model_cfg.name}': cannot load its tokenizer from {src}: {str(err).splitlines()[0]}") from None
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def embedding_rows(model_cfg) -> int:
+    """Rows of the model's input embedding matrix (may exceed the tokenizer length, as in
+    Qwen3), read from config.json without loading weights."""
+    from transformers import AutoConfig
+
+    if model_cfg.name == TINY_NAME:
+        return max(len(build_tiny_tokenizer()), model_cfg.tiny_pad_vocab_to or 0)
+    conf = AutoConfig.from_pretrained(str(resolve_model_path(model_cfg)),
+                                      trust_remote_code=bool(model_cfg.trust_remote_code))
+    text = conf.get_text_config() if hasattr(conf, "get_text_config") else conf
+    return int(text.vocab_size)
+
+
 # --------------------------------------------------------------------------- tiny
 def build_tiny_tokenizer(vocab_size: int = 384):
     """A byte-level BPE tokenizer trained on `_TINY_CORPUS` (deterministic: BPE training on a
