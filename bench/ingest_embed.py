@@ -149,6 +149,8 @@ def main() -> None:
     ap.add_argument("--inter-path")
     ap.add_argument("--run-dir")
     ap.add_argument("--batch-size", type=int, default=2048)
+    ap.add_argument("--minilm-items", type=int, default=None,
+                    help="encode only the first N demo items with minilm (default: all; 128 with --quick)")
     args = ap.parse_args()
     if args.worker:
         _worker(args)
@@ -156,7 +158,7 @@ def main() -> None:
     small, large = (5_000, 50_000) if args.quick else (100_000, 1_000_000)
     with tempfile.TemporaryDirectory(prefix="gti_bench_ingest_") as tmp:
         runs = {n: _run_size(n, Path(tmp), args.batch_size) for n in (small, large)}
-    mini = _minilm(128 if args.quick else None)
+    mini = _minilm(args.minilm_items or (128 if args.quick else None))
     s, l = runs[small], runs[large]
     print(f"{'items':>10} {'ingest/s':>10} {'hash/s':>10} {'peak tree MB':>13} {'peak driver MB':>15}")
     for n, r in runs.items():

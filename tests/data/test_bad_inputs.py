@@ -215,3 +215,21 @@ def test_quarantine_facts_sum_to_quarantined_rows(files, run_ingest):
     f = r.facts
     assert sum(f["quarantine_reasons"].values()) == f["items_rows_quarantined"] + f["interactions_rows_quarantined"]
     assert f["quarantine_reasons"] == {C.DUPLICATE_ID: 1, C.MISSING_ID: 1, C.UNKNOWN_ITEM: 1, C.SHORT_SEQUENCE: 1}
+
+
+def test_max_users_keeps_first_eligible_users(files, run_ingest):
+    inter = files("i.csv", "user_id,item_id,ts\n" + "".join(
+        f"{u},{i},{t}\n" for t, (u, i) in enumerate([("a", 1), ("b", 1), ("a", 2), ("b", 2), ("a", 3), ("b", 3), ("c", 1)])))
+    r = run_ingest(files("items.csv", GOOD_ITEMS), inter, "data.max_users=1")
+    r.check_accounting()
+    assert r.table("sequences").column("user_id").to_pylist() == ["a"]
+    assert r.facts["interactions_quarantine_reasons"] == {C.OUTSIDE_MAX_USERS: 3, C.SHORT_SEQUENCE: 1}
+
+
+def test_json_array_file(files, run_ingest):
+    items = files("items.json", '[{"item_id": "1", "title": "Beaker"},\n {"item_id": "2",\n "title": "Flask"}, 7]')
+    inter = files("i.csv", "user_id,item_id,ts\nu,1,1\nu,2,2\nu,1,3\n")
+    r = run_ingest(items, inter)
+    r.check_accounting()
+    assert r.table("items").column("title").to_pylist() == ["Beaker", "Flask"]
+    assert r.reasons("items_quarantine") == [C.MALFORMED_RECORD]

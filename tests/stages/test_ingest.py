@@ -100,3 +100,23 @@ def test_ingest_and_embed_tiny(tiny_cfg, ray_start_4_cpus):
     again = pipeline.run(tiny_cfg, to_stage="embed")
     assert again["ingest"].fingerprint == done["ingest"].fingerprint
     assert again["embed"].created == done["embed"].created
+
+
+def test_errors_inside_ray_tasks_are_one_line(tmp_path, ray_start_4_cpus):
+    """A file-level problem found inside a Ray Data task reaches the user as the same one-line
+    DataError as in-process (no Ray traceback)."""
+    from gti import config
+    from gti.errors import DataError
+    from gti.stages import ingest
+
+    items = tmp_path / "items.jsonl"
+    items.write_text('{"sku": "1", "title": "Beaker"}\n')  # JSON columns are checked in the task
+    inter = tmp_path / "inter.csv"
+    inter.write_text("user_id,item_id,ts\nu,1,1\n")
+    cfg = config.load(None, [f"run_dir={tmp_path / 'run'}", f"data.items.path={items}",
+                             f"data.interactions.path={inter}"])
+    ctx = pipeline.StageContext(spec=pipeline.spec("ingest"), cfg=cfg, run_dir=tmp_path,
+                                work_dir=tmp_path, fingerprint="t")
+    with pytest.raises(DataError) as e:
+        ingest.ingest(ctx, ingest.ray_stream)
+    assert str(e.value) == (f"{items}: missing column 'item_id' (data.items.columns; the file has: sku, title)")

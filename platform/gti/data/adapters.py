@@ -304,7 +304,7 @@ def _json_records(task: ReadTask, literal_ok: bool = False) -> Iterator[dict]:
             return
         if first.lstrip().startswith(b"["):
             # A JSON array file: read whole (use JSON lines for large catalogs).
-            rest = first + b"".join(data_iter)
+            rest = b"\n".join(_chain([first], data_iter))
             try:
                 arr = json.loads(rest)
             except (ValueError, UnicodeDecodeError) as err:

@@ -132,7 +132,8 @@ def run(ctx: StageContext) -> StageResult:
     except Exception as err:
         cause = getattr(err, "cause", None)
         if isinstance(cause, DataError):
-            raise DataError(str(cause)) from None
+            # Ray appends retry notes to the message; ours is the first line.
+            raise DataError(str(cause).splitlines()[0]) from None
         raise
     finally:
         if writer is not None:

@@ -50,6 +50,7 @@ SEQ_SCHEMA = pa.schema(
      ("valid_item", pa.string()), ("test_item", pa.string())]
 )
 ROW_GROUP = 65_536
+FILE_ERROR = "__file_error__"  # marker row: a reader failed on a whole file (see _read_validate)
 
 
 # --------------------------------------------------------------------------- fingerprints
@@ -83,14 +84,23 @@ def _read_validate(batch: dict, kind: str, columns: dict, max_text_chars: int, b
     from gti.config import InteractionColumns, ItemColumns
 
     cols = ItemColumns(**columns) if kind == "items" else InteractionColumns(**columns)
+    schema = cat.ITEM_BATCH_SCHEMA if kind == "items" else cat.INTERACTION_BATCH_SCHEMA
     for spec in batch["task"]:
         task = adapters.ReadTask(**json.loads(spec))
-        for raw, first_row in adapters.iter_task(task, kind, cols, batch_rows):
-            if kind == "items":
-                yield cat.validate_items(raw, cols.attributes, max_text_chars, task.file, first_row)
-            else:
-                has_ts = cols.ts is not None or task.fmt == "movielens"
-                yield cat.validate_interactions(raw, has_ts, task.file, first_row)
+        try:
+            for raw, first_row in adapters.iter_task(task, kind, cols, batch_rows):
+                if kind == "items":
+                    yield cat.validate_items(raw, cols.attributes, max_text_chars, task.file, first_row)
+                else:
+                    has_ts = cols.ts is not None or task.fmt == "movielens"
+                    yield cat.validate_interactions(raw, has_ts, task.file, first_row)
+        except GtiError as err:
+            # A file-level user error travels as a marker row rather than a task failure, so the
+            # user sees our one line instead of Ray's retry notes and task traceback.
+            row = {f.name: None for f in schema}
+            row.update(reason=FILE_ERROR, detail=str(err).splitlines()[0], source_file=task.file)
+            yield pa.Table.from_pylist([row], schema=schema)
+            return
 
 
 def local_stream(tasks: list[adapters.ReadTask], kind: str, columns, max_text_chars: int, parallelism):
@@ -115,13 +125,12 @@ def ray_stream(tasks: list[adapters.ReadTask], kind: str, columns, max_text_char
                        batch_rows=8192),
         concurrency=parallelism,
     )
-    try:
-        yield from ds.iter_batches(batch_size=None, batch_format="pyarrow")
-    except Exception as err:  # a DataError raised inside a Ray task arrives wrapped
-        cause = getattr(err, "cause", None) or err.__cause__
-        if isinstance(cause, GtiError):
-            raise type(cause)(str(cause)) from None
-        raise
+    yield from ds.iter_batches(batch_size=None, batch_format="pyarrow")
+
+
+def _raise_file_error(batch: pa.Table) -> None:
+    if batch.num_rows == 1 and batch.column("reason")[0].as_py() == FILE_ERROR:
+        raise DataError(batch.column("detail")[0].as_py())
 
 
 def _precheck(tasks: list[adapters.ReadTask], kind: str, columns) -> list[str]:
@@ -157,6 +166,7 @@ def _ingest_items(ctx: StageContext, out: Path, stream) -> tuple[_Items, pa.Arra
     t0, last_log = time.time(), time.time()
     try:
         for batch in stream(tasks, "items", d.items.columns, d.max_text_chars, d.parallelism):
+            _raise_file_error(batch)
             ids = batch.column("item_id").to_pylist()
             reasons = batch.column("reason").to_pylist()
             keep = [False] * batch.num_rows
@@ -239,6 +249,7 @@ def _ingest_interactions(ctx: StageContext, out: Path, kept_ids: pa.Array, items
     w_q = pq.ParquetWriter(out / "interactions_quarantine.parquet", INTER_Q_SCHEMA)
     try:
         for batch in stream(tasks, "interactions", src.columns, d.max_text_chars, d.parallelism):
+            _raise_file_error(batch)
             n = batch.num_rows
             rows_in += n
             batch = batch.append_column("order", pa.array(range(order, order + n), pa.int64()))
