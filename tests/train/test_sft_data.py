@@ -202,3 +202,44 @@ def test_sample_users_deterministic():
     assert len(set(a)) == 10 and a != S.sample_users(users, 10, seed=1)
     assert S.sample_users(users, None, 0) == users
     assert S.sample_users(users, 1000, 0) == users
+
+
+def _tiny_tok(markers: bool):
+    from gti.config import ModelConfig
+    from gti.lm import models, vocab
+    from gti.sid.codec import SidCodec
+
+    tok = models.build_tiny_tokenizer()
+    codec = SidCodec(2, [4, 3])
+    vocab.extend_tokenizer(tok, codec.tokens(), markers=markers)
+    codes = np.array([[i // 3, i % 3] for i in range(12)])
+    ids = codec.token_ids(codes, tok).numpy()
+    return tok, {f"i{k}": ids[k] for k in range(12)}
+
+
+@pytest.mark.parametrize("markers", [False, True])
+def test_make_renderer_with_the_real_templates(markers):
+    from gti.lm import templates as T
+    from gti.lm.vocab import SID_END, SID_START
+
+    tok, sid_ids = _tiny_tok(markers)
+    r = S.make_renderer(tok, sid_ids, "You are a helpful assistant.", max_len=400)
+    eot = T.end_of_turn_ids(tok)
+    ex = r.example(["i1", "i2", "i3"], "i4", 2)
+    wrap = [tok.convert_tokens_to_ids(SID_START), tok.convert_tokens_to_ids(SID_END)] if markers else None
+    sid4 = sid_ids["i4"].tolist()
+    assert ex["answer_ids"] == ([wrap[0], *sid4, wrap[1]] if markers else sid4) + eot
+    expected_prompt = T.render_rec_prompt(
+        tok, [sid_ids[i].tolist() for i in ("i1", "i2", "i3")], T.REC_TEMPLATES[2],
+        "You are a helpful assistant.", **({"sid_wrap": tuple(wrap)} if markers else {}),
+    )
+    assert ex["prompt_ids"] == expected_prompt
+    # The rendered text shows the SIDs verbatim, in order, inside the third template.
+    text = tok.decode(ex["input_ids"])
+    assert "what to recommend to the user next?" in text
+    assert text.index("<a_0><b_1>") < text.index("<a_0><b_2>") < text.index("<a_1><b_0>")
+    # Evaluation prompts use the first template and, with markers, end with <sid_start>.
+    p, kept = r.prompt(["i1", "i2"])
+    assert kept == 2 and "in chronological order" in tok.decode(p)
+    assert (p[-1] == wrap[0]) if markers else (p == T.render_rec_prompt(
+        tok, [sid_ids["i1"].tolist(), sid_ids["i2"].tolist()], T.REC_TEMPLATES[0], "You are a helpful assistant."))

@@ -34,16 +34,10 @@ import polars as pl
 
 from gti.config import ConfigError
 from gti.errors import DataError
+from gti.lm import templates as _templates
 
-# The three retrieval templates of the paper (issue 5); {history} is replaced by the SIDs.
-REC_TEMPLATES: tuple[str, ...] = (
-    "The user has interacted with items {history} in chronological order. "
-    "Can you predict the next possible item that the user may expect?",
-    "Based on the items that the user has interacted with: {history}, "
-    "can you determine what item would be recommended to the user next?",
-    "Here is the item interaction history of the user: {history}, "
-    "what to recommend to the user next?",
-)
+# The paper's three retrieval templates (issue 5), defined once in gti.lm.templates.
+REC_TEMPLATES: tuple[str, ...] = _templates.REC_TEMPLATES
 SEQ_TASK = "seqrec"
 IGNORE = -100
 ROW_COLUMNS = ("task", "input_ids", "labels", "prompt_ids", "answer_ids")
@@ -146,9 +140,7 @@ RenderFn = Callable[[Any, list[list[int]], str, str], list[int]]
 
 
 def _default_render() -> RenderFn:
-    from gti.lm.templates import render_rec_prompt
-
-    return render_rec_prompt
+    return _templates.render_rec_prompt
 
 
 @dataclass
@@ -158,7 +150,10 @@ class RecRenderer:
     `sid_ids` maps item_id -> int[L] SID token ids; `eot_ids` are the ids that close the
     assistant turn (appended to the answer so the model learns to stop). `render` is
     `render_rec_prompt(tokenizer, history_sid_ids, template, system_prompt) -> prompt ids`
-    (up to and including the assistant header).
+    (up to and including the assistant header). `sid_wrap` = (<sid_start>, <sid_end>) ids when
+    the vocabulary has SID markers: history SIDs are wrapped, the answer is
+    [<sid_start>, SID, <sid_end>, eot], and an evaluation prompt ends with <sid_start> so that
+    decoding starts at the first SID token.
     """
 
     tokenizer: Any
@@ -168,6 +163,19 @@ class RecRenderer:
     eot_ids: list[int]
     templates: Sequence[str] = REC_TEMPLATES
     render: RenderFn = field(default_factory=_default_render)
+    sid_wrap: tuple[int, int] | None = None
+
+    def _render(self, hist: list[list[int]], template: str) -> list[int]:
+        if self.sid_wrap is None:
+            return list(self.render(self.tokenizer, hist, template, self.system_prompt))
+        return list(self.render(self.tokenizer, hist, template, self.system_prompt, sid_wrap=self.sid_wrap))
+
+    def answer_ids(self, target: str) -> list[int]:
+        """SID ids of `target` (wrapped in markers if any) + end of turn."""
+        sid = self.sid_ids[target].tolist()
+        if self.sid_wrap is not None:
+            sid = [self.sid_wrap[0], *sid, self.sid_wrap[1]]
+        return sid + list(self.eot_ids)
 
     def _prompt(self, history: Sequence[str], template: str, budget: int) -> tuple[list[int], int]:
         """Prompt ids with as many of the newest history items as fit in `budget` tokens.
@@ -176,7 +184,7 @@ class RecRenderer:
         hist = [self.sid_ids[i].tolist() for i in history]
 
         def render(k: int) -> list[int]:
-            return list(self.render(self.tokenizer, hist[len(hist) - k :], template, self.system_prompt))
+            return self._render(hist[len(hist) - k :], template)
 
         ids = render(len(hist))
         if len(ids) <= budget:  # the common case: one render
@@ -198,13 +206,17 @@ class RecRenderer:
         return best
 
     def prompt(self, history: Sequence[str], template_idx: int = 0) -> tuple[list[int], int]:
-        """Evaluation prompt: ids leaving room for one SID answer + end of turn."""
-        answer_len = len(next(iter(self.sid_ids.values()))) + len(self.eot_ids)
-        return self._prompt(history, self.templates[template_idx], self.max_len - answer_len)
+        """Evaluation prompt: ids leaving room for one SID answer + end of turn (ending with
+        <sid_start> when the vocabulary has markers). Returns (ids, history items kept)."""
+        answer_len = len(self.answer_ids(next(iter(self.sid_ids))))
+        ids, kept = self._prompt(history, self.templates[template_idx], self.max_len - answer_len)
+        if self.sid_wrap is not None:
+            ids = ids + [self.sid_wrap[0]]
+        return ids, kept
 
     def example(self, history: Sequence[str], target: str, template_idx: int) -> dict[str, Any]:
         """One training row: input_ids = prompt + answer, labels = -100 on the prompt."""
-        answer = self.sid_ids[target].tolist() + list(self.eot_ids)
+        answer = self.answer_ids(target)
         prompt, kept = self._prompt(history, self.templates[template_idx], self.max_len - len(answer))
         return {
             "task": SEQ_TASK,
@@ -285,3 +297,21 @@ def multitask_mix(
     mixed = mixed[rng.permutation(mixed.height)]
     tasks = dict(mixed.group_by("task").len().sort("task").iter_rows())
     return mixed, MixStats(seq_rows.height, n_avail, n_long, n_used, tasks)
+
+
+def make_renderer(
+    tokenizer: Any, sid_ids: dict[str, np.ndarray], system_prompt: str, max_len: int,
+    templates: Sequence[str] = REC_TEMPLATES,
+) -> RecRenderer:
+    """A `RecRenderer` wired to `gti.lm.templates` (chat-template rendering, end-of-turn ids).
+
+    SID markers are used iff the tokenizer has them (`model.sid_markers` added them)."""
+    from gti.lm.vocab import SID_END, SID_START
+
+    vocab = tokenizer.get_vocab()
+    wrap = (vocab[SID_START], vocab[SID_END]) if SID_START in vocab and SID_END in vocab else None
+    return RecRenderer(
+        tokenizer=tokenizer, sid_ids=sid_ids, system_prompt=system_prompt, max_len=max_len,
+        eot_ids=list(_templates.end_of_turn_ids(tokenizer)), templates=templates,
+        render=_templates.render_rec_prompt, sid_wrap=wrap,
+    )
