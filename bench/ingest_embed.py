@@ -72,7 +72,8 @@ def _run_size(n_items: int, workdir: Path, batch_size: int) -> dict:
            "--batch-size", str(batch_size)]
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", DS_ACCELERATOR="cpu")
     env.pop("RAY_ADDRESS", None)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
+    errlog = open(workdir / f"worker_{n_items}.log", "w+")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=errlog, env=env, text=True)
     ps = psutil.Process(proc.pid)
     peak = {"tree": 0, "driver": 0}
     stop = threading.Event()
@@ -90,7 +91,9 @@ def _run_size(n_items: int, workdir: Path, batch_size: int) -> dict:
     stop.set()
     th.join()
     if proc.returncode != 0:
-        raise SystemExit(f"worker for {n_items} items failed (rc {proc.returncode}): {out[-2000:]}")
+        errlog.seek(0)
+        raise SystemExit(f"worker for {n_items} items failed (rc {proc.returncode}): {errlog.read()[-3000:]}")
+    errlog.close()
     res = json.loads(out.strip().splitlines()[-1])
     res.update(items=n_items, synth_s=round(gen_s, 2), peak_tree_mb=round(peak["tree"] / 2**20, 1),
                peak_driver_mb=round(peak["driver"] / 2**20, 1))

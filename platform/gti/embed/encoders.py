@@ -56,40 +56,47 @@ def l2_normalise(x: np.ndarray) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------- hash
+class _BucketCache(dict):
+    """token -> signed bucket code ((bucket + 1) * sign), computed on first sight.
+
+    A dict subclass so the hot loop is `map(cache.__getitem__, tokens)` in C; only unseen
+    tokens reach Python (`__missing__`). Cleared past 1M entries to bound memory."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.dim = dim
+
+    def __missing__(self, tok: str) -> int:
+        h = zlib.crc32(tok.encode("utf-8"))
+        # Low bits choose the bucket, bit 31 the sign.
+        code = (h % self.dim + 1) * (1 if h >> 31 else -1)
+        if len(self) >= 1_000_000:
+            self.clear()
+        self[tok] = code
+        return code
+
+
 class HashEncoder:
-    """Signed feature hashing of lower-cased word unigrams and bigrams (+ the word count of an
-    empty text is 0, giving a zero vector). Output float32 [N, dim], L2-normalised."""
+    """Signed feature hashing of lower-cased word unigrams and bigrams; an empty text gives a
+    zero vector. Output float32 [N, dim], L2-normalised."""
 
     name = "hash"
 
     def __init__(self, dim: int) -> None:
         self.dim = dim
-        self._cache: dict[str, tuple[int, float]] = {}
-
-    def _bucket(self, tok: str) -> tuple[int, float]:
-        hit = self._cache.get(tok)
-        if hit is None:
-            h = zlib.crc32(tok.encode("utf-8"))
-            # Low bits choose the bucket, bit 31 the sign (independent enough for our use).
-            hit = (h % self.dim, 1.0 if h >> 31 else -1.0)
-            if len(self._cache) < 1_000_000:
-                self._cache[tok] = hit
-        return hit
+        self._cache = _BucketCache(dim)
 
     def encode(self, texts: list[str]) -> np.ndarray:
-        rows, cols, vals = [], [], []
-        for i, text in enumerate(texts):
+        lens, tokens = [], []
+        for text in texts:
             words = _WORD.findall(text.lower())
             toks = words + [a + " " + b for a, b in zip(words, words[1:])]
-            for t in toks:
-                c, s = self._bucket(t)
-                rows.append(i)
-                cols.append(c)
-                vals.append(s)
-        flat = np.zeros(len(texts) * self.dim, dtype=np.float64)
-        if rows:
-            idx = np.asarray(rows, dtype=np.int64) * self.dim + np.asarray(cols, dtype=np.int64)
-            flat += np.bincount(idx, weights=np.asarray(vals), minlength=flat.size)
+            lens.append(len(toks))
+            tokens.extend(toks)
+        codes = np.fromiter(map(self._cache.__getitem__, tokens), dtype=np.int64, count=len(tokens))
+        rows = np.repeat(np.arange(len(texts), dtype=np.int64), lens)
+        idx = rows * self.dim + (np.abs(codes) - 1)
+        flat = np.bincount(idx, weights=np.sign(codes).astype(np.float64), minlength=len(texts) * self.dim)
         return l2_normalise(flat.reshape(len(texts), self.dim))
 
 
