@@ -27,7 +27,7 @@ import ast
 import glob as globlib
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import pyarrow as pa
@@ -160,7 +160,6 @@ class ReadTask:
     row_groups: list[int] | None = None
     first_row: int = 0
     rows: int | None = None  # known for parquet
-    meta: dict = field(default_factory=dict)
 
 
 def plan_tasks(files: list[str], fmt: str, rows_per_task: int = 200_000) -> list[ReadTask]:
@@ -173,7 +172,7 @@ def plan_tasks(files: list[str], fmt: str, rows_per_task: int = 200_000) -> list
             tasks.append(ReadTask(f, concrete))
             continue
         md = _parquet_file(f).metadata
-        start, groups, rows, first = 0, [], 0, 0
+        groups, rows, first = [], 0, 0
         for rg in range(md.num_row_groups):
             groups.append(rg)
             rows += md.row_group(rg).num_rows
@@ -183,7 +182,6 @@ def plan_tasks(files: list[str], fmt: str, rows_per_task: int = 200_000) -> list
                 groups, rows = [], 0
         if groups or md.num_row_groups == 0:
             tasks.append(ReadTask(f, "parquet", groups, first, rows))
-        del start
     return tasks
 
 
