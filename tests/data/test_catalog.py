@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime
+
 import pytest
 
 from gti.data import catalog as C
@@ -73,6 +75,7 @@ def test_check_item_ok_and_pseudo_and_no_text():
         (5, 5), (0, 0), (-1, None), (3.0, 3), (3.5, None), (float("nan"), None), ("17", 17),
         ("17.0", 17), ("-4", None), ("1970-01-01T00:00:10", 10), ("1969-12-31", None),
         ("yesterday", None), (None, None), (True, None), (b"\xff", None),
+        (datetime.date(1970, 1, 2), 86400), (datetime.datetime(1970, 1, 1, 0, 1), 60),
     ],
 )
 def test_parse_ts(raw, expected):

@@ -30,7 +30,7 @@ import json
 import math
 import re
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import date, datetime, time, timezone
 from typing import Any
 
 import pyarrow as pa
@@ -164,6 +164,8 @@ def parse_ts(value: Any) -> int | None:
         if math.isinf(value) or not value.is_integer() or value < 0:
             return None
         return int(value)
+    if isinstance(value, date) and not isinstance(value, datetime):
+        value = datetime.combine(value, time())  # a date column: midnight UTC
     if isinstance(value, datetime):
         dt = value if value.tzinfo else value.replace(tzinfo=timezone.utc)
         ts = int(dt.timestamp())
