@@ -291,8 +291,13 @@ def sweep(cfg: C.RunConfig, raw: dict[str, Any] | None = None, echo=_echo) -> di
     base_raw["run_dir"] = str(run_dir)
     params = parse_search_space(cfg.tune.search_space, cfg)
     keys = [p.key for p in params]
-    if cfg.tune.objective == "grounding" and not cfg.ground.enabled:
-        raise C.ConfigError("tune.objective grounding needs ground.enabled: true")
+    if not cfg.ground.enabled:
+        raise C.ConfigError("gti tune searches the grounding stage: it needs ground.enabled: true")
+    if cfg.tune.objective == "sft" and "@" not in cfg.tune.metric:
+        raise C.ConfigError(
+            f"tune.metric '{cfg.tune.metric}' is not an evaluation metric; with tune.objective sft "
+            "use one such as recall@10 or ndcg@10 (on the valid split)"
+        )
 
     echo(f"upstream stages up to '{_upstream_of_ground()}'")
     pipeline.run(cfg, to_stage=_upstream_of_ground())
