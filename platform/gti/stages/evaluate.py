@@ -1,0 +1,266 @@
+"""Stage `evaluate`: leave-one-out metrics of the SFT model with constrained beam search.
+
+What it is for: for the valid and test splits (`eval.splits`) of a deterministic sample of
+users (`eval.max_users`, seeded), render each user's history prompt (the first retrieval
+template, as in training), decode the top-K items with `gti.eval.decode.constrained_beam_search`
+over the catalog's SID trie, and score them against the held-out item.
+
+- Decoding runs in a Ray Data actor pool (`eval.concurrency` actors, `eval.num_gpus` GPUs each,
+  `eval.batch_users` users per call). Every actor loads the exported SFT model folder once
+  and checks its `gti_meta.json` `sid_map_hash` against the `sid` stage's: a model trained on
+  another SID map is refused with a one-line StaleSidMapError (the check also runs on the
+  driver before any actor starts).
+- Metrics: Recall/NDCG/Precision@K for K in `eval.ks` with bootstrap CIs over users
+  (`gti.eval.metrics`), plus MostPop and first-order Markov reference rows
+  (`gti.eval.baselines`) fitted on the same split's training data (valid: train items; test:
+  train items + valid item) and scored on the same users. The invalid-SID rate is reported
+  (0 by construction when `eval.constrained`).
+- Outputs: metrics.json (layout in docs/ARCHITECTURE.md, with per-user values for paired
+  bootstrap CIs in the report), recs.parquet (user_id, split, target, items list<str> best
+  first, scores list<float32>), and a table printed at the end.
+
+What it does not know: how the model was trained, how beams are searched (`gti.eval.decode`),
+or how metrics are defined (`gti.eval.metrics`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+
+from gti import config as C
+from gti.errors import DataError
+from gti.manifest import atomic_write_json
+from gti.pipeline import StageContext, StageResult
+from gti.train import sft_data
+
+METRICS_FILE = "metrics.json"
+RECS_FILE = "recs.parquet"
+
+
+# --------------------------------------------------------------------------- the actor
+class Recommender:
+    """`map_batches` callable class: rows (user_id, split, history, target) -> top-K items.
+
+    Loads the model folder once per actor (fp32 on CPU, bf16 on GPU), refuses a stale SID map,
+    and renders prompts itself so the driver never tokenises the user base."""
+
+    def __init__(self, model_dir: str, sid_map_path: str, sid_facts: dict, run_config: dict) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from gti.eval.decode import override_generation_config
+        from gti.sid.codec import SidCodec
+        from gti.sid.trie import SidTrie
+        from gti.eval.recommend import check_sid_map_hash
+
+        cfg = C.validate(run_config, "<evaluate worker config>")
+        self.ec = cfg.eval
+        check_sid_map_hash(Path(model_dir), sid_facts["sid_map_hash"])
+        self.device = torch.device("cuda" if self.ec.num_gpus > 0 and torch.cuda.is_available() else "cpu")
+        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        trc = cfg.model.trust_remote_code
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trc)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_dir, use_safetensors=True, trust_remote_code=trc, dtype=dtype
+        ).to(self.device).eval()
+        override_generation_config(self.model)
+        tok = self.tokenizer
+        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        sid_map = pl.read_parquet(sid_map_path)
+        sid_ids = sft_data.sid_id_table(sid_map, SidCodec.from_facts(sid_facts), tok)
+        self.item_ids = sid_map["item_id"].to_list()
+        mat = torch.from_numpy(np.stack([sid_ids[i] for i in self.item_ids]))
+        self.levels = int(mat.shape[1])
+        self.trie = SidTrie(mat, int(mat.min()), int(mat.max()) + 1).to(self.device)
+        self.renderer = sft_data.make_renderer(tok, sid_ids, cfg.pairs.system_prompt, cfg.sft.max_len)
+        self.k = max(self.ec.ks)
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        from gti.eval.decode import constrained_beam_search
+
+        cols = {c: batch.column(c).to_pylist() for c in ("user_id", "split", "history", "target")}
+        prompts = self.renderer.render_prompts(cols)["prompt_ids"]
+        res = constrained_beam_search(
+            self.model, prompts, self.trie, beam_width=self.ec.beam_width, k=self.k,
+            levels=self.levels, pad_id=self.pad_id, constrained=self.ec.constrained,
+            batch_users=self.ec.batch_users,
+        )
+        rows = res.items.tolist()
+        scores = res.scores.float().tolist()
+        items = [[self.item_ids[r] for r in row if r >= 0] for row in rows]
+        scores = [[s for r, s in zip(row, sc) if r >= 0] for row, sc in zip(rows, scores)]
+        # Invalid beams per user are not in DecodeResult; the batch totals go on the first row.
+        n = len(rows)
+        n_ret = [0] * n
+        n_inv = [0] * n
+        if n:
+            n_ret[0], n_inv[0] = res.n_returned, res.n_invalid
+        return pa.table({
+            "user_id": cols["user_id"],
+            "split": cols["split"],
+            "target": cols["target"],
+            "items": pa.array(items, type=pa.list_(pa.string())),
+            "scores": pa.array(scores, type=pa.list_(pa.float32())),
+            "n_returned": pa.array(n_ret, type=pa.int64()),
+            "n_invalid": pa.array(n_inv, type=pa.int64()),
+        })
+
+
+# --------------------------------------------------------------------------- helpers
+def eval_users(seqs: pl.DataFrame, max_users: int | None, seed: int) -> list[str]:
+    """The deterministic user sample shared by every split (all users when max_users is None)."""
+    return sft_data.sample_users(seqs["user_id"].to_list(), max_users, seed)
+
+
+def split_frame(seqs: pl.DataFrame, split: str, users: list[str], max_history: int) -> pl.DataFrame:
+    w = sft_data.eval_windows(seqs, split, max_history)
+    return w.filter(pl.col("user_id").is_in(users))
+
+
+def split_train_sequences(seqs: pl.DataFrame, split: str) -> list[list[str]]:
+    """Per-user chronological sequences the baselines may learn from for `split`."""
+    if split == "valid":
+        return seqs["train_items"].to_list()
+    return [t + [v] for t, v in zip(seqs["train_items"].to_list(), seqs["valid_item"].to_list())]
+
+
+def metric_block(ranked: list[list[str]], targets: list[str], ks: list[int], n_boot: int, seed: int):
+    """({metric@k: {"value", "ci"}}, {metric@k: per-user values}) for ranked lists."""
+    from gti.eval import metrics as M
+
+    return M.metrics_table(ranked, targets, ks, n_boot=n_boot, seed=seed, return_per_user=True)
+
+
+def baseline_rows(seqs: pl.DataFrame, split: str, frame: pl.DataFrame, ks: list[int],
+                  n_boot: int, seed: int, catalog: list[str]) -> dict[str, dict]:
+    """MostPop and Markov metrics on `frame` (same users), fitted on the split's training data."""
+    from gti.eval import baselines as B
+
+    train = split_train_sequences(seqs, split)
+    histories = frame["history"].to_list()
+    targets = frame["target"].to_list()
+    k = max(ks)
+    out = {}
+    for name, model in (("mostpop", B.MostPop(catalog)), ("markov", B.Markov(catalog))):
+        model.fit(train)
+        ranked = model.recommend(histories, k)
+        out[name], _ = metric_block(ranked, targets, ks, n_boot, seed)
+    return out
+
+
+def format_table(metrics: dict[str, Any], ks: list[int]) -> str:
+    """A plain-text table: one row per (split, model), one column per metric@k."""
+    from gti.eval import metrics as M
+
+    rows: dict[str, dict] = {}
+    for split, vals in metrics["splits"].items():
+        rows[f"{split}/sft"] = vals
+        for b in metrics["baselines"]:
+            rows[f"{split}/{b}"] = metrics["baselines"][b][split]
+    cols = [f"{m}@{k}" for m in M.METRICS for k in ks]
+    return M.format_table(rows, cols) + (
+        f"\ninvalid SID rate: {metrics['invalid_sid_rate']:.4f}   users: "
+        + ", ".join(f"{s}={n}" for s, n in metrics["n_users"].items())
+    )
+
+
+# --------------------------------------------------------------------------- stage entry
+def run(ctx: StageContext) -> StageResult:
+    import ray
+
+    from gti.stages._ray import ensure_ray
+    from gti.eval.recommend import check_sid_map_hash
+
+    cfg, ec = ctx.cfg, ctx.cfg.eval
+    sid_facts = ctx.manifest("sid").facts
+    model_dir = ctx.input("sft", "model")
+    # Refuse a stale SID map before starting anything.
+    check_sid_map_hash(model_dir, sid_facts["sid_map_hash"])
+    sid_map_path = ctx.input("sid", "sid_map")
+    catalog = pl.read_parquet(sid_map_path, columns=["item_id"])["item_id"].to_list()
+    if max(ec.ks) > len(catalog):
+        raise C.ConfigError(f"eval.ks {ec.ks}: K={max(ec.ks)} exceeds the catalog of {len(catalog)} items")
+    seq_path = ctx.input("ingest", "sequences")
+    seqs = pl.read_parquet(seq_path)
+    sft_data.check_sequences(seqs, str(seq_path))
+    users = eval_users(seqs, ec.max_users, cfg.seed)
+    frames = {s: split_frame(seqs, s, users, cfg.data.max_history) for s in ec.splits}
+    rows = pl.concat([frames[s] for s in ec.splits])
+    ctx.log(
+        f"{len(users):,} users x splits {list(ec.splits)}: beam {ec.beam_width}, K {ec.ks}, "
+        f"{'constrained' if ec.constrained else 'UNCONSTRAINED'}, {ec.concurrency} actor(s), "
+        f"{ec.num_gpus} GPU(s) each"
+    )
+
+    ensure_ray(cfg)
+    ray.data.DataContext.get_current().execution_options.preserve_order = True
+    ds = ray.data.from_arrow(rows.to_arrow()).map_batches(
+        Recommender,
+        fn_constructor_kwargs=dict(
+            model_dir=str(model_dir), sid_map_path=str(sid_map_path), sid_facts=sid_facts,
+            run_config=cfg.model_dump(mode="json"),
+        ),
+        batch_size=ec.batch_users,
+        batch_format="pyarrow",
+        concurrency=ec.concurrency,
+        num_gpus=ec.num_gpus or None,
+    )
+    t0 = last = time.time()
+    parts, done = [], 0
+    for block in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+        block = block if isinstance(block, pa.Table) else pa.Table.from_batches([block])
+        parts.append(block)
+        done += block.num_rows
+        if time.time() - last > 10:
+            last = time.time()
+            ctx.log(f"{done:,}/{rows.height:,} prompts decoded ({done / (last - t0):.2f} users/s)")
+    recs = pl.from_arrow(pa.concat_tables(parts)) if parts else None
+    if recs is None or recs.height != rows.height:
+        raise DataError(f"evaluate: decoded {0 if recs is None else recs.height} of {rows.height} prompts")
+    elapsed = time.time() - t0
+    ctx.log(f"decoded {recs.height:,} prompts in {elapsed:.1f}s ({recs.height / max(elapsed, 1e-9):.2f} users/s)")
+
+    n_returned, n_invalid = int(recs["n_returned"].sum()), int(recs["n_invalid"].sum())
+    invalid_rate = n_invalid / n_returned if n_returned else 0.0
+    out: dict[str, Any] = {
+        "splits": {}, "baselines": {"mostpop": {}, "markov": {}},
+        "invalid_sid_rate": invalid_rate, "n_users": {}, "per_user": {},
+        "config": {"beam_width": ec.beam_width, "ks": list(ec.ks), "constrained": ec.constrained,
+                   "bootstrap": ec.bootstrap, "max_users": ec.max_users},
+    }
+    for split in ec.splits:
+        part = recs.filter(pl.col("split") == split)
+        summary, per_user = metric_block(
+            part["items"].to_list(), part["target"].to_list(), list(ec.ks), ec.bootstrap, cfg.seed
+        )
+        out["splits"][split] = summary
+        out["n_users"][split] = part.height
+        out["per_user"][split] = {"user_ids": part["user_id"].to_list(), **per_user}
+        for name, vals in baseline_rows(
+            seqs, split, frames[split], list(ec.ks), ec.bootstrap, cfg.seed, catalog
+        ).items():
+            out["baselines"][name][split] = vals
+    atomic_write_json(ctx.work_dir / METRICS_FILE, out)
+    recs.select("user_id", "split", "target", "items", "scores").write_parquet(ctx.work_dir / RECS_FILE)
+
+    table = format_table(out, list(ec.ks))
+    for line in table.splitlines():
+        ctx.log(line)
+    return StageResult(
+        outputs={"metrics": METRICS_FILE, "recommendations": RECS_FILE},
+        facts={
+            "metrics": out["splits"],
+            "baselines": out["baselines"],
+            "invalid_sid_rate": invalid_rate,
+            "n_users": out["n_users"],
+            "users_per_s": round(recs.height / max(elapsed, 1e-9), 3),
+            "sid_map_hash": sid_facts["sid_map_hash"],
+        },
+    )

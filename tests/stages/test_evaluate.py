@@ -1,0 +1,172 @@
+"""Tests of gti/stages/evaluate.py on fixture upstream stages (ingest sequences, a SID map, a
+tiny "SFT" model folder with the SID tokens), written with the names of docs/ARCHITECTURE.md:
+
+- the stage through gti.pipeline.run_stage on a local Ray: metrics.json layout, CIs around the
+  values, per-user values consistent with recs.parquet, baselines on the same users, invalid-SID
+  rate 0 when constrained, the same deterministic user sample for both splits;
+- the decoding actor in-process: constrained output is valid and distinct, unconstrained
+  decoding of a random model reports invalid SIDs;
+- a model trained on another SID map is refused with a one-line error.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import pytest
+import torch
+
+from gti import config, pipeline
+from gti.manifest import Manifest
+
+N_ITEMS, SIZES, HASH = 30, [6, 5], "sidhash-eval"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _manifest(run_dir, stage, outputs, facts):
+    d = run_dir / stage
+    d.mkdir(parents=True, exist_ok=True)
+    Manifest(stage=stage, fingerprint=f"fp-{stage}", config={}, outputs=outputs, facts=facts).write(d)
+    return d
+
+
+def make_upstream(run_dir, n_users: int = 40, seed: int = 0):
+    """ingest + sid + sft outputs; the model is a random tiny Llama with noise SID rows."""
+    from gti.lm import models, vocab
+    from gti.sid.codec import SidCodec
+
+    rng = np.random.default_rng(seed)
+    items = [f"it{i}" for i in range(N_ITEMS)]
+    rows = []
+    for u in range(n_users):
+        seq = [items[int(j)] for j in rng.integers(0, N_ITEMS, int(rng.integers(3, 8)) + 2)]
+        rows.append({"user_id": f"u{u}", "train_items": seq[:-2], "valid_item": seq[-2], "test_item": seq[-1]})
+    d = _manifest(run_dir, "ingest", {"sequences": "sequences.parquet"}, {"n_users": n_users})
+    pl.DataFrame(rows).write_parquet(d / "sequences.parquet")
+
+    codec = SidCodec(2, SIZES)
+    codes = [[i // SIZES[1], i % SIZES[1]] for i in range(N_ITEMS)]
+    facts = {"levels": 2, "codebook_sizes": SIZES, "token_format": "<{level}_{code}>",
+             "new_tokens": codec.tokens(), "sid_map_hash": HASH, "n_items": N_ITEMS}
+    d = _manifest(run_dir, "sid", {"sid_map": "sid_map.parquet"}, facts)
+    pl.DataFrame(
+        {"item_id": items, "codes": codes, "sid": [codec.to_string(c) for c in codes]},
+        schema={"item_id": pl.Utf8, "codes": pl.List(pl.Int32), "sid": pl.Utf8},
+    ).write_parquet(d / "sid_map.parquet")
+
+    model, tok = models.build_tiny(config.ModelConfig(name="tiny"), seed=seed)
+    first, end = vocab.extend_tokenizer(tok, codec.tokens())
+    model.resize_token_embeddings(end, mean_resizing=False)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(seed)
+        model.get_input_embeddings().weight[first:end] = torch.randn(end - first, model.config.hidden_size, generator=g)
+    d = _manifest(run_dir, "sft", {"model": "model"}, {"sid_map_hash": HASH})
+    vocab.export_model(model, tok, d / "model", {"sid_map_hash": HASH})
+    return items
+
+
+def eval_cfg(run_dir, *overrides):
+    return config.load(
+        ROOT / "jobs" / "configs" / "tiny.yaml",
+        [f"run_dir={run_dir}", "eval.max_users=12", "eval.beam_width=6", "eval.ks=[1,5]",
+         "eval.bootstrap=50", "eval.batch_users=5", "sft.max_len=160", *overrides],
+    )
+
+
+@pytest.fixture(scope="module")
+def eval_run(tmp_path_factory, ray_start_4_cpus):
+    run_dir = tmp_path_factory.mktemp("eval") / "run"
+    items = make_upstream(run_dir)
+    cfg = eval_cfg(run_dir)
+    m = pipeline.run_stage(pipeline.spec("evaluate"), cfg, run_dir)
+    return run_dir, cfg, m, items
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_evaluate_writes_metrics_recs_and_baselines(eval_run):
+    run_dir, cfg, m, items = eval_run
+    out = run_dir / "evaluate"
+    metrics = json.loads((out / "metrics.json").read_text())
+    names = [f"{n}@{k}" for n in ("recall", "ndcg", "precision") for k in (1, 5)]
+    assert set(metrics["splits"]) == {"valid", "test"}
+    assert metrics["n_users"] == {"valid": 12, "test": 12}
+    assert metrics["invalid_sid_rate"] == 0.0
+    for split in ("valid", "test"):
+        table = metrics["splits"][split]
+        assert sorted(table) == sorted(names)
+        for cell in table.values():
+            lo, hi = cell["ci"]
+            assert lo <= cell["value"] <= hi
+        for base in ("mostpop", "markov"):
+            assert sorted(metrics["baselines"][base][split]) == sorted(names)
+        per = metrics["per_user"][split]
+        assert len(per["user_ids"]) == 12
+        assert np.mean(per["recall@5"]) == pytest.approx(table["recall@5"]["value"])
+    # The same deterministic user sample in both splits.
+    assert metrics["per_user"]["valid"]["user_ids"] == metrics["per_user"]["test"]["user_ids"]
+
+    recs = pl.read_parquet(out / "recs.parquet")
+    assert recs.columns == ["user_id", "split", "target", "items", "scores"]
+    assert recs.height == 24
+    seqs = pl.read_parquet(run_dir / "ingest" / "sequences.parquet")
+    truth = {("valid", u): v for u, v in zip(seqs["user_id"], seqs["valid_item"])}
+    truth |= {("test", u): t for u, t in zip(seqs["user_id"], seqs["test_item"])}
+    for split, user, target, lst, scores in recs.iter_rows():
+        assert target == truth[(split, user)]
+        assert len(lst) == 5 and len(set(lst)) == 5 and set(lst) <= set(items)
+        assert scores == sorted(scores, reverse=True)
+    # recall@5 per user == target among the recommended items
+    for split in ("valid", "test"):
+        part = recs.filter(pl.col("split") == split)
+        hits = [float(t in lst) for t, lst in zip(part["target"], part["items"])]
+        assert hits == metrics["per_user"][split]["recall@5"]
+    assert m.facts["invalid_sid_rate"] == 0.0 and m.facts["sid_map_hash"] == HASH
+
+
+def _actor(run_dir, cfg):
+    from gti.stages.evaluate import Recommender
+
+    return Recommender(
+        model_dir=str(run_dir / "sft" / "model"), sid_map_path=str(run_dir / "sid" / "sid_map.parquet"),
+        sid_facts=Manifest.read(run_dir / "sid").facts, run_config=cfg.model_dump(mode="json"),
+    )
+
+
+@pytest.mark.slow
+def test_decoding_actor_constrained_vs_unconstrained(tmp_path):
+    run_dir = tmp_path / "run"
+    items = make_upstream(run_dir, n_users=8)
+    seqs = pl.read_parquet(run_dir / "ingest" / "sequences.parquet")
+    batch = pa.table({
+        "user_id": seqs["user_id"].to_list(),
+        "split": ["valid"] * seqs.height,
+        "history": seqs["train_items"].to_list(),
+        "target": seqs["valid_item"].to_list(),
+    })
+    out = _actor(run_dir, eval_cfg(run_dir)).__call__(batch)
+    assert out.num_rows == 8
+    assert sum(out.column("n_invalid").to_pylist()) == 0
+    assert sum(out.column("n_returned").to_pylist()) == 8 * 5
+    assert all(len(x) == 5 and set(x) <= set(items) for x in out.column("items").to_pylist())
+    free = _actor(run_dir, eval_cfg(run_dir, "eval.constrained=false")).__call__(batch)
+    n_ret, n_inv = sum(free.column("n_returned").to_pylist()), sum(free.column("n_invalid").to_pylist())
+    # A random model decoding over the whole vocabulary rarely spells a catalog SID.
+    assert n_ret == 8 * 5 and n_inv / n_ret > 0.5
+
+
+def test_stale_sid_map_is_refused(tmp_path):
+    from gti.eval.recommend import StaleSidMapError
+
+    run_dir = tmp_path / "run"
+    _manifest(run_dir, "ingest", {"sequences": "sequences.parquet"}, {})
+    _manifest(run_dir, "sid", {"sid_map": "sid_map.parquet"}, {"sid_map_hash": HASH})
+    d = _manifest(run_dir, "sft", {"model": "model"}, {})
+    (d / "model").mkdir()
+    (d / "model" / "gti_meta.json").write_text(json.dumps({"sid_map_hash": "trained-on-another-map"}))
+    with pytest.raises(StaleSidMapError, match="stale SID map"):
+        pipeline.run_stage(pipeline.spec("evaluate"), eval_cfg(run_dir), run_dir)

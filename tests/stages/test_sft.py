@@ -1,0 +1,210 @@
+"""Tests of gti/stages/sft.py on fixture upstream stages (ingest sequences, a SID map, an
+extended tiny tokenizer, a tiny "grounded" model), written with the names of
+docs/ARCHITECTURE.md and run through gti.pipeline.run_stage:
+
+- 2 Ray Train workers with DeepSpeed ZeRO-2 on CPU lower the loss, the exported folder loads
+  with plain transformers and carries sid_map_hash, e_new has the new-row shape;
+- a worker killed once mid-run (FailureConfig max_failures=1) resumes from the latest
+  checkpoint, finishes, and ends with the same weights as the uninterrupted run;
+- a stale SID map and impossible LoRA settings give one-line errors.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pytest
+import torch
+
+from gti import config, pipeline
+from gti.manifest import Manifest
+
+N_ITEMS, SIZES, HASH = 24, [6, 4], "sidhash-test"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _manifest(run_dir, stage, outputs, facts):
+    d = run_dir / stage
+    d.mkdir(parents=True, exist_ok=True)
+    Manifest(stage=stage, fingerprint=f"fp-{stage}", config={}, outputs=outputs, facts=facts).write(d)
+    return d
+
+
+def make_upstream(run_dir, n_users: int = 48, seed: int = 0, model_hash: str = HASH):
+    """Fixture ingest/sid/pairs/ground outputs. Users walk the catalog in steps of +1, so the
+    next item is learnable from the history (the loss must fall)."""
+    from gti.lm import models, vocab
+    from gti.sid.codec import SidCodec
+
+    rng = np.random.default_rng(seed)
+    items = [f"it{i}" for i in range(N_ITEMS)]
+    rows = []
+    for u in range(n_users):
+        start, n = int(rng.integers(0, N_ITEMS)), int(rng.integers(3, 9))
+        walk = [items[(start + j) % N_ITEMS] for j in range(n + 2)]
+        rows.append({"user_id": f"u{u}", "train_items": walk[:n], "valid_item": walk[n], "test_item": walk[n + 1]})
+    d = _manifest(run_dir, "ingest", {"sequences": "sequences.parquet"}, {"n_users": n_users, "n_items": N_ITEMS})
+    pl.DataFrame(rows).write_parquet(d / "sequences.parquet")
+
+    codec = SidCodec(2, SIZES)
+    codes = [[i // SIZES[1], i % SIZES[1]] for i in range(N_ITEMS)]
+    facts = {"levels": 2, "codebook_sizes": SIZES, "token_format": "<{level}_{code}>",
+             "new_tokens": codec.tokens(), "sid_map_hash": HASH, "n_items": N_ITEMS}
+    d = _manifest(run_dir, "sid", {"sid_map": "sid_map.parquet"}, facts)
+    pl.DataFrame(
+        {"item_id": items, "codes": codes, "sid": [codec.to_string(c) for c in codes]},
+        schema={"item_id": pl.Utf8, "codes": pl.List(pl.Int32), "sid": pl.Utf8},
+    ).write_parquet(d / "sid_map.parquet")
+
+    mcfg = config.ModelConfig(name="tiny")
+    model, tok = models.build_tiny(mcfg, seed=seed)
+    first, end = vocab.extend_tokenizer(tok, codec.tokens())
+    d = _manifest(run_dir, "pairs", {"tokenizer": "tokenizer", "pairs": "pairs.parquet"},
+                  {"new_token_ids": [first, end], "sid_map_hash": HASH})
+    tok.save_pretrained(d / "tokenizer")
+    # A few grounding-style pairs (title ids -> SID ids) for the multitask mix.
+    sid_ids = codec.token_ids(torch.tensor(codes), tok).tolist()
+    prs = []
+    for i, it in enumerate(items):
+        prompt = tok.encode(f"Which item has the title: thing {i}?")
+        ans = sid_ids[i] + [tok.eos_token_id]
+        prs.append({"item_id": it, "task": "title2sid", "split": "train" if i % 6 else "val",
+                    "input_ids": prompt + ans, "labels": [-100] * len(prompt) + ans,
+                    "prompt_ids": prompt, "answer_ids": ans})
+    lists = {c: pl.List(pl.Int32) for c in ("input_ids", "labels", "prompt_ids", "answer_ids")}
+    pl.DataFrame(prs, schema_overrides=lists).write_parquet(d / "pairs.parquet")
+
+    model.resize_token_embeddings(end, mean_resizing=False)
+    with torch.no_grad():  # noise-initialised new rows, as after grounding
+        g = torch.Generator().manual_seed(seed)
+        model.get_input_embeddings().weight[first:end] = 0.02 * torch.randn(end - first, model.config.hidden_size, generator=g)
+    d = _manifest(run_dir, "ground", {"model": "model"}, {"sid_map_hash": HASH, "new_token_ids": [first, end]})
+    vocab.export_model(model, tok, d / "model", {"sid_map_hash": model_hash, "new_token_ids": [first, end]})
+    return first, end
+
+
+def sft_cfg(run_dir, *overrides):
+    return config.load(
+        ROOT / "jobs" / "configs" / "tiny.yaml",
+        [f"run_dir={run_dir}", "sft.steps=8", "sft.batch_size=8", "sft.num_workers=2",
+         "sft.checkpoint_every=4", "sft.val_every=4", "sft.val_users=8", "sft.lr=3e-3",
+         "sft.warmup_steps=1", "sft.zero_stage=2", "sft.max_len=160", "eval.beam_width=10", "eval.ks=[5,10]", *overrides],
+    )
+
+
+@pytest.fixture(scope="module")
+def sft_run(tmp_path_factory, ray_start_4_cpus):
+    run_dir = tmp_path_factory.mktemp("sft") / "run"
+    first, end = make_upstream(run_dir)
+    cfg = sft_cfg(run_dir)
+    m = pipeline.run_stage(pipeline.spec("sft"), cfg, run_dir)
+    return run_dir, cfg, m, (first, end)
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_sft_two_workers_deepspeed_lowers_loss_and_exports(sft_run):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    run_dir, cfg, m, (first, end) = sft_run
+    f = m.facts
+    assert f["steps_done"] == 8 and f["num_workers"] == 2 and f["zero_stage"] == 2
+    first_losses = [x["value"] for x in f["loss_history"][:2]]
+    last_losses = [x["value"] for x in f["loss_history"][-2:]]
+    assert np.mean(last_losses) < 0.8 * np.mean(first_losses), f["loss_history"]
+    assert [v["step"] for v in f["val_recall@10"]] == [4, 8]
+    assert all(0.0 <= v["value"] <= 1.0 for v in f["val_recall@10"])
+    assert f["sid_map_hash"] == HASH and f["new_token_ids"] == [first, end]
+    # All parameters trained: tied tiny model -> every parameter once.
+    model = AutoModelForCausalLM.from_pretrained(run_dir / "sft" / "model", use_safetensors=True)
+    assert f["trainable_params"] == sum(p.numel() for p in model.parameters())
+    AutoTokenizer.from_pretrained(run_dir / "sft" / "model")
+    meta = json.loads((run_dir / "sft" / "model" / "gti_meta.json").read_text())
+    assert meta["sid_map_hash"] == HASH
+    e_new = load_file(str(run_dir / "sft" / "e_new_sft.safetensors"))["e_new"]
+    assert e_new.shape == (end - first, model.config.hidden_size)
+    assert torch.equal(e_new, model.get_input_embeddings().weight[first:end].detach().float())
+    # ... and moved away from the grounded rows.
+    ground = AutoModelForCausalLM.from_pretrained(run_dir / "ground" / "model", use_safetensors=True)
+    assert not torch.allclose(e_new, ground.get_input_embeddings().weight[first:end])
+    assert f["n_train_rows"] == f["n_windows"] == f["tasks"]["seqrec"]
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_sft_worker_failure_resumes_from_checkpoint(sft_run, tmp_path):
+    """Worker 1 dies at step 6 (checkpoints every 4 steps); Ray Train restarts the group,
+    which resumes from the step-4 checkpoint (progress shows steps 1-6, then 5-8, never 1
+    again) and ends with the same weights as the uninterrupted run (same seed, same data
+    order, restored optimizer and scheduler state)."""
+    from safetensors.torch import load_file
+
+    from gti.stages import sft
+
+    ref_dir, _, ref, _ = sft_run
+    run_dir = tmp_path / "run"
+    make_upstream(run_dir)
+    cfg = sft_cfg(run_dir, "sft.max_failures=1")
+    s = pipeline.spec("sft")
+    fp, _ = pipeline.fingerprint(s, cfg, run_dir)
+    work = run_dir / ".sft.partial"
+    work.mkdir(parents=True)
+    ctx = pipeline.StageContext(spec=s, cfg=cfg, run_dir=run_dir, work_dir=work, fingerprint=fp)
+    marker = tmp_path / "died"
+    res = sft.run(ctx, fault_injection={"fail_at_step": 6, "fail_rank": 1, "fail_marker": str(marker)})
+    assert marker.exists(), "the fault was never injected"
+    assert res.facts["steps_done"] == 8
+    progress = (work / "ray_train" / "sft.progress.jsonl").read_text().splitlines()
+    steps = [json.loads(x)["step"] for x in progress]
+    assert steps == list(range(1, 7)) + list(range(5, 9)), steps
+    assert [x["step"] for x in res.facts["loss_history"]] == list(range(1, 9))
+    a = load_file(str(work / "e_new_sft.safetensors"))["e_new"]
+    b = load_file(str(ref_dir / "sft" / "e_new_sft.safetensors"))["e_new"]
+    # Same data order and restored optimizer state: equal up to float reduction order.
+    assert torch.allclose(a, b, atol=1e-5, rtol=1e-4), float((a - b).abs().max())
+    assert res.facts["final_loss"] == pytest.approx(ref.facts["final_loss"], rel=1e-4)
+
+
+def test_stale_sid_map_is_refused(tmp_path):
+    """A grounded model whose gti_meta.json names another SID map is refused before any work
+    (only the manifests and the meta file are needed to get there)."""
+    from gti.eval.recommend import StaleSidMapError
+
+    run_dir = tmp_path / "run"
+    _manifest(run_dir, "ingest", {"sequences": "sequences.parquet"}, {})
+    _manifest(run_dir, "sid", {"sid_map": "sid_map.parquet"}, {"sid_map_hash": HASH})
+    _manifest(run_dir, "pairs", {"tokenizer": "tokenizer", "pairs": "pairs.parquet"}, {"new_token_ids": [0, 1]})
+    d = _manifest(run_dir, "ground", {"model": "model"}, {})
+    (d / "model").mkdir()
+    (d / "model" / "gti_meta.json").write_text(json.dumps({"sid_map_hash": "some-other-map"}))
+    with pytest.raises(StaleSidMapError, match="stale SID map"):
+        pipeline.run_stage(pipeline.spec("sft"), sft_cfg(run_dir), run_dir)
+
+
+def test_qlora_without_bitsandbytes_or_gpu_is_a_config_error():
+    from gti.stages import sft
+
+    with pytest.raises(config.ConfigError, match="sft.lora.quantize_4bit"):
+        sft.check_lora_supported(config.SftConfig(lora={"enabled": True, "quantize_4bit": True}))
+    with pytest.raises(config.ConfigError, match="sft.lora.enabled"):
+        sft.check_lora_supported(config.SftConfig(lora={"enabled": False, "quantize_4bit": True}))
+    sft.check_lora_supported(config.SftConfig(lora={"enabled": True}))
+
+
+def test_lora_wrap_trains_adapters_and_embeddings_and_merges_back():
+    """LoRA: adapters on the backbone's linear layers, embedding/head fully trainable; after
+    loading trained tensors and merging, a plain HF model differs from the base."""
+    from gti.lm import models
+    from gti.stages import sft
+
+    base, _ = models.build_tiny(config.ModelConfig(name="tiny"), seed=0)
+    model = sft.wrap_lora(base, config.LoraConfig(enabled=True, r=4, alpha=8))
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert any("lora_A" in n for n in names) and any("embed_tokens" in n for n in names)
+    assert not any("q_proj.base_layer" in n for n in names)
+    n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert n_train < sum(p.numel() for p in model.parameters())
