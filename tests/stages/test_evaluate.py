@@ -116,7 +116,7 @@ def test_evaluate_writes_metrics_recs_and_baselines(eval_run):
     seqs = pl.read_parquet(run_dir / "ingest" / "sequences.parquet")
     truth = {("valid", u): v for u, v in zip(seqs["user_id"], seqs["valid_item"])}
     truth |= {("test", u): t for u, t in zip(seqs["user_id"], seqs["test_item"])}
-    for split, user, target, lst, scores in recs.iter_rows():
+    for user, split, target, lst, scores in recs.iter_rows():
         assert target == truth[(split, user)]
         assert len(lst) == 5 and len(set(lst)) == 5 and set(lst) <= set(items)
         assert scores == sorted(scores, reverse=True)

@@ -209,7 +209,7 @@ def run(ctx: StageContext) -> StageResult:
         ),
         batch_size=ec.batch_users,
         batch_format="pyarrow",
-        concurrency=ec.concurrency,
+        compute=ray.data.ActorPoolStrategy(size=ec.concurrency),
         num_gpus=ec.num_gpus or None,
     )
     t0 = last = time.time()

@@ -281,7 +281,8 @@ def _prepare_data(ctx: StageContext, tokenizer, sid_ids: dict[str, np.ndarray],
             sid_ids=np.stack([sid_ids[i] for i in item_ids]), system_prompt=cfg.pairs.system_prompt,
             max_len=sc.max_len, trust_remote_code=cfg.model.trust_remote_code,
         ),
-        batch_size=512, batch_format="pyarrow", concurrency=cfg.data.parallelism or 1,
+        batch_size=512, batch_format="pyarrow",
+        compute=ray.data.ActorPoolStrategy(size=cfg.data.parallelism or 1),
     )
     parts = collect_blocks(ds)
     rendered = pl.from_arrow(pa.concat_tables(parts))
