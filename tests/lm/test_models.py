@@ -80,3 +80,33 @@ def test_smollm2_converts_once_into_the_cache(tmp_path, monkeypatch):
     assert model.config.vocab_size == 49152 and model.config.hidden_size == 576
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
     assert len(tok) == 49152 and tok.chat_template
+
+
+def test_parallel_resolution_converts_once(tmp_path, monkeypatch):
+    """Workers resolving smollm2 at the same time: one converts under the lock, the others
+    wait and reuse the folder; nobody sees a half-written folder."""
+    import threading
+    import time
+
+    monkeypatch.setenv("GTI_CACHE", str(tmp_path))
+    calls = []
+
+    def fake_convert(gguf, out_dir, log=print):
+        calls.append(out_dir)
+        time.sleep(0.3)
+        tmp = out_dir.parent / ".tmp-fake"
+        tmp.mkdir()
+        (tmp / "config.json").write_text("{}")
+        (tmp / "model.safetensors").write_bytes(b"x")
+        tmp.rename(out_dir)
+
+    monkeypatch.setattr(M, "_smollm2_gguf", lambda: tmp_path / "fake.gguf")
+    monkeypatch.setattr(M, "_convert_gguf", fake_convert)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(M.resolve_model_path(ModelConfig()))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1
+    assert results == [tmp_path / "models" / "smollm2-135m"] * 3
