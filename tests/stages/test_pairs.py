@@ -33,6 +33,16 @@ def test_description_fallbacks():
     assert P.description_text("T", "abcdef", "", "", 3) == ("abc", "description")
 
 
+def test_same_id_order(tmp_path):
+    pq.write_table(pa.table({"item_id": ["a", "b", "c"], "x": [1, 2, 3]}), tmp_path / "a.parquet")
+    pq.write_table(pa.table({"item_id": ["a", "b", "c"]}), tmp_path / "b.parquet", row_group_size=1)
+    pq.write_table(pa.table({"item_id": ["a", "c", "b"]}), tmp_path / "c.parquet")
+    pq.write_table(pa.table({"item_id": ["a", "b"]}), tmp_path / "d.parquet")
+    assert P.same_id_order(tmp_path / "a.parquet", tmp_path / "b.parquet", batch_rows=2)
+    assert not P.same_id_order(tmp_path / "a.parquet", tmp_path / "c.parquet")
+    assert not P.same_id_order(tmp_path / "a.parquet", tmp_path / "d.parquet")
+
+
 def test_read_exclusions(tmp_path):
     assert P.read_exclusions(["a", "b"]) == {"a", "b"}
     f = tmp_path / "ids.txt"
@@ -42,7 +52,7 @@ def test_read_exclusions(tmp_path):
     assert P.read_exclusions([str(tmp_path / "ids.parquet")]) == {"p", "q"}
 
 
-def _fixture_run(tmp_path, overrides=()):
+def _fixture_run(tmp_path, overrides=(), aligned=False):
     run = tmp_path / "run"
     cfg = C.load(None, [f"run_dir={run}", "model.name=tiny", "ray_num_cpus=2", "pairs.max_len=96",
                         "pairs.val_fraction=0.25", *overrides])
@@ -62,7 +72,7 @@ def _fixture_run(tmp_path, overrides=()):
     codes = [[int(i % K), int(i // K % K)] for i in range(N_ITEMS)]
     codes[-1] = [3, 3]
     # sid_map in a different order than items: the stage must join, not zip.
-    order = rng.permutation(N_ITEMS)
+    order = np.arange(N_ITEMS) if aligned else rng.permutation(N_ITEMS)
     pq.write_table(pa.table({
         "item_id": [ids[j] for j in order],
         "codes": pa.array([codes[j] for j in order], type=pa.list_(pa.int32())),
@@ -129,6 +139,12 @@ def test_pairs_stage_end_to_end(tmp_path, ray_start_4_cpus):
     assert df["task"].to_list() == [e["task"] for e in expect]
     assert df["input_ids"].to_list() == [e["input_ids"] for e in expect]
     assert df["labels"].to_list() == [e["labels"] for e in expect]
+    # The row-aligned path (sid_map in catalog order: zip, no shuffle) gives the same rows.
+    cfg2, run2, _ = _fixture_run(tmp_path / "aligned", ["pairs.exclude_items=[it003, nope]"], aligned=True)
+    assert P.same_id_order(run2 / "ingest" / "items.parquet", run2 / "sid" / "sid_map.parquet")
+    _run_stage(cfg2, run2)
+    df2 = pl.read_parquet(run2 / "pairs" / "pairs.parquet")
+    assert df2.sort("item_id", maintain_order=True).equals(df)
 
 
 def test_item_without_sid_is_named(tmp_path):

@@ -6,9 +6,12 @@ What it is for:
    every later stage uses the same ids. The new-token id range comes from the tokenizer; the
    facts also say how many embedding rows the model has, and how many new ids land on padding
    rows of a matrix padded past its tokenizer (Qwen3).
-2. Ray Data: items.parquet LEFT-joined with sid_map.parquet on item_id (an item without a SID
-   is a DataError naming it), sorted by item_id so the output order never depends on
-   scheduling, then `map_batches` with a callable class over an actor pool renders each item's
+2. Ray Data: items.parquet paired with sid_map.parquet. When both list the same ids in the same
+   order (the normal case: sid_map follows embeddings, which follow items; checked by streaming
+   both id columns) a row-aligned `zip` (no shuffle; output in catalog order); otherwise a LEFT
+   hash join on item_id (an item without a SID is a DataError naming it) sorted by item_id so
+   the output order never depends on scheduling. Then `map_batches` with a callable class over
+   an actor pool renders each item's
    tasks through `gti.lm.templates.PairRenderer` (chat template, SID ids from the codec's table,
    answer-only labels, text cut to `pairs.max_len`, never the SID). The driver streams the
    blocks into one pairs.parquet.
@@ -75,6 +78,20 @@ def description_text(title: str, description: str, category: str, attributes_tex
     if len(d) > max_chars:
         d = d[:max_chars].rstrip()
     return d, src
+
+
+def same_id_order(items_path: str | Path, sid_path: str | Path, batch_rows: int = 65_536) -> bool:
+    """True when both parquet files list the same item ids in the same order (streamed,
+    bounded memory: compares the item_id columns batch by batch)."""
+    a, b = pq.ParquetFile(str(items_path)), pq.ParquetFile(str(sid_path))
+    if a.metadata.num_rows != b.metadata.num_rows:
+        return False
+
+    def ids(f: pq.ParquetFile):
+        for batch in f.iter_batches(batch_size=batch_rows, columns=["item_id"]):
+            yield from batch.column(0).to_pylist()
+
+    return all(x == y for x, y in zip(ids(a), ids(b)))
 
 
 def read_exclusions(entries: list[str]) -> set[str]:
@@ -243,12 +260,21 @@ def run(ctx: StageContext) -> StageResult:
 
     ctx_data = ray.data.DataContext.get_current()
     ctx_data.execution_options.preserve_order = True
-    items = ray.data.read_parquet(str(ctx.input("ingest", "items")), columns=_ITEM_COLUMNS)
-    sids = ray.data.read_parquet(str(ctx.input("sid", "sid_map")), columns=["item_id", "codes"])
-    n_part = max(1, min(16, n_items // 200_000 + 1))
-    joined = items.join(sids, join_type="left_outer", num_partitions=n_part, on=("item_id",))
-    # Join output order depends on scheduling; sorting by id makes the file deterministic.
-    joined = joined.sort("item_id")
+    items_path, sid_path = ctx.input("ingest", "items"), ctx.input("sid", "sid_map")
+    items = ray.data.read_parquet(str(items_path), columns=_ITEM_COLUMNS)
+    if same_id_order(items_path, sid_path):
+        # The usual case (sid_map rows follow embeddings, which follow items): a row-aligned
+        # zip, no shuffle; output in catalog order.
+        codes = ray.data.read_parquet(str(sid_path), columns=["codes"])
+        joined = items.zip(codes)
+        ctx.log("sid_map is row-aligned with items: zip, catalog order")
+    else:
+        sids = ray.data.read_parquet(str(sid_path), columns=["item_id", "codes"])
+        n_part = max(1, min(16, n_items // 200_000 + 1))
+        joined = items.join(sids, join_type="left_outer", num_partitions=n_part, on=("item_id",))
+        # Join output order depends on scheduling; sorting by id makes the file deterministic.
+        joined = joined.sort("item_id")
+        ctx.log("sid_map order differs from items: hash join, output sorted by item_id")
     ds = joined.map_batches(
         RenderPairs,
         fn_constructor_kwargs=dict(tokenizer=tok, code_table=table, pairs_cfg=pc.model_dump(),
