@@ -1,0 +1,288 @@
+"""Benchmark: our SID quantisers against the `semantic-id` package, side by side, same data.
+
+Run:  python bench/sid.py            (full size: demo minilm embeddings + 1M synthetic items)
+      python bench/sid.py --quick    (< 60 s: small slices, few epochs)
+
+Data sets (identical arrays go to both sides):
+- `minilm`: the bundled amazon-scientific items embedded with all-MiniLM-L6-v2 through
+  `gti.embed.encoders` (title, category, attributes, description; 128 tokens), 384-d. Cached
+  under $GTI_CACHE/bench (default ~/.cache/gti/bench) after the first run.
+- `synthetic`: hash-embedded synthetic items (`gti.embed.encoders.HashEncoder`, 128-d): each
+  item is 12 words of one of 2,000 topics plus 4 random words, so there is cluster structure.
+
+Compared (4 levels x 256 codes; one torch thread each, as in MISSION.md section 7):
+- ours RQ-VAE (`gti.sid.rqvae`: k-means init on real residuals, STE, dead-code revival every
+  epoch) vs peer `semantic_id.RQVAE` (kmeans_init=True, sk_epsilons [0,0,0,0.003],
+  verbose=<epochs> so that `fit` keeps its best-collision epoch instead of epoch 1). Same MLP
+  [512, 256, 128], code dim 32, dropout 0.1, AdamW lr 1e-3, batch 1024, same epochs.
+- ours residual k-means (balanced) vs peer `semantic_id.RQKMeans` (implementation="kmeans";
+  its "constrained" variant needs the optional `k-means-constrained` package, reported as
+  skipped when missing).
+Figures per method: reconstruction MSE per element (decode(encode(x)) vs x over all items),
+per-level utilisation, collision rate of the greedy codes (before any de-duplication),
+training wall time, assignment items/s (encode over all items, batch 8192).
+
+The last line printed is one JSON object with the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "platform"))
+
+from gti.sid.quality import level_usage  # noqa: E402
+from gti.sid.resolve import collision_rate  # noqa: E402
+from gti.sid.rqkmeans import RQKMeansConfig, ResidualKMeans  # noqa: E402
+from gti.sid.rqvae import RQVAE, RQVAEConfig  # noqa: E402
+
+LEVELS, K, CODE_DIM, LAYERS = 4, 256, 32, [512, 256, 128]
+
+
+# --------------------------------------------------------------------------- data
+def cache_dir() -> Path:
+    d = Path(os.environ.get("GTI_CACHE", Path.home() / ".cache" / "gti")) / "bench"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def minilm_embeddings(n_max: int | None) -> np.ndarray:
+    """[N, 384] float32 for the bundled demo items (first n_max), cached."""
+    import pyarrow.parquet as pq
+
+    from gti.config import EmbedConfig
+    from gti.embed.encoders import build_encoder, item_text
+
+    path = cache_dir() / "minilm_amazon_scientific.npy"
+    if path.is_file():
+        x = np.load(path)
+        return x if n_max is None else x[:n_max]
+    items = pq.read_table(ROOT / "platform/gti/data/bundled/amazon-scientific/items.parquet").to_pylist()
+    if n_max is not None:
+        items = items[:n_max]
+    # 128 tokens (not the 256 of MISSION.md's peer table): embedding on a shared 2-core
+    # machine is slow, and the comparison only needs both sides to get the same vectors.
+    cfg = EmbedConfig(encoder="minilm", max_tokens=128)
+    enc = build_encoder(cfg)
+    texts = [item_text(it.get("title") or "", it.get("description") or "", it.get("category") or "",
+                       f"brand: {it['brand']}" if it.get("brand") else "", cfg.fields) for it in items]
+    out = []
+    for s in range(0, len(texts), 64):
+        out.append(enc.encode(texts[s : s + 64]))
+    x = np.concatenate(out).astype(np.float32)
+    if n_max is None:
+        np.save(path, x)
+    return x
+
+
+def synthetic_embeddings(n: int, dim: int = 128, seed: int = 0) -> np.ndarray:
+    """Hash-embedded synthetic item texts with topic structure, [n, dim] float32."""
+    from gti.embed.encoders import HashEncoder
+
+    path = cache_dir() / f"synthetic_{n}_{dim}_{seed}.npy"
+    if path.is_file():
+        return np.load(path)
+    rng = np.random.default_rng(seed)
+    topics = rng.integers(0, 50_000, size=(2000, 30))
+    t_of = rng.integers(0, 2000, size=n)
+    words = np.take_along_axis(topics[t_of], rng.integers(0, 30, size=(n, 12)), axis=1)
+    noise = rng.integers(0, 50_000, size=(n, 4))
+    allw = np.concatenate([words, noise], axis=1)
+    enc = HashEncoder(dim)
+    out = []
+    for s in range(0, n, 20_000):
+        texts = [" ".join(f"w{w}" for w in row) for row in allw[s : s + 20_000]]
+        out.append(enc.encode(texts))
+    x = np.concatenate(out).astype(np.float32)
+    np.save(path, x)
+    return x
+
+
+# --------------------------------------------------------------------------- helpers
+def throughput(encode, x: np.ndarray, batch: int = 8192) -> tuple[np.ndarray, float]:
+    t = time.perf_counter()
+    codes = np.concatenate([np.asarray(encode(x[s : s + batch])) for s in range(0, len(x), batch)])
+    return codes, len(x) / (time.perf_counter() - t)
+
+
+def figures(x: np.ndarray, codes: np.ndarray, recon: np.ndarray, train_s: float, ips: float) -> dict:
+    util, perp = level_usage(torch.from_numpy(codes.astype(np.int64)), [K] * LEVELS)
+    return {
+        "recon_mse": float(np.mean((recon - x) ** 2)),
+        "utilisation": [round(u, 4) for u in util],
+        "perplexity": [round(p, 1) for p in perp],
+        "collision_rate": round(collision_rate(torch.from_numpy(codes.astype(np.int64))), 6),
+        "train_s": round(train_s, 2),
+        "assign_items_per_s": round(ips, 1),
+    }
+
+
+# --------------------------------------------------------------------------- ours
+def ours_rqvae(x: np.ndarray, epochs: int, batch: int, seed: int = 0) -> dict:
+    torch.manual_seed(seed)
+    cfg = RQVAEConfig(in_dim=x.shape[1], encoder_dims=LAYERS, code_dim=CODE_DIM, levels=LEVELS,
+                      codebook_size=K, dropout=0.1)
+    m = RQVAE(cfg)
+    xt = torch.from_numpy(x)
+    t0 = time.perf_counter()
+    gen = torch.Generator().manual_seed(seed)
+    sample = xt[torch.randperm(len(xt), generator=gen)[:65536]]
+    m.init_codebooks(sample, iters=25, generator=gen)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    for epoch in range(epochs):
+        m.train()
+        counts = torch.zeros(LEVELS, K)
+        perm = torch.randperm(len(xt), generator=gen)
+        out = None
+        for s in range(0, len(xt), batch):
+            out = m(xt[perm[s : s + batch]])
+            opt.zero_grad(set_to_none=True)
+            out.loss.backward()
+            opt.step()
+            for lv in range(LEVELS):
+                counts[lv] += torch.bincount(out.codes[:, lv], minlength=K)
+        if epoch < epochs - 1:
+            m.revive_dead_codes(counts, out.residuals, 0, gen, opt)
+    train_s = time.perf_counter() - t0
+    m.eval()
+
+    def enc(b):
+        with torch.inference_mode():
+            return m.encode(torch.from_numpy(b)).numpy()
+
+    codes, ips = throughput(enc, x)
+    with torch.inference_mode():
+        recon = m.decode_codes(torch.from_numpy(codes)).numpy()
+    return figures(x, codes, recon, train_s, ips)
+
+
+def ours_rqkmeans(x: np.ndarray, seed: int = 0, fit_n: int = 65536) -> dict:
+    q = ResidualKMeans(RQKMeansConfig(in_dim=x.shape[1], levels=LEVELS, codebook_size=K, balanced=True,
+                                      sinkhorn_epsilon=0.05, sinkhorn_iters=50))
+    gen = torch.Generator().manual_seed(seed)
+    xt = torch.from_numpy(x)
+    t0 = time.perf_counter()
+    q.fit(xt[torch.randperm(len(xt), generator=gen)[:fit_n]], iters=25, generator=gen)
+    train_s = time.perf_counter() - t0
+
+    def enc(b):
+        with torch.inference_mode():
+            return q.encode(torch.from_numpy(b)).numpy()
+
+    codes, ips = throughput(enc, x)
+    recon = q.decode_codes(torch.from_numpy(codes)).numpy()
+    return figures(x, codes, recon, train_s, ips)
+
+
+# --------------------------------------------------------------------------- peer
+def peer_rqvae(x: np.ndarray, epochs: int, batch: int, seed: int = 0) -> dict:
+    from semantic_id import RQVAE as PeerRQVAE
+
+    torch.manual_seed(seed)
+    m = PeerRQVAE(in_dim=x.shape[1], num_emb_list=[K] * LEVELS, e_dim=CODE_DIM, layers=LAYERS,
+                  dropout_prob=0.1, kmeans_init=True, sk_epsilons=[0.0, 0.0, 0.0, 0.003], lr=1e-3,
+                  batch_size=batch, epochs=epochs, verbose=max(epochs, 1))
+    t0 = time.perf_counter()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        m.fit(x)
+    train_s = time.perf_counter() - t0
+    with contextlib.redirect_stderr(io.StringIO()):
+        m.verbose = False  # no progress bar inside the timed encode
+        codes, ips = throughput(lambda b: m.encode(b, batch_size=len(b)), x)
+    recon = m.decode(codes.astype(np.int64))
+    return figures(x, codes, recon, train_s, ips)
+
+
+def peer_rqkmeans(x: np.ndarray, implementation: str, seed: int = 0, fit_n: int = 65536) -> dict:
+    from semantic_id import RQKMeans
+
+    try:
+        m = RQKMeans(n_levels=LEVELS, n_clusters=K, implementation=implementation, random_state=seed,
+                     max_iter=25, n_init=1)
+    except ImportError as err:
+        return {"skipped": str(err).splitlines()[0]}
+    t0 = time.perf_counter()
+    import joblib
+
+    with joblib.parallel_config(max_nbytes=None), contextlib.redirect_stdout(io.StringIO()):
+        m.fit(x[np.random.default_rng(seed).permutation(len(x))[:fit_n]])
+    train_s = time.perf_counter() - t0
+    codes, ips = throughput(lambda b: m.encode(b), x)
+    recon = m.decode(codes.astype(np.int64)) if hasattr(m, "decode") else None
+    return figures(x, codes, recon, train_s, ips)
+
+
+# --------------------------------------------------------------------------- main
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="small slices, few epochs (< 60 s)")
+    ap.add_argument("--n-synth", type=int, default=None, help="synthetic items (default 1M, quick 8k)")
+    ap.add_argument("--epochs", type=int, default=None, help="RQ-VAE epochs (default 30, quick 2)")
+    ap.add_argument("--synth-epochs", type=int, default=None, help="RQ-VAE epochs on synthetic (default 3)")
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    quick = args.quick
+    n_synth = args.n_synth or (4_000 if quick else 1_000_000)
+    epochs = args.epochs or (2 if quick else 30)
+    synth_epochs = args.synth_epochs or (1 if quick else 3)
+    t_all = time.perf_counter()
+    sets = {
+        "minilm": (minilm_embeddings(400 if quick else None), epochs),
+        "synthetic": (synthetic_embeddings(n_synth), synth_epochs),
+    }
+    results: dict[str, dict] = {}
+    for name, (x, ep) in sets.items():
+        print(f"== {name}: {x.shape[0]} items x {x.shape[1]} dims, RQ-VAE epochs {ep}", flush=True)
+        r = {
+            "ours_rqvae": ours_rqvae(x, ep, 1024),
+            "peer_rqvae": peer_rqvae(x, ep, 1024),
+        }
+        # Both k-means quantisers fit on the same sample (sklearn's KMeans at K=256 is slow,
+        # so a quick run fits on 1,000 items and only on the first data set).
+        if not (quick and name != "minilm"):
+            fit_n = 1000 if quick else 65536
+            r["ours_rqkmeans"] = ours_rqkmeans(x, fit_n=fit_n)
+            r["peer_rqkmeans"] = peer_rqkmeans(x, "kmeans", fit_n=fit_n)
+            r["peer_rqkmeans_constrained"] = peer_rqkmeans(x, "constrained", fit_n=fit_n)
+        for meth, f in r.items():
+            print(f"  {meth:27s} " + " ".join(f"{k}={v}" for k, v in f.items()), flush=True)
+        ra, pa_ = r["ours_rqvae"], r["peer_rqvae"]
+        print(
+            f"  ratios ours/peer RQ-VAE: recon_mse {ra['recon_mse'] / pa_['recon_mse']:.3f}, "
+            f"collision {ra['collision_rate'] / max(pa_['collision_rate'], 1e-9):.3f}, "
+            f"assign speed {ra['assign_items_per_s'] / pa_['assign_items_per_s']:.2f}x, "
+            f"train time {ra['train_s'] / pa_['train_s']:.2f}",
+            flush=True,
+        )
+        results[name] = r
+    m = results["minilm"]
+    summary = {
+        "quick": quick,
+        "ours_collision_rate": m["ours_rqvae"]["collision_rate"],
+        "peer_collision_rate": m["peer_rqvae"]["collision_rate"],
+        "ours_recon_mse": m["ours_rqvae"]["recon_mse"],
+        "peer_recon_mse": m["peer_rqvae"]["recon_mse"],
+        "assign_speedup": round(m["ours_rqvae"]["assign_items_per_s"] / m["peer_rqvae"]["assign_items_per_s"], 3),
+        "synthetic_assign_speedup": round(
+            results["synthetic"]["ours_rqvae"]["assign_items_per_s"]
+            / results["synthetic"]["peer_rqvae"]["assign_items_per_s"], 3),
+        "results": results,
+        "wall_s": round(time.perf_counter() - t_all, 1),
+    }
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
