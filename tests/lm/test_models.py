@@ -80,6 +80,21 @@ def test_smollm2_converts_once_into_the_cache(tmp_path, monkeypatch):
     assert model.config.vocab_size == 49152 and model.config.hidden_size == 576
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
     assert len(tok) == 49152 and tok.chat_template
+    # Its chat template renders through gti.lm.templates exactly like the whole-text render.
+    from gti.config import DEFAULT_GROUNDING_TEMPLATES
+    from gti.lm.templates import PairRenderer, end_of_turn_ids
+    from gti.lm.vocab import extend_tokenizer
+
+    first, _ = extend_tokenizer(tok, ["<a_0>", "<a_1>", "<b_0>", "<b_1>"])
+    assert first == 49152 and tok.convert_ids_to_tokens(end_of_turn_ids(tok)) == ["<|im_end|>"]
+    row = PairRenderer(tok, DEFAULT_GROUNDING_TEMPLATES, "You are a helpful assistant.", 128).render_item(
+        "Glass beaker 500 ml", "Borosilicate.", [first + 1, first + 2])[0]
+    text = tok.apply_chat_template(
+        [{"role": "system", "content": "You are a helpful assistant."},
+         {"role": "user", "content": "Which item has the title: Glass beaker 500 ml?"}],
+        tokenize=False, add_generation_prompt=True)
+    assert row["prompt_ids"] == tok(text, add_special_tokens=False)["input_ids"]
+    assert row["answer_ids"] == [first + 1, first + 2, *end_of_turn_ids(tok)]
 
 
 def test_parallel_resolution_converts_once(tmp_path, monkeypatch):
