@@ -179,17 +179,18 @@ def _torch_dtype(dtype: Any):
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
 
 
-def load_model_and_tokenizer(model_cfg, dtype=None, path: str | Path | None = None):
+def load_model_and_tokenizer(model_cfg, dtype=None, path: str | Path | None = None, seed: int = 0):
     """(model, tokenizer) for `model_cfg` (or for an explicit folder `path`, e.g. a stage's
     exported model). Safetensors only; `trust_remote_code` from the config (default off).
 
-    `dtype` None means `model_cfg.dtype`. For name "tiny" without `path`, builds the tiny model.
+    `dtype` None means `model_cfg.dtype`. For name "tiny" without `path`, builds the tiny model
+    with `seed` (pass the run's seed so every process builds the same weights).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dtype = _torch_dtype(dtype if dtype is not None else getattr(model_cfg, "dtype", None))
     if path is None and model_cfg.name == TINY_NAME:
-        model, tok = build_tiny(model_cfg)
+        model, tok = build_tiny(model_cfg, seed=seed)
         return (model.to(dtype) if dtype is not None else model), tok
     src = Path(path) if path is not None else resolve_model_path(model_cfg)
     trc = bool(getattr(model_cfg, "trust_remote_code", False))
