@@ -73,8 +73,7 @@ def test_old_rows_bit_identical_after_adamw_with_weight_decay(tiny_model_cfg, ti
 @pytest.mark.parametrize("pad_to", [None, 392, 512])
 def test_split_logits_equal_merged_logits(tiny_model_cfg, tied, pad_to):
     # pad_to=392: the new ids start on padding rows and run past the matrix (it must grow);
-    # 512: they land on
-    # padding rows inside it.
+    # 512: they land on padding rows inside it.
     model, tok, n_real, first, end = _extended(tiny_model_cfg(tiny_tied=tied, tiny_pad_vocab_to=pad_to))
     assert first == n_real
     v_rows = max(pad_to or 0, n_real)
