@@ -70,3 +70,35 @@ def test_to_fixed_size_round_trip():
     arr = embed.to_fixed_size(v)
     assert arr.type == pa.list_(pa.float32(), 4)
     np.testing.assert_array_equal(np.stack(arr.to_numpy(zero_copy_only=False)), v)
+
+
+def test_embed_ranges_write_parts_reuse_them_and_join_in_order(tmp_path):
+    import pyarrow.parquet as pq
+
+    items = tmp_path / "items.parquet"
+    with pq.ParquetWriter(items, _items(1).schema) as w:  # 3 row groups of 4, 4, 2 items
+        for lo, n in [(0, 4), (4, 4), (8, 2)]:
+            t = _items(10).slice(lo, n)
+            w.write_table(t)
+    ranges = embed.plan_ranges(items, rows_per_part=5)
+    assert ranges == [[0, 1], [2]]
+    cfg = config.load(None, ["embed.encoder=hash", "embed.dim=16", "embed.batch_size=3"])
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    fn = embed.EmbedRange(cfg.embed.model_dump(), cfg.model.model_dump(), 0, "cpu", str(items), str(parts))
+    # Ranges may finish in any order; the join is by range index.
+    assert fn({"part": [1], "row_groups": [[2]]}) == {"part": [1], "rows": [2], "dim": [16]}
+    assert fn({"part": [0], "row_groups": [[0, 1]]})["rows"] == [8]
+    mtime = (parts / "part-00000.parquet").stat().st_mtime_ns
+    fn({"part": [0], "row_groups": [[0, 1]]})  # already there: reused, not rewritten
+    assert (parts / "part-00000.parquet").stat().st_mtime_ns == mtime
+    out = tmp_path / "emb.parquet"
+    n = embed._concat_parts([parts / "part-00000.parquet", parts / "part-00001.parquet"], items, out, 16)
+    got = pq.read_table(out)
+    assert n == 10 and got.column("item_id").to_pylist() == [str(i) for i in range(10)]
+    direct = _batch_fn(batch_size=3)(_items(10))
+    assert got.column("embedding").equals(direct.column("embedding"))
+    # Parts joined in the wrong order are caught, not written silently.
+    with pytest.raises(DataError, match="out of step"):
+        embed._concat_parts([parts / "part-00001.parquet", parts / "part-00000.parquet"], items,
+                            tmp_path / "bad.parquet", 16)

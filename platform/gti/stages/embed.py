@@ -7,9 +7,13 @@ What it is for: reading `ingest`'s items.parquet, embedding each item's text (fi
 embeddings.parquet: item_id, embedding fixed_size_list<float32>[dim], rows in the same order
 as items.parquet.
 
-Memory stays bounded: Ray Data streams blocks through the actors with backpressure and the
-driver appends each returned block to one parquet writer (`preserve_order` keeps the item
-order deterministic), so no stage holds the whole catalog's vectors.
+Memory stays bounded: the catalog is cut into ranges of items.parquet row groups; each actor
+call reads its range, embeds it batch by batch and writes `parts/part-<idx>.parquet` itself, so
+vectors never pass through the object store or the driver (when they did, the driver's
+resident memory grew with the catalog: shared object-store pages it had touched). The driver
+then joins the parts in range order into embeddings.parquet, checking ids against
+items.parquet row by row, which makes the order deterministic by construction. Parts written
+before a crash are reused on the rerun.
 
 What it does not know: how the encoders work (`gti.embed.encoders`), or what the vectors are
 used for downstream.
@@ -17,7 +21,10 @@ used for downstream.
 
 from __future__ import annotations
 
+import os
+import shutil
 import time
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -43,7 +50,6 @@ def to_fixed_size(vecs: np.ndarray) -> pa.FixedSizeListArray:
 def input_fingerprints(cfg) -> dict[str, str]:
     """The encoder's weights are an input: a changed model folder or package re-runs the stage."""
     from importlib import metadata
-    from pathlib import Path
 
     from gti.manifest import file_fingerprint
 
@@ -89,43 +95,120 @@ class EmbedBatch:
         return pa.table({"item_id": batch.column("item_id"), "embedding": to_fixed_size(vecs)})
 
 
+class EmbedRange(EmbedBatch):
+    """Callable class for `map_batches` over read ranges: each call embeds one range of
+    items.parquet row groups and writes it straight to `parts/part-<idx>.parquet` (temp file +
+    rename), returning only (part, rows, dim). Vectors never travel through the object store
+    or the driver, so memory stays bounded whatever the catalog size, and a part that already
+    exists (a rerun after a killed driver) is not recomputed."""
+
+    def __init__(self, embed_cfg: dict, model_cfg: dict, seed: int, device: str, items_path: str,
+                 parts_dir: str) -> None:
+        super().__init__(embed_cfg, model_cfg, seed, device)
+        self.items_path = items_path
+        self.parts_dir = Path(parts_dir)
+
+    def __call__(self, batch: dict) -> dict:  # type: ignore[override]
+        out = {"part": [], "rows": [], "dim": []}
+        for idx, groups in zip(batch["part"], batch["row_groups"]):
+            final = self.parts_dir / f"part-{int(idx):05d}.parquet"
+            if not final.is_file():
+                tmp = final.with_name(f".{final.name}.tmp")
+                pf = pq.ParquetFile(self.items_path)
+                writer = None
+                try:
+                    for rb in pf.iter_batches(batch_size=self.cfg.batch_size, row_groups=[int(g) for g in groups],
+                                              columns=_TEXT_COLUMNS):
+                        table = super().__call__(pa.Table.from_batches([rb]))
+                        if writer is None:
+                            writer = pq.ParquetWriter(tmp, table.schema)
+                        writer.write_table(table)
+                finally:
+                    if writer is not None:
+                        writer.close()
+                os.replace(tmp, final)
+            md = pq.ParquetFile(final).metadata
+            out["part"].append(int(idx))
+            out["rows"].append(md.num_rows)
+            out["dim"].append(pq.ParquetFile(final).schema_arrow.field("embedding").type.list_size)
+        return out
+
+
+def plan_ranges(items_path: Path, rows_per_part: int) -> list[list[int]]:
+    """Consecutive row-group ranges of items.parquet holding about `rows_per_part` rows each."""
+    md = pq.ParquetFile(items_path).metadata
+    ranges, cur, rows = [], [], 0
+    for rg in range(md.num_row_groups):
+        cur.append(rg)
+        rows += md.row_group(rg).num_rows
+        if rows >= rows_per_part:
+            ranges.append(cur)
+            cur, rows = [], 0
+    if cur:
+        ranges.append(cur)
+    return ranges
+
+
+def _concat_parts(parts: list[Path], items_path: Path, out: Path, dim: int) -> int:
+    """Join the parts, in order, into one file; check the ids match items.parquet row by row."""
+    schema = embedding_schema(dim)
+    items_ids = pq.ParquetFile(items_path).iter_batches(batch_size=65_536, columns=["item_id"])
+    pending = pa.array([], pa.string())
+    n = 0
+    with pq.ParquetWriter(out, schema) as writer:
+        for part in parts:
+            for rb in pq.ParquetFile(part).iter_batches(batch_size=65_536):
+                t = pa.Table.from_batches([rb]).cast(schema)
+                while len(pending) < t.num_rows:
+                    pending = pa.concat_arrays([pending, next(items_ids).column(0).cast(pa.string())])
+                if not pending.slice(0, t.num_rows).equals(t.column("item_id").combine_chunks()):
+                    raise DataError(f"embed: part {part.name} is out of step with {items_path}; delete the run's embed dir")
+                pending = pending.slice(t.num_rows)
+                writer.write_table(t, row_group_size=65_536)
+                n += t.num_rows
+    return n
+
+
 def run(ctx: StageContext) -> StageResult:
     from gti.stages._ray import ensure_ray
 
     ensure_ray(ctx.cfg)
     import ray
 
-    ray.data.DataContext.get_current().execution_options.preserve_order = True
     cfg = ctx.cfg
     items_path = ctx.input("ingest", "items")
     n_items = ctx.manifest("ingest").fact("n_items")
     device = "cuda" if cfg.embed.num_gpus > 0 else "cpu"
+    parts_dir = ctx.work_dir / "parts"
+    parts_dir.mkdir(exist_ok=True)
+    # About 4 ranges per actor (at least one embedding batch each) keeps actors busy and the
+    # parts few; a rerun after a crash recomputes only the missing parts.
+    rows_per_part = max(cfg.embed.batch_size, -(-n_items // (4 * cfg.embed.concurrency)))
+    ranges = plan_ranges(items_path, rows_per_part)
     ctx.log(
-        f"encoder={cfg.embed.encoder} items={n_items:,} batch={cfg.embed.batch_size} "
+        f"encoder={cfg.embed.encoder} items={n_items:,} parts={len(ranges)} batch={cfg.embed.batch_size} "
         f"actors={cfg.embed.concurrency} gpus/actor={cfg.embed.num_gpus}"
     )
-    ds = ray.data.read_parquet(str(items_path), columns=_TEXT_COLUMNS)
+    ds = ray.data.from_items(
+        [{"part": i, "row_groups": r} for i, r in enumerate(ranges)], override_num_blocks=len(ranges)
+    )
     ds = ds.map_batches(
-        EmbedBatch,
+        EmbedRange,
         fn_constructor_kwargs=dict(
-            embed_cfg=cfg.embed.model_dump(), model_cfg=cfg.model.model_dump(), seed=cfg.seed, device=device
+            embed_cfg=cfg.embed.model_dump(), model_cfg=cfg.model.model_dump(), seed=cfg.seed,
+            device=device, items_path=str(items_path), parts_dir=str(parts_dir),
         ),
-        batch_size=cfg.embed.batch_size,
-        batch_format="pyarrow",
+        batch_size=1,
+        batch_format="numpy",
         concurrency=cfg.embed.concurrency,
         num_gpus=cfg.embed.num_gpus or None,
     )
-    out = ctx.work_dir / "embeddings.parquet"
-    writer = None
-    done, dim = 0, None
+    done, dims = 0, set()
     t0 = last = time.time()
     try:
-        for block in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
-            if writer is None:
-                dim = block.schema.field("embedding").type.list_size
-                writer = pq.ParquetWriter(out, embedding_schema(dim))
-            writer.write_table(block.cast(embedding_schema(dim)), row_group_size=65_536)
-            done += block.num_rows
+        for res in ds.iter_rows():
+            done += int(res["rows"])
+            dims.add(int(res["dim"]))
             if time.time() - last > 10:
                 last = time.time()
                 ctx.log(f"{done:,}/{n_items:,} items ({done / (last - t0):,.0f} items/s)")
@@ -135,15 +218,17 @@ def run(ctx: StageContext) -> StageResult:
             # Ray appends retry notes to the message; ours is the first line.
             raise DataError(str(cause).splitlines()[0]) from None
         raise
-    finally:
-        if writer is not None:
-            writer.close()
-    if done != n_items:
-        raise DataError(f"embed: wrote {done} embeddings for {n_items} items in {items_path}")
     elapsed = time.time() - t0
-    ctx.log(f"{done:,} items in {elapsed:.1f}s ({done / max(elapsed, 1e-9):,.0f} items/s), dim={dim}")
+    if done != n_items or len(dims) != 1:
+        raise DataError(f"embed: wrote {done} embeddings (dims {sorted(dims)}) for {n_items} items in {items_path}")
+    dim = dims.pop()
+    parts = [parts_dir / f"part-{i:05d}.parquet" for i in range(len(ranges))]
+    out = ctx.work_dir / "embeddings.parquet"
+    written = _concat_parts(parts, items_path, out, dim)
+    shutil.rmtree(parts_dir)
+    ctx.log(f"{written:,} items in {elapsed:.1f}s ({done / max(elapsed, 1e-9):,.0f} items/s), dim={dim}")
     return StageResult(
         outputs={"embeddings": "embeddings.parquet"},
-        facts={"dim": int(dim), "encoder": cfg.embed.encoder, "n_items": done,
+        facts={"dim": int(dim), "encoder": cfg.embed.encoder, "n_items": written,
                "fields": list(cfg.embed.fields), "items_per_s": round(done / max(elapsed, 1e-9), 1)},
     )
