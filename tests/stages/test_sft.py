@@ -169,6 +169,48 @@ def test_sft_worker_failure_resumes_from_checkpoint(sft_run, tmp_path):
     assert res.facts["final_loss"] == pytest.approx(ref.facts["final_loss"], rel=1e-4)
 
 
+@pytest.mark.slow
+@pytest.mark.ray
+def test_data_preparation_multitask_mix_and_validation_users(tmp_path, ray_start_4_cpus):
+    """The stage's Ray Data preparation: every training window rendered once, grounding pairs
+    (train split only) mixed in at sft.multitask_weight, validation prompts for sft.val_users
+    users with the trie row of their valid item as target; reused on a rerun."""
+    import polars as pl
+    from transformers import AutoTokenizer
+
+    from gti.sid.codec import SidCodec
+    from gti.stages import sft
+    from gti.train import sft_data
+
+    run_dir = tmp_path / "run"
+    make_upstream(run_dir, n_users=20)
+    cfg = sft_cfg(run_dir, "sft.multitask=true", "sft.multitask_weight=0.25", "sft.val_users=5")
+    s = pipeline.spec("sft")
+    work = run_dir / ".sft.partial"
+    work.mkdir(parents=True)
+    ctx = pipeline.StageContext(spec=s, cfg=cfg, run_dir=run_dir, work_dir=work, fingerprint="x")
+    tok = AutoTokenizer.from_pretrained(run_dir / "pairs" / "tokenizer")
+    sid_map = pl.read_parquet(run_dir / "sid" / "sid_map.parquet")
+    sid_ids = sft_data.sid_id_table(sid_map, SidCodec(2, SIZES), tok)
+    stats = sft._prepare_data(ctx, tok, sid_ids, {"item_ids": sid_map["item_id"].to_list()})
+    seqs = pl.read_parquet(run_dir / "ingest" / "sequences.parquet")
+    n_windows = sum(len(t) - 1 for t in seqs["train_items"])
+    assert stats["n_windows"] == n_windows == stats["tasks"]["seqrec"]
+    assert stats["multitask"]["pairs_used"] == round(0.25 * n_windows) == stats["tasks"]["title2sid"]
+    rows = pl.read_parquet(work / "data" / "sft_train.parquet")
+    assert rows.height == stats["n_train_rows"] == n_windows + round(0.25 * n_windows)
+    pairs = pl.read_parquet(run_dir / "pairs" / "pairs.parquet")
+    val_pair_ids = set(map(tuple, pairs.filter(pl.col("split") == "val")["input_ids"].to_list()))
+    used = rows.filter(pl.col("task") == "title2sid")["input_ids"].to_list()
+    assert not val_pair_ids & set(map(tuple, used))
+    val = pl.read_parquet(work / "data" / "val.parquet")
+    assert val.height == 5
+    valid_of = dict(zip(seqs["user_id"], seqs["valid_item"]))
+    items = sid_map["item_id"].to_list()
+    assert [items[r] for r in val["target_row"]] == [valid_of[u] for u in val["user_id"]]
+    assert sft._prepare_data(ctx, tok, sid_ids, {"item_ids": items}) == stats  # reused
+
+
 def test_stale_sid_map_is_refused(tmp_path):
     """A grounded model whose gti_meta.json names another SID map is refused before any work
     (only the manifests and the meta file are needed to get there)."""
@@ -195,16 +237,32 @@ def test_qlora_without_bitsandbytes_or_gpu_is_a_config_error():
     sft.check_lora_supported(config.SftConfig(lora={"enabled": True}))
 
 
-def test_lora_wrap_trains_adapters_and_embeddings_and_merges_back():
-    """LoRA: adapters on the backbone's linear layers, embedding/head fully trainable; after
-    loading trained tensors and merging, a plain HF model differs from the base."""
-    from gti.lm import models
+@pytest.mark.slow
+def test_lora_wrap_trains_adapters_and_embeddings_and_merges_back(tmp_path):
+    """LoRA: adapters on the backbone's linear layers, the embedding (tied head) fully
+    trainable, the base linear weights frozen. Export path: loading the trained tensors into a
+    fresh wrap and merging gives a plain HF model with the same logits as the trained wrap."""
+    from gti.lm import models, vocab
     from gti.stages import sft
 
-    base, _ = models.build_tiny(config.ModelConfig(name="tiny"), seed=0)
-    model = sft.wrap_lora(base, config.LoraConfig(enabled=True, r=4, alpha=8))
-    names = [n for n, p in model.named_parameters() if p.requires_grad]
-    assert any("lora_A" in n for n in names) and any("embed_tokens" in n for n in names)
-    assert not any("q_proj.base_layer" in n for n in names)
-    n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    assert n_train < sum(p.numel() for p in model.parameters())
+    base, tok = models.build_tiny(config.ModelConfig(name="tiny"), seed=0)
+    vocab.export_model(base, tok, tmp_path / "ground", {"sid_map_hash": HASH})
+    cfg = config.RunConfig(model={"name": "tiny"}, sft={"lora": {"enabled": True, "r": 4, "alpha": 8}})
+    model = sft.wrap_lora(sft.load_causal_lm(tmp_path / "ground", cfg), cfg.sft.lora)
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert any("lora_A" in n for n in trainable) and any("embed_tokens" in n for n in trainable)
+    assert not any("base_layer" in n for n in trainable)
+    assert sum(p.numel() for p in trainable.values()) < sum(p.numel() for p in model.parameters())
+    # "Train": move every trainable tensor, then export the way the stage does.
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in trainable.values():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    state = {n: p.detach().clone() for n, p in trainable.items()}
+    merged = sft.rebuild_trained(tmp_path / "ground", cfg, state)
+    assert not any("lora" in n for n, _ in merged.named_parameters())
+    ids = torch.tensor([[5, 17, 42, 99, 3]])
+    model.eval(), merged.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, model(input_ids=ids).logits, atol=1e-4, rtol=1e-4)
+        assert not torch.allclose(merged(input_ids=ids).logits, base(input_ids=ids).logits, atol=1e-3)
