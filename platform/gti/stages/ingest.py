@@ -160,7 +160,8 @@ def _ingest_items(ctx: StageContext, out: Path, stream) -> tuple[_Items, pa.Arra
     ctx.log(f"items: {len(files)} file(s), {len(tasks)} read task(s) from {d.items.path}")
     st = _Items()
     st.missing_columns = missing  # type: ignore[attr-defined]
-    kept_ids: list[str] = []
+    kept_chunks: list[pa.Array] = []  # kept ids as compact arrow chunks (for the unknown-item check)
+    n_kept = 0
     w_ok = pq.ParquetWriter(out / "items.parquet", ITEMS_OUT_SCHEMA)
     w_q = pq.ParquetWriter(out / "items_quarantine.parquet", ITEMS_Q_SCHEMA)
     t0, last_log = time.time(), time.time()
@@ -178,8 +179,8 @@ def _ingest_items(ctx: StageContext, out: Path, stream) -> tuple[_Items, pa.Arra
                     else:
                         st.seen.add(iid)
                         keep[i] = True
-                        kept_ids.append(iid)
-                        if d.max_items is not None and len(kept_ids) >= d.max_items:
+                        n_kept += 1
+                        if d.max_items is not None and n_kept >= d.max_items:
                             st.limit_reached = True
                             n_used = i + 1
                             break
@@ -197,6 +198,7 @@ def _ingest_items(ctx: StageContext, out: Path, stream) -> tuple[_Items, pa.Arra
                 bad = _fill_raw(bad)
                 w_q.write_table(bad.select(cat.QUARANTINE_COLUMNS).cast(ITEMS_Q_SCHEMA))
             if ok.num_rows:
+                kept_chunks.append(ok.column("item_id").combine_chunks())
                 w_ok.write_table(ok.select(cat.ITEMS_OUT_COLUMNS).cast(ITEMS_OUT_SCHEMA), row_group_size=ROW_GROUP)
             st.rows_in += batch.num_rows
             st.ok += ok.num_rows
@@ -215,7 +217,7 @@ def _ingest_items(ctx: StageContext, out: Path, stream) -> tuple[_Items, pa.Arra
     if st.ok == 0:
         detail = ", ".join(f"{k}: {v}" for k, v in st.reasons.most_common()) or "no rows"
         raise DataError(f"data.items.path {d.items.path}: no valid items ({st.rows_in} rows read; {detail})")
-    return st, pa.array(kept_ids, pa.string())
+    return st, pa.concat_arrays(kept_chunks).cast(pa.string())
 
 
 def _fill_raw(bad: pa.Table) -> pa.Table:
@@ -239,7 +241,7 @@ def _ingest_interactions(ctx: StageContext, out: Path, kept_ids: pa.Array, items
     tasks = adapters.plan_tasks(files, src.format)
     _precheck(tasks, "interactions", src.columns)
     ctx.log(f"interactions: {len(files)} file(s) from {src.path}")
-    id_set = pa.array(kept_ids)
+    id_set = kept_ids
     reasons: Counter[str] = Counter()
     rows_in = quarantined = 0
     order = 0
