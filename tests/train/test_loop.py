@@ -180,6 +180,11 @@ def test_restart_with_same_name_resumes_from_checkpoint(uninterrupted, grounding
     for k in ("e_new", "head_new"):
         torch.testing.assert_close(res.state_dict[k], ref.state_dict[k], rtol=0, atol=1e-6)
     assert res.history["val"] == ref.history["val"]
+    # A driver killed after training but before export: the re-created run trains nothing more
+    # and hands back the same final rows from its last checkpoint.
+    again = _fit(grounding_problem, storage, "resume", fail, max_failures=0)
+    assert _progress_steps(storage, "resume") == steps
+    assert again.steps_done == 40 and torch.equal(again.state_dict["e_new"], res.state_dict["e_new"])
 
 
 @pytest.mark.slow
