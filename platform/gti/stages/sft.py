@@ -384,6 +384,8 @@ def run(ctx: StageContext, fault_injection: dict | None = None) -> StageResult:
 
     cfg, sc = ctx.cfg, ctx.cfg.sft
     check_lora_supported(sc)
+    if sc.use_gpu and sc.precision == "fp32":
+        ctx.log("note: sft.use_gpu with sft.precision=fp32; bf16 is the usual choice on GPU (about half the memory)")
     sid_facts = ctx.manifest("sid").facts
     sid_map_hash = sid_facts["sid_map_hash"]
     pairs_facts = ctx.manifest("pairs").facts
