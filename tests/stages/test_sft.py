@@ -227,6 +227,26 @@ def test_stale_sid_map_is_refused(tmp_path):
         pipeline.run_stage(pipeline.spec("sft"), sft_cfg(run_dir), run_dir)
 
 
+@pytest.mark.slow
+def test_sft_disabled_exports_the_grounded_model_unchanged(tmp_path):
+    """sft.enabled=false (an ablation arm): no training, no Ray; model/ and e_new_sft equal
+    the grounded model's, and the facts say 0 steps."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    run_dir = tmp_path / "run"
+    first, end = make_upstream(run_dir, n_users=6)
+    m = pipeline.run_stage(pipeline.spec("sft"), sft_cfg(run_dir, "sft.enabled=false"), run_dir)
+    assert m.facts["steps_done"] == 0 and m.facts["trainable_params"] == 0
+    ground = AutoModelForCausalLM.from_pretrained(run_dir / "ground" / "model", use_safetensors=True)
+    out = AutoModelForCausalLM.from_pretrained(run_dir / "sft" / "model", use_safetensors=True)
+    for (n, a), (_, b) in zip(ground.state_dict().items(), out.state_dict().items()):
+        assert torch.equal(a, b), n
+    e_new = load_file(str(run_dir / "sft" / "e_new_sft.safetensors"))["e_new"]
+    assert torch.equal(e_new, ground.get_input_embeddings().weight[first:end])
+    assert json.loads((run_dir / "sft" / "model" / "gti_meta.json").read_text())["sid_map_hash"] == HASH
+
+
 def test_qlora_without_bitsandbytes_or_gpu_is_a_config_error():
     from gti.stages import sft
 

@@ -403,38 +403,43 @@ def run(ctx: StageContext, fault_injection: dict | None = None) -> StageResult:
     sid_matrix = torch.from_numpy(np.stack([sid_ids[i] for i in item_ids]))
     new_start, new_end = int(sid_matrix.min()), int(sid_matrix.max()) + 1
 
-    ensure_ray(cfg)
-    stats = _prepare_data(ctx, tokenizer, sid_ids, {"item_ids": item_ids})
-    data_dir = (ctx.work_dir / DATA_DIR).resolve()
-    save_file({"sid_token_ids": sid_matrix.contiguous()}, str(data_dir / SIDS_FILE))
-
-    k = min(VAL_K, len(item_ids))
-    loop_config: dict[str, Any] = {
-        "task": TASK,
-        "run_config": cfg.model_dump(mode="json"),
-        "pad_id": int(pad_id),
-        "hooks": _sft_hooks(),
-        "sft": {"model_dir": str(ground_dir)},
-        "val": {
-            "path": str(data_dir / VAL_FILE), "sids_path": str(data_dir / SIDS_FILE),
-            "new_start": new_start, "new_end": new_end, "levels": int(sid_matrix.shape[1]),
-            "pad_id": int(pad_id), "k": k, "beam_width": max(k, cfg.eval.beam_width),
-            "batch_users": cfg.eval.batch_users,
-        },
-    }
-    if fault_injection:
-        loop_config.update(fault_injection)
-    ctx.log(
-        f"SFT: {stats['n_train_rows']:,} rows {stats['tasks']}, {sc.steps} steps x batch {sc.batch_size} "
-        f"(accum {sc.grad_accum}) on {sc.num_workers} worker(s), ZeRO-{sc.zero_stage} {sc.precision}, "
-        f"{'LoRA r=%d' % sc.lora.r if sc.lora.enabled else 'all parameters'}"
-    )
-    t0 = time.time()
-    result = _fit(ctx, loop_config, data_dir / TRAIN_FILE)
-    ctx.log(f"training done in {time.time() - t0:.1f}s")
-    state = result.state_dict
-    model = rebuild_trained(ground_dir, cfg, state)
-    n_trainable = int(sum(t.numel() for t in state.values()))
+    if sc.enabled and sc.steps > 0:
+        ensure_ray(cfg)
+        stats = _prepare_data(ctx, tokenizer, sid_ids, {"item_ids": item_ids})
+        data_dir = (ctx.work_dir / DATA_DIR).resolve()
+        save_file({"sid_token_ids": sid_matrix.contiguous()}, str(data_dir / SIDS_FILE))
+        k = min(VAL_K, len(item_ids))
+        loop_config: dict[str, Any] = {
+            "task": TASK,
+            "run_config": cfg.model_dump(mode="json"),
+            "pad_id": int(pad_id),
+            "hooks": _sft_hooks(),
+            "sft": {"model_dir": str(ground_dir)},
+            "val": {
+                "path": str(data_dir / VAL_FILE), "sids_path": str(data_dir / SIDS_FILE),
+                "new_start": new_start, "new_end": new_end, "levels": int(sid_matrix.shape[1]),
+                "pad_id": int(pad_id), "k": k, "beam_width": max(k, cfg.eval.beam_width),
+                "batch_users": cfg.eval.batch_users,
+            },
+        }
+        if fault_injection:
+            loop_config.update(fault_injection)
+        ctx.log(
+            f"SFT: {stats['n_train_rows']:,} rows {stats['tasks']}, {sc.steps} steps x batch {sc.batch_size} "
+            f"(accum {sc.grad_accum}) on {sc.num_workers} worker(s), ZeRO-{sc.zero_stage} {sc.precision}, "
+            f"{'LoRA r=%d' % sc.lora.r if sc.lora.enabled else 'all parameters'}"
+        )
+        t0 = time.time()
+        result = _fit(ctx, loop_config, data_dir / TRAIN_FILE)
+        ctx.log(f"training done in {time.time() - t0:.1f}s")
+        model = rebuild_trained(ground_dir, cfg, result.state_dict)
+        n_trainable = int(sum(t.numel() for t in result.state_dict.values()))
+        history, steps_done = result.history, int(result.steps_done)
+    else:
+        # An ablation arm without SFT: the grounded model is exported unchanged.
+        ctx.log("sft.enabled is false or sft.steps is 0: exporting the grounded model unchanged")
+        model = load_causal_lm(ground_dir, cfg)
+        stats, n_trainable, history, steps_done = {}, 0, {"loss": [], "val": {}}, 0
     first_new, end_new = (int(x) for x in pairs_facts["new_token_ids"])
     e_new = model.get_input_embeddings().weight[first_new:end_new].detach().float().contiguous()
     meta = dict(vocab.read_meta(ground_dir))
@@ -442,17 +447,17 @@ def run(ctx: StageContext, fault_injection: dict | None = None) -> StageResult:
     vocab.export_model(model, tokenizer, ctx.work_dir / MODEL_DIR, meta)
     save_file({"e_new": e_new}, str(ctx.work_dir / E_NEW_FILE))
 
-    history = result.history
     losses = history["loss"]
     val_hist = [{"step": int(s), "value": float(v)} for s, v in history["val"].get(VAL_METRIC, [])]
-    ctx.log(
-        f"loss {losses[0][1]:.4f} -> {losses[-1][1]:.4f}"
-        + (f"; {VAL_METRIC} {val_hist[-1]['value']:.4f}" if val_hist else "")
-    )
+    if losses:
+        ctx.log(
+            f"loss {losses[0][1]:.4f} -> {losses[-1][1]:.4f}"
+            + (f"; {VAL_METRIC} {val_hist[-1]['value']:.4f}" if val_hist else "")
+        )
     return StageResult(
         outputs={"model": MODEL_DIR, "sft_embeddings": E_NEW_FILE},
         facts={
-            "steps_done": int(result.steps_done),
+            "steps_done": steps_done,
             "final_loss": float(losses[-1][1]) if losses else None,
             "first_loss": float(losses[0][1]) if losses else None,
             "loss_history": [{"step": int(s), "value": float(v)} for s, v in losses],
