@@ -162,6 +162,9 @@ def test_item_without_sid_is_named(tmp_path):
                       "codes": pa.array([[1, 2], None], type=pa.list_(pa.int32()))})
     with pytest.raises(DataError, match="it007"):
         fn(batch)
+    bad = batch.slice(0, 1).set_column(5, "codes", pa.array([[1, 9]], type=pa.list_(pa.int32())))
+    with pytest.raises(DataError, match="item_id 'a' has codes"):
+        fn(bad)
     ok = fn(batch.slice(0, 1))
     assert ok.num_rows == 6 and set(ok.column("split").to_pylist()) == {"train"}
     # Ray Data keeps a worker's DataError only as traceback text; the stage recovers it.

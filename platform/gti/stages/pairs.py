@@ -168,7 +168,7 @@ class RenderPairs:
             descs.append(d)
             srcs.append(src)
             codes = np.asarray(cols["codes"][i], dtype=np.int64)
-            if codes.shape[0] != self.table.shape[0] or (codes < 0).any():
+            if codes.shape[0] != self.table.shape[0] or (codes < 0).any() or (codes >= self.table.shape[1]).any():
                 raise DataError(f"pairs: item_id '{cols['item_id'][i]}' has codes {codes.tolist()} "
                                 f"that do not fit the {self.table.shape[0]}-level codec")
             ids = self.table[levels, codes]
