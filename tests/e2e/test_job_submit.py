@@ -137,10 +137,10 @@ def test_tiny_pipeline_as_ray_job(tmp_path):
         t0 = time.time()
         job = subprocess.run(
             [sys.executable, "jobs/submit.py", "--address", address, "--connect-timeout", "90",
-             "--working-dir", ".", "--runtime-env", "jobs/runtime_env.yaml", "--timeout", "780",
+             "--working-dir", ".", "--runtime-env", "jobs/runtime_env.yaml", "--timeout", "1500",
              "--", "gti", "run", "--config", "jobs/configs/tiny.yaml", f"run_dir={run_dir}",
              "--to", TO_STAGE],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=1700,
         )
         logs = job.stdout + job.stderr
         assert job.returncode == 0, logs[-4000:]
