@@ -129,7 +129,9 @@ def figures(x: np.ndarray, codes: np.ndarray, recon: np.ndarray, train_s: float,
 
 
 # --------------------------------------------------------------------------- ours
-def ours_rqvae(x: np.ndarray, epochs: int, batch: int, seed: int = 0) -> dict:
+def ours_rqvae(x: np.ndarray, epochs: int, batch: int, seed: int = 0, revive_every: int = 0) -> dict:
+    """Same policy as the `sid` stage: dead codes re-seeded once per epoch, or every
+    `revive_every` steps (sid.revive_every_steps) on large sets."""
     torch.manual_seed(seed)
     cfg = RQVAEConfig(in_dim=x.shape[1], encoder_dims=LAYERS, code_dim=CODE_DIM, levels=LEVELS,
                       codebook_size=K, dropout=0.1)
@@ -140,6 +142,7 @@ def ours_rqvae(x: np.ndarray, epochs: int, batch: int, seed: int = 0) -> dict:
     sample = xt[torch.randperm(len(xt), generator=gen)[:65536]]
     m.init_codebooks(sample, iters=25, generator=gen)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    step = 0
     for epoch in range(epochs):
         m.train()
         counts = torch.zeros(LEVELS, K)
@@ -152,7 +155,11 @@ def ours_rqvae(x: np.ndarray, epochs: int, batch: int, seed: int = 0) -> dict:
             opt.step()
             for lv in range(LEVELS):
                 counts[lv] += torch.bincount(out.codes[:, lv], minlength=K)
-        if epoch < epochs - 1:
+            step += 1
+            if revive_every and step % revive_every == 0:
+                m.revive_dead_codes(counts, out.residuals, 0, gen, opt)
+                counts.zero_()
+        if not revive_every and epoch < epochs - 1:
             m.revive_dead_codes(counts, out.residuals, 0, gen, opt)
     train_s = time.perf_counter() - t0
     m.eval()
@@ -246,7 +253,8 @@ def main() -> None:
     for name, (x, ep) in sets.items():
         print(f"== {name}: {x.shape[0]} items x {x.shape[1]} dims, RQ-VAE epochs {ep}", flush=True)
         r = {
-            "ours_rqvae": ours_rqvae(x, ep, 1024),
+            # Large sets revive every 50 steps (an epoch is hundreds of steps there).
+            "ours_rqvae": ours_rqvae(x, ep, 1024, revive_every=50 if len(x) > 100_000 else 0),
             "peer_rqvae": peer_rqvae(x, ep, 1024),
         }
         # Both k-means quantisers fit on the same sample (sklearn's KMeans at K=256 is slow,

@@ -134,6 +134,9 @@ class SidConfig(_Strict):
         65536, gt=0, description="items sampled for codebook k-means init / rqkmeans fitting"
     )
     sinkhorn_rounds: int = Field(20, ge=0, description="rounds of last-level Sinkhorn spreading")
+    revive_every_steps: int = Field(
+        0, ge=0, description="re-seed dead codes every N optimizer steps (0: once per epoch)"
+    )
     # Token string format; {level} is a letter a, b, c, ...; {code} the code index.
     token_format: str = "<{level}_{code}>"
     gates: SidGates = Field(default_factory=SidGates)

@@ -70,7 +70,8 @@ def _check_outputs(m, run_dir, n):
 @pytest.mark.slow
 @pytest.mark.ray
 def test_two_worker_rqvae_assigns_every_item(tmp_path, ray_start_4_cpus):
-    cfg = _cfg(tmp_path, "sid.num_workers=2", "sid.gates.min_utilisation=0.2")
+    # Revival every 2 steps exercises the in-epoch collective path on both workers.
+    cfg = _cfg(tmp_path, "sid.num_workers=2", "sid.gates.min_utilisation=0.2", "sid.revive_every_steps=2")
     run_dir = cfg.resolved_run_dir()
     vecs = clustered()
     write_embed_stage(run_dir, vecs)

@@ -165,12 +165,16 @@ def sid_train_loop(config: dict) -> None:
     core = model  # prepare_model wraps in DDP but keeps (and moves) this module
     levels, k = model.cfg.levels, model.cfg.codebook_size
     shard = ray.train.get_dataset_shard("train")
+    every, step = int(config.get("revive_every_steps", 0)), 0
+    # Usage since the last revival when reviving every `every` steps (spans epochs).
+    window = torch.zeros(levels, k, dtype=torch.float64, device=device)
     for epoch in range(start_epoch, config["epochs"]):
         t0 = time.time()
         core.train()
         counts = torch.zeros(levels, k, dtype=torch.float64, device=device)
         sums = torch.zeros(5, dtype=torch.float64, device=device)  # loss, recon, quant, div, n
         last_res = None
+        revived = [0] * levels
         for batch in shard.iter_torch_batches(
             batch_size=config["batch_size"],
             local_shuffle_buffer_size=config["shuffle_buffer"],
@@ -183,8 +187,19 @@ def sid_train_loop(config: dict) -> None:
             out.loss.backward()
             opt.step()
             n = x.shape[0]
-            for lv in range(levels):
-                counts[lv] += torch.bincount(out.codes[:, lv], minlength=k).to(counts.dtype)
+            used = torch.stack(
+                [torch.bincount(out.codes[:, lv], minlength=k) for lv in range(levels)]
+            ).to(counts.dtype)
+            counts += used
+            step += 1
+            if every > 0:
+                window += used
+                if step % every == 0:
+                    # Every worker has run the same number of steps (equal shards), so all
+                    # reach this collective together.
+                    got = _revive(core, window, out.residuals, config, step, world, opt)
+                    revived = [a + b for a, b in zip(revived, got)]
+                    window.zero_()
             sums += torch.tensor(
                 [out.loss.item() * n, out.recon_loss.item() * n, out.quant_loss.item() * n,
                  out.diversity_loss.item() * n, n], dtype=torch.float64, device=device)
@@ -192,14 +207,8 @@ def sid_train_loop(config: dict) -> None:
         if world > 1:
             dist.all_reduce(counts)
             dist.all_reduce(sums)
-        revived = [0] * levels
-        if epoch < config["epochs"] - 1 and last_res is not None:
-            gen = torch.Generator().manual_seed(config["seed"] * 7919 + epoch)
-            revived = core.revive_dead_codes(counts, last_res, config["dead_code_threshold"], gen, opt)
-        if world > 1:
-            # Every rank revived the same codes (same all-reduced counts) from its own batch;
-            # rank 0's vectors win so the replicas stay identical.
-            dist.broadcast(core.codebooks.data, src=0)
+        if every == 0 and epoch < config["epochs"] - 1 and last_res is not None:
+            revived = _revive(core, counts, last_res, config, epoch, world, opt, reduced=True)
         n = max(sums[4].item(), 1.0)
         util = ((counts > 0).sum(1).double() / k).tolist()
         metrics = {
@@ -231,6 +240,23 @@ def sid_train_loop(config: dict) -> None:
             ray.train.report(metrics)
 
 
+def _revive(core, counts, residuals, config, salt, world, opt, reduced=False) -> list[int]:
+    """Dead-code revival shared by the per-epoch and per-window paths. `counts` [L, K] are
+    summed over workers first (unless `reduced`), so every rank picks the same dead codes;
+    each re-seeds them from its own batch, then rank 0's vectors are broadcast so the
+    replicas stay identical."""
+    import torch.distributed as dist
+
+    if world > 1 and not reduced:
+        counts = counts.clone()
+        dist.all_reduce(counts)
+    gen = torch.Generator().manual_seed(config["seed"] * 7919 + salt)
+    got = core.revive_dead_codes(counts, residuals, config["dead_code_threshold"], gen, opt)
+    if world > 1:
+        dist.broadcast(core.codebooks.data, src=0)
+    return got
+
+
 def _unwrap_user_error(err: BaseException) -> BaseException | None:
     seen: list[BaseException] = [err, *(getattr(err, "worker_failures", None) or {}).values()]
     for e in seen:
@@ -257,6 +283,7 @@ def train_rqvae(ctx: StageContext, emb_path: Path, init_model, n_items: int):
         "lr": s.lr,
         "weight_decay": s.weight_decay,
         "dead_code_threshold": s.dead_code_threshold,
+        "revive_every_steps": s.revive_every_steps,
         "seed": ctx.cfg.seed,
         "shuffle_buffer": min(max(4 * per_worker, 1024), max(n_items, 1)),
     }
