@@ -205,7 +205,6 @@ def test_sample_users_deterministic():
 
 
 def _tiny_tok(markers: bool):
-    from gti.config import ModelConfig
     from gti.lm import models, vocab
     from gti.sid.codec import SidCodec
 

@@ -25,7 +25,6 @@ or how metrics are defined (`gti.eval.metrics`).
 
 from __future__ import annotations
 
-import math
 import time
 from pathlib import Path
 from typing import Any
