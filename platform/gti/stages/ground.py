@@ -1,0 +1,278 @@
+"""Stage `ground`: extend the LM's vocabulary with the SID tokens, initialise the new rows
+(`init.method`), and ground them on the pair data set with Ray Train + DeepSpeed.
+
+What it does, in order:
+1. Loads the base model and the `pairs` stage's extended tokenizer; the new-token id range
+   `[first, end)` and the real vocabulary size come from the pairs manifest (never from the
+   matrix size, so models padded past their tokenizer work). Refuses pairs built from another
+   SID map than the `sid` stage's (sid_map_hash).
+2. Computes the initial rows with `gti.lm.init.init_rows` from the REAL old rows (input matrix;
+   and output matrix for an untied head): `description` reads item text from `ingest` and codes
+   from `sid`; `codebook` reads `sid/codebooks.safetensors`. Writes `e_new_init.safetensors`.
+3. If `ground.enabled` and `ground.steps > 0`: a `TorchTrainer` with `ground.num_workers`
+   workers runs `gti.train.loop.train_loop_per_worker` (task "ground": backbone and old rows
+   frozen, only the new rows in the DeepSpeed optimizer), fed by Ray Data shards of the train
+   pairs; validation is constrained greedy text->SID exact match on `ground.val_samples`
+   held-out title2sid/desc2sid pairs. Ray Train storage is `work_dir/ray_train`, run name
+   `ground` (or the caller's `run_name`), so a rerun after a killed driver resumes from the last
+   checkpoint (the pipeline keeps the partial work dir when the fingerprint is unchanged).
+   Otherwise (the plain init arm) the initial rows are exported as they are, steps_done 0.
+4. Exports `model/`: a standard HF folder (new rows merged back, extended tokenizer,
+   `gti_meta.json` with sid_map_hash and the new-token id range) and `e_new_ground.safetensors`.
+
+Progress: `ctx.log` lines every ~5% of the steps (loss, lr, tokens/s, validation).
+
+What it does NOT know: how pairs are rendered, how the loop trains (gti.train.loop), SFT.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import torch
+
+from gti.errors import DataError, GateError
+from gti.pipeline import StageContext, StageResult
+
+MODEL_DIR = "model"
+INIT_FILE = "e_new_init.safetensors"
+GROUND_FILE = "e_new_ground.safetensors"
+RAY_DIR = "ray_train"
+VAL_FILE = "val_prompts.parquet"
+SIDS_FILE = "catalog_sids.safetensors"
+VAL_TASKS = ("title2sid", "desc2sid")
+
+
+# --------------------------------------------------------------------------- helpers
+def _item_codes(ctx: StageContext, levels: int) -> tuple[list[str], torch.Tensor]:
+    """(item ids, codes LongTensor[N, L]) of the sid map, in file order."""
+    t = pq.read_table(ctx.input("sid", "sid_map"), columns=["item_id", "codes"])
+    codes = t.column("codes").to_pylist()
+    if any(len(c) != levels for c in codes):
+        raise DataError(f"{ctx.input('sid', 'sid_map')}: a row's codes do not have {levels} levels")
+    return t.column("item_id").to_pylist(), torch.tensor(codes, dtype=torch.long).reshape(len(codes), levels)
+
+
+def _description_token_ids(ctx: StageContext, tokenizer, item_ids: list[str]) -> list[list[int]]:
+    """Token ids of each item's description (pseudo-description where it has none, exactly as
+    the pairs stage words it), aligned with `item_ids`."""
+    from gti.stages.pairs import description_text
+
+    path = ctx.input("ingest", "items")
+    t = pq.read_table(path, columns=["item_id", "title", "description", "category", "attributes_text"]).to_pydict()
+    pos = {iid: i for i, iid in enumerate(t["item_id"])}
+    texts = []
+    for iid in item_ids:
+        i = pos.get(iid)
+        if i is None:
+            raise DataError(f"{path}: item '{iid}' of the SID map is missing")
+        d, _ = description_text(t["title"][i] or "", t["description"][i] or "", t["category"][i] or "",
+                                t["attributes_text"][i] or "", ctx.cfg.pairs.max_desc_chars)
+        texts.append(d)
+    return tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+
+def initial_rows(ctx: StageContext, model, tokenizer, n_real: int, n_new: int) -> dict[str, torch.Tensor]:
+    """{"e_new": [n_new, d]} (+ "head_new" for an untied head) for `ctx.cfg.init.method`."""
+    from safetensors.torch import load_file
+
+    from gti.lm import init as lm_init
+    from gti.lm import vocab
+
+    cfg = ctx.cfg
+    method = cfg.init.method
+    sf = ctx.manifest("sid").facts
+    kw: dict[str, Any] = {"noise_std": cfg.init.noise_std, "codebook_sizes": list(sf["codebook_sizes"])}
+    if method == "description":
+        item_ids, codes = _item_codes(ctx, int(sf["levels"]))
+        kw["item_codes"] = codes
+        kw["item_token_ids"] = _description_token_ids(ctx, tokenizer, item_ids)
+    if method == "codebook":
+        cb = load_file(str(ctx.input("sid", "codebooks")))
+        kw["codebooks"] = [cb[f"level_{i}"] for i in range(len(cb)) if f"level_{i}" in cb]
+    out = {
+        "e_new": lm_init.init_rows(method, vocab.old_rows(model, n_real), n_new,
+                                   generator=torch.Generator().manual_seed(cfg.seed), **kw)
+    }
+    if model.get_output_embeddings() is not None and not vocab.heads_tied(model):
+        out["head_new"] = lm_init.init_rows(
+            method, vocab.old_rows(model, n_real, which="output"), n_new,
+            generator=torch.Generator().manual_seed(cfg.seed + 1), **kw,
+        )
+    return out
+
+
+def write_val_set(ctx: StageContext, out_dir: Path, first_sid: int, end_sid: int, levels: int) -> int:
+    """Sample `ground.val_samples` held-out text->SID pairs (seeded) into `val_prompts.parquet`:
+    prompt = chat prompt + the answer tokens before the SID (e.g. <sid_start>), target = the
+    L SID token ids. Returns the number of rows (0 = no validation)."""
+    import pyarrow as pa
+
+    path = ctx.input("pairs", "pairs")
+    t = pq.read_table(path, columns=["task", "split", "prompt_ids", "answer_ids"])
+    mask = pc.and_(pc.equal(t["split"], "val"), pc.is_in(t["task"], pa.array(list(VAL_TASKS))))
+    t = t.filter(mask)
+    if t.num_rows == 0:
+        return 0
+    rng = np.random.default_rng(ctx.cfg.seed)
+    n = min(ctx.cfg.ground.val_samples, t.num_rows)
+    rows = np.sort(rng.choice(t.num_rows, size=n, replace=False))
+    t = t.take(pa.array(rows))
+    prompts, targets = [], []
+    for i, (p, a) in enumerate(zip(t["prompt_ids"].to_pylist(), t["answer_ids"].to_pylist())):
+        where = [j for j, x in enumerate(a) if first_sid <= x < end_sid]
+        if len(where) < levels or where[:levels] != list(range(where[0], where[0] + levels)):
+            raise DataError(f"{path}: val pair {int(rows[i])} has no run of {levels} SID tokens in its answer")
+        s = where[0]
+        prompts.append(list(p) + list(a[:s]))
+        targets.append(list(a[s: s + levels]))
+    pq.write_table(pa.table({"prompt": prompts, "target": targets}), out_dir / VAL_FILE)
+    return n
+
+
+def _count_train_pairs(path: Path) -> int:
+    t = pq.read_table(path, columns=["split"])
+    return int(pc.sum(pc.equal(t["split"], "train")).as_py() or 0)
+
+
+# --------------------------------------------------------------------------- the stage
+def run(ctx: StageContext, run_name: str | None = None, callbacks: list | None = None) -> StageResult:
+    """Stage entry point. `run_name` / `callbacks` let `gti tune` run a trial through this
+    exact code (deterministic trial run names; `TuneReportCallback`)."""
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer
+
+    from gti.lm import vocab
+    from gti.sid.codec import SidCodec
+    from gti.train.loop import load_base_model
+
+    cfg, g = ctx.cfg, ctx.cfg.ground
+    work = ctx.work_dir
+    pf, sf = ctx.manifest("pairs").facts, ctx.manifest("sid").facts
+    if pf.get("sid_map_hash") != sf.get("sid_map_hash"):
+        raise GateError(
+            f"pairs were built from SID map {pf.get('sid_map_hash')} but the sid stage has "
+            f"{sf.get('sid_map_hash')}; rerun from the pairs stage"
+        )
+    first, end = (int(x) for x in pf["new_token_ids"])
+    n_new, n_real = end - first, int(pf["vocab_size_before"])
+    codec = SidCodec.from_facts(sf)
+    first_sid, end_sid = first, first + codec.num_tokens  # markers, if any, follow the SIDs
+    tokenizer = AutoTokenizer.from_pretrained(str(ctx.input("pairs", "tokenizer")))
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if len(tokenizer) != end:
+        raise DataError(f"{ctx.input('pairs', 'tokenizer')}: has {len(tokenizer)} tokens, pairs facts say {end}")
+
+    ctx.log(f"loading {cfg.model.name}; init '{cfg.init.method}' for {n_new} new rows [{first}, {end})")
+    model = load_base_model(cfg)
+    init = initial_rows(ctx, model, tokenizer, n_real, n_new)
+    save_file({k: v.contiguous() for k, v in init.items()}, str(work / INIT_FILE))
+
+    grounded = g.enabled and g.steps > 0
+    facts: dict[str, Any] = {
+        "init_method": cfg.init.method,
+        "grounded": grounded,
+        "arm": f"gti+{cfg.init.method}" if grounded else cfg.init.method,
+        "new_token_ids": [first, end],
+        "sid_token_ids": [first_sid, end_sid],
+        "sid_map_hash": sf["sid_map_hash"],
+        "trainable_params": int(sum(v.numel() for v in init.values())),
+        "steps_done": 0,
+        "final_loss": None,
+        "val_exact_match": [],
+    }
+    final = init
+    if grounded:
+        final, train_facts = _ground(ctx, init, first, end, first_sid, end_sid, codec, tokenizer,
+                                     run_name or "ground", callbacks)
+        facts.update(train_facts)
+    else:
+        ctx.log("ground.enabled is false or ground.steps is 0: exporting the initialised rows")
+
+    vocab.attach_new_rows(model, first, n_new, init["e_new"], init.get("head_new"))
+    vocab.load_new_rows_state_dict(model, final)
+    meta = {
+        "stage": "ground",
+        "sid_map_hash": sf["sid_map_hash"],
+        "new_token_ids": [first, end],
+        "sid_token_ids": [first_sid, end_sid],
+        "init_method": cfg.init.method,
+        "grounded": grounded,
+        "steps_done": facts["steps_done"],
+    }
+    vocab.export_model(model, tokenizer, work / MODEL_DIR, meta)
+    save_file({k: v.contiguous() for k, v in final.items()}, str(work / GROUND_FILE))
+    # Training checkpoints are only needed to resume; the exported model replaces them.
+    shutil.rmtree(work / RAY_DIR, ignore_errors=True)
+    ctx.log(f"exported {work / MODEL_DIR}")
+    return StageResult(
+        outputs={"model": MODEL_DIR, "init_embeddings": INIT_FILE, "ground_embeddings": GROUND_FILE},
+        facts=facts,
+    )
+
+
+def _ground(ctx: StageContext, init, first, end, first_sid, end_sid, codec, tokenizer,
+            run_name: str, callbacks) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    from safetensors.torch import save_file
+
+    from gti.stages._ray import ensure_ray
+    from gti.train.deepspeed_config import micro_batch
+    from gti.train.loop import fit, train_dataset_from_parquet
+
+    cfg, g, work = ctx.cfg, ctx.cfg.ground, ctx.work_dir
+    micro = micro_batch(g, g.num_workers)  # ConfigError naming the key before Ray starts
+    pairs_path = ctx.input("pairs", "pairs")
+    n_train = _count_train_pairs(pairs_path)
+    if n_train < g.num_workers * micro:
+        raise DataError(
+            f"{pairs_path}: {n_train} train pairs cannot fill one micro-batch of {micro} on each of "
+            f"{g.num_workers} workers (ground.batch_size / ground.num_workers)"
+        )
+    _, codes = _item_codes(ctx, codec.levels)
+    sid_ids = codec.token_ids(codes, tokenizer)
+    save_file({"sid_token_ids": sid_ids.contiguous()}, str(work / SIDS_FILE))
+    n_val = write_val_set(ctx, work, first_sid, end_sid, codec.levels)
+    pad_id = int(tokenizer.pad_token_id)
+    loop_config = {
+        "task": "ground",
+        "run_config": cfg.model_dump(mode="json"),
+        "pad_id": pad_id,
+        "ground": {"init_path": str(work / INIT_FILE), "first_new_id": first, "n_new": end - first},
+        "val": None if n_val == 0 else {
+            "path": str(work / VAL_FILE), "sids_path": str(work / SIDS_FILE), "new_start": first,
+            "new_end": end, "levels": codec.levels, "pad_id": pad_id,
+        },
+    }
+    ctx.log(
+        f"grounding {g.steps} steps x {g.batch_size} pairs on {g.num_workers} worker(s), ZeRO-{g.zero_stage}, "
+        f"{g.precision}, lr {g.lr:g}; {n_train:,} train pairs, {n_val} val prompts"
+    )
+    ensure_ray(cfg)
+    ds = train_dataset_from_parquet(pairs_path, seed=cfg.seed)
+    res = fit(
+        loop_config, ds, g, storage_path=work / RAY_DIR, name=run_name, log=ctx.log,
+        progress_every=max(g.log_every, math.ceil(g.steps / 20)), callbacks=callbacks,
+    )
+    hist = res.history
+    loss = hist.get("loss", [])
+    tps = [v for _, v in hist.get("tokens_per_s", [])]
+    facts = {
+        "steps_done": res.steps_done,
+        "final_loss": loss[-1][1] if loss else None,
+        "first_loss": loss[0][1] if loss else None,
+        "val_exact_match": [{"step": int(s), "value": float(v)} for s, v in hist.get("val", {}).get("val_exact_match", [])],
+        "tokens_per_s_median": float(np.median(tps)) if tps else None,
+        "train_pairs": n_train,
+        "val_prompts": n_val,
+        "num_workers": g.num_workers,
+        "zero_stage": g.zero_stage,
+        "precision": g.precision,
+    }
+    return res.state_dict, facts

@@ -1,0 +1,137 @@
+"""Stage `ground` (gti/stages/ground.py) on a small hand-made run directory (ingest + sid
+manifests, then the real `pairs` stage): the plain init arm (no training) and grounding with
+2 Ray Train workers + DeepSpeed ZeRO-2; outputs and facts as docs/ARCHITECTURE.md's `ground` row."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from gti import config as C
+from gti.manifest import Manifest
+
+N_ITEMS, LEVELS, K, CODE_DIM = 24, 2, 4, 8
+
+
+@pytest.fixture(scope="module")
+def upstream(tmp_path_factory, ray_start_4_cpus):
+    """run_dir with ingest + sid written by hand and `pairs` run for real; returns (run, base
+    overrides)."""
+    from safetensors.torch import save_file
+
+    from gti import pipeline
+
+    run = tmp_path_factory.mktemp("ground_stage") / "run"
+    base = [f"run_dir={run}", "model.name=tiny", "model.tiny_hidden=32", "model.tiny_layers=1",
+            "model.tiny_heads=2", "ray_num_cpus=2", "pairs.max_len=64", "pairs.val_fraction=0.25"]
+    cfg = C.load(None, base)
+    ing, sid = run / "ingest", run / "sid"
+    ing.mkdir(parents=True)
+    sid.mkdir()
+    ids = [f"it{i:03d}" for i in range(N_ITEMS)]
+    pq.write_table(pa.table({
+        "item_id": ids,
+        "title": [f"Glass beaker {i} ml" for i in range(N_ITEMS)],
+        "description": ["" if i % 5 == 0 else f"A sturdy lab beaker number {i}." for i in range(N_ITEMS)],
+        "category": ["Lab > Glass"] * N_ITEMS,
+        "attributes_text": ["brand: Pyrex"] * N_ITEMS,
+        "text_is_pseudo": [False] * N_ITEMS,
+    }), ing / "items.parquet")
+    codes = [[i % K, (i // K) % (K + 2)] for i in range(N_ITEMS)]
+    sizes = [K, K + 2]
+    pq.write_table(pa.table({
+        "item_id": ids,
+        "codes": pa.array(codes, type=pa.list_(pa.int32())),
+        "sid": [f"<a_{a}><b_{b}>" for a, b in codes],
+    }), sid / "sid_map.parquet")
+    g = torch.Generator().manual_seed(0)
+    save_file({f"level_{i}": torch.randn(k, CODE_DIM, generator=g) for i, k in enumerate(sizes)},
+              str(sid / "codebooks.safetensors"))
+    Manifest("ingest", "fp-ingest", {}, facts={"n_items": N_ITEMS}, outputs={"items": "items.parquet"}).write(ing)
+    Manifest("sid", "fp-sid", {}, facts={
+        "levels": LEVELS, "codebook_sizes": sizes, "token_format": "<{level}_{code}>", "sid_map_hash": "h123",
+    }, outputs={"sid_map": "sid_map.parquet", "codebooks": "codebooks.safetensors"}).write(sid)
+    pipeline.run_stage(pipeline.spec("pairs"), cfg, run)
+    return run, base
+
+
+def _run_ground(run, base, overrides):
+    from gti import pipeline
+
+    cfg = C.load(None, base + overrides)
+    return cfg, pipeline.run_stage(pipeline.spec("ground"), cfg, run)
+
+
+def _base_rows(cfg):
+    from gti.lm import models
+
+    model, _ = models.load_model_and_tokenizer(cfg.model)
+    return model.get_input_embeddings().weight.detach().clone()
+
+
+def _check_export(run, cfg, facts, expect_new: torch.Tensor):
+    """The exported folder loads with plain transformers; rows [first, end) hold `expect_new`,
+    every old row is the base model's, gti_meta.json names the SID map and the id range."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = run / "ground" / "model"
+    model = AutoModelForCausalLM.from_pretrained(folder, use_safetensors=True)
+    tok = AutoTokenizer.from_pretrained(folder)
+    first, end = facts["new_token_ids"]
+    assert len(tok) == end
+    w = model.get_input_embeddings().weight.detach()
+    assert w.shape[0] == end
+    assert torch.equal(w[first:end], expect_new)
+    assert torch.equal(w[:first], _base_rows(cfg)[:first])
+    meta = json.loads((folder / "gti_meta.json").read_text())
+    assert meta["sid_map_hash"] == "h123" and meta["new_token_ids"] == [first, end]
+    assert not (run / "ground" / "ray_train").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_plain_init_arm_extends_initialises_and_exports(upstream):
+    from safetensors.torch import load_file
+
+    run, base = upstream
+    cfg, m = _run_ground(run, base, ["ground.enabled=false", "init.method=description"])
+    f = m.facts
+    assert f["steps_done"] == 0 and f["grounded"] is False and f["arm"] == "description"
+    first, end = f["new_token_ids"]
+    assert end - first == K + K + 2 and f["sid_token_ids"] == [first, end]
+    assert f["trainable_params"] == (end - first) * 32
+    init = load_file(str(run / "ground" / "e_new_init.safetensors"))["e_new"]
+    ground = load_file(str(run / "ground" / "e_new_ground.safetensors"))["e_new"]
+    assert init.shape == (end - first, 32) and torch.equal(init, ground)
+    # description arm: rows differ by code (items carrying different codes have different text)
+    assert not torch.allclose(init[0], init[1])
+    _check_export(run, cfg, f, init)
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_grounding_stage_two_workers_zero2(upstream):
+    from safetensors.torch import load_file
+
+    run, base = upstream
+    cfg, m = _run_ground(run, base, [
+        "init.method=codebook", "ground.num_workers=2", "ground.steps=6", "ground.batch_size=4",
+        "ground.lr=3e-2", "ground.checkpoint_every=3", "ground.val_every=3", "ground.val_samples=6",
+        "ground.zero_stage=2",
+    ])
+    f = m.facts
+    assert f["grounded"] is True and f["arm"] == "gti+codebook"
+    assert f["steps_done"] == 6 and f["num_workers"] == 2 and f["zero_stage"] == 2
+    assert f["final_loss"] < f["first_loss"]
+    assert [e["step"] for e in f["val_exact_match"]] == [3, 6]
+    assert all(0.0 <= e["value"] <= 1.0 for e in f["val_exact_match"])
+    assert f["val_prompts"] == 6 and f["train_pairs"] > 0
+    init = load_file(str(run / "ground" / "e_new_init.safetensors"))["e_new"]
+    ground = load_file(str(run / "ground" / "e_new_ground.safetensors"))["e_new"]
+    assert not torch.equal(init, ground)
+    _check_export(run, cfg, f, ground)
