@@ -220,14 +220,18 @@ def test_cli_main_prints_report_path_and_reports_failed_arms(tmp_path, fake_stag
 # --------------------------------------------------------------------------- the real thing
 @pytest.mark.slow
 @pytest.mark.ray
+@pytest.mark.timeout(1800)  # ~3 min on an idle 2-core machine; 17+ min when it is shared
 def test_compare_tiny_end_to_end(tmp_path):
-    """2 arms x 1 seed of the real tiny pipeline, arms as parallel Ray tasks."""
+    """2 arms x 1 seed of the real tiny pipeline, arms as parallel Ray tasks.
+
+    4 logical CPUs (as the ray_start_4_cpus fixture): each arm's Train worker and its Ray Data
+    ingest need a slot at the same time, twice over with two arms in parallel."""
     import ray
 
     if ray.is_initialized():
         ray.shutdown()
     try:
-        cfg = config.load(ROOT / "jobs/configs/tiny.yaml", [f"run_dir={tmp_path / 'tiny'}"])
+        cfg = config.load(ROOT / "jobs/configs/tiny.yaml", [f"run_dir={tmp_path / 'tiny'}", "ray_num_cpus=4"])
         paths = CMP.compare(cfg, ["mean", "gti"], 1, tmp_path / "cmp")
     finally:
         ray.shutdown()
