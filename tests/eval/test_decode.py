@@ -168,3 +168,19 @@ def test_topk_agreement_treats_near_ties_as_equal():
     assert topk_agreement(a, res([1, 2, 4], [-1.0, -2.0, -2.00001]))["identical_users"] == 1
     assert topk_agreement(a, res([2, 1, 3], [-1.0, -2.0, -2.00001]))["identical_users"] == 0
     assert topk_agreement(a, res([1, 2, 3], [-1.0, -2.5, -2.6]))["mismatched_users"] == [0]
+
+
+def test_search_runs_in_eval_mode_and_restores_training(sidspace):
+    s = sidspace
+    sids = s.random_sids(30, s.LEVELS, s.CODEBOOK, s.FIRST_NEW, seed=4)
+    trie = SidTrie(sids, s.FIRST_NEW, s.NEW_END)
+    model = s.tiny_llama(seed=6)
+    model.config.attention_dropout = 0.5  # dropout would make a train-mode search random
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.5
+    ref = _search(model.eval(), s.prompts(3), trie, s)
+    model.train()
+    got = _search(model, s.prompts(3), trie, s)
+    assert model.training, "the caller's train mode is restored"
+    assert torch.equal(got.items, ref.items)
+    torch.testing.assert_close(got.scores, ref.scores)

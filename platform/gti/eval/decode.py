@@ -228,7 +228,11 @@ def constrained_beam_search(
 
     Args:
         model: a causal LM (transformers, supports `cache=` / `attention_mask` / `position_ids`
-            / `logits_to_keep`), in eval mode; its generation_config is ignored.
+            / `logits_to_keep`); run in eval mode (a training model is switched back after)
+            under `torch.no_grad` (not inference_mode: ZeRO-3 gathers parameters inside the
+            forward, and inference tensors would leak into training); its generation_config is
+            ignored. Every call runs the same number of forwards for the same number of
+            prompts, so ranks of a sharded model stay in step.
         prompt_ids: U prompts (lists of token ids, any lengths) or a LongTensor [U, T] of
             unpadded prompts of equal length.
         trie: the catalog's `SidTrie` (new-token slice [vocab_new_start, vocab_new_end)).
@@ -247,14 +251,20 @@ def constrained_beam_search(
         raise ValueError(f"levels must be >= 1, got {levels}")
     prompts = _as_prompt_lists(prompt_ids)
     parts = []
-    done = 0
-    for sl in _chunks(len(prompts), max(1, batch_users)):
-        parts.append(
-            _search_batch(model, prompts[sl], trie, beam_width, k, levels, pad_id, constrained)
-        )
-        done = sl.stop
-        if progress is not None:
-            progress(done, len(prompts))
+    # Validation during training calls this on a model in train mode: dropout must be off for
+    # the search, and the caller's mode is restored afterwards.
+    was_training = bool(getattr(model, "training", False))
+    model.eval()
+    try:
+        for sl in _chunks(len(prompts), max(1, batch_users)):
+            parts.append(
+                _search_batch(model, prompts[sl], trie, beam_width, k, levels, pad_id, constrained)
+            )
+            if progress is not None:
+                progress(sl.stop, len(prompts))
+    finally:
+        if was_training:
+            model.train()
     if not parts:
         empty = torch.empty
         return DecodeResult(
@@ -289,7 +299,7 @@ def _step_candidates(
     return sub.masked_fill(~allowed, NEG_INF), lo
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def _search_batch(
     model: Any,
     prompts: list[list[int]],
