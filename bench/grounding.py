@@ -19,7 +19,8 @@ tokens (4 SID tokens + end of turn) and the loss on those 5 only, like a groundi
 All three use torch.optim.AdamW (foreach, fp32, weight decay 0.01), one process, and the same
 batch; repetitions are interleaved round by round with a rotating order so that load on a
 shared machine hits all of them alike; the first step of each is a warm-up and not timed.
-Reported: median seconds/step, trainable parameters, optimizer-state bytes (the exp_avg and
+Reported: median seconds/step (wall, and CPU time of the process, which other load on a shared
+machine disturbs far less), trainable parameters, optimizer-state bytes (the exp_avg and
 exp_avg_sq tensors), and a check that (a) left every old row bit-identical.
 
 The training stage runs this same step inside the DeepSpeed engine on Ray Train workers; the
@@ -120,13 +121,14 @@ def make_batches(n: int, batch: int, seq: int, n_real: int, sid_ids: torch.Tenso
     return out
 
 
-def step(model, opt, ids, labels) -> float:
-    t0 = time.perf_counter()
+def step(model, opt, ids, labels) -> tuple[float, float]:
+    """One training step; (wall seconds, CPU seconds of this process, all threads)."""
+    t0, c0 = time.perf_counter(), time.process_time()
     out = model(input_ids=ids, labels=labels)
     out.loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def main(argv=None) -> dict:
@@ -164,13 +166,15 @@ def main(argv=None) -> dict:
     batches = make_batches(args.reps + 1, args.batch, args.seq, n_real, sid_ids, eot)
 
     times: dict[str, list[float]] = {k: [] for k in setups}
+    cpu: dict[str, list[float]] = {k: [] for k in setups}
     names = list(setups)
     for r, (ids, labels) in enumerate(batches):
         order = names[r % 3:] + names[: r % 3]
         for k in order:
-            dt = step(setups[k][0], opts[k], ids, labels)
+            dt, dc = step(setups[k][0], opts[k], ids, labels)
             if r > 0:  # first round is warm-up (allocations, first-touch of weights)
                 times[k].append(dt)
+                cpu[k].append(dc)
         print(f"round {r}: " + ", ".join(f"{k} {times[k][-1]:.2f}s" for k in order if r > 0), file=sys.stderr)
 
     old_after = vocab.old_rows(setups["ground"][0])
@@ -178,6 +182,7 @@ def main(argv=None) -> dict:
     for k, (_, params) in setups.items():
         res[k] = {
             "s_per_step": statistics.median(times[k]),
+            "cpu_s_per_step": statistics.median(cpu[k]),
             "trainable_params": int(sum(p.numel() for p in params)),
             "optimizer_state_bytes": state_bytes(opts[k]),
         }
@@ -196,6 +201,11 @@ def main(argv=None) -> dict:
         "setups": res,
         "ground_over_full": res["ground"]["s_per_step"] / res["full"]["s_per_step"],
         "ground_over_masked": res["ground"]["s_per_step"] / res["masked"]["s_per_step"],
+        # CPU time of the process: the same ratios, far less sensitive to other load on a
+        # shared machine than wall time.
+        "ground_over_full_cpu": res["ground"]["cpu_s_per_step"] / res["full"]["cpu_s_per_step"],
+        "ground_over_masked_cpu": res["ground"]["cpu_s_per_step"] / res["masked"]["cpu_s_per_step"],
+        "load_avg_1m": os.getloadavg()[0],
         "optimizer_state_bytes": res["ground"]["optimizer_state_bytes"],
         "expected_state_bytes": expected,
         "state_exact": res["ground"]["optimizer_state_bytes"] == expected,
@@ -203,7 +213,7 @@ def main(argv=None) -> dict:
         "wall_s": round(time.time() - t_start, 1),
     }
     for k, v in res.items():
-        print(f"{k:7s} {v['s_per_step']:.3f} s/step  trainable {v['trainable_params']:>11,}  "
+        print(f"{k:7s} {v['s_per_step']:.3f} s/step ({v['cpu_s_per_step']:.3f} CPU s)  trainable {v['trainable_params']:>11,}  "
               f"optimizer state {v['optimizer_state_bytes']:>13,} B")
     print(f"ground/full {out['ground_over_full']:.3f} (target <= 0.65)  ground/masked "
           f"{out['ground_over_masked']:.3f} (target < 1)  state {out['optimizer_state_bytes']:,} B "
