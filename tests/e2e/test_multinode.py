@@ -100,6 +100,10 @@ def two_node_cluster(tmp_path):
 def test_grounding_across_two_nodes_with_driver_kill_and_resume(two_node_cluster, tmp_path):
     env = two_node_cluster
     run_dir = tmp_path / "run"  # one path every node of this cluster sees: the shared storage
+    # Upstream stages first, so that the kill below lands in grounding however slow they are.
+    upstream = subprocess.run(_gti_cmd(run_dir)[:-1] + ["pairs"], env=env, capture_output=True,
+                              text=True, cwd=tmp_path, timeout=1800)
+    assert upstream.returncode == 0, (upstream.stdout + upstream.stderr)[-4000:]
     log1 = (tmp_path / "attempt1.log").open("w")
     first = subprocess.Popen(_gti_cmd(run_dir), env=env, stdout=log1, stderr=subprocess.STDOUT, cwd=tmp_path)
     partial = run_dir / ".ground.partial"
