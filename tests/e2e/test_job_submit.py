@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -149,6 +150,8 @@ def test_tiny_pipeline_as_ray_job(tmp_path):
     finally:
         stop_head(head)
     assert head.returncode is not None
+    leftover = subprocess.run(["pgrep", "-f", str(ray_tmp)], capture_output=True, text=True)
+    shutil.rmtree(ray_tmp, ignore_errors=True)
 
     from gti.pipeline import STAGE_NAMES
 
@@ -159,5 +162,4 @@ def test_tiny_pipeline_as_ray_job(tmp_path):
             assert (run_dir / stage / rel).exists(), f"{stage}: output {rel} missing"
     assert f"{TO_STAGE}: done" in logs
     # No Ray process of this head survives it.
-    leftover = subprocess.run(["pgrep", "-f", str(ray_tmp)], capture_output=True, text=True)
     assert leftover.stdout.strip() == "", f"processes left behind: {leftover.stdout}"
