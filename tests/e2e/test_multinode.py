@@ -12,7 +12,6 @@ ran on is read back from Ray's actor table (class RayTrainWorker) after the run.
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import re
@@ -63,14 +62,6 @@ def _checkpoints(stage_dir: Path) -> list[Path]:
     return sorted(p for p in stage_dir.rglob("checkpoint_*") if p.is_dir())
 
 
-def _fit_places_by_resources() -> bool:
-    """Whether the Train launcher passes TrainConfig.resources_per_worker to ScalingConfig
-    (without it nothing forces the two workers onto different nodes)."""
-    from gti.train import loop
-
-    return "resources_per_worker" in inspect.getsource(loop.fit)
-
-
 def _logged_steps(text: str) -> list[int]:
     return [int(m) for m in re.findall(rf"\[ground\] step (\d+)/{STEPS} ", text)]
 
@@ -93,10 +84,6 @@ def two_node_cluster(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.ray
-@pytest.mark.skipif(
-    not _fit_places_by_resources(),
-    reason="gti.train.loop.fit does not yet pass ground.resources_per_worker to ScalingConfig",
-)
 def test_grounding_across_two_nodes_with_driver_kill_and_resume(two_node_cluster, tmp_path):
     env = two_node_cluster
     run_dir = tmp_path / "run"  # one path every node of this cluster sees: the shared storage

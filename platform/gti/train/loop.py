@@ -468,7 +468,12 @@ def fit(
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config=loop_config,
-        scaling_config=ray.train.ScalingConfig(num_workers=train_cfg.num_workers, use_gpu=train_cfg.use_gpu),
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=train_cfg.num_workers,
+            use_gpu=train_cfg.use_gpu,
+            # e.g. {CPU: 1, gti_worker: 1} puts one worker on each node (cluster/local_cluster.sh).
+            resources_per_worker=train_cfg.resources_per_worker,
+        ),
         run_config=ray.train.RunConfig(
             name=name,
             storage_path=str(storage_path),
