@@ -133,13 +133,13 @@ def step(model, opt, ids, labels) -> tuple[float, float]:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="batch 2 x 32 tokens, 2 timed steps (< 60 s)")
+    ap.add_argument("--quick", action="store_true", help="batch 2 x 32 tokens, 1 warm-up + 1 timed step per setup (< 60 s)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3, help="timed steps per setup (interleaved)")
     args = ap.parse_args(argv)
     if args.quick:
-        args.batch, args.seq, args.reps = 2, 32, 2
+        args.batch, args.seq, args.reps = 2, 32, 1
     t_start = time.time()
 
     from transformers import AutoTokenizer
