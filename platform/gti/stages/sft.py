@@ -35,7 +35,6 @@ import importlib.util
 import json
 import math
 import time
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -137,33 +136,11 @@ def build_sft_model(config: dict, cfg: C.RunConfig) -> torch.nn.Module:
 
 
 def sft_trainable_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Loop hook: {name: full fp32 CPU tensor} of every trainable parameter (tied weights once).
+    """Loop hook: {name: full fp32 CPU tensor} of every trainable parameter (tied weights once);
+    called on every rank because gathering ZeRO-3 partitions is collective."""
+    from gti.train.loop import full_fp32_cpu
 
-    Takes DeepSpeed's fp32 master copy where one exists (ZeRO 1-3, bf16 training), gathering
-    ZeRO-3 partitions; called on every rank because gathering is collective."""
-    from deepspeed.utils import safe_get_full_fp32_param
-
-    from gti.lm import vocab
-
-    out: dict[str, torch.Tensor] = {}
-    for name, p in module.named_parameters():
-        if not p.requires_grad:
-            continue
-        full = safe_get_full_fp32_param(p)
-        if full is None:
-            with vocab.gathered([p]):
-                full = p.detach().clone()
-        out[name] = full.detach().to("cpu", torch.float32).clone()
-    return out
-
-
-@lru_cache(maxsize=4)
-def _trie(path: str, new_start: int, new_end: int):
-    from safetensors.torch import load_file
-
-    from gti.sid.trie import SidTrie
-
-    return SidTrie(load_file(path)["sid_token_ids"], new_start, new_end)
+    return {name: full_fp32_cpu(p) for name, p in module.named_parameters() if p.requires_grad}
 
 
 def validate_sft(module: torch.nn.Module, config: dict, rank: int, world: int) -> dict[str, tuple[float, float]]:
@@ -173,6 +150,8 @@ def validate_sft(module: torch.nn.Module, config: dict, rank: int, world: int) -
     item), "sids_path", "new_start", "new_end", "levels", "pad_id", "beam_width", "k"}.
     Each rank takes an equal share (the last ones wrap around and are not counted), so all ranks
     run the same number of forward passes (ZeRO-3 needs that)."""
+    from gti.train.loop import load_trie
+
     v = config.get("val")
     if not v:
         return {}
@@ -189,7 +168,7 @@ def validate_sft(module: torch.nn.Module, config: dict, rank: int, world: int) -
     prompts = table.column("prompt").to_pylist()
     targets = torch.tensor(table.column("target_row").to_pylist(), dtype=torch.long)[rows]
     res = constrained_beam_search(
-        module, [prompts[i] for i in rows], _trie(v["sids_path"], int(v["new_start"]), int(v["new_end"])),
+        module, [prompts[i] for i in rows], load_trie(v["sids_path"], int(v["new_start"]), int(v["new_end"])),
         beam_width=int(v["beam_width"]), k=int(v["k"]), levels=int(v["levels"]),
         pad_id=int(v["pad_id"]), batch_users=int(v.get("batch_users", 8)),
     )

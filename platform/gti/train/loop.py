@@ -537,26 +537,31 @@ def build_ground_model(config: dict, cfg: C.RunConfig) -> torch.nn.Module:
     return model
 
 
-def ground_trainable_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """{"e_new": [V_new, d]} (+ "head_new" untied), full fp32: the optimizer's fp32 master copy
-    where DeepSpeed keeps one (ZeRO 1-3, bf16), else the parameter (gathered under ZeRO-3)."""
+def full_fp32_cpu(p: torch.nn.Parameter) -> torch.Tensor:
+    """Full fp32 CPU copy of a parameter: DeepSpeed's fp32 master copy where one exists
+    (ZeRO 1-3, bf16 training), else the parameter itself, gathered under ZeRO-3. Collective
+    under ZeRO-3, so every rank must call it."""
     from deepspeed.utils import safe_get_full_fp32_param
 
     from gti.lm import vocab
 
+    full = safe_get_full_fp32_param(p)
+    if full is None:
+        with vocab.gathered([p]):
+            full = p.detach().clone()
+    return full.detach().to("cpu", torch.float32).clone()
+
+
+def ground_trainable_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """{"e_new": [V_new, d]} (+ "head_new" untied), full fp32 (see `full_fp32_cpu`)."""
+    from gti.lm import vocab
+
     params = vocab.new_rows_parameters(module)
-    out = {}
-    for name, p in zip(["e_new", "head_new"], params):
-        full = safe_get_full_fp32_param(p)
-        if full is None:
-            with vocab.gathered([p]):
-                full = p.detach().clone()
-        out[name] = full.detach().to("cpu", torch.float32).clone()
-    return out
+    return {name: full_fp32_cpu(p) for name, p in zip(["e_new", "head_new"], params)}
 
 
 @lru_cache(maxsize=4)
-def _load_trie(path: str, new_start: int, new_end: int):
+def load_trie(path: str, new_start: int, new_end: int):
     from safetensors.torch import load_file
 
     from gti.sid.trie import SidTrie
@@ -590,7 +595,7 @@ def validate_ground(module: torch.nn.Module, config: dict, rank: int, world: int
     rows = [i % n for i in idx]
     prompts_all = table.column("prompt").to_pylist()
     targets_all = table.column("target").to_pylist()
-    trie = _load_trie(v["sids_path"], int(v["new_start"]), int(v["new_end"]))
+    trie = load_trie(v["sids_path"], int(v["new_start"]), int(v["new_end"]))
     res = constrained_beam_search(
         module, [prompts_all[i] for i in rows], trie,
         beam_width=1, k=1, levels=int(v["levels"]), pad_id=int(v["pad_id"]), batch_users=16,
