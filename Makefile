@@ -43,6 +43,7 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
 
 bench: $(STAMP)
+	$(PIP) install -q -e ".[test,bench]"
 	for b in bench/*.py; do $(PY) $$b --quick || exit 1; done
 
 clean:
