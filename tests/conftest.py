@@ -55,3 +55,24 @@ def single_process_dist_env(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    yield
+    _reset_distributed()
+
+
+def _reset_distributed() -> None:
+    """Leave no process group behind: the next test may use another port, and DeepSpeed caches
+    a clone of the world group (`groups._WORLD_GROUP`) that outlives a destroyed group."""
+    import sys
+
+    if "torch.distributed" in sys.modules:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    if "deepspeed.utils.groups" in sys.modules:
+        from deepspeed.utils import groups
+
+        for name in ("_WORLD_GROUP", "_ZERO_PARAM_INTRA_PARALLEL_GROUP", "_DATA_PARALLEL_GROUP",
+                     "_MODEL_PARALLEL_GROUP", "_TENSOR_MODEL_PARALLEL_GROUP"):
+            if hasattr(groups, name):
+                setattr(groups, name, None)
