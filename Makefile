@@ -35,6 +35,8 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/gti run --config $(DEMO_CONFIG)
+	# A sample recommendation from the finished run (history: three 3D-printing items).
+	$(VENV)/bin/gti recommend --run-dir runs/demo --history 0,1,2 --k 5
 
 test: $(STAMP)
 	$(PY) -m pytest -q
