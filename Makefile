@@ -38,8 +38,11 @@ demo: $(STAMP)
 	# A sample recommendation from the finished run (history: three 3D-printing items).
 	$(VENV)/bin/gti recommend --run-dir runs/demo --history 0,1,2 --k 5
 
+# The whole suite, as two pytest processes: the fast unit loop, then the slow tests (real
+# DeepSpeed engines, Ray clusters, end-to-end runs), each starting from a clean interpreter.
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "slow"
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
