@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import math
 import time
 from pathlib import Path
 from typing import Any
@@ -150,7 +149,7 @@ def validate_sft(module: torch.nn.Module, config: dict, rank: int, world: int) -
     item), "sids_path", "new_start", "new_end", "levels", "pad_id", "beam_width", "k"}.
     Each rank takes an equal share (the last ones wrap around and are not counted), so all ranks
     run the same number of forward passes (ZeRO-3 needs that)."""
-    from gti.train.loop import load_trie
+    from gti.train.loop import load_trie, rank_share
 
     v = config.get("val")
     if not v:
@@ -161,10 +160,7 @@ def validate_sft(module: torch.nn.Module, config: dict, rank: int, world: int) -
     n = table.num_rows
     if n == 0:
         return {}
-    per = math.ceil(n / world)
-    idx = [rank * per + i for i in range(per)]
-    counted = torch.tensor([i < n for i in idx])
-    rows = [i % n for i in idx]
+    rows, counted = rank_share(n, rank, world)
     prompts = table.column("prompt").to_pylist()
     targets = torch.tensor(table.column("target_row").to_pylist(), dtype=torch.long)[rows]
     res = constrained_beam_search(

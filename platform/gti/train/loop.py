@@ -560,6 +560,15 @@ def ground_trainable_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: full_fp32_cpu(p) for name, p in zip(["e_new", "head_new"], params)}
 
 
+def rank_share(n: int, rank: int, world: int) -> tuple[list[int], torch.Tensor]:
+    """Rows of an n-row validation table for `rank`: ceil(n/world) rows each, the last ranks
+    wrapping around, so every rank runs the same number of forward passes (ZeRO-3 needs that).
+    Returns (row indices, BoolTensor[per] marking the rows that count)."""
+    per = math.ceil(n / world)
+    idx = [rank * per + i for i in range(per)]
+    return [i % n for i in idx], torch.tensor([i < n for i in idx])
+
+
 @lru_cache(maxsize=4)
 def load_trie(path: str, new_start: int, new_end: int):
     from safetensors.torch import load_file
@@ -589,10 +598,7 @@ def validate_ground(module: torch.nn.Module, config: dict, rank: int, world: int
     n = table.num_rows
     if n == 0:
         return {}
-    per = math.ceil(n / world)
-    idx = [rank * per + i for i in range(per)]
-    valid = torch.tensor([i < n for i in idx])
-    rows = [i % n for i in idx]
+    rows, valid = rank_share(n, rank, world)
     prompts_all = table.column("prompt").to_pylist()
     targets_all = table.column("target").to_pylist()
     trie = load_trie(v["sids_path"], int(v["new_start"]), int(v["new_end"]))
