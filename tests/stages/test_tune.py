@@ -141,3 +141,29 @@ def test_two_trial_sweep_writes_valid_best_yaml(tmp_path, ray_start_4_cpus):
         assert (run_dir / "tune" / "trials" / name / "params.json").is_file()
     assert json.loads((run_dir / "tune" / "results.json").read_text())["best"] == summary["best"]
     assert ray.is_initialized()
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_sft_objective_runs_ground_sft_evaluate_per_trial(tmp_path, ray_start_4_cpus):
+    """tune.objective=sft: every trial runs ground -> sft -> evaluate in its own folder with its
+    sampled grounding setting, and is scored by an evaluation metric on the valid split."""
+    run_dir = tmp_path / "run"
+    raw = C.apply_overrides(C.read_yaml(TINY), [
+        f"run_dir={run_dir}", "tune.num_samples=2", "tune.objective=sft", "tune.metric=recall@5",
+        "tune.search_space={ground.lr: {type: loguniform, low: 1.0e-4, high: 1.0e-2}, "
+        "ground.steps: {type: choice, values: [2, 4]}}",
+    ])
+    cfg = C.validate(raw, "test")
+    summary = T.sweep(cfg, raw=raw)
+
+    assert len(summary["trials"]) == 2 and summary["errored"] == 0
+    for t in summary["trials"]:
+        trial_run = run_dir / "tune" / "trials" / T.trial_run_name(t["trial_id"], t["params"]) / "run"
+        ground = json.loads((trial_run / "ground" / "_manifest.json").read_text())
+        assert ground["facts"]["steps_done"] == t["params"]["ground.steps"]
+        assert ground["config"]["ground"]["lr"] == pytest.approx(t["params"]["ground.lr"])
+        metrics = json.loads((trial_run / "evaluate" / "metrics.json").read_text())
+        assert t["metric"] == pytest.approx(metrics["splits"]["valid"]["recall@5"]["value"])
+    best = C.load(run_dir / "tune" / "best.yaml")
+    assert best.ground.lr == pytest.approx(summary["best"]["params"]["ground.lr"])
