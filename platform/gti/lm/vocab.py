@@ -106,7 +106,22 @@ def gathered(params: Iterable[Tensor], modifier_rank: int | None = None):
 
 
 # --------------------------------------------------------------------------- modules
-class SplitEmbedding(nn.Module):
+class _NewRowsSpan:
+    """The id span [first_new_id, end_id) covered by a module's `new_rows` [V_new, d]."""
+
+    new_rows: torch.Tensor
+    first_new_id: int
+
+    @property
+    def n_new(self) -> int:
+        return int(self.new_rows.shape[0])
+
+    @property
+    def end_id(self) -> int:
+        return self.first_new_id + self.n_new
+
+
+class SplitEmbedding(_NewRowsSpan, nn.Module):
     """Input embedding = frozen `old_weight` [V_old, d] + trainable `new_rows` [V_new, d].
 
     forward(ids LongTensor[...]) -> Tensor[..., d]; ids in [first_new_id, first_new_id+V_new)
@@ -121,14 +136,6 @@ class SplitEmbedding(nn.Module):
         self.new_rows = new_rows
         self.first_new_id = int(first_new_id)
         self.padding_idx = padding_idx
-
-    @property
-    def n_new(self) -> int:
-        return int(self.new_rows.shape[0])
-
-    @property
-    def end_id(self) -> int:
-        return self.first_new_id + self.n_new
 
     @property
     def num_embeddings(self) -> int:
@@ -152,7 +159,7 @@ class SplitEmbedding(nn.Module):
                 f"at ids [{self.first_new_id}, {self.end_id})")
 
 
-class SplitLMHead(nn.Module):
+class SplitLMHead(_NewRowsSpan, nn.Module):
     """Output head: logits[..., V] with V = max(V_old_rows, end_id); columns
     [first_new_id, end_id) come from `new_rows` [V_new, d], all others from the frozen
     `old_weight` [V_old_rows, d] (and frozen `old_bias` if the head had one; new ids get bias 0).
@@ -170,14 +177,6 @@ class SplitLMHead(nn.Module):
         if old_bias is not None:
             old_bias.requires_grad_(False)
         self.old_bias = old_bias
-
-    @property
-    def n_new(self) -> int:
-        return int(self.new_rows.shape[0])
-
-    @property
-    def end_id(self) -> int:
-        return self.first_new_id + self.n_new
 
     @property
     def out_features(self) -> int:
