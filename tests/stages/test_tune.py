@@ -92,10 +92,15 @@ def test_max_concurrent_from_cluster_resources(base):
     cfg = base.model_copy(deep=True)
     cfg.tune.num_samples = 8
     cfg.ground.num_workers = 2
-    assert T.derive_max_concurrent(cfg, {"CPU": 4.0}) == 2
-    assert T.derive_max_concurrent(cfg, {"CPU": 9.0}) == 4
+    # 2 workers + 1 CPU of headroom for the trial's Ray Data tasks = 3 CPUs a trial.
+    assert T.derive_max_concurrent(cfg, {"CPU": 4.0}) == 1
+    assert T.derive_max_concurrent(cfg, {"CPU": 9.0}) == 3
+    # The headroom sizes concurrency but never refuses a cluster that holds the workers.
+    assert T.derive_max_concurrent(cfg, {"CPU": 2.0}) == 1
+    with pytest.raises(T.TuneError, match="needs 2 CPU"):
+        T.derive_max_concurrent(cfg, {"CPU": 1.0})
     cfg.ground.resources_per_worker = {"CPU": 2, "gti_worker": 1}
-    assert T.trial_need(cfg) == {"CPU": 4.0, "gti_worker": 2.0}
+    assert T.trial_need(cfg) == {"CPU": 5.0, "gti_worker": 2.0}
     assert T.derive_max_concurrent(cfg, {"CPU": 16.0, "gti_worker": 4.0}) == 2
     cfg.ground.resources_per_worker = None
     cfg.ground.use_gpu = True

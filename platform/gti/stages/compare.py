@@ -38,7 +38,8 @@ Parallelism: with `compare.parallel` (default) and more than one run allowed at 
 x seed pipeline is a Ray task (`num_cpus=compare.arm_num_cpus`, default 0: the task only drives
 its stages, whose Ray Data tasks and Train workers request their own resources).
 `compare.max_parallel` caps concurrent runs; None sizes it from the cluster: CPUs (and GPUs when
-training uses them) divided by what one run's Train workers need. Otherwise runs go one after
+training uses them) divided by what one run holds at a time (its Train workers plus a CPU of
+headroom for its Ray Data tasks). Otherwise runs go one after
 another in this process. On a multi-node cluster `--out` must be on storage every node sees
 (as `run_dir` must be for any multi-node run): an arm task may land on any node.
 
@@ -63,6 +64,7 @@ from gti import config as C
 from gti import pipeline
 from gti.errors import GtiError
 from gti.manifest import Manifest, ManifestError, atomic_write_json
+from gti.train import resources
 
 ARMS: dict[str, dict[str, Any]] = {
     "mean": {"init.method": "mean", "ground.enabled": False, "sft.multitask": False},
@@ -208,21 +210,11 @@ def run_arm(cfg_json: dict[str, Any], cwd: str | None = None) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- scheduling
-def auto_parallel(cfg: C.RunConfig, resources: dict[str, float]) -> int:
-    """How many arm runs fit at once: cluster CPUs (and GPUs) / one run's Train workers."""
-
-    def need(t: C.TrainConfig, kind: str) -> float:
-        per = (t.resources_per_worker or {}).get(kind)
-        if per is None:
-            per = 1.0 if kind == "CPU" or t.use_gpu else 0.0
-        return t.num_workers * float(per)
-
-    cpu = max(need(cfg.ground, "CPU"), need(cfg.sft, "CPU"), float(cfg.eval.concurrency), 1.0)
-    fit = int(resources.get("CPU", 1.0) // cpu)
-    gpu = max(need(cfg.ground, "GPU"), need(cfg.sft, "GPU"), cfg.eval.num_gpus * cfg.eval.concurrency)
-    if gpu > 0:
-        fit = min(fit, int(resources.get("GPU", 0.0) // gpu))
-    return max(1, fit)
+def auto_parallel(cfg: C.RunConfig, cluster: dict[str, float]) -> int:
+    """How many arm runs fit at once: cluster CPUs (and GPUs) / what one run holds at a time
+    (its largest Train worker group or evaluate pool, plus CPU headroom for its Ray Data tasks;
+    gti.train.resources)."""
+    return resources.runs_that_fit(resources.run_need(cfg, ("ground", "sft", "evaluate")), cluster)
 
 
 def execute(

@@ -26,8 +26,9 @@ validation metric (`tune.metric`, e.g. `recall@10`) once at the end; ASHA then h
 stop early.
 
 Concurrency: `max_concurrent_trials` = what the cluster holds (total CPUs, GPUs and custom
-resources) divided by what one trial's Train workers ask for (`num_workers` x
-`resources_per_worker`), capped by `tune.num_samples` and `tune.max_concurrent_trials`.
+resources) divided by what one trial holds at once (`num_workers` x `resources_per_worker`,
+plus a CPU of headroom for its Ray Data tasks: see gti.train.resources), capped by
+`tune.num_samples` and `tune.max_concurrent_trials`.
 
 What it does NOT know: how grounding trains (that is `gti.stages.ground` and
 `gti.train.loop`), or how stages are fingerprinted (that is `gti.pipeline`).
@@ -37,7 +38,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import shutil
 import sys
@@ -51,6 +51,7 @@ import yaml
 from gti import config as C
 from gti import pipeline
 from gti.errors import GtiError
+from gti.train import resources
 
 TUNE_DIR = "tune"
 SWEEP_NAME = "sweep"
@@ -175,39 +176,31 @@ def trial_run_name(trial_id: str, params: dict[str, Any]) -> str:
 
 
 # --------------------------------------------------------------------------- resources
+def _trial_stages(cfg: C.RunConfig) -> tuple[str, ...]:
+    return ("ground",) if cfg.tune.objective == "grounding" else ("ground", "sft", "evaluate")
+
+
 def trial_need(cfg: C.RunConfig) -> dict[str, float]:
-    """Resources one trial's Train workers hold at once (the larger of ground and SFT for the
-    sft objective)."""
-
-    def need(tc: C.TrainConfig) -> dict[str, float]:
-        per = dict(tc.resources_per_worker or {})
-        per.setdefault("CPU", 1.0)
-        if tc.use_gpu:
-            per.setdefault("GPU", 1.0)
-        return {k: float(v) * tc.num_workers for k, v in per.items() if v}
-
-    out = need(cfg.ground)
-    if cfg.tune.objective == "sft":
-        for k, v in need(cfg.sft).items():
-            out[k] = max(out.get(k, 0.0), v)
-    return out
+    """Resources one trial holds at once: its Train workers (the larger of ground and SFT, or
+    the evaluate actors, for the sft objective) plus CPU headroom for its Ray Data tasks
+    (gti.train.resources)."""
+    return resources.run_need(cfg, _trial_stages(cfg))
 
 
 def derive_max_concurrent(cfg: C.RunConfig, cluster: dict[str, float]) -> int:
     """Trials that fit side by side: min over needed resources of cluster total // need, capped
-    by num_samples and tune.max_concurrent_trials; at least 1 (trials then queue)."""
-    n = cfg.tune.num_samples
-    for res, amount in trial_need(cfg).items():
-        have = float(cluster.get(res, 0.0))
-        if have < amount:
-            raise TuneError(
-                f"one trial needs {amount:g} {res} (ground.num_workers x resources_per_worker) "
-                f"but the cluster has {have:g}"
-            )
-        n = min(n, int(math.floor(have / amount + 1e-9)))
+    by num_samples and tune.max_concurrent_trials; at least 1 (trials then queue). Fails when
+    the cluster cannot hold even one trial's workers."""
+    short = resources.shortfall(resources.run_need(cfg, _trial_stages(cfg), headroom=False), cluster)
+    for res, (amount, have) in short.items():
+        raise TuneError(
+            f"one trial needs {amount:g} {res} (ground.num_workers x resources_per_worker) "
+            f"but the cluster has {have:g}"
+        )
+    cap = cfg.tune.num_samples
     if cfg.tune.max_concurrent_trials is not None:
-        n = min(n, cfg.tune.max_concurrent_trials)
-    return max(1, n)
+        cap = min(cap, cfg.tune.max_concurrent_trials)
+    return resources.runs_that_fit(trial_need(cfg), cluster, cap)
 
 
 # --------------------------------------------------------------------------- trials
