@@ -18,6 +18,10 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Ray Train's controller polls its workers every 2 s by default; each short test run then
+# idles seconds at start and end. Every Ray the tests start (in-process, `ray start` heads and
+# the local cluster script) inherits this.
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
 
 
 def free_port() -> int:
@@ -42,9 +46,30 @@ def ray_start_4_cpus():
 
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    _init_ray_4_cpus()
     yield
     ray.shutdown()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed (or timed-out) test on the shared Ray may leave trials, Train worker groups or
+    placement groups holding its CPUs, and every later Ray test would then wait for resources
+    until its own timeout. Restart the shared Ray right after such a failure."""
+    outcome = yield
+    rep = outcome.get_result()
+    if rep.failed and rep.when in ("setup", "call") and "ray_start_4_cpus" in item.fixturenames:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+            _init_ray_4_cpus()
+
+
+def _init_ray_4_cpus() -> None:
+    import ray
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
 
 
 @pytest.fixture

@@ -36,7 +36,7 @@ workers = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
 acts = list_actors(filters=[("class_name", "=", "RayTrainWorker")], detail=True, limit=10000,
                    raise_on_missing_output=False)
 print(json.dumps({"nodes": {k: sorted(v) for k, v in workers.items()},
-                  "train_workers": [a.node_id for a in acts]}))
+                  "train_workers": {a.actor_id: a.node_id for a in acts}}))
 """
 
 
@@ -56,6 +56,13 @@ def _gti_cmd(run_dir: Path) -> list[str]:
         "ground.resources_per_worker={CPU: 1, gti_worker: 1}", f"ground.steps={STEPS}",
         "ground.checkpoint_every=2", "ground.val_every=3", "--to", "ground",
     ]
+
+
+def _probe(env: dict[str, str]) -> dict:
+    """Alive nodes with their resources, and every RayTrainWorker actor -> its node."""
+    probe = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=120)
+    assert probe.returncode == 0, probe.stderr[-3000:]
+    return json.loads(probe.stdout.strip().splitlines()[-1])
 
 
 def _checkpoints(stage_dir: Path) -> list[Path]:
@@ -91,6 +98,9 @@ def test_grounding_across_two_nodes_with_driver_kill_and_resume(two_node_cluster
     upstream = subprocess.run(_gti_cmd(run_dir)[:-1] + ["pairs"], env=env, capture_output=True,
                               text=True, cwd=tmp_path, timeout=1800)
     assert upstream.returncode == 0, (upstream.stdout + upstream.stderr)[-4000:]
+    # Train workers of upstream stages (an RQ-VAE sid stage trains on Ray Train too) are not
+    # the grounding workers whose placement the test checks.
+    earlier = set(_probe(env)["train_workers"])
     log1 = (tmp_path / "attempt1.log").open("w")
     first = subprocess.Popen(_gti_cmd(run_dir), env=env, stdout=log1, stderr=subprocess.STDOUT, cwd=tmp_path)
     partial = run_dir / ".ground.partial"
@@ -123,12 +133,10 @@ def test_grounding_across_two_nodes_with_driver_kill_and_resume(two_node_cluster
     restarts = [i for i in range(1, len(steps)) if steps[i] <= steps[i - 1]]
     assert all(steps[i] > 1 for i in restarts), steps
 
-    probe = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=120)
-    assert probe.returncode == 0, probe.stderr[-3000:]
-    info = json.loads(probe.stdout.strip().splitlines()[-1])
+    info = _probe(env)
     worker_nodes = {n for n, res in info["nodes"].items() if "gti_worker" in res}
     assert len(worker_nodes) == 2
     # Both attempts started 2 workers; every worker ran on a worker node, and each attempt
     # spread its pair over both nodes (gti_worker: 1 each allows nothing else).
-    placed = info["train_workers"]
+    placed = [node for actor, node in info["train_workers"].items() if actor not in earlier]
     assert len(placed) >= 4 and set(placed) == worker_nodes
