@@ -8,6 +8,11 @@ The cluster is `cluster/local_cluster.sh` (a head plus two worker nodes, each a 
 worker per worker node. The `gti run` driver joins the cluster (RAY_ADDRESS from the script's
 env file) as a separate process, so killing it is a real driver failure. Which node each worker
 ran on is read back from Ray's actor table (class RayTrainWorker) after the run.
+
+The same test checks the script itself (it used to have a test of its own, which cost another
+cluster start): the nodes and their custom resources, token auth refusing a client without the
+token, a private token file, the dashboard on 127.0.0.1, and a `stop` that ends exactly the
+processes it started.
 """
 
 from __future__ import annotations
@@ -73,20 +78,40 @@ def _logged_steps(text: str) -> list[int]:
     return [int(m) for m in re.findall(rf"\[ground\] step (\d+)/{STEPS} ", text)]
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 @pytest.fixture
 def two_node_cluster(tmp_path):
+    """cluster/local_cluster.sh start: 3 live processes, token auth on with a private token
+    file, dashboard on 127.0.0.1; on teardown `stop` ends exactly those processes, removes the
+    token and `status` reports no cluster."""
     d = tmp_path / "cluster"
     env = {**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}"}
     run = lambda *a: subprocess.run(  # noqa: E731
         ["bash", str(SCRIPT), *a, "--dir", str(d)], env=env, capture_output=True, text=True, timeout=240
     )
     started = run("start", "--workers", "2", "--cpus", "2", "--timeout", "150")
+    pids = [int(p) for p in (d / "pids").read_text().split()] if (d / "pids").exists() else []
     try:
         assert started.returncode == 0, started.stderr[-3000:]
-        yield _env_from(d / "env")
+        assert len(pids) == 3 and all(_alive(p) for p in pids)
+        cluster_env = _env_from(d / "env")
+        assert cluster_env["RAY_AUTH_MODE"] == "token"
+        assert cluster_env["GTI_DASHBOARD"].startswith("http://127.0.0.1:")
+        assert (d / "auth_token").stat().st_mode & 0o077 == 0, "token file readable by others"
+        yield cluster_env
     finally:
         stopped = run("stop")
-        assert stopped.returncode == 0, stopped.stderr
+    assert stopped.returncode == 0, stopped.stderr
+    assert not any(_alive(p) for p in pids)
+    assert not (d / "auth_token").exists()
+    assert "no cluster" in run("status").stdout
 
 
 @pytest.mark.slow
@@ -94,6 +119,16 @@ def two_node_cluster(tmp_path):
 def test_grounding_across_two_nodes_with_driver_kill_and_resume(two_node_cluster, tmp_path):
     env = two_node_cluster
     run_dir = tmp_path / "run"  # one path every node of this cluster sees: the shared storage
+    # The cluster: a head and two worker nodes with the custom resources placement relies on.
+    info = _probe(env)
+    assert len(info["nodes"]) == 3
+    assert sorted(r for res in info["nodes"].values() for r in res if r.startswith("gti_node_")) == [
+        "gti_node_1", "gti_node_2"]
+    # Without the token the cluster refuses a client: authentication is really on.
+    no_token = {k: v for k, v in env.items() if not k.startswith("RAY_AUTH")}
+    no_token["RAY_AUTH_MODE"] = "disabled"
+    refused = subprocess.run([sys.executable, "-c", PROBE], env=no_token, capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0
     # Upstream stages first, so that the kill below lands in grounding however slow they are.
     upstream = subprocess.run(_gti_cmd(run_dir)[:-1] + ["pairs"], env=env, capture_output=True,
                               text=True, cwd=tmp_path, timeout=1800)

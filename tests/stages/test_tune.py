@@ -156,6 +156,7 @@ def test_sft_objective_runs_ground_sft_evaluate_per_trial(tmp_path, ray_start_4_
     run_dir = tmp_path / "run"
     raw = C.apply_overrides(C.read_yaml(TINY), [
         f"run_dir={run_dir}", "tune.num_samples=2", "tune.objective=sft", "tune.metric=recall@5",
+        "sft.steps=2", "sft.checkpoint_every=2", "sft.val_every=2", "eval.max_users=8",
         "tune.search_space={ground.lr: {type: loguniform, low: 1.0e-4, high: 1.0e-2}, "
         "ground.steps: {type: choice, values: [2, 4]}}",
     ])

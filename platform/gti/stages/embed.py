@@ -200,7 +200,7 @@ def run(ctx: StageContext) -> StageResult:
         ),
         batch_size=1,
         batch_format="numpy",
-        concurrency=cfg.embed.concurrency,
+        compute=ray.data.ActorPoolStrategy(size=cfg.embed.concurrency),
         num_gpus=cfg.embed.num_gpus or None,
     )
     done, dims = 0, set()

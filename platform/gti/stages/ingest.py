@@ -123,7 +123,7 @@ def ray_stream(tasks: list[adapters.ReadTask], kind: str, columns, max_text_char
         batch_size=1,
         fn_kwargs=dict(kind=kind, columns=columns.model_dump(), max_text_chars=max_text_chars,
                        batch_rows=8192),
-        concurrency=parallelism,
+        compute=ray.data.TaskPoolStrategy(size=parallelism),
     )
     yield from ds.iter_batches(batch_size=None, batch_format="pyarrow")
 

@@ -282,7 +282,7 @@ def run(ctx: StageContext) -> StageResult:
         batch_size=1024,
         batch_format="pyarrow",
         # One actor per ~50k items (each holds a tokenizer), at most 4.
-        concurrency=max(1, min(4, -(-n_items // 50_000))),
+        compute=ray.data.ActorPoolStrategy(size=max(1, min(4, -(-n_items // 50_000)))),
     )
     out = ctx.work_dir / PAIRS_FILE
     tasks: dict[str, int] = {t: 0 for t in pc.templates}

@@ -354,7 +354,7 @@ def assign_all(ctx: StageContext, emb_path: Path, qdir: Path, n_items: int) -> n
         },
         batch_size=s.assign_batch_size,
         batch_format="pyarrow",
-        concurrency=s.assign_concurrency,
+        compute=ray.data.ActorPoolStrategy(size=s.assign_concurrency),
         num_gpus=1 if s.use_gpu else 0,
     )
     parts, done, t0 = [], 0, time.time()
