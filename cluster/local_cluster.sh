@@ -127,6 +127,13 @@ EOF
   fi
 }
 
+# A pid still runs: it exists and is not a zombie (an exited `ray start` whose parent, when the
+# starting shell is gone, has not reaped it yet).
+running() {
+  local st; st="$(ps -o stat= -p "$1" 2>/dev/null)" || return 1
+  [[ -n "$st" && "$st" != Z* ]]
+}
+
 stop() {
   if [[ ! -s "$PIDS" ]]; then
     echo "local_cluster.sh: no cluster recorded in $DIR"; return 0
@@ -137,7 +144,7 @@ stop() {
   for pid in $pids; do kill -TERM "$pid" 2>/dev/null || true; done
   local waited=0
   for pid in $pids; do
-    while kill -0 "$pid" 2>/dev/null && [[ $waited -lt 60 ]]; do sleep 0.5; waited=$((waited + 1)); done
+    while running "$pid" && [[ $waited -lt 60 ]]; do sleep 0.5; waited=$((waited + 1)); done
     # Still there after 30 s: this pid (and only it) gets SIGKILL.
     kill -KILL "$pid" 2>/dev/null || true
   done
@@ -151,7 +158,7 @@ status() {
   if [[ ! -s "$PIDS" ]]; then echo "local_cluster.sh: no cluster recorded in $DIR"; return 1; fi
   local pid
   for pid in $(cat "$PIDS"); do
-    if kill -0 "$pid" 2>/dev/null; then echo "$pid alive"; else echo "$pid gone"; fi
+    if running "$pid"; then echo "$pid alive"; else echo "$pid gone"; fi
   done
 }
 

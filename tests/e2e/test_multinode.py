@@ -79,11 +79,19 @@ def _logged_steps(text: str) -> list[int]:
 
 
 def _alive(pid: int) -> bool:
+    """The process still runs: it exists and is not a zombie (an exited `ray start` that its
+    parent, the reaper of the script's orphans, has not collected yet)."""
+    if not Path("/proc/self/stat").exists():  # no procfs: signal 0 (a zombie counts as alive)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
         return False
-    return True
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 @pytest.fixture
@@ -109,7 +117,10 @@ def two_node_cluster(tmp_path):
     finally:
         stopped = run("stop")
     assert stopped.returncode == 0, stopped.stderr
-    assert not any(_alive(p) for p in pids)
+    deadline = time.time() + 15  # a pid that needed SIGKILL may take a moment to go
+    while any(_alive(p) for p in pids) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(p) for p in pids), [p for p in pids if _alive(p)]
     assert not (d / "auth_token").exists()
     assert "no cluster" in run("status").stdout
 
