@@ -11,7 +11,8 @@ Data sets (identical arrays go to both sides):
   item is 12 words of one of 2,000 topics plus 4 random words, so there is cluster structure.
 
 Compared (4 levels x 256 codes; one torch thread each, as in MISSION.md section 7):
-- ours RQ-VAE (`gti.sid.rqvae`: k-means init on real residuals, STE, dead-code revival every
+- ours RQ-VAE (`gti.sid.rqvae` with the `sid` stage's defaults: Xavier init, k-means init on
+  real residuals, STE, last level trained on Sinkhorn-balanced codes, dead-code revival every
   epoch) vs peer `semantic_id.RQVAE` (kmeans_init=True, sk_epsilons [0,0,0,0.003],
   verbose=<epochs> so that `fit` keeps its best-collision epoch instead of epoch 1). Same MLP
   [512, 256, 128], code dim 32, dropout 0.1, AdamW lr 1e-3, batch 1024, same epochs.
@@ -20,7 +21,8 @@ Compared (4 levels x 256 codes; one torch thread each, as in MISSION.md section 
   skipped when missing).
 Figures per method: reconstruction MSE per element (decode(encode(x)) vs x over all items),
 per-level utilisation, collision rate of the greedy codes (before any de-duplication),
-training wall time, assignment items/s (encode over all items, batch 8192).
+training wall time, assignment items/s (encode over all items, batch 8192; the two sides of each
+pair re-measured alternately 5 times (3 with --quick) and the median kept).
 
 The last line printed is one JSON object with the figures.
 """
@@ -42,6 +44,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "platform"))
 
+from gti.config import SidConfig  # noqa: E402
 from gti.sid.quality import level_usage  # noqa: E402
 from gti.sid.resolve import collision_rate  # noqa: E402
 from gti.sid.rqkmeans import RQKMeansConfig, ResidualKMeans  # noqa: E402
@@ -116,9 +119,25 @@ def throughput(encode, x: np.ndarray, batch: int = 8192) -> tuple[np.ndarray, fl
     return codes, len(x) / (time.perf_counter() - t)
 
 
-def figures(x: np.ndarray, codes: np.ndarray, recon: np.ndarray, train_s: float, ips: float) -> dict:
+def interleaved_speed(a: dict, b: dict, x: np.ndarray, rounds: int) -> None:
+    """Re-measure two methods' assignment items/s alternately (a, b, a, b, ...) and keep each
+    side's median, so that a load swing on a shared machine hits both sides alike. The
+    encoders travel in the figures dicts under "_encode" (dropped before printing)."""
+    speeds: dict[int, list[float]] = {0: [], 1: []}
+    for _ in range(rounds):
+        for i, f in enumerate((a, b)):
+            if "_encode" in f:
+                speeds[i].append(throughput(f["_encode"], x)[1])
+    for i, f in enumerate((a, b)):
+        if speeds[i]:
+            f["assign_items_per_s"] = round(float(np.median(speeds[i])), 1)
+            f["assign_rounds"] = [round(v) for v in speeds[i]]
+
+
+def figures(x: np.ndarray, codes: np.ndarray, recon: np.ndarray, train_s: float, ips: float, encode=None) -> dict:
     util, perp = level_usage(torch.from_numpy(codes.astype(np.int64)), [K] * LEVELS)
     return {
+        "_encode": encode,
         "recon_mse": float(np.mean((recon - x) ** 2)),
         "utilisation": [round(u, 4) for u in util],
         "perplexity": [round(p, 1) for p in perp],
@@ -133,15 +152,16 @@ def ours_rqvae(x: np.ndarray, epochs: int, batch: int, seed: int = 0, revive_eve
     """Same policy as the `sid` stage: dead codes re-seeded once per epoch, or every
     `revive_every` steps (sid.revive_every_steps) on large sets."""
     torch.manual_seed(seed)
-    cfg = RQVAEConfig(in_dim=x.shape[1], encoder_dims=LAYERS, code_dim=CODE_DIM, levels=LEVELS,
-                      codebook_size=K, dropout=0.1)
+    # The stage's own defaults (SidConfig), so the bench measures what `gti run` trains.
+    sid_cfg = SidConfig(encoder_dims=LAYERS, code_dim=CODE_DIM, levels=LEVELS, codebook_size=K, dropout=0.1)
+    cfg = RQVAEConfig.from_sid_config(sid_cfg, x.shape[1])
     m = RQVAE(cfg)
     xt = torch.from_numpy(x)
     t0 = time.perf_counter()
     gen = torch.Generator().manual_seed(seed)
     sample = xt[torch.randperm(len(xt), generator=gen)[:65536]]
     m.init_codebooks(sample, iters=25, generator=gen)
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(m.parameters(), lr=sid_cfg.lr, weight_decay=sid_cfg.weight_decay)
     step = 0
     for epoch in range(epochs):
         m.train()
@@ -171,7 +191,7 @@ def ours_rqvae(x: np.ndarray, epochs: int, batch: int, seed: int = 0, revive_eve
     codes, ips = throughput(enc, x)
     with torch.inference_mode():
         recon = m.decode_codes(torch.from_numpy(codes)).numpy()
-    return figures(x, codes, recon, train_s, ips)
+    return figures(x, codes, recon, train_s, ips, enc)
 
 
 def ours_rqkmeans(x: np.ndarray, seed: int = 0, fit_n: int = 65536) -> dict:
@@ -189,7 +209,7 @@ def ours_rqkmeans(x: np.ndarray, seed: int = 0, fit_n: int = 65536) -> dict:
 
     codes, ips = throughput(enc, x)
     recon = q.decode_codes(torch.from_numpy(codes)).numpy()
-    return figures(x, codes, recon, train_s, ips)
+    return figures(x, codes, recon, train_s, ips, enc)
 
 
 # --------------------------------------------------------------------------- peer
@@ -208,7 +228,7 @@ def peer_rqvae(x: np.ndarray, epochs: int, batch: int, seed: int = 0) -> dict:
         m.verbose = False  # no progress bar inside the timed encode
         codes, ips = throughput(lambda b: m.encode(b, batch_size=len(b)), x)
     recon = m.decode(codes.astype(np.int64))
-    return figures(x, codes, recon, train_s, ips)
+    return figures(x, codes, recon, train_s, ips, lambda b: m.encode(b, batch_size=len(b)))
 
 
 def peer_rqkmeans(x: np.ndarray, implementation: str, seed: int = 0, fit_n: int = 65536) -> dict:
@@ -227,7 +247,7 @@ def peer_rqkmeans(x: np.ndarray, implementation: str, seed: int = 0, fit_n: int 
     train_s = time.perf_counter() - t0
     codes, ips = throughput(lambda b: m.encode(b), x)
     recon = m.decode(codes.astype(np.int64)) if hasattr(m, "decode") else None
-    return figures(x, codes, recon, train_s, ips)
+    return figures(x, codes, recon, train_s, ips, lambda b: m.encode(b))
 
 
 # --------------------------------------------------------------------------- main
@@ -264,6 +284,12 @@ def main() -> None:
             r["ours_rqkmeans"] = ours_rqkmeans(x, fit_n=fit_n)
             r["peer_rqkmeans"] = peer_rqkmeans(x, "kmeans", fit_n=fit_n)
             r["peer_rqkmeans_constrained"] = peer_rqkmeans(x, "constrained", fit_n=fit_n)
+        rounds = 3 if quick else 5
+        interleaved_speed(r["ours_rqvae"], r["peer_rqvae"], x, rounds)
+        if "ours_rqkmeans" in r:
+            interleaved_speed(r["ours_rqkmeans"], r["peer_rqkmeans"], x, rounds)
+        for f in r.values():
+            f.pop("_encode", None)
         for meth, f in r.items():
             print(f"  {meth:27s} " + " ".join(f"{k}={v}" for k, v in f.items()), flush=True)
         ra, pa_ = r["ours_rqvae"], r["peer_rqvae"]

@@ -123,6 +123,11 @@ class SidConfig(_Strict):
     )
     balanced: bool = Field(True, description="rqkmeans: balanced cluster sizes")
     sinkhorn_last_level: bool = True
+    train_sinkhorn_epsilon: float = Field(
+        0.05, ge=0,
+        description="rqvae: the last level trains on Sinkhorn-balanced codes at this epsilon "
+        "(relative to the median distance gap; 0 = greedy codes, as at inference)",
+    )
     sinkhorn_epsilon: float = Field(0.003, gt=0)
     sinkhorn_iters: int = Field(50, ge=1)
     dedup: Literal["extra_level", "reassign"] = "extra_level"

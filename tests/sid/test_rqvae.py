@@ -8,8 +8,8 @@ from gti.sid.rqvae import RQVAE, RQVAEConfig, rotate_to
 
 
 def _model(in_dim=16, **kw):
-    cfg = RQVAEConfig(in_dim=in_dim, encoder_dims=[32], code_dim=8, levels=3, codebook_size=16,
-                      dropout=0.0, **kw)
+    kw.setdefault("dropout", 0.0)
+    cfg = RQVAEConfig(in_dim=in_dim, encoder_dims=[32], code_dim=8, levels=3, codebook_size=16, **kw)
     torch.manual_seed(0)
     return RQVAE(cfg)
 
@@ -94,3 +94,51 @@ def test_dead_code_revival_raises_utilisation(clusters):
     codes = m.encode(x)
     used_after = torch.tensor([codes[:, lv].unique().numel() for lv in range(3)])
     assert (used_after > used_before).all()
+
+
+def test_inference_encoder_equals_eval_module_in_any_mode(clusters):
+    """`_enc_eval` (Linear layers only, in-place ReLU) must give the eval-mode encoder's output,
+    also when the module is in train mode with dropout on."""
+    x, _ = clusters(300, 16, 8, seed=4)
+    m = _model(dropout=0.3)
+    m.eval()
+    with torch.no_grad():
+        ref = m.encoder(x)
+    m.train()
+    with torch.no_grad():
+        got = m._enc_eval(x)
+    assert m.training  # mode restored / untouched
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+
+
+def test_linear_layers_start_xavier_normal():
+    torch.manual_seed(0)
+    m = RQVAE(RQVAEConfig(in_dim=256, encoder_dims=[512], code_dim=64, levels=1, codebook_size=4))
+    for lin in [l for l in m.encoder if isinstance(l, torch.nn.Linear)]:
+        fan_out, fan_in = lin.weight.shape
+        want = (2.0 / (fan_in + fan_out)) ** 0.5
+        assert abs(float(lin.weight.detach().std()) - want) < 0.05 * want
+        assert float(lin.bias.abs().max()) == 0.0
+
+
+def test_train_sinkhorn_balances_last_level_only_in_training():
+    """With train_sinkhorn_epsilon > 0 the last level's training codes are spread over the
+    codebook; levels above it and inference codes stay greedy."""
+    torch.manual_seed(0)
+    x = torch.randn(512, 16) * 0.01 + torch.randn(1, 16)  # one tight blob: greedy piles up
+    m = _model(train_sinkhorn_epsilon=0.05)
+    m.init_codebooks(torch.randn(512, 16), iters=5)  # codebooks fit to other data
+    m.train()
+    with torch.no_grad():
+        out = m(x)
+    m.eval()
+    greedy = m.encode(x)
+    n_greedy = torch.bincount(greedy[:, -1], minlength=16)
+    n_train = torch.bincount(out.codes[:, -1], minlength=16)
+    assert int(n_train.max()) < int(n_greedy.max()) // 2
+    assert int((n_train > 0).sum()) > int((n_greedy > 0).sum())
+    assert torch.equal(out.codes[:, :-1], greedy[:, :-1])
+    m.cfg.train_sinkhorn_epsilon = 0.0
+    m.train()
+    with torch.no_grad():
+        assert torch.equal(m(x).codes, greedy)  # dropout 0: greedy training codes = encode

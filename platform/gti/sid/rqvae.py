@@ -8,7 +8,11 @@ losses, gradients passed through the quantiser by the straight-through estimator
 option, the rotation trick (Fifty et al. 2024). Codebooks are initialised by k-means on real
 residuals (`init_codebooks`), and codes left unused are re-seeded from residuals of the current
 batch (`revive_dead_codes`); an optional diversity term pushes the batch's soft code usage
-towards uniform.
+towards uniform. As in LC-Rec, the last level can pick its training codes by Sinkhorn balanced
+assignment over the batch (`train_sinkhorn_epsilon` > 0), which spreads items over that
+level's codebook; inference (`encode`) is always the greedy nearest code. Linear layers start
+Xavier-normal (as the reference RQ-VAE code does): with PyTorch's default init the encoder's
+outputs start small and levels 2-4 use far fewer codes (measured in bench/RESULTS.md).
 
 What it does not know: data loading, distributed training (the `sid` stage's worker loop
 all-reduces usage counts and broadcasts revived codes), collision handling (`gti.sid.resolve`),
@@ -24,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gti.sid.balance import sinkhorn_assign
 from gti.sid.kmeans import kmeans
 
 
@@ -38,6 +43,8 @@ class RQVAEConfig:
     beta: float = 0.25
     rotation_trick: bool = False
     diversity_weight: float = 0.0
+    train_sinkhorn_epsilon: float = 0.0  # > 0: last level trains on balanced (Sinkhorn) codes
+    train_sinkhorn_iters: int = 50
 
     @classmethod
     def from_sid_config(cls, sid_cfg, in_dim: int) -> "RQVAEConfig":
@@ -51,6 +58,8 @@ class RQVAEConfig:
             beta=sid_cfg.commitment_beta,
             rotation_trick=sid_cfg.rotation_trick,
             diversity_weight=sid_cfg.diversity_weight,
+            train_sinkhorn_epsilon=sid_cfg.train_sinkhorn_epsilon,
+            train_sinkhorn_iters=sid_cfg.sinkhorn_iters,
         )
 
     def to_dict(self) -> dict:
@@ -58,12 +67,16 @@ class RQVAEConfig:
 
 
 def mlp(dims: list[int], dropout: float) -> nn.Sequential:
-    """Dropout -> Linear -> ReLU blocks; no activation after the last Linear."""
+    """Dropout -> Linear -> ReLU blocks; no activation after the last Linear. Linear weights
+    Xavier-normal, biases zero."""
     mods: list[nn.Module] = []
     for i, (a, b) in enumerate(zip(dims[:-1], dims[1:])):
         if dropout > 0:
             mods.append(nn.Dropout(dropout))
-        mods.append(nn.Linear(a, b))
+        lin = nn.Linear(a, b)
+        nn.init.xavier_normal_(lin.weight)
+        nn.init.zeros_(lin.bias)
+        mods.append(lin)
         if i < len(dims) - 2:
             mods.append(nn.ReLU())
     return nn.Sequential(*mods)
@@ -155,12 +168,19 @@ class RQVAE(nn.Module):
 
     # ------------------------------------------------------------------ internals
     def _enc_eval(self, x: torch.Tensor) -> torch.Tensor:
-        was = self.training
-        self.eval()
-        try:
-            return self.encoder(x.float())
-        finally:
-            self.train(was)
+        """Encoder output in eval mode, [N, code_dim], whatever mode the module is in.
+
+        Runs only the Linear layers (dropout is the identity in eval) with ReLU in place: at
+        assignment batch sizes each [B, hidden] temporary is megabytes, and allocating it
+        once instead of twice per layer is a measurable part of assignment time.
+        """
+        lins = [m for m in self.encoder if isinstance(m, nn.Linear)]
+        h = x.float()
+        for i, lin in enumerate(lins):
+            h = F.linear(h, lin.weight, lin.bias)
+            if i < len(lins) - 1:
+                h = h.relu_()
+        return h
 
     def _greedy(self, z: torch.Tensor, keep_last_residual: bool = False):
         cbs = self.codebooks.detach()
@@ -186,7 +206,11 @@ class RQVAE(nn.Module):
         for lv in range(self.levels):
             cb = self.codebooks[lv]
             d = torch.addmm((cb * cb).sum(-1).unsqueeze(0), res.detach(), cb.detach().T, alpha=-2.0)
-            idx = d.argmin(dim=1)
+            if self.training and lv == self.levels - 1 and self.cfg.train_sinkhorn_epsilon > 0:
+                # d lacks |r|^2, a per-row constant that Sinkhorn's row normalisation ignores.
+                idx = sinkhorn_assign(d.detach(), self.cfg.train_sinkhorn_epsilon, self.cfg.train_sinkhorn_iters)
+            else:
+                idx = d.argmin(dim=1)
             q = cb[idx]
             # Codebook term moves codes to residuals; commitment term keeps the encoder near
             # the codes it picked.
