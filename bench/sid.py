@@ -22,7 +22,10 @@ Compared (4 levels x 256 codes; one torch thread each, as in MISSION.md section 
 Figures per method: reconstruction MSE per element (decode(encode(x)) vs x over all items),
 per-level utilisation, collision rate of the greedy codes (before any de-duplication),
 training wall time, assignment items/s (encode over all items, batch 8192; the two sides of each
-pair re-measured alternately 5 times (3 with --quick) and the median kept).
+pair re-measured alternately 5 times (3 with --quick) and the median kept). Our RQ-VAE assigns
+with the stage's `sid.assign_dtype` (auto: the encoder MLP in bf16 where bf16 is native, as on
+this machine's AVX512-BF16 CPU); its float32 assignment speed and the share of items whose
+codes equal the float32 ones are reported beside it.
 
 The last line printed is one JSON object with the figures.
 """
@@ -48,7 +51,7 @@ from gti.config import SidConfig  # noqa: E402
 from gti.sid.quality import level_usage  # noqa: E402
 from gti.sid.resolve import collision_rate  # noqa: E402
 from gti.sid.rqkmeans import RQKMeansConfig, ResidualKMeans  # noqa: E402
-from gti.sid.rqvae import RQVAE, RQVAEConfig  # noqa: E402
+from gti.sid.rqvae import RQVAE, RQVAEConfig, resolve_encode_dtype  # noqa: E402
 
 LEVELS, K, CODE_DIM, LAYERS = 4, 256, 32, [512, 256, 128]
 
@@ -123,15 +126,15 @@ def interleaved_speed(a: dict, b: dict, x: np.ndarray, rounds: int) -> None:
     """Re-measure two methods' assignment items/s alternately (a, b, a, b, ...) and keep each
     side's median, so that a load swing on a shared machine hits both sides alike. The
     encoders travel in the figures dicts under "_encode" (dropped before printing)."""
-    speeds: dict[int, list[float]] = {0: [], 1: []}
+    sides = [(f, key) for f in (a, b) for key in ("_encode", "_encode_fp32") if f.get(key)]
+    speeds: list[list[float]] = [[] for _ in sides]
     for _ in range(rounds):
-        for i, f in enumerate((a, b)):
-            if "_encode" in f:
-                speeds[i].append(throughput(f["_encode"], x)[1])
-    for i, f in enumerate((a, b)):
-        if speeds[i]:
-            f["assign_items_per_s"] = round(float(np.median(speeds[i])), 1)
-            f["assign_rounds"] = [round(v) for v in speeds[i]]
+        for i, (f, key) in enumerate(sides):
+            speeds[i].append(throughput(f[key], x)[1])
+    for (f, key), v in zip(sides, speeds):
+        suffix = "" if key == "_encode" else "_fp32"
+        f["assign_items_per_s" + suffix] = round(float(np.median(v)), 1)
+        f["assign_rounds" + suffix] = [round(t) for t in v]
 
 
 def figures(x: np.ndarray, codes: np.ndarray, recon: np.ndarray, train_s: float, ips: float, encode=None) -> dict:
@@ -183,15 +186,26 @@ def ours_rqvae(x: np.ndarray, epochs: int, batch: int, seed: int = 0, revive_eve
             m.revive_dead_codes(counts, out.residuals, 0, gen, opt)
     train_s = time.perf_counter() - t0
     m.eval()
+    # As the stage does: the assignment precision is resolved on this machine (auto: bf16
+    # where native) and all quality figures below come from the codes it gives.
+    m.cfg.encode_dtype = resolve_encode_dtype(sid_cfg.assign_dtype)
 
     def enc(b):
         with torch.inference_mode():
             return m.encode(torch.from_numpy(b)).numpy()
 
+    def enc_fp32(b):
+        with torch.inference_mode():
+            return m._greedy(m._enc_eval(torch.from_numpy(b)))[0].numpy()
+
     codes, ips = throughput(enc, x)
     with torch.inference_mode():
         recon = m.decode_codes(torch.from_numpy(codes)).numpy()
-    return figures(x, codes, recon, train_s, ips, enc)
+    f = figures(x, codes, recon, train_s, ips, enc)
+    f["encode_dtype"] = m.cfg.encode_dtype
+    f["_encode_fp32"] = enc_fp32
+    f["codes_equal_fp32"] = round(float((throughput(enc_fp32, x)[0] == codes).all(1).mean()), 4)
+    return f
 
 
 def ours_rqkmeans(x: np.ndarray, seed: int = 0, fit_n: int = 65536) -> dict:
@@ -290,13 +304,15 @@ def main() -> None:
             interleaved_speed(r["ours_rqkmeans"], r["peer_rqkmeans"], x, rounds)
         for f in r.values():
             f.pop("_encode", None)
+            f.pop("_encode_fp32", None)
         for meth, f in r.items():
             print(f"  {meth:27s} " + " ".join(f"{k}={v}" for k, v in f.items()), flush=True)
         ra, pa_ = r["ours_rqvae"], r["peer_rqvae"]
         print(
             f"  ratios ours/peer RQ-VAE: recon_mse {ra['recon_mse'] / pa_['recon_mse']:.3f}, "
             f"collision {ra['collision_rate'] / max(pa_['collision_rate'], 1e-9):.3f}, "
-            f"assign speed {ra['assign_items_per_s'] / pa_['assign_items_per_s']:.2f}x, "
+            f"assign speed {ra['assign_items_per_s'] / pa_['assign_items_per_s']:.2f}x "
+            f"({ra['encode_dtype']}; float32 {ra['assign_items_per_s_fp32'] / pa_['assign_items_per_s']:.2f}x), "
             f"train time {ra['train_s'] / pa_['train_s']:.2f}",
             flush=True,
         )
@@ -311,6 +327,12 @@ def main() -> None:
         "assign_speedup": round(m["ours_rqvae"]["assign_items_per_s"] / m["peer_rqvae"]["assign_items_per_s"], 3),
         "synthetic_assign_speedup": round(
             results["synthetic"]["ours_rqvae"]["assign_items_per_s"]
+            / results["synthetic"]["peer_rqvae"]["assign_items_per_s"], 3),
+        "ours_encode_dtype": m["ours_rqvae"]["encode_dtype"],
+        "assign_speedup_fp32": round(
+            m["ours_rqvae"]["assign_items_per_s_fp32"] / m["peer_rqvae"]["assign_items_per_s"], 3),
+        "synthetic_assign_speedup_fp32": round(
+            results["synthetic"]["ours_rqvae"]["assign_items_per_s_fp32"]
             / results["synthetic"]["peer_rqvae"]["assign_items_per_s"], 3),
         "results": results,
         "wall_s": round(time.perf_counter() - t_all, 1),

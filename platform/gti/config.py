@@ -135,6 +135,10 @@ class SidConfig(_Strict):
     use_gpu: bool = False
     assign_batch_size: int = Field(4096, gt=0)
     assign_concurrency: int = Field(1, ge=1, description="actors in the SID assignment pool")
+    assign_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="rqvae: precision of the encoder MLP at assignment; auto = bfloat16 "
+        "where bf16 is native (CUDA, CPUs with AVX512-BF16/AMX), else float32",
+    )
     kmeans_sample: int = Field(
         65536, gt=0, description="items sampled for codebook k-means init / rqkmeans fitting"
     )

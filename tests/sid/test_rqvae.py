@@ -142,3 +142,47 @@ def test_train_sinkhorn_balances_last_level_only_in_training():
     m.train()
     with torch.no_grad():
         assert torch.equal(m(x).codes, greedy)  # dropout 0: greedy training codes = encode
+
+
+def test_bf16_encoding_matches_float32_on_clear_cases(clusters):
+    """The bf16 encoder path gives float32 codes wherever the nearest code is not a near tie;
+    on well separated clusters that is every item at the first level."""
+    x, _ = clusters(400, 16, 16, seed=5)
+    m = _model()
+    m.init_codebooks(x, iters=10)
+    m.eval()
+    c32 = m.encode(x)
+    m.cfg.encode_dtype = "bfloat16"
+    c16 = m.encode(x)
+    assert c16.dtype == torch.long and c16.shape == c32.shape
+    assert torch.equal(c16[:, 0], c32[:, 0])
+    assert float((c16 == c32).all(1).float().mean()) > 0.8
+    # last_residual follows the same precision: bf16 encoder output minus the prefix codes.
+    cbs = m.codebooks.detach()
+    want = m._enc_eval(x, torch.bfloat16) - sum(cbs[lv][c16[:, lv]] for lv in range(m.levels - 1))
+    torch.testing.assert_close(m.last_residual(x), want, rtol=0, atol=1e-6)
+    assert not torch.allclose(m._enc_eval(x), m._enc_eval(x, torch.bfloat16), rtol=0, atol=1e-6)
+
+
+def test_encode_dtype_validated_and_auto_resolved(monkeypatch):
+    import pytest
+
+    from gti.sid import rqvae
+
+    with pytest.raises(ValueError, match="encode_dtype"):
+        RQVAEConfig(in_dim=4, encode_dtype="float16")
+    with pytest.raises(ValueError, match="assign_dtype"):
+        rqvae.resolve_encode_dtype("int8")
+    assert rqvae.resolve_encode_dtype("float32") == "float32"
+    monkeypatch.setattr(rqvae, "native_bf16", lambda device="cpu": True)
+    assert rqvae.resolve_encode_dtype("auto") == "bfloat16"
+    monkeypatch.setattr(rqvae, "native_bf16", lambda device="cpu": False)
+    assert rqvae.resolve_encode_dtype("auto") == "float32"
+
+
+def test_encode_dtype_survives_save_and_load(tmp_path):
+    from gti.sid.quantizer import load_quantizer, save_quantizer
+
+    m = _model(encode_dtype="bfloat16")
+    save_quantizer(m, tmp_path)
+    assert load_quantizer(tmp_path).cfg.encode_dtype == "bfloat16"

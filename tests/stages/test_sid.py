@@ -87,6 +87,10 @@ def test_two_worker_rqvae_assigns_every_item(tmp_path, ray_start_4_cpus):
     q = load_quantizer(run_dir / "sid")
     codes = q.encode(torch.from_numpy(vecs))
     assert codes.shape == (len(vecs), 2)
+    # The assignment precision is resolved once and saved with the quantiser.
+    from gti.sid.rqvae import resolve_encode_dtype
+
+    assert m.facts["encode_dtype"] == q.cfg.encode_dtype == resolve_encode_dtype("auto")
 
 
 @pytest.mark.slow

@@ -50,6 +50,7 @@ from gti.sid.quantizer import (
     save_quantizer,
 )
 from gti.sid.resolve import collision_rate, dedup_extra_level, dedup_reassign, sinkhorn_resolve
+from gti.sid.rqvae import resolve_encode_dtype
 
 STATE_FILE = "train_state.json"
 OPTIM_FILE = "optimizer.safetensors"
@@ -409,6 +410,10 @@ def run(ctx: StageContext) -> StageResult:
         q.fit(sample, iters=s.kmeans_iters, generator=gen, log=ctx.log)
     train_s = time.time() - t0
     q.eval()
+    if s.method == "rqvae":
+        # Saved with the quantiser, so every later re-encoding uses the same precision.
+        q.cfg.encode_dtype = resolve_encode_dtype(s.assign_dtype, "cuda" if s.use_gpu else "cpu")
+        ctx.log(f"assignment encoder precision: {q.cfg.encode_dtype}")
     qdir = ctx.work_dir
     save_quantizer(q, qdir)
     from safetensors.torch import save_file
@@ -478,6 +483,7 @@ def run(ctx: StageContext) -> StageResult:
         "train_s": round(train_s, 3),
         "assign_s": round(assign_s, 3),
         "assign_items_per_s": round(n_items / max(assign_s, 1e-9), 1),
+        "encode_dtype": getattr(q.cfg, "encode_dtype", "float32"),
         "train_history": history,
     }
     return StageResult(
