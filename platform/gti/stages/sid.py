@@ -29,6 +29,7 @@ import hashlib
 import json
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -333,7 +334,10 @@ class AssignBatch:
         self.device = device
 
     def __call__(self, batch: pa.Table) -> dict:
-        x = torch.from_numpy(embedding_matrix(batch.column("embedding"), "embeddings")).to(self.device)
+        with warnings.catch_warnings():
+            # Arrow's buffer is read-only; encode never writes to its input, so no copy.
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            x = torch.from_numpy(embedding_matrix(batch.column("embedding"), "embeddings")).to(self.device)
         with torch.inference_mode():
             codes = self.q.encode(x)
         return {"codes": codes.to(torch.int32).cpu().numpy()}
