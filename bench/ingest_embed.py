@@ -32,29 +32,100 @@ ROOT = Path(__file__).resolve().parents[1]
 USERS = 2000
 
 
-def _tree_memory(proc) -> tuple[int, int]:
-    """(sum of PSS/RSS over the process tree, driver RSS) in bytes."""
+_KEYS = ("tree", "tree_anon", "tree_file", "tree_shmem", "driver", "driver_anon", "driver_file", "driver_shmem")
+
+
+def _kb_fields(path: str, wanted: tuple[str, ...]) -> dict[str, int]:
+    """`Name:   123 kB` lines of a /proc file -> {Name: bytes} for the wanted names."""
+    out: dict[str, int] = {}
+    with open(path) as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            if name in wanted:
+                out[name] = int(rest.split()[0]) * 1024
+    return out
+
+
+def _tree_memory(proc) -> dict[str, int]:
+    """Memory of a process tree in bytes (the one sampler every bench script shares).
+
+    tree*: sums over the process and all its descendants of PSS (proportional set size, so the
+    shared Ray object store is not counted once per process), split into anonymous, file-backed
+    (page cache of mapped files: reclaimable) and shared-memory (the /dev/shm object store)
+    parts from /proc/<pid>/smaps_rollup. driver*: the process's own RSS and its RssAnon /
+    RssFile / RssShmem split from /proc/<pid>/status. Where /proc lacks these (not Linux), the
+    totals fall back to psutil's PSS or RSS and the splits read 0.
+    """
     import psutil
 
-    total = 0
+    res = dict.fromkeys(_KEYS, 0)
     try:
         procs = [proc] + proc.children(recursive=True)
     except psutil.Error:
-        return 0, 0
-    driver = 0
+        return res
     for p in procs:
         try:
             try:
-                mem = p.memory_full_info()
-                val = getattr(mem, "pss", None) or mem.rss
-            except (psutil.AccessDenied, AttributeError):
-                val = p.memory_info().rss
-            total += val
+                m = _kb_fields(f"/proc/{p.pid}/smaps_rollup", ("Pss", "Pss_Anon", "Pss_File", "Pss_Shmem"))
+            except OSError:
+                m = {}
+            if "Pss" in m:
+                res["tree"] += m["Pss"]
+                res["tree_anon"] += m.get("Pss_Anon", 0)
+                res["tree_file"] += m.get("Pss_File", 0)
+                res["tree_shmem"] += m.get("Pss_Shmem", 0)
+            else:
+                try:
+                    mem = p.memory_full_info()
+                    res["tree"] += getattr(mem, "pss", None) or mem.rss
+                except (psutil.AccessDenied, AttributeError):
+                    res["tree"] += p.memory_info().rss
             if p.pid == proc.pid:
-                driver = p.memory_info().rss
-        except psutil.Error:
+                res["driver"] = p.memory_info().rss
+                try:
+                    st = _kb_fields(f"/proc/{p.pid}/status", ("RssAnon", "RssFile", "RssShmem"))
+                except OSError:
+                    st = {}
+                res["driver_anon"] = st.get("RssAnon", 0)
+                res["driver_file"] = st.get("RssFile", 0)
+                res["driver_shmem"] = st.get("RssShmem", 0)
+        except (psutil.Error, OSError):
             continue
-    return total, driver
+    return res
+
+
+class MemorySampler:
+    """Samples `_tree_memory(psutil.Process(pid))` every `interval` s on a thread until
+    `stop()`. `peak[key]` is each figure's own maximum; `at_peak["tree"]` / `at_peak["driver"]`
+    hold the whole sample taken when the tree total / driver RSS peaked (so the anon/file
+    split of that moment)."""
+
+    def __init__(self, pid: int, interval: float = 0.25) -> None:
+        import psutil
+
+        self.proc = psutil.Process(pid)
+        self.interval = interval
+        self.peak = dict.fromkeys(_KEYS, 0)
+        self.at_peak: dict[str, dict[str, int]] = {"tree": dict(self.peak), "driver": dict(self.peak)}
+        self.samples = 0
+        self._stop = threading.Event()
+        self._th = threading.Thread(target=self._loop, daemon=True)
+        self._th.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            m = _tree_memory(self.proc)
+            self.samples += 1
+            for k in ("tree", "driver"):
+                if m[k] > self.peak[k]:
+                    self.at_peak[k] = m
+            for k, v in m.items():
+                self.peak[k] = max(self.peak[k], v)
+            self._stop.wait(self.interval)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._th.join()
 
 
 def _run_size(n_items: int, workdir: Path, batch_size: int, attempts: int = 3) -> dict:
@@ -72,8 +143,6 @@ def _run_size(n_items: int, workdir: Path, batch_size: int, attempts: int = 3) -
 
 def _run_once(n_items: int, workdir: Path, batch_size: int) -> dict:
     """Generate N synthetic items, run ingest + embed(hash) in a subprocess, sample its memory."""
-    import psutil
-
     from gti.data import synth
 
     data = workdir / f"synth_{n_items}"
@@ -88,22 +157,10 @@ def _run_once(n_items: int, workdir: Path, batch_size: int) -> dict:
     env.pop("RAY_ADDRESS", None)
     errlog = open(workdir / f"worker_{n_items}.log", "w+")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=errlog, env=env, text=True)
-    ps = psutil.Process(proc.pid)
-    peak = {"tree": 0, "driver": 0}
-    stop = threading.Event()
-
-    def sample():
-        while not stop.is_set():
-            tree, driver = _tree_memory(ps)
-            peak["tree"] = max(peak["tree"], tree)
-            peak["driver"] = max(peak["driver"], driver)
-            stop.wait(0.25)
-
-    th = threading.Thread(target=sample, daemon=True)
-    th.start()
+    sampler = MemorySampler(proc.pid)
     out, _ = proc.communicate()
-    stop.set()
-    th.join()
+    sampler.stop()
+    peak = sampler.peak
     if proc.returncode != 0:
         errlog.seek(0)
         raise RuntimeError(f"worker for {n_items} items failed (rc {proc.returncode}): {errlog.read()[-3000:]}")
