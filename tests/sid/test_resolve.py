@@ -8,7 +8,7 @@ import torch
 from gti.errors import GateError
 from gti.sid.quality import check_gates, level_usage
 from gti.sid.resolve import (collision_rate, colliding_rows, dedup_extra_level, dedup_reassign,
-                             group_ids, sinkhorn_resolve)
+                             group_chunks, group_ids, sinkhorn_resolve)
 
 
 def _colliding_codes(seed=0, n=400, k=8):
@@ -100,3 +100,49 @@ def test_gate_failure_message():
     assert "level(s) 1 (0.010)" in msg and "sid.gates.min_utilisation=0.05" in msg
     assert "collision rate 0.0200" in msg and "collision_rate_before" in msg
     check_gates([0.9, 0.5], 0.0, min_utilisation=0.05, max_collision_rate=0.0)  # passes
+
+
+def test_group_chunks_cover_everything_once_and_keep_groups_whole():
+    g = torch.Generator().manual_seed(3)
+    gid = torch.randint(0, 40, (500,), generator=g)
+    gid[:90] = 7  # one group bigger than a chunk
+    chunks = group_chunks(gid, 64)
+    allpos = torch.cat(chunks)
+    assert torch.equal(torch.sort(allpos).values, torch.arange(500))  # each position once
+    owner = torch.empty(500, dtype=torch.long)
+    for i, c in enumerate(chunks):
+        owner[c] = i
+    for grp in gid.unique():
+        assert owner[gid == grp].unique().numel() == 1  # a group never split
+    biggest_group = int(torch.bincount(gid).max())
+    # A chunk overshoots chunk_rows by less than one group; the big group sits whole in one.
+    assert all(c.numel() < 64 + biggest_group for c in chunks)
+    assert any(c.numel() >= 90 for c in chunks) and len(chunks) >= 500 // (64 + biggest_group)
+    assert [c.tolist() for c in group_chunks(gid[:50], 64)] == [list(range(50))]
+
+
+def test_chunked_sinkhorn_resolve_still_spreads_collisions():
+    """Chunks of whole collision groups (bounded memory at millions of items) resolve about
+    as well as one Sinkhorn over all colliders, and equal it when one chunk holds them all."""
+    g = torch.Generator().manual_seed(1)
+    n, k = 600, 64
+    codes = torch.zeros(n, 2, dtype=torch.long)
+    codes[:, 0] = torch.randint(0, 12, (n,), generator=g)
+    table = torch.rand(n, k, generator=g)
+    table[:, :2] -= 1.0
+    codes[:, 1] = table.argmin(1)
+    before = collision_rate(codes)
+    seen = []
+
+    def cost(rows):
+        seen.append(rows.numel())
+        return table[rows]
+
+    whole, _ = sinkhorn_resolve(codes, cost, epsilon=0.003, iters=100)
+    assert max(seen) > 100
+    seen.clear()
+    chunked, _ = sinkhorn_resolve(codes, cost, epsilon=0.003, iters=100, chunk_rows=100)
+    assert max(seen) <= 100 + n // 12 * 2  # a chunk: ~chunk_rows plus at most one group
+    assert collision_rate(chunked) < before / 3
+    same, _ = sinkhorn_resolve(codes, cost, epsilon=0.003, iters=100, chunk_rows=n)
+    assert torch.equal(same, whole)

@@ -127,3 +127,64 @@ def test_gate_failure_stops_the_stage(tmp_path, ray_start_4_cpus):
     with pytest.raises(GateError, match="min_utilisation=0.9"):
         run_stage(spec("sid"), cfg, run_dir)
     assert not (run_dir / "sid").exists()
+
+
+def test_embedding_rows_read_by_row_group_equals_take(tmp_path):
+    from gti.stages.sid import EmbeddingRows
+
+    vecs = clustered(n=1000, dim=8)
+    flat = pa.array(vecs.reshape(-1))
+    pq.write_table(pa.table({"item_id": [str(i) for i in range(1000)],
+                             "embedding": pa.FixedSizeListArray.from_arrays(flat, 8)}),
+                   tmp_path / "e.parquet", row_group_size=128)
+    r = EmbeddingRows(tmp_path / "e.parquet")
+    assert r.n == 1000 and len(r.starts) == 1000 // 128 + 2
+    rows = np.array([999, 0, 127, 128, 500, 0, 640])  # unsorted, repeated, across groups
+    assert torch.equal(r.read(rows), torch.from_numpy(vecs[rows]))
+    assert r.read(np.array([], dtype=np.int64)).shape == (0, 8)
+    with pytest.raises(IndexError, match="out of range"):
+        r.read(np.array([1000]))
+
+
+def test_last_residuals_encode_each_item_once(tmp_path):
+    from gti.sid.rqkmeans import RQKMeansConfig, ResidualKMeans
+    from gti.stages.sid import EmbeddingRows, LastResiduals
+
+    vecs = clustered(n=300, dim=8)
+    run_dir = tmp_path / "run"
+    write_embed_stage(run_dir, vecs)
+    q = ResidualKMeans(RQKMeansConfig(in_dim=8, levels=2, codebook_size=8, balanced=False))
+    q.fit(torch.from_numpy(vecs), iters=5, generator=torch.Generator().manual_seed(0))
+    calls = []
+    orig = q.last_residual
+    q.last_residual = lambda x: calls.append(len(x)) or orig(x)
+    lr = LastResiduals(q, EmbeddingRows(run_dir / "embed" / "embeddings.parquet"), chunk=64)
+    a = lr(np.arange(0, 200))
+    b = lr(np.arange(100, 300))  # half cached
+    assert sum(calls) == 300 and max(calls) <= 64
+    want = orig(torch.from_numpy(vecs))
+    torch.testing.assert_close(a, want[:200])
+    torch.testing.assert_close(b, want[100:300])
+
+
+def test_sid_strings_and_hash_match_the_per_item_definitions():
+    import hashlib
+
+    from gti.sid.codec import SidCodec
+    from gti.stages.sid import sid_map_hash, sid_strings
+
+    codec = SidCodec(3, [4, 5, 6], "<{level}_{code}>")
+    codes = torch.tensor([[0, 4, 5], [3, 0, 1], [1, 1, 1]])
+    got = sid_strings(codec, codes)
+    assert got.to_pylist() == codec.to_strings(codes)
+    with pytest.raises(ValueError, match="level 1"):
+        sid_strings(codec, torch.tensor([[0, 5, 0]]))
+    ids = ["b", "é", "a", "Z", "ab"]
+    sids = [f"<a_{i}>" for i in range(5)]
+    ref = hashlib.sha256()
+    for i in sorted(range(5), key=lambda i: ids[i]):
+        ref.update(f"{ids[i]}\t{sids[i]}\n".encode())
+    want = ref.hexdigest()[:16]
+    assert sid_map_hash(ids, sids) == want
+    assert sid_map_hash(pa.array(ids), pa.array(sids), chunk=2) == want
+    assert sid_map_hash(ids[::-1], sids[::-1]) == want  # row order does not matter

@@ -56,17 +56,40 @@ def colliding_rows(codes: torch.Tensor) -> torch.Tensor:
     return (counts[gid] > 1).nonzero().flatten()
 
 
+def group_chunks(gid: torch.Tensor, chunk_rows: int) -> list[torch.Tensor]:
+    """Split positions 0..m-1 into chunks of about `chunk_rows`, never splitting a group.
+
+    gid [m]: a group id per position. One chunk of everything when m <= chunk_rows (in the
+    original order); otherwise positions sorted by group, cut at the first group start at or
+    after each multiple of chunk_rows (a group larger than a chunk stays whole).
+    """
+    m = gid.numel()
+    if m <= chunk_rows:
+        return [torch.arange(m)]
+    order = torch.sort(gid, stable=True).indices
+    sg = gid[order]
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), (sg[1:] != sg[:-1]).nonzero().flatten() + 1])
+    cuts = [0]
+    while cuts[-1] < m:
+        i = int(torch.searchsorted(starts, torch.tensor(cuts[-1] + chunk_rows)))
+        cuts.append(int(starts[i]) if i < starts.numel() else m)
+    return [order[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
+
+
 def sinkhorn_resolve(
     codes: torch.Tensor,
     last_cost: LastCost,
     epsilon: float = 0.003,
     iters: int = 50,
     rounds: int = 20,
+    chunk_rows: int = 65536,
 ) -> tuple[torch.Tensor, int]:
     """Re-assign the last code of colliding items by balanced Sinkhorn, up to `rounds` times.
 
     Returns (new codes [N, L], rounds run). Stops early when nothing collides or a round
-    changes nothing.
+    changes nothing. Colliders are balanced together in chunks of about `chunk_rows` whole
+    collision groups (one chunk on small catalogs), so the [rows, K] cost and the Sinkhorn
+    work stay bounded at millions of items.
     """
     codes = codes.clone()
     done = 0
@@ -74,7 +97,9 @@ def sinkhorn_resolve(
         rows = colliding_rows(codes)
         if rows.numel() == 0:
             return codes, done - 1
-        new_last = sinkhorn_assign(last_cost(rows), epsilon, iters)
+        new_last = torch.empty(rows.numel(), dtype=torch.long)
+        for part in group_chunks(group_ids(codes[rows]), chunk_rows):
+            new_last[part] = sinkhorn_assign(last_cost(rows[part]), epsilon, iters)
         if torch.equal(new_last, codes[rows, -1]):
             break
         codes[rows, -1] = new_last

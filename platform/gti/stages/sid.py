@@ -105,10 +105,65 @@ def check_embeddings(path: str | Path, batch_rows: int = 65536) -> tuple[int, in
     return n, dim
 
 
-def read_rows(table_embedding: pa.ChunkedArray, rows: np.ndarray, path: str) -> torch.Tensor:
-    """Embeddings of the given row indices as float32 [len(rows), dim]."""
-    taken = table_embedding.take(pa.array(np.asarray(rows, dtype=np.int64)))
-    return torch.from_numpy(embedding_matrix(taken, path).copy())
+class EmbeddingRows:
+    """Random access to rows of embeddings.parquet with one row group in memory at a time.
+
+    Why not `pq.read_table(...).column("embedding").take(rows)`: that decodes the whole column
+    (N x dim x 4 bytes) and `take` first joins its chunks into a second full copy; at 5M items
+    x 256 dims that is 10 GB on the driver (measured, bench/RESULTS.md "Scale").
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = str(path)
+        self.pf = pq.ParquetFile(self.path)
+        md = self.pf.metadata
+        self.starts = np.cumsum([0] + [md.row_group(i).num_rows for i in range(md.num_row_groups)])
+        self.n = int(self.starts[-1])
+
+    def read(self, rows: np.ndarray) -> torch.Tensor:
+        """Embeddings of row indices `rows` [m] (any order, repeats allowed): float32 [m, dim]."""
+        rows = np.asarray(rows, dtype=np.int64)
+        if rows.size and (rows.min() < 0 or rows.max() >= self.n):
+            raise IndexError(f"{self.path}: row index out of range 0..{self.n - 1}")
+        group = np.searchsorted(self.starts, rows, side="right") - 1
+        out: np.ndarray | None = None
+        for g in np.unique(group):
+            sel = np.nonzero(group == g)[0]
+            col = self.pf.read_row_group(int(g), columns=["embedding"]).column(0)
+            m = embedding_matrix(col.take(pa.array(rows[sel] - self.starts[g])), self.path)
+            if out is None:
+                out = np.empty((rows.size, m.shape[1]), dtype=np.float32)
+            out[sel] = m
+        if out is None:  # no rows asked for
+            return torch.zeros(0, self.pf.schema_arrow.field("embedding").type.list_size)
+        return torch.from_numpy(out)
+
+
+class LastResiduals:
+    """What the quantiser's last level sees, per item, computed once and kept: [m, code_dim].
+
+    Collision resolution re-scores the last level of colliding items in every round; the
+    residual depends only on the item and its first L-1 codes, which resolution never changes,
+    so each item's embedding is read and encoded at most once (in chunks of `chunk` rows).
+    """
+
+    def __init__(self, q, rows_reader: EmbeddingRows, chunk: int = 65536) -> None:
+        self.q, self.reader, self.chunk = q, rows_reader, chunk
+        self.slot = np.full(rows_reader.n, -1, dtype=np.int64)
+        self.res: torch.Tensor | None = None
+
+    def __call__(self, rows: np.ndarray) -> torch.Tensor:
+        rows = np.asarray(rows, dtype=np.int64)
+        need = np.unique(rows[self.slot[rows] < 0])
+        for s in range(0, need.size, self.chunk):
+            part = need[s : s + self.chunk]
+            r = self.q.last_residual(self.reader.read(part)).float()
+            base = 0 if self.res is None else self.res.shape[0]
+            self.res = r if self.res is None else torch.cat([self.res, r])
+            self.slot[part] = np.arange(base, base + part.size)
+        if self.res is None:
+            raise ValueError("no residuals computed")
+        return self.res[torch.from_numpy(self.slot[rows])]
 
 
 # --------------------------------------------------------------------------- training
@@ -376,12 +431,36 @@ def assign_all(ctx: StageContext, emb_path: Path, qdir: Path, n_items: int) -> n
 
 
 # --------------------------------------------------------------------------- stage
-def sid_map_hash(item_ids: list[str], sids: list[str]) -> str:
-    """sha256 (16 hex) of the item -> SID mapping, independent of row order."""
+def sid_map_hash(item_ids, sids, chunk: int = 65536) -> str:
+    """sha256 (16 hex) of the item -> SID mapping, independent of row order: the lines
+    "item_id\tsid\n" in item_id order (code-point order, as Python sorts str). Takes lists
+    or Arrow string arrays; hashes `chunk` lines at a time."""
+    import pyarrow.compute as pc
+
+    ids = pa.array(item_ids, pa.string()) if not isinstance(item_ids, pa.Array) else item_ids
+    sid_arr = pa.array(sids, pa.string()) if not isinstance(sids, pa.Array) else sids
+    order = pc.sort_indices(ids)  # UTF-8 byte order == code-point order
     h = hashlib.sha256()
-    for i in np.argsort(np.asarray(item_ids, dtype=object), kind="stable"):
-        h.update(f"{item_ids[i]}\t{sids[i]}\n".encode())
+    for s in range(0, len(order), chunk):
+        idx = order.slice(s, chunk)
+        lines = pc.binary_join_element_wise(ids.take(idx), sid_arr.take(idx), "\t")
+        h.update(("\n".join(lines.to_pylist()) + "\n").encode())
     return h.hexdigest()[:16]
+
+
+def sid_strings(codec: SidCodec, codes: torch.Tensor) -> pa.Array:
+    """SID strings for codes [N, L] as one Arrow string array, built column-wise (no Python
+    object per item: at millions of items a list of str and of code lists costs GBs)."""
+    import pyarrow.compute as pc
+
+    cols = []
+    for lv in range(codes.shape[1]):
+        c = codes[:, lv]
+        if c.numel() and (int(c.min()) < 0 or int(c.max()) >= codec.codebook_sizes[lv]):
+            raise ValueError(f"level {lv} code out of range 0..{codec.codebook_sizes[lv] - 1}")
+        table = pa.array([codec.token(lv, k) for k in range(codec.codebook_sizes[lv])], pa.string())
+        cols.append(table.take(pa.array(c.numpy())))
+    return pc.binary_join_element_wise(*cols, "")
 
 
 def run(ctx: StageContext) -> StageResult:
@@ -395,12 +474,12 @@ def run(ctx: StageContext) -> StageResult:
         raise DataError(f"{emb_path}: sid needs at least 2 items, got {n_items}")
     ensure_ray(cfg)
 
-    table = pq.read_table(str(emb_path), columns=["item_id", "embedding"], memory_map=True)
-    emb_col = table.column("embedding")
-    item_ids = [str(v) for v in table.column("item_id").to_pylist()]
+    # Only the ids are read whole (tens of bytes per item); embeddings are read by row group.
+    item_ids = pq.read_table(str(emb_path), columns=["item_id"]).column("item_id").combine_chunks().cast(pa.string())
+    rows_reader = EmbeddingRows(emb_path)
     rng = np.random.default_rng(cfg.seed)
     sample_rows = np.sort(rng.choice(n_items, size=min(n_items, s.kmeans_sample), replace=False))
-    sample = read_rows(emb_col, sample_rows, str(emb_path))
+    sample = rows_reader.read(sample_rows)
     gen = torch.Generator().manual_seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     q = build_quantizer(s, dim)
@@ -432,9 +511,10 @@ def run(ctx: StageContext) -> StageResult:
     before = collision_rate(codes)
     last_cb = q.level_codebooks()[-1].float()
 
+    last_residuals = LastResiduals(q, rows_reader)
+
     def last_cost(rows: torch.Tensor) -> torch.Tensor:
-        x = read_rows(emb_col, rows.numpy(), str(emb_path))
-        return sq_dists(q.last_residual(x), last_cb)
+        return sq_dists(last_residuals(rows.numpy()), last_cb)
 
     after_sk, sk_rounds = before, 0
     if s.sinkhorn_last_level and before > 0 and s.sinkhorn_rounds > 0:
@@ -455,16 +535,17 @@ def run(ctx: StageContext) -> StageResult:
              "perplexity": [round(p, 2) for p in perp_q]}
     check_gates(util_q, after, s.gates.min_utilisation, s.gates.max_collision_rate, stats)
 
+    del last_residuals, sample
     codec = SidCodec(final.shape[1], sizes, s.token_format)
-    final_list = final.tolist()
-    sids = [codec.to_string(r) for r in final_list]
+    sids = sid_strings(codec, final)
     codes_arr = pa.FixedSizeListArray.from_arrays(pa.array(final.to(torch.int32).flatten().numpy()), final.shape[1])
     out_tbl = pa.table({
-        "item_id": pa.array(item_ids, pa.string()),
+        "item_id": item_ids,
         "codes": codes_arr.cast(pa.list_(pa.int32())),
-        "sid": pa.array(sids, pa.string()),
+        "sid": sids,
     })
     pq.write_table(out_tbl, str(ctx.work_dir / "sid_map.parquet"))
+    del out_tbl, codes_arr
     facts = {
         "method": s.method,
         "levels": int(final.shape[1]),
