@@ -40,9 +40,10 @@ demo: $(STAMP)
 
 # The whole suite, as two pytest processes: the fast unit loop, then the slow tests (real
 # DeepSpeed engines, Ray clusters, end-to-end runs), each starting from a clean interpreter.
+# Tests marked `bench` (bench scripts run end to end, minutes each) run in `make bench`.
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow"
-	$(PY) -m pytest -q -m "slow"
+	$(PY) -m pytest -q -m "not slow and not bench"
+	$(PY) -m pytest -q -m "slow and not bench"
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
@@ -50,6 +51,7 @@ test-fast: $(STAMP)
 bench: $(STAMP)
 	$(PIP) install -q -e ".[test,bench]"
 	for b in bench/*.py; do $(PY) $$b --quick || exit 1; done
+	$(PY) -m pytest -q -m bench
 
 clean:
 	rm -rf runs .pytest_cache

@@ -88,6 +88,7 @@ def test_tree_memory_sees_children_and_splits_the_driver():
 
 
 @pytest.mark.slow
+@pytest.mark.bench
 @pytest.mark.ray
 def test_quick_run_prints_per_stage_figures(tmp_path):
     """A tiny run (2k/4k items): every stage in its own subprocess, earlier stages skipped."""
