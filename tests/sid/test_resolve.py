@@ -69,15 +69,20 @@ def test_reassign_full_prefix_falls_back_to_extra_level():
     assert out.shape == (10, 3) and collision_rate(out) == 0.0
 
 
-def test_sinkhorn_resolve_reduces_collisions():
-    g = torch.Generator().manual_seed(1)
-    n, k = 100, 64
+def _crowded(n: int, prefixes: int, k: int = 64, seed: int = 1):
+    """Codes [n, 2] (prefix, greedy last code) and a cost table [n, k] where everyone prefers
+    last code 0 or 1 by a little, so greedy codes collide massively."""
+    g = torch.Generator().manual_seed(seed)
     codes = torch.zeros(n, 2, dtype=torch.long)
-    codes[:, 0] = torch.randint(0, 4, (n,), generator=g)
-    # Everyone prefers last code 0 or 1 by a little: greedy collides massively.
+    codes[:, 0] = torch.randint(0, prefixes, (n,), generator=g)
     table = torch.rand(n, k, generator=g)
     table[:, :2] -= 1.0
     codes[:, 1] = table.argmin(1)
+    return codes, table
+
+
+def test_sinkhorn_resolve_reduces_collisions():
+    codes, table = _crowded(100, 4)
     before = collision_rate(codes)
     out, rounds = sinkhorn_resolve(codes, lambda rows: table[rows], epsilon=0.003, iters=100)
     assert collision_rate(out) < before / 3
@@ -124,13 +129,8 @@ def test_group_chunks_cover_everything_once_and_keep_groups_whole():
 def test_chunked_sinkhorn_resolve_still_spreads_collisions():
     """Chunks of whole collision groups (bounded memory at millions of items) resolve about
     as well as one Sinkhorn over all colliders, and equal it when one chunk holds them all."""
-    g = torch.Generator().manual_seed(1)
-    n, k = 600, 64
-    codes = torch.zeros(n, 2, dtype=torch.long)
-    codes[:, 0] = torch.randint(0, 12, (n,), generator=g)
-    table = torch.rand(n, k, generator=g)
-    table[:, :2] -= 1.0
-    codes[:, 1] = table.argmin(1)
+    n = 600
+    codes, table = _crowded(n, 12)
     before = collision_rate(codes)
     seen = []
 
