@@ -21,6 +21,7 @@ The interactions are small and fixed (2,000 synthetic users), so the catalog dom
 Data and run dirs go to a temporary dir (deleted at the end; --workdir DIR keeps them).
 
 Usage: python bench/scale_memory.py [--quick] [--sizes 1000000,5000000] [--stages ingest,embed,sid]
+       [--workdir DIR]  (--stages sid --workdir DIR: rerun only sid on DIR's up-to-date data)
 The last line printed is one JSON object.
 """
 
@@ -201,7 +202,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="20k and 100k items, k-means on 4,096 items")
     ap.add_argument("--sizes", help="two catalog sizes, comma-separated (default 1000000,5000000)")
-    ap.add_argument("--stages", default=",".join(STAGES), help="subset of ingest,embed,sid (a prefix)")
+    ap.add_argument("--stages", default=",".join(STAGES),
+                    help="consecutive stages of ingest,embed,sid; with a later start (e.g. 'sid'), "
+                    "the earlier stages must be up to date in --workdir from a previous run")
     ap.add_argument("--batch-size", type=int, default=2048, help="embed.batch_size")
     ap.add_argument("--kmeans-sample", type=int, default=None,
                     help="sid.kmeans_sample (default: the config's 65,536; 4,096 with --quick)")
@@ -222,8 +225,12 @@ def main() -> None:
     if len(sizes) != 2 or sizes[0] >= sizes[1]:
         raise SystemExit("--sizes takes two increasing sizes")
     stages = [s.strip() for s in args.stages.split(",") if s.strip()]
-    if stages != list(STAGES[: len(stages)]) or not stages:
-        raise SystemExit(f"--stages must be a prefix of {','.join(STAGES)}")
+    first = STAGES.index(stages[0]) if stages and stages[0] in STAGES else -1
+    if first < 0 or stages != list(STAGES[first : first + len(stages)]):
+        raise SystemExit(f"--stages must be consecutive stages of {','.join(STAGES)}, got {args.stages!r}")
+    if first > 0 and not args.workdir:
+        raise SystemExit(f"--stages {args.stages} starts after {STAGES[0]}: pass the --workdir of a run "
+                         f"that did {','.join(STAGES[:first])}")
 
     from gti.data import synth
 

@@ -143,6 +143,10 @@ class SidConfig(_Strict):
         65536, gt=0, description="items sampled for codebook k-means init / rqkmeans fitting"
     )
     sinkhorn_rounds: int = Field(20, ge=0, description="rounds of last-level Sinkhorn spreading")
+    sinkhorn_sample_rows: int = Field(
+        65536, gt=0, description="colliders whose costs set the balancing prices in a Sinkhorn "
+        "round (a seeded uniform sample when more collide; all of them otherwise)",
+    )
     revive_every_steps: int = Field(
         0, ge=0, description="re-seed dead codes every N optimizer steps (0: once per epoch)"
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from gti.sid.balance import sinkhorn_assign, sinkhorn_plan
+from gti.sid.balance import priced_assign, sinkhorn_assign, sinkhorn_plan, sinkhorn_prices
 
 
 def test_plan_marginals():
@@ -31,3 +31,18 @@ def test_small_epsilon_float32_stays_finite():
     assert a.min() >= 0 and a.max() < 256
     counts = torch.bincount(a, minlength=256)
     assert counts.max() < 40  # ~4 per code when balanced; greedy argmin is not constrained
+
+
+def test_prices_learned_on_a_sample_balance_the_whole_set():
+    g = torch.Generator().manual_seed(2)
+    # 20,000 points that all lean towards codes 0-3 of 32; prices from 2,000 of them.
+    cost = torch.rand(20000, 32, generator=g)
+    cost[:, :4] -= 1.0
+    greedy = torch.bincount(cost.argmin(1), minlength=32)
+    assert greedy[4:].sum() == 0
+    scale, v = sinkhorn_prices(cost[:2000], epsilon=0.003, iters=200)
+    counts = torch.bincount(priced_assign(cost, scale, v, epsilon=0.003), minlength=32)
+    share = 20000 / 32
+    assert counts.min() > 0.6 * share and counts.max() < 1.4 * share
+    # On the rows they were learned on, prices reproduce sinkhorn_assign exactly.
+    assert torch.equal(priced_assign(cost[:2000], scale, v, 0.003), sinkhorn_assign(cost[:2000], 0.003, 200))

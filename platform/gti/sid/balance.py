@@ -63,12 +63,35 @@ def sinkhorn_plan(cost: torch.Tensor, epsilon: float = 0.003, iters: int = 50) -
     return torch.exp(-c / epsilon + u.unsqueeze(1) + v.unsqueeze(0)) * cost.shape[0]
 
 
+def sinkhorn_prices(cost: torch.Tensor, epsilon: float = 0.003, iters: int = 50) -> tuple[float, torch.Tensor]:
+    """Balancing prices for K codes learned on cost [N, K]: (scale, v [K]).
+
+    scale is the median gap `normalise_cost` divides by; v the Sinkhorn column potentials.
+    `priced_assign(cost, scale, v, epsilon)` then assigns any rows with these prices, so the
+    prices can be learned on a sample and applied to many more rows.
+    """
+    shifted = cost - cost.min(dim=1, keepdim=True).values
+    scale = float(shifted.median().clamp(min=1e-12))
+    _, v = sinkhorn_potentials(shifted / scale, epsilon, iters)
+    return scale, v
+
+
+def priced_assign(cost: torch.Tensor, scale: float, v: torch.Tensor, epsilon: float) -> torch.Tensor:
+    """LongTensor[N]: the code maximising -cost/(scale*epsilon) + v for each row of cost [N, K].
+
+    A per-row shift of the cost never changes the argmax, so this equals the argmax of the
+    Sinkhorn plan on the rows the prices were learned on. The shift is still applied: it keeps
+    the float32 gaps between codes exact when the distances themselves are large.
+    """
+    shifted = cost - cost.min(dim=1, keepdim=True).values
+    return (v.unsqueeze(0) - shifted / (scale * epsilon)).argmax(dim=1)
+
+
 def sinkhorn_assign(cost: torch.Tensor, epsilon: float = 0.003, iters: int = 50) -> torch.Tensor:
     """Balanced hard assignment LongTensor[N]: argmax of the Sinkhorn plan per row.
 
     Only the column potentials change the argmax, so this is nearest code under a per-code
     price v_j that makes crowded codes dearer.
     """
-    c = normalise_cost(cost)
-    _, v = sinkhorn_potentials(c, epsilon, iters)
-    return (-c / epsilon + v.unsqueeze(0)).argmax(dim=1)
+    scale, v = sinkhorn_prices(cost, epsilon, iters)
+    return priced_assign(cost, scale, v, epsilon)

@@ -4,7 +4,8 @@ What it is for: after greedy quantisation several items can share a SID (a colli
 `sid` stage resolves them in two steps:
 1. `sinkhorn_resolve` (as LC-Rec does): the colliding items' last-level codes are re-chosen
    together by a Sinkhorn-balanced assignment, which forces near-identical items apart because
-   no code may take more than its share; repeated for a few rounds.
+   no code may take more than its share; repeated while it helps. At millions of colliders the
+   balancing prices are learned on a sample and applied to all of them in chunks.
 2. De-duplication of whatever still collides: `dedup_extra_level` appends one level whose code
    numbers the members of each collision group 0..n-1 (every other item gets 0), or
    `dedup_reassign` moves all but one member of each group to the nearest last-level code that
@@ -21,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from gti.sid.balance import sinkhorn_assign
+from gti.sid.balance import priced_assign, sinkhorn_prices
 
 LastCost = Callable[[torch.Tensor], torch.Tensor]
 
@@ -56,53 +57,49 @@ def colliding_rows(codes: torch.Tensor) -> torch.Tensor:
     return (counts[gid] > 1).nonzero().flatten()
 
 
-def group_chunks(gid: torch.Tensor, chunk_rows: int) -> list[torch.Tensor]:
-    """Split positions 0..m-1 into chunks of about `chunk_rows`, never splitting a group.
-
-    gid [m]: a group id per position. One chunk of everything when m <= chunk_rows (in the
-    original order); otherwise positions sorted by group, cut at the first group start at or
-    after each multiple of chunk_rows (a group larger than a chunk stays whole).
-    """
-    m = gid.numel()
-    if m <= chunk_rows:
-        return [torch.arange(m)]
-    order = torch.sort(gid, stable=True).indices
-    sg = gid[order]
-    starts = torch.cat([torch.zeros(1, dtype=torch.long), (sg[1:] != sg[:-1]).nonzero().flatten() + 1])
-    cuts = [0]
-    while cuts[-1] < m:
-        i = int(torch.searchsorted(starts, torch.tensor(cuts[-1] + chunk_rows)))
-        cuts.append(int(starts[i]) if i < starts.numel() else m)
-    return [order[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
-
-
 def sinkhorn_resolve(
     codes: torch.Tensor,
     last_cost: LastCost,
     epsilon: float = 0.003,
     iters: int = 50,
     rounds: int = 20,
-    chunk_rows: int = 65536,
+    sample_rows: int = 65536,
+    chunk_rows: int = 262144,
+    seed: int = 0,
+    log: Callable[[str], None] | None = None,
 ) -> tuple[torch.Tensor, int]:
     """Re-assign the last code of colliding items by balanced Sinkhorn, up to `rounds` times.
 
-    Returns (new codes [N, L], rounds run). Stops early when nothing collides or a round
-    changes nothing. Colliders are balanced together in chunks of about `chunk_rows` whole
-    collision groups (one chunk on small catalogs), so the [rows, K] cost and the Sinkhorn
-    work stay bounded at millions of items.
+    Returns (new codes [N, L], rounds run). In each round, the colliders' last-level costs
+    give K column prices by one Sinkhorn, as LC-Rec does over all colliders. When there are
+    more than `sample_rows` colliders, the prices come from a seeded uniform sample of that
+    many, because the prices of a uniform sample estimate those of the whole set. Every
+    collider then takes its cheapest code after prices, scored `chunk_rows` rows at a time.
+    This keeps the Sinkhorn work and the [rows, K] cost bounded at millions of items.
+
+    Stops when nothing collides, or when a round does not reduce the number of colliding
+    items. That last round is undone, so the result is never worse than its input.
     """
     codes = codes.clone()
+    gen = torch.Generator().manual_seed(seed)
+    rows = colliding_rows(codes)
     done = 0
-    for done in range(1, rounds + 1):
-        rows = colliding_rows(codes)
-        if rows.numel() == 0:
-            return codes, done - 1
-        new_last = torch.empty(rows.numel(), dtype=torch.long)
-        for part in group_chunks(group_ids(codes[rows]), chunk_rows):
-            new_last[part] = sinkhorn_assign(last_cost(rows[part]), epsilon, iters)
-        if torch.equal(new_last, codes[rows, -1]):
-            break
+    while rows.numel() > 0 and done < rounds:
+        m = rows.numel()
+        fit = rows if m <= sample_rows else rows[torch.randperm(m, generator=gen)[:sample_rows].sort().values]
+        scale, v = sinkhorn_prices(last_cost(fit), epsilon, iters)
+        new_last = torch.cat([priced_assign(last_cost(rows[s : s + chunk_rows]), scale, v, epsilon)
+                              for s in range(0, m, chunk_rows)])
+        old_last = codes[rows, -1].clone()
         codes[rows, -1] = new_last
+        after = colliding_rows(codes)
+        if after.numel() >= m:
+            codes[rows, -1] = old_last
+            break
+        done += 1
+        if log is not None:
+            log(f"Sinkhorn round {done}: {m:,} -> {after.numel():,} colliding items")
+        rows = after
     return codes, done
 
 

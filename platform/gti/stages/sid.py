@@ -150,7 +150,8 @@ class LastResiduals:
     def __init__(self, q, rows_reader: EmbeddingRows, chunk: int = 65536) -> None:
         self.q, self.reader, self.chunk = q, rows_reader, chunk
         self.slot = np.full(rows_reader.n, -1, dtype=np.int64)
-        self.res: torch.Tensor | None = None
+        self.res: torch.Tensor | None = None  # [capacity, code_dim]; rows 0..used-1 filled
+        self.used = 0
 
     def __call__(self, rows: np.ndarray) -> torch.Tensor:
         rows = np.asarray(rows, dtype=np.int64)
@@ -158,12 +159,24 @@ class LastResiduals:
         for s in range(0, need.size, self.chunk):
             part = need[s : s + self.chunk]
             r = self.q.last_residual(self.reader.read(part)).float()
-            base = 0 if self.res is None else self.res.shape[0]
-            self.res = r if self.res is None else torch.cat([self.res, r])
-            self.slot[part] = np.arange(base, base + part.size)
+            self._grow(self.used + part.size, r.shape[1])
+            self.res[self.used : self.used + part.size] = r
+            self.slot[part] = np.arange(self.used, self.used + part.size)
+            self.used += part.size
         if self.res is None:
             raise ValueError("no residuals computed")
         return self.res[torch.from_numpy(self.slot[rows])]
+
+    def _grow(self, need: int, dim: int) -> None:
+        # Capacity doubles, so adding colliders round after round copies O(total) rows,
+        # not O(total^2) as concatenating every chunk would.
+        cap = 0 if self.res is None else self.res.shape[0]
+        if need <= cap:
+            return
+        bigger = torch.empty(max(need, 2 * cap, self.chunk), dim)
+        if self.res is not None:
+            bigger[: self.used] = self.res[: self.used]
+        self.res = bigger
 
 
 # --------------------------------------------------------------------------- training
@@ -518,7 +531,9 @@ def run(ctx: StageContext) -> StageResult:
 
     after_sk, sk_rounds = before, 0
     if s.sinkhorn_last_level and before > 0 and s.sinkhorn_rounds > 0:
-        codes, sk_rounds = sinkhorn_resolve(codes, last_cost, s.sinkhorn_epsilon, s.sinkhorn_iters, s.sinkhorn_rounds)
+        codes, sk_rounds = sinkhorn_resolve(
+            codes, last_cost, s.sinkhorn_epsilon, s.sinkhorn_iters, s.sinkhorn_rounds,
+            sample_rows=s.sinkhorn_sample_rows, seed=cfg.seed, log=ctx.log)
         after_sk = collision_rate(codes)
     util_q, perp_q = level_usage(codes, q.codebook_sizes)
     final = dedup_extra_level(codes) if s.dedup == "extra_level" else dedup_reassign(codes, last_cost)
