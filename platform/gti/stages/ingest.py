@@ -9,7 +9,8 @@ runs read + row validation (`gti.data.catalog`) in parallel `map_batches` tasks 
 validated batches back in input order (`preserve_order`), so the driver can apply the checks
 that need everything seen so far — duplicate ids (first kept), `data.max_items`, unknown items —
 while writing outputs incrementally; memory stays bounded by the block size plus the set of ids
-seen. Sequences are built with polars in one process (`gti.data.sequences`).
+seen (`gti.data.idset`, ~30 B per kept id) and the valid interactions, which the sequence
+builder needs at once. Sequences are built with polars in one process (`gti.data.sequences`).
 
 Accounting: every input row ends in exactly one of the ok output or a quarantine file with a
 `reason`, so `*_rows_in == *_rows_ok + *_rows_quarantined` (a test checks it). With
@@ -29,6 +30,7 @@ from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
+import numpy as np
 import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -36,6 +38,7 @@ import pyarrow.parquet as pq
 
 from gti.data import adapters
 from gti.data import catalog as cat
+from gti.data.idset import IdSet
 from gti.data.sequences import build_sequences
 from gti.errors import DataError, GtiError
 from gti.manifest import file_fingerprint
@@ -146,11 +149,11 @@ class _Items:
     def __init__(self) -> None:
         self.rows_in = self.ok = self.quarantined = self.truncated = self.pseudo = 0
         self.reasons: Counter[str] = Counter()
-        self.seen: set[str] = set()
+        self.seen = IdSet()  # kept ids: duplicates and the unknown-item check (~30 B/id)
         self.limit_reached = False
 
 
-def _ingest_items(ctx: StageContext, out: Path, stream) -> tuple[_Items, pa.Array]:
+def _ingest_items(ctx: StageContext, out: Path, stream) -> tuple[_Items, IdSet]:
     d = ctx.cfg.data
     files = adapters.expand_paths(d.items.path, "items")
     tasks = adapters.plan_tasks(files, d.items.format)
@@ -160,7 +163,6 @@ def _ingest_items(ctx: StageContext, out: Path, stream) -> tuple[_Items, pa.Arra
     ctx.log(f"items: {len(files)} file(s), {len(tasks)} read task(s) from {d.items.path}")
     st = _Items()
     st.missing_columns = missing  # type: ignore[attr-defined]
-    kept_chunks: list[pa.Array] = []  # kept ids as compact arrow chunks (for the unknown-item check)
     n_kept = 0
     w_ok = pq.ParquetWriter(out / "items.parquet", ITEMS_OUT_SCHEMA)
     w_q = pq.ParquetWriter(out / "items_quarantine.parquet", ITEMS_Q_SCHEMA)
@@ -168,22 +170,21 @@ def _ingest_items(ctx: StageContext, out: Path, stream) -> tuple[_Items, pa.Arra
     try:
         for batch in stream(tasks, "items", d.items.columns, d.max_text_chars, d.parallelism):
             _raise_file_error(batch)
-            ids = batch.column("item_id").to_pylist()
-            reasons = batch.column("reason").to_pylist()
-            keep = [False] * batch.num_rows
+            valid = pc.is_null(batch.column("reason")).to_numpy(zero_copy_only=False)
+            new = st.seen.first_new(batch.column("item_id"), valid)
             n_used = batch.num_rows
-            for i, (iid, r) in enumerate(zip(ids, reasons)):
-                if r is None:
-                    if iid in st.seen:
-                        reasons[i] = cat.DUPLICATE_ID
-                    else:
-                        st.seen.add(iid)
-                        keep[i] = True
-                        n_kept += 1
-                        if d.max_items is not None and n_kept >= d.max_items:
-                            st.limit_reached = True
-                            n_used = i + 1
-                            break
+            if d.max_items is not None:
+                kept_at = np.nonzero(new)[0]
+                room = d.max_items - n_kept
+                if kept_at.size >= room:  # the N-th kept item ends the catalog
+                    st.limit_reached = True
+                    n_used = int(kept_at[room - 1]) + 1
+                    new[n_used:] = False
+            keep = new.tolist()
+            n_kept += int(new.sum())
+            reasons = batch.column("reason").to_pylist()
+            for i in np.nonzero(valid & ~new)[0]:
+                reasons[i] = cat.DUPLICATE_ID
             if n_used < batch.num_rows:
                 batch, keep, reasons = batch.slice(0, n_used), keep[:n_used], reasons[:n_used]
             batch = batch.set_column(batch.schema.get_field_index("reason"), "reason",
@@ -198,7 +199,7 @@ def _ingest_items(ctx: StageContext, out: Path, stream) -> tuple[_Items, pa.Arra
                 bad = _fill_raw(bad)
                 w_q.write_table(bad.select(cat.QUARANTINE_COLUMNS).cast(ITEMS_Q_SCHEMA))
             if ok.num_rows:
-                kept_chunks.append(ok.column("item_id").combine_chunks())
+                st.seen.add(ok.column("item_id"))
                 w_ok.write_table(ok.select(cat.ITEMS_OUT_COLUMNS).cast(ITEMS_OUT_SCHEMA), row_group_size=ROW_GROUP)
             st.rows_in += batch.num_rows
             st.ok += ok.num_rows
@@ -217,7 +218,7 @@ def _ingest_items(ctx: StageContext, out: Path, stream) -> tuple[_Items, pa.Arra
     if st.ok == 0:
         detail = ", ".join(f"{k}: {v}" for k, v in st.reasons.most_common()) or "no rows"
         raise DataError(f"data.items.path {d.items.path}: no valid items ({st.rows_in} rows read; {detail})")
-    return st, pa.concat_arrays(kept_chunks).cast(pa.string())
+    return st, st.seen
 
 
 def _fill_raw(bad: pa.Table) -> pa.Table:
@@ -233,7 +234,7 @@ def _fill_raw(bad: pa.Table) -> pa.Table:
 
 
 # --------------------------------------------------------------------------- interactions
-def _ingest_interactions(ctx: StageContext, out: Path, kept_ids: pa.Array, items_limited: bool,
+def _ingest_interactions(ctx: StageContext, out: Path, kept_ids: IdSet, items_limited: bool,
                          stream) -> dict:
     d = ctx.cfg.data
     src = d.interactions
@@ -241,7 +242,6 @@ def _ingest_interactions(ctx: StageContext, out: Path, kept_ids: pa.Array, items
     tasks = adapters.plan_tasks(files, src.format)
     _precheck(tasks, "interactions", src.columns)
     ctx.log(f"interactions: {len(files)} file(s) from {src.path}")
-    id_set = kept_ids
     reasons: Counter[str] = Counter()
     rows_in = quarantined = 0
     order = 0
@@ -257,7 +257,7 @@ def _ingest_interactions(ctx: StageContext, out: Path, kept_ids: pa.Array, items
             batch = batch.append_column("order", pa.array(range(order, order + n), pa.int64()))
             order += n
             valid = pc.is_null(batch.column("reason"))
-            known = pc.fill_null(pc.is_in(batch.column("item_id"), value_set=id_set), False)
+            known = pa.array(kept_ids.contains(batch.column("item_id")))
             unknown = pc.and_(valid, pc.invert(known))
             unknown_reason = cat.OUTSIDE_MAX_ITEMS if items_limited else cat.UNKNOWN_ITEM
             reason = pc.if_else(unknown, pa.scalar(unknown_reason, pa.string()), batch.column("reason"))
