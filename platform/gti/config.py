@@ -147,6 +147,10 @@ class SidConfig(_Strict):
         65536, gt=0, description="colliders whose costs set the balancing prices in a Sinkhorn "
         "round (a seeded uniform sample when more collide; all of them otherwise)",
     )
+    sinkhorn_min_gain: float = Field(
+        0.01, ge=0, lt=1, description="stop Sinkhorn spreading after a round that frees fewer "
+        "than this share of the colliding items (de-duplication resolves the rest)",
+    )
     revive_every_steps: int = Field(
         0, ge=0, description="re-seed dead codes every N optimizer steps (0: once per epoch)"
     )

@@ -153,3 +153,21 @@ def test_a_round_that_does_not_help_is_undone():
     crowded, table = _crowded(200, 4)
     sinkhorn_resolve(crowded, lambda r: table[r], epsilon=0.003, iters=100, log=logs.append)
     assert logs and logs[0].startswith("Sinkhorn round 1: ") and "colliding items" in logs[0]
+
+
+def test_min_gain_stops_after_a_round_that_frees_too_few():
+    codes, table = _crowded(600, 12)
+    full_logs, gain_logs = [], []
+    full, full_rounds = sinkhorn_resolve(codes, lambda r: table[r], epsilon=0.003, iters=100, log=full_logs.append)
+    gains = []
+    for line in full_logs:  # "Sinkhorn round k: a -> b colliding items"
+        a, b = (int(x.replace(",", "")) for x in line.split(": ")[1].split(" colliding")[0].split(" -> "))
+        gains.append((a - b) / a)
+    assert full_rounds >= 3 and gains[0] > 0.3
+    # A threshold between round 2's gain and round 1's stops right after round 2.
+    threshold = (gains[1] + gains[0]) / 2 if gains[1] < gains[0] else None
+    assert threshold is not None
+    out, rounds = sinkhorn_resolve(codes, lambda r: table[r], epsilon=0.003, iters=100,
+                                   min_gain=threshold, log=gain_logs.append)
+    assert rounds == 2 and gain_logs == full_logs[:2]
+    assert collision_rate(out) < collision_rate(codes)

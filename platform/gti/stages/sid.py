@@ -533,7 +533,7 @@ def run(ctx: StageContext) -> StageResult:
     if s.sinkhorn_last_level and before > 0 and s.sinkhorn_rounds > 0:
         codes, sk_rounds = sinkhorn_resolve(
             codes, last_cost, s.sinkhorn_epsilon, s.sinkhorn_iters, s.sinkhorn_rounds,
-            sample_rows=s.sinkhorn_sample_rows, seed=cfg.seed, log=ctx.log)
+            sample_rows=s.sinkhorn_sample_rows, seed=cfg.seed, min_gain=s.sinkhorn_min_gain, log=ctx.log)
         after_sk = collision_rate(codes)
     util_q, perp_q = level_usage(codes, q.codebook_sizes)
     final = dedup_extra_level(codes) if s.dedup == "extra_level" else dedup_reassign(codes, last_cost)
