@@ -147,6 +147,10 @@ class SidConfig(_Strict):
         65536, gt=0, description="colliders whose costs set the balancing prices in a Sinkhorn "
         "round (a seeded uniform sample when more collide; all of them otherwise)",
     )
+    resolve_cache_mb: float = Field(
+        1024, ge=0, description="driver memory for the colliding items' last residuals during "
+        "collision resolution; items past it are re-read and re-encoded in each round",
+    )
     sinkhorn_min_gain: float = Field(
         0.01, ge=0, lt=1, description="stop Sinkhorn spreading after a round that frees fewer "
         "than this share of the colliding items (de-duplication resolves the rest)",

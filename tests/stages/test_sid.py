@@ -161,10 +161,24 @@ def test_last_residuals_encode_each_item_once(tmp_path):
     lr = LastResiduals(q, EmbeddingRows(run_dir / "embed" / "embeddings.parquet"), chunk=64)
     a = lr(np.arange(0, 200))
     b = lr(np.arange(100, 300))  # half cached
-    assert sum(calls) == 300 and max(calls) <= 64
+    assert sum(calls) == 300 and max(calls) <= 64 and lr.encoded == 300
     want = orig(torch.from_numpy(vecs))
     torch.testing.assert_close(a, want[:200])
     torch.testing.assert_close(b, want[100:300])
+
+    # A cache of 100 rows (100 x 8 floats): the first 100 items stay cached, the rest are
+    # encoded again on every call; answers are the same either way.
+    calls.clear()
+    small = LastResiduals(q, EmbeddingRows(run_dir / "embed" / "embeddings.parquet"), chunk=64,
+                          cache_mb=100 * 8 * 4 / 2**20)
+    rows = np.array([250, 5, 5, 120, 99, 0, 299, 250])  # unsorted, repeated: 6 distinct
+    for _ in range(3):
+        torch.testing.assert_close(small(rows), want[rows])
+    assert small.encoded == 6 and small.used == 6  # cached on the first call
+    torch.testing.assert_close(small(np.arange(300)), want)
+    assert small.encoded == 300 and small.used == 100 and small.res.shape[0] == 100  # budget full
+    torch.testing.assert_close(small(np.arange(300)), want)
+    assert small.encoded == 500  # the 200 rows past the budget are encoded again
 
 
 def test_sid_strings_and_hash_match_the_per_item_definitions():
