@@ -1,5 +1,6 @@
 """The pipeline driver on fake stages: order, skipping, invalidation, atomicity, resume."""
 
+import errno
 import sys
 import types
 
@@ -21,8 +22,9 @@ def _fake_module(name, crash_flag=None):
         had_ckpt = (ctx.work_dir / "ckpt").exists()
         (ctx.work_dir / "ckpt").write_text("step 1")
         if crash_flag is not None and crash_flag.get(name):
+            exc = crash_flag[name]
             crash_flag[name] = False
-            raise RuntimeError(f"{name} crashed")
+            raise exc if isinstance(exc, BaseException) else RuntimeError(f"{name} crashed")
         for dep in ctx.spec.depends:
             assert ctx.input(dep, "out").read_text().startswith(dep)
         (ctx.work_dir / "out.txt").write_text(f"{name} {ctx.cfg.sid.levels}")
@@ -157,3 +159,31 @@ def test_real_stage_list_is_consistent():
     for i, s in enumerate(P.STAGES):
         assert all(names.index(d) < i for d in s.depends), s.name
         assert all(sec in C.RunConfig.model_fields for sec in s.sections), s.name
+
+
+@pytest.mark.parametrize("err", [
+    OSError(errno.ENOSPC, "No space left on device", "sid_map.parquet"),
+    PermissionError(errno.EACCES, "Permission denied", "sid_map.parquet"),
+])
+def test_disk_full_or_denied_in_gti_run_is_one_line_and_keeps_outputs(fake, capsys, err):
+    from gti.cli import main
+
+    cfg, crash = fake
+    run_dir = cfg.resolved_run_dir()
+    conf = run_dir.parent / "c.yaml"
+    conf.write_text(f"run_dir: {run_dir}\n")
+    assert main(["run", "-c", str(conf)]) == 0
+    before = {s: (run_dir / s / "out.txt").read_text() for s in "abc"}
+    capsys.readouterr()
+    crash["b"] = err
+    assert main(["run", "-c", str(conf), "sid.levels=2"]) == 2
+    err_out = capsys.readouterr().err
+    assert "Traceback" not in err_out
+    msg = err_out.strip().splitlines()[-1]  # after the stage progress lines: one error line
+    assert [ln for ln in err_out.splitlines() if "error" in ln] == [msg]
+    assert msg.startswith("gti: error: sid_map.parquet: ") and err.strerror in msg
+    assert "outputs of completed stages are unchanged" in msg
+    # The earlier complete outputs are intact; rerunning the same command resumes and finishes.
+    assert {s: (run_dir / s / "out.txt").read_text() for s in "abc"} == before
+    assert main(["run", "-c", str(conf), "sid.levels=2"]) == 0
+    assert (run_dir / "b" / "out.txt").read_text() == "b 2"

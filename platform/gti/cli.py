@@ -1,12 +1,14 @@
 """The `gti` command line: argparse subcommands, each handler a few lines.
 
 What it is for: turning arguments into calls of `gti.pipeline`, `gti.config` and the stage
-modules. It holds no ML logic. A user mistake (any `GtiError`) prints one line and exits 2.
+modules. It holds no ML logic. A user mistake (any `GtiError`) and a file-system error (disk
+full, permission denied: any `OSError`) print one line and exit 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import sys
 from typing import Callable, Sequence
@@ -111,6 +113,21 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+# Errors a user fixes on the machine (space, permissions), not in the config or the data.
+_WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
+
+
+def os_error_line(err: OSError) -> str:
+    """One line for an OSError: the file, the system's reason and, for a failed write, what
+    happened to the outputs (stages write into <run_dir>/.<stage>.partial and replace their
+    folder only once complete, so earlier outputs are as they were)."""
+    what = f"{err.filename}: {err.strerror}" if err.filename and err.strerror else str(err).splitlines()[0]
+    if err.errno in _WRITE_ERRNOS:
+        what += (" (outputs of completed stages are unchanged; free space or fix permissions, "
+                 "then rerun the same command to resume)")
+    return what
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = build_parser()
     # Overrides may come before or after options (`gti run -c X a=1 --to sid b=2`); argparse
@@ -127,6 +144,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.func(args)
     except GtiError as err:
         print(f"gti: error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:
+        print(f"gti: error: {os_error_line(err)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("gti: interrupted", file=sys.stderr)
