@@ -198,6 +198,18 @@ def _table(runs: dict[int, dict[str, dict]], stages: list[str], ratios: dict) ->
               f"tree {q['tree_bytes_per_item']:.0f} B/item")
 
 
+def parse_stages(text: str, workdir: str | None) -> list[str]:
+    """--stages -> consecutive stage names; a start after ingest needs a kept --workdir."""
+    stages = [s.strip() for s in text.split(",") if s.strip()]
+    first = STAGES.index(stages[0]) if stages and stages[0] in STAGES else -1
+    if first < 0 or stages != list(STAGES[first : first + len(stages)]):
+        raise SystemExit(f"--stages must be consecutive stages of {','.join(STAGES)}, got {text!r}")
+    if first > 0 and not workdir:
+        raise SystemExit(f"--stages {text} starts after {STAGES[0]}: pass the --workdir of a run "
+                         f"that did {','.join(STAGES[:first])}")
+    return stages
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="20k and 100k items, k-means on 4,096 items")
@@ -224,13 +236,7 @@ def main() -> None:
              else [20_000, 100_000] if args.quick else [1_000_000, 5_000_000])
     if len(sizes) != 2 or sizes[0] >= sizes[1]:
         raise SystemExit("--sizes takes two increasing sizes")
-    stages = [s.strip() for s in args.stages.split(",") if s.strip()]
-    first = STAGES.index(stages[0]) if stages and stages[0] in STAGES else -1
-    if first < 0 or stages != list(STAGES[first : first + len(stages)]):
-        raise SystemExit(f"--stages must be consecutive stages of {','.join(STAGES)}, got {args.stages!r}")
-    if first > 0 and not args.workdir:
-        raise SystemExit(f"--stages {args.stages} starts after {STAGES[0]}: pass the --workdir of a run "
-                         f"that did {','.join(STAGES[:first])}")
+    stages = parse_stages(args.stages, args.workdir)
 
     from gti.data import synth
 

@@ -50,6 +50,18 @@ def test_overrides_load_and_keep_earlier_stages_identical(sm, tmp_path):
     assert cfg.ray_num_cpus == 2
 
 
+def test_stages_are_consecutive_and_a_late_start_needs_a_workdir(sm):
+    assert sm.parse_stages("ingest,embed", None) == ["ingest", "embed"]
+    assert sm.parse_stages("sid", "/kept") == ["sid"]
+    assert sm.parse_stages("embed, sid", "/kept") == ["embed", "sid"]
+    with pytest.raises(SystemExit, match="consecutive"):
+        sm.parse_stages("ingest,sid", None)
+    with pytest.raises(SystemExit, match="consecutive"):
+        sm.parse_stages("tune", None)
+    with pytest.raises(SystemExit, match="--workdir of a run that did ingest,embed"):
+        sm.parse_stages("sid", None)
+
+
 def test_summarise_ratios_and_bytes_per_item(sm):
     def r(tree, drv, anon):
         return {"peak_tree_mb": tree, "peak_driver_mb": drv, "peak_driver_anon_mb": anon}
