@@ -149,7 +149,13 @@ stop() {
     kill -KILL "$pid" 2>/dev/null || true
   done
   : > "$PIDS"
-  if [[ -s "$DIR/temp_dir" ]]; then rm -rf "$(cat "$DIR/temp_dir")"; fi
+  if [[ -s "$DIR/temp_dir" ]]; then
+    # Ray's helper processes (raylet, GCS, log monitor) may still be flushing logs into the
+    # session folder for a moment after the processes above exit: retry for up to 10 s.
+    local tdir tries=0; tdir="$(cat "$DIR/temp_dir")"
+    until rm -rf "$tdir" 2>/dev/null || [[ $tries -ge 20 ]]; do sleep 0.5; tries=$((tries + 1)); done
+    if [[ -e "$tdir" ]]; then echo "local_cluster.sh: warning: could not remove $tdir" >&2; fi
+  fi
   rm -f "$DIR/env" "$DIR/temp_dir" "$DIR/auth_token"
   echo "local_cluster.sh: stopped"
 }

@@ -165,3 +165,37 @@ def test_runtime_env_is_valid_for_ray():
     # The heavy, machine-local folders never get uploaded.
     assert {".venv", ".git", "runs"} <= set(raw["excludes"])
     assert env["env_vars"]["HF_HUB_OFFLINE"] == "1"
+
+
+def test_local_cluster_stop_waits_for_late_writers_in_the_temp_dir(tmp_path):
+    """After the recorded processes exit, Ray's helpers can still write logs into the session
+    folder for a moment; `stop` retries removing it instead of failing on "Directory not empty"."""
+    import subprocess
+    import sys
+    import time
+
+    d = tmp_path / "cluster"
+    d.mkdir()
+    t = tmp_path / "raytmp"
+    (t / "session").mkdir(parents=True)
+    # A recorded pid that has already exited, as after SIGTERM.
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (d / "pids").write_text(done.stdout.strip() + "\n")
+    (d / "temp_dir").write_text(str(t))
+    (d / "auth_token").write_text("x")
+    # A late writer: keeps creating files in the session folder for 2 s.
+    writer = subprocess.Popen([sys.executable, "-c", (
+        "import time, pathlib; p = pathlib.Path(%r); end = time.time() + 2; i = 0\n"
+        "while time.time() < end:\n"
+        "    try: (p / f'log{i}').write_text('x')\n"
+        "    except OSError: p.mkdir(parents=True, exist_ok=True)\n"
+        "    i += 1\n") % str(t / "session")])
+    try:
+        time.sleep(0.3)
+        stopped = subprocess.run(["bash", str(LOCAL_SH), "stop", "--dir", str(d)], capture_output=True,
+                                 text=True, timeout=60)
+    finally:
+        writer.wait(timeout=30)
+    assert stopped.returncode == 0, stopped.stderr
+    assert "local_cluster.sh: stopped" in stopped.stdout
+    assert not t.exists() and not (d / "auth_token").exists()
