@@ -145,10 +145,10 @@ class LastResiduals:
     Collision resolution re-scores the last level of colliding items in every round; the
     residual depends only on the item and its first L-1 codes, which resolution never changes.
     So the first `cache_mb` MB of residuals are kept, and an item in the cache is read and
-    encoded once. Items past the cache are recomputed on each call. A catalog where
-    millions of items collide (2M of 5M in the scale bench, 1 KB each at dim 256) so costs a
-    re-read per round instead of GBs of driver memory. Each call reads and encodes in chunks
-    of `chunk` rows; its own output is the caller's to bound.
+    encoded once. Items past the cache are recomputed on each call. Where millions of items
+    collide (2M of 5M in the scale bench, 1 KB each at dim 256), a round re-reads the uncached
+    ones instead of holding GBs on the driver. Each call reads and encodes in chunks of
+    `chunk` rows. Bounding the size of its output is the caller's job.
     """
 
     def __init__(self, q, rows_reader: EmbeddingRows, chunk: int = 65536, cache_mb: float = 1024) -> None:
