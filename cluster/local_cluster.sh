@@ -17,6 +17,8 @@
 # `stop` ends exactly the processes this script started, by the pids it recorded, with SIGTERM
 # (each `ray start --block` then tears down the raylet, GCS and workers it started). It never
 # calls `ray stop`, which would kill every Ray on the machine, including other users' clusters.
+# A process still running GTI_STOP_GRACE_S seconds (default 10) after SIGTERM gets SIGKILL, and
+# so do any of their children (noted before the SIGTERM) that outlive them.
 set -euo pipefail
 
 cmd="${1:-}"
@@ -134,20 +136,42 @@ running() {
   [[ -n "$st" && "$st" != Z* ]]
 }
 
+descendants() {  # every descendant pid of the given pids, depth first
+  local p k
+  for p in "$@"; do
+    for k in $(pgrep -P "$p" 2>/dev/null); do echo "$k"; descendants "$k"; done
+  done
+}
+
+# SIGTERM to the given pids; whatever is still running after $2 half-seconds gets SIGKILL.
+term_then_kill() {
+  local pids="$1" limit="$2" pid waited=0
+  for pid in $pids; do kill -TERM "$pid" 2>/dev/null || true; done
+  for pid in $pids; do
+    while running "$pid" && [[ $waited -lt $limit ]]; do sleep 0.5; waited=$((waited + 1)); done
+    if running "$pid"; then
+      echo "local_cluster.sh: pid $pid ($(ps -o args= -p "$pid" 2>/dev/null | cut -c1-60)) still running" \
+        "$((waited / 2)) s after SIGTERM; sending SIGKILL" >&2
+      kill -KILL "$pid" 2>/dev/null || true
+    fi
+  done
+}
+
 stop() {
   if [[ ! -s "$PIDS" ]]; then
     echo "local_cluster.sh: no cluster recorded in $DIR"; return 0
   fi
-  # Workers first (reverse order), then the head.
+  # Workers first (reverse order), then the head. Their children (raylet, GCS, dashboard and
+  # its modules, workers) are noted first: a `ray start --block` that hangs on shutdown and
+  # needs SIGKILL would otherwise leave them running.
   local pids; pids="$(tac "$PIDS")"
-  local pid
-  for pid in $pids; do kill -TERM "$pid" 2>/dev/null || true; done
-  local waited=0
-  for pid in $pids; do
-    while running "$pid" && [[ $waited -lt 60 ]]; do sleep 0.5; waited=$((waited + 1)); done
-    # Still there after 30 s: this pid (and only it) gets SIGKILL.
-    kill -KILL "$pid" 2>/dev/null || true
-  done
+  # shellcheck disable=SC2086
+  local tree; tree="$(descendants $pids)"
+  local grace=$((2 * ${GTI_STOP_GRACE_S:-10}))  # half-seconds each group may take after SIGTERM
+  term_then_kill "$pids" "$grace"
+  local left="" pid
+  for pid in $tree; do running "$pid" && left="$left $pid"; done
+  if [[ -n "$left" ]]; then term_then_kill "$left" "$grace"; fi
   : > "$PIDS"
   if [[ -s "$DIR/temp_dir" ]]; then
     # Ray's helper processes (raylet, GCS, log monitor) may still be flushing logs into the

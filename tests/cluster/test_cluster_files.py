@@ -199,3 +199,43 @@ def test_local_cluster_stop_waits_for_late_writers_in_the_temp_dir(tmp_path):
     assert stopped.returncode == 0, stopped.stderr
     assert "local_cluster.sh: stopped" in stopped.stdout
     assert not t.exists() and not (d / "auth_token").exists()
+
+
+def test_local_cluster_stop_ends_children_of_a_hung_ray_start(tmp_path):
+    """A recorded `ray start --block` that ignores SIGTERM gets SIGKILL after the grace time,
+    and its children (raylet, dashboard, agents in real life) do not outlive it."""
+    import os
+    import subprocess
+    import time
+
+    d = tmp_path / "cluster"
+    d.mkdir()
+    # A stand-in for a hung `ray start`: ignores SIGTERM, and so does its child.
+    hung = subprocess.Popen(["bash", "-c", "trap '' TERM; bash -c \"trap '' TERM; sleep 60\" & wait"],
+                            start_new_session=True)
+    time.sleep(0.5)
+    child = int(subprocess.run(["pgrep", "-P", str(hung.pid)], capture_output=True, text=True).stdout.split()[0])
+    (d / "pids").write_text(f"{hung.pid}\n")
+
+    def alive(pid):
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    try:
+        stopped = subprocess.run(["bash", str(LOCAL_SH), "stop", "--dir", str(d)], capture_output=True,
+                                 text=True, timeout=60, env={**os.environ, "GTI_STOP_GRACE_S": "1"})
+        hung.wait(timeout=10)
+        deadline = time.time() + 5
+        while alive(child) and time.time() < deadline:
+            time.sleep(0.1)
+        assert stopped.returncode == 0, stopped.stderr
+        assert f"pid {hung.pid}" in stopped.stderr and "sending SIGKILL" in stopped.stderr
+        assert not alive(child), "a child of the hung process outlived stop"
+    finally:
+        for pid in (hung.pid, child):
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass

@@ -78,6 +78,23 @@ def _logged_steps(text: str) -> list[int]:
     return [int(m) for m in re.findall(rf"\[ground\] step (\d+)/{STEPS} ", text)]
 
 
+def _descendants(pids: list[int]) -> list[int]:
+    """Every descendant of `pids` (from /proc; empty without procfs)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # exited while we looked
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], list(pids)
+    while todo:
+        kids = children.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
 def _alive(pid: int) -> bool:
     """The process still runs: it exists and is not a zombie (an exited `ray start` that its
     parent, the reaper of the script's orphans, has not collected yet)."""
@@ -115,12 +132,14 @@ def two_node_cluster(tmp_path):
         assert (d / "auth_token").stat().st_mode & 0o077 == 0, "token file readable by others"
         yield cluster_env
     finally:
+        # Their children too (raylet, GCS, dashboard modules, agents): none may outlive `stop`.
+        tree = pids + _descendants(pids)
         stopped = run("stop")
     assert stopped.returncode == 0, stopped.stderr
     deadline = time.time() + 15  # a pid that needed SIGKILL may take a moment to go
-    while any(_alive(p) for p in pids) and time.time() < deadline:
+    while any(_alive(p) for p in tree) and time.time() < deadline:
         time.sleep(0.2)
-    assert not any(_alive(p) for p in pids), [p for p in pids if _alive(p)]
+    assert not any(_alive(p) for p in tree), [p for p in tree if _alive(p)]
     assert not (d / "auth_token").exists()
     assert "no cluster" in run("status").stdout
 
