@@ -187,3 +187,13 @@ def test_disk_full_or_denied_in_gti_run_is_one_line_and_keeps_outputs(fake, caps
     assert {s: (run_dir / s / "out.txt").read_text() for s in "abc"} == before
     assert main(["run", "-c", str(conf), "sid.levels=2"]) == 0
     assert (run_dir / "b" / "out.txt").read_text() == "b 2"
+
+
+def test_os_error_line_is_one_line_for_any_oserror():
+    from gti.cli import os_error_line
+
+    assert os_error_line(OSError()) == "OSError"
+    assert os_error_line(OSError("Error closing file\ndetail")) == "Error closing file"
+    line = os_error_line(OSError(errno.EROFS, "Read-only file system", "/ro/x"))
+    assert line.startswith("/ro/x: Read-only file system (outputs of completed stages are unchanged")
+    assert "outputs of completed" not in os_error_line(FileNotFoundError(errno.ENOENT, "No such file", "/x"))

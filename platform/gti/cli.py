@@ -121,7 +121,10 @@ def os_error_line(err: OSError) -> str:
     """One line for an OSError: the file, the system's reason and, for a failed write, what
     happened to the outputs (stages write into <run_dir>/.<stage>.partial and replace their
     folder only once complete, so earlier outputs are as they were)."""
-    what = f"{err.filename}: {err.strerror}" if err.filename and err.strerror else str(err).splitlines()[0]
+    if err.filename and err.strerror:
+        what = f"{err.filename}: {err.strerror}"
+    else:  # pyarrow and others put everything in the message, sometimes over several lines
+        what = (str(err).strip() or type(err).__name__).splitlines()[0]
     if err.errno in _WRITE_ERRNOS:
         what += (" (outputs of completed stages are unchanged; free space or fix permissions, "
                  "then rerun the same command to resume)")

@@ -165,8 +165,8 @@ def test_min_gain_stops_after_a_round_that_frees_too_few():
         gains.append((a - b) / a)
     assert full_rounds >= 3 and gains[0] > 0.3
     # A threshold between round 2's gain and round 1's stops right after round 2.
-    threshold = (gains[1] + gains[0]) / 2 if gains[1] < gains[0] else None
-    assert threshold is not None
+    assert gains[1] < gains[0]
+    threshold = (gains[1] + gains[0]) / 2
     out, rounds = sinkhorn_resolve(codes, lambda r: table[r], epsilon=0.003, iters=100,
                                    min_gain=threshold, log=gain_logs.append)
     assert rounds == 2 and gain_logs == full_logs[:2]

@@ -20,8 +20,9 @@ import pyarrow.compute as pc
 
 
 def _hash(ids: pa.Array) -> np.ndarray:
-    """uint64 [n]: a hash per id (nulls hash too; callers never store or look up nulls)."""
-    return pl.Series(ids.cast(pa.large_string())).hash(seed=0).to_numpy()
+    """uint64 [n]: a hash per id of a large_string array (nulls hash too; callers never store
+    or look up nulls)."""
+    return pl.Series(ids).hash(seed=0).to_numpy()
 
 
 class IdSet:
@@ -91,12 +92,13 @@ class IdSet:
         if rows.size == 0:
             return out
         sub = ids.take(pa.array(rows))
-        first = pl.Series(sub.cast(pa.large_string())).is_first_distinct().to_numpy()
+        first = pl.Series(sub).is_first_distinct().to_numpy()
         out[rows] = first & ~self.contains(sub)
         return out
 
 
 def _as_array(ids: pa.Array | pa.ChunkedArray) -> pa.Array:
+    """One large_string array (64-bit offsets: no 2 GB limit on the ids' bytes)."""
     if isinstance(ids, pa.ChunkedArray):
         ids = ids.combine_chunks() if ids.num_chunks != 1 else ids.chunk(0)
     return ids.cast(pa.large_string())

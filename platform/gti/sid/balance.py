@@ -19,6 +19,11 @@ import math
 import torch
 
 
+def _shift_rows(cost: torch.Tensor) -> torch.Tensor:
+    """cost [N, K] minus each row's minimum (the plan and the argmax do not change)."""
+    return cost - cost.min(dim=1, keepdim=True).values
+
+
 def normalise_cost(cost: torch.Tensor) -> torch.Tensor:
     """Cost [N, K] shifted per row to start at 0 and scaled by its median.
 
@@ -27,7 +32,7 @@ def normalise_cost(cost: torch.Tensor) -> torch.Tensor:
     the scale for everyone (the global [-1, 1] scaling LC-Rec uses). After this, `epsilon` is
     relative to the typical gap between a point's best and other codes.
     """
-    c = cost - cost.min(dim=1, keepdim=True).values
+    c = _shift_rows(cost)
     return c / c.median().clamp(min=1e-12)
 
 
@@ -70,7 +75,7 @@ def sinkhorn_prices(cost: torch.Tensor, epsilon: float = 0.003, iters: int = 50)
     `priced_assign(cost, scale, v, epsilon)` then assigns any rows with these prices, so the
     prices can be learned on a sample and applied to many more rows.
     """
-    shifted = cost - cost.min(dim=1, keepdim=True).values
+    shifted = _shift_rows(cost)
     scale = float(shifted.median().clamp(min=1e-12))
     _, v = sinkhorn_potentials(shifted / scale, epsilon, iters)
     return scale, v
@@ -83,8 +88,7 @@ def priced_assign(cost: torch.Tensor, scale: float, v: torch.Tensor, epsilon: fl
     Sinkhorn plan on the rows the prices were learned on. The shift is still applied: it keeps
     the float32 gaps between codes exact when the distances themselves are large.
     """
-    shifted = cost - cost.min(dim=1, keepdim=True).values
-    return (v.unsqueeze(0) - shifted / (scale * epsilon)).argmax(dim=1)
+    return (v.unsqueeze(0) - _shift_rows(cost) / (scale * epsilon)).argmax(dim=1)
 
 
 def sinkhorn_assign(cost: torch.Tensor, epsilon: float = 0.003, iters: int = 50) -> torch.Tensor:
