@@ -88,10 +88,15 @@ def build_parser() -> argparse.ArgumentParser:
     dsub = p.add_subparsers(dest="data_command", required=True)
     s = dsub.add_parser("synth", help="write a synthetic catalog + interactions")
     s.add_argument("--items", type=int, required=True)
-    s.add_argument("--users", type=int, default=None, help="default: items // 2")
+    s.add_argument("--users", type=int, default=None, help="default: items // 2 (--walk: 20 * items)")
     s.add_argument("--out", required=True, help="output folder")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--format", choices=["parquet", "csv", "jsonl"], default="parquet")
+    s.add_argument("--walk", action="store_true",
+                   help="write a permutation-walk data set (next item = fixed successor of the previous) "
+                        "instead of the preference model")
+    s.add_argument("--min-len", type=int, default=None, help="--walk: shortest user sequence (default 8, >= 4)")
+    s.add_argument("--max-len", type=int, default=None, help="--walk: longest user sequence (default 14)")
     s.set_defaults(func=_delegate("gti.data.synth", "cli_main"))
 
     p = sub.add_parser("recommend", help="top-K items for a history, from a finished run")

@@ -247,7 +247,12 @@ class TrainConfig(_Strict):
     # None = Ray Train's default (1 CPU, plus 1 GPU when use_gpu).
     resources_per_worker: dict[str, float] | None = None
     zero_stage: Literal[0, 1, 2, 3] = 2
-    precision: Literal["fp32", "bf16"] = "fp32"
+    # "auto": bf16 autocast where bf16 is native (CUDA, CPUs with AVX512-BF16/AMX), else fp32
+    # (gti.devices.resolve_precision; the resolved value goes into the stage manifest). Master
+    # weights and optimizer state stay fp32 unless model.dtype is bfloat16.
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    # Micro-batches of similar-length rows (gti.train.batching), so padding costs little.
+    group_by_length: bool = True
     checkpoint_every: int = Field(50, ge=1)
     val_every: int = Field(50, ge=1)
     val_samples: int = Field(64, ge=1)
@@ -284,6 +289,10 @@ class SftConfig(TrainConfig):
     multitask_weight: float = Field(0.5, ge=0)
     lora: LoraConfig = Field(default_factory=LoraConfig)
     val_users: int = Field(64, ge=1)
+    # "chat": the chat template, system prompt and a retrieval template around the history
+    # (the paper's form). "compact": the history's SID tokens alone, then the answer; no chat
+    # scaffolding (see gti.lm.templates.render_rec_prompt). Used by SFT, evaluate and recommend.
+    prompt_style: Literal["chat", "compact"] = "chat"
 
 
 # --------------------------------------------------------------------------- eval

@@ -11,15 +11,17 @@ from gti.train.deepspeed_config import build_ds_config
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_every_stage_and_precision(stage, precision):
+@pytest.mark.parametrize("bf16_weights", [False, True])
+def test_every_stage_and_precision(stage, precision, bf16_weights):
     cfg = GroundConfig(zero_stage=stage, precision=precision, batch_size=16, num_workers=2,
                        grad_accum=2, lr=3e-3, weight_decay=0.1, max_grad_norm=0.5)
-    ds = build_ds_config(cfg, 2, use_gpu=False)
+    ds = build_ds_config(cfg, 2, use_gpu=False, bf16_weights=bf16_weights)
     assert ds["train_micro_batch_size_per_gpu"] == 4 == cfg.micro_batch_per_worker()
     assert ds["gradient_accumulation_steps"] == 2
     assert ds["train_batch_size"] == 16
     assert ds["gradient_clipping"] == 0.5
-    assert ds["bf16"] == {"enabled": precision == "bf16"}
+    # precision is autocast in the loop; DeepSpeed's bf16 mode follows the weights' dtype only.
+    assert ds["bf16"] == {"enabled": bf16_weights}
     assert ds["fp16"] == {"enabled": False}
     z = ds["zero_optimization"]
     assert z["stage"] == stage
@@ -70,7 +72,7 @@ def test_deepspeed_accepts_the_dict():
 
     for stage in (0, 1, 2, 3):
         cfg = GroundConfig(batch_size=8, zero_stage=stage, grad_accum=2, precision="bf16")
-        parsed = DeepSpeedConfig(build_ds_config(cfg, 1, use_gpu=False))
+        parsed = DeepSpeedConfig(build_ds_config(cfg, 1, use_gpu=False, bf16_weights=True))
         assert parsed.train_batch_size == 8
         assert parsed.train_micro_batch_size_per_gpu == 4
         assert parsed.bfloat16_config.enabled

@@ -242,3 +242,50 @@ def test_make_renderer_with_the_real_templates(markers):
     assert kept == 2 and "in chronological order" in tok.decode(p)
     assert (p[-1] == wrap[0]) if markers else (p == T.render_rec_prompt(
         tok, [sid_ids["i1"].tolist(), sid_ids["i2"].tolist()], T.REC_TEMPLATES[0], "You are a helpful assistant."))
+
+
+@pytest.mark.parametrize("markers", [False, True])
+def test_compact_prompt_is_history_sids_then_the_assistant_header(markers):
+    """`sft.prompt_style: compact`: no system prompt, no template text; the history's SID ids
+    (wrapped when the vocabulary has markers), then the assistant header, then the answer."""
+    from gti.lm import templates as T
+    from gti.lm.vocab import SID_END, SID_START
+
+    tok, sid_ids = _tiny_tok(markers)
+    chat = S.make_renderer(tok, sid_ids, "You are a helpful assistant.", max_len=400)
+    compact = S.make_renderer(tok, sid_ids, "You are a helpful assistant.", max_len=400, prompt_style="compact")
+    wrap = [tok.convert_tokens_to_ids(SID_START), tok.convert_tokens_to_ids(SID_END)] if markers else None
+    header = list(T.chat_skeleton(tok, "").suffix_ids)
+    hist = []
+    for i in ("i1", "i2", "i3"):
+        sid = sid_ids[i].tolist()
+        hist += [wrap[0], *sid, wrap[1]] if markers else sid
+    for k in range(3):  # every template gives the same compact row
+        ex = compact.example(["i1", "i2", "i3"], "i4", k)
+        assert ex["prompt_ids"] == hist + header
+        assert ex["answer_ids"] == chat.example(["i1", "i2", "i3"], "i4", k)["answer_ids"]
+        assert ex["labels"] == [-100] * len(ex["prompt_ids"]) + ex["answer_ids"]
+    text = tok.decode(compact.example(["i1"], "i4", 0)["input_ids"])
+    assert "helpful" not in text and "recommend" not in text
+    # Far shorter than the chat row of the same example.
+    assert len(compact.example(["i1", "i2", "i3"], "i4", 0)["input_ids"]) < 0.5 * len(
+        chat.example(["i1", "i2", "i3"], "i4", 0)["input_ids"])
+    # Evaluation prompts follow the same form (ending with <sid_start> under markers).
+    p, kept = compact.prompt(["i1", "i2", "i3"])
+    assert kept == 3 and p == hist + header + ([wrap[0]] if markers else [])
+
+
+def test_compact_prompt_truncates_oldest_history_first():
+    tok, sid_ids = _tiny_tok(False)
+    r = S.make_renderer(tok, sid_ids, "", max_len=12, prompt_style="compact")
+    ex = r.example(["i1", "i2", "i3", "i5", "i6"], "i4", 0)
+    assert len(ex["input_ids"]) <= 12 and ex["history_kept"] < 5
+    kept = ex["history_kept"]
+    newest = [x for i in ["i1", "i2", "i3", "i5", "i6"][-kept:] for x in sid_ids[i].tolist()]
+    assert ex["prompt_ids"][: len(newest)] == newest
+
+
+def test_unknown_prompt_style_names_the_key():
+    tok, sid_ids = _tiny_tok(False)
+    with pytest.raises(ConfigError, match="sft.prompt_style"):
+        S.make_renderer(tok, sid_ids, "", max_len=100, prompt_style="terse")

@@ -18,6 +18,11 @@ Output: `<out>/items/part-00000.<ext>` ... (item_id, title, description, categor
 `<out>/interactions/part-00000.<ext>` (user_id, item_id, ts), plus `<out>/synth.json` with the
 parameters and counts. Point `data.items.path` / `data.interactions.path` at the two folders.
 
+`--walk` (`generate_walk`) writes a learnability set instead: the same items, but every user
+walks a fixed random cycle of the catalog (item p[i] -> p[i+1]), so the next item is a
+deterministic function of the previous one; users default to 20 * items, lengths uniform in
+[--min-len, --max-len] (8..14). A pipeline that cannot learn this is broken.
+
 What it does not know: validation or Ray; it only writes files.
 """
 
@@ -157,6 +162,14 @@ def _write(table: pa.Table, path: Path, fmt: str) -> None:
         raise ValueError(f"unknown format {fmt!r}")
 
 
+def _write_items(tax: Taxonomy, n_items: int, out: Path, seed: int, fmt: str, chunk: int, log, t0: float) -> None:
+    ext = {"parquet": "parquet", "csv": "csv", "jsonl": "jsonl"}[fmt]
+    for c, start in enumerate(range(0, n_items, chunk)):
+        _write(_items_chunk(tax, start, min(start + chunk, n_items), seed, c), out / "items" / f"part-{c:05d}.{ext}", fmt)
+        if c % 10 == 9:
+            log(f"synth: {min(start + chunk, n_items):,}/{n_items:,} items ({time.time() - t0:.0f}s)")
+
+
 def generate(n_items: int, n_users: int | None, out: str | Path, seed: int = 0, fmt: str = "parquet",
              chunk: int = CHUNK, log=lambda m: print(m, file=sys.stderr, flush=True)) -> dict:
     """Write the synthetic data set; returns the summary also written to synth.json."""
@@ -169,31 +182,111 @@ def generate(n_items: int, n_users: int | None, out: str | Path, seed: int = 0, 
     ext = {"parquet": "parquet", "csv": "csv", "jsonl": "jsonl"}[fmt]
     tax = Taxonomy(seed)
     t0 = time.time()
-    for c, start in enumerate(range(0, n_items, chunk)):
-        _write(_items_chunk(tax, start, min(start + chunk, n_items), seed, c), out / "items" / f"part-{c:05d}.{ext}", fmt)
-        if c % 10 == 9:
-            log(f"synth: {min(start + chunk, n_items):,}/{n_items:,} items ({time.time() - t0:.0f}s)")
+    _write_items(tax, n_items, out, seed, fmt, chunk, log, t0)
     n_inter = 0
     user_chunk = max(1, chunk // 8)  # ~8 interactions per user keeps chunks about the same size
     for c, start in enumerate(range(0, n_users, user_chunk)):
         t = _users_chunk(tax, n_items, start, min(start + user_chunk, n_users), seed, c)
         n_inter += t.num_rows
         _write(t, out / "interactions" / f"part-{c:05d}.{ext}", fmt)
-    summary = {"items": n_items, "users": n_users, "interactions": n_inter, "seed": seed, "format": fmt,
-               "category_types": tax.n_types, "items_path": str(out / "items"),
+    summary = {"kind": "preference", "items": n_items, "users": n_users, "interactions": n_inter, "seed": seed,
+               "format": fmt, "category_types": tax.n_types, "items_path": str(out / "items"),
                "interactions_path": str(out / "interactions"), "seconds": round(time.time() - t0, 2)}
     (out / "synth.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
 
+WALK_MIN_LEN = 8
+WALK_MAX_LEN = 14
+
+
+def walk_permutation(n_items: int, seed: int) -> np.ndarray:
+    """The catalog cycle of `generate_walk`: item p[i] is always followed by p[(i + 1) % n]."""
+    return np.random.default_rng([seed, 3]).permutation(n_items)
+
+
+def _walk_users_chunk(perm: np.ndarray, start: int, stop: int, min_len: int, max_len: int, seed: int,
+                      chunk_id: int) -> pa.Table:
+    """Interactions of users [start, stop): a walk along the cycle from a uniform position."""
+    rng = np.random.default_rng([seed, 4, chunk_id])
+    n_users, n_items = stop - start, len(perm)
+    lengths = rng.integers(min_len, max_len + 1, n_users)
+    first = rng.integers(0, n_items, n_users)
+    total = int(lengths.sum())
+    user_of_row = np.repeat(np.arange(start, stop), lengths)
+    first_row = np.repeat(np.cumsum(lengths) - lengths, lengths)
+    pos = np.arange(total) - first_row
+    items = perm[(np.repeat(first, lengths) + pos) % n_items]
+    gaps = rng.integers(60, 86_400 * 3, total)
+    base = 1_600_000_000 + rng.integers(0, 86_400 * 365, n_users)
+    cum = np.cumsum(gaps)
+    ts = base[user_of_row - start] + cum - cum[first_row] + gaps[first_row]
+    return pa.table({"user_id": [f"u{u}" for u in user_of_row], "item_id": [str(i) for i in items],
+                     "ts": pa.array(ts, pa.int64())})
+
+
+def generate_walk(n_items: int, n_users: int | None, out: str | Path, seed: int = 0, fmt: str = "parquet",
+                  min_len: int = WALK_MIN_LEN, max_len: int = WALK_MAX_LEN, chunk: int = CHUNK,
+                  log=lambda m: print(m, file=sys.stderr, flush=True)) -> dict:
+    """Write a learnability data set: the same items as `generate`, but interactions that walk a
+    fixed cycle of the catalog, so the next item is a deterministic function of the previous one.
+
+    A seeded permutation p of the items defines the cycle p[0] -> p[1] -> ... -> p[n-1] -> p[0]
+    (`walk_permutation`). Each user starts at a uniformly random position and follows the cycle
+    for a length drawn uniformly from [min_len, max_len], with increasing timestamps (a walk
+    longer than the catalog wraps around). A model that cannot reach near-perfect next-item
+    accuracy here (a first-order Markov baseline does) is not learning. `n_users` None means
+    20 * n_items. Returns the summary also written to synth.json ("kind": "walk").
+    """
+    if n_items < 1:
+        raise ValueError("--items must be >= 1")
+    if min_len < 4:
+        raise ValueError("--min-len must be >= 4 (leave-one-out needs train, valid and test items)")
+    if max_len < min_len:
+        raise ValueError("--max-len must be >= --min-len")
+    n_users = 20 * n_items if n_users is None else n_users
+    if n_users < 0:
+        raise ValueError("--users must be >= 0")
+    out = Path(out)
+    (out / "items").mkdir(parents=True, exist_ok=True)
+    (out / "interactions").mkdir(parents=True, exist_ok=True)
+    ext = {"parquet": "parquet", "csv": "csv", "jsonl": "jsonl"}[fmt]
+    tax = Taxonomy(seed)
+    t0 = time.time()
+    _write_items(tax, n_items, out, seed, fmt, chunk, log, t0)
+    perm = walk_permutation(n_items, seed)
+    n_inter = 0
+    user_chunk = max(1, chunk // max_len)
+    for c, start in enumerate(range(0, n_users, user_chunk)):
+        t = _walk_users_chunk(perm, start, min(start + user_chunk, n_users), min_len, max_len, seed, c)
+        n_inter += t.num_rows
+        _write(t, out / "interactions" / f"part-{c:05d}.{ext}", fmt)
+    summary = {"kind": "walk", "items": n_items, "users": n_users, "interactions": n_inter, "seed": seed,
+               "format": fmt, "min_len": min_len, "max_len": max_len,
+               "permutation_head": [str(i) for i in perm[:10]], "category_types": tax.n_types,
+               "items_path": str(out / "items"), "interactions_path": str(out / "interactions"),
+               "seconds": round(time.time() - t0, 2)}
+    (out / "synth.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
 def cli_main(args) -> int:
-    """`gti data synth --items N [--users M] --out DIR --seed S --format F`."""
+    """`gti data synth --items N [--users M] --out DIR --seed S --format F [--walk --min-len A --max-len B]`."""
     from gti.errors import GtiError
 
     if args.items < 1 or (args.users is not None and args.users < 0):
         raise GtiError("gti data synth: --items must be >= 1 and --users >= 0")
-    s = generate(args.items, args.users, args.out, args.seed, args.format)
+    if getattr(args, "walk", False):
+        min_len = WALK_MIN_LEN if args.min_len is None else args.min_len
+        max_len = WALK_MAX_LEN if args.max_len is None else args.max_len
+        if min_len < 4 or max_len < min_len:
+            raise GtiError(f"gti data synth --walk: need 4 <= --min-len <= --max-len, got {min_len} and {max_len}")
+        s = generate_walk(args.items, args.users, args.out, args.seed, args.format, min_len, max_len)
+    else:
+        if getattr(args, "min_len", None) is not None or getattr(args, "max_len", None) is not None:
+            raise GtiError("gti data synth: --min-len/--max-len only apply with --walk")
+        s = generate(args.items, args.users, args.out, args.seed, args.format)
     print(f"wrote {s['items']:,} items, {s['users']:,} users, {s['interactions']:,} interactions "
-          f"in {s['seconds']}s to {args.out}")
+          f"in {s['seconds']}s to {args.out}" + (" (permutation walk)" if s["kind"] == "walk" else ""))
     print(f"use: data.items.path={s['items_path']} data.interactions.path={s['interactions_path']}")
     return 0

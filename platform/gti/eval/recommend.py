@@ -173,7 +173,7 @@ def load_recommender(run_dir: str | Path, device: str | None = None) -> Recommen
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model = AutoModelForCausalLM.from_pretrained(
         str(model_dir), use_safetensors=True, trust_remote_code=trc,
-        dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32,
+        dtype=torch.bfloat16 if dev.type == "cuda" or cfg.model.dtype == "bfloat16" else torch.float32,
     ).to(dev).eval()
     override_generation_config(model)
     sid_ids = sft_data.sid_id_table(sid_map, codec, tok)
@@ -185,7 +185,9 @@ def load_recommender(run_dir: str | Path, device: str | None = None) -> Recommen
     return Recommender(
         run_dir=run_dir, model_stage=stage, model_dir=model_dir, model=model, tokenizer=tok,
         trie=trie, item_ids=item_ids, sids=sids, sid_ids=sid_ids, titles=_titles(run_dir),
-        renderer=sft_data.make_renderer(tok, sid_ids, cfg.pairs.system_prompt, cfg.sft.max_len),
+        renderer=sft_data.make_renderer(
+            tok, sid_ids, cfg.pairs.system_prompt, cfg.sft.max_len, prompt_style=cfg.sft.prompt_style
+        ),
         max_history=cfg.data.max_history, beam_width=cfg.eval.beam_width,
         pad_id=int(pad if pad is not None else 0), levels=int(mat.shape[1]),
     )

@@ -28,19 +28,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gti.devices import native_bf16
 from gti.sid.balance import sinkhorn_assign
 from gti.sid.kmeans import kmeans
 
 
 ENCODE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def native_bf16(device: str = "cpu") -> bool:
-    """Whether bf16 matrix products run natively here (CUDA, or a CPU with AVX512-BF16/AMX);
-    elsewhere they are emulated and slower than float32."""
-    if device.startswith("cuda"):
-        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def resolve_encode_dtype(setting: str, device: str = "cpu") -> str:

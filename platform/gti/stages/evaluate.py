@@ -63,7 +63,9 @@ class Recommender:
         self.ec = cfg.eval
         check_sid_map_hash(Path(model_dir), sid_facts["sid_map_hash"])
         self.device = torch.device("cuda" if self.ec.num_gpus > 0 and torch.cuda.is_available() else "cpu")
-        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        # model.dtype is honoured; on CUDA inference is bf16 either way.
+        bf16 = self.device.type == "cuda" or cfg.model.dtype == "bfloat16"
+        dtype = torch.bfloat16 if bf16 else torch.float32
         trc = cfg.model.trust_remote_code
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trc)
         self.model = AutoModelForCausalLM.from_pretrained(
@@ -78,7 +80,9 @@ class Recommender:
         mat = torch.from_numpy(np.stack([sid_ids[i] for i in self.item_ids]))
         self.levels = int(mat.shape[1])
         self.trie = SidTrie(mat, int(mat.min()), int(mat.max()) + 1).to(self.device)
-        self.renderer = sft_data.make_renderer(tok, sid_ids, cfg.pairs.system_prompt, cfg.sft.max_len)
+        self.renderer = sft_data.make_renderer(
+            tok, sid_ids, cfg.pairs.system_prompt, cfg.sft.max_len, prompt_style=cfg.sft.prompt_style
+        )
         self.k = max(self.ec.ks)
 
     def __call__(self, batch: pa.Table) -> pa.Table:

@@ -273,6 +273,8 @@ def _ground(ctx: StageContext, init, first, end, first_sid, end_sid, codec, toke
         "val_prompts": n_val,
         "num_workers": g.num_workers,
         "zero_stage": g.zero_stage,
-        "precision": g.precision,
+        "precision": res.precision or g.precision,
+        "precision_setting": g.precision,
+        "timing": res.timing,
     }
     return res.state_dict, facts

@@ -12,7 +12,7 @@ Flow:
    stage's work dir (a rerun after a killed driver reuses it). Validation prompts for
    `sft.val_users` sampled validation users go to `data/val.parquet`.
 2. Training: `gti.train.loop.train_loop_per_worker` in a `TorchTrainer` with `SFT_HOOKS`:
-   DeepSpeed ZeRO (`sft.zero_stage`, default 2; 3 supported), `sft.precision` (bf16 or fp32),
+   DeepSpeed ZeRO (`sft.zero_stage`, default 2; 3 supported), `sft.precision` (auto, bf16 or fp32; bf16 = autocast),
    gradient accumulation, warmup + cosine schedule, checkpoints under `ray_train/` through
    `ray.train.report` (a restarted worker group or a rerun driver resumes from the latest one;
    `FailureConfig(max_failures=sft.max_failures)`), and every `sft.val_every` steps Recall@10
@@ -79,11 +79,15 @@ def check_lora_supported(sc: C.SftConfig) -> None:
 
 
 def load_causal_lm(model_dir: str | Path, cfg: C.RunConfig, quantize_4bit: bool = False) -> torch.nn.Module:
-    """An exported HF folder as an fp32 (or 4-bit, QLoRA) causal LM, safetensors only."""
+    """An exported HF folder as a causal LM in `model.dtype` (or 4-bit, QLoRA), safetensors
+    only. bf16 weights train in DeepSpeed's bf16 mode (fp32 master copies in the optimizer)."""
     from transformers import AutoModelForCausalLM
 
+    from gti.lm.models import _torch_dtype
+
     kwargs: dict[str, Any] = dict(
-        use_safetensors=True, trust_remote_code=cfg.model.trust_remote_code, dtype=torch.float32
+        use_safetensors=True, trust_remote_code=cfg.model.trust_remote_code,
+        dtype=_torch_dtype(cfg.model.dtype),
     )
     if quantize_4bit:
         from transformers import BitsAndBytesConfig
@@ -188,12 +192,14 @@ class RenderWindows:
     """`map_batches` callable class: training windows -> token rows (one tokenizer per actor)."""
 
     def __init__(self, tokenizer_dir: str, item_ids: list[str], sid_ids: np.ndarray,
-                 system_prompt: str, max_len: int, trust_remote_code: bool) -> None:
+                 system_prompt: str, max_len: int, trust_remote_code: bool,
+                 prompt_style: str = "chat") -> None:
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=trust_remote_code)
         self.renderer = sft_data.make_renderer(
-            tok, dict(zip(item_ids, np.asarray(sid_ids))), system_prompt, max_len
+            tok, dict(zip(item_ids, np.asarray(sid_ids))), system_prompt, max_len,
+            prompt_style=prompt_style,
         )
 
     def __call__(self, batch: pa.Table) -> pa.Table:
@@ -255,6 +261,7 @@ def _prepare_data(ctx: StageContext, tokenizer, sid_ids: dict[str, np.ndarray],
             tokenizer_dir=str(ctx.input("pairs", "tokenizer")), item_ids=item_ids,
             sid_ids=np.stack([sid_ids[i] for i in item_ids]), system_prompt=cfg.pairs.system_prompt,
             max_len=sc.max_len, trust_remote_code=cfg.model.trust_remote_code,
+            prompt_style=sc.prompt_style,
         ),
         batch_size=512, batch_format="pyarrow",
         compute=ray.data.ActorPoolStrategy(size=cfg.data.parallelism or 1),
@@ -279,7 +286,9 @@ def _prepare_data(ctx: StageContext, tokenizer, sid_ids: dict[str, np.ndarray],
     val_w = sft_data.eval_windows(seqs, "valid", cfg.data.max_history)
     users = sft_data.sample_users(val_w["user_id"].to_list(), sc.val_users, cfg.seed)
     val_w = val_w.filter(pl.col("user_id").is_in(users))
-    renderer = sft_data.make_renderer(tokenizer, sid_ids, cfg.pairs.system_prompt, sc.max_len)
+    renderer = sft_data.make_renderer(
+        tokenizer, sid_ids, cfg.pairs.system_prompt, sc.max_len, prompt_style=sc.prompt_style
+    )
     prompts = renderer.render_prompts(val_w.to_dict(as_series=False))
     row_of = {it: i for i, it in enumerate(val_info["item_ids"])}
     pl.DataFrame(
@@ -362,7 +371,7 @@ def run(ctx: StageContext, fault_injection: dict | None = None) -> StageResult:
 
     cfg, sc = ctx.cfg, ctx.cfg.sft
     check_lora_supported(sc)
-    if sc.use_gpu and sc.precision == "fp32":
+    if sc.use_gpu and sc.precision == "fp32":  # "auto" picks bf16 on GPUs that have it
         ctx.log("note: sft.use_gpu with sft.precision=fp32; bf16 is the usual choice on GPU (about half the memory)")
     sid_facts = ctx.manifest("sid").facts
     sid_map_hash = sid_facts["sid_map_hash"]
@@ -413,11 +422,13 @@ def run(ctx: StageContext, fault_injection: dict | None = None) -> StageResult:
         model = rebuild_trained(ground_dir, cfg, result.state_dict)
         n_trainable = int(sum(t.numel() for t in result.state_dict.values()))
         history, steps_done = result.history, int(result.steps_done)
+        resolved_precision, timing = result.precision or sc.precision, result.timing
     else:
         # An ablation arm without SFT: the grounded model is exported unchanged.
         ctx.log("sft.enabled is false or sft.steps is 0: exporting the grounded model unchanged")
         model = load_causal_lm(ground_dir, cfg)
         stats, n_trainable, history, steps_done = {}, 0, {"loss": [], "val": {}}, 0
+        resolved_precision, timing = None, None
     first_new, end_new = (int(x) for x in pairs_facts["new_token_ids"])
     e_new = model.get_input_embeddings().weight[first_new:end_new].detach().float().contiguous()
     meta = dict(vocab.read_meta(ground_dir))
@@ -445,7 +456,10 @@ def run(ctx: StageContext, fault_injection: dict | None = None) -> StageResult:
             "trainable_params": n_trainable,
             "lora": sc.lora.model_dump() if sc.lora.enabled else None,
             "zero_stage": sc.zero_stage,
-            "precision": sc.precision,
+            "precision": resolved_precision,
+            "precision_setting": sc.precision,
+            "timing": timing,
+            "prompt_style": sc.prompt_style,
             "num_workers": sc.num_workers,
             **stats,
         },

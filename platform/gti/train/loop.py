@@ -61,6 +61,7 @@ import torch
 
 from gti import config as C
 from gti.errors import DataError
+from gti.devices import resolve_precision
 from gti.train.deepspeed_config import build_ds_config, micro_batch
 from gti.train.schedule import LrMultiplier
 
@@ -124,19 +125,27 @@ class ShardStream:
     its position (epoch, micro-batches consumed in it) and can start from one.
 
     Every epoch is the same seeded order, so skipping `offset` batches reproduces the
-    position exactly. Raises DataError if an epoch has no full micro-batch.
+    position exactly. With `group_by_length` the shard is read in chunks of `window` micro-
+    batches' worth of rows and each chunk is cut into micro-batches of similar length
+    (`gti.train.batching.length_grouped_batches`, seeded by seed, epoch and chunk), so padding
+    costs little; each row appears exactly once per epoch and the epoch's last micro-batch may
+    be short. Without it, a seeded local shuffle buffer and full micro-batches only.
+    Raises DataError if an epoch has no micro-batch.
     """
 
+    WINDOW = 32  # micro-batches per length-grouping chunk
+
     def __init__(self, shard: Any, micro: int, collate: PadCollate, seed: int,
-                 epoch: int = 0, offset: int = 0) -> None:
+                 epoch: int = 0, offset: int = 0, group_by_length: bool = False) -> None:
         self.shard, self.micro, self.collate, self.seed = shard, micro, collate, seed
         self.epoch, self.offset = epoch, offset
+        self.group_by_length = group_by_length
         # A few batches of local shuffle give each epoch a different order at no memory cost.
         self.buffer = max(64, 8 * micro)
 
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        while True:
-            it = self.shard.iter_torch_batches(
+    def _epoch_batches(self) -> Iterator[dict[str, torch.Tensor]]:
+        if not self.group_by_length:
+            yield from self.shard.iter_torch_batches(
                 batch_size=self.micro,
                 collate_fn=self.collate,
                 drop_last=True,
@@ -144,8 +153,23 @@ class ShardStream:
                 local_shuffle_seed=self.seed + self.epoch,
                 prefetch_batches=1,
             )
+            return
+        from gti.train.batching import length_grouped_batches
+
+        chunks = self.shard.iter_batches(
+            batch_size=self.micro * self.WINDOW, batch_format="numpy", prefetch_batches=1,
+        )
+        for c, chunk in enumerate(chunks):
+            ids, labels = chunk["input_ids"], chunk["labels"]
+            lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
+            seed = int(np.random.SeedSequence([self.seed, self.epoch, c]).generate_state(1)[0])
+            for idx in length_grouped_batches(lengths, self.micro, seed, window=self.WINDOW):
+                yield self.collate({"input_ids": [ids[i] for i in idx], "labels": [labels[i] for i in idx]})
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        while True:
             n = 0
-            for i, batch in enumerate(it):
+            for i, batch in enumerate(self._epoch_batches()):
                 n += 1
                 if i < self.offset:
                     continue
@@ -230,10 +254,12 @@ def train_loop_per_worker(config: dict) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
 
     model = hooks.build_model(config, cfg)
+    precision = resolve_precision(tc.precision, tc.use_gpu)
+    forward = make_forward(model, precision, "cuda" if tc.use_gpu else "cpu")
     trainable = [p for p in model.parameters() if p.requires_grad]
     if not trainable:
         raise C.ConfigError(f"{task}: the model has no trainable parameters")
-    ds_cfg = build_ds_config(tc, world, use_gpu=tc.use_gpu)
+    ds_cfg = build_ds_config(tc, world, use_gpu=tc.use_gpu, bf16_weights=cfg.model.dtype == "bfloat16")
     engine, _, _, scheduler = deepspeed.initialize(
         model=model,
         model_parameters=trainable,
@@ -259,7 +285,7 @@ def train_loop_per_worker(config: dict) -> dict[str, Any]:
     micro = micro_batch(tc, world)
     stream = ShardStream(
         ray.train.get_dataset_shard("train"), micro, PadCollate(config["pad_id"]), cfg.seed,
-        epoch=state["epoch"], offset=state["offset"],
+        epoch=state["epoch"], offset=state["offset"], group_by_length=tc.group_by_length,
     )
     batches = iter(stream)
     history = state["history"]
@@ -267,21 +293,29 @@ def train_loop_per_worker(config: dict) -> dict[str, Any]:
     progress = Path(config["progress_file"]) if rank == 0 and config.get("progress_file") else None
     step = int(state["step"])
     engine.train()
+    loop_t0 = time.perf_counter()
 
+    timing = state.setdefault("timing", {"compute_s": 0.0, "data_s": 0.0, "loop_s": 0.0})
     while step < tc.steps:
         t0 = time.perf_counter()
         lr = float(scheduler.get_last_lr()[0])
-        loss_sum, tokens, manual_gn = 0.0, 0, None
+        loss_sum, tokens, manual_gn, data_s = 0.0, 0, None, 0.0
         for _ in range(tc.grad_accum):
+            td = time.perf_counter()
             b = {k: v.to(engine.device) for k, v in next(batches).items()}
-            out = engine(input_ids=b["input_ids"], attention_mask=b["attention_mask"], labels=b["labels"])
-            engine.backward(out.loss)
+            data_s += time.perf_counter() - td
+            loss = forward(engine, b)
+            engine.backward(loss)
             if tc.zero_stage == 0 and engine.is_gradient_accumulation_boundary():
                 manual_gn = _manual_grad_norm(trainable)
             engine.step()
-            loss_sum += float(out.loss.detach())
+            loss_sum += float(loss.detach())
             tokens += int(b["attention_mask"].sum())
         step += 1
+        # Time in forward/backward/optimizer vs in fetching data; the rest of a stage's wall
+        # time (reports, validation, checkpoints, start-up) is overhead (bench/train_throughput).
+        timing["data_s"] += data_s
+        timing["compute_s"] += time.perf_counter() - t0 - data_s
         gn = engine.get_global_grad_norm()
         gn = manual_gn if gn is None else float(gn)
         dt = time.perf_counter() - t0
@@ -307,7 +341,10 @@ def train_loop_per_worker(config: dict) -> dict[str, Any]:
 
         final = step == tc.steps
         if step % tc.checkpoint_every == 0 or final:
-            state = {"step": step, "epoch": stream.epoch, "offset": stream.offset, "history": history}
+            timing["loop_s"] = timing.get("loop_s", 0.0) + time.perf_counter() - loop_t0
+            loop_t0 = time.perf_counter()
+            state = {"step": step, "epoch": stream.epoch, "offset": stream.offset, "history": history,
+                     "timing": timing, "precision": precision}
             with tempfile.TemporaryDirectory(prefix="gti-ckpt-") as d:
                 engine.save_checkpoint(
                     os.path.join(d, DS_DIR), tag=CKPT_TAG, client_state={"step": step},
@@ -327,7 +364,30 @@ def train_loop_per_worker(config: dict) -> dict[str, Any]:
         if config.get("fail_at_step") == step:
             _maybe_fail(config, rank)
 
-    return {"step": step, "history": history}
+    return {"step": step, "history": history, "timing": timing, "precision": precision}
+
+
+def make_forward(model: torch.nn.Module, precision: str, device_type: str) -> Callable:
+    """(engine, batch) -> scalar loss for this model and resolved precision.
+
+    The loss is computed only at labelled positions (`gti.train.loss.labelled_loss`: last
+    hidden states gathered where the next label is not -100, then projected), which equals
+    the HF forward with `labels=`; models the shortcut cannot serve exactly fall back to the
+    HF forward. "bf16" runs the forward under bf16 autocast: weights, gradients and optimizer
+    state stay in their own dtype (fp32 unless model.dtype says otherwise).
+    """
+    from gti.train.loss import labelled_loss, supports_labelled_loss
+
+    fast = supports_labelled_loss(model)
+    autocast = precision == "bf16"
+
+    def forward(engine, b: dict[str, torch.Tensor]) -> torch.Tensor:
+        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=autocast):
+            if fast:
+                return labelled_loss(engine, b["input_ids"], b["attention_mask"], b["labels"])
+            return engine(input_ids=b["input_ids"], attention_mask=b["attention_mask"], labels=b["labels"]).loss
+
+    return forward
 
 
 def _maybe_fail(config: dict, rank: int) -> None:
@@ -353,6 +413,10 @@ class FitResult:
     steps_done: int
     metrics: dict[str, Any]
     path: str
+    # Rank 0's seconds in forward/backward/optimizer ("compute_s"), fetching batches
+    # ("data_s") and the whole step loop ("loop_s"), summed over resumed attempts.
+    timing: dict[str, float] | None = None
+    precision: str | None = None  # the resolved precision the workers trained in
 
 
 def train_dataset_from_parquet(path: str | Path, seed: int, split: str = "train"):
@@ -508,6 +572,7 @@ def fit(
     return FitResult(
         state_dict=sd, history=st["history"], steps_done=int(st["step"]),
         metrics=dict(result.metrics or {}), path=str(result.path),
+        timing=st.get("timing"), precision=st.get("precision"),
     )
 
 

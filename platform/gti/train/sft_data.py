@@ -301,11 +301,16 @@ def multitask_mix(
 
 def make_renderer(
     tokenizer: Any, sid_ids: dict[str, np.ndarray], system_prompt: str, max_len: int,
-    templates: Sequence[str] = REC_TEMPLATES,
+    templates: Sequence[str] = REC_TEMPLATES, prompt_style: str = "chat",
 ) -> RecRenderer:
-    """A `RecRenderer` wired to `gti.lm.templates` (chat-template rendering, end-of-turn ids).
+    """A `RecRenderer` wired to `gti.lm.templates` (chat-template or compact rendering,
+    end-of-turn ids); `prompt_style` is `sft.prompt_style` ("chat" | "compact").
 
     SID markers are used iff the tokenizer has them (`model.sid_markers` added them)."""
+    if prompt_style not in _templates.PROMPT_RENDERERS:
+        raise ConfigError(
+            f"sft.prompt_style must be one of {sorted(_templates.PROMPT_RENDERERS)}, got '{prompt_style}'"
+        )
     from gti.lm.vocab import SID_END, SID_START
 
     vocab = tokenizer.get_vocab()
@@ -313,5 +318,5 @@ def make_renderer(
     return RecRenderer(
         tokenizer=tokenizer, sid_ids=sid_ids, system_prompt=system_prompt, max_len=max_len,
         eot_ids=list(_templates.end_of_turn_ids(tokenizer)), templates=templates,
-        render=_templates.render_rec_prompt, sid_wrap=wrap,
+        render=_templates.PROMPT_RENDERERS[prompt_style], sid_wrap=wrap,
     )

@@ -1,0 +1,51 @@
+"""gti.devices: `precision: auto` resolves to bf16 exactly where bf16 is native."""
+
+from __future__ import annotations
+
+import pytest
+
+from gti import devices
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_follows_native_bf16_on_cpu(monkeypatch, native):
+    monkeypatch.setattr(devices, "native_bf16", lambda device="cpu": native and device == "cpu")
+    assert devices.resolve_precision("auto", use_gpu=False) == ("bf16" if native else "fp32")
+
+
+def test_auto_asks_about_cuda_when_training_on_gpu(monkeypatch):
+    asked = []
+    monkeypatch.setattr(devices, "native_bf16", lambda device="cpu": asked.append(device) or device == "cuda")
+    assert devices.resolve_precision("auto", use_gpu=True) == "bf16"
+    assert asked == ["cuda"]
+
+
+@pytest.mark.parametrize("explicit", ["fp32", "bf16"])
+def test_explicit_values_pass_through(monkeypatch, explicit):
+    monkeypatch.setattr(devices, "native_bf16", lambda device="cpu": pytest.fail("must not probe"))
+    assert devices.resolve_precision(explicit) == explicit
+
+
+def test_unknown_value_is_refused():
+    with pytest.raises(ValueError, match="fp16"):
+        devices.resolve_precision("fp16")
+
+
+def test_native_bf16_where_the_cpu_has_bf16_instructions():
+    """A CPU whose flags list AVX512-BF16 or AMX-BF16 is reported native (oneDNN may also say
+    yes on some AVX512 CPUs without them, so only this direction is checked)."""
+    from pathlib import Path
+
+    info = Path("/proc/cpuinfo")
+    if not info.is_file():
+        pytest.skip("no /proc/cpuinfo on this OS")
+    flags = set(info.read_text().split())
+    if not {"avx512_bf16", "amx_bf16"} & flags:
+        pytest.skip("this CPU has no bf16 instructions")
+    assert devices.native_bf16("cpu") is True
+
+
+def test_config_default_is_auto():
+    from gti.config import GroundConfig, SftConfig
+
+    assert GroundConfig().precision == "auto" and SftConfig().precision == "auto"
