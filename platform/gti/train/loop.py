@@ -30,9 +30,10 @@ report after the first validation has them (Tune's schedulers need the metric in
 
 Checkpoints (every `checkpoint_every` steps and at the last step): a temp dir holding `ds/`
 (DeepSpeed `save_checkpoint` with `exclude_frozen_parameters=True`: trainable weights, the
-ZeRO-partitioned optimizer state of each rank, the lr scheduler), `gti_state.json` (step, data
-position, metric history; rank 0) and, in the last one, `trainable.safetensors` (the task's
-trainable tensors, full fp32, from `hooks.trainable_state`). Each rank reports its own dir; Ray
+ZeRO-partitioned optimizer state of each rank, the lr scheduler; not in the last one, after
+which nothing resumes), `gti_state.json` (step, data position, metric history, timing; rank 0)
+and, in the last one, `trainable.safetensors` (the task's trainable tensors, full fp32, from
+`hooks.trainable_state`). A worker group restarted after the last checkpoint returns at once. Each rank reports its own dir; Ray
 merges them into one checkpoint. On restart the latest one is loaded and training continues at
 the saved step with the same data position: the shard is re-iterated from the start of the
 saved epoch (same seeded order) and the already-consumed micro-batches are skipped. The data
@@ -61,7 +62,7 @@ import torch
 
 from gti import config as C
 from gti.errors import DataError
-from gti.devices import resolve_precision
+from gti.devices import resolve_precision, use_cpu_threads
 from gti.train.deepspeed_config import build_ds_config, micro_batch
 from gti.train.schedule import LrMultiplier
 
@@ -253,6 +254,8 @@ def train_loop_per_worker(config: dict) -> dict[str, Any]:
     tc: C.TrainConfig = getattr(cfg, config.get("section", task))
     torch.manual_seed(cfg.seed)
 
+    if not tc.use_gpu:
+        use_cpu_threads(tc.cpu_threads, ctx.get_local_world_size())
     model = hooks.build_model(config, cfg)
     precision = resolve_precision(tc.precision, tc.use_gpu)
     forward = make_forward(model, precision, "cuda" if tc.use_gpu else "cpu")
@@ -274,6 +277,12 @@ def train_loop_per_worker(config: dict) -> dict[str, Any]:
     ckpt = ray.train.get_checkpoint()
     if ckpt is not None:
         with ckpt.as_directory() as d:
+            saved = json.loads((Path(d) / STATE_FILE).read_text())
+            if int(saved["step"]) >= tc.steps:
+                # The final checkpoint holds the trained tensors, not the DeepSpeed state:
+                # training is over, so there is nothing to resume.
+                return {"step": int(saved["step"]), "history": saved["history"],
+                        "timing": saved.get("timing"), "precision": saved.get("precision")}
             path, _ = engine.load_checkpoint(
                 os.path.join(d, DS_DIR), tag=CKPT_TAG, load_module_strict=False,
                 load_optimizer_states=True, load_lr_scheduler_states=True,
@@ -331,7 +340,9 @@ def train_loop_per_worker(config: dict) -> dict[str, Any]:
         history["loss"].append([step, metrics["loss"]])
         history["tokens_per_s"].append([step, metrics["tokens_per_s"]])
         if hooks.validate is not None and (step % tc.val_every == 0 or step == tc.steps):
+            tv = time.perf_counter()
             last_val = _run_validation(hooks, engine, config, rank, world)
+            timing["val_s"] = timing.get("val_s", 0.0) + time.perf_counter() - tv
             for k, v in last_val.items():
                 history["val"].setdefault(k, []).append([step, v])
         metrics.update(last_val)
@@ -345,11 +356,15 @@ def train_loop_per_worker(config: dict) -> dict[str, Any]:
             loop_t0 = time.perf_counter()
             state = {"step": step, "epoch": stream.epoch, "offset": stream.offset, "history": history,
                      "timing": timing, "precision": precision}
+            tc0 = time.perf_counter()
             with tempfile.TemporaryDirectory(prefix="gti-ckpt-") as d:
-                engine.save_checkpoint(
-                    os.path.join(d, DS_DIR), tag=CKPT_TAG, client_state={"step": step},
-                    exclude_frozen_parameters=True,
-                )
+                if not final:
+                    # The final one needs no optimizer state (nothing resumes after it): for
+                    # full SFT of a 135M model that skips writing ~1.6 GB.
+                    engine.save_checkpoint(
+                        os.path.join(d, DS_DIR), tag=CKPT_TAG, client_state={"step": step},
+                        exclude_frozen_parameters=True,
+                    )
                 if final:
                     sd = hooks.trainable_state(engine.module)  # every rank: may gather
                     if rank == 0:
@@ -359,8 +374,11 @@ def train_loop_per_worker(config: dict) -> dict[str, Any]:
                 if rank == 0:
                     Path(d, STATE_FILE).write_text(json.dumps(state))
                 ray.train.report(metrics, checkpoint=Checkpoint.from_directory(d))
+            timing["checkpoint_s"] = timing.get("checkpoint_s", 0.0) + time.perf_counter() - tc0
         elif step % tc.log_every == 0:
+            tr = time.perf_counter()
             ray.train.report(metrics)
+            timing["report_s"] = timing.get("report_s", 0.0) + time.perf_counter() - tr
         if config.get("fail_at_step") == step:
             _maybe_fail(config, rank)
 
@@ -414,7 +432,8 @@ class FitResult:
     metrics: dict[str, Any]
     path: str
     # Rank 0's seconds in forward/backward/optimizer ("compute_s"), fetching batches
-    # ("data_s") and the whole step loop ("loop_s"), summed over resumed attempts.
+    # ("data_s"), validation ("val_s"), checkpoints incl. their report ("checkpoint_s"), plain
+    # metric reports ("report_s") and the whole step loop ("loop_s"), summed over attempts.
     timing: dict[str, float] | None = None
     precision: str | None = None  # the resolved precision the workers trained in
 
