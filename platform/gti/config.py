@@ -253,6 +253,9 @@ class TrainConfig(_Strict):
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     # Micro-batches of similar-length rows (gti.train.batching), so padding costs little.
     group_by_length: bool = True
+    # torch intra-op threads per CPU training worker; None = the node's cores / the workers on
+    # it (Ray would leave each worker 1 thread: OMP_NUM_THREADS=1).
+    cpu_threads: int | None = Field(None, ge=1)
     checkpoint_every: int = Field(50, ge=1)
     val_every: int = Field(50, ge=1)
     val_samples: int = Field(64, ge=1)
@@ -306,6 +309,15 @@ class EvalConfig(_Strict):
     num_gpus: float = Field(0.0, ge=0)
     bootstrap: int = Field(1000, ge=0)
     constrained: bool = True
+    # torch threads per CPU decoding actor; None = the node's cores / eval.concurrency.
+    cpu_threads: int | None = Field(None, ge=1)
+    # Exact rank of the true next item among ALL catalog items (MRR, mean percentile rank with
+    # bootstrap CIs; gti.eval.rank), beside the beam-search top-K metrics. Costs one prefill
+    # plus one token per distinct SID prefix per user.
+    exact_rank: bool = False
+    # Cold-item slice: every metric is also reported for the users whose target item is the
+    # target of at most this many SFT training windows (counted on train items only).
+    cold_max_sft_targets: int = Field(1, ge=0)
 
     @model_validator(mode="after")
     def _k_le_beam(self) -> "EvalConfig":

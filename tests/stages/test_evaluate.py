@@ -3,7 +3,9 @@ tiny "SFT" model folder with the SID tokens), written with the names of docs/ARC
 
 - the stage through gti.pipeline.run_stage on a local Ray: metrics.json layout, CIs around the
   values, per-user values consistent with recs.parquet, baselines on the same users, invalid-SID
-  rate 0 when constrained, the same deterministic user sample for both splits;
+  rate 0 when constrained, the same deterministic user sample for both splits, the cold-item
+  slice (users whose target is a rare SFT target) and, with eval.exact_rank, the exact-rank
+  metrics (MRR, mean percentile rank);
 - the decoding actor in-process: constrained output is valid and distinct, unconstrained
   decoding of a random model reports invalid SIDs;
 - a model trained on another SID map is refused with a one-line error.
@@ -126,6 +128,77 @@ def test_evaluate_writes_metrics_recs_and_baselines(eval_run):
         hits = [float(t in lst) for t, lst in zip(part["target"], part["items"])]
         assert hits == metrics["per_user"][split]["recall@5"]
     assert m.facts["invalid_sid_rate"] == 0.0 and m.facts["sid_map_hash"] == HASH
+    # Exact ranks are off by default; the cold slice is always there.
+    assert metrics["ranks"] == {} and "exact_rank" not in metrics["per_user"]["valid"]
+    _check_cold_slice(metrics, seqs, cfg.eval.cold_max_sft_targets, names)
+    assert m.facts["slices"] == metrics["slices"]
+
+
+def _check_cold_slice(metrics, seqs, max_targets, names, exact_rank=False):
+    """slices.cold: definition from SFT windows only, per split the cold users' blocks."""
+    from gti.train import sft_data
+
+    cold = metrics["slices"]["cold"]
+    counts = sft_data.training_windows(seqs, 5)["target"].value_counts()
+    counts = dict(zip(counts["target"].to_list(), counts["count"].to_list()))
+    assert cold["definition"]["max_sft_targets"] == max_targets
+    assert cold["definition"]["n_cold_items"] == sum(counts.get(f"it{i}", 0) <= max_targets for i in range(N_ITEMS))
+    truth = {"valid": dict(zip(seqs["user_id"], seqs["valid_item"])),
+             "test": dict(zip(seqs["user_id"], seqs["test_item"]))}
+    for split in ("valid", "test"):
+        block = cold[split]
+        users = metrics["per_user"][split]["user_ids"]
+        is_cold = [counts.get(truth[split][u], 0) <= max_targets for u in users]
+        assert block["n_users"] == sum(is_cold)
+        if not block["n_users"]:
+            assert block["model"] == {} and block["ranks"] == {}
+            continue
+        assert sorted(block["model"]) == sorted(names)
+        hits = [h for h, c in zip(metrics["per_user"][split]["recall@5"], is_cold) if c]
+        assert block["model"]["recall@5"]["value"] == pytest.approx(np.mean(hits))
+        for base in ("mostpop", "markov"):
+            assert sorted(block["baselines"][base]) == sorted(names)
+        if exact_rank:
+            ranks = [r for r, c in zip(metrics["per_user"][split]["exact_rank"], is_cold) if c]
+            assert block["ranks"]["n_users"] == len(ranks)
+            assert block["ranks"]["mrr"]["value"] == pytest.approx(np.mean(1.0 / np.array(ranks)))
+        else:
+            assert block["ranks"] == {}
+
+
+@pytest.fixture(scope="module")
+def eval_rank_run(tmp_path_factory, ray_start_4_cpus):
+    run_dir = tmp_path_factory.mktemp("eval_rank") / "run"
+    make_upstream(run_dir)
+    # A generous cold threshold so that both splits have cold users to rank.
+    cfg = eval_cfg(run_dir, "eval.exact_rank=true", "eval.cold_max_sft_targets=8")
+    m = pipeline.run_stage(pipeline.spec("evaluate"), cfg, run_dir)
+    return run_dir, cfg, m
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_evaluate_exact_ranks_and_cold_slice(eval_rank_run):
+    run_dir, cfg, m = eval_rank_run
+    metrics = json.loads((run_dir / "evaluate" / "metrics.json").read_text())
+    names = [f"{n}@{k}" for n in ("recall", "ndcg", "precision") for k in (1, 5)]
+    assert metrics["config"]["exact_rank"] is True
+    for split in ("valid", "test"):
+        r = metrics["ranks"][split]
+        assert r["n_users"] == 12 and r["n_items"] == N_ITEMS
+        assert 0 < r["mrr"]["value"] <= 1
+        assert 0 <= r["mean_percentile_rank"]["value"] <= 1
+        for key in ("mrr", "mean_percentile_rank"):
+            lo, hi = r[key]["ci"]
+            assert lo <= r[key]["value"] <= hi
+        ranks = np.array(metrics["per_user"][split]["exact_rank"])
+        assert ranks.shape == (12,) and ((ranks >= 1) & (ranks <= N_ITEMS)).all()
+        assert r["mrr"]["value"] == pytest.approx(np.mean(1.0 / ranks))
+        assert r["median_rank"] == pytest.approx(float(np.median(ranks)))
+    seqs = pl.read_parquet(run_dir / "ingest" / "sequences.parquet")
+    _check_cold_slice(metrics, seqs, 8, names, exact_rank=True)
+    assert any(metrics["slices"]["cold"][s]["n_users"] for s in ("valid", "test"))
+    assert m.facts["ranks"] == metrics["ranks"]
 
 
 def _actor(run_dir, cfg):

@@ -289,3 +289,28 @@ def test_unknown_prompt_style_names_the_key():
     tok, sid_ids = _tiny_tok(False)
     with pytest.raises(ConfigError, match="sft.prompt_style"):
         S.make_renderer(tok, sid_ids, "", max_len=100, prompt_style="terse")
+
+
+def test_sft_target_counts_agree_with_training_windows():
+    seqs = _seqs(60, seed=3)
+    counts = S.sft_target_counts(seqs)
+    for h in (1, 4):  # the history length does not change which items are targets
+        w = S.training_windows(seqs, max_history=h, seed=2)
+        vc = w["target"].value_counts()
+        assert counts == dict(zip(vc["target"].to_list(), vc["count"].to_list()))
+    assert sum(counts.values()) == sum(max(0, len(t) - 1) for t in seqs["train_items"])
+    # Valid/test items never count (they are unique to their user and never in train lists).
+    held_out = set(seqs["valid_item"]) | set(seqs["test_item"])
+    assert not held_out & set(counts)
+
+
+def test_sft_target_counts_first_items_and_held_out_items_do_not_count():
+    seqs = pl.DataFrame({
+        "user_id": ["a", "b", "c"],
+        "train_items": [["x", "y", "y"], ["y"], []],
+        "valid_item": ["x", "z", "z"],
+        "test_item": ["z", "x", "y"],
+    }, schema={"user_id": pl.Utf8, "train_items": pl.List(pl.Utf8), "valid_item": pl.Utf8, "test_item": pl.Utf8})
+    assert S.sft_target_counts(seqs) == {"y": 2}
+    with pytest.raises(DataError, match="train_items"):
+        S.sft_target_counts(seqs.drop("train_items"))

@@ -15,6 +15,15 @@ over the catalog's SID trie, and score them against the held-out item.
   (`gti.eval.baselines`) fitted on the same split's training data (valid: train items; test:
   train items + valid item) and scored on the same users. The invalid-SID rate is reported
   (0 by construction when `eval.constrained`).
+- Exact ranks (`eval.exact_rank`, off by default): the actor also scores EVERY catalog SID for
+  each user (`gti.eval.rank.score_catalog`: one prefill plus one token per distinct SID prefix)
+  and reports the target's rank among all items; per split MRR, mean percentile rank (with
+  bootstrap CIs) and median rank under "ranks", per-user ranks under per_user.exact_rank.
+  These move long before Recall/NDCG@K leave the floor, so they tell small models apart.
+- Cold-item slice: every metric (model, baselines, ranks) is also reported for the users whose
+  target is the target of at most `eval.cold_max_sft_targets` SFT training windows
+  (`sft_data.sft_target_counts`, counted on training items only, never valid/test), under
+  slices.cold.<split>, with the definition under slices.cold.definition.
 - Outputs: metrics.json (layout in docs/ARCHITECTURE.md, with per-user values for paired
   bootstrap CIs in the report), recs.parquet (user_id, split, target, items list<str> best
   first, scores list<float32>), and a table printed at the end.
@@ -63,6 +72,10 @@ class Recommender:
         self.ec = cfg.eval
         check_sid_map_hash(Path(model_dir), sid_facts["sid_map_hash"])
         self.device = torch.device("cuda" if self.ec.num_gpus > 0 and torch.cuda.is_available() else "cpu")
+        if self.device.type == "cpu":
+            from gti.devices import use_cpu_threads
+
+            use_cpu_threads(self.ec.cpu_threads, self.ec.concurrency)
         # model.dtype is honoured; on CUDA inference is bf16 either way.
         bf16 = self.device.type == "cuda" or cfg.model.dtype == "bfloat16"
         dtype = torch.bfloat16 if bf16 else torch.float32
@@ -77,7 +90,9 @@ class Recommender:
         sid_map = pl.read_parquet(sid_map_path)
         sid_ids = sft_data.sid_id_table(sid_map, SidCodec.from_facts(sid_facts), tok)
         self.item_ids = sid_map["item_id"].to_list()
-        mat = torch.from_numpy(np.stack([sid_ids[i] for i in self.item_ids]))
+        self.row_of = {item: r for r, item in enumerate(self.item_ids)}
+        # [N, L] SID token ids, row i = item_ids[i]; the trie's rows and score_catalog's columns.
+        self.mat = mat = torch.from_numpy(np.stack([sid_ids[i] for i in self.item_ids]))
         self.levels = int(mat.shape[1])
         self.trie = SidTrie(mat, int(mat.min()), int(mat.max()) + 1).to(self.device)
         self.renderer = sft_data.make_renderer(
@@ -105,6 +120,7 @@ class Recommender:
         n_inv = [0] * n
         if n:
             n_ret[0], n_inv[0] = res.n_returned, res.n_invalid
+        ranks = self.exact_ranks(prompts, cols["target"]) if self.ec.exact_rank else [None] * n
         return pa.table({
             "user_id": cols["user_id"],
             "split": cols["split"],
@@ -113,7 +129,23 @@ class Recommender:
             "scores": pa.array(scores, type=pa.list_(pa.float32())),
             "n_returned": pa.array(n_ret, type=pa.int64()),
             "n_invalid": pa.array(n_inv, type=pa.int64()),
+            "exact_rank": pa.array(ranks, type=pa.float64()),
         })
+
+    def exact_ranks(self, prompts: list[list[int]], targets: list[str]) -> list[float]:
+        """Rank (1 = best, mid-rank on ties) of each target among all catalog items."""
+        from gti.eval.rank import exact_ranks, score_catalog
+
+        missing = sorted({t for t in targets if t not in self.row_of})
+        if missing:
+            raise DataError(f"evaluate: target item(s) {missing[:5]} are not in the SID map")
+        if not prompts:
+            return []
+        scores = score_catalog(
+            self.model, prompts, self.mat, pad_id=self.pad_id, batch_users=self.ec.batch_users
+        )
+        rows = [self.row_of[t] for t in targets]
+        return exact_ranks(scores, rows).tolist()
 
 
 # --------------------------------------------------------------------------- helpers
@@ -158,8 +190,47 @@ def baseline_rows(seqs: pl.DataFrame, split: str, frame: pl.DataFrame, ks: list[
     return out
 
 
+def cold_users(frame: pl.DataFrame, counts: dict[str, int], max_targets: int) -> list[bool]:
+    """Per row of a split frame: is its target cold, i.e. the target of at most `max_targets`
+    SFT training windows (`counts` from `sft_data.sft_target_counts`; absent = 0)?"""
+    return [counts.get(t, 0) <= max_targets for t in frame["target"].to_list()]
+
+
+def n_cold_items(catalog: list[str], counts: dict[str, int], max_targets: int) -> int:
+    """Catalog items that are cold under the same definition as `cold_users`."""
+    return sum(counts.get(item, 0) <= max_targets for item in catalog)
+
+
+def slice_metrics(part: pl.DataFrame, frame: pl.DataFrame, seqs: pl.DataFrame, split: str,
+                  ks: list[int], n_boot: int, seed: int, catalog: list[str],
+                  exact_rank: bool) -> dict[str, Any]:
+    """Every metric of one split on a slice of its users.
+
+    part: the slice's decoded rows (items, target, exact_rank); frame: the same users' split
+    frame (history, target) for the baselines. -> {"n_users", "model": metric@k table,
+    "baselines": {name: table}, "ranks": rank_metrics or {}}; empty blocks for 0 users.
+    """
+    if part.height != frame.height:
+        raise DataError(f"evaluate: slice of {part.height} decoded rows but {frame.height} prompts")
+    if part.height == 0:
+        return {"n_users": 0, "model": {}, "baselines": {"mostpop": {}, "markov": {}}, "ranks": {}}
+    model, _ = metric_block(part["items"].to_list(), part["target"].to_list(), ks, n_boot, seed)
+    ranks = {}
+    if exact_rank:
+        from gti.eval.rank import rank_metrics
+
+        ranks = rank_metrics(part["exact_rank"].to_numpy(), len(catalog), n_boot, seed)
+    return {
+        "n_users": part.height,
+        "model": model,
+        "baselines": baseline_rows(seqs, split, frame, ks, n_boot, seed, catalog),
+        "ranks": ranks,
+    }
+
+
 def format_table(metrics: dict[str, Any], ks: list[int]) -> str:
-    """A plain-text table: one row per (split, model), one column per metric@k."""
+    """A plain-text table: one row per (split, model), one column per metric@k; then the same
+    rows on the cold-item slice (`{split}/sft[cold]`, ...) when metrics has one."""
     from gti.eval import metrics as M
 
     rows: dict[str, dict] = {}
@@ -167,10 +238,36 @@ def format_table(metrics: dict[str, Any], ks: list[int]) -> str:
         rows[f"{split}/sft"] = vals
         for b in metrics["baselines"]:
             rows[f"{split}/{b}"] = metrics["baselines"][b][split]
+    cold = metrics.get("slices", {}).get("cold", {})
+    for split in metrics["splits"]:
+        block = cold.get(split)
+        if not block or not block.get("n_users"):
+            continue
+        rows[f"{split}/sft[cold]"] = block["model"]
+        for b, vals in block["baselines"].items():
+            rows[f"{split}/{b}[cold]"] = vals
     cols = [f"{m}@{k}" for m in M.METRICS for k in ks]
-    return M.format_table(rows, cols) + (
+    text = M.format_table(rows, cols) + (
         f"\ninvalid SID rate: {metrics['invalid_sid_rate']:.4f}   users: "
         + ", ".join(f"{s}={n}" for s, n in metrics["n_users"].items())
+    )
+    if cold:
+        d = cold.get("definition", {})
+        text += (
+            f"\ncold users (target of <= {d.get('max_sft_targets')} SFT windows, "
+            f"{d.get('n_cold_items')} cold items): "
+            + ", ".join(f"{s}={cold[s]['n_users']}" for s in metrics["splits"] if s in cold)
+        )
+    return text
+
+
+def format_ranks(split: str, ranks: dict[str, Any], label: str = "") -> str:
+    """One log line of rank metrics (`gti.eval.rank.rank_metrics`)."""
+    mrr, pct = ranks["mrr"], ranks["mean_percentile_rank"]
+    return (
+        f"{split}{label}: MRR {mrr['value']:.4f} [{mrr['ci'][0]:.4f}, {mrr['ci'][1]:.4f}], "
+        f"mean percentile rank {pct['value']:.4f} [{pct['ci'][0]:.4f}, {pct['ci'][1]:.4f}], "
+        f"median rank {ranks['median_rank']:g} of {ranks['n_items']} items ({ranks['n_users']} users)"
     )
 
 
@@ -199,8 +296,11 @@ def run(ctx: StageContext) -> StageResult:
     ctx.log(
         f"{len(users):,} users x splits {list(ec.splits)}: beam {ec.beam_width}, K {ec.ks}, "
         f"{'constrained' if ec.constrained else 'UNCONSTRAINED'}, {ec.concurrency} actor(s), "
-        f"{ec.num_gpus} GPU(s) each"
+        f"{ec.num_gpus} GPU(s) each{', exact ranks over the catalog' if ec.exact_rank else ''}"
     )
+    # Cold items: counted on SFT training windows only (train items; never valid/test).
+    sft_counts = sft_data.sft_target_counts(seqs)
+    n_cold = n_cold_items(catalog, sft_counts, ec.cold_max_sft_targets)
 
     ensure_ray(cfg)
     ray.data.DataContext.get_current().execution_options.preserve_order = True
@@ -233,13 +333,17 @@ def run(ctx: StageContext) -> StageResult:
     n_returned, n_invalid = int(recs["n_returned"].sum()), int(recs["n_invalid"].sum())
     invalid_rate = n_invalid / n_returned if n_returned else 0.0
     out: dict[str, Any] = {
-        "splits": {}, "baselines": {"mostpop": {}, "markov": {}},
+        "splits": {}, "baselines": {"mostpop": {}, "markov": {}}, "ranks": {},
+        "slices": {"cold": {"definition": {"max_sft_targets": ec.cold_max_sft_targets,
+                                           "n_cold_items": n_cold, "n_items": len(catalog)}}},
         "invalid_sid_rate": invalid_rate, "n_users": {}, "per_user": {},
         "config": {"beam_width": ec.beam_width, "ks": list(ec.ks), "constrained": ec.constrained,
-                   "bootstrap": ec.bootstrap, "max_users": ec.max_users},
+                   "bootstrap": ec.bootstrap, "max_users": ec.max_users, "exact_rank": ec.exact_rank,
+                   "cold_max_sft_targets": ec.cold_max_sft_targets},
     }
     for split in ec.splits:
         part = recs.filter(pl.col("split") == split)
+        frame = frames[split]
         summary, per_user = metric_block(
             part["items"].to_list(), part["target"].to_list(), list(ec.ks), ec.bootstrap, cfg.seed
         )
@@ -247,9 +351,24 @@ def run(ctx: StageContext) -> StageResult:
         out["n_users"][split] = part.height
         out["per_user"][split] = {"user_ids": part["user_id"].to_list(), **per_user}
         for name, vals in baseline_rows(
-            seqs, split, frames[split], list(ec.ks), ec.bootstrap, cfg.seed, catalog
+            seqs, split, frame, list(ec.ks), ec.bootstrap, cfg.seed, catalog
         ).items():
             out["baselines"][name][split] = vals
+        if ec.exact_rank:
+            from gti.eval.rank import rank_metrics
+
+            out["ranks"][split] = rank_metrics(part["exact_rank"].to_numpy(), len(catalog), ec.bootstrap, cfg.seed)
+            out["per_user"][split]["exact_rank"] = part["exact_rank"].to_list()
+            ctx.log(format_ranks(split, out["ranks"][split]))
+        # Masks per table (both carry the target), so the slice never depends on row order.
+        cold_part = pl.Series(cold_users(part, sft_counts, ec.cold_max_sft_targets), dtype=pl.Boolean)
+        cold_frame = pl.Series(cold_users(frame, sft_counts, ec.cold_max_sft_targets), dtype=pl.Boolean)
+        out["slices"]["cold"][split] = cold_block = slice_metrics(
+            part.filter(cold_part), frame.filter(cold_frame), seqs, split, list(ec.ks), ec.bootstrap, cfg.seed,
+            catalog, ec.exact_rank,
+        )
+        if cold_block["ranks"]:
+            ctx.log(format_ranks(split, cold_block["ranks"], "[cold]"))
     atomic_write_json(ctx.work_dir / METRICS_FILE, out)
     recs.select("user_id", "split", "target", "items", "scores").write_parquet(ctx.work_dir / RECS_FILE)
 
@@ -261,6 +380,8 @@ def run(ctx: StageContext) -> StageResult:
         facts={
             "metrics": out["splits"],
             "baselines": out["baselines"],
+            "ranks": out["ranks"],
+            "slices": out["slices"],
             "invalid_sid_rate": invalid_rate,
             "n_users": out["n_users"],
             "users_per_s": round(recs.height / max(elapsed, 1e-9), 3),

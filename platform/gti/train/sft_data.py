@@ -83,6 +83,23 @@ def training_windows(
     return w.with_columns(pos=pl.col("pos").cast(pl.Int32), template=pl.Series(tmpl, dtype=pl.Int8))
 
 
+def sft_target_counts(seqs: pl.DataFrame) -> dict[str, int]:
+    """How many SFT training windows have each item as their target. -> {item_id: count}.
+
+    The targets of `training_windows` are train_items[1:] of every user, so the count does
+    not depend on `max_history` or the template draw. Valid and test items are never counted
+    (they are never training targets); an item that is never a target is absent (count 0).
+    """
+    check_sequences(seqs)
+    targets = (
+        seqs.select(target=pl.col("train_items").list.slice(1))
+        .explode("target")
+        .drop_nulls("target")  # users with < 2 training items (explode of [] -> null)
+    )
+    counts = targets.group_by("target").len()
+    return dict(zip(counts["target"].to_list(), counts["len"].to_list()))
+
+
 def eval_windows(seqs: pl.DataFrame, split: str, max_history: int) -> pl.DataFrame:
     """Evaluation prompts for one split: user_id, split, history list<str>, target str.
 

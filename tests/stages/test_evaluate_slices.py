@@ -1,0 +1,153 @@
+"""Fast tests (no Ray, no model) of the pure helpers of gti/stages/evaluate.py behind the
+cold-item slice and the exact-rank report: cold membership from SFT target counts, the
+slice metric block (including 0 users), the table rows and the MRR log line."""
+
+from __future__ import annotations
+
+import numpy as np
+import polars as pl
+import pytest
+
+from gti import config as C
+from gti.stages import evaluate as E
+from gti.train import sft_data
+
+KS = [1, 2]
+CATALOG = ["a", "b", "c", "d", "e"]
+
+
+def _seqs() -> pl.DataFrame:
+    # SFT targets (train_items[1:]): b x3, c x1; a and d only first items, e only held out.
+    return pl.DataFrame({
+        "user_id": ["u0", "u1", "u2", "u3"],
+        "train_items": [["a", "b", "c"], ["a", "b"], ["d", "b"], ["c"]],
+        "valid_item": ["d", "c", "e", "b"],
+        "test_item": ["e", "a", "b", "e"],
+    })
+
+
+def _recs(frame: pl.DataFrame, ranks=None) -> pl.DataFrame:
+    """Decoded rows as the actor returns them: every user gets the catalog in order."""
+    n = frame.height
+    return frame.select("user_id", "split", "target").with_columns(
+        items=pl.Series([CATALOG] * n, dtype=pl.List(pl.Utf8)),
+        exact_rank=pl.Series(ranks if ranks is not None else [None] * n, dtype=pl.Float64),
+    )
+
+
+def test_config_defaults_and_overrides():
+    ec = C.load(None).eval
+    assert ec.exact_rank is False and ec.cold_max_sft_targets == 1
+    ec = C.load(None, ["eval.exact_rank=true", "eval.cold_max_sft_targets=0"]).eval
+    assert ec.exact_rank is True and ec.cold_max_sft_targets == 0
+    with pytest.raises(C.ConfigError, match="eval.cold_max_sft_targets"):
+        C.load(None, ["eval.cold_max_sft_targets=-1"])
+
+
+def test_cold_users_from_sft_counts():
+    seqs = _seqs()
+    counts = sft_data.sft_target_counts(seqs)
+    assert counts == {"b": 3, "c": 1}
+    valid = sft_data.eval_windows(seqs, "valid", 5)  # targets d, c, e, b
+    assert E.cold_users(valid, counts, 1) == [True, True, True, False]
+    assert E.cold_users(valid, counts, 0) == [True, False, True, False]
+    assert E.cold_users(valid, counts, 3) == [True] * 4
+    test = sft_data.eval_windows(seqs, "test", 5)  # targets e, a, b, e
+    assert E.cold_users(test, counts, 0) == [True, True, False, True]
+    assert E.cold_users(test.head(0), counts, 1) == []
+    # Catalog items under the same definition: a, c, d, e are cold at <= 1 (b is not).
+    assert E.n_cold_items(CATALOG, counts, 1) == 4
+    assert E.n_cold_items(CATALOG, counts, 0) == 3
+
+
+def test_cold_counts_ignore_valid_and_test_items():
+    """Making an item the valid/test target of every user must not warm it up."""
+    seqs = _seqs().with_columns(valid_item=pl.lit("e"), test_item=pl.lit("e"))
+    counts = sft_data.sft_target_counts(seqs)
+    assert "e" not in counts
+    frame = sft_data.eval_windows(seqs, "test", 5)
+    assert E.cold_users(frame, counts, 0) == [True] * 4
+
+
+def test_metric_and_rank_blocks_on_zero_users_do_not_crash():
+    from gti.eval.rank import rank_metrics
+
+    table, per_user = E.metric_block([], [], KS, 50, 0)
+    assert set(table) == {f"{m}@{k}" for m in ("recall", "ndcg", "precision") for k in KS}
+    assert all(c == {"value": 0.0, "ci": [0.0, 0.0]} for c in table.values())
+    assert all(v == [] for v in per_user.values())
+    r = rank_metrics(np.array([]), len(CATALOG), 50, 0)
+    assert r["n_users"] == 0 and r["mrr"]["value"] == 0.0
+
+
+@pytest.mark.parametrize("exact_rank", [False, True])
+def test_slice_metrics_on_cold_users(exact_rank):
+    seqs = _seqs()
+    frame = sft_data.eval_windows(seqs, "valid", 5)  # targets d, c, e, b
+    ranks = [4.0, 3.0, 5.0, 2.0] if exact_rank else None
+    part = _recs(frame, ranks)
+    counts = sft_data.sft_target_counts(seqs)
+    mask = pl.Series(E.cold_users(frame, counts, 1))
+    got = E.slice_metrics(part.filter(mask), frame.filter(mask), seqs, "valid", KS, 50, 0, CATALOG, exact_rank)
+    assert got["n_users"] == 3
+    # The model ranks the catalog in order: cold targets d, c, e sit at ranks 4, 3, 5 -> no hit @2.
+    assert got["model"]["recall@2"]["value"] == 0.0
+    full, _ = E.metric_block(part["items"].to_list(), part["target"].to_list(), KS, 50, 0)
+    assert full["recall@2"]["value"] == pytest.approx(0.25)  # only the warm user (target b) hits
+    # Baselines: the same rows as on the full split, fitted on the split's training data.
+    assert set(got["baselines"]) == {"mostpop", "markov"}
+    want = E.baseline_rows(seqs, "valid", frame.filter(mask), KS, 50, 0, CATALOG)
+    assert got["baselines"] == want
+    if exact_rank:
+        r = got["ranks"]
+        assert r["n_users"] == 3 and r["n_items"] == 5
+        assert r["mrr"]["value"] == pytest.approx(np.mean([1 / 4, 1 / 3, 1 / 5]))
+        assert r["mean_percentile_rank"]["value"] == pytest.approx(np.mean([3 / 4, 2 / 4, 4 / 4]))
+        assert r["median_rank"] == 4.0
+    else:
+        assert got["ranks"] == {}
+
+
+def test_slice_metrics_with_no_cold_user_gives_empty_blocks():
+    seqs = _seqs()
+    frame = sft_data.eval_windows(seqs, "valid", 5)
+    none = pl.Series([False] * frame.height)
+    got = E.slice_metrics(_recs(frame).filter(none), frame.filter(none), seqs, "valid", KS, 50, 0, CATALOG, True)
+    assert got == {"n_users": 0, "model": {}, "baselines": {"mostpop": {}, "markov": {}}, "ranks": {}}
+
+
+def _metrics(cold_valid: dict, cold_test: dict) -> dict:
+    cell = {"value": 0.5, "ci": [0.4, 0.6]}
+    table = {f"{m}@{k}": cell for m in ("recall", "ndcg", "precision") for k in KS}
+    return {
+        "splits": {"valid": table, "test": table},
+        "baselines": {"mostpop": {"valid": table, "test": table}, "markov": {"valid": table, "test": table}},
+        "invalid_sid_rate": 0.0,
+        "n_users": {"valid": 4, "test": 4},
+        "slices": {"cold": {"definition": {"max_sft_targets": 1, "n_cold_items": 4},
+                            "valid": cold_valid, "test": cold_test}},
+    }
+
+
+def test_format_table_has_cold_rows_and_skips_empty_slices():
+    cell = {"value": 0.25, "ci": [0.0, 0.5]}
+    table = {f"{m}@{k}": cell for m in ("recall", "ndcg", "precision") for k in KS}
+    cold = {"n_users": 3, "model": table, "baselines": {"mostpop": table, "markov": table}, "ranks": {}}
+    empty = {"n_users": 0, "model": {}, "baselines": {"mostpop": {}, "markov": {}}, "ranks": {}}
+    text = E.format_table(_metrics(cold, empty), KS)
+    names = [line.split()[0] for line in text.splitlines()[1:] if line and "/" in line.split()[0]]
+    assert names == ["valid/sft", "valid/mostpop", "valid/markov", "test/sft", "test/mostpop", "test/markov",
+                     "valid/sft[cold]", "valid/mostpop[cold]", "valid/markov[cold]"]
+    assert "cold users (target of <= 1 SFT windows, 4 cold items): valid=3, test=0" in text
+    # A metrics dict without slices (older runs) still formats.
+    old = _metrics(cold, empty)
+    del old["slices"]
+    assert "[cold]" not in E.format_table(old, KS) and "cold users" not in E.format_table(old, KS)
+
+
+def test_format_ranks_line():
+    from gti.eval.rank import rank_metrics
+
+    line = E.format_ranks("test", rank_metrics([1.0, 2.0, 4.0], 5, 0, 0), "[cold]")
+    assert line.startswith("test[cold]: MRR 0.5833 [0.5833, 0.5833]")
+    assert "mean percentile rank 0.3333" in line and "median rank 2 of 5 items (3 users)" in line
