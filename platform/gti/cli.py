@@ -99,6 +99,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-len", type=int, default=None, help="--walk: longest user sequence (default 14)")
     s.set_defaults(func=_delegate("gti.data.synth", "cli_main"))
 
+    s = dsub.add_parser("dense", help="the top-N items and their active users, as a smaller data set")
+    s.add_argument("--items-path", default="bundled:amazon-scientific", help="items parquet/CSV or bundled:<name>")
+    s.add_argument("--interactions-path", default=None, help="default: same as --items-path (bundled)")
+    s.add_argument("--items", type=int, required=True, help="keep the N most interacted items")
+    s.add_argument("--min-user-len", type=int, default=5, help="keep users with >= this many interactions on them")
+    s.add_argument("--out", required=True)
+    s.set_defaults(func=_delegate("gti.data.dense", "cli_main"))
+
     p = sub.add_parser("recommend", help="top-K items for a history, from a finished run")
     p.add_argument("--run-dir", required=True)
     p.add_argument("--history", required=True, help="comma-separated item ids, oldest first")

@@ -292,6 +292,9 @@ class SftConfig(TrainConfig):
     multitask_weight: float = Field(0.5, ge=0)
     lora: LoraConfig = Field(default_factory=LoraConfig)
     val_users: int = Field(64, ge=1)
+    # Also the exact-rank MRR of the validation users at every validation (gti.eval.rank: one
+    # prefill plus one token per distinct SID prefix per user); val_loss is always computed.
+    val_mrr: bool = False
     # "chat": the chat template, system prompt and a retrieval template around the history
     # (the paper's form). "compact": the history's SID tokens alone, then the answer; no chat
     # scaffolding (see gti.lm.templates.render_rec_prompt). Used by SFT, evaluate and recommend.

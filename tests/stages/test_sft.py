@@ -91,7 +91,8 @@ def sft_cfg(run_dir, *overrides):
         ROOT / "jobs" / "configs" / "tiny.yaml",
         [f"run_dir={run_dir}", "sft.steps=8", "sft.batch_size=8", "sft.num_workers=2",
          "sft.checkpoint_every=4", "sft.val_every=4", "sft.val_users=8", "sft.lr=3e-3",
-         "sft.warmup_steps=1", "sft.zero_stage=2", "sft.max_len=160", "eval.beam_width=10", "eval.ks=[5,10]", *overrides],
+         "sft.warmup_steps=1", "sft.zero_stage=2", "sft.max_len=160", "eval.beam_width=10", "eval.ks=[5,10]",
+         "sft.val_mrr=true", *overrides],
     )
 
 
@@ -118,6 +119,11 @@ def test_sft_two_workers_deepspeed_lowers_loss_and_exports(sft_run):
     assert np.mean(last_losses) < 0.8 * np.mean(first_losses), f["loss_history"]
     assert [v["step"] for v in f["val_recall@10"]] == [4, 8]
     assert all(0.0 <= v["value"] <= 1.0 for v in f["val_recall@10"])
+    curves = f["val_history"]
+    assert sorted(curves) == ["val_loss", "val_mrr", "val_recall@10"]
+    assert [v["step"] for v in curves["val_loss"]] == [4, 8] == [v["step"] for v in curves["val_mrr"]]
+    assert all(v["value"] > 0 for v in curves["val_loss"])
+    assert all(0.0 < v["value"] <= 1.0 for v in curves["val_mrr"])
     assert f["sid_map_hash"] == HASH and f["new_token_ids"] == [first, end]
     # All parameters trained: tied tiny model -> every parameter once.
     model = AutoModelForCausalLM.from_pretrained(run_dir / "sft" / "model", use_safetensors=True)
@@ -286,3 +292,46 @@ def test_lora_wrap_trains_adapters_and_embeddings_and_merges_back(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(merged(input_ids=ids).logits, model(input_ids=ids).logits, atol=1e-4, rtol=1e-4)
         assert not torch.allclose(merged(input_ids=ids).logits, base(input_ids=ids).logits, atol=1e-3)
+
+
+def test_validation_loss_and_mrr_match_direct_computation(tmp_path):
+    """`val_loss` is the per-token loss of the target SIDs given the prompts (as the HF forward
+    computes it) and `val_mrr` the mean 1/rank of the target among all catalog SIDs (brute-force
+    scoring); rows not counted (rank padding) are left out of both."""
+    from safetensors.torch import save_file
+
+    from gti.eval.decode import score_all_sids
+    from gti.lm import models, vocab
+    from gti.sid.codec import SidCodec
+    from gti.stages.sft import _val_loss_and_mrr
+
+    model, tok = models.build_tiny(config.ModelConfig(name="tiny"), seed=0)
+    codec = SidCodec(2, [4, 4])
+    first, end = vocab.extend_tokenizer(tok, codec.tokens())
+    model.resize_token_embeddings(end, mean_resizing=False)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(1)
+        model.get_input_embeddings().weight[first:end] = torch.randn(end - first, model.config.hidden_size, generator=g)
+    model.eval()
+    codes = torch.tensor([[i // 4, i % 4] for i in range(12)])
+    sids = codec.token_ids_from_offset(codes, first)
+    save_file({"sid_token_ids": sids.contiguous()}, str(tmp_path / "sids.safetensors"))
+    prompts = [tok.encode("beaker flask"), tok.encode("glass"), tok.encode("tape label battery")]
+    targets = torch.tensor([3, 7, 10])
+    counted = torch.tensor([True, True, False])
+    v = {"sids_path": str(tmp_path / "sids.safetensors"), "pad_id": tok.pad_token_id, "batch_users": 2, "mrr": True}
+    with torch.no_grad():
+        out = _val_loss_and_mrr(model, prompts, targets, counted, v)
+        total, n = 0.0, 0
+        mrr = 0.0
+        for p, t in zip(prompts[:2], targets[:2].tolist()):
+            ids = torch.tensor([p + sids[t].tolist()])
+            labels = torch.tensor([[-100] * len(p) + sids[t].tolist()])
+            total += float(model(input_ids=ids, labels=labels).loss) * 2
+            n += 2
+            scores = score_all_sids(model, p, sids)
+            mrr += 1.0 / (1 + int((scores > scores[t]).sum()))
+    assert out["val_loss"][1] == n
+    assert out["val_loss"][0] / n == pytest.approx(total / n, rel=1e-5)
+    assert out["val_mrr"][1] == 2
+    assert out["val_mrr"][0] == pytest.approx(mrr, rel=1e-5)

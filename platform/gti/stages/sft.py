@@ -16,7 +16,9 @@ Flow:
    gradient accumulation, warmup + cosine schedule, checkpoints under `ray_train/` through
    `ray.train.report` (a restarted worker group or a rerun driver resumes from the latest one;
    `FailureConfig(max_failures=sft.max_failures)`), and every `sft.val_every` steps Recall@10
-   of constrained beam search on the validation users (`val_recall@10`).
+   of constrained beam search on the validation users (`val_recall@10`), their teacher-forced
+   loss on the target SID (`val_loss`) and, with `sft.val_mrr`, the mean reciprocal exact rank
+   of the target among all catalog SIDs (`val_mrr`): learning curves that move before Recall.
    Optional LoRA (`sft.lora.enabled`): peft adapters on every linear layer of the backbone,
    the embedding matrix and the output head fully trainable (the paper's appendix variant);
    `sft.lora.quantize_4bit` (QLoRA) needs bitsandbytes and a GPU, else a ConfigError.
@@ -173,7 +175,46 @@ def validate_sft(module: torch.nn.Module, config: dict, rank: int, world: int) -
         pad_id=int(v["pad_id"]), batch_users=int(v.get("batch_users", 8)),
     )
     hit = (res.items.cpu() == targets.unsqueeze(1)).any(dim=1) & counted
-    return {VAL_METRIC: (float(hit.sum()), float(counted.sum()))}
+    out = {VAL_METRIC: (float(hit.sum()), float(counted.sum()))}
+    out.update(_val_loss_and_mrr(module, [prompts[i] for i in rows], targets, counted, v))
+    return out
+
+
+def _val_loss_and_mrr(module, prompts: list[list[int]], targets: torch.Tensor, counted: torch.Tensor,
+                      v: dict) -> dict[str, tuple[float, float]]:
+    """Learning-curve metrics on the validation users (they move long before Recall@10 leaves
+    the floor): `val_loss`, the teacher-forced loss of the target's SID tokens per token, and,
+    with v["mrr"], `val_mrr`, the mean reciprocal exact rank of the target among all catalog
+    SIDs (`gti.eval.rank`). Rows not `counted` (rank padding) contribute nothing."""
+    from gti.eval.rank import exact_ranks, score_catalog
+    from gti.lm.templates import IGNORE
+    from safetensors.torch import load_file
+
+    from gti.train.loop import PadCollate
+    from gti.train.loss import labelled_loss
+
+    sids = load_file(v["sids_path"])["sid_token_ids"]  # [N_items, L]
+    device = next(module.parameters()).device
+    out: dict[str, tuple[float, float]] = {}
+    loss_sum, n_tok = 0.0, 0
+    bs = int(v.get("batch_users", 8))
+    for lo in range(0, len(prompts), bs):
+        ids, labels = [], []
+        for p, t, c in zip(prompts[lo: lo + bs], targets[lo: lo + bs].tolist(), counted[lo: lo + bs].tolist()):
+            ans = sids[t].tolist()
+            ids.append(list(p) + ans)
+            labels.append([IGNORE] * len(p) + (ans if c else [IGNORE] * len(ans)))
+        b = {k: x.to(device) for k, x in PadCollate(int(v["pad_id"]))({"input_ids": ids, "labels": labels}).items()}
+        n = int((b["labels"][:, 1:] != IGNORE).sum())
+        if n:
+            loss_sum += float(labelled_loss(module, b["input_ids"], b["attention_mask"], b["labels"])) * n
+            n_tok += n
+    out["val_loss"] = (loss_sum, float(n_tok))
+    if v.get("mrr"):
+        scores = score_catalog(module, prompts, sids.cpu(), pad_id=int(v["pad_id"]), batch_users=bs)
+        ranks = exact_ranks(scores, targets)
+        out["val_mrr"] = (float((1.0 / ranks)[counted].sum()), float(counted.sum()))
+    return out
 
 
 def _sft_hooks():
@@ -406,7 +447,7 @@ def run(ctx: StageContext, fault_injection: dict | None = None) -> StageResult:
                 "path": str(data_dir / VAL_FILE), "sids_path": str(data_dir / SIDS_FILE),
                 "new_start": new_start, "new_end": new_end, "levels": int(sid_matrix.shape[1]),
                 "pad_id": int(pad_id), "k": k, "beam_width": max(k, cfg.eval.beam_width),
-                "batch_users": cfg.eval.batch_users,
+                "batch_users": cfg.eval.batch_users, "mrr": sc.val_mrr,
             },
         }
         if fault_injection:
@@ -451,6 +492,9 @@ def run(ctx: StageContext, fault_injection: dict | None = None) -> StageResult:
             "first_loss": float(losses[0][1]) if losses else None,
             "loss_history": [{"step": int(s), "value": float(v)} for s, v in losses],
             VAL_METRIC: val_hist,
+            # Every validation metric's curve (val_recall@10, val_loss, val_mrr with sft.val_mrr).
+            "val_history": {k: [{"step": int(st), "value": float(x)} for st, x in pts]
+                            for k, pts in history["val"].items()},
             "sid_map_hash": sid_map_hash,
             "new_token_ids": [first_new, end_new],
             "trainable_params": n_trainable,
