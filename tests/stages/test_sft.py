@@ -119,6 +119,11 @@ def test_sft_two_workers_deepspeed_lowers_loss_and_exports(sft_run):
     assert np.mean(last_losses) < 0.8 * np.mean(first_losses), f["loss_history"]
     assert [v["step"] for v in f["val_recall@10"]] == [4, 8]
     assert all(0.0 <= v["value"] <= 1.0 for v in f["val_recall@10"])
+    from gti.devices import resolve_precision
+
+    # precision: auto resolved in the worker and recorded; where the time went, too.
+    assert f["precision_setting"] == "auto" and f["precision"] == resolve_precision("auto")
+    assert f["timing"]["compute_s"] > 0 and f["timing"]["loop_s"] >= f["timing"]["compute_s"]
     curves = f["val_history"]
     assert sorted(curves) == ["val_loss", "val_mrr", "val_recall@10"]
     assert [v["step"] for v in curves["val_loss"]] == [4, 8] == [v["step"] for v in curves["val_mrr"]]
@@ -335,3 +340,18 @@ def test_validation_loss_and_mrr_match_direct_computation(tmp_path):
     assert out["val_loss"][0] / n == pytest.approx(total / n, rel=1e-5)
     assert out["val_mrr"][1] == 2
     assert out["val_mrr"][0] == pytest.approx(mrr, rel=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_sft_model_is_loaded_in_model_dtype(tmp_path, dtype):
+    """model.dtype is honoured by the SFT worker's model (it used to load fp32 whatever it said)."""
+    from gti.lm import models, vocab
+    from gti.stages.sft import build_sft_model
+
+    model, tok = models.build_tiny(config.ModelConfig(name="tiny"), seed=0)
+    vocab.export_model(model, tok, tmp_path / "m", {"sid_map_hash": HASH})
+    cfg = config.load(ROOT / "jobs" / "configs" / "tiny.yaml", [f"model.dtype={dtype}"])
+    built = build_sft_model({"sft": {"model_dir": str(tmp_path / "m")}}, cfg)
+    want = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    assert {p.dtype for p in built.parameters()} == {want}
+    assert all(p.requires_grad for p in built.parameters())

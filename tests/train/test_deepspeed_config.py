@@ -15,6 +15,10 @@ from gti.train.deepspeed_config import build_ds_config
 def test_every_stage_and_precision(stage, precision, bf16_weights):
     cfg = GroundConfig(zero_stage=stage, precision=precision, batch_size=16, num_workers=2,
                        grad_accum=2, lr=3e-3, weight_decay=0.1, max_grad_norm=0.5)
+    if bf16_weights and stage == 0:
+        with pytest.raises(ConfigError, match=r"model\.dtype=bfloat16 needs ground\.zero_stage >= 1"):
+            build_ds_config(cfg, 2, use_gpu=False, bf16_weights=True)
+        return
     ds = build_ds_config(cfg, 2, use_gpu=False, bf16_weights=bf16_weights)
     assert ds["train_micro_batch_size_per_gpu"] == 4 == cfg.micro_batch_per_worker()
     assert ds["gradient_accumulation_steps"] == 2
@@ -72,9 +76,9 @@ def test_deepspeed_accepts_the_dict():
 
     for stage in (0, 1, 2, 3):
         cfg = GroundConfig(batch_size=8, zero_stage=stage, grad_accum=2, precision="bf16")
-        parsed = DeepSpeedConfig(build_ds_config(cfg, 1, use_gpu=False, bf16_weights=True))
+        parsed = DeepSpeedConfig(build_ds_config(cfg, 1, use_gpu=False, bf16_weights=stage > 0))
         assert parsed.train_batch_size == 8
         assert parsed.train_micro_batch_size_per_gpu == 4
-        assert parsed.bfloat16_config.enabled
+        assert parsed.bfloat16_config.enabled == (stage > 0)
         assert parsed.gradient_accumulation_steps == 2
         assert parsed.zero_optimization_stage == stage

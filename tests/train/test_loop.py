@@ -256,3 +256,38 @@ def test_length_grouped_stream_every_row_once_deterministic_and_resumable():
     assert resumed == a[10:]
     other = _epoch_rows(ShardStream(shard, micro, PadCollate(0), seed=6, group_by_length=True), n_batches)
     assert other != a
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_bf16_weights_train_with_fp32_master_weights(single_process_dist_env, stage):
+    """model.dtype bfloat16: the module holds bf16 weights, DeepSpeed's bf16 mode keeps fp32
+    master copies for AdamW, the labelled-position loss and bf16 autocast run on them, and the
+    trained rows come back as full fp32 (from the master copy)."""
+    import deepspeed
+
+    from gti.train.loop import make_forward
+
+    model, first = _tiny_split_model(True)
+    model.to(torch.bfloat16)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    tc = GroundConfig(zero_stage=stage, batch_size=2, lr=1e-2, steps=2)
+    engine, opt, _, _ = deepspeed.initialize(
+        model=model, model_parameters=trainable,
+        config=build_ds_config(tc, 1, use_gpu=False, bf16_weights=True),
+    )
+    forward = make_forward(engine.module, "bf16", "cpu")
+    g = torch.Generator().manual_seed(0)
+    before = vocab.new_rows_parameters(engine.module)[0].detach().float().clone()
+    for _ in range(2):
+        ids = torch.randint(first, first + 12, (2, 8), generator=g)
+        loss = forward(engine, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids})
+        assert loss.dtype == torch.float32 and torch.isfinite(loss)
+        engine.backward(loss)
+        engine.step()
+    assert all(p.dtype == torch.bfloat16 for p in engine.module.parameters())
+    state = ground_trainable_state(engine.module)
+    assert state["e_new"].dtype == torch.float32
+    assert not torch.equal(state["e_new"], before)
+    # The fp32 master differs from its bf16 rounding: updates smaller than bf16's resolution
+    # are kept, which is why the master copy exists.
+    assert not torch.equal(state["e_new"], state["e_new"].to(torch.bfloat16).float())

@@ -1,9 +1,11 @@
 """PNG plots of the embedding diagnostics (matplotlib, headless Agg backend).
 
-What it is for: three pictures, each written to a PNG whose path is returned:
+What it is for: four pictures, each written to a PNG whose path is returned:
 - `plot_spectra`: normalised singular-value spectra of E_new, one line per arm/phase, log y;
 - `plot_sid_heatmap`: the SID-SID cosine matrix ordered by code level, with level boundaries;
-- `plot_sid_text_heatmap`: cosine between SID rows and a sample of old text-token rows.
+- `plot_sid_text_heatmap`: cosine between SID rows and a sample of old text-token rows;
+- `plot_learning_curves`: one validation metric against the training step, a line per arm
+  (mean over seeds) with a shaded min-max band.
 
 What it does not know: where the matrices come from or what the numbers mean for the paper;
 it takes arrays (numpy or torch) and labels. It never calls `plt.show()` and never uses the
@@ -139,4 +141,40 @@ def plot_sid_text_heatmap(
     ax.set_ylabel("SID tokens (level-major)")
     ax.set_title(title, fontsize=10)
     fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04, label="cosine")
+    return _save(fig, path)
+
+
+def plot_learning_curves(
+    curves: Mapping[str, Mapping[str, Sequence[float]]],
+    path: str | Path,
+    metric: str = "value",
+    title: str | None = None,
+    xlabel: str = "SFT step",
+) -> Path:
+    """One line per label: curves[label] = {"step": [...], "mean": [...]} with optional "lo"
+    and "hi" (same length) drawn as a shaded band (e.g. min and max over seeds). A single
+    point is drawn as a marker."""
+    fig = Figure(figsize=(6.4, 4.0))
+    ax = fig.add_subplot(1, 1, 1)
+    plotted = 0
+    for label, c in curves.items():
+        x = np.asarray(c.get("step", []), dtype=np.float64)
+        y = np.asarray(c.get("mean", []), dtype=np.float64)
+        if x.size == 0 or x.size != y.size:
+            continue
+        (line,) = ax.plot(x, y, label=str(label), linewidth=1.6, marker="o" if x.size <= 30 else None,
+                          markersize=3)
+        lo, hi = c.get("lo"), c.get("hi")
+        if lo is not None and hi is not None and len(lo) == x.size == len(hi):
+            ax.fill_between(x, np.asarray(lo, dtype=np.float64), np.asarray(hi, dtype=np.float64),
+                            color=line.get_color(), alpha=0.18, linewidth=0)
+        plotted += 1
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(metric)
+    ax.set_title(title or f"{metric} during training", fontsize=10)
+    ax.grid(True, alpha=0.25)
+    if plotted:
+        ax.legend(fontsize=8)
+    else:
+        ax.text(0.5, 0.5, "no curves", transform=ax.transAxes, ha="center")
     return _save(fig, path)

@@ -271,32 +271,81 @@ def _describe(err: BaseException) -> str:
 
 
 # --------------------------------------------------------------------------- report
+def _manifest_or_none(stage_dir: Path) -> Manifest | None:
+    try:
+        return Manifest.read(stage_dir)
+    except ManifestError:
+        return None
+
+
+def _curves(sft: Manifest | None) -> dict[str, list[list[float]]]:
+    """SFT validation curves {metric: [[step, value], ...]} from the sft manifest: facts
+    `val_history` (every val metric), else the older single `val_recall@10` list."""
+    if sft is None:
+        return {}
+    hist = sft.facts.get("val_history")
+    if not isinstance(hist, dict):
+        old = sft.facts.get("val_recall@10")
+        hist = {"val_recall@10": old} if isinstance(old, list) else {}
+    out = {}
+    for metric, pts in hist.items():
+        got = [[p["step"], p["value"]] for p in pts or [] if isinstance(p, dict) and "step" in p and "value" in p]
+        if got:
+            out[metric] = got
+    return out
+
+
+def _timing(r: ArmRun, ground: Manifest | None, sft: Manifest | None) -> dict[str, Any]:
+    """Wall seconds of the arm's ground and SFT stages (manifest duration_s; 0 = not recorded)
+    and the training loops' compute seconds (facts timing.compute_s) when present."""
+    out: dict[str, Any] = {"grounding": bool(r.cfg.ground.enabled)}
+    for name, m in (("ground", ground), ("sft", sft)):
+        if m is None:
+            continue
+        if m.duration_s:
+            out[f"{name}_s"] = float(m.duration_s)
+        timing = m.facts.get("timing")
+        compute = timing.get("compute_s") if isinstance(timing, dict) else None
+        if compute is not None:
+            out[f"{name}_compute_s"] = float(compute)
+    return out if any(k.endswith("_s") for k in out) else {}
+
+
 def load_record(r: ArmRun):
-    """A RunRecord of a finished run (metrics, per-phase diagnostics, config, versions)."""
+    """A RunRecord of a finished run (metrics, per-phase diagnostics, config, versions, SFT
+    validation curves, ground/SFT wall time)."""
     from gti.diagnostics.report import RunRecord
 
     rep = Manifest.read(r.run_dir / "report")
     doc = json.loads(rep.output(r.run_dir / "report", "report_json").read_text())
     ev = Manifest.read(r.run_dir / "evaluate")
     metrics = json.loads(ev.output(r.run_dir / "evaluate", "metrics").read_text())
+    ground, sft = _manifest_or_none(r.run_dir / "ground"), _manifest_or_none(r.run_dir / "sft")
     return RunRecord(
         arm=r.arm, seed=r.seed, metrics=metrics, diagnostics=doc["runs"][0]["diagnostics"],
         config=r.cfg.model_dump(mode="json"), versions=rep.versions, run_dir=str(r.run_dir),
+        curves=_curves(sft), timing=_timing(r, ground, sft),
     )
 
 
 def _run_facts(r: ArmRun) -> dict[str, Any]:
-    return {
+    facts: dict[str, Any] = {
         "init": r.cfg.init.method,
         "ground_steps": r.cfg.ground.steps if r.cfg.ground.enabled else 0,
         "sft_steps": r.cfg.sft.steps,
         "multitask": r.cfg.sft.multitask,
     }
+    for stage in ("ground", "sft"):
+        m = _manifest_or_none(r.run_dir / stage)
+        if m is not None and m.duration_s:
+            facts[f"{stage}_s"] = round(float(m.duration_s), 1)
+    return facts
 
 
 def write_report(runs: Sequence[ArmRun], cfg: C.RunConfig, out: Path, title: str) -> dict[str, Path]:
-    """The cross-arm report over the finished runs: spectra per phase, heat maps per arm."""
-    from gti.diagnostics.report import build_report, spectra_plots
+    """The cross-arm report over the finished runs: spectra per phase, SFT learning curves,
+    heat maps per arm."""
+    from gti.diagnostics.report import build_report, learning_curve_plots, spectra_plots
 
     done = [r for r in runs if (r.run_dir / "report" / "_manifest.json").is_file()]
     if not done:
@@ -305,6 +354,7 @@ def write_report(runs: Sequence[ArmRun], cfg: C.RunConfig, out: Path, title: str
     plot_dir = out / "plots"
     plot_dir.mkdir(parents=True, exist_ok=True)
     plots = dict(spectra_plots(records, plot_dir))
+    plots.update(learning_curve_plots(records, plot_dir))
     for arm in dict.fromkeys(r.arm for r in done):
         first = next(r for r in done if r.arm == arm)
         for name, caption in (("sid_sid_init", "SID-SID cosine at init"),

@@ -72,6 +72,13 @@ def build_ds_config(train_cfg: TrainConfig, world_size: int, *, use_gpu: bool,
     micro = micro_batch(train_cfg, world_size)
     stage = int(train_cfg.zero_stage)
     bf16 = bool(bf16_weights)
+    if bf16 and stage == 0:
+        # DeepSpeed keeps fp32 master weights for bf16 modules only inside ZeRO's optimizers;
+        # stage 0 would step the bf16 weights directly and lose every small update.
+        raise ConfigError(
+            f"model.dtype=bfloat16 needs {sec}.zero_stage >= 1 (fp32 master weights live in "
+            f"ZeRO's optimizer), or model.dtype=float32 with {sec}.precision=bf16 (autocast)"
+        )
     beta1, beta2 = train_cfg.adam_betas
     if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
         raise ConfigError(f"{sec}.adam_betas: each beta must be in [0, 1), got {train_cfg.adam_betas}")
