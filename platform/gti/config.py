@@ -307,6 +307,10 @@ class EvalConfig(_Strict):
     ks: list[int] = Field(default_factory=lambda: [5, 10, 20])
     splits: list[Literal["valid", "test"]] = Field(default_factory=lambda: ["valid", "test"])
     max_users: int | None = Field(None, gt=0, description="evaluate a sample of users")
+    sample_seed: int | None = Field(
+        None, description="seed of that sample (None: the run's seed; fix it to evaluate the same "
+        "users in every seed of a comparison)",
+    )
     batch_users: int = Field(8, ge=1)
     concurrency: int = Field(1, ge=1)
     num_gpus: float = Field(0.0, ge=0)

@@ -42,3 +42,16 @@ def test_plot_sid_text_heatmap(tmp_path):
     assert _is_png(out)
     out2 = P.plot_sid_text_heatmap(rng.normal(size=(24, 8)), rng.normal(size=(50, 8)), tmp_path / "st2.png")
     assert _is_png(out2)
+
+
+def test_plot_learning_curves(tmp_path):
+    curves = {
+        "mean": {"step": [10, 20, 30], "mean": [3.0, 2.5, 2.2], "lo": [2.9, 2.4, 2.1], "hi": [3.1, 2.6, 2.3]},
+        "gti": {"step": [10, 20, 30], "mean": [2.6, 2.3, 2.1]},  # one seed: no band
+        "single": {"step": [10], "mean": [2.0], "lo": [1.9], "hi": [2.1]},
+        "empty": {"step": [], "mean": []},
+    }
+    out = P.plot_learning_curves(curves, tmp_path / "c" / "curve_val_loss.png", metric="val_loss")
+    assert out == tmp_path / "c" / "curve_val_loss.png"
+    assert _is_png(out)
+    assert _is_png(P.plot_learning_curves({}, tmp_path / "none.png"), min_bytes=1000)

@@ -219,6 +219,101 @@ def test_cli_main_prints_report_path_and_reports_failed_arms(tmp_path, fake_stag
     assert "sft exploded" in capsys.readouterr().err
 
 
+# --------------------------------------------------------------------------- report inputs
+def _write_run(r, *, new_fields=True, n_items=50):
+    """The manifests/files write_report reads from one finished arm run (no stage runs)."""
+    from gti.manifest import Manifest
+
+    def manifest(stage, outputs=None, facts=None, duration=0.0):
+        d = r.run_dir / stage
+        d.mkdir(parents=True, exist_ok=True)
+        Manifest(stage=stage, fingerprint="fp", config={}, outputs=outputs or {}, facts=facts or {},
+                 duration_s=duration).write(d)
+        return d
+
+    d = manifest("report", {"report_json": "report.json"})
+    (d / "report.json").write_text(json.dumps({"runs": [{"diagnostics": {}}]}))
+    good = r.arm == "gti"
+    rng = np.random.default_rng(r.seed)
+    ranks = rng.integers(1, (10 if good else 40) + 1, size=60).astype(float)
+    metrics = {"splits": {"test": {"recall@10": {"value": float((ranks <= 10).mean()), "ci": [0.0, 1.0]}}},
+               "baselines": {}, "invalid_sid_rate": 0.0,
+               "per_user": {"test": {"user_ids": [f"u{i}" for i in range(60)],
+                                     "recall@10": (ranks <= 10).astype(float).tolist()}}}
+    if new_fields:
+        rr, pct = 1 / ranks, (ranks - 1) / (n_items - 1)
+        metrics["ranks"] = {"test": {
+            "mrr": {"value": float(rr.mean()), "ci": [0.0, 1.0]},
+            "mean_percentile_rank": {"value": float(pct.mean()), "ci": [0.0, 1.0]},
+            "median_rank": float(np.median(ranks)), "mean_rank": float(ranks.mean()),
+            "n_users": 60, "n_items": n_items}}
+        metrics["per_user"]["test"]["exact_rank"] = ranks.tolist()
+        metrics["slices"] = {"cold": {
+            "definition": {"max_sft_targets": 1, "n_cold_items": 7, "n_items": n_items},
+            "test": {"n_users": 9, "model": {"recall@10": {"value": 0.3 if good else 0.1, "ci": [0.0, 0.5]}},
+                     "baselines": {"mostpop": {"recall@10": {"value": 0.0, "ci": [0.0, 0.0]}}},
+                     "ranks": {}}}}
+    d = manifest("evaluate", {"metrics": "metrics.json"})
+    (d / "metrics.json").write_text(json.dumps(metrics))
+    if new_fields:
+        manifest("ground", facts={"timing": {"compute_s": 30.0}} if good else {},
+                 duration=40.0 if good else 2.0)
+        val = {"val_loss": [{"step": s, "value": (2.0 if good else 2.5) - 0.1 * s / 5} for s in (5, 10)],
+               "val_mrr": [{"step": s, "value": (0.2 if good else 0.1) + 0.01 * s} for s in (5, 10)]}
+        manifest("sft", facts={"val_history": val, "timing": {"compute_s": 50.0}}, duration=60.0)
+    else:  # an older run: only the Recall@10 curve, no stage durations
+        manifest("ground")
+        manifest("sft", facts={"val_recall@10": [{"step": 5, "value": 0.1}]})
+
+
+def test_write_report_has_ranks_cold_curves_and_wall_time(tmp_path):
+    cfg = _base_cfg(tmp_path)
+    out = tmp_path / "cmp"
+    runs = CMP.plan(cfg, ["mean", "gti"], 2, out)
+    for r in runs:
+        _write_run(r)
+    rec = CMP.load_record(runs[2])
+    assert rec.curves["val_mrr"] == [[5, pytest.approx(0.25)], [10, pytest.approx(0.3)]]
+    assert rec.timing == {"grounding": True, "ground_s": 40.0, "ground_compute_s": 30.0,
+                          "sft_s": 60.0, "sft_compute_s": 50.0}
+    facts = CMP._run_facts(runs[2])
+    assert facts["ground_s"] == 40.0 and facts["sft_s"] == 60.0 and facts["ground_steps"] == 7
+
+    paths = CMP.write_report(runs, cfg, out, "T")
+    doc = json.loads(paths["json"].read_text())
+    rows = {(r["arm"], r["name"]): r for r in doc["metrics"]}
+    assert rows[("gti", "mrr")]["lift"] > 0 and rows[("gti", "mrr")]["verdict"] == "better"
+    assert rows[("gti", "mean_percentile_rank")]["lift"] < 0
+    assert rows[("gti", "mean_percentile_rank")]["verdict"] == "better"
+    assert "paired user bootstrap" in rows[("gti", "mrr")]["ci_method"]
+    cold = {(r["arm"], r["name"]): r["mean"] for r in doc["cold"]["rows"]}
+    assert cold == {("mean", "recall@10"): pytest.approx(0.1), ("gti", "recall@10"): pytest.approx(0.3)}
+    assert doc["cold"]["definition"]["n_cold_items"] == 7
+    assert doc["learning_curves"]["val_loss"]["gti"] == [[5, pytest.approx(1.9)], [10, pytest.approx(1.8)]]
+    assert set(doc["learning_curves"]) == {"val_loss", "val_mrr"}
+    assert (out / "plots" / "curve_val_loss.png").is_file() and (out / "plots" / "curve_val_mrr.png").is_file()
+    assert doc["wall_time"]["gti"]["total_s"] == pytest.approx(100.0)
+    assert doc["wall_time"]["mean"]["total_s"] == pytest.approx(62.0)
+    assert doc["wall_time"]["gti"]["extra_vs_baseline_s"] == pytest.approx(38.0)
+    page = paths["html"].read_text()
+    assert "Learning curves" in page and "Cold-item slice" in page and "Wall time" in page
+    assert page.count("data:image/png;base64,") == 2
+
+
+def test_write_report_on_old_runs(tmp_path):
+    cfg = _base_cfg(tmp_path)
+    out = tmp_path / "cmp"
+    runs = CMP.plan(cfg, ["mean", "gti"], 1, out)
+    for r in runs:
+        _write_run(r, new_fields=False)
+    assert CMP.load_record(runs[0]).timing == {}
+    assert "ground_s" not in CMP._run_facts(runs[0])
+    doc = json.loads(CMP.write_report(runs, cfg, out, "T")["json"].read_text())
+    assert {r["name"] for r in doc["metrics"]} == {"recall@10", "invalid_sid_rate"}
+    assert doc["cold"]["rows"] == [] and doc["wall_time"] == {}
+    assert doc["learning_curves"] == {"val_recall@10": {"mean": [[5, 0.1]], "gti": [[5, 0.1]]}}
+
+
 # --------------------------------------------------------------------------- the real thing
 @pytest.mark.slow
 @pytest.mark.ray

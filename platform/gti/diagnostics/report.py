@@ -500,37 +500,40 @@ def learning_curves(records: Sequence[RunRecord]) -> dict[str, dict[str, list[di
     return out
 
 
+def _standing(p: Mapping[str, float], b: Mapping[str, float], up: bool) -> str:
+    """'ahead of' / 'behind' / 'level with' for curve point p against baseline point b."""
+    if p["mean"] == b["mean"]:
+        return "level with"
+    ahead = (p["mean"] > b["mean"]) == up
+    apart = p["min"] > b["max"] or p["max"] < b["min"]
+    overlap = not apart and (p["n"] > 1 or b["n"] > 1)
+    return ("ahead of" if ahead else "behind") + (" (seed ranges overlap)" if overlap else "")
+
+
 def curve_reading(curves: Mapping[str, Mapping[str, Sequence[Mapping[str, float]]]],
                   baseline_arm: str) -> list[str]:
-    """Plain-words reading of each arm's curve against the baseline arm's: ahead/behind at the
-    first and last validation step both logged, and whether the seed ranges overlap there."""
+    """Plain-words reading of each arm's curve against the baseline arm's: ahead / behind at
+    the first and the last validation step both logged (mean over seeds; "seed ranges
+    overlap" when the min-max bands touch), and who catches up in between."""
     out = []
     for metric, arms in curves.items():
         base = {p["step"]: p for p in arms.get(baseline_arm) or []}
         up = higher_is_better(metric)
         for arm, pts in arms.items():
-            if arm == baseline_arm or not base:
-                continue
             common = [p for p in pts if p["step"] in base]
-            if not common:
+            if arm == baseline_arm or not common:
                 continue
-
-            def where(p):
-                b = base[p["step"]]
-                if p["mean"] == b["mean"]:
-                    return "level with"
-                ahead = (p["mean"] > b["mean"]) == up
-                sep = p["min"] > b["max"] or p["max"] < b["min"]
-                return ("ahead of" if ahead else "behind") + (
-                    "" if sep else " (seed ranges overlap)" if p["n"] > 1 or b["n"] > 1 else ""
-                )
-
             first, last = common[0], common[-1]
-            text = (f"{metric}: {arm} starts {where(first)} {baseline_arm} at step {first['step']} "
+            s0, s1 = _standing(first, base[first["step"]], up), _standing(last, base[last["step"]], up)
+            text = (f"{metric}: {arm} starts {s0} {baseline_arm} at step {first['step']} "
                     f"({fmt_plain(first['mean'])} vs {fmt_plain(base[first['step']]['mean'])})")
             if last is not first:
-                text += (f" and is {where(last)} it at step {last['step']} "
+                text += (f" and is {s1} it at step {last['step']} "
                          f"({fmt_plain(last['mean'])} vs {fmt_plain(base[last['step']]['mean'])})")
+                if s0.startswith("ahead") and not s1.startswith("ahead"):
+                    text += f"; {baseline_arm} catches up"
+                elif s0.startswith("behind") and not s1.startswith("behind"):
+                    text += f"; {arm} catches up" + (" and overtakes" if s1.startswith("ahead") else "")
             text += f" [{'higher' if up else 'lower'} is better]."
             out.append(text)
     return out
@@ -846,7 +849,9 @@ def _wall_time_html(wall: Mapping[str, Mapping[str, Any]], baseline_arm: str) ->
     for arm, w in wall.items():
         extra = _num(w.get("extra_vs_baseline_s"))
         extra_s = "&ndash;" if extra is None else f"{extra:+.1f} s"
-        total = fmt(w.get("total_s")) + (f" &plusmn; {fmt(w['total_s_std'])}" if w.get("total_s_std") is not None else "")
+        total = fmt(w.get("total_s"))
+        if w.get("total_s_std") is not None:
+            total += f" &plusmn; {fmt(w['total_s_std'])}"
         out.append(
             f"<tr><th>{html.escape(arm)}</th><td>{'yes' if w.get('grounding') else 'no'}</td>"
             + "".join(f'<td class="num">{fmt(w.get(k))}</td>'

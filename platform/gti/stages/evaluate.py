@@ -290,7 +290,9 @@ def run(ctx: StageContext) -> StageResult:
     seq_path = ctx.input("ingest", "sequences")
     seqs = pl.read_parquet(seq_path)
     sft_data.check_sequences(seqs, str(seq_path))
-    users = eval_users(seqs, ec.max_users, cfg.seed)
+    # A fixed sample seed (eval.sample_seed) keeps the same users across the seeds of a
+    # comparison, so per-user metrics pair up; None samples with the run's seed.
+    users = eval_users(seqs, ec.max_users, cfg.seed if ec.sample_seed is None else ec.sample_seed)
     frames = {s: split_frame(seqs, s, users, cfg.data.max_history) for s in ec.splits}
     rows = pl.concat([frames[s] for s in ec.splits])
     ctx.log(
