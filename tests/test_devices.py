@@ -51,19 +51,17 @@ def test_config_default_is_auto():
     assert GroundConfig().precision == "auto" and SftConfig().precision == "auto"
 
 
-def test_cpu_threads_split_the_node_between_its_processes(monkeypatch):
-    monkeypatch.setattr(devices.os, "cpu_count", lambda: 8)
-    assert devices.cpu_threads(None, 1) == 8  # one worker on a node: every core, not Ray's 1
-    assert devices.cpu_threads(None, 2) == 4
-    assert devices.cpu_threads(None, 16) == 1  # never below one
-    assert devices.cpu_threads(3, 2) == 3  # an explicit setting wins
+def test_cpu_threads_only_when_asked():
+    assert devices.cpu_threads(None) is None  # keep what Ray set for the worker
+    assert devices.cpu_threads(3) == 3
 
 
-def test_use_cpu_threads_sets_torch(monkeypatch):
+def test_use_cpu_threads_sets_torch_or_leaves_it():
     import torch
 
     before = torch.get_num_threads()
     try:
-        assert devices.use_cpu_threads(1, 4) == 1 and torch.get_num_threads() == 1
+        assert devices.use_cpu_threads(None) == before and torch.get_num_threads() == before
+        assert devices.use_cpu_threads(1) == 1 and torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)

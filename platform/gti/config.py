@@ -253,8 +253,8 @@ class TrainConfig(_Strict):
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     # Micro-batches of similar-length rows (gti.train.batching), so padding costs little.
     group_by_length: bool = True
-    # torch intra-op threads per CPU training worker; None = the node's cores / the workers on
-    # it (Ray would leave each worker 1 thread: OMP_NUM_THREADS=1).
+    # torch intra-op threads per CPU training worker; None keeps Ray's setting (= the CPUs the
+    # worker reserved, 1 by default). Set it to the node's cores for a single worker on a laptop.
     cpu_threads: int | None = Field(None, ge=1)
     checkpoint_every: int = Field(50, ge=1)
     val_every: int = Field(50, ge=1)
@@ -316,7 +316,7 @@ class EvalConfig(_Strict):
     num_gpus: float = Field(0.0, ge=0)
     bootstrap: int = Field(1000, ge=0)
     constrained: bool = True
-    # torch threads per CPU decoding actor; None = the node's cores / eval.concurrency.
+    # torch threads per CPU decoding actor; None keeps Ray's setting (1 by default).
     cpu_threads: int | None = Field(None, ge=1)
     # Exact rank of the true next item among ALL catalog items (MRR, mean percentile rank with
     # bootstrap CIs; gti.eval.rank), beside the beam-search top-K metrics. Costs one prefill

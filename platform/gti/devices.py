@@ -6,8 +6,8 @@ use_gpu)` turns a training config's `precision` ("auto" | "fp32" | "bf16") into 
 uses: "auto" is bf16 where it is native and fp32 elsewhere, where emulated bf16 would be slower
 than fp32.
 
-`cpu_threads` / `use_cpu_threads` size torch's intra-op threads for a process sharing a
-node with others (Ray leaves its workers one thread otherwise).
+`cpu_threads` / `use_cpu_threads` set torch's intra-op threads in a worker when the config asks
+(Ray leaves a worker as many threads as CPUs it reserved, 1 by default).
 
 What it does not know: configs, models, Ray. Pure torch queries; only `use_cpu_threads`
 changes anything (torch's thread count in this process).
@@ -45,20 +45,21 @@ def resolve_precision(setting: str, use_gpu: bool = False) -> str:
     return "bf16" if native_bf16("cuda" if use_gpu else "cpu") else "fp32"
 
 
-def cpu_threads(setting: int | None, processes_on_node: int) -> int:
-    """torch intra-op threads for one CPU process that shares this node with
-    `processes_on_node - 1` others: `setting` when given, else the node's cores split evenly.
+def cpu_threads(setting: int | None) -> int | None:
+    """torch intra-op threads for one CPU worker: `setting`, or None to keep what Ray set.
 
-    Why: Ray sets OMP_NUM_THREADS=1 in its workers and actors unless they reserve more CPUs,
-    so a single Train worker on a 2-core laptop trained on one core (SmolLM2 SFT step 3.9 s
-    instead of 3.2 s; bench/RESULTS.md)."""
-    if setting is not None:
-        return max(1, int(setting))
-    return max(1, (os.cpu_count() or 1) // max(1, int(processes_on_node)))
+    Ray sets OMP_NUM_THREADS to the CPUs a worker or actor reserves (1 by default), so a single
+    Train worker on a 2-core laptop trains on one core unless the config asks for more (SmolLM2
+    SFT step 3.9 s on one thread vs 3.2 s on two; bench/RESULTS.md). More threads than the
+    worker reserved only pay when it has the node to itself: several workers, Tune trials or
+    compare arms on one machine would oversubscribe the cores (measured: the multi-process
+    tests ran 1.5-2x slower), hence no automatic default."""
+    return None if setting is None else max(1, int(setting))
 
 
-def use_cpu_threads(setting: int | None, processes_on_node: int) -> int:
-    """Apply `cpu_threads(...)` to torch in this process; returns the number set."""
-    n = cpu_threads(setting, processes_on_node)
-    torch.set_num_threads(n)
-    return n
+def use_cpu_threads(setting: int | None) -> int:
+    """Apply `cpu_threads(setting)` to torch in this process; returns the thread count in use."""
+    n = cpu_threads(setting)
+    if n is not None:
+        torch.set_num_threads(n)
+    return torch.get_num_threads()

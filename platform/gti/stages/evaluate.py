@@ -75,7 +75,7 @@ class Recommender:
         if self.device.type == "cpu":
             from gti.devices import use_cpu_threads
 
-            use_cpu_threads(self.ec.cpu_threads, self.ec.concurrency)
+            use_cpu_threads(self.ec.cpu_threads)
         # model.dtype is honoured; on CUDA inference is bf16 either way.
         bf16 = self.device.type == "cuda" or cfg.model.dtype == "bfloat16"
         dtype = torch.bfloat16 if bf16 else torch.float32

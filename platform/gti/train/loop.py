@@ -255,7 +255,7 @@ def train_loop_per_worker(config: dict) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
 
     if not tc.use_gpu:
-        use_cpu_threads(tc.cpu_threads, ctx.get_local_world_size())
+        use_cpu_threads(tc.cpu_threads)
     model = hooks.build_model(config, cfg)
     precision = resolve_precision(tc.precision, tc.use_gpu)
     forward = make_forward(model, precision, "cuda" if tc.use_gpu else "cpu")
