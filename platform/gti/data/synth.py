@@ -138,6 +138,13 @@ def _users_chunk(tax: Taxonomy, n_items: int, start: int, stop: int, seed: int, 
     # Popularity skew inside a type: k = floor(count * u^3) favours low k.
     k = np.floor(per_type * rng.random(total) ** 3).astype(np.int64)
     items = np.minimum(k * tax.n_types + residue, n_items - 1)
+    return _interactions_table(rng, items, user_of_row, first_row, start, n_users)
+
+
+def _interactions_table(rng, items: np.ndarray, user_of_row: np.ndarray, first_row: np.ndarray,
+                        start: int, n_users: int) -> pa.Table:
+    """(user_id, item_id, ts) with random gaps; timestamps increase within each user."""
+    total = len(items)
     gaps = rng.integers(60, 86_400 * 3, total)
     base = 1_600_000_000 + rng.integers(0, 86_400 * 365, n_users)
     # Per-user cumulative time: subtract each user's starting offset from a global cumsum.
@@ -170,12 +177,9 @@ def _write_items(tax: Taxonomy, n_items: int, out: Path, seed: int, fmt: str, ch
             log(f"synth: {min(start + chunk, n_items):,}/{n_items:,} items ({time.time() - t0:.0f}s)")
 
 
-def generate(n_items: int, n_users: int | None, out: str | Path, seed: int = 0, fmt: str = "parquet",
-             chunk: int = CHUNK, log=lambda m: print(m, file=sys.stderr, flush=True)) -> dict:
-    """Write the synthetic data set; returns the summary also written to synth.json."""
-    if n_items < 1:
-        raise ValueError("--items must be >= 1")
-    n_users = n_items // 2 if n_users is None else n_users
+def _start(n_items: int, out: str | Path, seed: int, fmt: str, chunk: int, log):
+    """Output folders, file extension and taxonomy, then the items written: what every data
+    set shares. Returns (out, ext, taxonomy, start time)."""
     out = Path(out)
     (out / "items").mkdir(parents=True, exist_ok=True)
     (out / "interactions").mkdir(parents=True, exist_ok=True)
@@ -183,6 +187,16 @@ def generate(n_items: int, n_users: int | None, out: str | Path, seed: int = 0, 
     tax = Taxonomy(seed)
     t0 = time.time()
     _write_items(tax, n_items, out, seed, fmt, chunk, log, t0)
+    return out, ext, tax, t0
+
+
+def generate(n_items: int, n_users: int | None, out: str | Path, seed: int = 0, fmt: str = "parquet",
+             chunk: int = CHUNK, log=lambda m: print(m, file=sys.stderr, flush=True)) -> dict:
+    """Write the synthetic data set; returns the summary also written to synth.json."""
+    if n_items < 1:
+        raise ValueError("--items must be >= 1")
+    n_users = n_items // 2 if n_users is None else n_users
+    out, ext, tax, t0 = _start(n_items, out, seed, fmt, chunk, log)
     n_inter = 0
     user_chunk = max(1, chunk // 8)  # ~8 interactions per user keeps chunks about the same size
     for c, start in enumerate(range(0, n_users, user_chunk)):
@@ -217,12 +231,7 @@ def _walk_users_chunk(perm: np.ndarray, start: int, stop: int, min_len: int, max
     first_row = np.repeat(np.cumsum(lengths) - lengths, lengths)
     pos = np.arange(total) - first_row
     items = perm[(np.repeat(first, lengths) + pos) % n_items]
-    gaps = rng.integers(60, 86_400 * 3, total)
-    base = 1_600_000_000 + rng.integers(0, 86_400 * 365, n_users)
-    cum = np.cumsum(gaps)
-    ts = base[user_of_row - start] + cum - cum[first_row] + gaps[first_row]
-    return pa.table({"user_id": [f"u{u}" for u in user_of_row], "item_id": [str(i) for i in items],
-                     "ts": pa.array(ts, pa.int64())})
+    return _interactions_table(rng, items, user_of_row, first_row, start, n_users)
 
 
 def generate_walk(n_items: int, n_users: int | None, out: str | Path, seed: int = 0, fmt: str = "parquet",
@@ -247,13 +256,7 @@ def generate_walk(n_items: int, n_users: int | None, out: str | Path, seed: int 
     n_users = 20 * n_items if n_users is None else n_users
     if n_users < 0:
         raise ValueError("--users must be >= 0")
-    out = Path(out)
-    (out / "items").mkdir(parents=True, exist_ok=True)
-    (out / "interactions").mkdir(parents=True, exist_ok=True)
-    ext = {"parquet": "parquet", "csv": "csv", "jsonl": "jsonl"}[fmt]
-    tax = Taxonomy(seed)
-    t0 = time.time()
-    _write_items(tax, n_items, out, seed, fmt, chunk, log, t0)
+    out, ext, tax, t0 = _start(n_items, out, seed, fmt, chunk, log)
     perm = walk_permutation(n_items, seed)
     n_inter = 0
     user_chunk = max(1, chunk // max_len)

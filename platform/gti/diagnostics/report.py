@@ -616,14 +616,18 @@ def reading(doc: Mapping[str, Any]) -> list[str]:
 
 
 # --------------------------------------------------------------------------- rendering
-def fmt(x: Any, digits: int = 4) -> str:
-    """Human number: 4 significant digits, '-' for missing."""
+def _number_text(x: Any, digits: int, missing: str) -> str:
     v = _num(x)
     if v is None:
-        return "&ndash;"
+        return missing
     if v != 0 and (abs(v) < 1e-3 or abs(v) >= 1e5):
         return f"{v:.{digits - 1}e}"
     return f"{v:.{digits}g}"
+
+
+def fmt(x: Any, digits: int = 4) -> str:
+    """Human number: 4 significant digits, '-' for missing."""
+    return _number_text(x, digits, "&ndash;")
 
 
 def _pct(x: Any) -> str:
@@ -633,12 +637,7 @@ def _pct(x: Any) -> str:
 
 def fmt_plain(x: Any, digits: int = 4) -> str:
     """fmt() without HTML entities (for plain-text readings)."""
-    v = _num(x)
-    if v is None:
-        return "-"
-    if v != 0 and (abs(v) < 1e-3 or abs(v) >= 1e5):
-        return f"{v:.{digits - 1}e}"
-    return f"{v:.{digits}g}"
+    return _number_text(x, digits, "-")
 
 
 def _pct_plain(x: Any) -> str:
