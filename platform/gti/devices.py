@@ -52,8 +52,7 @@ def cpu_threads(setting: int | None) -> int | None:
     Train worker on a 2-core laptop trains on one core unless the config asks for more (SmolLM2
     SFT step 3.9 s on one thread vs 3.2 s on two; bench/RESULTS.md). More threads than the
     worker reserved only pay when it has the node to itself: several workers, Tune trials or
-    compare arms on one machine would oversubscribe the cores (measured: the multi-process
-    tests ran 1.5-2x slower), hence no automatic default."""
+    compare arms on one machine would oversubscribe the cores, hence no automatic default."""
     return None if setting is None else max(1, int(setting))
 
 
