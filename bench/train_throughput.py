@@ -4,7 +4,8 @@ The plain path is what a first implementation does: HF forward with `labels=` (f
 logits at every position), fp32, random micro-batches right-padded to their longest row.
 gti's step: loss only at labelled positions (`gti.train.loss.labelled_loss`), the resolved
 `precision: auto` (bf16 autocast where bf16 is native, else fp32), length-grouped micro-batches
-(`gti.train.batching`), torch's fused AdamW (as gti's DeepSpeed config). Both run the same rows, the same number of them, with AdamW on the
+(`gti.train.batching`), torch's fused AdamW (as gti's DeepSpeed config), eager attention on
+CPU (`attn_implementation: auto`). Both run the same rows, the same number of them, with AdamW on the
 same trainable set, interleaved round by round in one process (so load hits both alike).
 
 Rows (bundled amazon-scientific, 4,385 items with deterministic random unique 3 x 64 SIDs):
@@ -131,6 +132,10 @@ class Path_:
     """One training path: a model, its optimizer and how it computes the loss."""
 
     def __init__(self, model, gti: bool, precision: str, lr: float) -> None:
+        if gti:  # attn_implementation: auto = eager on CPU (gti.train.loop.set_training_attention)
+            from gti.train.loop import set_training_attention
+
+            set_training_attention(model, "auto", torch.cuda.is_available())
         self.model, self.gti = model, gti
         self.autocast = gti and precision == "bf16"
         # gti's DeepSpeed config runs torch's fused AdamW (gti.train.deepspeed_config).

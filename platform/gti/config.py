@@ -253,6 +253,10 @@ class TrainConfig(_Strict):
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     # Micro-batches of similar-length rows (gti.train.batching), so padding costs little.
     group_by_length: bool = True
+    # Attention kernel while training: "auto" = eager on CPU (its backward is ~1.35x faster than
+    # SDPA's flash kernel for SmolLM2 rows of ~65 tokens on 2 cores; bench/RESULTS.md), the
+    # model's own choice on GPU.
+    attn_implementation: Literal["auto", "sdpa", "eager"] = "auto"
     # torch intra-op threads per CPU training worker; None keeps Ray's setting (= the CPUs the
     # worker reserved, 1 by default). Set it to the node's cores for a single worker on a laptop.
     cpu_threads: int | None = Field(None, ge=1)

@@ -291,3 +291,26 @@ def test_bf16_weights_train_with_fp32_master_weights(single_process_dist_env, st
     # The fp32 master differs from its bf16 rounding: updates smaller than bf16's resolution
     # are kept, which is why the master copy exists.
     assert not torch.equal(state["e_new"], state["e_new"].to(torch.bfloat16).float())
+
+
+def test_training_attention_auto_is_eager_on_cpu_and_same_loss():
+    """attn_implementation auto: eager on CPU (faster backward there), untouched on GPU; the
+    loss is the same as with SDPA."""
+    from gti.config import ModelConfig
+    from gti.lm import models
+    from gti.train.loop import set_training_attention
+    from gti.train.loss import labelled_loss
+
+    model, _ = models.build_tiny(ModelConfig(name="tiny"), seed=0)
+    ids = torch.randint(0, 300, (3, 12), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, 9:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    model.set_attn_implementation("sdpa")
+    ref = labelled_loss(model, ids, mask, labels)
+    assert set_training_attention(model, "auto", use_gpu=True) is None
+    assert model.config._attn_implementation == "sdpa"
+    assert set_training_attention(model, "auto", use_gpu=False) == "eager"
+    assert model.config._attn_implementation == "eager"
+    assert torch.allclose(labelled_loss(model, ids, mask, labels), ref, atol=1e-5)
+    assert set_training_attention(model, "sdpa", use_gpu=False) == "sdpa"

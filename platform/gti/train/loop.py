@@ -257,6 +257,7 @@ def train_loop_per_worker(config: dict) -> dict[str, Any]:
     if not tc.use_gpu:
         use_cpu_threads(tc.cpu_threads)
     model = hooks.build_model(config, cfg)
+    set_training_attention(model, tc.attn_implementation, tc.use_gpu)
     precision = resolve_precision(tc.precision, tc.use_gpu)
     forward = make_forward(model, precision, "cuda" if tc.use_gpu else "cpu")
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -383,6 +384,19 @@ def train_loop_per_worker(config: dict) -> dict[str, Any]:
             _maybe_fail(config, rank)
 
     return {"step": step, "history": history, "timing": timing, "precision": precision}
+
+
+def set_training_attention(model: torch.nn.Module, setting: str, use_gpu: bool) -> str | None:
+    """Apply `attn_implementation` ("auto": eager on CPU, unchanged on GPU) to the HF model
+    inside `model` (a peft wrapper's base model too). Returns what was set, None if nothing."""
+    from gti.train.loss import _causal_lm
+
+    impl = ("eager" if not use_gpu else None) if setting == "auto" else setting
+    lm = _causal_lm(model)
+    if impl is None or not callable(getattr(lm, "set_attn_implementation", None)):
+        return None
+    lm.set_attn_implementation(impl)
+    return impl
 
 
 def make_forward(model: torch.nn.Module, precision: str, device_type: str) -> Callable:
