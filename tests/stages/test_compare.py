@@ -66,8 +66,8 @@ def test_parse_arms_and_seeds_errors(tmp_path):
         CMP.seeds_for(cfg, 0)
     runs = CMP.plan(cfg, ["mean", "gti+multitask"], 2, tmp_path / "out")
     assert [(r.arm, r.seed, r.run_dir.name, r.run_dir.parent.name) for r in runs] == [
-        ("mean", 10, "seed10", "mean"), ("mean", 11, "seed11", "mean"),
-        ("gti+multitask", 10, "seed10", "gti_multitask"), ("gti+multitask", 11, "seed11", "gti_multitask"),
+        ("mean", 10, "seed10", "mean"), ("gti+multitask", 10, "seed10", "gti_multitask"),
+        ("mean", 11, "seed11", "mean"), ("gti+multitask", 11, "seed11", "gti_multitask"),
     ]
 
 
@@ -272,11 +272,11 @@ def test_write_report_has_ranks_cold_curves_and_wall_time(tmp_path):
     runs = CMP.plan(cfg, ["mean", "gti"], 2, out)
     for r in runs:
         _write_run(r)
-    rec = CMP.load_record(runs[2])
+    rec = CMP.load_record(runs[1])  # gti seed 0 (seed-major order)
     assert rec.curves["val_mrr"] == [[5, pytest.approx(0.25)], [10, pytest.approx(0.3)]]
     assert rec.timing == {"grounding": True, "ground_s": 40.0, "ground_compute_s": 30.0,
                           "sft_s": 60.0, "sft_compute_s": 50.0}
-    facts = CMP._run_facts(runs[2])
+    facts = CMP._run_facts(runs[1])
     assert facts["ground_s"] == 40.0 and facts["sft_s"] == 60.0 and facts["ground_steps"] == 7
 
     paths = CMP.write_report(runs, cfg, out, "T")

@@ -138,10 +138,12 @@ class ArmRun:
 
 
 def plan(cfg: C.RunConfig, arms: Sequence[str], n_seeds: int, out: Path) -> list[ArmRun]:
-    """All arm x seed runs (arm-major), with their configs and run folders."""
+    """All arm x seed runs, seed-major (every arm of seed s before any arm of seed s+1), with
+    their configs and run folders. Seed-major so that a comparison stopped part-way (a long CPU
+    run spans sessions) always holds complete, paired seeds to report on."""
     runs = []
-    for arm in arms:
-        for seed in seeds_for(cfg, n_seeds):
+    for seed in seeds_for(cfg, n_seeds):
+        for arm in arms:
             rd = out / "runs" / _slug(arm) / f"seed{seed}"
             runs.append(ArmRun(arm, seed, rd, arm_config(cfg, arm, seed, rd)))
     return runs
