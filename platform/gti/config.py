@@ -359,6 +359,10 @@ class CompareConfig(_Strict):
     max_parallel: int | None = Field(None, ge=1)
     # CPUs reserved by each arm's driver task; its stages request their own Ray resources.
     arm_num_cpus: float = Field(0.0, ge=0)
+    # Where each finished arm run's report record is kept (None: <out>/records). A record
+    # stands for its run on another machine or in a later session (run folders are large and
+    # local): compare skips a run whose record matches its config and the shared SIDs/data.
+    records_dir: str | None = None
 
 
 # --------------------------------------------------------------------------- tune

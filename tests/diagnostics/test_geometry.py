@@ -161,3 +161,46 @@ def test_diagnose_mean_init_vs_spread():
     assert d1["effective_rank"] > 8
     assert len(d1["singular_values"]) == 12
     assert set(d1) >= {"block", "rsa", "mean_cosine_new_text", "per_level_effective_rank"}
+
+
+# --------------------------------------------------------------------------- bootstrap CIs
+@pytest.mark.parametrize("shape", [(12, 30), (40, 6)])  # n <= d (n x n Gram) and n > d (d x d)
+def test_bootstrap_effective_rank_equals_svd_of_the_resampled_rows(shape):
+    rng = np.random.default_rng(3)
+    E = rng.normal(size=shape)
+    reps = G.bootstrap_effective_rank(E, n_boot=3, seed=7)
+    draw = np.random.default_rng(7)
+    for rep in reps:
+        w = np.bincount(draw.integers(0, shape[0], shape[0]), minlength=shape[0])
+        assert rep == pytest.approx(G.effective_rank(np.repeat(E, w, axis=0)), rel=1e-6)
+
+
+def test_bootstrap_effective_rank_of_one_point_is_one():
+    E = np.tile(np.arange(1.0, 6.0), (8, 1))
+    assert G.bootstrap_effective_rank(E, n_boot=5) == pytest.approx([1.0] * 5)
+    assert G.bootstrap_effective_rank(E[:1], n_boot=5) == []
+
+
+def test_bootstrap_rsa_overall_perfect_and_unrelated():
+    rng = np.random.default_rng(0)
+    codes = [rng.normal(size=(16, 4)), rng.normal(size=(16, 4))]
+    Q = np.linalg.qr(rng.normal(size=(8, 8)))[0][:4]  # [4, 8] with orthonormal rows
+    same = np.concatenate([c @ Q for c in codes])  # cosines preserved exactly
+    boot = G.bootstrap_rsa_overall(codes, same, [16, 16], n_boot=20, seed=1)
+    assert len(boot["pearson"]) == 20 and np.allclose(boot["pearson"], 1.0)
+    noise = rng.normal(size=(32, 8))
+    boot = G.bootstrap_rsa_overall(codes, noise, [16, 16], n_boot=200, seed=1)
+    point = G.rsa_codes(codes, noise, [16, 16])["overall"]["pearson"]
+    lo, hi = np.percentile(boot["pearson"], [2.5, 97.5])
+    assert lo < point < hi and hi - lo > 0.05
+
+
+def test_diagnose_stores_replicates_only_when_asked():
+    rng = np.random.default_rng(0)
+    E = rng.normal(size=(8, 6))
+    codes = [rng.normal(size=(4, 3)), rng.normal(size=(4, 3))]
+    d = G.diagnose(E, [4, 4], code_vectors=codes, n_boot=10)
+    assert len(d["effective_rank_boot"]) == 10
+    assert len(d["rsa"]["overall"]["pearson_boot"]) == 10
+    d0 = G.diagnose(E, [4, 4], code_vectors=codes, n_boot=0)
+    assert "effective_rank_boot" not in d0 and "pearson_boot" not in d0["rsa"]["overall"]

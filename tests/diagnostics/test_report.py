@@ -354,3 +354,22 @@ def test_curve_reading_says_who_catches_up():
     assert mrr.endswith("mean catches up [higher is better].")
     loss = next(x for x in lines if x.startswith("val_loss"))  # higher loss = behind
     assert "gti starts behind mean" in loss and "gti catches up and overtakes" in loss
+
+
+def test_diagnostics_ci_from_stored_replicates_pools_seeds():
+    from gti.diagnostics.report import diagnostics_table
+
+    def rec(seed, er, boot):
+        diag = {"effective_rank": er, "effective_rank_boot": boot,
+                "rsa": {"overall": {"pearson": 0.5, "spearman": 0.4}}}
+        return RunRecord(arm="gti", seed=seed, diagnostics={"sft": diag})
+
+    one = diagnostics_table([rec(0, 10.0, [9.0, 10.0, 11.0] * 50)], n_boot=2000)
+    row = next(r for r in one if r["name"] == "effective_rank")
+    assert (row["ci_lo"], row["ci_hi"]) == (9.0, 11.0) and row["ci_method"] == "rows bootstrap"
+    two = diagnostics_table([rec(0, 1.0, [1.0] * 10), rec(1, 3.0, [3.0] * 10)], n_boot=4000)
+    row = next(r for r in two if r["name"] == "effective_rank")
+    # seed means are 1, 2 or 3: the CI spans the seeds' spread, not one seed's
+    assert (row["ci_lo"], row["ci_hi"]) == (1.0, 3.0) and row["ci_method"] == "seed x rows bootstrap"
+    rsa = next(r for r in two if r["name"] == "rsa_pearson")
+    assert rsa["ci_lo"] is None and rsa["ci_method"] == ""  # no replicates stored: no CI claimed

@@ -201,6 +201,83 @@ def test_compare_shares_stages_runs_arms_and_resumes(tmp_path, fake_stages, caps
     assert [c[0] for c in fake_stages.calls] == ["sft", "evaluate"]
 
 
+def test_records_stand_for_runs_elsewhere_and_are_refused_when_anything_differs(tmp_path, fake_stages):
+    """A comparison resumed on another machine (fresh --out, records carried over): finished
+    arm runs are taken from their records, never rerun; a changed config key or changed
+    shared data makes the record stand for nothing (named), and that run goes again."""
+    rec_dir = tmp_path / "records"
+    cfg = _base_cfg(tmp_path, f"compare.records_dir={rec_dir}")
+    msgs: list[str] = []
+    first = CMP.compare(cfg, ["mean", "gti"], 1, tmp_path / "here", echo=msgs.append)
+    assert sorted(p.relative_to(rec_dir).as_posix() for p in rec_dir.rglob("*.json")) == [
+        "gti/seed0.json", "mean/seed0.json"]
+    doc1 = json.loads(first["json"].read_text())
+
+    fake_stages.calls.clear()
+    msgs.clear()
+    again = CMP.compare(cfg, ["mean", "gti"], 1, tmp_path / "elsewhere", echo=msgs.append)
+    assert [c[0] for c in fake_stages.calls] == list(CMP.SHARED_STAGES)  # no arm stage ran
+    assert sum("taken from" in m for m in msgs) == 2
+    doc2 = json.loads(again["json"].read_text())
+    key = lambda d: {(r["arm"], r["name"]): r["mean"] for r in d["metrics"]}
+    assert key(doc2) == key(doc1) and doc2["seeds_per_arm"] == {"mean": 1, "gti": 1}
+    assert json.loads((tmp_path / "elsewhere" / "compare.json").read_text())["runs"][0]["from_record"]
+
+    # a config key that changes what a run computes: that record is refused, by key
+    fake_stages.calls.clear()
+    msgs.clear()
+    cfg_lr = _base_cfg(tmp_path, f"compare.records_dir={rec_dir}", "sft.lr=1e-5")
+    CMP.compare(cfg_lr, ["gti"], 1, tmp_path / "third", echo=msgs.append)
+    assert "ground" in [c[0] for c in fake_stages.calls]
+    assert any("record not used" in m and "sft.lr" in m for m in msgs)
+
+    # other shared data (here: another catalog file content) refuses every record, named
+    def other_ingest(ctx):
+        (ctx.work_dir / "items.parquet").write_text("other catalog")
+        return pipeline.StageResult({"items": "items.parquet"}, {"n_items": 3})
+
+    fake_stages.ingest = other_ingest
+    msgs.clear()
+    CMP.compare(_base_cfg(tmp_path, f"compare.records_dir={rec_dir}"), ["mean"], 1,
+                tmp_path / "fourth", echo=msgs.append)
+    assert any("record not used" in m and "ingest/items differ" in m for m in msgs)
+
+
+def test_report_only_runs_nothing(tmp_path, fake_stages):
+    cfg = _base_cfg(tmp_path)
+    with pytest.raises(CMP.CompareError, match="--report-only: shared stage"):
+        CMP.compare(cfg, ["mean"], 1, tmp_path / "o", echo=lambda m: None, report_only=True)
+    CMP.compare(cfg, ["mean"], 1, tmp_path / "o", echo=lambda m: None)
+    fake_stages.calls.clear()
+    paths = CMP.compare(cfg, ["mean"], 1, tmp_path / "o", echo=lambda m: None, report_only=True)
+    assert fake_stages.calls == [] and paths["html"].is_file()
+    assert (tmp_path / "o" / "records" / "mean" / "seed0.json").is_file()
+
+
+def test_config_diff_and_records_validated_with_todays_defaults(tmp_path):
+    assert CMP.config_diff({"a": {"b": 1, "c": 2}}, {"a": {"b": 1, "c": 3}, "d": 0}) == ["a.c", "d"]
+    assert CMP.config_diff({"a": [1, 2]}, {"a": [1, 2]}) == []
+    cfg = _base_cfg(tmp_path)
+    r = CMP.plan(cfg, ["mean"], 1, tmp_path / "o")[0]
+    rdir = tmp_path / "rec"
+    path = CMP.record_path(rdir, "mean", 0)
+    path.parent.mkdir(parents=True)
+    old_cfg = r.cfg.model_dump(mode="json")
+    del old_cfg["compare"]["records_dir"]  # a key that did not exist when the record was made
+    del old_cfg["sft"]["val_every"]        # ... counts at today's default
+    body = {"format": CMP.RECORD_FORMAT, "shared": {"ingest/items": "h"}, "facts": {"x": 1},
+            "record": {"arm": "mean", "seed": 0, "config": old_cfg}}
+    path.write_text(json.dumps(body))
+    rec, facts, why = CMP.read_record(r, rdir, {"ingest/items": "h"})
+    assert why == "" and rec.arm == "mean" and facts == {"x": 1}
+    body["record"]["config"]["sft"]["no_such_key"] = 1
+    path.write_text(json.dumps(body))
+    assert "does not validate today" in CMP.read_record(r, rdir, {"ingest/items": "h"})[2]
+    path.write_text("{not json")
+    assert "unreadable record" in CMP.read_record(r, rdir, {"ingest/items": "h"})[2]
+    assert CMP.read_record(r, tmp_path / "none", {}) == (None, None, "")
+
+
 def test_cli_main_prints_report_path_and_reports_failed_arms(tmp_path, fake_stages, capsys, monkeypatch):
     args = Namespace(config=None, overrides=[f"run_dir={tmp_path / 'b'}", "model.name=tiny",
                                              "compare.parallel=false", "report.text_sample=0",

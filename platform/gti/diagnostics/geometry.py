@@ -250,6 +250,76 @@ def rsa_codes(
     return {"per_level": per_level, "overall": overall}
 
 
+# --------------------------------------------------------------------------- bootstrap CIs
+def bootstrap_effective_rank(E: Any, n_boot: int = 200, seed: int = 0) -> list[float]:
+    """Effective rank of E [n, d] under `n_boot` resamplings of its rows (with replacement).
+
+    Returns the replicates [n_boot] (the report turns them into a CI, pooled over seeds).
+    Row resampling asks "how much does the figure depend on which tokens happen to be in the
+    vocabulary"; the singular values of a resampled matrix come from the eigenvalues of its
+    weighted Gram matrix (the smaller of n x n and d x d), so no replicate needs a fresh SVD.
+    """
+    A = as_array(E)
+    n = A.shape[0]
+    if n < 2 or n_boot < 1:
+        return []
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n_boot):
+        w = np.bincount(rng.integers(0, n, n), minlength=n).astype(np.float64)
+        if n <= A.shape[1]:
+            sw = np.sqrt(w)
+            G = (A * sw[:, None]) @ (A * sw[:, None]).T  # [n, n], same nonzero spectrum
+        else:
+            G = (A * w[:, None]).T @ A  # [d, d]
+        ev = np.clip(np.linalg.eigvalsh(G), 0.0, None)
+        out.append(effective_rank(s=np.sqrt(ev)[::-1]))
+    return out
+
+
+def bootstrap_rsa_overall(
+    code_vectors: Sequence[Any],
+    E_sid: Any,
+    codebook_sizes: Sequence[int],
+    n_boot: int = 200,
+    seed: int = 0,
+    max_codes_per_level: int = 256,
+) -> dict[str, list[float]]:
+    """Replicates of `rsa_codes(...)["overall"]` Pearson and Spearman under resampling of the
+    codes within each level (with replacement), {"pearson": [n_boot], "spearman": [n_boot]}.
+
+    Pairs of a code with a copy of itself are dropped (both cosines would be 1 and inflate the
+    correlation). At most `max_codes_per_level` evenly spaced codes per level enter (Spearman on
+    millions of pairs, 200 times, would cost minutes); the point estimate stays `rsa_codes`'.
+    """
+    sizes = [int(k) for k in codebook_sizes]
+    E = as_array(E_sid)
+    mats = []
+    for lvl, (cv, sl) in enumerate(zip(code_vectors, level_slices(sizes))):
+        C = as_array(cv)
+        keep = np.arange(C.shape[0])
+        if C.shape[0] > max_codes_per_level:
+            keep = np.unique(np.linspace(0, C.shape[0] - 1, max_codes_per_level).round().astype(int))
+        mats.append((cosine_matrix(C[keep]), cosine_matrix(E[sl][keep])))
+    out: dict[str, list[float]] = {"pearson": [], "spearman": []}
+    if not mats or n_boot < 1:
+        return out
+    rng = np.random.default_rng(seed)
+    for _ in range(n_boot):
+        a_parts, b_parts = [], []
+        for Ca, Cb in mats:
+            k = Ca.shape[0]
+            idx = rng.integers(0, k, k)
+            iu = np.triu_indices(k, k=1)
+            distinct = idx[iu[0]] != idx[iu[1]]
+            a_parts.append(Ca[np.ix_(idx, idx)][iu][distinct])
+            b_parts.append(Cb[np.ix_(idx, idx)][iu][distinct])
+        p, s = _corr(np.concatenate(a_parts), np.concatenate(b_parts))
+        out["pearson"].append(p)
+        out["spearman"].append(s)
+    return out
+
+
 # --------------------------------------------------------------------------- all at once
 def diagnose(
     e_sid: Any,
@@ -258,8 +328,14 @@ def diagnose(
     text_rows: Any | None = None,
     e_new: Any | None = None,
     max_codes_per_level: int | None = 1024,
+    n_boot: int = 200,
+    boot_seed: int = 0,
 ) -> dict[str, Any]:
     """Every diagnostic of one snapshot of E_new, as a JSON-ready dict (NaN for undefined).
+
+    With `n_boot` > 0 it also holds bootstrap replicates for the report's CIs:
+    `effective_rank_boot` [n_boot] (rows resampled) and `rsa.overall.{pearson,spearman}_boot`
+    [n_boot] (codes resampled within levels); see `bootstrap_effective_rank` / `bootstrap_rsa_overall`.
 
     e_sid: SID rows [sum(codebook_sizes), d] (level-major); e_new: all new rows [V_new, d]
     (defaults to e_sid; markers included when present) -- the spectrum is of e_new;
@@ -279,6 +355,8 @@ def diagnose(
             effective_rank(as_array(e_sid)[sl]) for sl in level_slices(codebook_sizes)
         ],
     }
+    if n_boot > 0:
+        out["effective_rank_boot"] = bootstrap_effective_rank(full, n_boot, boot_seed)
     if text_rows is not None:
         out["mean_cosine_new_text"] = mean_cross_cosine(e_sid, text_rows)
         out["mean_cosine_text"] = mean_pairwise_cosine(text_rows)
@@ -288,4 +366,11 @@ def diagnose(
             code_vectors, as_array(e_sid)[: sum(codebook_sizes[:n])], codebook_sizes[:n],
             max_codes_per_level=max_codes_per_level,
         )
+        if n_boot > 0:
+            boot = bootstrap_rsa_overall(
+                code_vectors, as_array(e_sid)[: sum(codebook_sizes[:n])], codebook_sizes[:n],
+                n_boot=n_boot, seed=boot_seed,
+            )
+            out["rsa"]["overall"]["pearson_boot"] = boot["pearson"]
+            out["rsa"]["overall"]["spearman_boot"] = boot["spearman"]
     return out

@@ -349,8 +349,40 @@ def _lift_ci(users, base_users, vals, base_vals, n_boot, rng):
     return None, None, ""
 
 
-def diagnostics_table(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
-    """Long-form diagnostics rows: one per arm x phase x quantity, mean and std over seeds."""
+# Diagnostics with bootstrap replicates stored beside them by geometry.diagnose: (name ->
+# path of the replicates, what was resampled).
+DIAG_BOOT: dict[str, tuple[Sequence[str], str]] = {
+    "effective_rank": (("effective_rank_boot",), "rows"),
+    "rsa_pearson": (("rsa", "overall", "pearson_boot"), "codes"),
+    "rsa_spearman": (("rsa", "overall", "spearman_boot"), "codes"),
+}
+
+
+def _nested_boot_ci(
+    per_seed: Sequence[Sequence[float]], n_boot: int, rng: np.random.Generator
+) -> tuple[float | None, float | None]:
+    """95% CI of a mean over seeds from each seed's own bootstrap replicates [n_seed][B_s]:
+    each draw picks seeds with replacement and one replicate of each picked seed (a two-level
+    bootstrap, so both the spread between seeds and the resampling within a run count)."""
+    reps = [np.asarray([v for v in r if v is not None and np.isfinite(v)], dtype=float) for r in per_seed]
+    reps = [r for r in reps if r.size]
+    if not reps:
+        return None, None
+    picks = rng.integers(0, len(reps), size=(n_boot, len(reps)))
+    draws = np.empty((n_boot, len(reps)))
+    for j in range(len(reps)):
+        for i, r in enumerate(reps):
+            rows = picks[:, j] == i
+            draws[rows, j] = r[rng.integers(0, r.size, int(rows.sum()))]
+    return _percentile_ci(draws.mean(axis=1))
+
+
+def diagnostics_table(
+    records: Sequence[RunRecord], n_boot: int = 1000, seed: int = 0
+) -> list[dict[str, Any]]:
+    """Long-form diagnostics rows: one per arm x phase x quantity, mean and std over seeds; a
+    95% CI where the runs stored bootstrap replicates (`DIAG_BOOT`, `_nested_boot_ci`)."""
+    rng = np.random.default_rng(seed)
     rows = []
     for arm in _ordered_arms(records):
         recs = [r for r in records if r.arm == arm]
@@ -363,11 +395,20 @@ def diagnostics_table(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
                 if all(v is None for v in vals) and name.startswith("mean_cosine_new_text"):
                     continue  # no text rows were sampled for this run
                 mean, std = _mean_std(vals)
+                lo = hi = None
+                method = ""
+                if name in DIAG_BOOT:
+                    path_boot, what = DIAG_BOOT[name]
+                    boots = [_dig(d, path_boot) or [] for d in have]
+                    lo, hi = _nested_boot_ci(boots, n_boot, rng)
+                    if lo is not None:
+                        n_with = sum(bool(b) for b in boots)
+                        method = f"{what} bootstrap" if n_with == 1 else f"seed x {what} bootstrap"
                 rows.append({
                     "table": "diagnostics", "arm": arm, "group": phase, "name": name,
                     "n": sum(v is not None for v in vals), "mean": mean, "std": std,
-                    "ci_lo": None, "ci_hi": None, "lift": None, "lift_ci_lo": None,
-                    "lift_ci_hi": None, "ci_method": "",
+                    "ci_lo": lo, "ci_hi": hi, "lift": None, "lift_ci_lo": None,
+                    "lift_ci_hi": None, "ci_method": method,
                 })
     return rows
 
@@ -990,7 +1031,7 @@ def build_report(
                                       for a, pts in arms_.items()} for m, arms_ in curves.items()},
         "curve_reading": curve_reading(curves, baseline_arm),
         "wall_time": wall_time_table(records, baseline_arm),
-        "diagnostics": diagnostics_table(records),
+        "diagnostics": diagnostics_table(records, n_boot=n_boot, seed=seed),
         "rsa_levels": rsa_level_table(records),
         "baselines": baselines,
         "runs": [

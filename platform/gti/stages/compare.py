@@ -43,12 +43,25 @@ headroom for its Ray Data tasks). Otherwise runs go one after
 another in this process. On a multi-node cluster `--out` must be on storage every node sees
 (as `run_dir` must be for any multi-node run): an arm task may land on any node.
 
+Records (resuming on another machine or in a later session): as each arm run finishes, its
+report record (metrics with per-user values, diagnostics, curves, timing, config) is written to
+`compare.records_dir` (default `<out>/records`) as `<arm>/seed<s>.json`, beside the content
+hashes of what it inherited (catalog, sequences, SID map, grounding pairs). A later `gti
+compare` whose run folder for that arm x seed is missing takes the record instead of rerunning
+it when the record's config equals the run's (after validating it with today's code, so keys
+added since then count at their defaults; placement keys `run_dir`, `ray_*`, `compare` are
+ignored) and the shared hashes are equal; otherwise it says why and reruns. Commit the
+records folder and a multi-hour CPU comparison can span sessions. `--report-only` rebuilds the
+report from finished runs and records without running anything.
+
 What it does not know: what the stages compute; it only prepares configs and run folders,
 drives `gti.pipeline`, and hands the finished runs to `gti.diagnostics.report`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import os
 import re
@@ -63,7 +76,7 @@ from typing import Any, Callable, Sequence
 from gti import config as C
 from gti import pipeline
 from gti.errors import GtiError
-from gti.manifest import Manifest, ManifestError, atomic_write_json
+from gti.manifest import Manifest, ManifestError, atomic_write_json, file_fingerprint
 from gti.train import resources
 
 ARMS: dict[str, dict[str, Any]] = {
@@ -220,9 +233,12 @@ def auto_parallel(cfg: C.RunConfig, cluster: dict[str, float]) -> int:
 
 
 def execute(
-    runs: Sequence[ArmRun], cfg: C.RunConfig, echo: Callable[[str], None] = _echo
+    runs: Sequence[ArmRun], cfg: C.RunConfig, echo: Callable[[str], None] = _echo,
+    on_done: Callable[[ArmRun], None] = lambda r: None,
 ) -> dict[tuple[str, int], str]:
-    """Run every arm x seed; returns {(arm, seed): error text} for the runs that failed."""
+    """Run every arm x seed; returns {(arm, seed): error text} for the runs that failed.
+    `on_done(run)` is called as soon as each run has finished (the record is kept then, so a
+    session that ends mid-comparison loses only the run in progress)."""
     failures: dict[tuple[str, int], str] = {}
     width = 1
     if cfg.compare.parallel and len(runs) > 1:
@@ -238,6 +254,7 @@ def execute(
             try:
                 info = run_arm(r.cfg.model_dump(mode="json"))
                 echo(f"{r.arm} seed {r.seed}: {'up to date' if info['skipped'] else 'done'}")
+                on_done(r)
             except Exception as err:  # one failed arm must not lose the others
                 failures[(r.arm, r.seed)] = _describe(err)
                 echo(f"{r.arm} seed {r.seed}: FAILED: {failures[(r.arm, r.seed)].splitlines()[0]}")
@@ -259,6 +276,7 @@ def execute(
         try:
             info = ray.get(done[0])
             echo(f"{r.arm} seed {r.seed}: {'up to date' if info['skipped'] else 'done in %.0fs' % info['seconds']}")
+            on_done(r)
         except Exception as err:
             cause = getattr(err, "cause", None) or err
             failures[(r.arm, r.seed)] = _describe(cause)
@@ -270,6 +288,114 @@ def _describe(err: BaseException) -> str:
     if isinstance(err, GtiError):
         return str(err)
     return f"{type(err).__name__}: {err}\n" + "".join(traceback.format_exception(err))
+
+
+# --------------------------------------------------------------------------- records
+RECORD_FORMAT = 1
+# What the arm runs inherit from the shared stages, as (stage, output): their content decides
+# whether a record made elsewhere stands for a run here.
+SHARED_TABLES = (("ingest", "items"), ("ingest", "sequences"), ("sid", "sid_map"), ("pairs", "pairs"))
+# Config keys that say where and how a run is scheduled, not what it computes.
+NON_SEMANTIC_KEYS = ("run_dir", "ray_address", "ray_num_cpus", "compare")
+
+
+def records_dir(cfg: C.RunConfig, out: Path) -> Path:
+    return Path(cfg.compare.records_dir).expanduser().resolve() if cfg.compare.records_dir else out / "records"
+
+
+def record_path(rdir: Path, arm: str, seed: int) -> Path:
+    return rdir / _slug(arm) / f"seed{seed}.json"
+
+
+def table_hash(path: Path) -> str:
+    """Order-free content hash of a parquet table: schema + sorted row hashes (a Ray Data
+    write may order rows differently from run to run; the content is what matters)."""
+    import polars as pl
+
+    df = pl.read_parquet(path)
+    h = hashlib.sha256(str(df.schema).encode())
+    h.update(df.hash_rows(seed=0).sort().to_numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def shared_identity(shared_dir: Path) -> dict[str, str]:
+    """{"stage/output": content hash} of the shared tables every arm run inherits (outputs a
+    stage does not declare are left out; a file polars cannot read is hashed byte for byte,
+    which is only stricter)."""
+    import polars as pl
+
+    out = {}
+    for stage, name in SHARED_TABLES:
+        d = shared_dir / stage
+        m = Manifest.read(d)
+        if name not in m.outputs:
+            continue
+        path = m.output(d, name)
+        try:
+            out[f"{stage}/{name}"] = table_hash(path)
+        except (pl.exceptions.PolarsError, OSError):
+            out[f"{stage}/{name}"] = "bytes:" + file_fingerprint(path)
+    return out
+
+
+def _semantic(cfg_json: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in cfg_json.items() if k not in NON_SEMANTIC_KEYS}
+
+
+def config_diff(a: Any, b: Any, prefix: str = "") -> list[str]:
+    """Dotted keys where two config dumps differ (a key missing on one side differs)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for k in sorted(set(a) | set(b), key=str):
+            key = f"{prefix}.{k}" if prefix else str(k)
+            if k not in a or k not in b:
+                out.append(key)
+            else:
+                out.extend(config_diff(a[k], b[k], key))
+        return out
+    return [] if a == b else [prefix or "<root>"]
+
+
+def write_record(r: ArmRun, rdir: Path, identity: dict[str, str]) -> Path:
+    """Keep the finished run `r` as a record file (see the module docstring)."""
+    rec = load_record(r)
+    path = record_path(rdir, r.arm, r.seed)
+    atomic_write_json(path, {
+        "format": RECORD_FORMAT, "arm": r.arm, "seed": r.seed, "shared": identity,
+        "facts": _run_facts(r), "record": dataclasses.asdict(rec),
+        "written": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    })
+    return path
+
+
+def read_record(r: ArmRun, rdir: Path, identity: dict[str, str]):
+    """(RunRecord, run facts, "") when a stored record stands for run `r`; (None, None, why
+    not) otherwise ("" when there is no record at all)."""
+    from gti.diagnostics.report import RunRecord
+
+    path = record_path(rdir, r.arm, r.seed)
+    if not path.is_file():
+        return None, None, ""
+    try:
+        doc = json.loads(path.read_text())
+        rec = RunRecord(**doc["record"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return None, None, f"{path}: unreadable record ({type(err).__name__}: {err})"
+    if doc.get("format") != RECORD_FORMAT:
+        return None, None, f"{path}: record format {doc.get('format')!r}, expected {RECORD_FORMAT}"
+    stored_shared = doc.get("shared") or {}
+    differ = [k for k in sorted(set(identity) | set(stored_shared)) if identity.get(k) != stored_shared.get(k)]
+    if differ:
+        return None, None, f"{path}: made from other shared data ({', '.join(differ)} differ)"
+    try:
+        stored = C.validate(rec.config, f"record {path}").model_dump(mode="json")
+    except GtiError as err:
+        return None, None, f"{path}: its config does not validate today ({str(err).splitlines()[0]})"
+    diff = config_diff(_semantic(stored), _semantic(r.cfg.model_dump(mode="json")))
+    if diff:
+        more = f" and {len(diff) - 6} more" if len(diff) > 6 else ""
+        return None, None, f"{path}: config differs at {', '.join(diff[:6])}{more}"
+    return rec, doc.get("facts") or {}, ""
 
 
 # --------------------------------------------------------------------------- report
@@ -313,6 +439,19 @@ def _timing(r: ArmRun, ground: Manifest | None, sft: Manifest | None) -> dict[st
     return out if any(k.endswith("_s") for k in out) else {}
 
 
+def _ran_with(r: ArmRun) -> dict[str, Any]:
+    """The config the run's last stage ran with (run_dir/config.yaml, validated today, so keys
+    added since count at their defaults); the planned config where that file is missing or no
+    longer validates."""
+    path = r.run_dir / "config.yaml"
+    if path.is_file():
+        try:
+            return C.load(path, []).model_dump(mode="json")
+        except GtiError:
+            pass
+    return r.cfg.model_dump(mode="json")
+
+
 def load_record(r: ArmRun):
     """A RunRecord of a finished run (metrics, per-phase diagnostics, config, versions, SFT
     validation curves, ground/SFT wall time)."""
@@ -325,7 +464,7 @@ def load_record(r: ArmRun):
     ground, sft = _manifest_or_none(r.run_dir / "ground"), _manifest_or_none(r.run_dir / "sft")
     return RunRecord(
         arm=r.arm, seed=r.seed, metrics=metrics, diagnostics=doc["runs"][0]["diagnostics"],
-        config=r.cfg.model_dump(mode="json"), versions=rep.versions, run_dir=str(r.run_dir),
+        config=_ran_with(r), versions=rep.versions, run_dir=str(r.run_dir),
         curves=_curves(sft), timing=_timing(r, ground, sft),
     )
 
@@ -344,15 +483,28 @@ def _run_facts(r: ArmRun) -> dict[str, Any]:
     return facts
 
 
-def write_report(runs: Sequence[ArmRun], cfg: C.RunConfig, out: Path, title: str) -> dict[str, Path]:
-    """The cross-arm report over the finished runs: spectra per phase, SFT learning curves,
-    heat maps per arm."""
+def write_report(
+    runs: Sequence[ArmRun], cfg: C.RunConfig, out: Path, title: str,
+    stored: dict[tuple[str, int], tuple[Any, dict[str, Any]]] | None = None,
+) -> dict[str, Path]:
+    """The cross-arm report over the finished runs and the stored records standing for runs
+    not here (`stored`: {(arm, seed): (RunRecord, run facts)}), in plan order: spectra per
+    phase, SFT learning curves, heat maps per arm (from runs whose folders are here)."""
     from gti.diagnostics.report import build_report, learning_curve_plots, spectra_plots
 
+    stored = stored or {}
     done = [r for r in runs if (r.run_dir / "report" / "_manifest.json").is_file()]
-    if not done:
-        raise CompareError(f"no finished arm runs under {out / 'runs'} to report on")
-    records = [load_record(r) for r in done]
+    done_keys = {(r.arm, r.seed) for r in done}
+    records, facts = [], []
+    for r in runs:
+        if (r.arm, r.seed) in done_keys:
+            records.append(load_record(r))
+            facts.append(_run_facts(r))
+        elif (r.arm, r.seed) in stored:
+            records.append(stored[(r.arm, r.seed)][0])
+            facts.append(stored[(r.arm, r.seed)][1])
+    if not records:
+        raise CompareError(f"no finished arm runs under {out / 'runs'} (nor records) to report on")
     plot_dir = out / "plots"
     plot_dir.mkdir(parents=True, exist_ok=True)
     plots = dict(spectra_plots(records, plot_dir))
@@ -369,34 +521,72 @@ def write_report(runs: Sequence[ArmRun], cfg: C.RunConfig, out: Path, title: str
                 plots[f"{arm} (seed {first.seed}): {caption}"] = dst
     return build_report(
         records, out, plots=plots, title=title, baseline_arm=cfg.report.baseline_arm,
-        n_boot=cfg.report.bootstrap, seed=cfg.seed, run_facts=[_run_facts(r) for r in done],
+        n_boot=cfg.report.bootstrap, seed=cfg.seed, run_facts=facts,
     )
 
 
 # --------------------------------------------------------------------------- entry points
 def compare(
     cfg: C.RunConfig, arms: Sequence[str], n_seeds: int, out: str | Path | None = None,
-    echo: Callable[[str], None] = _echo,
+    echo: Callable[[str], None] = _echo, report_only: bool = False,
 ) -> dict[str, Path]:
-    """Shared stages once, every arm x seed, one report; returns the report paths."""
+    """Shared stages once, every arm x seed (or its stored record), one report; returns the
+    report paths. `report_only`: run nothing, report on what is finished or recorded."""
     arms = parse_arms(list(arms))
     out = Path(out).expanduser().resolve() if out else cfg.resolved_run_dir() / "compare"
     runs = plan(cfg, arms, n_seeds, out)  # validates every arm config before any work
     shared = shared_config(cfg, out)
-    echo(f"shared stages ({', '.join(SHARED_STAGES)}) in {shared.resolved_run_dir()}")
-    pipeline.run(shared, to_stage=SHARED_STAGES[-1], echo=echo)
+    shared_dir = shared.resolved_run_dir()
+    if report_only:
+        missing = [s for s in SHARED_STAGES if not (shared_dir / s / "_manifest.json").is_file()]
+        if missing:
+            raise CompareError(f"--report-only: shared stage(s) {', '.join(missing)} not run in {shared_dir}")
+    else:
+        echo(f"shared stages ({', '.join(SHARED_STAGES)}) in {shared_dir}")
+        pipeline.run(shared, to_stage=SHARED_STAGES[-1], echo=echo)
+    identity = shared_identity(shared_dir)
+    rdir = records_dir(cfg, out)
+    todo, stored = [], {}
     for r in runs:
-        adopt_shared(shared.resolved_run_dir(), r.run_dir)
+        if first_incomplete(r.cfg, r.run_dir) is not None:
+            rec, facts, why = read_record(r, rdir, identity)
+            if rec is not None:
+                stored[(r.arm, r.seed)] = (rec, facts)
+                echo(f"{r.arm} seed {r.seed}: finished earlier, taken from {record_path(rdir, r.arm, r.seed)}")
+                continue
+            if why:
+                echo(f"{r.arm} seed {r.seed}: record not used, the run goes again: {why}")
+        todo.append(r)
+    if not report_only:
+        for r in todo:
+            adopt_shared(shared_dir, r.run_dir)
     atomic_write_json(out / "compare.json", {
         "arms": {a: arm_overrides(cfg, a) for a in arms},
         "seeds": seeds_for(cfg, n_seeds),
         "equal_budget": cfg.compare.equal_budget,
-        "shared_run_dir": str(shared.resolved_run_dir()),
-        "runs": [{"arm": r.arm, "seed": r.seed, "run_dir": str(r.run_dir)} for r in runs],
+        "shared_run_dir": str(shared_dir),
+        "shared_identity": identity,
+        "records_dir": str(rdir),
+        "runs": [{"arm": r.arm, "seed": r.seed, "run_dir": str(r.run_dir),
+                  "from_record": (r.arm, r.seed) in stored} for r in runs],
     })
-    failures = execute(runs, cfg, echo)
+
+    def keep(r: ArmRun) -> None:
+        try:
+            echo(f"{r.arm} seed {r.seed}: record kept in {write_record(r, rdir, identity)}")
+        except (OSError, GtiError) as err:  # the run itself is fine; say so and go on
+            echo(f"{r.arm} seed {r.seed}: could not keep its record: {err}")
+
+    if report_only:  # a run with a report stands as made (even by older code): keep it
+        failures = {}
+        for r in todo:
+            if (r.run_dir / "report" / "_manifest.json").is_file():
+                keep(r)
+    else:
+        failures = execute(todo, cfg, echo, on_done=keep)
     ok = [r for r in runs if (r.arm, r.seed) not in failures]
-    paths = write_report(ok, cfg, out, f"gti comparison: {', '.join(arms)} x {n_seeds} seed(s)") if ok else {}
+    title = f"gti comparison: {', '.join(arms)} x {n_seeds} seed(s)"
+    paths = write_report(ok, cfg, out, title, stored) if ok else {}
     if failures:
         for (arm, seed), msg in failures.items():
             print(f"--- {arm} seed {seed} failed:\n{msg}", file=sys.stderr)
@@ -412,6 +602,7 @@ def cli_main(args) -> int:
         n_seeds = int(args.seeds)
     except (TypeError, ValueError):
         raise CompareError(f"--seeds must be an integer, got '{args.seeds}'") from None
-    paths = compare(cfg, parse_arms(args.arms), n_seeds, getattr(args, "out", None))
+    paths = compare(cfg, parse_arms(args.arms), n_seeds, getattr(args, "out", None),
+                    report_only=bool(getattr(args, "report_only", False)))
     print(paths["html"])
     return 0
