@@ -278,6 +278,21 @@ def test_config_diff_and_records_validated_with_todays_defaults(tmp_path):
     assert CMP.read_record(r, tmp_path / "none", {}) == (None, None, "")
 
 
+def test_proof_config_arms_see_the_same_sft_examples(tmp_path, fake_stages):
+    """The paper's protocol in the proof config: grounding on top, the same SFT examples in
+    every arm (steps done x global batch, read back from each run's SFT manifest)."""
+    cfg = config.load(ROOT / "jobs/configs/proof-smollm2.yaml", [f"run_dir={tmp_path / 'p'}"])
+    assert cfg.compare.equal_budget is False
+    runs = CMP.plan(cfg, ["mean", "gti", "random"], 2, tmp_path / "o")
+    assert {(r.cfg.sft.steps, r.cfg.sft.batch_size, r.cfg.sft.grad_accum) for r in runs} == {
+        (cfg.sft.steps, cfg.sft.batch_size, cfg.sft.grad_accum)}
+    assert [r.cfg.ground.enabled for r in runs] == [False, True, False] * 2
+    small = _base_cfg(tmp_path, "compare.equal_budget=false", "sft.batch_size=4")
+    paths = CMP.compare(small, ["mean", "gti", "random"], 1, tmp_path / "f", echo=lambda m: None)
+    seen = {r["arm"]: r["facts"]["sft_examples"] for r in json.loads(paths["json"].read_text())["runs"]}
+    assert seen == {"mean": 5 * 4, "gti": 5 * 4, "random": 5 * 4}
+
+
 def test_cli_main_prints_report_path_and_reports_failed_arms(tmp_path, fake_stages, capsys, monkeypatch):
     args = Namespace(config=None, overrides=[f"run_dir={tmp_path / 'b'}", "model.name=tiny",
                                              "compare.parallel=false", "report.text_sample=0",

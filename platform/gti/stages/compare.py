@@ -480,6 +480,11 @@ def _run_facts(r: ArmRun) -> dict[str, Any]:
         m = _manifest_or_none(r.run_dir / stage)
         if m is not None and m.duration_s:
             facts[f"{stage}_s"] = round(float(m.duration_s), 1)
+        if stage == "sft":
+            # SFT examples the run saw: steps it did (its manifest) x the global batch
+            done = m.facts.get("steps_done") if m is not None else None
+            steps = int(done) if isinstance(done, (int, float)) else r.cfg.sft.steps
+            facts["sft_examples"] = steps * r.cfg.sft.batch_size
     return facts
 
 
