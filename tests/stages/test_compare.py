@@ -268,8 +268,10 @@ def test_config_diff_and_records_validated_with_todays_defaults(tmp_path):
     body = {"format": CMP.RECORD_FORMAT, "shared": {"ingest/items": "h"}, "facts": {"x": 1},
             "record": {"arm": "mean", "seed": 0, "config": old_cfg}}
     path.write_text(json.dumps(body))
+    old_cfg["sid"]["kmeans_iters"] = 1  # shared-stage settings count only through the hashes
     rec, facts, why = CMP.read_record(r, rdir, {"ingest/items": "h"})
     assert why == "" and rec.arm == "mean" and facts == {"x": 1}
+    assert "ingest/items differ" in CMP.read_record(r, rdir, {"ingest/items": "other"})[2]
     body["record"]["config"]["sft"]["no_such_key"] = 1
     path.write_text(json.dumps(body))
     assert "does not validate today" in CMP.read_record(r, rdir, {"ingest/items": "h"})[2]

@@ -46,11 +46,12 @@ another in this process. On a multi-node cluster `--out` must be on storage ever
 Records (resuming on another machine or in a later session): as each arm run finishes, its
 report record (metrics with per-user values, diagnostics, curves, timing, config) is written to
 `compare.records_dir` (default `<out>/records`) as `<arm>/seed<s>.json`, beside the content
-hashes of what it inherited (catalog, sequences, SID map, grounding pairs). A later `gti
-compare` whose run folder for that arm x seed is missing takes the record instead of rerunning
-it when the record's config equals the run's (after validating it with today's code, so keys
-added since then count at their defaults; placement keys `run_dir`, `ray_*`, `compare` are
-ignored) and the shared hashes are equal; otherwise it says why and reruns. Commit the
+hashes of what it inherited (catalog, sequences, SID map, codebooks, grounding pairs). A later
+`gti compare` whose run folder for that arm x seed is missing takes the record instead of
+rerunning it when the record's config equals the run's (after validating it with today's code,
+so keys added since then count at their defaults; placement keys `run_dir`, `ray_*`, `compare`
+are ignored, and so are `embed` and `sid`, which reach an arm run only through the hashed SID
+map and codebooks) and the shared hashes are equal; otherwise it says why and reruns. Commit the
 records folder and a multi-hour CPU comparison can span sessions. `--report-only` rebuilds the
 report from finished runs and records without running anything.
 
@@ -295,8 +296,12 @@ RECORD_FORMAT = 1
 # What the arm runs inherit from the shared stages, as (stage, output): their content decides
 # whether a record made elsewhere stands for a run here.
 SHARED_TABLES = (("ingest", "items"), ("ingest", "sequences"), ("sid", "sid_map"), ("pairs", "pairs"))
-# Config keys that say where and how a run is scheduled, not what it computes.
-NON_SEMANTIC_KEYS = ("run_dir", "ray_address", "ray_num_cpus", "compare")
+# Shared outputs compared byte for byte (tensors, where a content hash of rows does not apply).
+SHARED_FILES = (("sid", "codebooks"),)
+# Config keys left out when a record's config is compared with a run's: where and how a run is
+# scheduled (not what it computes), and the sections only the shared stages read (`embed`,
+# `sid`: their whole effect on an arm run is the SID map and codebooks, which are hashed).
+NON_SEMANTIC_KEYS = ("run_dir", "ray_address", "ray_num_cpus", "compare", "embed", "sid")
 
 
 def records_dir(cfg: C.RunConfig, out: Path) -> Path:
@@ -335,6 +340,11 @@ def shared_identity(shared_dir: Path) -> dict[str, str]:
             out[f"{stage}/{name}"] = table_hash(path)
         except (pl.exceptions.PolarsError, OSError):
             out[f"{stage}/{name}"] = "bytes:" + file_fingerprint(path)
+    for stage, name in SHARED_FILES:
+        d = shared_dir / stage
+        m = Manifest.read(d)
+        if name in m.outputs:
+            out[f"{stage}/{name}"] = "bytes:" + file_fingerprint(m.output(d, name))
     return out
 
 
