@@ -269,6 +269,7 @@ def test_config_diff_and_records_validated_with_todays_defaults(tmp_path):
             "record": {"arm": "mean", "seed": 0, "config": old_cfg}}
     path.write_text(json.dumps(body))
     old_cfg["sid"]["kmeans_iters"] = 1  # shared-stage settings count only through the hashes
+    path.write_text(json.dumps(body))
     rec, facts, why = CMP.read_record(r, rdir, {"ingest/items": "h"})
     assert why == "" and rec.arm == "mean" and facts == {"x": 1}
     assert "ingest/items differ" in CMP.read_record(r, rdir, {"ingest/items": "other"})[2]
