@@ -81,3 +81,13 @@ def test_unreadable_file_error_pickles_with_its_fields():
 ])
 def test_one_line(text, want):
     assert one_line(text) == want
+
+
+def test_a_bug_while_handling_a_user_error_stays_a_bug():
+    try:
+        try:
+            raise DataError("x.csv: bad")
+        except DataError:
+            {}["missing"]  # a bug in the handler: implicit context, not `from`
+    except KeyError as bug:
+        assert user_error(bug) is None

@@ -61,7 +61,7 @@ def user_error(err: BaseException) -> GtiError | None:
     """The GtiError that `err` carries, or None when it carries none (a bug: keep the traceback).
 
     Looks at `err` itself, then breadth-first at what Ray attaches: `.cause` (RayTaskError),
-    `.worker_failures` (Ray Train), `__cause__` and `__context__`. When the original object is
+    `.worker_failures` (Ray Train) and `__cause__` (`raise ... from`). When the original object is
     lost (Ray Data re-raises a UDF failure as a `UserCodeException` whose cause does not survive
     pickling), the last `gti.<module>.<Name>Error: <message>` line of the traceback text is
     turned back into a `DataError` (for DataError and its subclasses) or a `GtiError`.
@@ -87,7 +87,8 @@ def user_error(err: BaseException) -> GtiError | None:
             todo.extend(failures.values())
         elif isinstance(failures, (list, tuple)):
             todo.extend(failures)
-        todo += [cause, e.__cause__, e.__context__]
+        # Not __context__: a bug raised while handling a user error must keep its traceback.
+        todo += [cause, e.__cause__]
     for text in texts:
         found = _TRACEBACK_LINE.findall(_ANSI.sub("", text))
         if found:

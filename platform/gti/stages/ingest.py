@@ -453,21 +453,26 @@ def _fill_raw_inter(bad: pa.Table) -> pa.Table:
 def run(ctx: StageContext) -> StageResult:
     from gti.stages._ray import ensure_ray
 
+    # Both sources' files and headers are checked before Ray starts and any row is read.
+    sources = _sources(ctx)
     ensure_ray(ctx.cfg)
     import ray
 
     # Input order matters: "first kept" for duplicates and ties in sequences follow file order.
     ray.data.DataContext.get_current().execution_options.preserve_order = True
-    return ingest(ctx, ray_stream)
+    return ingest(ctx, ray_stream, sources)
 
 
-def ingest(ctx: StageContext, stream=local_stream) -> StageResult:
+def _sources(ctx: StageContext) -> dict[str, _Source]:
+    return {kind: _Source(ctx, kind) for kind in ("items", "interactions")}
+
+
+def ingest(ctx: StageContext, stream=local_stream, sources: dict[str, _Source] | None = None) -> StageResult:
     """The stage body; `stream` yields validated batches in input order (`ray_stream` in the
     pipeline, `local_stream` in-process)."""
     out = ctx.work_dir
     t0 = time.time()
-    # Both sources' files and headers are checked before any row is read.
-    sources = {kind: _Source(ctx, kind) for kind in ("items", "interactions")}
+    sources = sources or _sources(ctx)  # files and headers of both, before any row is read
     items, kept_ids = _ingest_items(ctx, out, stream, sources["items"])
     ctx.log(f"items: {items.ok:,} ok, {items.quarantined:,} quarantined in {time.time() - t0:.1f}s")
     inter = _ingest_interactions(ctx, out, kept_ids, items.limit_reached, stream, sources["interactions"])
