@@ -335,7 +335,7 @@ def test_ragged_csv_row_number(files, run_ingest):
     with pytest.raises(UnreadableFileError) as e:
         run_ingest(p, files("i.csv", GOOD_INTER))
     assert _one_line(e) == (f"{p}: CSV parse error at data row 3 (line 6): "
-                            "CSV parse error: Expected 2 columns, got 3: 4,Tube,extra")
+                            "Expected 2 columns, got 3: 4,Tube,extra")
 
 
 def test_interaction_columns_checked_before_items_are_read(tmp_path, files, run_ingest):

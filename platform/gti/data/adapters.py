@@ -31,6 +31,7 @@ import ast
 import glob as globlib
 import json
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -316,7 +317,10 @@ def _iter_csv(task: ReadTask, mapping, required, section, batch_rows, delimiter=
     except pa.ArrowInvalid as err:
         # pyarrow parses blocks of rows and does not say which row failed; find it.
         where = _ragged_row(task.file, delimiter, len(header))
-        raise UnreadableFileError(task.file, f"CSV parse error{where}: {_reason(err)}") from None
+        # pyarrow's own "Row #N" (a line number, given only when it parses serially) would
+        # contradict the data row: drop it with its redundant prefix.
+        what = re.sub(r"^CSV parse error: (Row #\d+: )?", "", _reason(err))
+        raise UnreadableFileError(task.file, f"CSV parse error{where}: {what}") from None
     except READ_ERRORS as err:
         # Where in the failing block the damage starts is not known; say what was read.
         read = f" (after the first {row} data rows)" if row else ""
