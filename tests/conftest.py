@@ -67,9 +67,18 @@ def pytest_runtest_makereport(item, call):
 
 
 def _init_ray_4_cpus() -> None:
+    """Started like gti's own local Ray (gti.stages._ray): one retry when the start times out,
+    which Ray's raylet can do on a loaded machine."""
+    import time
+
     import ray
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    except Exception:  # noqa: BLE001 - e.g. "The current node timed out during startup"
+        ray.shutdown()
+        time.sleep(5)
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
 
 
 @pytest.fixture
