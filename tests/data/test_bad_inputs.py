@@ -354,3 +354,14 @@ def test_cap_that_removes_most_interactions_warns(files, run_ingest):
         "data.max_items=3 removed 70% of the interactions (21 of 30 rows, reason outside_max_items); "
         "raise or remove it to keep them"]
     assert run_ingest(items, inter).facts["warnings"] == []
+
+
+def test_uri_errors_name_the_uri(files, run_ingest):
+    inter = files("i.csv", GOOD_INTER)
+    with pytest.raises(DataError) as e:  # a scheme neither pyarrow nor fsspec knows
+        run_ingest("nosuch://bucket/items.parquet", inter)
+    assert _one_line(e) == ("data.items.path: cannot list nosuch://bucket/items.parquet: "
+                            "Unrecognized filesystem type in URI: nosuch://bucket/items.parquet")
+    with pytest.raises(DataError) as e:  # an fsspec glob that matches nothing
+        run_ingest("memory://gti-test-empty/*.parquet", inter)
+    assert _one_line(e) == "data.items.path: no data files match memory://gti-test-empty/*.parquet"

@@ -75,7 +75,13 @@ def expand_paths(path: str, kind: str) -> list[str]:
     """Configured path -> sorted list of files (local paths or URIs). DataError if none."""
     path = bundled.resolve(path, kind)
     if _is_uri(path):
-        return _expand_uri(path)
+        try:
+            files = _expand_uri(path)
+        except (*READ_ERRORS, ValueError, ImportError) as err:  # unknown scheme, no access, ...
+            raise DataError(f"data.{kind}.path: cannot list {path}: {_reason(err)}") from None
+        if not files:
+            raise DataError(f"data.{kind}.path: no data files match {path}")
+        return files
     path = os.path.expanduser(_strip_file_scheme(path))
     if any(ch in path for ch in "*?["):
         files = sorted(f for f in globlib.glob(path, recursive=True) if os.path.isfile(f))

@@ -77,8 +77,11 @@ def _fingerprint_files(path: str, kind: str) -> str:
         if "://" in f and not f.startswith("file://"):
             import pyarrow.fs as pafs
 
-            fs, p = pafs.FileSystem.from_uri(f)
-            info = fs.get_file_info(p)
+            try:
+                fs, p = pafs.FileSystem.from_uri(f)
+                info = fs.get_file_info(p)
+            except (*adapters.READ_ERRORS, ValueError) as err:
+                raise UnreadableFileError(f, f"cannot stat: {adapters._reason(err)}") from None
             parts.append(f"{f}:{info.size}:{info.mtime_ns}")
         else:
             parts.append(f"{os.path.basename(f)}:{file_fingerprint(f)}")
