@@ -33,8 +33,10 @@ def test_chunks_are_fixed_size_files_and_finish_returns_all_rows(tmp_path):
     written = []
     c = ChunkedOutput(tmp_path / "d", _expected(), 5, on_chunk=written.append)
     assert c.resume() == 0
-    _feed(c, 0, [3, 9, 1, 10])  # block sizes unrelated to the chunk size
-    assert written == [0, 1, 2, 3]
+    _feed(c, 0, [3, 9, 1, 6])  # block sizes unrelated to the chunk size
+    assert written == [0, 1, 2]
+    _feed(c, 19, [4])
+    assert written == [0, 1, 2, 3, 4]  # the last, partial chunk once the last row is in
     table = c.finish()
     assert written == [0, 1, 2, 3, 4]
     assert table.column("value").to_pylist() == [i * i for i in range(N)]
@@ -84,3 +86,18 @@ def test_rows_out_of_order_are_refused(tmp_path):
     c.resume()
     with pytest.raises(RuntimeError, match="not the input rows in order"):
         c.add(_out(1, 7))
+
+
+def test_list_like_use_in_place_of_a_list_of_tables(tmp_path):
+    """The evaluate stage collects tables with parts.append and concatenates `parts`."""
+    c = ChunkedOutput(tmp_path / "d", _expected(), 5)
+    c.resume()
+    assert not c and len(c) == 0
+    for start in range(0, N, 4):
+        c.append(_out(start, min(start + 4, N)))
+    assert len(c) == 5
+    # A resumed object mixes chunks read back from parquet with new ones; they concatenate.
+    again = ChunkedOutput(tmp_path / "d", _expected(), 5)
+    assert again.resume() == N
+    table = pa.concat_tables(again)
+    assert table.column("value").to_pylist() == [i * i for i in range(N)]

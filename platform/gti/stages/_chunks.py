@@ -27,8 +27,10 @@ import pyarrow.parquet as pq
 class ChunkedOutput:
     """Output rows of `expected` (a table of the input's key columns, in order) in chunks.
 
-    add(table) takes output rows in input order, any number at a time; finish() writes the
-    last partial chunk and returns every output row (resumed and new) as one table.
+    add(table) (or append, as on a list) takes output rows in input order, any number at a
+    time; the last, partial chunk is written when the last expected row arrives. Iterating gives
+    the chunk tables (resumed and new) in order, len() their number, so a caller collecting
+    tables in a list can use this object in its place; finish() gives them as one table.
     """
 
     def __init__(self, folder: Path, expected: pa.Table, chunk_rows: int,
@@ -81,6 +83,19 @@ class ChunkedOutput:
         self.n_pending += table.num_rows
         while self.n_pending >= self.chunk_rows:
             self._write(self.chunk_rows)
+        if self.n_pending and self.rows_done + self.n_pending >= self.expected.num_rows:
+            self._write(self.n_pending)  # the last chunk: no more rows will come
+
+    append = add
+
+    def __iter__(self):
+        # Chunks read back from parquet may differ from new ones in schema details (string vs
+        # large_string): give them all the first chunk's schema so they concatenate.
+        schema = self.chunks[0].schema if self.chunks else None
+        return (t if t.schema.equals(schema) else t.cast(schema) for t in self.chunks)
+
+    def __len__(self) -> int:
+        return len(self.chunks)
 
     def _write(self, n: int) -> None:
         buf = pa.concat_tables(self.pending)
@@ -99,13 +114,13 @@ class ChunkedOutput:
             self.on_chunk(i)
 
     def finish(self) -> pa.Table | None:
-        """Every output row in input order (None when there are none)."""
+        """Every output row in input order (None when there are none); writes a partial last
+        chunk first when fewer rows came than expected."""
         if self.n_pending:
             self._write(self.n_pending)
         if not self.chunks:
             return None
-        schema = self.chunks[-1].schema
-        return pa.concat_tables([t.cast(schema) for t in self.chunks])
+        return pa.concat_tables(list(self))
 
 
 def _same_keys(got: pa.Table, want: pa.Table, keys: list[str]) -> bool:

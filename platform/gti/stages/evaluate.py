@@ -338,16 +338,15 @@ def run(ctx: StageContext) -> StageResult:
         num_gpus=ec.num_gpus or None,
     )
     t0 = last = time.time()
-    done = resumed
+    parts, done = decoded, 0  # parts.append writes each whole chunk; iterating gives them all
     for block in ds.iter_batches(batch_size=None, batch_format="pyarrow") if todo.height else []:
         block = block if isinstance(block, pa.Table) else pa.Table.from_batches([block])
-        decoded.add(block)
+        parts.append(block)
         done += block.num_rows
         if time.time() - last > 10:
             last = time.time()
-            ctx.log(f"{done:,}/{rows.height:,} prompts decoded ({(done - resumed) / (last - t0):.2f} users/s)")
-    table = decoded.finish()
-    recs = pl.from_arrow(table) if table is not None else None
+            ctx.log(f"{done:,}/{rows.height:,} prompts decoded ({done / (last - t0):.2f} users/s)")
+    recs = pl.from_arrow(pa.concat_tables(parts)) if parts else None
     if recs is None or recs.height != rows.height:
         raise DataError(f"evaluate: decoded {0 if recs is None else recs.height} of {rows.height} prompts")
     elapsed = time.time() - t0
