@@ -348,6 +348,10 @@ def _revive(core, counts, residuals, config, salt, world, opt, reduced=False) ->
     return got
 
 
+# Ray Train's failure -> the GtiError a worker raised: the one unwrapping every stage uses.
+_unwrap_user_error = user_error
+
+
 def train_rqvae(ctx: StageContext, emb_path: Path, init_model, n_items: int):
     """Distributed RQ-VAE training; returns (trained model, epoch history)."""
     import ray
@@ -387,7 +391,7 @@ def train_rqvae(ctx: StageContext, emb_path: Path, init_model, n_items: int):
     try:
         result = trainer.fit()
     except Exception as err:  # noqa: BLE001 - user errors keep their one-line message
-        user = user_error(err)
+        user = _unwrap_user_error(err)
         if user is not None:
             raise user from None
         raise
