@@ -67,9 +67,18 @@ def pytest_runtest_makereport(item, call):
 
 
 def _init_ray_4_cpus() -> None:
+    """Started like gti's own local Ray (gti.stages._ray): one retry when the start times out,
+    which Ray's raylet can do on a loaded machine."""
+    import time
+
     import ray
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    except Exception:  # noqa: BLE001 - e.g. "The current node timed out during startup"
+        ray.shutdown()
+        time.sleep(5)
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
 
 
 @pytest.fixture
@@ -101,3 +110,68 @@ def _reset_distributed() -> None:
                      "_MODEL_PARALLEL_GROUP", "_TENSOR_MODEL_PARALLEL_GROUP"):
             if hasattr(groups, name):
                 setattr(groups, name, None)
+
+
+class DamagedFiles:
+    """Builders of damaged inputs (issue 18): truncated compressed files, parquet parts with a
+    corrupt data page or zero bytes. Every builder returns the path it wrote."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def truncated_gzip(self, name: str, text: str, cut: int = 40) -> Path:
+        """`text` gzip-compressed with its last `cut` bytes cut off (the stream's end and CRC)."""
+        import gzip
+
+        p = self.root / name
+        data = gzip.compress(text.encode())
+        p.write_bytes(data[: len(data) - cut])
+        return p
+
+    @staticmethod
+    def items_csv(n: int, start: int = 0) -> str:
+        return "item_id,title\n" + "".join(f"{i},Item number {i} of the damaged-file corpus\n"
+                                           for i in range(start, start + n))
+
+    @staticmethod
+    def items_jsonl(n: int, start: int = 0) -> str:
+        import json
+
+        return "".join(json.dumps({"item_id": str(i), "title": f"Item number {i}"}) + "\n"
+                       for i in range(start, start + n))
+
+    def parquet_parts(self, folder: str, n_parts: int = 3, rows: int = 1000, row_group: int = 250,
+                      damage: tuple[int, int] | None = None) -> Path:
+        """`n_parts` parquet files part-<k>.parquet of `rows` items each (ids k*rows + i); with
+        damage=(part, row group), that row group's first page header is overwritten (footer
+        intact, so the file opens and only reading that row group fails)."""
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        d = self.root / folder
+        d.mkdir(parents=True, exist_ok=True)
+        for k in range(n_parts):
+            ids = [str(k * rows + i) for i in range(rows)]
+            pq.write_table(pa.table({"item_id": ids, "title": [f"Item {i}" for i in ids]}),
+                           d / f"part-{k}.parquet", row_group_size=row_group)
+        if damage is not None:
+            part, rg = damage
+            p = d / f"part-{part}.parquet"
+            col = pq.ParquetFile(p).metadata.row_group(rg).column(0)
+            off = col.dictionary_page_offset or col.data_page_offset
+            b = bytearray(p.read_bytes())
+            b[off : off + 40] = b"\xff" * 40
+            p.write_bytes(bytes(b))
+        return d
+
+    @staticmethod
+    def interactions_csv(path: Path, n_users: int, n_items: int, per_user: int = 6) -> Path:
+        path.write_text("user_id,item_id,ts\n" + "".join(
+            f"u{u},{(u * 7 + j) % n_items},{j}\n" for u in range(n_users) for j in range(per_user)))
+        return path
+
+
+@pytest.fixture
+def damaged(tmp_path):
+    """DamagedFiles writing under tmp_path."""
+    return DamagedFiles(tmp_path)

@@ -2,7 +2,8 @@
 
 What it is for: turning arguments into calls of `gti.pipeline`, `gti.config` and the stage
 modules. It holds no ML logic. A user mistake (any `GtiError`) and a file-system error (disk
-full, permission denied: any `OSError`) print one line and exit 2.
+full, permission denied: any `OSError`) print one line and exit 2, also when Ray raised them
+around a task's error (`gti.errors.user_error` unwraps them).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import importlib
 import sys
 from typing import Callable, Sequence
 
-from gti.errors import GtiError
+from gti.errors import one_line, user_error
 
 
 def _cfg(args):
@@ -160,11 +161,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.overrides = list(args.overrides or []) + extra
     try:
         return args.func(args)
-    except GtiError as err:
-        print(f"gti: error: {err}", file=sys.stderr)
-        return 2
-    except OSError as err:
-        print(f"gti: error: {os_error_line(err)}", file=sys.stderr)
+    except Exception as err:  # noqa: BLE001 - user errors become one line; anything else re-raises
+        user = user_error(err)
+        # Ray's RayTaskError(OSError) is an OSError whose str() is Ray's report: use its cause.
+        os_err = next((e for e in (getattr(err, "cause", None), err) if isinstance(e, OSError)), None)
+        if user is None and os_err is None:
+            raise
+        print(f"gti: error: {one_line(str(user) if user is not None else os_error_line(os_err))}",
+              file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("gti: interrupted", file=sys.stderr)

@@ -78,6 +78,10 @@ class DataConfig(_Strict):
     max_users: int | None = Field(None, gt=0)
     # Ray Data read/processing parallelism; None lets Ray decide.
     parallelism: int | None = Field(None, gt=0)
+    # An input file that cannot be read (damaged page, truncated gzip, zero bytes, ragged CSV
+    # row): "error" stops the stage with one line naming it; "skip" leaves the whole file out
+    # and records it with its reason in the ingest manifest (facts.skipped_files).
+    on_unreadable_file: Literal["error", "skip"] = "error"
 
 
 # --------------------------------------------------------------------------- embed

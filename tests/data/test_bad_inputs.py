@@ -1,18 +1,21 @@
 """The bad-input corpus (issue 8, item 4) for catalogs and interactions.
 
 Each malformed input gives either one clear DataError line naming the file/column, or rows in
-quarantine with a reason — and rows_in == ok + quarantined for items and interactions."""
+quarantine with a reason — and rows_in == ok + quarantined for items and interactions. The
+damaged-file cases of issue 18 (truncated gzip, corrupt parquet page, zero-byte part, ragged
+row) run here in-process; tests/stages/test_ingest_damaged.py runs them through the CLI on Ray."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from gti.data import catalog as C
-from gti.errors import DataError
+from gti.errors import DataError, UnreadableFileError
 
 GOOD_ITEMS = "item_id,title\n1,Beaker\n2,Flask\n3,Pipette\n"
 GOOD_INTER = "user_id,item_id,ts\n" + "".join(f"u,{i},{t}\n" for t, i in enumerate([1, 2, 3, 1]))
@@ -233,3 +236,132 @@ def test_json_array_file(files, run_ingest):
     r.check_accounting()
     assert r.table("items").column("title").to_pylist() == ["Beaker", "Flask"]
     assert r.reasons("items_quarantine") == [C.MALFORMED_RECORD]
+
+
+# --------------------------------------------------------------------------- damaged files (issue 18)
+BIG = 120_000  # rows: ~6 MB of CSV/JSONL, so the damage lies beyond the driver's header read
+
+
+def _read_tasks_started(capsys) -> bool:
+    """Did the stage get past the driver's header checks (so a later error is a read task's)?"""
+    return "read task(s) from" in capsys.readouterr().err
+
+
+def test_truncated_gzip_csv_names_the_file(damaged, files, run_ingest, capsys):
+    small = damaged.truncated_gzip("items.csv.gz", damaged.items_csv(50))
+    with pytest.raises(UnreadableFileError) as e:
+        run_ingest(small, files("i.csv", GOOD_INTER))
+    assert _one_line(e) == f"{small}: cannot read: Truncated compressed stream"
+    assert not _read_tasks_started(capsys)  # found by the header check in the driver
+    big = damaged.truncated_gzip("big.csv.gz", damaged.items_csv(BIG))
+    with pytest.raises(UnreadableFileError) as e:
+        run_ingest(big, files("i.csv", GOOD_INTER))
+    assert _read_tasks_started(capsys)  # found by the read task
+    assert re.fullmatch(rf"{re.escape(str(big))}: cannot read( \(after the first \d+ data rows\))?: "
+                        r"Truncated compressed stream", _one_line(e))
+
+
+def test_truncated_gzip_jsonl_names_the_file_and_line(damaged, files, run_ingest, capsys):
+    small = damaged.truncated_gzip("items.jsonl.gz", damaged.items_jsonl(50))
+    with pytest.raises(UnreadableFileError) as e:
+        run_ingest(small, files("i.csv", GOOD_INTER))
+    assert _one_line(e) == f"{small}: cannot read after line 0: Truncated compressed stream"
+    assert not _read_tasks_started(capsys)
+    big = damaged.truncated_gzip("big.jsonl.gz", damaged.items_jsonl(BIG))
+    with pytest.raises(UnreadableFileError) as e:
+        run_ingest(big, files("i.csv", GOOD_INTER))
+    assert _read_tasks_started(capsys)
+    m = re.fullmatch(rf"{re.escape(str(big))}: cannot read after line (\d+): Truncated compressed stream",
+                     _one_line(e))
+    assert m and 100 < int(m.group(1)) < BIG
+
+
+def test_corrupt_parquet_page_among_good_parts(damaged, tmp_path, run_ingest):
+    cat_dir = damaged.parquet_parts("catalog", damage=(1, 2))
+    inter = damaged.interactions_csv(tmp_path / "i.csv", n_users=300, n_items=3000)
+    with pytest.raises(UnreadableFileError) as e:
+        run_ingest(cat_dir, inter)
+    assert _one_line(e).startswith(f"{cat_dir / 'part-1.parquet'}: row group 2 (data rows 500-749) is damaged: ")
+    # skip: the whole part is left out (also its rows before the damage), recorded with its reason.
+    r = run_ingest(cat_dir, inter, "data.on_unreadable_file=skip")
+    r.check_accounting()
+    f = r.facts
+    assert f["items_rows_in"] == f["items_rows_ok"] == 2000
+    ids = set(r.table("items").column("item_id").to_pylist())
+    assert ids == {str(i) for i in range(1000)} | {str(i) for i in range(2000, 3000)}
+    (skipped,) = f["skipped_files"]["items"]
+    assert skipped["file"] == str(cat_dir / "part-1.parquet")
+    assert skipped["reason"].startswith("row group 2 (data rows 500-749) is damaged: ")
+    assert f["skipped_files"]["interactions"] == []
+    assert f["skipped_files_rows_in"].startswith("unknown")
+    # The interactions of the skipped part's items are unknown items now, counted as such.
+    assert f["interactions_quarantine_reasons"]["unknown_item"] > 0
+
+
+def test_zero_byte_part(damaged, tmp_path, run_ingest):
+    cat_dir = damaged.parquet_parts("catalog", n_parts=2)
+    (cat_dir / "part-9.parquet").write_bytes(b"")
+    inter = damaged.interactions_csv(tmp_path / "i.csv", n_users=50, n_items=2000)
+    with pytest.raises(UnreadableFileError) as e:
+        run_ingest(cat_dir, inter)
+    assert _one_line(e) == (f"{cat_dir / 'part-9.parquet'}: not a readable parquet file: "
+                            "Parquet file size is 0 bytes")
+    r = run_ingest(cat_dir, inter, "data.on_unreadable_file=skip")
+    r.check_accounting()
+    assert r.facts["items_rows_in"] == 2000
+    assert r.facts["skipped_files"]["items"] == [
+        {"file": str(cat_dir / "part-9.parquet"), "reason": "not a readable parquet file: Parquet file size is 0 bytes"}]
+    # Skipping every file is still an error, naming the first one.
+    only = tmp_path / "only"
+    only.mkdir()
+    (only / "a.parquet").write_bytes(b"")
+    with pytest.raises(DataError, match=r"all 1 file\(s\) are unreadable \(first: .*a\.parquet: not a readable"):
+        run_ingest(only, inter, "data.on_unreadable_file=skip")
+
+
+def test_directory_without_data_files(tmp_path, files, run_ingest):
+    d = tmp_path / "empty_catalog"
+    d.mkdir()
+    (d / "_SUCCESS").write_text("")
+    (d / ".hidden.parquet").write_text("")
+    with pytest.raises(DataError) as e:
+        run_ingest(d, files("i.csv", GOOD_INTER))
+    assert _one_line(e) == f"data.items.path: no data files match {d}"
+
+
+def test_ragged_csv_row_number(files, run_ingest):
+    # Data row 1 holds a quoted newline, so data row 3 (0-based, as source_row) ends on line 6.
+    p = files("items.csv", 'item_id,title\n1,Beaker\n2,"Flask\nwith a lid"\n3,Pipette\n4,Tube,extra\n5,Cap\n')
+    with pytest.raises(UnreadableFileError) as e:
+        run_ingest(p, files("i.csv", GOOD_INTER))
+    assert _one_line(e) == (f"{p}: CSV parse error at data row 3 (line 6): "
+                            "Expected 2 columns, got 3: 4,Tube,extra")
+
+
+def test_interaction_columns_checked_before_items_are_read(tmp_path, files, run_ingest):
+    inter = files("i.csv", "user,item_id,ts\nu,1,1\n")  # "user" instead of "user_id"
+    with pytest.raises(DataError) as e:
+        run_ingest(files("items.csv", GOOD_ITEMS), inter)
+    assert _one_line(e).startswith(f"{inter}: missing column 'user_id'")
+    assert not (tmp_path / "work1" / "items.parquet").exists()  # no item was read
+
+
+def test_cap_that_removes_most_interactions_warns(files, run_ingest):
+    items = files("items.csv", "item_id,title\n" + "".join(f"{i},T{i}\n" for i in range(10)))
+    inter = files("i.csv", "user_id,item_id,ts\n" + "".join(f"u{u},{i},{i}\n" for u in range(3) for i in range(10)))
+    r = run_ingest(items, inter, "data.max_items=3")
+    assert r.facts["warnings"] == [
+        "data.max_items=3 removed 70% of the interactions (21 of 30 rows, reason outside_max_items); "
+        "raise or remove it to keep them"]
+    assert run_ingest(items, inter).facts["warnings"] == []
+
+
+def test_uri_errors_name_the_uri(files, run_ingest):
+    inter = files("i.csv", GOOD_INTER)
+    with pytest.raises(DataError) as e:  # a scheme neither pyarrow nor fsspec knows
+        run_ingest("nosuch://bucket/items.parquet", inter)
+    assert _one_line(e) == ("data.items.path: cannot list nosuch://bucket/items.parquet: "
+                            "Unrecognized filesystem type in URI: nosuch://bucket/items.parquet")
+    with pytest.raises(DataError) as e:  # an fsspec glob that matches nothing
+        run_ingest("memory://gti-test-empty/*.parquet", inter)
+    assert _one_line(e) == "data.items.path: no data files match memory://gti-test-empty/*.parquet"

@@ -56,3 +56,18 @@ def test_nearest_chunks_agree():
     a, da = nearest(x, c, chunk=64)
     assert torch.equal(a, torch.cdist(x, c).argmin(1))
     assert torch.allclose(da, torch.cdist(x, c).min(1).values ** 2, atol=1e-4)
+
+
+def test_iterates_while_inertia_falls():
+    """Lloyd's algorithm must not stop after its first step while the inertia still falls
+    (it did: the convergence test compared with prev = inf). Each run with `iters=n` is the
+    same trajectory cut at n, so inertia is non-increasing in n and must fall after step 1."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2000, 8, generator=g)
+    runs = {n: kmeans(x, 16, iters=n, generator=torch.Generator().manual_seed(0)) for n in (1, 2, 5, 50)}
+    assert runs[1].iters == 1
+    assert runs[5].iters == 5  # unstructured data: 5 steps are not enough to converge
+    assert 5 < runs[50].iters < 50  # converged on its own, and said so
+    inertias = [runs[n].inertia for n in (1, 2, 5, 50)]
+    assert all(b <= a + 1e-7 for a, b in zip(inertias, inertias[1:]))
+    assert inertias[-1] < 0.97 * inertias[0]

@@ -8,7 +8,9 @@ tiny "SFT" model folder with the SID tokens), written with the names of docs/ARC
   metrics (MRR, mean percentile rank);
 - the decoding actor in-process: constrained output is valid and distinct, unconstrained
   decoding of a random model reports invalid SIDs;
-- a model trained on another SID map is refused with a one-line error.
+- a model trained on another SID map is refused with a one-line error;
+- an evaluate stage interrupted after some chunks of users resumes from them, with the metrics
+  of an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -199,6 +201,50 @@ def test_evaluate_exact_ranks_and_cold_slice(eval_rank_run):
     _check_cold_slice(metrics, seqs, 8, names, exact_rank=True)
     assert any(metrics["slices"]["cold"][s]["n_users"] for s in ("valid", "test"))
     assert m.facts["ranks"] == metrics["ranks"]
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_interrupted_evaluate_resumes_with_the_same_metrics(eval_run, tmp_path, monkeypatch):
+    """The driver dies after 2 chunks of 5 prompts (of 24); the rerun decodes only the rest and
+    its metrics.json and recs.parquet equal the uninterrupted run's (eval_run: same upstream,
+    same config, one big chunk)."""
+    from gti.stages import evaluate as E
+
+    base_dir, cfg0, _, _ = eval_run
+    run_dir = tmp_path / "run"
+    make_upstream(run_dir)
+    cfg = eval_cfg(run_dir)
+
+    class DriverKilled(Exception):
+        pass
+
+    written: list[int] = []
+
+    def kill_after_two(i):
+        written.append(i)
+        if i == 1:
+            raise DriverKilled
+
+    monkeypatch.setattr(E, "CHUNK_ROWS", 5)  # eval.batch_users=5: one batch per chunk
+    monkeypatch.setattr(E, "_on_chunk", kill_after_two)
+    with pytest.raises(DriverKilled):
+        pipeline.run_stage(pipeline.spec("evaluate"), cfg, run_dir)
+    partial = run_dir / ".evaluate.partial"
+    assert not (run_dir / "evaluate").exists()
+    assert sorted(p.name for p in (partial / E.DECODED_DIR).glob("chunk-*")) == [
+        "chunk-000000.parquet", "chunk-000001.parquet"]
+    written.clear()
+    monkeypatch.setattr(E, "_on_chunk", written.append)
+    m = pipeline.run_stage(pipeline.spec("evaluate"), cfg, run_dir)
+    assert written == [2, 3, 4]  # prompts 10..23 only
+    assert m.facts["resumed_prompts"] == 10
+    assert not (run_dir / "evaluate" / E.DECODED_DIR).exists()
+    got = json.loads((run_dir / "evaluate" / "metrics.json").read_text())
+    want = json.loads((base_dir / "evaluate" / "metrics.json").read_text())
+    assert got == want
+    assert pl.read_parquet(run_dir / "evaluate" / "recs.parquet").equals(
+        pl.read_parquet(base_dir / "evaluate" / "recs.parquet"))
 
 
 def _actor(run_dir, cfg):

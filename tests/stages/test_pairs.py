@@ -148,7 +148,7 @@ def test_pairs_stage_end_to_end(tmp_path, ray_start_4_cpus):
 
 
 def test_item_without_sid_is_named(tmp_path):
-    from gti.errors import DataError
+    from gti.errors import DataError, user_error
     from gti.lm.models import build_tiny_tokenizer
     from gti.lm.vocab import extend_tokenizer
     from gti.sid.codec import SidCodec
@@ -169,4 +169,4 @@ def test_item_without_sid_is_named(tmp_path):
     assert ok.num_rows == 6 and set(ok.column("split").to_pylist()) == {"train"}
     # Ray Data keeps a worker's DataError only as traceback text; the stage recovers it.
     wrapped = RuntimeError("UDF failed\nTraceback ...\ngti.errors.DataError: pairs: item_id 'it007' has no SID")
-    assert str(P._user_error(wrapped)) == "pairs: item_id 'it007' has no SID"
+    assert str(user_error(wrapped)) == "pairs: item_id 'it007' has no SID"

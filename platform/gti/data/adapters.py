@@ -17,6 +17,10 @@ UTF-8 stays bytes, numbers stay numbers, so that `gti.data.catalog` decides what
 why. A reader-level problem with one row (a JSON line that does not parse, a line that is not
 UTF-8) comes through as that row's `_read_error`, to be quarantined; a problem with a whole file
 (missing required column, unreadable file) raises `DataError` naming the file and column.
+A file that cannot be read, or not past some point (damaged page, truncated compressed
+stream, ragged CSV row), raises `UnreadableFileError`: one line naming the file and, where it is
+known, the row group, data row or line; every read of every format and path (local, URI, driver
+header checks, read tasks) goes through that.
 
 What it does not know: validation rules, Ray, or where outputs go.
 """
@@ -27,6 +31,7 @@ import ast
 import glob as globlib
 import json
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -37,7 +42,7 @@ import pyarrow.parquet as pq
 
 from gti.data import bundled
 from gti.data.catalog import INVALID_UTF8, MALFORMED_RECORD, READ_ERROR
-from gti.errors import DataError
+from gti.errors import DataError, UnreadableFileError
 
 _EXT_FORMAT = {
     ".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".tsv": "csv",
@@ -70,7 +75,13 @@ def expand_paths(path: str, kind: str) -> list[str]:
     """Configured path -> sorted list of files (local paths or URIs). DataError if none."""
     path = bundled.resolve(path, kind)
     if _is_uri(path):
-        return _expand_uri(path)
+        try:
+            files = _expand_uri(path)
+        except (*READ_ERRORS, ValueError, ImportError) as err:  # unknown scheme, no access, ...
+            raise DataError(f"data.{kind}.path: cannot list {path}: {_reason(err)}") from None
+        if not files:
+            raise DataError(f"data.{kind}.path: no data files match {path}")
+        return files
     path = os.path.expanduser(_strip_file_scheme(path))
     if any(ch in path for ch in "*?["):
         files = sorted(f for f in globlib.glob(path, recursive=True) if os.path.isfile(f))
@@ -118,7 +129,7 @@ def _open(path: str):
     try:
         return fs.open_input_stream(p, compression="detect")
     except (OSError, pa.ArrowException) as err:
-        raise DataError(f"{path}: cannot open: {str(err).splitlines()[0]}") from None
+        raise UnreadableFileError(path, f"cannot open: {_reason(err)}") from None
 
 
 def _parquet_file(path: str) -> pq.ParquetFile:
@@ -128,7 +139,20 @@ def _parquet_file(path: str) -> pq.ParquetFile:
             return pq.ParquetFile(fs.open_input_file(p))
         return pq.ParquetFile(path)
     except (OSError, pa.ArrowException) as err:
-        raise DataError(f"{path}: not a readable parquet file: {str(err).splitlines()[0]}") from None
+        raise UnreadableFileError(path, f"not a readable parquet file: {_reason(err)}") from None
+
+
+# What reading a damaged or truncated file raises (pyarrow: OSError / ArrowInvalid; EOFError
+# from Python's own decompressors behind fsspec).
+READ_ERRORS = (OSError, EOFError, pa.ArrowException)
+
+
+def _reason(err: BaseException) -> str:
+    """The first non-empty line of a reader's error (pyarrow's run over several lines), with
+    control characters escaped: a damaged page's error can quote the garbage bytes it met."""
+    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+    text = lines[0] if lines else type(err).__name__
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
 
 
 def detect_format(path: str, fmt: str) -> str:
@@ -245,22 +269,32 @@ def _iter_parquet(task: ReadTask, mapping, required, section, batch_rows) -> Ite
     wanted = [c for c in dict.fromkeys(mapping.values()) if c in present]
     row = task.first_row
     groups = task.row_groups if task.row_groups is not None else list(range(pf.num_row_groups))
-    if not groups:
-        return
-    for batch in pf.iter_batches(batch_size=batch_rows, row_groups=groups, columns=wanted):
-        t = pa.Table.from_batches([batch])
-        yield _rename(_arrow_to_lists(t), mapping, t.num_rows), row
-        row += t.num_rows
+    # One row group at a time, so that a damaged page is reported with its row group.
+    for rg in groups:
+        start = row
+        try:
+            for batch in pf.iter_batches(batch_size=batch_rows, row_groups=[rg], columns=wanted):
+                t = pa.Table.from_batches([batch])
+                yield _rename(_arrow_to_lists(t), mapping, t.num_rows), row
+                row += t.num_rows
+        except READ_ERRORS as err:
+            n = pf.metadata.row_group(rg).num_rows
+            raise UnreadableFileError(
+                task.file, f"row group {rg} (data rows {start}-{start + n - 1}) is damaged: {_reason(err)}"
+            ) from None
 
 
 def _csv_header(task: ReadTask, delimiter: str) -> list[str]:
     import csv
     import io
 
-    with _open(task.file) as fh:
-        head = fh.read(1 << 16)
+    try:
+        with _open(task.file) as fh:
+            head = fh.read(1 << 16)
+    except READ_ERRORS as err:  # e.g. a gzip file whose end is cut off, read whole here
+        raise UnreadableFileError(task.file, f"cannot read: {_reason(err)}") from None
     if not head.strip():
-        raise DataError(f"{task.file}: empty file (no header row)")
+        raise UnreadableFileError(task.file, "empty file (no header row)")
     first = head.split(b"\n", 1)[0].decode("utf-8", errors="replace").lstrip("\ufeff")
     return next(csv.reader(io.StringIO(first), delimiter=delimiter))
 
@@ -287,13 +321,51 @@ def _iter_csv(task: ReadTask, mapping, required, section, batch_rows, delimiter=
                     yield _rename(_arrow_to_lists(part), mapping, part.num_rows), row
                     row += part.num_rows
     except pa.ArrowInvalid as err:
-        raise DataError(f"{task.file}: CSV parse error near data row {row}: {str(err).splitlines()[0]}") from None
+        # pyarrow parses blocks of rows and does not say which row failed; find it.
+        where = _ragged_row(task.file, delimiter, len(header))
+        # pyarrow's own "Row #N" (a line number, given only when it parses serially) would
+        # contradict the data row: drop it with its redundant prefix.
+        what = re.sub(r"^CSV parse error: (Row #\d+: )?", "", _reason(err))
+        raise UnreadableFileError(task.file, f"CSV parse error{where}: {what}") from None
+    except READ_ERRORS as err:
+        # Where in the failing block the damage starts is not known; say what was read.
+        read = f" (after the first {row} data rows)" if row else ""
+        raise UnreadableFileError(task.file, f"cannot read{read}: {_reason(err)}") from None
+
+
+def _ragged_row(path: str, delimiter: str, n_columns: int) -> str:
+    """' at data row R (line L)' for the first row of `path` whose field count is not
+    `n_columns` (R counts data rows from 0, as `source_row` in the quarantine files; L is the
+    file line where that row ends), or '' when no such row is found."""
+    import csv
+    import io
+
+    try:
+        with _open(path) as fh:
+            text = io.TextIOWrapper(fh, encoding="utf-8", errors="replace", newline="")
+            reader = csv.reader(text, delimiter=delimiter)
+            next(reader, None)  # the header
+            for r, fields in enumerate(reader):
+                if fields and len(fields) != n_columns:
+                    return f" at data row {r} (line {reader.line_num})"
+    except (csv.Error, *READ_ERRORS):
+        pass
+    return ""
 
 
 def _json_records(task: ReadTask, literal_ok: bool = False) -> Iterator[dict]:
-    """Records of a JSON-lines file (or a JSON array file); bad lines become error records."""
+    """Records of a JSON-lines file (or a JSON array file); bad lines become error records.
+    A file that cannot be read past some line raises UnreadableFileError naming that line."""
+    counter = [0]
+    try:
+        yield from _json_records_of(task, literal_ok, counter)
+    except READ_ERRORS as err:
+        raise UnreadableFileError(task.file, f"cannot read after line {counter[0]}: {_reason(err)}") from None
+
+
+def _json_records_of(task: ReadTask, literal_ok: bool, counter: list[int]) -> Iterator[dict]:
     with _open(task.file) as fh:
-        data_iter = _lines(fh)
+        data_iter = _counted(_lines(fh), counter)
         first = None
         for first in data_iter:
             if first.strip():
@@ -306,7 +378,7 @@ def _json_records(task: ReadTask, literal_ok: bool = False) -> Iterator[dict]:
             try:
                 arr = json.loads(rest)
             except (ValueError, UnicodeDecodeError) as err:
-                raise DataError(f"{task.file}: not valid JSON: {str(err).splitlines()[0]}") from None
+                raise UnreadableFileError(task.file, f"not valid JSON: {_reason(err)}") from None
             for rec in arr:
                 yield rec if isinstance(rec, dict) else {READ_ERROR: MALFORMED_RECORD, "_raw": repr(rec)}
             return
@@ -331,6 +403,13 @@ def _json_records(task: ReadTask, literal_ok: bool = False) -> Iterator[dict]:
                 yield {READ_ERROR: MALFORMED_RECORD, "_raw": text}
                 continue
             yield rec
+
+
+def _counted(lines: Iterator[bytes], counter: list[int]) -> Iterator[bytes]:
+    """`lines`, counting in counter[0] the lines read whole so far."""
+    for line in lines:
+        counter[0] += 1
+        yield line
 
 
 def _chain(a, b):
@@ -489,3 +568,31 @@ def missing_optional_columns(task: ReadTask, kind: str, columns) -> list[str]:
     else:
         return []
     return [mapping[c] for c in mapping if c not in required and mapping[c] not in present]
+
+
+def check_header(task: ReadTask, kind: str, columns) -> list[str]:
+    """Check one read task's header against the column mapping before any work starts: the
+    schema of a parquet file, the header row of a CSV/TSV file, the keys of the first records of
+    a JSON-lines file (the first 100 lines). Raises DataError naming the file and the missing
+    required column, UnreadableFileError when the header cannot be read; returns the mapped
+    optional columns the file lacks. Other formats (JSON arrays, amazon, movielens: fixed or
+    whole-file layouts) are checked while they are read."""
+    mapping = item_mapping(columns) if kind == "items" else interaction_mapping(columns)
+    required = ["item_id"] if kind == "items" else list(mapping)
+    if task.fmt == "parquet":
+        present = _parquet_file(task.file).schema_arrow.names
+    elif task.fmt in ("csv", "tsv"):
+        present = _csv_header(task, "," if task.fmt == "csv" else "\t")
+    elif task.fmt == "jsonl":
+        keys: set[str] = set()
+        for i, rec in enumerate(_json_records(task)):
+            if READ_ERROR not in rec:
+                keys.update(rec)
+            if i >= 99:
+                break
+        if not keys:  # empty, or only unparseable lines: quarantined row by row when read
+            return []
+        present = sorted(keys)
+    else:
+        return []
+    return check_columns(task.file, list(present), mapping, required, kind)

@@ -115,7 +115,10 @@ def kmeans(
             new_c[empty[: far.numel()]] = x[far]
         c = new_c
         inertia = float(dist.mean())
-        if empty.numel() == 0 and prev - inertia <= tol * max(prev, 1e-12):
+        # Converged when inertia stopped falling. There is nothing to compare with on the first
+        # iteration: `inf - x <= tol * inf` holds, so without the `it > 1` Lloyd's algorithm
+        # stopped after one step.
+        if it > 1 and empty.numel() == 0 and prev - inertia <= tol * max(prev, 1e-12):
             break
         prev = inertia
     if balanced:

@@ -3,12 +3,38 @@
 What it is for: `ensure_ray(cfg)` joins `cfg.ray_address` (a cluster, "auto") or starts a local
 Ray sized by `cfg.ray_num_cpus`. Calling it twice is harmless. It also quietens Ray Data's
 per-operator progress bars when stdout is not a terminal, so logs stay readable in CI.
+
+- A local start that fails (under heavy load Ray's raylet can miss its start-up deadline) is
+  retried once after `START_RETRY_WAIT_S`; a second failure is one line (`RayStartError`)
+  naming the Ray log folder to read.
+- The run pins its own Ray: the address it started or joined goes to every Ray worker of the
+  job (runtime_env RAY_ADDRESS) and to this process's environment. Ray's own helpers that look
+  the cluster up from inside a worker (Ray Train's PlacementGroupCleaner, the state API) would
+  otherwise pick "the latest" of several Ray instances on the same host, or fail with
+  "Found multiple active Ray instances". A local Ray runs without the dashboard, so Ray Train's
+  once-a-second state query from its PlacementGroupCleaner cannot succeed; its warning line is
+  filtered in the workers (`_quiet_state_api_warnings`).
+
+What it does not know: what the stages run on Ray.
 """
 
 from __future__ import annotations
 
+import glob
+import json
 import os
+import socket
 import sys
+import time
+
+from gti.errors import GtiError, one_line
+
+START_RETRY_WAIT_S = 5.0
+_JOB_CONFIG_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # set by `ray job submit` for the driver
+
+
+class RayStartError(GtiError):
+    """A local Ray could not be started (or a cluster joined); the message names the logs."""
 
 
 def ensure_ray(cfg) -> None:
@@ -16,14 +42,141 @@ def ensure_ray(cfg) -> None:
 
     if ray.is_initialized():
         return
-    kwargs = dict(ignore_reinit_error=True, log_to_driver=True, include_dashboard=False)
     address = cfg.ray_address or os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, ignore_reinit_error=True, log_to_driver=True)
+        _join(address)
     else:
-        ray.init(num_cpus=cfg.ray_num_cpus, **kwargs)
+        _start_local(cfg.ray_num_cpus)
+    # This process (and anything it starts) talks to the same Ray from now on.
+    os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
     ctx = ray.data.DataContext.get_current()
     interactive = sys.stderr.isatty()
     ctx.enable_progress_bars = interactive
     ctx.enable_operator_progress_bars = interactive
     ctx.print_on_execution_start = interactive
+
+
+def _pin_env(address: str) -> dict | None:
+    """runtime_env giving every worker of this job RAY_ADDRESS=address, or None where the job
+    (`ray job submit`) already sets RAY_ADDRESS for its workers (Ray refuses a second value)."""
+    job = os.environ.get(_JOB_CONFIG_ENV)
+    if job:
+        try:
+            env_vars = (json.loads(job).get("runtime_env") or {}).get("env_vars") or {}
+        except (ValueError, AttributeError):
+            env_vars = {}
+        if "RAY_ADDRESS" in env_vars:
+            return None
+    return {"env_vars": {"RAY_ADDRESS": address}}
+
+
+def _join(address: str) -> None:
+    import ray
+
+    if address == "auto" or "://" not in address:
+        from ray._private import services
+
+        try:
+            # Ray's own rule for "auto"/host:port; gives the GCS address the workers need.
+            address = services.canonicalize_bootstrap_address_or_die(address)
+        except ConnectionError as err:
+            raise RayStartError(f"ray_address {address}: {one_line(str(err))}") from None
+    try:
+        ray.init(address=address, ignore_reinit_error=True, log_to_driver=True,
+                 runtime_env=_pin_env(address) if "://" not in address else None)
+    except ConnectionError as err:
+        raise RayStartError(f"cannot join Ray at {address}: {one_line(str(err))}") from None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _start_local(num_cpus: int | None) -> None:
+    """ray.init of a new local Ray whose GCS port we choose, so that its address is known before
+    the workers start and can be pinned in their environment. Retried once."""
+    import ray
+
+    for attempt in (1, 2):
+        started = time.time()
+        port = _free_port()
+        address = f"{ray.util.get_node_ip_address()}:{port}"
+        old_port = os.environ.get("RAY_GCS_SERVER_PORT")
+        os.environ["RAY_GCS_SERVER_PORT"] = str(port)  # read by ray.init for a new head node
+        try:
+            env = _pin_env(address) or {}
+            env["worker_process_setup_hook"] = _quiet_state_api_warnings()
+            ray.init(num_cpus=num_cpus, ignore_reinit_error=True, log_to_driver=True,
+                     include_dashboard=False, runtime_env=env)
+            return
+        except Exception as err:  # noqa: BLE001 - any failure of a local start is reported the same way
+            logs = _session_logs(started)
+            _stop_partial_start(logs)
+            if attempt == 1:
+                print(f"gti: warning: local Ray did not start ({one_line(str(err))}); "
+                      f"retrying in {START_RETRY_WAIT_S:g}s", file=sys.stderr, flush=True)
+                time.sleep(START_RETRY_WAIT_S)
+                continue
+            raise RayStartError(
+                f"local Ray did not start (twice): {one_line(str(err))}; read {logs}/raylet.out and "
+                f"{logs}/gcs_server.out (or set ray_address to join a running cluster)"
+            ) from None
+        finally:
+            if old_port is None:
+                os.environ.pop("RAY_GCS_SERVER_PORT", None)
+            else:
+                os.environ["RAY_GCS_SERVER_PORT"] = old_port
+
+
+def _quiet_state_api_warnings():
+    """A worker set-up hook for a local Ray, which runs without the dashboard (its API server is
+    what Ray's state API calls): Ray Train's PlacementGroupCleaner asks that API every second
+    whether the controller is alive and, finding no server, logs "Failed to query Ray Train
+    Controller actor state" each time. The hook drops that one message in the workers; the
+    cleaner keeps running. A closure, so Ray ships it by value (no import of gti needed)."""
+
+    def hook() -> None:
+        import logging
+
+        class _DropStateApiWarning(logging.Filter):
+            def filter(self, record: logging.LogRecord) -> bool:
+                return "Failed to query Ray Train Controller actor state" not in record.getMessage()
+
+        logging.getLogger("ray.train.v2._internal.execution.controller.placement_group_cleaner").addFilter(
+            _DropStateApiWarning())
+
+    return hook
+
+
+def _session_logs(since: float) -> str:
+    """The logs folder of the Ray session started at or after `since` (Ray's default temp dir,
+    or RAY_TMPDIR), or the generic session_latest path when none is found."""
+    root = os.environ.get("RAY_TMPDIR") or "/tmp/ray"
+    sessions = [s for s in glob.glob(os.path.join(root, "session_2*")) if os.path.getmtime(s) >= since - 1]
+    newest = max(sessions, key=os.path.getmtime) if sessions else os.path.join(root, "session_latest")
+    return os.path.join(newest, "logs")
+
+
+def _stop_partial_start(logs: str) -> None:
+    """Stop what a failed ray.init left running: Ray's own state, then this process's child
+    processes of that session (GCS, raylet), found by the session folder in their command line."""
+    import ray
+
+    try:
+        ray.shutdown()
+    except Exception:  # noqa: BLE001 - nothing to shut down after a failed start
+        pass
+    session = os.path.dirname(logs)
+    try:
+        import psutil
+
+        for child in psutil.Process().children(recursive=True):
+            try:
+                if any(session in arg for arg in child.cmdline()):
+                    child.kill()
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                pass
+    except ImportError:  # psutil comes with ray; without it the reaper stops them at exit
+        pass

@@ -24,6 +24,11 @@ over the catalog's SID trie, and score them against the held-out item.
   target is the target of at most `eval.cold_max_sft_targets` SFT training windows
   (`sft_data.sft_target_counts`, counted on training items only, never valid/test), under
   slices.cold.<split>, with the definition under slices.cold.definition.
+- Resume: decoded rows are kept in the work dir in chunks of about `CHUNK_ROWS` prompts (a
+  multiple of `eval.batch_users`; `gti.stages._chunks`), each written atomically as it
+  completes. A rerun after an interrupted attempt (same fingerprint, so the same work dir)
+  decodes only the prompts after the last whole chunk, in the same batches, so its metrics
+  equal an uninterrupted run's.
 - Outputs: metrics.json (layout in docs/ARCHITECTURE.md, with per-user values for paired
   bootstrap CIs in the report), recs.parquet (user_id, split, target, items list<str> best
   first, scores list<float32>), and a table printed at the end.
@@ -34,6 +39,7 @@ or how metrics are defined (`gti.eval.metrics`).
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -46,10 +52,14 @@ from gti import config as C
 from gti.errors import DataError
 from gti.manifest import atomic_write_json
 from gti.pipeline import StageContext, StageResult
+from gti.stages._chunks import ChunkedOutput
 from gti.train import sft_data
 
 METRICS_FILE = "metrics.json"
 RECS_FILE = "recs.parquet"
+DECODED_DIR = "decoded"  # resumable chunks of decoded rows (gti.stages._chunks), in the work dir
+CHUNK_ROWS = 256  # prompts per chunk, rounded to a multiple of eval.batch_users
+_on_chunk = None  # test hook: called with each chunk index written (e.g. to interrupt the stage)
 
 
 # --------------------------------------------------------------------------- the actor
@@ -304,9 +314,19 @@ def run(ctx: StageContext) -> StageResult:
     sft_counts = sft_data.sft_target_counts(seqs)
     n_cold = n_cold_items(catalog, sft_counts, ec.cold_max_sft_targets)
 
+    # Whole batches per chunk, so that a resumed run decodes the same batches as an
+    # uninterrupted one (batched beam search is exact per batch, not across compositions).
+    chunk_rows = ec.batch_users * max(1, round(CHUNK_ROWS / ec.batch_users))
+    decoded = ChunkedOutput(ctx.work_dir / DECODED_DIR, rows.select("user_id", "split").to_arrow(), chunk_rows,
+                            on_chunk=_on_chunk)
+    resumed = decoded.resume()
+    if resumed:
+        ctx.log(f"resuming: {resumed:,} of {rows.height:,} prompts already decoded by an interrupted attempt")
+    todo = rows.slice(resumed)
+
     ensure_ray(cfg)
     ray.data.DataContext.get_current().execution_options.preserve_order = True
-    ds = ray.data.from_arrow(rows.to_arrow()).map_batches(
+    ds = ray.data.from_arrow(todo.to_arrow()).map_batches(
         Recommender,
         fn_constructor_kwargs=dict(
             model_dir=str(model_dir), sid_map_path=str(sid_map_path), sid_facts=sid_facts,
@@ -318,8 +338,8 @@ def run(ctx: StageContext) -> StageResult:
         num_gpus=ec.num_gpus or None,
     )
     t0 = last = time.time()
-    parts, done = [], 0
-    for block in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+    parts, done = decoded, 0  # parts.append writes each whole chunk; iterating gives them all
+    for block in ds.iter_batches(batch_size=None, batch_format="pyarrow") if todo.height else []:
         block = block if isinstance(block, pa.Table) else pa.Table.from_batches([block])
         parts.append(block)
         done += block.num_rows
@@ -330,7 +350,8 @@ def run(ctx: StageContext) -> StageResult:
     if recs is None or recs.height != rows.height:
         raise DataError(f"evaluate: decoded {0 if recs is None else recs.height} of {rows.height} prompts")
     elapsed = time.time() - t0
-    ctx.log(f"decoded {recs.height:,} prompts in {elapsed:.1f}s ({recs.height / max(elapsed, 1e-9):.2f} users/s)")
+    ctx.log(f"decoded {todo.height:,} prompts in {elapsed:.1f}s ({todo.height / max(elapsed, 1e-9):.2f} users/s)"
+            + (f", {resumed:,} more from the interrupted attempt" if resumed else ""))
 
     n_returned, n_invalid = int(recs["n_returned"].sum()), int(recs["n_invalid"].sum())
     invalid_rate = n_invalid / n_returned if n_returned else 0.0
@@ -373,6 +394,7 @@ def run(ctx: StageContext) -> StageResult:
             ctx.log(format_ranks(split, cold_block["ranks"], "[cold]"))
     atomic_write_json(ctx.work_dir / METRICS_FILE, out)
     recs.select("user_id", "split", "target", "items", "scores").write_parquet(ctx.work_dir / RECS_FILE)
+    shutil.rmtree(ctx.work_dir / DECODED_DIR)  # recs.parquet holds them now
 
     table = format_table(out, list(ec.ks))
     for line in table.splitlines():
@@ -386,7 +408,8 @@ def run(ctx: StageContext) -> StageResult:
             "slices": out["slices"],
             "invalid_sid_rate": invalid_rate,
             "n_users": out["n_users"],
-            "users_per_s": round(recs.height / max(elapsed, 1e-9), 3),
+            "users_per_s": round(todo.height / max(elapsed, 1e-9), 3),
+            "resumed_prompts": resumed,
             "sid_map_hash": sid_facts["sid_map_hash"],
         },
     )

@@ -17,6 +17,16 @@ Accounting: every input row ends in exactly one of the ok output or a quarantine
 `data.max_items` set, reading the catalog stops at the N-th kept item: rows after it are not
 read and not counted, and interactions naming other items are quarantined as
 `outside_max_items` (they cannot be told apart from unknown items without reading the rest).
+When a cap or filter (`data.max_items`, `data.max_users`, `data.min_seq_len`) removes most of
+the interactions, one WARNING line names the key to change (facts.warnings).
+
+Damaged files: every file's header is checked against the column mapping (items and
+interactions) before any row is read. A file that cannot be read (`UnreadableFileError`, found
+by the header check or inside a read task) stops the stage with one line naming it, or, with
+`data.on_unreadable_file: skip`, is left out whole: the pass over that source starts again
+without it (one restart per damaged file found mid-read), so no row of a skipped file reaches
+any output or count. Skipped files are listed with their reason under facts.skipped_files;
+their rows are in no `*_rows_in` (unknown: the files could not be read).
 
 What it does not know: embeddings or anything downstream.
 """
@@ -40,7 +50,7 @@ from gti.data import adapters
 from gti.data import catalog as cat
 from gti.data.idset import IdSet
 from gti.data.sequences import build_sequences
-from gti.errors import DataError, GtiError
+from gti.errors import DataError, GtiError, UnreadableFileError, user_error
 from gti.manifest import file_fingerprint
 from gti.pipeline import StageContext, StageResult
 
@@ -54,6 +64,10 @@ SEQ_SCHEMA = pa.schema(
 )
 ROW_GROUP = 65_536
 FILE_ERROR = "__file_error__"  # marker row: a reader failed on a whole file (see _read_validate)
+UNREADABLE_FILE = "__unreadable_file__"  # marker row: the same, for a file that may be skipped
+# Caps and filters that can silently remove most of a data set: quarantine reason -> config key.
+CAP_KEYS = {cat.OUTSIDE_MAX_ITEMS: "data.max_items", cat.OUTSIDE_MAX_USERS: "data.max_users",
+            cat.SHORT_SEQUENCE: "data.min_seq_len"}
 
 
 # --------------------------------------------------------------------------- fingerprints
@@ -63,8 +77,11 @@ def _fingerprint_files(path: str, kind: str) -> str:
         if "://" in f and not f.startswith("file://"):
             import pyarrow.fs as pafs
 
-            fs, p = pafs.FileSystem.from_uri(f)
-            info = fs.get_file_info(p)
+            try:
+                fs, p = pafs.FileSystem.from_uri(f)
+                info = fs.get_file_info(p)
+            except (*adapters.READ_ERRORS, ValueError) as err:
+                raise UnreadableFileError(f, f"cannot stat: {adapters._reason(err)}") from None
             parts.append(f"{f}:{info.size}:{info.mtime_ns}")
         else:
             parts.append(f"{os.path.basename(f)}:{file_fingerprint(f)}")
@@ -91,17 +108,22 @@ def _read_validate(batch: dict, kind: str, columns: dict, max_text_chars: int, b
     for spec in batch["task"]:
         task = adapters.ReadTask(**json.loads(spec))
         try:
-            for raw, first_row in adapters.iter_task(task, kind, cols, batch_rows):
-                if kind == "items":
-                    yield cat.validate_items(raw, cols.attributes, max_text_chars, task.file, first_row)
-                else:
-                    has_ts = cols.ts is not None or task.fmt == "movielens"
-                    yield cat.validate_interactions(raw, has_ts, task.file, first_row)
+            try:
+                for raw, first_row in adapters.iter_task(task, kind, cols, batch_rows):
+                    if kind == "items":
+                        yield cat.validate_items(raw, cols.attributes, max_text_chars, task.file, first_row)
+                    else:
+                        has_ts = cols.ts is not None or task.fmt == "movielens"
+                        yield cat.validate_interactions(raw, has_ts, task.file, first_row)
+            except adapters.READ_ERRORS as err:  # a reader path that did not name the file itself
+                raise UnreadableFileError(task.file, f"cannot read: {adapters._reason(err)}") from None
         except GtiError as err:
             # A file-level user error travels as a marker row rather than a task failure, so the
             # user sees our one line instead of Ray's retry notes and task traceback.
             row = {f.name: None for f in schema}
-            row.update(reason=FILE_ERROR, detail=str(err).splitlines()[0], source_file=task.file)
+            unreadable = isinstance(err, UnreadableFileError)
+            row.update(reason=UNREADABLE_FILE if unreadable else FILE_ERROR, detail=str(err).splitlines()[0],
+                       source_file=task.file, raw=err.what if unreadable else None)
             yield pa.Table.from_pylist([row], schema=schema)
             return
 
@@ -128,20 +150,103 @@ def ray_stream(tasks: list[adapters.ReadTask], kind: str, columns, max_text_char
                        batch_rows=8192),
         compute=ray.data.TaskPoolStrategy(size=parallelism),
     )
-    yield from ds.iter_batches(batch_size=None, batch_format="pyarrow")
+    try:
+        yield from ds.iter_batches(batch_size=None, batch_format="pyarrow")
+    except Exception as err:  # noqa: BLE001 - a user error inside a task is one line, not Ray's report
+        user = user_error(err)
+        if user is not None:
+            raise user from None
+        raise
 
 
-def _raise_file_error(batch: pa.Table) -> None:
-    if batch.num_rows == 1 and batch.column("reason")[0].as_py() == FILE_ERROR:
-        raise DataError(batch.column("detail")[0].as_py())
+class _SkipFile(Exception):
+    """A read task found `file` unreadable under data.on_unreadable_file=skip: the pass over
+    its source starts again without it."""
+
+    def __init__(self, file: str, what: str) -> None:
+        super().__init__(f"{file}: {what}")
+        self.file, self.what = file, what
 
 
-def _precheck(tasks: list[adapters.ReadTask], kind: str, columns) -> list[str]:
-    """Header/schema checks in the driver, so a missing column fails before Ray starts work."""
-    missing: set[str] = set()
-    for t in tasks:
-        missing.update(adapters.missing_optional_columns(t, kind, columns))
-    return sorted(missing)
+def _raise_file_error(batch: pa.Table, skip: bool = False) -> None:
+    """Raise for a marker row of `_read_validate`. It may sit anywhere in the batch: Ray Data
+    merges a task's small outputs into one block, so it can follow the file's earlier rows."""
+    marks = pc.is_in(batch.column("reason"), pa.array([FILE_ERROR, UNREADABLE_FILE]))
+    if not pc.any(marks).as_py():
+        return
+    i = int(pc.index(marks, True).as_py())
+    reason = batch.column("reason")[i].as_py()
+    if reason == FILE_ERROR:
+        raise DataError(batch.column("detail")[i].as_py())
+    file, what = batch.column("source_file")[i].as_py(), batch.column("raw")[i].as_py()
+    raise _SkipFile(file, what) if skip else UnreadableFileError(file, what)
+
+
+class _Source:
+    """One input source (items or interactions) planned in the driver before any work: its
+    files, read tasks, the optional columns it lacks, and the files skipped as unreadable."""
+
+    def __init__(self, ctx: StageContext, kind: str) -> None:
+        d = ctx.cfg.data
+        self.kind, self.ctx = kind, ctx
+        self.src = d.items if kind == "items" else d.interactions
+        self.skip = d.on_unreadable_file == "skip"
+        self.files = adapters.expand_paths(self.src.path, kind)
+        self.tasks: list[adapters.ReadTask] = []
+        self.skipped: list[dict[str, str]] = []
+        missing: set[str] = set()
+        for f in self.files:
+            try:
+                tasks = adapters.plan_tasks([f], self.src.format)
+                # Header/schema checks here, so a wrong column fails before Ray starts work.
+                missing.update(adapters.check_header(tasks[0], kind, self.src.columns) if tasks else [])
+            except UnreadableFileError as err:
+                if not self.skip:
+                    raise
+                self._record(err.file, err.what)
+                continue
+            self.tasks += tasks
+        self.missing_columns = sorted(missing)
+        self._check_left()
+
+    def _record(self, file: str, what: str) -> None:
+        self.skipped.append({"file": file, "reason": what})
+        self.ctx.log(f"WARNING: {self.kind}: skipped unreadable file {file}: {what} "
+                     "(data.on_unreadable_file: skip)")
+
+    def _check_left(self) -> None:
+        if not self.tasks:
+            first = self.skipped[0] if self.skipped else {"file": self.src.path, "reason": "no files"}
+            raise DataError(f"data.{self.kind}.path {self.src.path}: all {len(self.files)} file(s) are "
+                            f"unreadable (first: {first['file']}: {first['reason']})")
+
+    def drop(self, skip: _SkipFile) -> None:
+        """Leave out a file a read task found unreadable (skip mode); the pass restarts."""
+        self._record(skip.file, skip.what)
+        self.tasks = [t for t in self.tasks if t.file != skip.file]
+        self._check_left()
+
+    def passes(self, body):
+        """body(tasks) -> result, rerun without each file it finds unreadable (skip mode)."""
+        for _ in range(len(self.files) + 1):
+            try:
+                return body(self.tasks)
+            except _SkipFile as skip:
+                self.drop(skip)
+                self.ctx.log(f"{self.kind}: reading again without {skip.file}")
+        raise RuntimeError(f"{self.kind}: more restarts than files")  # each pass drops one file
+
+
+def _iterate(stream, tasks, kind, columns, max_text_chars, parallelism):
+    """`stream` (a generator) closed when the caller stops early or fails, so Ray Data stops
+    its read tasks at once instead of when the generator is collected."""
+    it = stream(tasks, kind, columns, max_text_chars, parallelism)
+    try:
+        yield from it
+    finally:
+        close = getattr(it, "close", None)
+        if close is not None:
+            close()
 
 
 # --------------------------------------------------------------------------- items
@@ -153,23 +258,31 @@ class _Items:
         self.limit_reached = False
 
 
-def _ingest_items(ctx: StageContext, out: Path, stream) -> tuple[_Items, IdSet]:
+def _ingest_items(ctx: StageContext, out: Path, stream, source: _Source | None = None) -> tuple[_Items, IdSet]:
     d = ctx.cfg.data
-    files = adapters.expand_paths(d.items.path, "items")
-    tasks = adapters.plan_tasks(files, d.items.format)
-    missing = _precheck(tasks, "items", d.items.columns)
+    source = source or _Source(ctx, "items")
+    missing = source.missing_columns
     if missing:
         ctx.log(f"items: optional columns not in the input, treated as empty: {missing}")
-    ctx.log(f"items: {len(files)} file(s), {len(tasks)} read task(s) from {d.items.path}")
-    st = _Items()
+    ctx.log(f"items: {len(source.files)} file(s), {len(source.tasks)} read task(s) from {d.items.path}")
+    st = source.passes(lambda tasks: _items_pass(ctx, out, stream, tasks, source.skip))
     st.missing_columns = missing  # type: ignore[attr-defined]
+    if st.ok == 0:
+        detail = ", ".join(f"{k}: {v}" for k, v in st.reasons.most_common()) or "no rows"
+        raise DataError(f"data.items.path {d.items.path}: no valid items ({st.rows_in} rows read; {detail})")
+    return st, st.seen
+
+
+def _items_pass(ctx: StageContext, out: Path, stream, tasks, skip: bool) -> _Items:
+    d = ctx.cfg.data
+    st = _Items()
     n_kept = 0
     w_ok = pq.ParquetWriter(out / "items.parquet", ITEMS_OUT_SCHEMA)
     w_q = pq.ParquetWriter(out / "items_quarantine.parquet", ITEMS_Q_SCHEMA)
     t0, last_log = time.time(), time.time()
     try:
-        for batch in stream(tasks, "items", d.items.columns, d.max_text_chars, d.parallelism):
-            _raise_file_error(batch)
+        for batch in _iterate(stream, tasks, "items", d.items.columns, d.max_text_chars, d.parallelism):
+            _raise_file_error(batch, skip)
             valid = pc.is_null(batch.column("reason")).to_numpy(zero_copy_only=False)
             new = st.seen.first_new(batch.column("item_id"), valid)
             n_used = batch.num_rows
@@ -215,10 +328,7 @@ def _ingest_items(ctx: StageContext, out: Path, stream) -> tuple[_Items, IdSet]:
     finally:
         w_ok.close()
         w_q.close()
-    if st.ok == 0:
-        detail = ", ".join(f"{k}: {v}" for k, v in st.reasons.most_common()) or "no rows"
-        raise DataError(f"data.items.path {d.items.path}: no valid items ({st.rows_in} rows read; {detail})")
-    return st, st.seen
+    return st
 
 
 def _fill_raw(bad: pa.Table) -> pa.Table:
@@ -235,13 +345,17 @@ def _fill_raw(bad: pa.Table) -> pa.Table:
 
 # --------------------------------------------------------------------------- interactions
 def _ingest_interactions(ctx: StageContext, out: Path, kept_ids: IdSet, items_limited: bool,
-                         stream) -> dict:
+                         stream, source: _Source | None = None) -> dict:
+    source = source or _Source(ctx, "interactions")
+    ctx.log(f"interactions: {len(source.files)} file(s) from {ctx.cfg.data.interactions.path}")
+    return source.passes(lambda tasks: _interactions_pass(ctx, out, kept_ids, items_limited, stream,
+                                                          tasks, source.skip))
+
+
+def _interactions_pass(ctx: StageContext, out: Path, kept_ids: IdSet, items_limited: bool,
+                       stream, tasks, skip: bool) -> dict:
     d = ctx.cfg.data
     src = d.interactions
-    files = adapters.expand_paths(src.path, "interactions")
-    tasks = adapters.plan_tasks(files, src.format)
-    _precheck(tasks, "interactions", src.columns)
-    ctx.log(f"interactions: {len(files)} file(s) from {src.path}")
     reasons: Counter[str] = Counter()
     rows_in = quarantined = 0
     order = 0
@@ -250,8 +364,8 @@ def _ingest_interactions(ctx: StageContext, out: Path, kept_ids: IdSet, items_li
     kept_parts: list[pa.Table] = []
     w_q = pq.ParquetWriter(out / "interactions_quarantine.parquet", INTER_Q_SCHEMA)
     try:
-        for batch in stream(tasks, "interactions", src.columns, d.max_text_chars, d.parallelism):
-            _raise_file_error(batch)
+        for batch in _iterate(stream, tasks, "interactions", src.columns, d.max_text_chars, d.parallelism):
+            _raise_file_error(batch, skip)
             n = batch.num_rows
             rows_in += n
             batch = batch.append_column("order", pa.array(range(order, order + n), pa.int64()))
@@ -313,6 +427,20 @@ def _ingest_interactions(ctx: StageContext, out: Path, kept_ids: IdSet, items_li
     )
 
 
+def cap_warnings(cfg, rows_in: int, reasons: dict[str, int], share: float = 0.5) -> list[str]:
+    """One line per cap or filter that removed more than `share` of the interactions read
+    (e.g. `max_items: 300` copied from tiny.yaml onto a real data set), naming its key."""
+    out = []
+    for reason, key in CAP_KEYS.items():
+        n = reasons.get(reason, 0)
+        if rows_in and n > share * rows_in:
+            value = getattr(cfg.data, key.split(".", 1)[1])
+            change = "lower it" if key == "data.min_seq_len" else "raise or remove it"
+            out.append(f"{key}={value} removed {n / rows_in:.0%} of the interactions ({n:,} of {rows_in:,} "
+                       f"rows, reason {reason}); {change} to keep them")
+    return out
+
+
 def _fill_raw_inter(bad: pa.Table) -> pa.Table:
     raw = bad.column("raw").to_pylist()
     if all(r is not None for r in raw):
@@ -328,24 +456,35 @@ def _fill_raw_inter(bad: pa.Table) -> pa.Table:
 def run(ctx: StageContext) -> StageResult:
     from gti.stages._ray import ensure_ray
 
+    # Both sources' files and headers are checked before Ray starts and any row is read.
+    sources = _sources(ctx)
     ensure_ray(ctx.cfg)
     import ray
 
     # Input order matters: "first kept" for duplicates and ties in sequences follow file order.
     ray.data.DataContext.get_current().execution_options.preserve_order = True
-    return ingest(ctx, ray_stream)
+    return ingest(ctx, ray_stream, sources)
 
 
-def ingest(ctx: StageContext, stream=local_stream) -> StageResult:
+def _sources(ctx: StageContext) -> dict[str, _Source]:
+    return {kind: _Source(ctx, kind) for kind in ("items", "interactions")}
+
+
+def ingest(ctx: StageContext, stream=local_stream, sources: dict[str, _Source] | None = None) -> StageResult:
     """The stage body; `stream` yields validated batches in input order (`ray_stream` in the
     pipeline, `local_stream` in-process)."""
     out = ctx.work_dir
     t0 = time.time()
-    items, kept_ids = _ingest_items(ctx, out, stream)
+    sources = sources or _sources(ctx)  # files and headers of both, before any row is read
+    items, kept_ids = _ingest_items(ctx, out, stream, sources["items"])
     ctx.log(f"items: {items.ok:,} ok, {items.quarantined:,} quarantined in {time.time() - t0:.1f}s")
-    inter = _ingest_interactions(ctx, out, kept_ids, items.limit_reached, stream)
+    inter = _ingest_interactions(ctx, out, kept_ids, items.limit_reached, stream, sources["interactions"])
     ctx.log(f"interactions: {inter['ok']:,} ok, {inter['quarantined']:,} quarantined; {inter['n_users']:,} users")
     all_reasons = Counter(items.reasons) + Counter(inter["reasons"])
+    warnings = cap_warnings(ctx.cfg, inter["rows_in"], inter["reasons"])
+    for w in warnings:
+        ctx.log(f"WARNING: {w}")
+    skipped = {kind: s.skipped for kind, s in sources.items()}
     facts = {
         "items_rows_in": items.rows_in,
         "items_rows_ok": items.ok,
@@ -365,7 +504,12 @@ def ingest(ctx: StageContext, stream=local_stream) -> StageResult:
         "items_missing_columns": items.missing_columns,  # type: ignore[attr-defined]
         "min_seq_len_effective": inter["min_seq_len"],
         "max_history": ctx.cfg.data.max_history,
+        "skipped_files": skipped,
+        "warnings": warnings,
     }
+    if any(skipped.values()):
+        facts["skipped_files_rows_in"] = (
+            "unknown: skipped files could not be read, so their rows are in no *_rows_in count")
     return StageResult(
         outputs={
             "items": "items.parquet",

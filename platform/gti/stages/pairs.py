@@ -36,7 +36,6 @@ What it does NOT know: model weights (only the tokenizer), initialisation, or tr
 from __future__ import annotations
 
 import hashlib
-import re
 import time
 from pathlib import Path
 from typing import Any
@@ -45,7 +44,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from gti.errors import DataError
+from gti.errors import DataError, user_error
 from gti.pipeline import StageContext, StageResult
 
 TOKENIZER_DIR = "tokenizer"
@@ -195,24 +194,6 @@ class RenderPairs:
 
 
 # --------------------------------------------------------------------------- stage
-def _user_error(err: BaseException) -> DataError | None:
-    """The DataError a Ray Data worker raised, found through Ray's exception wrappers."""
-    seen: set[int] = set()
-    todo = [err]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, DataError):
-            return e
-        todo += [getattr(e, "cause", None), e.__cause__, e.__context__]
-    # Ray Data wraps UDF failures in UserCodeException and keeps the original only as text in
-    # the traceback: recover the one-line message from there.
-    found = re.findall(r"\bgti\.errors\.DataError: (.+)", str(err))
-    return DataError(found[-1].strip()) if found else None
-
-
 def extend_and_save_tokenizer(cfg, codec, out_dir: Path) -> tuple[Any, dict[str, Any]]:
     """Base tokenizer + SID tokens (+ markers), saved to `out_dir`; returns it and facts."""
     from gti.lm.models import embedding_rows, load_tokenizer
@@ -314,9 +295,9 @@ def run(ctx: StageContext) -> StageResult:
                 last = time.time()
                 ctx.log(f"{len(items_seen):,}/{n_items:,} items, {n_rows:,} pairs ({n_rows / (last - t0):,.0f} pairs/s)")
     except Exception as err:
-        user = _user_error(err)
+        user = user_error(err)
         if user is not None:
-            raise DataError(str(user)) from None
+            raise user from None
         raise
     finally:
         writer.close()

@@ -37,7 +37,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from gti.errors import DataError, GtiError
+from gti.errors import DataError, user_error
 from gti.pipeline import StageContext, StageResult
 from gti.sid.codec import SidCodec
 from gti.sid.kmeans import sq_dists
@@ -348,13 +348,8 @@ def _revive(core, counts, residuals, config, salt, world, opt, reduced=False) ->
     return got
 
 
-def _unwrap_user_error(err: BaseException) -> BaseException | None:
-    seen: list[BaseException] = [err, *(getattr(err, "worker_failures", None) or {}).values()]
-    for e in seen:
-        for cand in (e, getattr(e, "cause", None), e.__cause__):
-            if isinstance(cand, GtiError):
-                return cand
-    return None
+# Ray Train's failure -> the GtiError a worker raised: the one unwrapping every stage uses.
+_unwrap_user_error = user_error
 
 
 def train_rqvae(ctx: StageContext, emb_path: Path, init_model, n_items: int):

@@ -467,20 +467,6 @@ def train_dataset_from_parquet(path: str | Path, seed: int, split: str = "train"
     return ds.map_batches(keep, batch_format="pyarrow").random_shuffle(seed=seed).materialize()
 
 
-def _unwrap_user_error(err: BaseException) -> BaseException | None:
-    """The GtiError a worker raised, if the Ray Train failure carries one."""
-    from gti.errors import GtiError
-
-    seen: list[BaseException] = [err]
-    failures = getattr(err, "worker_failures", None) or {}
-    seen.extend(failures.values())
-    for e in seen:
-        for cand in (e, getattr(e, "cause", None), e.__cause__):
-            if isinstance(cand, GtiError):
-                return cand
-    return None
-
-
 class _ProgressTail:
     """Driver thread that follows rank 0's progress file and logs every `every`-th step."""
 
@@ -587,7 +573,9 @@ def fit(
         with _ProgressTail(progress, log, progress_every, train_cfg.steps):
             result = trainer.fit()
     except Exception as err:  # noqa: BLE001 - re-raise user errors as themselves
-        user = _unwrap_user_error(err)
+        from gti.errors import user_error
+
+        user = user_error(err)
         if user is not None:
             raise user from None
         raise
