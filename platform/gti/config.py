@@ -379,6 +379,20 @@ class TuneConfig(_Strict):
     max_concurrent_trials: int | None = Field(None, ge=1)
 
 
+# --------------------------------------------------------------------------- tracking
+class TrackingConfig(_Strict):
+    """Where training and evaluation metrics go (gti/tracking.py). Not part of any stage's
+    fingerprint: turning a sink on or off never reruns a stage."""
+
+    # Event files under <run_dir>/tensorboard/<stage>/ (`tensorboard --logdir <run_dir>`).
+    tensorboard: bool = True
+    # Also log to MLflow (needs `pip install mlflow`; not installed by default).
+    mlflow: bool = False
+    # None: a local file store at <run_dir>/mlruns (no network).
+    mlflow_uri: str | None = None
+    mlflow_experiment: str = Field("gti", min_length=1)
+
+
 # --------------------------------------------------------------------------- run
 class RunConfig(_Strict):
     run_dir: str = "runs/demo"
@@ -398,6 +412,7 @@ class RunConfig(_Strict):
     report: ReportConfig = Field(default_factory=ReportConfig)
     tune: TuneConfig = Field(default_factory=TuneConfig)
     compare: CompareConfig = Field(default_factory=CompareConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
 
     def resolved_run_dir(self) -> Path:
         return Path(self.run_dir).expanduser().resolve()
