@@ -22,17 +22,29 @@ def _cfg(args):
     return config.load(args.config, args.overrides)
 
 
+def _preflight(cfg, args) -> None:
+    """`gti doctor`'s checks before any resource is reserved (gti/preflight.py)."""
+    if not args.no_preflight:
+        from gti.stages.doctor import preflight_or_raise
+
+        preflight_or_raise(cfg)
+
+
 def cmd_run(args) -> int:
     from gti import pipeline
 
-    pipeline.run(_cfg(args), from_stage=args.from_stage, to_stage=args.to_stage, force=args.force)
+    cfg = _cfg(args)
+    _preflight(cfg, args)
+    pipeline.run(cfg, from_stage=args.from_stage, to_stage=args.to_stage, force=args.force)
     return 0
 
 
 def cmd_stage(args) -> int:
     from gti import pipeline
 
-    pipeline.run(_cfg(args), from_stage=args.name, to_stage=args.name, force=True)
+    cfg = _cfg(args)
+    _preflight(cfg, args)
+    pipeline.run(cfg, from_stage=args.name, to_stage=args.name, force=True)
     return 0
 
 
@@ -72,12 +84,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--from", dest="from_stage", choices=STAGE_NAMES)
     p.add_argument("--to", dest="to_stage", choices=STAGE_NAMES)
     p.add_argument("--force", action="store_true", help="rerun stages even if up to date")
+    p.add_argument("--no-preflight", action="store_true", help="skip the checks of gti doctor")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("stage", help="run one stage (its upstream must be complete)")
     p.add_argument("name", choices=STAGE_NAMES)
     _add_config_args(p)
+    p.add_argument("--no-preflight", action="store_true", help="skip the checks of gti doctor")
     p.set_defaults(func=cmd_stage)
+
+    p = sub.add_parser("doctor", help="check GPUs, torch, bf16, DeepSpeed, model, disk and Ray auth for a config")
+    _add_config_args(p, required=False)
+    p.set_defaults(func=_delegate("gti.stages.doctor", "cli_main"))
 
     p = sub.add_parser("config", help="show or validate a resolved config")
     p.add_argument("action", choices=["show", "validate"])
