@@ -54,7 +54,7 @@ class ItemsSource(_Strict):
     # A local path, glob, directory or any URI pyarrow/fsspec understands, or
     # "bundled:<name>" for a data set shipped inside the package.
     path: str = "bundled:amazon-scientific"
-    format: Literal["auto", "parquet", "csv", "jsonl", "json", "amazon", "movielens"] = "auto"
+    format: Literal["auto", "parquet", "csv", "jsonl", "json", "amazon", "amazon2023", "movielens"] = "auto"
     columns: ItemColumns = Field(default_factory=ItemColumns)
     # fsspec/pyarrow filesystem options (e.g. credentials for s3://); redacted in manifests.
     storage_options: dict[str, str] = Field(default_factory=dict)
@@ -62,7 +62,7 @@ class ItemsSource(_Strict):
 
 class InteractionsSource(_Strict):
     path: str = "bundled:amazon-scientific"
-    format: Literal["auto", "parquet", "csv", "jsonl", "json", "movielens"] = "auto"
+    format: Literal["auto", "parquet", "csv", "jsonl", "json", "amazon2023", "movielens"] = "auto"
     columns: InteractionColumns = Field(default_factory=InteractionColumns)
     storage_options: dict[str, str] = Field(default_factory=dict)
 
