@@ -117,6 +117,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-len", type=int, default=None, help="--walk: longest user sequence (default 14)")
     s.set_defaults(func=_delegate("gti.data.synth", "cli_main"))
 
+    s = dsub.add_parser("inspect", help="describe your catalog (and interactions): columns, mapping guess, "
+                                        "quarantine dry run; writes a data: config block")
+    s.add_argument("path", help="items file, glob or folder (parquet, CSV/TSV, JSONL, Amazon, MovieLens)")
+    s.add_argument("--interactions", default=None, help="interactions file, glob or folder")
+    s.add_argument("--sample", type=int, default=10000, help="rows read from each input (default 10000)")
+    s.add_argument("--out", default="data.yaml", help="where the data: block goes (default data.yaml)")
+    s.add_argument("--force", action="store_true", help="replace --out if it exists")
+    s.set_defaults(func=_delegate("gti.data.inspect", "cli_main"))
+
     s = dsub.add_parser("dense", help="the top-N items and their active users, as a smaller data set")
     s.add_argument("--items-path", default="bundled:amazon-scientific", help="items parquet/CSV or bundled:<name>")
     s.add_argument("--interactions-path", default=None, help="default: same as --items-path (bundled)")
