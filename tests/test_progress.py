@@ -33,13 +33,25 @@ def test_plain_lines_every_interval_with_rate_and_eta():
     p.update(10)  # 10 s after the last line: prints
     assert lines == [
         "10/100 items (10.0%) 5.0 items/s ETA 18s",
-        "30/100 items (30.0%) 2.5 items/s ETA 28s",
+        "30/100 items (30.0%) 2.0 items/s ETA 35s",  # rate from the first update on: 20 in 10 s
     ]
     clock.t += 1
     p.update(70)  # the last unit always prints, with the elapsed time instead of an ETA
-    assert lines[-1] == "100/100 items (100.0%) 7.7 items/s in 13s"
+    assert lines[-1] == "100/100 items (100.0%) 8.2 items/s in 13s"
     p.close()
     assert len(lines) == 3  # close does not repeat a line that is already out
+
+
+def test_close_after_stopping_short_says_how_long_it_took():
+    clock, lines = Clock(), []
+    p = Progress(20, "sinkhorn", "rounds", log=lines.append, every_n=1, tty=False, clock=clock)
+    for _ in range(2):
+        clock.t += 1
+        p.update(1, "colliding 10 -> 5")
+    assert "ETA" in lines[-1]
+    clock.t += 1
+    p.close()
+    assert lines[-1] == "2/20 rounds (10.0%) 1.0 rounds/s in 3s colliding 10 -> 5"
 
 
 def test_every_n_and_postfix_and_close_prints_last_state():

@@ -39,6 +39,7 @@ def test_eval_tags_from_metrics_json():
         "eval/test/cold/recall@10": 0.0, "eval/invalid_sid_rate": 0.0,
     }
     assert mlflow_key("eval/test/recall@10") == "eval/test/recall_at_10"
+    assert mlflow_key("a b:c") == "a_b_c"
 
 
 def test_tracker_writes_event_files_and_a_rerun_starts_fresh(tmp_path):
@@ -47,10 +48,12 @@ def test_tracker_writes_event_files_and_a_rerun_starts_fresh(tmp_path):
         t.report({"step": 1, "loss": 2.0, "lr": 0.1})
         t.report({"step": 2, "loss": 1.0, "lr": 0.1, "val_exact_match": 0.5})
         t.scalar("x/nan", float("nan"), 1)  # not finite: skipped
+        t.scalar("eval/test/recall@5", 0.5, 2)
     got = read_scalars(tmp_path / "tensorboard" / "ground")
     assert got["train/loss"] == [(1, 2.0), (2, 1.0)]
     assert got["val/exact_match"] == [(2, 0.5)]
     assert "x/nan" not in got
+    assert got["eval/test/recall_at_5"] == [(2, 0.5)]
     with Tracker(cfg, tmp_path, "ground") as t:
         t.report({"step": 1, "loss": 3.0})
     assert read_scalars(tmp_path / "tensorboard" / "ground") == {"train/loss": [(1, 3.0)]}

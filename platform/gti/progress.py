@@ -78,6 +78,8 @@ class Progress:
         self._start_done, self._t0 = initial, clock()
         self._last_line: float | None = None
         self._emitted_done: float | None = None
+        self._anchor: tuple[float, float] | None = None  # (time, done) at the first update
+        self._last_t: float | None = None  # time of the last update
         self._postfix = ""
         self._closed = False
         self._bar = None
@@ -98,6 +100,9 @@ class Progress:
         if done < self.done:
             return
         delta, self.done = done - self.done, done
+        self._last_t = self.clock()
+        if self._anchor is None:
+            self._anchor = (self._last_t, done)
         if self._bar is not None:
             if postfix is not None:
                 self._bar.set_postfix_str(postfix, refresh=False)
@@ -113,8 +118,14 @@ class Progress:
             self._emit(now)
 
     def rate(self, now: float | None = None) -> float:
-        """Units per second since this Progress started."""
-        dt = (self.clock() if now is None else now) - self._t0
+        """Units per second: from the first update on once there are two (start-up, e.g. Ray
+        Train's worker group or an actor pool, is not work and would inflate the ETA), since
+        this Progress started before that."""
+        now = self.clock() if now is None else now
+        end = self._last_t if self._last_t is not None else now  # up to the last unit done
+        if self._anchor is not None and self.done > self._anchor[1] and end > self._anchor[0]:
+            return (self.done - self._anchor[1]) / (end - self._anchor[0])
+        dt = now - self._t0
         return (self.done - self._start_done) / dt if dt > 0 else 0.0
 
     def eta_s(self, now: float | None = None) -> float:
@@ -153,7 +164,9 @@ class Progress:
         self._closed = True
         if self._bar is not None:
             self._bar.close()
-        elif self._emitted_done != self.done:
+        elif self._emitted_done != self.done or (self.total is not None and self.done < self.total):
+            # Also when it stopped short of the total (e.g. Sinkhorn rounds that stopped
+            # helping): the last line then says how long it took, not an ETA.
             self._emit(self.clock(), final=True)
 
     def __enter__(self) -> "Progress":

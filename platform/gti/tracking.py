@@ -10,7 +10,7 @@ file store `<run_dir>/mlruns`; experiment `tracking.mlflow_experiment`, run name
 `<run_dir name>/<name>`). Nothing here opens a network connection unless the user points
 `mlflow_uri` at a server.
 
-Tags: `metric_tags` maps a training report to TensorBoard tags: `val_*` keys -> `val/*`, other
+Tags are cleaned by `clean_tag` (`recall@10` -> `recall_at_10`). `metric_tags` maps a training report to TensorBoard tags: `val_*` keys -> `val/*`, other
 numeric keys -> `train/*` (step and epoch are the x axis, not tags). Lists (per-level SID
 utilisation) become `<tag>/l<i>`.
 
@@ -102,9 +102,13 @@ def eval_tags(metrics: dict[str, Any]) -> dict[str, float]:
     return tags
 
 
-def mlflow_key(tag: str) -> str:
-    """MLflow metric names allow [A-Za-z0-9_-. /:]; '@' (recall@10) becomes '_at_'."""
-    return re.sub(r"[^A-Za-z0-9_\-. /:]", "_", tag.replace("@", "_at_"))
+def clean_tag(tag: str) -> str:
+    """The tag as written: TensorBoard (tensorboardX) and MLflow both refuse '@', so
+    `recall@10` becomes `recall_at_10`; anything else outside [A-Za-z0-9_-./] becomes '_'."""
+    return re.sub(r"[^A-Za-z0-9_\-./]", "_", tag.replace("@", "_at_"))
+
+
+mlflow_key = clean_tag
 
 
 class Tracker:
@@ -173,6 +177,7 @@ class Tracker:
         value = float(value)
         if not math.isfinite(value):
             return
+        tag = clean_tag(tag)
         if self._tb is not None:
             try:
                 self._tb.add_scalar(tag, value, int(step))
@@ -182,7 +187,7 @@ class Tracker:
         if self._mlflow is not None:
             client, run_id = self._mlflow
             try:
-                client.log_metric(run_id, mlflow_key(tag), value, step=int(step))
+                client.log_metric(run_id, tag, value, step=int(step))
             except Exception as err:  # noqa: BLE001
                 self._warn("mlflow", err)
                 self._mlflow = None
