@@ -197,8 +197,18 @@ class Tracker:
             self.scalar(tag, v, step)
 
     def report(self, metrics: dict[str, Any], step: int | None = None, prefix: str = "train") -> None:
-        """One training report (loss, lr, grad norm, tokens/s, val_*): see `metric_tags`."""
+        """One training report (loss, lr, grad norm, tokens/s, val_*): see `metric_tags`.
+        Flushed at once: a Tune trial that ASHA stops is ended without a chance to close."""
         self.scalars(metric_tags(metrics, prefix), int(metrics.get("step", 0) if step is None else step))
+        self.flush()
+
+    def flush(self) -> None:
+        if self._tb is not None:
+            try:
+                self._tb.flush()
+            except Exception as err:  # noqa: BLE001
+                self._warn("tensorboard", err)
+                self._tb = None
 
     def text(self, tag: str, text: str) -> None:
         if self._tb is not None:
