@@ -124,3 +124,12 @@ def test_follower_reads_complete_lines_in_order(tmp_path):
     with f:  # exit drains once more
         pass
     assert seen == [{"step": 1}, {"step": 2}]
+
+
+def test_rate_uses_the_time_each_unit_was_done_not_when_it_was_read():
+    clock, lines = Clock(), []
+    p = Progress(10, "training", "steps", log=lines.append, every_n=1, tty=False, clock=clock)
+    clock.t = 130.0  # the driver reads three steps done at 110, 115 and 120 in one burst
+    for step, at in ((1, 110.0), (2, 115.0), (3, 120.0)):
+        p.set(step, at=at)
+    assert lines[-1] == "3/10 steps (30.0%) 5.0 s/step ETA 35s"

@@ -51,7 +51,7 @@ class Progress:
     interval_s: the least time between two plain lines (the first and last always print).
     every_n: print a plain line each time the count reaches a multiple of `every_n` instead
         (training steps: every `log_every`-th step), whatever the time.
-    clock: injectable time source (tests).
+    clock: time source (wall time, so that `set(..., at=)` can pass a worker's time.time()).
     """
 
     def __init__(
@@ -65,7 +65,7 @@ class Progress:
         every_n: int | None = None,
         tty: bool | None = None,
         stream: TextIO | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = time.time,
         initial: float = 0,
     ) -> None:
         self.total, self.desc, self.unit = total, desc, unit
@@ -93,14 +93,16 @@ class Progress:
     def update(self, n: float = 1, postfix: str | None = None) -> None:
         self.set(self.done + n, postfix)
 
-    def set(self, done: float, postfix: str | None = None) -> None:
-        """Set the count of done units (never backwards: a replayed record is ignored)."""
+    def set(self, done: float, postfix: str | None = None, at: float | None = None) -> None:
+        """Set the count of done units (never backwards: a replayed record is ignored).
+        `at`: when they were done (a worker's wall time from its report); the driver reads
+        reports in bursts, so its own clock would give bursts of impossible rates."""
         if postfix is not None:
             self._postfix = postfix
         if done < self.done:
             return
         delta, self.done = done - self.done, done
-        self._last_t = self.clock()
+        self._last_t = self.clock() if at is None else float(at)
         if self._anchor is None:
             self._anchor = (self._last_t, done)
         if self._bar is not None:

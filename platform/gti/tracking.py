@@ -35,7 +35,7 @@ from typing import Any, Iterable
 from gti.errors import GtiError
 
 TB_DIR = "tensorboard"
-_SKIP_KEYS = {"step", "epoch", "trial_id", "training_iteration"}
+_SKIP_KEYS = {"step", "epoch", "trial_id", "training_iteration", "wall_time"}
 
 
 class TrackingError(GtiError):

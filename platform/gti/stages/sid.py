@@ -319,7 +319,7 @@ def sid_train_loop(config: dict) -> None:
             if config.get("progress_file"):
                 # The driver follows this file for the epoch progress line (gti.progress).
                 with open(config["progress_file"], "a") as fh:
-                    fh.write(json.dumps(metrics) + "\n")
+                    fh.write(json.dumps({**metrics, "wall_time": time.time()}) + "\n")
             with tempfile.TemporaryDirectory() as d:
                 save_quantizer(core.cpu() if device.type != "cpu" else core, d)
                 core.to(device)
@@ -366,7 +366,7 @@ def _epoch_progress(ctx: StageContext, path: Path, epochs: int):
     def on_epoch(m: dict) -> None:
         bar.set(int(m["epoch"]), f"loss {m['loss']:.5g} recon {m['recon_loss']:.5g} quant "
                                  f"{m['quant_loss']:.5g} util {[round(u, 2) for u in m['utilisation']]} "
-                                 f"revived {sum(m['revived'])}")
+                                 f"revived {sum(m['revived'])}", at=m.get("wall_time"))
 
     with bar, JsonlFollower(path, on_epoch, poll_s=2.0):
         yield

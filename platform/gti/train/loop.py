@@ -349,7 +349,8 @@ def train_loop_per_worker(config: dict) -> dict[str, Any]:
         metrics.update(last_val)
         if progress is not None:
             with progress.open("a") as fh:
-                fh.write(json.dumps(metrics) + "\n")
+                # wall_time: when the step ended, for the driver's rate and ETA.
+                fh.write(json.dumps({**metrics, "wall_time": time.time()}) + "\n")
 
         final = step == tc.steps
         if step % tc.checkpoint_every == 0 or final:
@@ -500,7 +501,7 @@ class _ProgressTail:
             self.on_metrics(m)
         extra = "".join(f" {k} {m[k]:.3f}" for k in sorted(m) if k.startswith("val_"))
         self.bar.set(int(m.get("step", 0)), f"loss {m['loss']:.4f} lr {m['lr']:.2e} "
-                                            f"tokens/s {m['tokens_per_s']:.0f}{extra}")
+                                            f"tokens/s {m['tokens_per_s']:.0f}{extra}", at=m.get("wall_time"))
 
     def __enter__(self) -> "_ProgressTail":
         self.follower.__enter__()
