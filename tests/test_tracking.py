@@ -16,7 +16,7 @@ HAS_MLFLOW = importlib.util.find_spec("mlflow") is not None
 
 
 def test_metric_tags_maps_train_val_and_lists():
-    m = {"step": 3, "epoch": 0, "loss": 1.5, "lr": 1e-3, "grad_norm_new_rows": 0.2,
+    m = {"step": 3, "epoch": 0, "wall_time": 1.7e9, "loss": 1.5, "lr": 1e-3, "grad_norm_new_rows": 0.2,
          "tokens_per_s": 900.0, "val_exact_match": 0.25, "utilisation": [0.5, 1.0], "note": "x",
          "flag": True}
     assert metric_tags(m) == {
