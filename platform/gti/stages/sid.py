@@ -356,37 +356,6 @@ def _unwrap_user_error(err: BaseException) -> BaseException | None:
     return None
 
 
-@contextmanager
-def _epoch_progress(ctx: StageContext, path: Path, epochs: int):
-    """Epoch progress with ETA on the driver, from the lines rank 0 appends to `path`."""
-    from gti.progress import JsonlFollower, Progress
-
-    bar = Progress(epochs, "rqvae", "epochs", log=ctx.log, every_n=1)
-
-    def on_epoch(m: dict) -> None:
-        bar.set(int(m["epoch"]), f"loss {m['loss']:.5g} recon {m['recon_loss']:.5g} quant "
-                                 f"{m['quant_loss']:.5g} util {[round(u, 2) for u in m['utilisation']]} "
-                                 f"revived {sum(m['revived'])}", at=m.get("wall_time"))
-
-    with bar, JsonlFollower(path, on_epoch, poll_s=2.0):
-        yield
-
-
-def track_sid(ctx: StageContext, history: list[dict], facts: dict) -> None:
-    """TensorBoard (and MLflow) scalars of the stage: RQ-VAE training per epoch (train/*) and
-    the final SID quality (sid/*: reconstruction, collisions, utilisation and perplexity per
-    level), at step = epochs (0 for residual k-means)."""
-    from gti.tracking import metric_tags, open_tracker
-
-    with open_tracker(ctx) as tracker:
-        for m in history:
-            tracker.report({k: v for k, v in m.items() if k != "items"}, step=int(m["epoch"]))
-        final = {k: facts[k] for k in ("recon_mse", "collision_rate_before", "collision_rate_after_sinkhorn",
-                                       "collision_rate_after", "sinkhorn_rounds", "utilisation",
-                                       "perplexity", "assign_items_per_s")}
-        tracker.scalars(metric_tags(final, prefix="sid"), len(history))
-
-
 def train_rqvae(ctx: StageContext, emb_path: Path, init_model, n_items: int):
     """Distributed RQ-VAE training; returns (trained model, epoch history)."""
     import ray
@@ -441,6 +410,37 @@ def train_rqvae(ctx: StageContext, emb_path: Path, init_model, n_items: int):
     if not history or history[-1]["epoch"] != s.epochs:
         raise RuntimeError(f"RQ-VAE checkpoint is at epoch {history[-1]['epoch'] if history else 0}, expected {s.epochs}")
     return model, history
+
+
+@contextmanager
+def _epoch_progress(ctx: StageContext, path: Path, epochs: int):
+    """Epoch progress with ETA on the driver, from the lines rank 0 appends to `path`."""
+    from gti.progress import JsonlFollower, Progress
+
+    bar = Progress(epochs, "rqvae", "epochs", log=ctx.log, every_n=1)
+
+    def on_epoch(m: dict) -> None:
+        bar.set(int(m["epoch"]), f"loss {m['loss']:.5g} recon {m['recon_loss']:.5g} quant "
+                                 f"{m['quant_loss']:.5g} util {[round(u, 2) for u in m['utilisation']]} "
+                                 f"revived {sum(m['revived'])}", at=m.get("wall_time"))
+
+    with bar, JsonlFollower(path, on_epoch, poll_s=2.0):
+        yield
+
+
+def track_sid(ctx: StageContext, history: list[dict], facts: dict) -> None:
+    """TensorBoard (and MLflow) scalars of the stage: RQ-VAE training per epoch (train/*) and
+    the final SID quality (sid/*: reconstruction, collisions, utilisation and perplexity per
+    level), at step = epochs (0 for residual k-means)."""
+    from gti.tracking import metric_tags, open_tracker
+
+    with open_tracker(ctx) as tracker:
+        for m in history:
+            tracker.report({k: v for k, v in m.items() if k != "items"}, step=int(m["epoch"]))
+        final = {k: facts[k] for k in ("recon_mse", "collision_rate_before", "collision_rate_after_sinkhorn",
+                                       "collision_rate_after", "sinkhorn_rounds", "utilisation",
+                                       "perplexity", "assign_items_per_s")}
+        tracker.scalars(metric_tags(final, prefix="sid"), len(history))
 
 
 # --------------------------------------------------------------------------- assignment
