@@ -23,17 +23,29 @@ def _cfg(args):
     return config.load(args.config, args.overrides)
 
 
+def _preflight(cfg, args) -> None:
+    """`gti doctor`'s checks before any resource is reserved (gti/preflight.py)."""
+    if not args.no_preflight:
+        from gti.stages.doctor import preflight_or_raise
+
+        preflight_or_raise(cfg)
+
+
 def cmd_run(args) -> int:
     from gti import pipeline
 
-    pipeline.run(_cfg(args), from_stage=args.from_stage, to_stage=args.to_stage, force=args.force)
+    cfg = _cfg(args)
+    _preflight(cfg, args)
+    pipeline.run(cfg, from_stage=args.from_stage, to_stage=args.to_stage, force=args.force)
     return 0
 
 
 def cmd_stage(args) -> int:
     from gti import pipeline
 
-    pipeline.run(_cfg(args), from_stage=args.name, to_stage=args.name, force=True)
+    cfg = _cfg(args)
+    _preflight(cfg, args)
+    pipeline.run(cfg, from_stage=args.name, to_stage=args.name, force=True)
     return 0
 
 
@@ -73,12 +85,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--from", dest="from_stage", choices=STAGE_NAMES)
     p.add_argument("--to", dest="to_stage", choices=STAGE_NAMES)
     p.add_argument("--force", action="store_true", help="rerun stages even if up to date")
+    p.add_argument("--no-preflight", action="store_true", help="skip the checks of gti doctor")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("stage", help="run one stage (its upstream must be complete)")
     p.add_argument("name", choices=STAGE_NAMES)
     _add_config_args(p)
+    p.add_argument("--no-preflight", action="store_true", help="skip the checks of gti doctor")
     p.set_defaults(func=cmd_stage)
+
+    p = sub.add_parser("doctor", help="check GPUs, torch, bf16, DeepSpeed, model, disk and Ray auth for a config")
+    _add_config_args(p, required=False)
+    p.set_defaults(func=_delegate("gti.stages.doctor", "cli_main"))
 
     p = sub.add_parser("config", help="show or validate a resolved config")
     p.add_argument("action", choices=["show", "validate"])
@@ -99,6 +117,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--min-len", type=int, default=None, help="--walk: shortest user sequence (default 8, >= 4)")
     s.add_argument("--max-len", type=int, default=None, help="--walk: longest user sequence (default 14)")
     s.set_defaults(func=_delegate("gti.data.synth", "cli_main"))
+
+    s = dsub.add_parser("inspect", help="describe your catalog (and interactions): columns, mapping guess, "
+                                        "quarantine dry run; writes a data: config block")
+    s.add_argument("path", help="items file, glob or folder (parquet, CSV/TSV, JSONL, Amazon, MovieLens)")
+    s.add_argument("--interactions", default=None, help="interactions file, glob or folder")
+    s.add_argument("--sample", type=int, default=10000, help="rows read from each input (default 10000)")
+    s.add_argument("--out", default="data.yaml", help="where the data: block goes (default data.yaml)")
+    s.add_argument("--force", action="store_true", help="replace --out if it exists")
+    s.set_defaults(func=_delegate("gti.data.inspect", "cli_main"))
 
     s = dsub.add_parser("dense", help="the top-N items and their active users, as a smaller data set")
     s.add_argument("--items-path", default="bundled:amazon-scientific", help="items parquet/CSV or bundled:<name>")

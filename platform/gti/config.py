@@ -54,7 +54,7 @@ class ItemsSource(_Strict):
     # A local path, glob, directory or any URI pyarrow/fsspec understands, or
     # "bundled:<name>" for a data set shipped inside the package.
     path: str = "bundled:amazon-scientific"
-    format: Literal["auto", "parquet", "csv", "jsonl", "json", "amazon", "movielens"] = "auto"
+    format: Literal["auto", "parquet", "csv", "jsonl", "json", "amazon", "amazon2023", "movielens"] = "auto"
     columns: ItemColumns = Field(default_factory=ItemColumns)
     # fsspec/pyarrow filesystem options (e.g. credentials for s3://); redacted in manifests.
     storage_options: dict[str, str] = Field(default_factory=dict)
@@ -62,7 +62,7 @@ class ItemsSource(_Strict):
 
 class InteractionsSource(_Strict):
     path: str = "bundled:amazon-scientific"
-    format: Literal["auto", "parquet", "csv", "jsonl", "json", "movielens"] = "auto"
+    format: Literal["auto", "parquet", "csv", "jsonl", "json", "amazon2023", "movielens"] = "auto"
     columns: InteractionColumns = Field(default_factory=InteractionColumns)
     storage_options: dict[str, str] = Field(default_factory=dict)
 
@@ -387,6 +387,20 @@ class TuneConfig(_Strict):
     max_concurrent_trials: int | None = Field(None, ge=1)
 
 
+# --------------------------------------------------------------------------- tracking
+class TrackingConfig(_Strict):
+    """Where training and evaluation metrics go (gti/tracking.py). Not part of any stage's
+    fingerprint: turning a sink on or off never reruns a stage."""
+
+    # Event files under <run_dir>/tensorboard/<stage>/ (`tensorboard --logdir <run_dir>`).
+    tensorboard: bool = True
+    # Also log to MLflow (needs `pip install mlflow`; not installed by default).
+    mlflow: bool = False
+    # None: a local file store at <run_dir>/mlruns (no network).
+    mlflow_uri: str | None = None
+    mlflow_experiment: str = Field("gti", min_length=1)
+
+
 # --------------------------------------------------------------------------- run
 class RunConfig(_Strict):
     run_dir: str = "runs/demo"
@@ -406,6 +420,7 @@ class RunConfig(_Strict):
     report: ReportConfig = Field(default_factory=ReportConfig)
     tune: TuneConfig = Field(default_factory=TuneConfig)
     compare: CompareConfig = Field(default_factory=CompareConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
 
     def resolved_run_dir(self) -> Path:
         return Path(self.run_dir).expanduser().resolve()

@@ -144,6 +144,12 @@ def test_two_trial_sweep_writes_valid_best_yaml(tmp_path, ray_start_4_cpus):
         # Each trial's Train run lives under its deterministic name.
         name = T.trial_run_name(t["trial_id"], t["params"])
         assert (run_dir / "tune" / "trials" / name / "params.json").is_file()
+        # ... and its curves under tensorboard/tune/<name>/, one point per step it ran.
+        from gti.tracking import read_scalars
+
+        curves = read_scalars(run_dir / "tensorboard" / "tune" / name)
+        assert [s for s, _ in curves["train/loss"]][-1] == t["steps_done"]
+        assert "val/exact_match" in curves and "train/lr" in curves
     assert json.loads((run_dir / "tune" / "results.json").read_text())["best"] == summary["best"]
     assert ray.is_initialized()
 

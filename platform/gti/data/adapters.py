@@ -8,6 +8,8 @@ public layouts people already have:
 - `amazon`: Amazon-reviews item metadata (JSON lines, or the 2014 Python-literal lines) with
   `asin`, `title`, `description` (string or list of strings), `categories` (nested lists; the
   first path is used, joined with " > ") or `category` (a list), `brand`.
+- `amazon2023`: the Amazon Reviews 2023 metadata / reviews JSON lines (`parent_asin`, list-valued
+  `description` and `features`, `categories`, `details`); see `gti.data.amazon2023`.
 - `movielens`: ml-100k `u.item` (pipe-separated, latin-1, 19 genre flags -> category) and
   `u.data` (tab-separated user, item, rating, timestamp). The normalised CSV form
   (items.csv / interactions.csv) is plain `csv`.
@@ -162,8 +164,8 @@ def detect_format(path: str, fmt: str) -> str:
         base = base.removesuffix(ext)
     if fmt == "movielens" or (fmt == "auto" and base in ("u.item", "u.data")):
         return "movielens"
-    if fmt == "amazon":
-        return "amazon"
+    if fmt in ("amazon", "amazon2023"):
+        return fmt
     if fmt == "csv" and base.endswith(".tsv"):
         return "tsv"
     if fmt != "auto":
@@ -544,6 +546,10 @@ def iter_task(task: ReadTask, kind: str, columns, batch_rows: int = 8192) -> Ite
         amap.update({a: a for a in columns.attributes})
         yield from _records_to_batches(task, _json_records(task, literal_ok=True), amap, ["item_id"],
                                        section, batch_rows, convert=_amazon_record)
+    elif task.fmt == "amazon2023":
+        from gti.data import amazon2023
+
+        yield from amazon2023.iter_task(task, kind, columns, batch_rows)
     elif task.fmt == "movielens":
         if kind == "items":
             mmap = {"item_id": "item_id", "title": "title", "description": "description",

@@ -203,15 +203,17 @@ def run(ctx: StageContext) -> StageResult:
         compute=ray.data.ActorPoolStrategy(size=cfg.embed.concurrency),
         num_gpus=cfg.embed.num_gpus or None,
     )
+    from gti.progress import Progress
+
     done, dims = 0, set()
-    t0 = last = time.time()
+    t0 = time.time()
+    bar = Progress(n_items, "embed", "items", log=ctx.log)
     try:
         for res in ds.iter_rows():
             done += int(res["rows"])
             dims.add(int(res["dim"]))
-            if time.time() - last > 10:
-                last = time.time()
-                ctx.log(f"{done:,}/{n_items:,} items ({done / (last - t0):,.0f} items/s)")
+            bar.update(int(res["rows"]))
+        bar.close()
     except Exception as err:
         cause = getattr(err, "cause", None)
         if isinstance(cause, DataError):

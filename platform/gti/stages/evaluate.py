@@ -337,15 +337,17 @@ def run(ctx: StageContext) -> StageResult:
         compute=ray.data.ActorPoolStrategy(size=ec.concurrency),
         num_gpus=ec.num_gpus or None,
     )
+    from gti.progress import Progress
+
+    bar = Progress(rows.height, "decode", "prompts", log=ctx.log)
     t0 = last = time.time()
     parts, done = decoded, 0  # parts.append writes each whole chunk; iterating gives them all
     for block in ds.iter_batches(batch_size=None, batch_format="pyarrow") if todo.height else []:
         block = block if isinstance(block, pa.Table) else pa.Table.from_batches([block])
         parts.append(block)
         done += block.num_rows
-        if time.time() - last > 10:
-            last = time.time()
-            ctx.log(f"{done:,}/{rows.height:,} prompts decoded ({done / (last - t0):.2f} users/s)")
+        bar.update(block.num_rows)
+    bar.close()
     recs = pl.from_arrow(pa.concat_tables(parts)) if parts else None
     if recs is None or recs.height != rows.height:
         raise DataError(f"evaluate: decoded {0 if recs is None else recs.height} of {rows.height} prompts")
@@ -393,6 +395,10 @@ def run(ctx: StageContext) -> StageResult:
         if cold_block["ranks"]:
             ctx.log(format_ranks(split, cold_block["ranks"], "[cold]"))
     atomic_write_json(ctx.work_dir / METRICS_FILE, out)
+    from gti.tracking import eval_tags, open_tracker
+
+    with open_tracker(ctx) as tracker:
+        tracker.scalars(eval_tags(out), int(ctx.manifest("sft").facts.get("steps_done") or 0))
     recs.select("user_id", "split", "target", "items", "scores").write_parquet(ctx.work_dir / RECS_FILE)
     shutil.rmtree(ctx.work_dir / DECODED_DIR)  # recs.parquet holds them now
 

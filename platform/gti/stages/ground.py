@@ -256,10 +256,15 @@ def _ground(ctx: StageContext, init, first, end, first_sid, end_sid, codec, toke
     )
     ensure_ray(cfg)
     ds = train_dataset_from_parquet(pairs_path, seed=cfg.seed)
-    res = fit(
-        loop_config, ds, g, storage_path=work / RAY_DIR, name=run_name, log=ctx.log,
-        progress_every=max(g.log_every, math.ceil(g.steps / 20)), callbacks=callbacks,
-    )
+    from gti.tracking import open_tracker
+
+    # A Tune trial (run_name from the trial) writes beside the others: tensorboard/tune/<name>/.
+    with open_tracker(ctx, "ground" if run_name == "ground" else f"tune/{run_name}") as tracker:
+        res = fit(
+            loop_config, ds, g, storage_path=work / RAY_DIR, name=run_name, log=ctx.log,
+            progress_every=max(g.log_every, math.ceil(g.steps / 20)), callbacks=callbacks,
+            on_metrics=tracker.report,
+        )
     hist = res.history
     loss = hist.get("loss", [])
     tps = [v for _, v in hist.get("tokens_per_s", [])]

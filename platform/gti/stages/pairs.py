@@ -273,7 +273,10 @@ def run(ctx: StageContext) -> StageResult:
     truncated = 0
     desc_src: dict[str, int] = {"description": 0, "pseudo": 0, "title": 0}
     n_rows = 0
-    t0 = last = time.time()
+    t0 = time.time()
+    from gti.progress import Progress
+
+    bar = Progress(n_items, "pairs", "items", log=ctx.log)
     writer = pq.ParquetWriter(out, PAIRS_SCHEMA)
     try:
         for block in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
@@ -291,9 +294,8 @@ def run(ctx: StageContext) -> StageResult:
                     val_items.add(it)
             writer.write_table(block.select(PAIRS_SCHEMA.names).cast(PAIRS_SCHEMA), row_group_size=65_536)
             n_rows += block.num_rows
-            if time.time() - last > 10:
-                last = time.time()
-                ctx.log(f"{len(items_seen):,}/{n_items:,} items, {n_rows:,} pairs ({n_rows / (last - t0):,.0f} pairs/s)")
+            bar.set(len(items_seen), f"{n_rows:,} pairs")
+        bar.close()
     except Exception as err:
         user = user_error(err)
         if user is not None:

@@ -369,10 +369,13 @@ def _fit(ctx: StageContext, loop_config: dict, train_path: Path):
     # read task while the workers hold their slots (on a full cluster, with Tune trials or
     # compare arms side by side, a pending read would otherwise wait for ever).
     ds = ray.data.read_parquet(str(train_path), columns=["input_ids", "labels"]).materialize()
-    return loop.fit(
-        loop_config, ds, sc, storage_path=(ctx.work_dir / "ray_train").resolve(), name=TASK,
-        log=ctx.log, progress_every=max(1, sc.log_every),
-    )
+    from gti.tracking import open_tracker
+
+    with open_tracker(ctx) as tracker:
+        return loop.fit(
+            loop_config, ds, sc, storage_path=(ctx.work_dir / "ray_train").resolve(), name=TASK,
+            log=ctx.log, progress_every=max(1, sc.log_every), on_metrics=tracker.report,
+        )
 
 
 # --------------------------------------------------------------------------- export

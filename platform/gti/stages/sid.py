@@ -30,6 +30,7 @@ import json
 import tempfile
 import time
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -315,12 +316,10 @@ def sid_train_loop(config: dict) -> None:
         }
         history.append(metrics)
         if rank == 0:
-            print(
-                f"[sid] epoch {epoch + 1}/{config['epochs']} loss {metrics['loss']:.5g} recon "
-                f"{metrics['recon_loss']:.5g} quant {metrics['quant_loss']:.5g} util "
-                f"{[round(u, 2) for u in util]} revived {sum(revived)}",
-                flush=True,
-            )
+            if config.get("progress_file"):
+                # The driver follows this file for the epoch progress line (gti.progress).
+                with open(config["progress_file"], "a") as fh:
+                    fh.write(json.dumps({**metrics, "wall_time": time.time()}) + "\n")
             with tempfile.TemporaryDirectory() as d:
                 save_quantizer(core.cpu() if device.type != "cpu" else core, d)
                 core.to(device)
@@ -361,7 +360,11 @@ def train_rqvae(ctx: StageContext, emb_path: Path, init_model, n_items: int):
     s = ctx.cfg.sid
     ds = ray.data.read_parquet(str(emb_path), columns=["embedding"])
     per_worker = max(1, s.batch_size // s.num_workers)
+    storage = ctx.work_dir / "ray_train"
+    storage.mkdir(parents=True, exist_ok=True)
+    progress = storage / "rqvae.progress.jsonl"
     config = {
+        "progress_file": str(progress),
         "model": init_model.cfg.to_dict(),
         "init_state": {k: v.detach().cpu() for k, v in init_model.state_dict().items()},
         "epochs": s.epochs,
@@ -373,8 +376,6 @@ def train_rqvae(ctx: StageContext, emb_path: Path, init_model, n_items: int):
         "seed": ctx.cfg.seed,
         "shuffle_buffer": min(max(4 * per_worker, 1024), max(n_items, 1)),
     }
-    storage = ctx.work_dir / "ray_train"
-    storage.mkdir(parents=True, exist_ok=True)
     trainer = TorchTrainer(
         sid_train_loop,
         train_loop_config=config,
@@ -389,7 +390,8 @@ def train_rqvae(ctx: StageContext, emb_path: Path, init_model, n_items: int):
         datasets={"train": ds},
     )
     try:
-        result = trainer.fit()
+        with _epoch_progress(ctx, progress, s.epochs):
+            result = trainer.fit()
     except Exception as err:  # noqa: BLE001 - user errors keep their one-line message
         user = _unwrap_user_error(err)
         if user is not None:
@@ -403,6 +405,37 @@ def train_rqvae(ctx: StageContext, emb_path: Path, init_model, n_items: int):
     if not history or history[-1]["epoch"] != s.epochs:
         raise RuntimeError(f"RQ-VAE checkpoint is at epoch {history[-1]['epoch'] if history else 0}, expected {s.epochs}")
     return model, history
+
+
+@contextmanager
+def _epoch_progress(ctx: StageContext, path: Path, epochs: int):
+    """Epoch progress with ETA on the driver, from the lines rank 0 appends to `path`."""
+    from gti.progress import JsonlFollower, Progress
+
+    bar = Progress(epochs, "rqvae", "epochs", log=ctx.log, every_n=1)
+
+    def on_epoch(m: dict) -> None:
+        bar.set(int(m["epoch"]), f"loss {m['loss']:.5g} recon {m['recon_loss']:.5g} quant "
+                                 f"{m['quant_loss']:.5g} util {[round(u, 2) for u in m['utilisation']]} "
+                                 f"revived {sum(m['revived'])}", at=m.get("wall_time"))
+
+    with bar, JsonlFollower(path, on_epoch, poll_s=2.0):
+        yield
+
+
+def track_sid(ctx: StageContext, history: list[dict], facts: dict) -> None:
+    """TensorBoard (and MLflow) scalars of the stage: RQ-VAE training per epoch (train/*) and
+    the final SID quality (sid/*: reconstruction, collisions, utilisation and perplexity per
+    level), at step = epochs (0 for residual k-means)."""
+    from gti.tracking import metric_tags, open_tracker
+
+    with open_tracker(ctx) as tracker:
+        for m in history:
+            tracker.report({k: v for k, v in m.items() if k != "items"}, step=int(m["epoch"]))
+        final = {k: facts[k] for k in ("recon_mse", "collision_rate_before", "collision_rate_after_sinkhorn",
+                                       "collision_rate_after", "sinkhorn_rounds", "utilisation",
+                                       "perplexity", "assign_items_per_s")}
+        tracker.scalars(metric_tags(final, prefix="sid"), len(history))
 
 
 # --------------------------------------------------------------------------- assignment
@@ -446,12 +479,13 @@ def assign_all(ctx: StageContext, emb_path: Path, qdir: Path, n_items: int) -> n
         compute=ray.data.ActorPoolStrategy(size=s.assign_concurrency),
         num_gpus=1 if s.use_gpu else 0,
     )
-    parts, done, t0 = [], 0, time.time()
-    for b in out.iter_batches(batch_size=None, batch_format="numpy"):
-        parts.append(np.asarray(b["codes"], dtype=np.int32))
-        done += len(parts[-1])
-        if len(parts) % 50 == 0:
-            ctx.log(f"assigned {done}/{n_items} items ({done / max(time.time() - t0, 1e-9):.0f}/s)")
+    from gti.progress import Progress
+
+    parts, t0 = [], time.time()
+    with Progress(n_items, "assign", "items", log=ctx.log) as bar:
+        for b in out.iter_batches(batch_size=None, batch_format="numpy"):
+            parts.append(np.asarray(b["codes"], dtype=np.int32))
+            bar.update(len(parts[-1]))
     codes = np.concatenate(parts) if parts else np.zeros((0, 0), np.int32)
     if codes.shape[0] != n_items:
         raise RuntimeError(f"assignment returned {codes.shape[0]} rows for {n_items} items")
@@ -547,9 +581,14 @@ def run(ctx: StageContext) -> StageResult:
 
     after_sk, sk_rounds = before, 0
     if s.sinkhorn_last_level and before > 0 and s.sinkhorn_rounds > 0:
-        codes, sk_rounds = sinkhorn_resolve(
-            codes, last_cost, s.sinkhorn_epsilon, s.sinkhorn_iters, s.sinkhorn_rounds,
-            sample_rows=s.sinkhorn_sample_rows, seed=cfg.seed, min_gain=s.sinkhorn_min_gain, log=ctx.log)
+        from gti.progress import Progress
+
+        # Rounds stop early when they stop helping, so the ETA is an upper bound.
+        with Progress(s.sinkhorn_rounds, "sinkhorn", "rounds", log=ctx.log, every_n=1) as rounds:
+            codes, sk_rounds = sinkhorn_resolve(
+                codes, last_cost, s.sinkhorn_epsilon, s.sinkhorn_iters, s.sinkhorn_rounds,
+                sample_rows=s.sinkhorn_sample_rows, seed=cfg.seed, min_gain=s.sinkhorn_min_gain,
+                log=lambda msg: rounds.update(1, msg))
         after_sk = collision_rate(codes)
         ctx.log(f"last residuals: {last_residuals.encoded:,} encodes, {last_residuals.used:,} items cached "
                 f"(sid.resolve_cache_mb={s.resolve_cache_mb:g})")
@@ -604,6 +643,7 @@ def run(ctx: StageContext) -> StageResult:
         "encode_dtype": getattr(q.cfg, "encode_dtype", "float32"),
         "train_history": history,
     }
+    track_sid(ctx, history, facts)
     return StageResult(
         outputs={
             "sid_map": "sid_map.parquet",

@@ -349,7 +349,8 @@ def train_loop_per_worker(config: dict) -> dict[str, Any]:
         metrics.update(last_val)
         if progress is not None:
             with progress.open("a") as fh:
-                fh.write(json.dumps(metrics) + "\n")
+                # wall_time: when the step ended, for the driver's rate and ETA.
+                fh.write(json.dumps({**metrics, "wall_time": time.time()}) + "\n")
 
         final = step == tc.steps
         if step % tc.checkpoint_every == 0 or final:
@@ -468,51 +469,33 @@ def train_dataset_from_parquet(path: str | Path, seed: int, split: str = "train"
 
 
 class _ProgressTail:
-    """Driver thread that follows rank 0's progress file and logs every `every`-th step."""
+    """Driver side of training progress: follows rank 0's progress file (one JSON line of
+    reported metrics per step, `gti.progress.JsonlFollower`), draws the steps with rate and ETA
+    (`gti.progress.Progress`: a bar on a TTY, else a line every `every` steps through `log`)
+    and hands every step's metrics to `on_metrics` (the stage's tracker)."""
 
-    def __init__(self, path: Path, log: Callable[[str], None], every: int, total: int) -> None:
-        import threading
+    def __init__(self, path: Path, log: Callable[[str], None], every: int, total: int,
+                 on_metrics: Callable[[dict], None] | None = None) -> None:
+        from gti.progress import JsonlFollower, Progress
 
-        self.path, self.log, self.every, self.total = path, log, max(1, every), total
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._pos = 0
+        self.bar = Progress(total, "training", "steps", log=log, every_n=max(1, every))
+        self.on_metrics = on_metrics
+        self.follower = JsonlFollower(path, self._record, poll_s=2.0)
+
+    def _record(self, m: dict) -> None:
+        if self.on_metrics is not None:
+            self.on_metrics(m)
+        extra = "".join(f" {k} {m[k]:.3f}" for k in sorted(m) if k.startswith("val_"))
+        self.bar.set(int(m.get("step", 0)), f"loss {m['loss']:.4f} lr {m['lr']:.2e} "
+                                            f"tokens/s {m['tokens_per_s']:.0f}{extra}", at=m.get("wall_time"))
 
     def __enter__(self) -> "_ProgressTail":
-        self._thread.start()
+        self.follower.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        self._drain()
-
-    def _drain(self) -> None:
-        if not self.path.is_file():
-            return
-        with self.path.open() as fh:
-            fh.seek(self._pos)
-            for line in fh:
-                if not line.endswith("\n"):
-                    break  # a line being written; read it next time
-                self._pos += len(line.encode())
-                try:
-                    m = json.loads(line)
-                except ValueError:
-                    continue
-                step = int(m.get("step", 0))
-                if step % self.every == 0 or step == self.total:
-                    extra = "".join(
-                        f" {k} {m[k]:.3f}" for k in sorted(m) if k.startswith("val_")
-                    )
-                    self.log(
-                        f"step {step}/{self.total} loss {m['loss']:.4f} lr {m['lr']:.2e} "
-                        f"tokens/s {m['tokens_per_s']:.0f}{extra}"
-                    )
-
-    def _run(self) -> None:
-        while not self._stop.wait(2.0):
-            self._drain()
+        self.follower.__exit__(*exc)
+        self.bar.close()
 
 
 def fit(
@@ -525,6 +508,7 @@ def fit(
     log: Callable[[str], None] = print,
     progress_every: int = 10,
     callbacks: list | None = None,
+    on_metrics: Callable[[dict], None] | None = None,
 ) -> FitResult:
     """Run `train_loop_per_worker` on `train_cfg.num_workers` Ray Train workers and return the
     final trainable tensors.
@@ -535,6 +519,8 @@ def fit(
     Worker failures are retried `train_cfg.max_failures` times from the latest checkpoint.
     A `GtiError` raised in a worker is re-raised here as is (one line for the CLI).
     `callbacks` go to the Train RunConfig (`gti tune` passes `TuneReportCallback`).
+    `on_metrics(metrics)` is called on the driver with every step's reported metrics, read from
+    rank 0's progress file (the stage writes them to its tracker).
     """
     import ray.train
     from ray.data import ExecutionOptions
@@ -570,7 +556,7 @@ def fit(
         dataset_config=ray.train.DataConfig(execution_options=ExecutionOptions(preserve_order=True)),
     )
     try:
-        with _ProgressTail(progress, log, progress_every, train_cfg.steps):
+        with _ProgressTail(progress, log, progress_every, train_cfg.steps, on_metrics):
             result = trainer.fit()
     except Exception as err:  # noqa: BLE001 - re-raise user errors as themselves
         from gti.errors import user_error
