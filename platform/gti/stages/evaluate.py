@@ -339,7 +339,7 @@ def run(ctx: StageContext) -> StageResult:
     )
     from gti.progress import Progress
 
-    bar = Progress(rows.height, "decode", "prompts", log=ctx.log)
+    bar = Progress(todo.height, "decode", "prompts", log=ctx.log)  # a resumed run decodes only the rest
     t0 = last = time.time()
     parts, done = decoded, 0  # parts.append writes each whole chunk; iterating gives them all
     for block in ds.iter_batches(batch_size=None, batch_format="pyarrow") if todo.height else []:
