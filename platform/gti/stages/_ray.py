@@ -42,13 +42,19 @@ def ensure_ray(cfg) -> None:
 
     if ray.is_initialized():
         return
-    address = cfg.ray_address or os.environ.get("RAY_ADDRESS")
+    from gti.config import LOCAL_RAY_ENV
+
+    address = cfg.requested_ray_address()
     if address:
         _join(address)
+        os.environ.pop(LOCAL_RAY_ENV, None)
     else:
         _start_local(cfg.ray_num_cpus)
     # This process (and anything it starts) talks to the same Ray from now on.
-    os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
+    gcs = ray.get_runtime_context().gcs_address
+    os.environ["RAY_ADDRESS"] = gcs
+    if not address:  # our own local Ray: a later start in this process must not join it once gone
+        os.environ[LOCAL_RAY_ENV] = f"{os.getpid()}:{gcs}"
     ctx = ray.data.DataContext.get_current()
     interactive = sys.stderr.isatty()
     ctx.enable_progress_bars = interactive

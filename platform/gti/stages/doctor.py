@@ -12,7 +12,6 @@ What it does not know: the checks themselves (gti.preflight).
 
 from __future__ import annotations
 
-import os
 import sys
 
 from gti import config as C
@@ -21,7 +20,7 @@ from gti import preflight
 
 def read_cluster(cfg: C.RunConfig) -> tuple[dict[str, float] | None, str, str | None, bool]:
     """(resources or None for the local machine, where they come from, error line, remote)."""
-    address = cfg.ray_address or os.environ.get("RAY_ADDRESS")
+    address = cfg.requested_ray_address()
     if "ray" in sys.modules:
         import ray
 
