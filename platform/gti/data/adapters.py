@@ -563,19 +563,6 @@ def iter_task(task: ReadTask, kind: str, columns, batch_rows: int = 8192) -> Ite
         raise DataError(f"{task.file}: unknown format '{task.fmt}'")
 
 
-def missing_optional_columns(task: ReadTask, kind: str, columns) -> list[str]:
-    """Configured optional columns that this file does not have (for the manifest)."""
-    mapping = item_mapping(columns) if kind == "items" else interaction_mapping(columns)
-    required = ["item_id"] if kind == "items" else list(mapping)
-    if task.fmt == "parquet":
-        present = _parquet_file(task.file).schema_arrow.names
-    elif task.fmt in ("csv", "tsv"):
-        present = _csv_header(task, "," if task.fmt == "csv" else "\t")
-    else:
-        return []
-    return [mapping[c] for c in mapping if c not in required and mapping[c] not in present]
-
-
 def check_header(task: ReadTask, kind: str, columns) -> list[str]:
     """Check one read task's header against the column mapping before any work starts: the
     schema of a parquet file, the header row of a CSV/TSV file, the keys of the first records of
