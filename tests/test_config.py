@@ -75,6 +75,3 @@ def test_dump_round_trips():
     assert again == cfg
 
 
-def test_derived_micro_batch():
-    t = C.TrainConfig(batch_size=16, num_workers=2, grad_accum=2)
-    assert t.micro_batch_per_worker() == 4

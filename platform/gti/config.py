@@ -271,11 +271,6 @@ class TrainConfig(_Strict):
     max_failures: int = Field(0, ge=-1)
     log_every: int = Field(1, ge=1)
 
-    def micro_batch_per_worker(self) -> int:
-        """Sequences per worker per micro step (global batch split over workers and accum)."""
-        per = self.batch_size // (self.num_workers * self.grad_accum)
-        return max(1, per)
-
 
 class GroundConfig(TrainConfig):
     lr: float = Field(1e-3, gt=0)
@@ -547,6 +542,3 @@ def dump(cfg: RunConfig) -> str:
     return yaml.safe_dump(redact(cfg.model_dump(mode="json")), sort_keys=False)
 
 
-def section(cfg: RunConfig, name: str) -> dict[str, Any]:
-    """The resolved mapping of one top-level section, for fingerprints and manifests."""
-    return cfg.model_dump(mode="json")[name]

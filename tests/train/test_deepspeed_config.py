@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from gti.config import ConfigError, GroundConfig, SftConfig
-from gti.train.deepspeed_config import build_ds_config
+from gti.train.deepspeed_config import build_ds_config, micro_batch
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -20,7 +20,7 @@ def test_every_stage_and_precision(stage, precision, bf16_weights):
             build_ds_config(cfg, 2, use_gpu=False, bf16_weights=True)
         return
     ds = build_ds_config(cfg, 2, use_gpu=False, bf16_weights=bf16_weights)
-    assert ds["train_micro_batch_size_per_gpu"] == 4 == cfg.micro_batch_per_worker()
+    assert ds["train_micro_batch_size_per_gpu"] == 4 == micro_batch(cfg, 2)
     assert ds["gradient_accumulation_steps"] == 2
     assert ds["train_batch_size"] == 16
     assert ds["gradient_clipping"] == 0.5

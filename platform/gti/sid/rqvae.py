@@ -291,12 +291,6 @@ class RQVAE(nn.Module):
         self.initialised.fill_(True)
         return inertias
 
-    def set_codebooks(self, codebooks: torch.Tensor) -> None:
-        """Load codebooks [L, K, code_dim] computed elsewhere (e.g. on the driver)."""
-        with torch.no_grad():
-            self.codebooks.copy_(codebooks)
-            self.initialised.fill_(True)
-
     @torch.no_grad()
     def revive_dead_codes(
         self,

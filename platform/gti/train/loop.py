@@ -690,5 +690,6 @@ GROUND_HOOKS = TaskHooks(
     grad_norm_key="grad_norm_new_rows",
 )
 
-# Task name -> hooks. The SFT module registers its own entry here (or passes "hooks").
+# Task name -> default hooks. Only grounding has one; the SFT stage passes its hooks in the
+# worker config ("hooks").
 DEFAULT_HOOKS: dict[str, TaskHooks] = {"ground": GROUND_HOOKS}
