@@ -12,7 +12,7 @@ GTI=${GTI:-.venv/bin/gti}
 python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device: this script needs a GPU build of torch and a GPU')"
 [ -f data/dense-1000/interactions.parquet ] || "$GTI" data dense --items 1000 --min-user-len 5 --out data/dense-1000
 "$GTI" compare --config jobs/configs/proof-smollm2.yaml --arms mean,gti --seeds 1 --out "$OUT" \
-  run_dir="$OUT/base" ray_num_cpus=8 \
+  run_dir="$OUT/base" ray_num_cpus=8 compare.records_dir="$OUT/records" \
   embed.num_gpus=0.5 sid.use_gpu=true \
   ground.use_gpu=true ground.steps=200 ground.batch_size=64 ground.checkpoint_every=200 \
   sft.use_gpu=true sft.steps=500 sft.batch_size=64 sft.lr=1e-3 sft.checkpoint_every=500 \
