@@ -164,23 +164,6 @@ def test_diagnose_mean_init_vs_spread():
 
 
 # --------------------------------------------------------------------------- bootstrap CIs
-@pytest.mark.parametrize("shape", [(12, 30), (40, 6)])  # n <= d (n x n Gram) and n > d (d x d)
-def test_bootstrap_effective_rank_equals_svd_of_the_resampled_rows(shape):
-    rng = np.random.default_rng(3)
-    E = rng.normal(size=shape)
-    reps = G.bootstrap_effective_rank(E, n_boot=3, seed=7)
-    draw = np.random.default_rng(7)
-    for rep in reps:
-        w = np.bincount(draw.integers(0, shape[0], shape[0]), minlength=shape[0])
-        assert rep == pytest.approx(G.effective_rank(np.repeat(E, w, axis=0)), rel=1e-6)
-
-
-def test_bootstrap_effective_rank_of_one_point_is_one():
-    E = np.tile(np.arange(1.0, 6.0), (8, 1))
-    assert G.bootstrap_effective_rank(E, n_boot=5) == pytest.approx([1.0] * 5)
-    assert G.bootstrap_effective_rank(E[:1], n_boot=5) == []
-
-
 def test_bootstrap_rsa_overall_perfect_and_unrelated():
     rng = np.random.default_rng(0)
     codes = [rng.normal(size=(16, 4)), rng.normal(size=(16, 4))]
@@ -200,7 +183,7 @@ def test_diagnose_stores_replicates_only_when_asked():
     E = rng.normal(size=(8, 6))
     codes = [rng.normal(size=(4, 3)), rng.normal(size=(4, 3))]
     d = G.diagnose(E, [4, 4], code_vectors=codes, n_boot=10)
-    assert len(d["effective_rank_boot"]) == 10
     assert len(d["rsa"]["overall"]["pearson_boot"]) == 10
+    assert "effective_rank_boot" not in d  # biased by repeated rows: seeds give its CI
     d0 = G.diagnose(E, [4, 4], code_vectors=codes, n_boot=0)
-    assert "effective_rank_boot" not in d0 and "pearson_boot" not in d0["rsa"]["overall"]
+    assert "pearson_boot" not in d0["rsa"]["overall"]

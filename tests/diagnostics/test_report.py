@@ -360,16 +360,20 @@ def test_diagnostics_ci_from_stored_replicates_pools_seeds():
     from gti.diagnostics.report import diagnostics_table
 
     def rec(seed, er, boot):
-        diag = {"effective_rank": er, "effective_rank_boot": boot,
-                "rsa": {"overall": {"pearson": 0.5, "spearman": 0.4}}}
+        diag = {"effective_rank": er, "rsa": {"overall": {"pearson": 0.5, "spearman": 0.4,
+                                                          "pearson_boot": boot}}}
         return RunRecord(arm="gti", seed=seed, diagnostics={"sft": diag})
 
-    one = diagnostics_table([rec(0, 10.0, [9.0, 10.0, 11.0] * 50)], n_boot=2000)
-    row = next(r for r in one if r["name"] == "effective_rank")
-    assert (row["ci_lo"], row["ci_hi"]) == (9.0, 11.0) and row["ci_method"] == "rows bootstrap"
-    two = diagnostics_table([rec(0, 1.0, [1.0] * 10), rec(1, 3.0, [3.0] * 10)], n_boot=4000)
-    row = next(r for r in two if r["name"] == "effective_rank")
-    # seed means are 1, 2 or 3: the CI spans the seeds' spread, not one seed's
-    assert (row["ci_lo"], row["ci_hi"]) == (1.0, 3.0) and row["ci_method"] == "seed x rows bootstrap"
-    rsa = next(r for r in two if r["name"] == "rsa_pearson")
-    assert rsa["ci_lo"] is None and rsa["ci_method"] == ""  # no replicates stored: no CI claimed
+    one = diagnostics_table([rec(0, 10.0, [0.4, 0.5, 0.6] * 50)], n_boot=2000)
+    row = next(r for r in one if r["name"] == "rsa_pearson")
+    assert (row["ci_lo"], row["ci_hi"]) == (0.4, 0.6) and row["ci_method"] == "codes bootstrap"
+    er = next(r for r in one if r["name"] == "effective_rank")
+    assert er["ci_lo"] is None and er["ci_method"] == ""  # one seed: no CI claimed
+    two = diagnostics_table([rec(0, 1.0, [0.1] * 10), rec(1, 3.0, [0.3] * 10)], n_boot=4000)
+    row = next(r for r in two if r["name"] == "rsa_pearson")
+    # seed means are .1, .2 or .3: the CI spans the seeds' spread, not one seed's
+    assert (row["ci_lo"], row["ci_hi"]) == pytest.approx((0.1, 0.3)) and row["ci_method"] == "seed x codes bootstrap"
+    er = next(r for r in two if r["name"] == "effective_rank")
+    assert (er["ci_lo"], er["ci_hi"]) == (1.0, 3.0) and er["ci_method"] == "seed bootstrap"
+    sp = next(r for r in two if r["name"] == "rsa_spearman")
+    assert sp["ci_lo"] is None and sp["ci_method"] == ""  # no replicates stored: no CI claimed

@@ -251,32 +251,6 @@ def rsa_codes(
 
 
 # --------------------------------------------------------------------------- bootstrap CIs
-def bootstrap_effective_rank(E: Any, n_boot: int = 200, seed: int = 0) -> list[float]:
-    """Effective rank of E [n, d] under `n_boot` resamplings of its rows (with replacement).
-
-    Returns the replicates [n_boot] (the report turns them into a CI, pooled over seeds).
-    Row resampling asks "how much does the figure depend on which tokens happen to be in the
-    vocabulary"; the singular values of a resampled matrix come from the eigenvalues of its
-    weighted Gram matrix (the smaller of n x n and d x d), so no replicate needs a fresh SVD.
-    """
-    A = as_array(E)
-    n = A.shape[0]
-    if n < 2 or n_boot < 1:
-        return []
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(n_boot):
-        w = np.bincount(rng.integers(0, n, n), minlength=n).astype(np.float64)
-        if n <= A.shape[1]:
-            sw = np.sqrt(w)
-            G = (A * sw[:, None]) @ (A * sw[:, None]).T  # [n, n], same nonzero spectrum
-        else:
-            G = (A * w[:, None]).T @ A  # [d, d]
-        ev = np.clip(np.linalg.eigvalsh(G), 0.0, None)
-        out.append(effective_rank(s=np.sqrt(ev)[::-1]))
-    return out
-
-
 def bootstrap_rsa_overall(
     code_vectors: Sequence[Any],
     E_sid: Any,
@@ -333,9 +307,11 @@ def diagnose(
 ) -> dict[str, Any]:
     """Every diagnostic of one snapshot of E_new, as a JSON-ready dict (NaN for undefined).
 
-    With `n_boot` > 0 it also holds bootstrap replicates for the report's CIs:
-    `effective_rank_boot` [n_boot] (rows resampled) and `rsa.overall.{pearson,spearman}_boot`
-    [n_boot] (codes resampled within levels); see `bootstrap_effective_rank` / `bootstrap_rsa_overall`.
+    With `n_boot` > 0 it also holds bootstrap replicates for the report's RSA CIs:
+    `rsa.overall.{pearson,spearman}_boot` [n_boot] (codes resampled within levels; see
+    `bootstrap_rsa_overall`). The effective rank gets no row bootstrap: resampling rows with
+    replacement repeats rows, and repeated rows lower the rank (a 108-row matrix of erank 47
+    resamples to 27-32), so its CI comes from the spread over seeds (the report).
 
     e_sid: SID rows [sum(codebook_sizes), d] (level-major); e_new: all new rows [V_new, d]
     (defaults to e_sid; markers included when present) -- the spectrum is of e_new;
@@ -355,8 +331,6 @@ def diagnose(
             effective_rank(as_array(e_sid)[sl]) for sl in level_slices(codebook_sizes)
         ],
     }
-    if n_boot > 0:
-        out["effective_rank_boot"] = bootstrap_effective_rank(full, n_boot, boot_seed)
     if text_rows is not None:
         out["mean_cosine_new_text"] = mean_cross_cosine(e_sid, text_rows)
         out["mean_cosine_text"] = mean_pairwise_cosine(text_rows)

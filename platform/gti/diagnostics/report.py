@@ -352,10 +352,13 @@ def _lift_ci(users, base_users, vals, base_vals, n_boot, rng):
 # Diagnostics with bootstrap replicates stored beside them by geometry.diagnose: (name ->
 # path of the replicates, what was resampled).
 DIAG_BOOT: dict[str, tuple[Sequence[str], str]] = {
-    "effective_rank": (("effective_rank_boot",), "rows"),
     "rsa_pearson": (("rsa", "overall", "pearson_boot"), "codes"),
     "rsa_spearman": (("rsa", "overall", "spearman_boot"), "codes"),
 }
+
+
+# Diagnostics whose CI is the spread over seeds (no within-run resampling is unbiased for them).
+SEED_CI_DIAGS = frozenset({"effective_rank"})
 
 
 def _nested_boot_ci(
@@ -381,7 +384,8 @@ def diagnostics_table(
     records: Sequence[RunRecord], n_boot: int = 1000, seed: int = 0
 ) -> list[dict[str, Any]]:
     """Long-form diagnostics rows: one per arm x phase x quantity, mean and std over seeds; a
-    95% CI where the runs stored bootstrap replicates (`DIAG_BOOT`, `_nested_boot_ci`)."""
+    95% CI where the runs stored bootstrap replicates (`DIAG_BOOT`, `_nested_boot_ci`), and a
+    seed bootstrap CI for `SEED_CI_DIAGS` with two or more seeds."""
     rng = np.random.default_rng(seed)
     rows = []
     for arm in _ordered_arms(records):
@@ -404,6 +408,11 @@ def diagnostics_table(
                     if lo is not None:
                         n_with = sum(bool(b) for b in boots)
                         method = f"{what} bootstrap" if n_with == 1 else f"seed x {what} bootstrap"
+                elif name in SEED_CI_DIAGS:
+                    got = np.array([v for v in vals if v is not None], dtype=float)
+                    if got.size >= 2:  # the mean over seeds, seeds resampled
+                        lo, hi = _percentile_ci(got[rng.integers(0, got.size, (n_boot, got.size))].mean(1))
+                        method = "seed bootstrap"
                 rows.append({
                     "table": "diagnostics", "arm": arm, "group": phase, "name": name,
                     "n": sum(v is not None for v in vals), "mean": mean, "std": std,
