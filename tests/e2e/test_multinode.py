@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -74,8 +73,11 @@ def _checkpoints(stage_dir: Path) -> list[Path]:
     return sorted(p for p in stage_dir.rglob("checkpoint_*") if p.is_dir())
 
 
-def _logged_steps(text: str) -> list[int]:
-    return [int(m) for m in re.findall(rf"\[ground\] step (\d+)/{STEPS} ", text)]
+def _recorded_steps(run_dir: Path) -> list[int]:
+    """Steps of the ground stage's train/loss curve, in the order both attempts wrote them."""
+    from gti.tracking import read_scalars
+
+    return [step for step, _ in read_scalars(run_dir / "tensorboard" / "ground")["train/loss"]]
 
 
 def _descendants(pids: list[int]) -> list[int]:
@@ -191,9 +193,9 @@ def test_grounding_across_two_nodes_with_driver_kill_and_resume(two_node_cluster
     manifest = json.loads((run_dir / "ground" / "_manifest.json").read_text())
     assert manifest["facts"]["steps_done"] == STEPS
     # The rerun resumed the same Train run (same storage path and name) from its checkpoint:
-    # its log replays the killed attempt's steps from the shared progress file, then continues
-    # after the checkpointed step; a restart from scratch would log step 1 a second time.
-    steps = _logged_steps(logs)
+    # the ground stage's TensorBoard curve holds the killed attempt's steps, then the steps
+    # after the checkpointed one; a restart from scratch would record step 1 a second time.
+    steps = _recorded_steps(run_dir)
     assert steps.count(1) == 1 and steps[-1] == STEPS, steps
     restarts = [i for i in range(1, len(steps)) if steps[i] <= steps[i - 1]]
     assert all(steps[i] > 1 for i in restarts), steps
