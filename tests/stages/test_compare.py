@@ -223,13 +223,17 @@ def test_records_stand_for_runs_elsewhere_and_are_refused_when_anything_differs(
     assert key(doc2) == key(doc1) and doc2["seeds_per_arm"] == {"mean": 1, "gti": 1}
     assert json.loads((tmp_path / "elsewhere" / "compare.json").read_text())["runs"][0]["from_record"]
 
-    # a config key that changes what a run computes: that record is refused, by key
+    # a config key that changes what a run computes: that record is refused, by key, and the
+    # rerun with the other config does not overwrite it
     fake_stages.calls.clear()
     msgs.clear()
+    kept = (rec_dir / "gti" / "seed0.json").read_text()
     cfg_lr = _base_cfg(tmp_path, f"compare.records_dir={rec_dir}", "sft.lr=1e-5")
     CMP.compare(cfg_lr, ["gti"], 1, tmp_path / "third", echo=msgs.append)
     assert "ground" in [c[0] for c in fake_stages.calls]
     assert any("record not used" in m and "sft.lr" in m for m in msgs)
+    assert any("kept the existing record" in m and "sft.lr" in m for m in msgs)
+    assert (rec_dir / "gti" / "seed0.json").read_text() == kept
 
     # other shared data (here: another catalog file content) refuses every record, named
     def other_ingest(ctx):
