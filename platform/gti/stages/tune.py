@@ -333,7 +333,34 @@ def sweep(cfg: C.RunConfig, raw: dict[str, Any] | None = None, echo=_echo) -> di
     )
     grid = tuner.fit()
     wall = time.time() - t0
+    if cfg.tune.objective == "grounding":
+        rewrite_trial_curves(cfg, run_dir, grid, keys)
     return summarise(cfg, base_raw, params, grid, wall, echo)
+
+
+def rewrite_trial_curves(cfg: C.RunConfig, run_dir: Path, grid, keys: list[str]) -> None:
+    """Each grounding trial's TensorBoard curve, rewritten from its rank-0 progress file.
+
+    The trial's own tracker draws the curve live, but it reads the progress file every 2 s
+    from the trial's actor, and a trial that ASHA stops (or that ends between two polls) is
+    ended without its last drain: its curve lost steps, or was empty, when trials ran at once.
+    The progress file on disk holds every reported step, so the driver replays it once the
+    sweep is over (TensorBoard only: an MLflow run of a stopped trial keeps its live points).
+    """
+    from gti.progress import JsonlFollower
+    from gti.stages.ground import RAY_DIR
+    from gti.tracking import Tracker
+
+    tb_only = cfg.model_copy(update={"tracking": cfg.tracking.model_copy(update={"mlflow": False})})
+    for r in grid:
+        trial_id = (r.metrics or {}).get("trial_id")
+        if trial_id is None:
+            continue
+        name = trial_run_name(trial_id, {k: r.config[k] for k in keys})
+        progress = _trial_dir(run_dir, name) / "ground" / RAY_DIR / f"{name}.progress.jsonl"
+        if progress.is_file() and cfg.tracking.tensorboard:
+            with Tracker(tb_only, run_dir, f"tune/{name}", fresh=True) as tracker:
+                JsonlFollower(progress, tracker.report).drain()
 
 
 def summarise(cfg, base_raw, params, grid, wall: float, echo=_echo) -> dict[str, Any]:
