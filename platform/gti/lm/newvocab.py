@@ -38,7 +38,7 @@ from gti.config import ConfigError
 from gti.errors import DataError
 
 DEFAULT_TEMPLATES: dict[str, str] = {
-    "desc2token": "Can you tell me what token is described as {description}?",
+    "desc2token": "Which token is described here? {description}",
     "token2desc": "Briefly describe the token {token}.",
 }
 # Our task name -> (PairRenderer task, our slot -> renderer slot).
