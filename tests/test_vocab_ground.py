@@ -183,3 +183,43 @@ def test_codebook_init_is_refused_before_training(tmp_path, capsys):
     assert rc == 2
     assert "init.method=codebook" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_killed_run_resumes_from_its_checkpoint(grounded, tmp_path, monkeypatch):
+    """A grounding run that dies at step 6 raises and keeps its work dir; the same call again
+    resumes from the step-4 checkpoint and ends with the rows of the uninterrupted run."""
+    from safetensors.torch import load_file
+
+    import gti.train.loop as loop
+    from gti.vocab_ground import VocabGroundConfig, ground_vocabulary
+
+    _, ref, _ = grounded
+    real_fit = loop.fit
+    seen: dict[str, list[int]] = {}
+
+    def fit_failing_once(loop_config, *a, **kw):
+        loop_config = {**loop_config, "fail_at_step": 6, "fail_rank": 0,
+                       "fail_marker": str(tmp_path / "failed_once")}
+        try:
+            return real_fit(loop_config, *a, **kw)
+        finally:
+            progress = Path(kw["storage_path"]) / f"{kw['name']}.progress.jsonl"
+            seen["steps"] = [json.loads(l)["step"] for l in progress.read_text().splitlines()]
+
+    monkeypatch.setattr(loop, "fit", fit_failing_once)
+    base = tiny_model_folder(tmp_path / "base")
+    cfg = VocabGroundConfig.model_validate(CONFIG)
+    out = tmp_path / "out"
+    with pytest.raises(Exception):
+        ground_vocabulary(base, TOKENS, out, config=cfg, log=lambda m: None)
+    assert (tmp_path / "failed_once").exists() and (tmp_path / ".out.work" / "ray_train").is_dir()
+    assert not out.exists()
+    res = ground_vocabulary(base, TOKENS, out, config=cfg, log=lambda m: None)
+    assert seen["steps"] == list(range(1, 7)) + [5, 6, 7, 8]  # resumed after the step-4 checkpoint
+    assert res.steps_done == 8 and not (tmp_path / ".out.work").exists()
+    got, want = (load_file(str(d / "e_new_ground.safetensors")) for d in (out, ref.out_dir))
+    for k in ("e_new", "head_new"):
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-6)
+    assert res.val_exact_match == ref.val_exact_match
