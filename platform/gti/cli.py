@@ -150,6 +150,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run nothing: report on the finished runs and stored records")
     p.set_defaults(func=_delegate("gti.stages.compare", "cli_main"))
 
+    p = sub.add_parser("vocab", help="new-vocabulary utilities")
+    vsub = p.add_subparsers(dest="vocab_command", required=True)
+    s = vsub.add_parser("ground", help="add new tokens with descriptions to a HF model, ground only their "
+                                       "rows (Ray Train + DeepSpeed) and export a standard HF folder")
+    s.add_argument("--model", required=True, help="HF model folder (safetensors, chat template) or smollm2-135m")
+    s.add_argument("--tokens", required=True,
+                   help='JSONL: {"token": "<tool_search>", "descriptions": ["..."]} per line (or a YAML list)')
+    s.add_argument("--out", required=True, help="output model folder")
+    s.add_argument("--config", "-c", default=None, help="YAML: seed, init, ground, templates, ... (gti.vocab_ground)")
+    s.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. ground.steps=50")
+    s.set_defaults(func=_delegate("gti.vocab_ground", "cli_main"))
+
     p = sub.add_parser("tune", help="Ray Tune sweep over the grounding stage")
     _add_config_args(p)
     p.set_defaults(func=_delegate("gti.stages.tune", "cli_main"))

@@ -1,0 +1,297 @@
+"""Grounding any new vocabulary: new tokens with descriptions -> a standard HF model folder.
+
+What it is for (issue 15, part 4): the GTI grounding stage, for tokens that are not SIDs (tool
+calls, knowledge-graph nodes, product codes). `ground_vocabulary(model, tokens, out_dir)`:
+1. resolves the model folder (a local HF folder, or `smollm2-135m`), loads its tokenizer and
+   adds the new tokens (`gti.lm.vocab.extend_tokenizer`: one id each, contiguous);
+2. renders the pairs, description -> token and token -> description, through the chat template
+   with answer-only labels (`gti.lm.newvocab.render_pairs`, i.e. gti's `PairRenderer`);
+3. initialises the new rows with any `init.method` but `codebook` (`gti.lm.newvocab.initial_rows`
+   over `gti.lm.init.init_rows`);
+4. grounds ONLY the new rows on Ray Train + DeepSpeed (`gti.train.loop.fit` with the grounding
+   task: backbone and old rows frozen in a different tensor from the trainable `new_rows`, so
+   they stay bit-identical under AdamW with weight decay, ZeRO-3 included); validation is the
+   exact match of constrained greedy description -> token (on `eval_descriptions` when the
+   tokens file has them, else on the training descriptions);
+5. exports a standard HF folder (`gti.lm.vocab.export_model`: safetensors, extended tokenizer,
+   `gti_meta.json` with the token -> id map), loadable by `AutoModelForCausalLM.from_pretrained`
+   without gti, plus `e_new_init.safetensors` / `e_new_ground.safetensors` (the rows before and
+   after grounding).
+
+The work files (pairs, initial rows, Ray Train checkpoints) go to `work_dir` (default
+`<out>.work/` beside `out_dir`), so a rerun of the same call after a killed driver resumes
+from the last checkpoint; the default work dir is removed once the model is exported.
+
+Settings: `VocabGroundConfig` (YAML for `gti vocab ground --config`): `seed`, `ray_address`,
+`ray_num_cpus`, `model` (`dtype`, `trust_remote_code`), `init` (as in run configs), `ground`
+(the run configs' grounding section: steps, lr, batch_size, weight_decay, num_workers,
+zero_stage, precision, ...), `templates` ({desc2token, token2desc}), `system_prompt`, `max_len`.
+
+Ray: only through `gti.stages._ray.ensure_ray` and `gti.train.loop.fit` (this module is a
+driver, like a stage; the pure parts are in `gti.lm.newvocab`).
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Literal, Sequence
+
+from pydantic import Field, ValidationError
+
+from gti import config as C
+from gti.errors import DataError
+from gti.lm.newvocab import DEFAULT_TEMPLATES, NewToken
+
+MODEL_META_STAGE = "vocab_ground"
+INIT_FILE = "e_new_init.safetensors"
+GROUND_FILE = "e_new_ground.safetensors"
+PAIRS_FILE = "pairs.parquet"
+VAL_FILE = "val_prompts.parquet"
+SIDS_FILE = "token_ids.safetensors"
+RAY_DIR = "ray_train"
+RUN_NAME = "vocab_ground"
+
+
+# --------------------------------------------------------------------------- config
+class VocabModelConfig(C._Strict):
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    trust_remote_code: bool = False
+
+
+class VocabGroundConfig(C._Strict):
+    seed: int = 0
+    ray_address: str | None = None
+    ray_num_cpus: int | None = Field(None, ge=1)
+    model: VocabModelConfig = Field(default_factory=VocabModelConfig)
+    init: C.InitConfig = Field(default_factory=C.InitConfig)
+    ground: C.GroundConfig = Field(default_factory=C.GroundConfig)
+    templates: dict[str, str] = Field(default_factory=lambda: dict(DEFAULT_TEMPLATES))
+    system_prompt: str = "You are a helpful assistant."
+    max_len: int = Field(128, gt=8)
+
+    def run_config(self, model_path: str | Path) -> C.RunConfig:
+        """The RunConfig the grounding workers read (model.name = the resolved folder)."""
+        return C.RunConfig(
+            seed=self.seed, ray_address=self.ray_address, ray_num_cpus=self.ray_num_cpus,
+            model=C.ModelConfig(name=str(model_path), dtype=self.model.dtype,
+                                trust_remote_code=self.model.trust_remote_code),
+            init=self.init, ground=self.ground,
+        )
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] | None = None) -> VocabGroundConfig:
+    """YAML (or defaults) + key=value overrides -> VocabGroundConfig; ConfigError names the key."""
+    raw = C.read_yaml(path) if path is not None else {}
+    source = str(path) if path is not None else "<defaults>"
+    if overrides:
+        raw = C.apply_overrides(raw, list(overrides), source)
+        source += " (with overrides)"
+    try:
+        return VocabGroundConfig.model_validate(raw)
+    except ValidationError as err:
+        raise C.ConfigError(C._format_error(err, source)) from None
+
+
+# --------------------------------------------------------------------------- result
+@dataclass
+class VocabGroundResult:
+    """What `ground_vocabulary` produced."""
+
+    out_dir: Path
+    token_ids: dict[str, int]  # new token -> id in the exported tokenizer
+    new_token_ids: tuple[int, int]  # [first, end)
+    init_method: str
+    steps_done: int
+    first_loss: float | None = None
+    final_loss: float | None = None
+    val_exact_match: list[dict[str, float]] = field(default_factory=list)  # [{step, value}]
+    val_split: str = "train"  # "val" (eval_descriptions) or "train" (in-sample)
+    n_train_pairs: int = 0
+    wall_s: float = 0.0
+
+
+# --------------------------------------------------------------------------- API
+def ground_vocabulary(
+    model: str | Path,
+    tokens: Sequence[NewToken | dict] | str | Path,
+    out_dir: str | Path,
+    *,
+    config: VocabGroundConfig | str | Path | None = None,
+    templates: dict[str, str] | None = None,
+    work_dir: str | Path | None = None,
+    log: Callable[[str], None] = print,
+) -> VocabGroundResult:
+    """Add `tokens` to the model at `model`, ground their rows, export to `out_dir`.
+
+    model: a local HF folder (safetensors weights, a tokenizer with a chat template), or
+        `smollm2-135m`.
+    tokens: NewTokens, dicts {"token", "descriptions", "eval_descriptions"?}, or a tokens file
+        (`gti.lm.newvocab.read_tokens`: JSONL or a YAML/JSON list).
+    config: VocabGroundConfig, or a YAML path; None = defaults (init mean, 200 steps, lr 1e-3).
+    templates: overrides `config.templates` ({desc2token: "...{description}...",
+        token2desc: "...{token}..."}).
+    Returns a VocabGroundResult. User mistakes raise GtiError subclasses (one line).
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import torch
+    from safetensors.torch import save_file
+
+    from gti.lm import models, newvocab, vocab
+
+    t_start = time.time()
+    cfg = config if isinstance(config, VocabGroundConfig) else load_config(config)
+    if templates is not None:
+        cfg = cfg.model_copy(update={"templates": dict(templates)})
+    toks = newvocab.read_tokens(tokens) if isinstance(tokens, (str, Path)) else newvocab.parse_tokens(list(tokens))
+    if cfg.init.method == "codebook":
+        raise C.ConfigError("init.method=codebook needs SID codebooks; new vocabulary has none "
+                            "(use mean, mean_noise, random or description)")
+    newvocab.pair_templates(cfg.templates)  # ConfigError on a bad template before any work
+    out_dir = Path(out_dir).expanduser().resolve()
+    own_work = work_dir is None
+    work = Path(work_dir) if work_dir is not None else out_dir.with_name(f".{out_dir.name}.work")
+    work.mkdir(parents=True, exist_ok=True)
+
+    model_path = models.resolve_model_path(C.ModelConfig(name=str(model), trust_remote_code=cfg.model.trust_remote_code),
+                                           log=log)
+    run_cfg = cfg.run_config(model_path)
+    base, tok = models.load_model_and_tokenizer(run_cfg.model)
+    n_real = len(tok)
+    have = tok.get_vocab()
+    clash = [t.token for t in toks if t.token in have]
+    if clash:
+        raise DataError(f"tokens: '{clash[0]}' is already in the tokenizer of {model_path}"
+                        + (f" (and {len(clash) - 1} more)" if len(clash) > 1 else ""))
+    first, end = vocab.extend_tokenizer(tok, [t.token for t in toks])
+    ids = {t.token: first + i for i, t in enumerate(toks)}
+    n_new = end - first
+    log(f"{n_new} new tokens [{first}, {end}) for {model_path}; init '{cfg.init.method}'")
+
+    # Pairs: one row per (token, description, direction).
+    pairs = newvocab.render_pairs(tok, toks, [ids[t.token] for t in toks], cfg.templates,
+                                  cfg.system_prompt, cfg.max_len)
+    from gti.stages.pairs import PAIRS_SCHEMA
+
+    pq.write_table(pa.table({c: pairs[c] for c in PAIRS_SCHEMA.names}, schema=PAIRS_SCHEMA), work / PAIRS_FILE)
+    n_train = sum(s == "train" for s in pairs["split"])
+    truncated = sum(map(bool, pairs["truncated"]))
+    if truncated:
+        log(f"WARNING: {truncated} pairs were cut to max_len={cfg.max_len} tokens")
+
+    # Initial rows (descriptions for init.method=description, tokenised without the template).
+    desc_ids = [tok([*t.descriptions], add_special_tokens=False)["input_ids"] for t in toks]
+    init = newvocab.initial_rows(cfg.init.method, base, n_real, n_new, description_ids=desc_ids,
+                                 noise_std=cfg.init.noise_std, seed=cfg.seed)
+    save_file({k: v.contiguous() for k, v in init.items()}, str(work / INIT_FILE))
+
+    g = cfg.ground
+    grounded = g.enabled and g.steps > 0
+    final, res_facts = init, {"steps_done": 0}
+    val_split = "val" if any(t.eval_descriptions for t in toks) else "train"
+    if grounded:
+        final, res_facts = _fit(cfg, run_cfg, work, pairs, ids, tok, first, end, n_train, val_split, log)
+    else:
+        log("ground.enabled is false or ground.steps is 0: exporting the initialised rows")
+
+    vocab.attach_new_rows(base, first, n_new, init["e_new"], init.get("head_new"))
+    vocab.load_new_rows_state_dict(base, final)
+    meta = {
+        "stage": MODEL_META_STAGE,
+        "base_model": str(model_path),
+        "new_token_ids": [first, end],
+        "tokens": ids,
+        "init_method": cfg.init.method,
+        "grounded": grounded,
+        "steps_done": res_facts["steps_done"],
+        "templates": cfg.templates,
+        "system_prompt": cfg.system_prompt,
+    }
+    vocab.export_model(base, tok, out_dir, meta)
+    save_file({k: v.contiguous() for k, v in init.items()}, str(out_dir / INIT_FILE))
+    save_file({k: v.contiguous() for k, v in final.items()}, str(out_dir / GROUND_FILE))
+    shutil.rmtree(work / RAY_DIR, ignore_errors=True)
+    if own_work:
+        shutil.rmtree(work, ignore_errors=True)
+    log(f"exported {out_dir}")
+    return VocabGroundResult(
+        out_dir=out_dir, token_ids=ids, new_token_ids=(first, end), init_method=cfg.init.method,
+        steps_done=int(res_facts["steps_done"]), first_loss=res_facts.get("first_loss"),
+        final_loss=res_facts.get("final_loss"), val_exact_match=res_facts.get("val_exact_match", []),
+        val_split=val_split, n_train_pairs=n_train, wall_s=round(time.time() - t_start, 2),
+    )
+
+
+def _fit(cfg: VocabGroundConfig, run_cfg: C.RunConfig, work: Path, pairs: dict, ids: dict[str, int], tok,
+         first: int, end: int, n_train: int, val_split: str, log) -> tuple[dict, dict[str, Any]]:
+    """The grounding run on Ray Train (task "ground": `gti.train.loop.GROUND_HOOKS`)."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import torch
+    from safetensors.torch import save_file
+
+    from gti.lm import newvocab
+    from gti.stages._ray import ensure_ray
+    from gti.train.deepspeed_config import micro_batch
+    from gti.train.loop import fit, train_dataset_from_parquet
+
+    g = cfg.ground
+    micro = micro_batch(g, g.num_workers)  # ConfigError naming the key before Ray starts
+    if n_train < g.num_workers * micro:
+        raise DataError(f"tokens: {n_train} training pairs cannot fill one micro-batch of {micro} on each of "
+                        f"{g.num_workers} workers (ground.batch_size / ground.num_workers)")
+    # Validation: constrained greedy description -> token over the new tokens (a one-level trie).
+    prompts, targets = newvocab.description_prompts(pairs, ids, val_split)
+    rng = np.random.default_rng(cfg.seed)
+    keep = np.sort(rng.choice(len(prompts), size=min(g.val_samples, len(prompts)), replace=False))
+    pq.write_table(pa.table({"prompt": [prompts[i] for i in keep], "target": [[targets[i]] for i in keep]}),
+                   work / VAL_FILE)
+    order = sorted(ids.values())
+    save_file({"sid_token_ids": torch.tensor(order, dtype=torch.long).reshape(-1, 1)}, str(work / SIDS_FILE))
+    pad_id = int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+    loop_config = {
+        "task": "ground",
+        "run_config": run_cfg.model_dump(mode="json"),
+        "pad_id": pad_id,
+        "ground": {"init_path": str(work / INIT_FILE), "first_new_id": first, "n_new": end - first},
+        "val": None if len(keep) == 0 else {
+            "path": str(work / VAL_FILE), "sids_path": str(work / SIDS_FILE), "new_start": first,
+            "new_end": end, "levels": 1, "pad_id": pad_id,
+        },
+    }
+    log(f"grounding {g.steps} steps x {g.batch_size} pairs on {g.num_workers} worker(s), ZeRO-{g.zero_stage}, "
+        f"lr {g.lr:g}, weight decay {g.weight_decay:g}; {n_train} train pairs, {len(keep)} "
+        f"{'held-out' if val_split == 'val' else 'in-sample'} val prompts")
+    ensure_ray(run_cfg)
+    ds = train_dataset_from_parquet(work / PAIRS_FILE, seed=cfg.seed)
+    res = fit(loop_config, ds, g, storage_path=work / RAY_DIR, name=RUN_NAME, log=log,
+              progress_every=max(g.log_every, -(-g.steps // 20)))
+    loss = res.history.get("loss", [])
+    facts = {
+        "steps_done": res.steps_done,
+        "first_loss": loss[0][1] if loss else None,
+        "final_loss": loss[-1][1] if loss else None,
+        "val_exact_match": [{"step": int(s), "value": float(v)}
+                            for s, v in res.history.get("val", {}).get("val_exact_match", [])],
+    }
+    return res.state_dict, facts
+
+
+# --------------------------------------------------------------------------- CLI
+def cli_main(args) -> int:
+    """`gti vocab ground --model DIR --tokens FILE --out DIR [--config YAML] [key=value ...]`."""
+    cfg = load_config(args.config, getattr(args, "overrides", None))
+    res = ground_vocabulary(args.model, args.tokens, args.out, config=cfg)
+    last = f"{res.val_exact_match[-1]['value']:.3f}" if res.val_exact_match else "n/a"
+
+    def fmt(x):
+        return "n/a" if x is None else f"{x:.4f}"
+
+    print(f"grounded {len(res.token_ids)} tokens [{res.new_token_ids[0]}, {res.new_token_ids[1]}) "
+          f"in {res.steps_done} steps ({res.wall_s:.0f}s); loss {fmt(res.first_loss)} -> {fmt(res.final_loss)}; "
+          f"exact match ({'held-out' if res.val_split == 'val' else 'in-sample'}) {last}; model: {res.out_dir}")
+    return 0

@@ -1,0 +1,225 @@
+"""Grounding any new vocabulary (gti/vocab_ground.py) on a tiny model folder, end to end on Ray
+Train + DeepSpeed: only the new rows change (old rows bit-identical under AdamW with weight
+decay), the export round-trips through AutoModelForCausalLM, and the CLI entry works."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+TOKENS = [
+    {"token": "<tool_search>", "descriptions": ["search the web for pages", "find documents online"],
+     "eval_descriptions": ["look something up on the internet"]},
+    {"token": "<tool_email>", "descriptions": ["send an email message", "write mail to a person"],
+     "eval_descriptions": ["mail someone"]},
+    {"token": "<tool_calc>", "descriptions": ["add and multiply numbers", "compute an arithmetic result"],
+     "eval_descriptions": ["do the math"]},
+    {"token": "<tool_weather>", "descriptions": ["current weather of a city", "rain and temperature forecast"],
+     "eval_descriptions": ["will it rain tomorrow"]},
+]
+
+CONFIG = {
+    "seed": 0,
+    "init": {"method": "mean_noise", "noise_std": 0.5},
+    "ground": {"steps": 8, "batch_size": 4, "lr": 0.05, "weight_decay": 0.1, "val_every": 4,
+               "checkpoint_every": 4, "zero_stage": 2, "precision": "fp32", "num_workers": 1},
+    "max_len": 64,
+}
+
+
+def tiny_model_folder(root: Path, tied: bool = False) -> Path:
+    """A tiny random Llama + the tiny tokenizer, saved as a standard HF folder (safetensors)."""
+    from gti.config import ModelConfig
+    from gti.lm import models
+
+    model, tok = models.build_tiny(ModelConfig(name="tiny", tiny_hidden=32, tiny_layers=1, tiny_heads=2,
+                                               tiny_tied=tied))
+    root.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(root, safe_serialization=True)
+    tok.save_pretrained(root)
+    return root
+
+
+@pytest.fixture(scope="module")
+def grounded(tmp_path_factory, ray_start_4_cpus):
+    from gti.vocab_ground import VocabGroundConfig, ground_vocabulary
+
+    root = tmp_path_factory.mktemp("vocab")
+    base = tiny_model_folder(root / "base")
+    logs: list[str] = []
+    res = ground_vocabulary(base, TOKENS, root / "out", config=VocabGroundConfig.model_validate(CONFIG),
+                            log=logs.append)
+    return base, res, logs
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_only_new_rows_change_bit_identical_old_rows(grounded):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    base_dir, res, _ = grounded
+    first, end = res.new_token_ids
+    assert res.steps_done == 8 and res.val_split == "val"
+    assert [v["step"] for v in res.val_exact_match] == [4, 8]
+    base = AutoModelForCausalLM.from_pretrained(base_dir, use_safetensors=True)
+    out = AutoModelForCausalLM.from_pretrained(res.out_dir, use_safetensors=True)
+    sb, so = base.state_dict(), out.state_dict()
+    assert set(sb) == set(so)
+    for name, w in sb.items():
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            assert so[name].shape[0] == end
+            assert torch.equal(so[name][:first], w[:first]), name  # old rows bit-identical
+        else:
+            assert torch.equal(so[name], w), name  # backbone untouched
+    init = load_file(str(res.out_dir / "e_new_init.safetensors"))
+    ground = load_file(str(res.out_dir / "e_new_ground.safetensors"))
+    assert set(ground) == {"e_new", "head_new"}  # untied head: its own new rows
+    assert torch.equal(so["model.embed_tokens.weight"][first:end], ground["e_new"])
+    assert torch.equal(so["lm_head.weight"][first:end], ground["head_new"])
+    assert not torch.allclose(ground["e_new"], init["e_new"])  # the new rows did train
+    assert not torch.allclose(ground["head_new"], init["head_new"])
+    assert res.final_loss < res.first_loss
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_export_round_trips_through_auto_classes(grounded):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _, res, _ = grounded
+    tok = AutoTokenizer.from_pretrained(res.out_dir)
+    model = AutoModelForCausalLM.from_pretrained(res.out_dir, use_safetensors=True)
+    meta = json.loads((res.out_dir / "gti_meta.json").read_text())
+    assert meta["tokens"] == res.token_ids and meta["stage"] == "vocab_ground"
+    assert meta["new_token_ids"] == list(res.new_token_ids)
+    for t, i in res.token_ids.items():
+        assert tok.convert_tokens_to_ids(t) == i
+        ids = tok(f"use {t} now", add_special_tokens=False)["input_ids"]
+        assert i in ids and tok.decode([i]) == t  # one token each, decodes back
+    assert len(tok) == res.new_token_ids[1] == model.config.vocab_size
+    ids = torch.tensor([tok("search <tool_search>", add_special_tokens=False)["input_ids"]])
+    logits = model(input_ids=ids).logits
+    assert logits.shape[-1] == res.new_token_ids[1] and torch.isfinite(logits).all()
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_example_script_scores_descriptions(grounded, capsys):
+    """The tool-token example's evaluation script on the tiny export (figures printed; the
+    tiny random backbone is not expected to beat chance, SmolLM2 is: jobs/examples/tool_tokens)."""
+    import importlib.util
+
+    root = Path(__file__).resolve().parents[1] / "jobs" / "examples" / "tool_tokens"
+    spec = importlib.util.spec_from_file_location("tool_tokens_eval", root / "evaluate.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    _, res, _ = grounded
+    tokens = res.out_dir.parent / "tokens.jsonl"
+    tokens.write_text("".join(json.dumps(t) + "\n" for t in TOKENS))
+    figures = mod.main(["--model", str(res.out_dir), "--tokens", str(tokens), "--json"])
+    text = capsys.readouterr().out
+    assert "top-1" in text and "chance" in text
+    for which in ("grounded", "init"):
+        for split in ("train", "eval"):
+            f = figures[which][split]
+            assert f["n_tokens"] == 4 and f["chance_top1"] == 0.25
+            assert f["n_prompts"] == (8 if split == "train" else 4)
+            assert 0.0 <= f["top1"] <= 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_cli_vocab_ground_on_a_tiny_folder(tmp_path, ray_start_4_cpus, capsys):
+    import yaml
+
+    from gti.cli import main
+
+    base = tiny_model_folder(tmp_path / "base", tied=True)
+    tokens = tmp_path / "tokens.jsonl"
+    tokens.write_text("".join(json.dumps({k: v for k, v in t.items() if k != "eval_descriptions"}) + "\n"
+                              for t in TOKENS))
+    cfg = tmp_path / "vocab.yaml"
+    cfg.write_text(yaml.safe_dump({**CONFIG, "init": {"method": "description"}}))
+    out = tmp_path / "out"
+    rc = main(["vocab", "ground", "--model", str(base), "--tokens", str(tokens), "--out", str(out),
+               "--config", str(cfg), "ground.steps=4"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "grounded 4 tokens" in text and "in-sample" in text
+    meta = json.loads((out / "gti_meta.json").read_text())
+    assert meta["steps_done"] == 4 and meta["init_method"] == "description"
+    assert not (tmp_path / ".out.work").exists()  # the default work dir is removed
+    # a token that already exists is one line naming it
+    rc = main(["vocab", "ground", "--model", str(out), "--tokens", str(tokens), "--out", str(tmp_path / "o2"),
+               "--config", str(cfg)])
+    assert rc == 2
+    assert "'<tool_search>' is already in the tokenizer" in capsys.readouterr().err
+
+
+def test_cli_bad_config_key_is_one_line(tmp_path, capsys):
+    from gti.cli import main
+
+    base = tiny_model_folder(tmp_path / "base")
+    tokens = tmp_path / "t.jsonl"
+    tokens.write_text(json.dumps(TOKENS[0]) + "\n")
+    rc = main(["vocab", "ground", "--model", str(base), "--tokens", str(tokens), "--out", str(tmp_path / "o"),
+               "ground.stepz=3"])
+    assert rc == 2
+    assert "unknown key 'ground.stepz'" in capsys.readouterr().err
+
+
+def test_codebook_init_is_refused_before_training(tmp_path, capsys):
+    from gti.cli import main
+
+    base = tiny_model_folder(tmp_path / "base")
+    tokens = tmp_path / "t.jsonl"
+    tokens.write_text(json.dumps(TOKENS[0]) + "\n")
+    rc = main(["vocab", "ground", "--model", str(base), "--tokens", str(tokens), "--out", str(tmp_path / "o"),
+               "init.method=codebook"])
+    assert rc == 2
+    assert "init.method=codebook" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_killed_run_resumes_from_its_checkpoint(grounded, tmp_path, monkeypatch):
+    """A grounding run that dies at step 6 raises and keeps its work dir; the same call again
+    resumes from the step-4 checkpoint and ends with the rows of the uninterrupted run."""
+    from safetensors.torch import load_file
+
+    import gti.train.loop as loop
+    from gti.vocab_ground import VocabGroundConfig, ground_vocabulary
+
+    _, ref, _ = grounded
+    real_fit = loop.fit
+    seen: dict[str, list[int]] = {}
+
+    def fit_failing_once(loop_config, *a, **kw):
+        loop_config = {**loop_config, "fail_at_step": 6, "fail_rank": 0,
+                       "fail_marker": str(tmp_path / "failed_once")}
+        try:
+            return real_fit(loop_config, *a, **kw)
+        finally:
+            progress = Path(kw["storage_path"]) / f"{kw['name']}.progress.jsonl"
+            seen["steps"] = [json.loads(l)["step"] for l in progress.read_text().splitlines()]
+
+    monkeypatch.setattr(loop, "fit", fit_failing_once)
+    base = tiny_model_folder(tmp_path / "base")
+    cfg = VocabGroundConfig.model_validate(CONFIG)
+    out = tmp_path / "out"
+    with pytest.raises(Exception):
+        ground_vocabulary(base, TOKENS, out, config=cfg, log=lambda m: None)
+    assert (tmp_path / "failed_once").exists() and (tmp_path / ".out.work" / "ray_train").is_dir()
+    assert not out.exists()
+    res = ground_vocabulary(base, TOKENS, out, config=cfg, log=lambda m: None)
+    assert seen["steps"] == list(range(1, 7)) + [5, 6, 7, 8]  # resumed after the step-4 checkpoint
+    assert res.steps_done == 8 and not (tmp_path / ".out.work").exists()
+    got, want = (load_file(str(d / "e_new_ground.safetensors")) for d in (out, ref.out_dir))
+    for k in ("e_new", "head_new"):
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-6)
+    assert res.val_exact_match == ref.val_exact_match
