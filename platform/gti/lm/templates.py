@@ -34,7 +34,8 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from gti.config import DEFAULT_GROUNDING_TEMPLATES, ConfigError
+from gti.errors import ConfigError
+from gti.names import DEFAULT_GROUNDING_TEMPLATES
 
 IGNORE = -100
 _PH_USER = "\ue000gti-user\ue001"

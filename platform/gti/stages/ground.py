@@ -38,6 +38,7 @@ import pyarrow.parquet as pq
 import torch
 
 from gti.errors import DataError, GateError
+from gti.names import arm_name
 from gti.pipeline import StageContext, StageResult
 
 MODEL_DIR = "model"
@@ -179,7 +180,7 @@ def run(ctx: StageContext, run_name: str | None = None, callbacks: list | None =
     facts: dict[str, Any] = {
         "init_method": cfg.init.method,
         "grounded": grounded,
-        "arm": f"gti+{cfg.init.method}" if grounded else cfg.init.method,
+        "arm": arm_name(cfg.init.method, grounded),
         "new_token_ids": [first, end],
         "sid_token_ids": [first_sid, end_sid],
         "sid_map_hash": sf["sid_map_hash"],

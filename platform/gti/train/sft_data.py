@@ -32,7 +32,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import polars as pl
 
-from gti.config import ConfigError
+from gti.errors import ConfigError
 from gti.errors import DataError
 from gti.lm import templates as _templates
 
