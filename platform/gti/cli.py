@@ -156,11 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="output folder (default: <run_dir>/compare)")
     p.add_argument("--report-only", action="store_true",
                    help="run nothing: report on the finished runs and stored records")
-    p.set_defaults(func=_delegate("gti.stages.compare", "cli_main"))
+    p.set_defaults(func=_delegate("gti.experiments.compare", "cli_main"))
 
     p = sub.add_parser("tune", help="Ray Tune sweep over the grounding stage")
     _add_config_args(p)
-    p.set_defaults(func=_delegate("gti.stages.tune", "cli_main"))
+    p.set_defaults(func=_delegate("gti.experiments.tune", "cli_main"))
     return ap
 
 

@@ -338,7 +338,7 @@ class ReportConfig(_Strict):
 
 
 class CompareConfig(_Strict):
-    """`gti compare`: arms x seeds over shared SIDs (see gti/stages/compare.py)."""
+    """`gti compare`: arms x seeds over shared SIDs (see gti/experiments/compare.py)."""
 
     # Arms without grounding get ground.steps added to sft.steps (equal total step budget).
     equal_budget: bool = True

@@ -51,7 +51,7 @@ import pyarrow as pa
 from gti import config as C
 from gti.errors import DataError
 from gti.manifest import atomic_write_json
-from gti.pipeline import StageContext, StageResult
+from gti.contract import StageContext, StageResult
 from gti.stages._chunks import ChunkedOutput
 from gti.train import sft_data
 

@@ -39,7 +39,7 @@ import torch
 
 from gti.errors import DataError, GateError
 from gti.names import arm_name
-from gti.pipeline import StageContext, StageResult
+from gti.contract import StageContext, StageResult
 
 MODEL_DIR = "model"
 INIT_FILE = "e_new_init.safetensors"

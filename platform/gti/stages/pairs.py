@@ -45,7 +45,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from gti.errors import DataError, user_error
-from gti.pipeline import StageContext, StageResult
+from gti.contract import StageContext, StageResult
 
 TOKENIZER_DIR = "tokenizer"
 PAIRS_FILE = "pairs.parquet"

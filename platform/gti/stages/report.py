@@ -34,7 +34,7 @@ from gti.diagnostics.report import PHASES, RunRecord, build_report
 from gti.errors import DataError
 from gti.names import arm_name
 from gti.manifest import ManifestError, package_versions
-from gti.pipeline import StageContext, StageResult
+from gti.contract import StageContext, StageResult
 
 _PHASE_OUTPUT = {
     "init": ("ground", "init_embeddings"),

@@ -48,7 +48,7 @@ import torch
 from gti import config as C
 from gti.errors import DataError, GtiError
 from gti.manifest import atomic_write_json
-from gti.pipeline import StageContext, StageResult
+from gti.contract import StageContext, StageResult
 from gti.train import sft_data
 
 TASK = "sft"

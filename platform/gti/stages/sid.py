@@ -39,7 +39,7 @@ import pyarrow.parquet as pq
 import torch
 
 from gti.errors import DataError, user_error
-from gti.pipeline import StageContext, StageResult
+from gti.contract import StageContext, StageResult
 from gti.sid.codec import SidCodec
 from gti.sid.kmeans import sq_dists
 from gti.sid.quality import check_gates, level_usage
