@@ -147,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", required=True)
     p.add_argument("--history", required=True, help="comma-separated item ids, oldest first")
     p.add_argument("--k", type=int, default=10)
-    p.set_defaults(func=_delegate("gti.eval.recommend", "cli_main"))
+    p.set_defaults(func=_delegate("gti.run_artifacts", "cli_main"))
 
     p = sub.add_parser("compare", help="run initialisation arms x seeds and write one report")
     _add_config_args(p)

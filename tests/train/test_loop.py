@@ -10,7 +10,9 @@ import torch
 from gti.config import GroundConfig, ModelConfig
 from gti.lm import models, vocab
 from gti.train.deepspeed_config import build_ds_config
-from gti.train.loop import PadCollate, _manual_grad_norm, _SchedulerFactory, ground_trainable_state
+from gti.train.shards import PadCollate
+from gti.train.ground_task import ground_trainable_state
+from gti.train.loop import _manual_grad_norm, _SchedulerFactory
 
 
 def test_pad_collate_right_pads_and_masks():
@@ -98,6 +100,7 @@ STEPS, CKPT, LR = 20, 5, 5e-2
 FAIL_AT = 12  # between the checkpoints at 10 and 15: the restart replays steps 11-12
 def _loop_setup(problem: dict, **ground_kw):
     from gti.config import GroundConfig, RunConfig
+    from gti.train import ground_task
 
     g = dict(steps=STEPS, batch_size=8, num_workers=2, lr=LR, zero_stage=2, checkpoint_every=CKPT,
              val_every=STEPS // 2, log_every=1)
@@ -105,6 +108,7 @@ def _loop_setup(problem: dict, **ground_kw):
     run_cfg = RunConfig(model=problem["model_cfg"], ground=GroundConfig(**g))
     loop_config = {
         "task": "ground",
+        "hooks": ground_task.HOOKS,
         "run_config": run_cfg.model_dump(mode="json"),
         "pad_id": problem["pad_id"],
         "ground": problem["ground"],
@@ -233,7 +237,7 @@ def _epoch_rows(stream, n_batches):
 
 
 def test_length_grouped_stream_every_row_once_deterministic_and_resumable():
-    from gti.train.loop import PadCollate, ShardStream
+    from gti.train.shards import PadCollate, ShardStream
 
     shard, micro = _FakeShard(203), 4
     n_batches = -(-203 // micro) + 3  # the whole first epoch and the start of the second
@@ -265,7 +269,7 @@ def test_bf16_weights_train_with_fp32_master_weights(single_process_dist_env, st
     trained rows come back as full fp32 (from the master copy)."""
     import deepspeed
 
-    from gti.train.loop import make_forward
+    from gti.train.loss import make_forward
 
     model, first = _tiny_split_model(True)
     model.to(torch.bfloat16)
@@ -298,7 +302,7 @@ def test_training_attention_auto_is_eager_on_cpu_and_same_loss():
     loss is the same as with SDPA."""
     from gti.config import ModelConfig
     from gti.lm import models
-    from gti.train.loop import set_training_attention
+    from gti.train.loss import set_training_attention
     from gti.train.loss import labelled_loss
 
     model, _ = models.build_tiny(ModelConfig(name="tiny"), seed=0)
