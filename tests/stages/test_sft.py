@@ -259,23 +259,13 @@ def test_sft_disabled_exports_the_grounded_model_unchanged(tmp_path):
     assert json.loads((run_dir / "sft" / "model" / "gti_meta.json").read_text())["sid_map_hash"] == HASH
 
 
-def test_qlora_without_bitsandbytes_or_gpu_is_a_config_error():
-    from gti.stages import sft
-
-    with pytest.raises(config.ConfigError, match="sft.lora.quantize_4bit"):
-        sft.check_lora_supported(config.SftConfig(lora={"enabled": True, "quantize_4bit": True}))
-    with pytest.raises(config.ConfigError, match="sft.lora.enabled"):
-        sft.check_lora_supported(config.SftConfig(lora={"enabled": False, "quantize_4bit": True}))
-    sft.check_lora_supported(config.SftConfig(lora={"enabled": True}))
-
-
 @pytest.mark.slow
 def test_lora_wrap_trains_adapters_and_embeddings_and_merges_back(tmp_path):
     """LoRA: adapters on the backbone's linear layers, the embedding (tied head) fully
     trainable, the base linear weights frozen. Export path: loading the trained tensors into a
     fresh wrap and merging gives a plain HF model with the same logits as the trained wrap."""
     from gti.lm import models, vocab
-    from gti.stages import sft
+    from gti.train import sft_task as sft
 
     base, tok = models.build_tiny(config.ModelConfig(name="tiny"), seed=0)
     vocab.export_model(base, tok, tmp_path / "ground", {"sid_map_hash": HASH})
