@@ -3,7 +3,7 @@
 No Ray, no DeepSpeed, no pipeline: the tiny random Llama (`gti.lm.models.build_tiny`) extended
 with 2 x 16 SID tokens, `n` items with random unique SIDs on one permutation cycle, and training
 batches of (history of 1-5 consecutive items -> next item) rendered either with the chat prompt
-(`gti.train.sft_data.make_renderer`, the paper's templates) or the compact one. Each setting
+(`gti.lm.templates.make_renderer`, the paper's templates) or the compact one. Each setting
 trains with AdamW (clip 1.0) and reports the first step (checked every 25) at which teacher-
 forced exact-answer accuracy on a fresh batch reaches 0.9 (`null` if never within `steps`).
 Settings vary one factor at a time: SID-row init (mean / random), prompt form (chat /
@@ -62,7 +62,7 @@ def run(n, init, style, lr, batch, hidden, layers, heads, hist, steps, seed, lev
     perm = rng.permutation(n)
     succ = np.empty(n, int)
     succ[perm] = np.roll(perm, -1)
-    rend = sft_data.make_renderer(tok, {str(i): sid[i].numpy() for i in range(n)},
+    rend = templates.make_renderer(tok, {str(i): sid[i].numpy() for i in range(n)},
                                   "You are a helpful assistant.", 400, prompt_style=style)
 
     def make_batch(bs):

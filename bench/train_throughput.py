@@ -49,7 +49,7 @@ from gti.lm import templates, vocab  # noqa: E402
 from gti.sid.codec import SidCodec  # noqa: E402
 from gti.train import sft_data  # noqa: E402
 from gti.train.batching import length_grouped_batches, padded_tokens  # noqa: E402
-from gti.train.loop import PadCollate  # noqa: E402
+from gti.train.shards import PadCollate  # noqa: E402
 from gti.train.loss import labelled_loss  # noqa: E402
 
 BUNDLED = Path(__file__).resolve().parents[1] / "platform" / "gti" / "data" / "bundled" / "amazon-scientific"
@@ -102,7 +102,7 @@ def sft_rows(tok, items, sid, style: str, n: int, seed: int) -> list[dict]:
     w = sft_data.training_windows(seqs, 10, seed=seed)
     w = w[np.random.default_rng(seed).permutation(w.height)[:n]]
     sid_ids = dict(zip(items["item_id"].to_list(), sid))
-    r = sft_data.make_renderer(tok, sid_ids, "You are a helpful assistant.", 256, prompt_style=style)
+    r = templates.make_renderer(tok, sid_ids, "You are a helpful assistant.", 256, prompt_style=style)
     out = r.render_windows(w.select("history", "target", "template").to_dict(as_series=False))
     return [{"input_ids": a, "labels": b} for a, b in zip(out["input_ids"], out["labels"])]
 
@@ -132,8 +132,8 @@ class Path_:
     """One training path: a model, its optimizer and how it computes the loss."""
 
     def __init__(self, model, gti: bool, precision: str, lr: float) -> None:
-        if gti:  # attn_implementation: auto = eager on CPU (gti.train.loop.set_training_attention)
-            from gti.train.loop import set_training_attention
+        if gti:  # attn_implementation: auto = eager on CPU (gti.train.loss.set_training_attention)
+            from gti.train.loss import set_training_attention
 
             set_training_attention(model, "auto", torch.cuda.is_available())
         self.model, self.gti = model, gti

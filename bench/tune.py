@@ -6,7 +6,7 @@ by side) against running the same 4 settings one after another without Tune.
 
 Both arms run exactly the same grounding code (`gti.stages.ground.run`) on the same upstream
 stages (built once, timed separately and excluded) with the same sampled settings: the Tune arm
-through `gti.stages.tune.sweep`, the sequential arm by calling the stage once per setting with
+through `gti.experiments.tune.sweep`, the sequential arm by calling the stage once per setting with
 its full step count. Reported: wall time of each arm, their ratio, how many trials ASHA stopped
 early, and the best setting.
 
@@ -58,7 +58,7 @@ def run_sequential(cfg, base_raw: dict, trials: list[dict], out: Path) -> float:
     """The same settings, one after another, full step counts, no Tune."""
     from gti import pipeline
     from gti.stages import ground
-    from gti.stages import tune as T
+    from gti.experiments import tune as T
 
     t0 = time.time()
     for i, t in enumerate(trials):
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from gti import config as C
     from gti import pipeline
-    from gti.stages import tune as T
+    from gti.experiments import tune as T
     from gti.stages._ray import ensure_ray
 
     path, ov = overrides(args.quick, out)

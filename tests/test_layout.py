@@ -31,18 +31,89 @@ def test_ci_runs_the_readme_test_command():
     assert "make demo" in readme and "make test" in readme
 
 
+PKG = ROOT / "platform" / "gti"
 PURE = ["sid", "lm", "eval", "diagnostics", "embed", "data"]
+# The one module under gti/train/ that talks to Ray (the Train driver and the worker calls).
+TRAIN_RAY_MODULE = "train/driver.py"
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every import in `path`, top-level or inside a function."""
+    import ast
+
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out += [(node.lineno, node.module)] + [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
+    return out
+
+
+def _files(*parts: str) -> list[Path]:
+    out = []
+    for part in parts:
+        base = PKG / part
+        out += [base] if base.is_file() else sorted(base.rglob("*.py"))
+    return out
+
+
+def _offenders(files: list[Path], bad) -> list[str]:
+    return [f"{f.relative_to(ROOT)}:{line}: {mod}" for f in files for line, mod in _imports(f) if bad(mod)]
+
+
+def _is_ray(mod: str) -> bool:
+    return mod == "ray" or mod.startswith("ray.")
 
 
 def test_pure_modules_never_import_ray():
-    """Pure building blocks must not import ray (only gti/stages and gti/train/loop.py do)."""
-    offenders = []
-    for pkg in PURE + ["config.py", "manifest.py", "pipeline.py", "cli.py", "errors.py"]:
-        base = ROOT / "platform" / "gti" / pkg
-        files = [base] if base.is_file() else sorted(base.rglob("*.py"))
-        for f in files:
-            for line in f.read_text().splitlines():
-                s = line.strip()
-                if s.startswith(("import ray", "from ray")):
-                    offenders.append(f"{f.relative_to(ROOT)}: {s}")
+    """Pure building blocks and the bottom modules never import ray; under gti/train/ only the
+    Train driver does (gti/stages, gti/experiments and gti/train/driver.py are the Ray shell)."""
+    bottom = ["config.py", "manifest.py", "pipeline.py", "cli.py", "errors.py", "contract.py", "names.py",
+              "files.py", "run_artifacts.py", "progress.py", "tracking.py", "preflight.py", "devices.py"]
+    train = [f for f in _files("train") if f.relative_to(PKG).as_posix() != TRAIN_RAY_MODULE]
+    offenders = _offenders(_files(*PURE, *bottom) + train, _is_ray)
     assert not offenders, offenders
+
+
+def test_a_stage_imports_no_other_stage_and_never_the_pipeline():
+    """What two stages share lives in a block below them; `gti.stages._*` modules are the
+    stages' shared Ray infrastructure, not stages."""
+    stages = [f for f in _files("stages") if not f.name.startswith("_")]
+
+    def bad(mod: str) -> bool:
+        if mod in ("gti.pipeline", "gti.experiments") or mod.startswith(("gti.pipeline.", "gti.experiments.")):
+            return True
+        if mod.startswith("gti.stages."):
+            return not mod.split(".")[2].startswith("_")
+        return False
+
+    offenders = _offenders(stages, bad)
+    assert not offenders, offenders
+
+
+def test_pure_blocks_import_neither_config_nor_manifest_nor_the_driver():
+    heavy = ("gti.config", "gti.manifest", "gti.pipeline", "gti.contract", "gti.stages", "gti.experiments",
+             "gti.run_artifacts")
+    offenders = _offenders(_files(*PURE), lambda m: m in heavy or m.startswith(tuple(h + "." for h in heavy)))
+    assert not offenders, offenders
+
+
+def test_eval_does_not_import_train():
+    """Training validates with eval's decoders; evaluation never needs the training code."""
+    offenders = _offenders(_files("eval"), lambda m: m == "gti.train" or m.startswith("gti.train."))
+    assert not offenders, offenders
+
+
+def test_every_package_module_has_a_test_module_of_the_same_name():
+    """tests/ mirrors platform/gti/: gti/x/y.py is tested in tests/x/test_y.py (a leading
+    underscore dropped: gti/stages/_ray.py -> tests/stages/test_ray.py)."""
+    missing = []
+    for f in sorted(PKG.rglob("*.py")):
+        if f.name in ("__init__.py", "__main__.py"):
+            continue
+        rel = f.relative_to(PKG)
+        want = ROOT / "tests" / rel.parent / f"test_{f.stem.lstrip('_')}.py"
+        if not want.is_file():
+            missing.append(f"{rel} -> {want.relative_to(ROOT)}")
+    assert not missing, missing

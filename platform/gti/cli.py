@@ -69,6 +69,14 @@ def _delegate(module: str, func: str = "main") -> Callable[[argparse.Namespace],
     return handler
 
 
+def cmd_data_inspect(args) -> int:
+    """`gti data inspect`: the pure inspector, handed the config validator."""
+    from gti import config
+    from gti.data import inspect
+
+    return int(inspect.cli_main(args, validate=config.validate) or 0)
+
+
 def _add_config_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("--config", "-c", required=required, help="YAML config (jobs/configs/*.yaml)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
@@ -125,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--sample", type=int, default=10000, help="rows read from each input (default 10000)")
     s.add_argument("--out", default="data.yaml", help="where the data: block goes (default data.yaml)")
     s.add_argument("--force", action="store_true", help="replace --out if it exists")
-    s.set_defaults(func=_delegate("gti.data.inspect", "cli_main"))
+    s.set_defaults(func=cmd_data_inspect)
 
     s = dsub.add_parser("dense", help="the top-N items and their active users, as a smaller data set")
     s.add_argument("--items-path", default="bundled:amazon-scientific", help="items parquet/CSV or bundled:<name>")
@@ -139,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", required=True)
     p.add_argument("--history", required=True, help="comma-separated item ids, oldest first")
     p.add_argument("--k", type=int, default=10)
-    p.set_defaults(func=_delegate("gti.eval.recommend", "cli_main"))
+    p.set_defaults(func=_delegate("gti.run_artifacts", "cli_main"))
 
     p = sub.add_parser("compare", help="run initialisation arms x seeds and write one report")
     _add_config_args(p)
@@ -148,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="output folder (default: <run_dir>/compare)")
     p.add_argument("--report-only", action="store_true",
                    help="run nothing: report on the finished runs and stored records")
-    p.set_defaults(func=_delegate("gti.stages.compare", "cli_main"))
+    p.set_defaults(func=_delegate("gti.experiments.compare", "cli_main"))
 
     p = sub.add_parser("vocab", help="new-vocabulary utilities")
     vsub = p.add_subparsers(dest="vocab_command", required=True)
@@ -164,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("tune", help="Ray Tune sweep over the grounding stage")
     _add_config_args(p)
-    p.set_defaults(func=_delegate("gti.stages.tune", "cli_main"))
+    p.set_defaults(func=_delegate("gti.experiments.tune", "cli_main"))
     return ap
 
 

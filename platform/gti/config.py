@@ -20,11 +20,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from gti.errors import GtiError
-
-
-class ConfigError(GtiError):
-    """A user mistake in a config file or override; the message is one line, ready to print."""
+from gti.errors import ConfigError, GtiError  # noqa: F401 - ConfigError re-exported
+from gti.names import DEFAULT_GROUNDING_TEMPLATES, INIT_METHODS
 
 
 class _Strict(BaseModel):
@@ -192,19 +189,11 @@ class ModelConfig(_Strict):
 
 
 class InitConfig(_Strict):
-    method: Literal["mean", "mean_noise", "random", "description", "codebook"] = "mean"
+    method: Literal[INIT_METHODS] = "mean"  # type: ignore[valid-type]
     noise_std: float = Field(0.02, ge=0, description="mean_noise: std relative to vocab std")
 
 
 # --------------------------------------------------------------------------- pairs
-DEFAULT_GROUNDING_TEMPLATES: dict[str, str] = {
-    "title2sid": "Which item has the title: {title}?",
-    "desc2sid": "Can you tell me what item is described as {description}?",
-    "titledesc2sid": "What item is called {title} and described as {description}?",
-    "sid2title": "Could you please tell me what item {sid} is called?",
-    "sid2desc": "Briefly describe item {sid}.",
-    "sid2titledesc": "What is the title and description of item {sid}?",
-}
 
 
 class PairsConfig(_Strict):
@@ -349,7 +338,7 @@ class ReportConfig(_Strict):
 
 
 class CompareConfig(_Strict):
-    """`gti compare`: arms x seeds over shared SIDs (see gti/stages/compare.py)."""
+    """`gti compare`: arms x seeds over shared SIDs (see gti/experiments/compare.py)."""
 
     # Arms without grounding get ground.steps added to sft.steps (equal total step budget).
     equal_budget: bool = True

@@ -39,6 +39,10 @@ class UnreadableFileError(DataError):
         return (type(self), (self.file, self.what))
 
 
+class ConfigError(GtiError):
+    """A user mistake in a config file or override; the message is one line, ready to print."""
+
+
 class GateError(GtiError):
     """A quality gate failed (e.g. SID utilisation or collisions); the message has the stats."""
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from gti.errors import GtiError
+from gti.files import atomic_write_bytes, atomic_write_json  # noqa: F401 - re-exported
 
 MANIFEST_NAME = "_manifest.json"
 _VERSIONED = ["gti", "torch", "ray", "transformers", "deepspeed", "pyarrow", "polars", "pydantic"]
@@ -29,33 +30,6 @@ _VERSIONED = ["gti", "torch", "ray", "transformers", "deepspeed", "pyarrow", "po
 
 class ManifestError(GtiError):
     """A manifest is missing, unreadable or inconsistent; the message names the file."""
-
-
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    """Write `data` to `path` so that readers see the old file or the new one, never half.
-
-    Errors (disk full, permission denied) propagate as OSError naming the path, and the
-    previous file is left untouched because only a temp file was written.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
-def atomic_write_json(path: str | Path, obj: Any) -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n").encode())
 
 
 def stable_hash(obj: Any) -> str:

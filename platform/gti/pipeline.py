@@ -20,22 +20,13 @@ import importlib
 import shutil
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from gti import config as C
 from gti.errors import GtiError
+from gti.contract import StageContext, StageResult, StageSpec
 from gti.manifest import MANIFEST_NAME, Manifest, ManifestError, atomic_write_bytes, stable_hash
-
-
-@dataclass(frozen=True)
-class StageSpec:
-    name: str
-    module: str  # exposes run(ctx) -> StageResult and optionally input_files(cfg) -> dict
-    depends: tuple[str, ...]
-    sections: tuple[str, ...]  # config sections whose values enter the fingerprint
-    summary: str
 
 
 STAGES: list[StageSpec] = [
@@ -59,40 +50,6 @@ STAGE_NAMES = [s.name for s in STAGES]
 
 class PipelineError(GtiError):
     """A user-facing pipeline problem (unknown stage, missing upstream); one line."""
-
-
-@dataclass
-class StageResult:
-    """What a stage returns: named output paths (relative to its dir) and derived facts."""
-
-    outputs: dict[str, str] = field(default_factory=dict)
-    facts: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class StageContext:
-    spec: StageSpec
-    cfg: C.RunConfig
-    run_dir: Path
-    work_dir: Path  # write outputs here; it becomes run_dir/<stage>/ on success
-    fingerprint: str
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
-
-    def stage_dir(self, stage: str) -> Path:
-        return self.run_dir / stage
-
-    def manifest(self, stage: str) -> Manifest:
-        return Manifest.read(self.stage_dir(stage))
-
-    def input(self, stage: str, output: str) -> Path:
-        """Absolute path of output `output` of upstream stage `stage` (from its manifest)."""
-        return self.manifest(stage).output(self.stage_dir(stage), output)
-
-    def log(self, msg: str) -> None:
-        print(f"[{self.name}] {msg}", file=sys.stderr, flush=True)
 
 
 def spec(name: str) -> StageSpec:
@@ -190,6 +147,25 @@ def run_stage(s: StageSpec, cfg: C.RunConfig, run_dir: Path) -> Manifest:
     shutil.rmtree(old, ignore_errors=True)
     (final / "_fingerprint").unlink(missing_ok=True)
     return manifest
+
+
+def run_detached(name: str, cfg: C.RunConfig, work_dir: Path, **extras: Any) -> StageResult:
+    """Run stage `name` of `cfg`'s run dir into `work_dir`, outside the run's own stage folders.
+
+    For drivers above the pipeline that run one stage many times beside the real one (a
+    `gti tune` trial grounds into `run_dir/tune/trials/<name>/ground/`): the upstream stages
+    must be complete in the run dir (PipelineError otherwise), the stage reads them as usual,
+    and `extras` go to the stage's `run(ctx, **extras)` (a trial's `run_name` and Tune
+    `callbacks`). No manifest is written and nothing is swapped into place: what the stage
+    left in `work_dir` and the returned result are the caller's.
+    """
+    s = spec(name)
+    run_dir = cfg.resolved_run_dir()
+    fp, _ = fingerprint(s, cfg, run_dir)
+    work_dir = Path(work_dir)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    ctx = StageContext(spec=s, cfg=cfg, run_dir=run_dir, work_dir=work_dir, fingerprint=fp)
+    return stage_module(s).run(ctx, **extras)
 
 
 def run(

@@ -227,7 +227,7 @@ def ground_vocabulary(
 
 def _fit(cfg: VocabGroundConfig, run_cfg: C.RunConfig, work: Path, pairs: dict, ids: dict[str, int], tok,
          first: int, end: int, n_train: int, val_split: str, log) -> tuple[dict, dict[str, Any]]:
-    """The grounding run on Ray Train (task "ground": `gti.train.loop.GROUND_HOOKS`)."""
+    """The grounding run on Ray Train (the grounding hooks, `gti.train.ground_task.HOOKS`)."""
     import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -237,6 +237,7 @@ def _fit(cfg: VocabGroundConfig, run_cfg: C.RunConfig, work: Path, pairs: dict, 
     from gti.lm import newvocab
     from gti.stages._ray import ensure_ray
     from gti.train.deepspeed_config import micro_batch
+    from gti.train import ground_task
     from gti.train.loop import fit, train_dataset_from_parquet
 
     g = cfg.ground
@@ -255,6 +256,7 @@ def _fit(cfg: VocabGroundConfig, run_cfg: C.RunConfig, work: Path, pairs: dict, 
     pad_id = int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
     loop_config = {
         "task": "ground",
+        "hooks": ground_task.HOOKS,
         "run_config": run_cfg.model_dump(mode="json"),
         "pad_id": pad_id,
         "ground": {"init_path": str(work / INIT_FILE), "first_new_id": first, "n_new": end - first},

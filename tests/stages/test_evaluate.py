@@ -279,7 +279,7 @@ def test_decoding_actor_constrained_vs_unconstrained(tmp_path):
 
 
 def test_stale_sid_map_is_refused(tmp_path):
-    from gti.eval.recommend import StaleSidMapError
+    from gti.run_artifacts import StaleSidMapError
 
     run_dir = tmp_path / "run"
     _manifest(run_dir, "ingest", {"sequences": "sequences.parquet"}, {})

@@ -191,6 +191,7 @@ def test_data_preparation_multitask_mix_and_validation_users(tmp_path, ray_start
 
     from gti.sid.codec import SidCodec
     from gti.stages import sft
+    from gti.lm import templates
     from gti.train import sft_data
 
     run_dir = tmp_path / "run"
@@ -202,7 +203,7 @@ def test_data_preparation_multitask_mix_and_validation_users(tmp_path, ray_start
     ctx = pipeline.StageContext(spec=s, cfg=cfg, run_dir=run_dir, work_dir=work, fingerprint="x")
     tok = AutoTokenizer.from_pretrained(run_dir / "pairs" / "tokenizer")
     sid_map = pl.read_parquet(run_dir / "sid" / "sid_map.parquet")
-    sid_ids = sft_data.sid_id_table(sid_map, SidCodec(2, SIZES), tok)
+    sid_ids = templates.sid_id_table(sid_map, SidCodec(2, SIZES), tok)
     stats = sft._prepare_data(ctx, tok, sid_ids, {"item_ids": sid_map["item_id"].to_list()})
     seqs = pl.read_parquet(run_dir / "ingest" / "sequences.parquet")
     n_windows = sum(len(t) - 1 for t in seqs["train_items"])
@@ -225,7 +226,7 @@ def test_data_preparation_multitask_mix_and_validation_users(tmp_path, ray_start
 def test_stale_sid_map_is_refused(tmp_path):
     """A grounded model whose gti_meta.json names another SID map is refused before any work
     (only the manifests and the meta file are needed to get there)."""
-    from gti.eval.recommend import StaleSidMapError
+    from gti.run_artifacts import StaleSidMapError
 
     run_dir = tmp_path / "run"
     _manifest(run_dir, "ingest", {"sequences": "sequences.parquet"}, {})
@@ -258,23 +259,13 @@ def test_sft_disabled_exports_the_grounded_model_unchanged(tmp_path):
     assert json.loads((run_dir / "sft" / "model" / "gti_meta.json").read_text())["sid_map_hash"] == HASH
 
 
-def test_qlora_without_bitsandbytes_or_gpu_is_a_config_error():
-    from gti.stages import sft
-
-    with pytest.raises(config.ConfigError, match="sft.lora.quantize_4bit"):
-        sft.check_lora_supported(config.SftConfig(lora={"enabled": True, "quantize_4bit": True}))
-    with pytest.raises(config.ConfigError, match="sft.lora.enabled"):
-        sft.check_lora_supported(config.SftConfig(lora={"enabled": False, "quantize_4bit": True}))
-    sft.check_lora_supported(config.SftConfig(lora={"enabled": True}))
-
-
 @pytest.mark.slow
 def test_lora_wrap_trains_adapters_and_embeddings_and_merges_back(tmp_path):
     """LoRA: adapters on the backbone's linear layers, the embedding (tied head) fully
     trainable, the base linear weights frozen. Export path: loading the trained tensors into a
     fresh wrap and merging gives a plain HF model with the same logits as the trained wrap."""
     from gti.lm import models, vocab
-    from gti.stages import sft
+    from gti.train import sft_task as sft
 
     base, tok = models.build_tiny(config.ModelConfig(name="tiny"), seed=0)
     vocab.export_model(base, tok, tmp_path / "ground", {"sid_map_hash": HASH})
@@ -308,7 +299,7 @@ def test_validation_loss_and_mrr_match_direct_computation(tmp_path):
     from gti.eval.decode import score_all_sids
     from gti.lm import models, vocab
     from gti.sid.codec import SidCodec
-    from gti.stages.sft import _val_loss_and_mrr
+    from gti.train.sft_task import _val_loss_and_mrr
 
     model, tok = models.build_tiny(config.ModelConfig(name="tiny"), seed=0)
     codec = SidCodec(2, [4, 4])
@@ -346,7 +337,7 @@ def test_validation_loss_and_mrr_match_direct_computation(tmp_path):
 def test_sft_model_is_loaded_in_model_dtype(tmp_path, dtype):
     """model.dtype is honoured by the SFT worker's model (it used to load fp32 whatever it said)."""
     from gti.lm import models, vocab
-    from gti.stages.sft import build_sft_model
+    from gti.train.sft_task import build_sft_model
 
     model, tok = models.build_tiny(config.ModelConfig(name="tiny"), seed=0)
     vocab.export_model(model, tok, tmp_path / "m", {"sid_map_hash": HASH})

@@ -10,27 +10,8 @@ import torch
 from gti.config import GroundConfig, ModelConfig
 from gti.lm import models, vocab
 from gti.train.deepspeed_config import build_ds_config
-from gti.train.loop import PadCollate, _manual_grad_norm, _SchedulerFactory, ground_trainable_state
-
-
-def test_pad_collate_right_pads_and_masks():
-    batch = {
-        "input_ids": np.array([np.array([5, 6, 7]), np.array([8])], dtype=object),
-        "labels": np.array([np.array([-100, 6, 7]), np.array([8])], dtype=object),
-    }
-    out = PadCollate(pad_id=0)(batch)
-    assert out["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
-    assert out["labels"].tolist() == [[-100, 6, 7], [8, -100, -100]]
-    assert out["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
-    assert out["input_ids"].dtype == torch.long
-
-
-def test_pad_collate_rejects_length_mismatch():
-    from gti.errors import DataError
-
-    batch = {"input_ids": [[1, 2]], "labels": [[1]]}
-    with pytest.raises(DataError, match="row 0"):
-        PadCollate(0)(batch)
+from gti.train.ground_task import ground_trainable_state
+from gti.train.loop import _manual_grad_norm, _SchedulerFactory
 
 
 def _tiny_split_model(tied: bool, n_new: int = 12):
@@ -98,6 +79,7 @@ STEPS, CKPT, LR = 20, 5, 5e-2
 FAIL_AT = 12  # between the checkpoints at 10 and 15: the restart replays steps 11-12
 def _loop_setup(problem: dict, **ground_kw):
     from gti.config import GroundConfig, RunConfig
+    from gti.train import ground_task
 
     g = dict(steps=STEPS, batch_size=8, num_workers=2, lr=LR, zero_stage=2, checkpoint_every=CKPT,
              val_every=STEPS // 2, log_every=1)
@@ -105,6 +87,7 @@ def _loop_setup(problem: dict, **ground_kw):
     run_cfg = RunConfig(model=problem["model_cfg"], ground=GroundConfig(**g))
     loop_config = {
         "task": "ground",
+        "hooks": ground_task.HOOKS,
         "run_config": run_cfg.model_dump(mode="json"),
         "pad_id": problem["pad_id"],
         "ground": problem["ground"],
@@ -206,58 +189,6 @@ def test_worker_failure_is_retried_and_result_matches(uninterrupted, grounding_p
         torch.testing.assert_close(res.state_dict[k], ref.state_dict[k], rtol=0, atol=1e-6)
 
 
-class _FakeShard:
-    """Stands in for a Ray Data shard: the same ordered rows every epoch, read in chunks."""
-
-    def __init__(self, n: int, seed: int = 0) -> None:
-        rng = np.random.default_rng(seed)
-        self.rows = [list(range(100 * i, 100 * i + int(rng.integers(3, 40)))) for i in range(n)]
-
-    def iter_batches(self, batch_size, batch_format, prefetch_batches):
-        assert batch_format == "numpy"
-        for i in range(0, len(self.rows), batch_size):
-            chunk = self.rows[i: i + batch_size]
-            ids = np.empty(len(chunk), dtype=object)
-            ids[:] = [np.asarray(r) for r in chunk]
-            yield {"input_ids": ids, "labels": ids.copy()}
-
-
-def _epoch_rows(stream, n_batches):
-    from itertools import islice
-
-    out = []
-    for b in islice(iter(stream), n_batches):
-        first_ids = b["input_ids"][:, 0].tolist()
-        out.append([i // 100 for i in first_ids])
-    return out
-
-
-def test_length_grouped_stream_every_row_once_deterministic_and_resumable():
-    from gti.train.loop import PadCollate, ShardStream
-
-    shard, micro = _FakeShard(203), 4
-    n_batches = -(-203 // micro) + 3  # the whole first epoch and the start of the second
-    # Chunks of WINDOW micro-batches; only the epoch's last batch may be short.
-    a = _epoch_rows(ShardStream(shard, micro, PadCollate(0), seed=5, group_by_length=True), n_batches)
-    b = _epoch_rows(ShardStream(shard, micro, PadCollate(0), seed=5, group_by_length=True), n_batches)
-    assert a == b
-    epoch1 = [r for batch in a[: n_batches - 3] for r in batch]
-    assert sorted(epoch1) == list(range(203))
-    assert sum(len(x) < micro for x in a[: n_batches - 3]) == 1
-    # The next epoch has another order (seeded by epoch).
-    assert a[n_batches - 3:] != a[:3]
-    # Grouping: rows in a batch are much closer in length than random batches.
-    lens = [len(r) for r in shard.rows]
-    spread = np.mean([max(lens[i] for i in x) - min(lens[i] for i in x) for x in a[: n_batches - 3]])
-    assert spread < 8  # lengths span 3..39; random batches of 4 spread ~20
-    # Resuming at (epoch 0, offset 10) gives exactly the rest of the same stream.
-    resumed = _epoch_rows(ShardStream(shard, micro, PadCollate(0), seed=5, epoch=0, offset=10,
-                                      group_by_length=True), n_batches - 10)
-    assert resumed == a[10:]
-    other = _epoch_rows(ShardStream(shard, micro, PadCollate(0), seed=6, group_by_length=True), n_batches)
-    assert other != a
-
-
 @pytest.mark.parametrize("stage", [1, 2])
 def test_bf16_weights_train_with_fp32_master_weights(single_process_dist_env, stage):
     """model.dtype bfloat16: the module holds bf16 weights, DeepSpeed's bf16 mode keeps fp32
@@ -265,7 +196,7 @@ def test_bf16_weights_train_with_fp32_master_weights(single_process_dist_env, st
     trained rows come back as full fp32 (from the master copy)."""
     import deepspeed
 
-    from gti.train.loop import make_forward
+    from gti.train.loss import make_forward
 
     model, first = _tiny_split_model(True)
     model.to(torch.bfloat16)
@@ -298,7 +229,7 @@ def test_training_attention_auto_is_eager_on_cpu_and_same_loss():
     loss is the same as with SDPA."""
     from gti.config import ModelConfig
     from gti.lm import models
-    from gti.train.loop import set_training_attention
+    from gti.train.loss import set_training_attention
     from gti.train.loss import labelled_loss
 
     model, _ = models.build_tiny(ModelConfig(name="tiny"), seed=0)

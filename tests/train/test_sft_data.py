@@ -9,6 +9,7 @@ import pytest
 
 from gti.config import ConfigError
 from gti.errors import DataError
+from gti.lm import templates as T
 from gti.train import sft_data as S
 
 L = 3  # SID length in these tests
@@ -105,7 +106,7 @@ def test_templates_rotate_deterministically():
 
 
 def _renderer(seqs, max_len=200):
-    return S.RecRenderer(
+    return T.RecRenderer(
         tokenizer=None, sid_ids=_sid_ids(_all_items(seqs)), system_prompt="sys",
         max_len=max_len, eot_ids=EOT, render=_fake_render,
     )
@@ -222,7 +223,7 @@ def test_make_renderer_with_the_real_templates(markers):
     from gti.lm.vocab import SID_END, SID_START
 
     tok, sid_ids = _tiny_tok(markers)
-    r = S.make_renderer(tok, sid_ids, "You are a helpful assistant.", max_len=400)
+    r = T.make_renderer(tok, sid_ids, "You are a helpful assistant.", max_len=400)
     eot = T.end_of_turn_ids(tok)
     ex = r.example(["i1", "i2", "i3"], "i4", 2)
     wrap = [tok.convert_tokens_to_ids(SID_START), tok.convert_tokens_to_ids(SID_END)] if markers else None
@@ -252,8 +253,8 @@ def test_compact_prompt_is_history_sids_then_the_assistant_header(markers):
     from gti.lm.vocab import SID_END, SID_START
 
     tok, sid_ids = _tiny_tok(markers)
-    chat = S.make_renderer(tok, sid_ids, "You are a helpful assistant.", max_len=400)
-    compact = S.make_renderer(tok, sid_ids, "You are a helpful assistant.", max_len=400, prompt_style="compact")
+    chat = T.make_renderer(tok, sid_ids, "You are a helpful assistant.", max_len=400)
+    compact = T.make_renderer(tok, sid_ids, "You are a helpful assistant.", max_len=400, prompt_style="compact")
     wrap = [tok.convert_tokens_to_ids(SID_START), tok.convert_tokens_to_ids(SID_END)] if markers else None
     header = list(T.chat_skeleton(tok, "").suffix_ids)
     hist = []
@@ -277,7 +278,7 @@ def test_compact_prompt_is_history_sids_then_the_assistant_header(markers):
 
 def test_compact_prompt_truncates_oldest_history_first():
     tok, sid_ids = _tiny_tok(False)
-    r = S.make_renderer(tok, sid_ids, "", max_len=12, prompt_style="compact")
+    r = T.make_renderer(tok, sid_ids, "", max_len=12, prompt_style="compact")
     ex = r.example(["i1", "i2", "i3", "i5", "i6"], "i4", 0)
     assert len(ex["input_ids"]) <= 12 and ex["history_kept"] < 5
     kept = ex["history_kept"]
@@ -288,7 +289,7 @@ def test_compact_prompt_truncates_oldest_history_first():
 def test_unknown_prompt_style_names_the_key():
     tok, sid_ids = _tiny_tok(False)
     with pytest.raises(ConfigError, match="sft.prompt_style"):
-        S.make_renderer(tok, sid_ids, "", max_len=100, prompt_style="terse")
+        T.make_renderer(tok, sid_ids, "", max_len=100, prompt_style="terse")
 
 
 def test_sft_target_counts_agree_with_training_windows():

@@ -27,11 +27,10 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
-from gti import config as C
 from gti.data import adapters
 from gti.data import catalog as cat
 from gti.errors import DataError
@@ -263,7 +262,7 @@ def _read_sample(files: list[str], fmt: str, kind: str, columns, n: int):
     return out, complete
 
 
-def dry_run(cfg: C.RunConfig, n: int, with_interactions: bool = True) -> tuple[dict[str, Any], dict[str, Any] | None]:
+def dry_run(cfg: Any, n: int, with_interactions: bool = True) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """Quarantine reasons ingest would give on the first n rows of each input:
     ({rows, ok, reasons, complete}, same for interactions plus users, or None)."""
     d = cfg.data
@@ -389,8 +388,9 @@ def _dry_lines(kind: str, res: dict[str, Any], min_seq_len: int) -> list[str]:
     return out
 
 
-def cli_main(args) -> int:
-    """`gti data inspect PATH [--interactions PATH] [--sample N] [--out FILE] [--force]`."""
+def cli_main(args, validate: Callable[[dict, str], Any]) -> int:
+    """`gti data inspect PATH [--interactions PATH] [--sample N] [--out FILE] [--force]`;
+    `validate(block, source) -> RunConfig` is `gti.config.validate` (passed in by the CLI)."""
     out = Path(args.out)
     if out.exists() and not args.force:
         raise DataError(f"{out}: exists; pass --out to write elsewhere or --force to replace it")
@@ -404,7 +404,7 @@ def cli_main(args) -> int:
     problem = _missing_required(items, inter)
     block = data_block(items, inter)
     if problem is None:
-        cfg = C.validate(block, "<gti data inspect>")
+        cfg = validate(block, "<gti data inspect>")
         ires, xres = dry_run(cfg, n, with_interactions=inter is not None)
         print("\n".join(_dry_lines("items", ires, cfg.data.min_seq_len)))
         if xres is not None:

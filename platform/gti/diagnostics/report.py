@@ -51,7 +51,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from gti.manifest import atomic_write_bytes
+from gti.files import atomic_write_bytes
 
 PHASES = ("init", "ground", "sft")
 # Diagnostics shown in the table: (column name, how to read it from geometry.diagnose output).

@@ -1,201 +1,54 @@
-"""Top-K recommendations for one item history, from a finished run directory.
+"""Top-K recommendations for one item history from a loaded model, and their text table.
 
-What it is for: `gti recommend --run-dir R --history ID[,ID...] [--k 10]` and the Python
-function `recommend(run_dir, history, k)`. It loads the exported model folder
-(`run_dir/sft/model`, falling back to `run_dir/ground/model`, located through the stage
-manifests; the tokenizer is saved in the same folder, weights from safetensors only), the SID
-map of the `sid` stage (through its manifest) and, when the ingest stage is there, item titles.
-Before decoding it checks that the model's `gti_meta.json` `sid_map_hash` equals the `sid`
-manifest's: a model trained on another SID map would name the wrong items, so that is a
-`StaleSidMapError`, never a silent mismatch.
+What it is for: `top_k(run, history, k)` renders the prompt exactly as the evaluate stage
+renders it (first retrieval template, the run's system prompt, the newest `max_history` items,
+cut to `sft.max_len`) and decodes the items with `gti.eval.decode.constrained_beam_search` over
+the catalog's SID trie (beam width = max(k, beam_width)); `format_recommendations` prints them.
+`run` is any object with the attributes of `gti.run_artifacts.LoadedRun` (model, trie,
+renderer, item_ids, sids, sid_ids, titles, max_history, beam_width, pad_id, levels), which is
+where a run directory is loaded and its SID map checked (`gti recommend`).
 
-The prompt is rendered exactly as the evaluate stage renders it (first retrieval template,
-the run's system prompt, the newest `data.max_history` items, cut to `sft.max_len`), and the
-items are decoded with `gti.eval.decode.constrained_beam_search` over the catalog's SID trie
-(beam width = max(k, eval.beam_width)).
-
-What it does NOT know: training, metrics, or Ray. It reads the run's files and config only.
+What it does NOT know: run directories, manifests, configs, training, or Ray.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Sequence
 
-import numpy as np
-import polars as pl
-
-from gti import config as C
 from gti.errors import DataError, GtiError
-from gti.manifest import MANIFEST_NAME, Manifest
-
-MODEL_STAGES = ("sft", "ground")
 
 
-class StaleSidMapError(GtiError):
-    """The model folder was trained with another SID map than the run's `sid` stage."""
+def top_k(run: Any, history: Sequence[str], k: int = 10, where: str = "the SID map") -> list[dict[str, Any]]:
+    """Top-k items for `history` (item ids, oldest first), best first:
+    [{"item_id", "title", "score", "sid"}]; score = sum of the SID tokens' log-probs."""
+    from gti.eval.decode import constrained_beam_search
 
-
-class RunDirError(GtiError):
-    """The run directory lacks what `recommend` needs (a model, a SID map)."""
-
-
-def find_model_dir(run_dir: Path) -> tuple[str, Path]:
-    """(stage, folder) of the newest exported model: sft, else ground."""
-    for stage in MODEL_STAGES:
-        stage_dir = run_dir / stage
-        if (stage_dir / MANIFEST_NAME).is_file():
-            man = Manifest.read(stage_dir)
-            if "model" in man.outputs:
-                path = man.output(stage_dir, "model")
-                if (path / "config.json").is_file():
-                    return stage, path
-        elif (stage_dir / "model" / "config.json").is_file():
-            return stage, stage_dir / "model"
-    raise RunDirError(
-        f"{run_dir}: no exported model (looked for {' and '.join(f'{s}/model' for s in MODEL_STAGES)}); "
-        "run the pipeline through 'ground' or 'sft' first"
-    )
-
-
-def check_sid_map_hash(model_dir: Path, sid_map_hash: str) -> None:
-    """StaleSidMapError unless `model_dir/gti_meta.json` records `sid_map_hash`."""
-    from gti.lm.vocab import read_meta
-
-    got = read_meta(model_dir).get("sid_map_hash")
-    if got != sid_map_hash:
-        raise StaleSidMapError(
-            f"{model_dir}/gti_meta.json has sid_map_hash {got or '<none recorded>'} but the sid stage's "
-            f"sid_map_hash is {sid_map_hash}: stale SID map, rerun the stages after 'sid'"
+    history = [str(h).strip() for h in history if str(h).strip()]
+    if not history:
+        raise DataError("history is empty: give at least one item id")
+    if k < 1:
+        raise GtiError(f"k must be >= 1, got {k}")
+    unknown = [h for h in dict.fromkeys(history) if h not in run.sid_ids]
+    if unknown:
+        raise DataError(
+            f"unknown item id(s) in history: {', '.join(unknown[:10])}"
+            + (f" (+{len(unknown) - 10} more)" if len(unknown) > 10 else "")
+            + f"; they have no SID in {where}"
         )
-
-
-def _run_config(run_dir: Path, stage: str) -> C.RunConfig:
-    """The config the model stage ran with (its config.yaml), else the run's, else defaults."""
-    for path in (run_dir / stage / "config.yaml", run_dir / "config.yaml"):
-        if path.is_file():
-            return C.load(path)
-    return C.RunConfig()
-
-
-def _titles(run_dir: Path) -> dict[str, str]:
-    ingest = run_dir / "ingest"
-    if not (ingest / MANIFEST_NAME).is_file():
-        return {}
-    man = Manifest.read(ingest)
-    if "items" not in man.outputs:
-        return {}
-    path = man.output(ingest, "items")
-    items = pl.read_parquet(path, columns=["item_id", "title"])
-    return dict(zip(items["item_id"].to_list(), (t or "" for t in items["title"].to_list())))
-
-
-@dataclass
-class Recommender:
-    """A loaded run: model, tokenizer, SID trie, renderer. Build with `load_recommender`."""
-
-    run_dir: Path
-    model_stage: str
-    model_dir: Path
-    model: Any
-    tokenizer: Any
-    trie: Any
-    item_ids: list[str]
-    sids: list[str]
-    sid_ids: dict[str, np.ndarray]
-    titles: dict[str, str]
-    renderer: Any
-    max_history: int
-    beam_width: int
-    pad_id: int
-    levels: int
-
-    def recommend(self, history: Sequence[str], k: int = 10) -> list[dict[str, Any]]:
-        """Top-k items for `history` (item ids, oldest first), best first:
-        [{"item_id", "title", "score", "sid"}]; score = sum of the SID tokens' log-probs."""
-        from gti.eval.decode import constrained_beam_search
-
-        history = [str(h).strip() for h in history if str(h).strip()]
-        if not history:
-            raise DataError("history is empty: give at least one item id")
-        if k < 1:
-            raise GtiError(f"k must be >= 1, got {k}")
-        unknown = [h for h in dict.fromkeys(history) if h not in self.sid_ids]
-        if unknown:
-            raise DataError(
-                f"unknown item id(s) in history: {', '.join(unknown[:10])}"
-                + (f" (+{len(unknown) - 10} more)" if len(unknown) > 10 else "")
-                + f"; they have no SID in {self.run_dir}/sid"
-            )
-        k = min(k, len(self.item_ids))
-        prompt, _ = self.renderer.prompt(history[-self.max_history :])
-        res = constrained_beam_search(
-            self.model, [prompt], self.trie, beam_width=max(k, self.beam_width), k=k,
-            levels=self.levels, pad_id=self.pad_id, constrained=True, batch_users=1,
-        )
-        out = []
-        for row, score in zip(res.items[0].tolist(), res.scores[0].tolist()):
-            if row < 0:
-                continue
-            item = self.item_ids[row]
-            out.append({"item_id": item, "title": self.titles.get(item, ""), "score": float(score),
-                        "sid": self.sids[row]})
-        return out
-
-
-def load_recommender(run_dir: str | Path, device: str | None = None) -> Recommender:
-    """Load model, tokenizer, SID map and titles of a run (checks the SID map hash first)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from gti.eval.decode import override_generation_config
-    from gti.sid.codec import SidCodec
-    from gti.sid.trie import SidTrie
-    from gti.train import sft_data
-
-    run_dir = Path(run_dir).expanduser().resolve()
-    if not run_dir.is_dir():
-        raise RunDirError(f"run directory not found: {run_dir}")
-    stage, model_dir = find_model_dir(run_dir)
-    sid_dir = run_dir / "sid"
-    if not (sid_dir / MANIFEST_NAME).is_file():
-        raise RunDirError(f"{run_dir}: no finished sid stage ({sid_dir / MANIFEST_NAME} missing)")
-    sid_man = Manifest.read(sid_dir)
-    sid_hash = sid_man.fact("sid_map_hash")
-    check_sid_map_hash(model_dir, sid_hash)
-
-    cfg = _run_config(run_dir, stage)
-    sid_map = pl.read_parquet(sid_man.output(sid_dir, "sid_map"))
-    codec = SidCodec.from_facts(sid_man.facts)
-    trc = cfg.model.trust_remote_code
-    tok = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trc)
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model = AutoModelForCausalLM.from_pretrained(
-        str(model_dir), use_safetensors=True, trust_remote_code=trc,
-        dtype=torch.bfloat16 if dev.type == "cuda" or cfg.model.dtype == "bfloat16" else torch.float32,
-    ).to(dev).eval()
-    override_generation_config(model)
-    sid_ids = sft_data.sid_id_table(sid_map, codec, tok)
-    item_ids = sid_map["item_id"].to_list()
-    mat = torch.from_numpy(np.stack([sid_ids[i] for i in item_ids]))
-    trie = SidTrie(mat, int(mat.min()), int(mat.max()) + 1).to(dev)
-    sids = sid_map["sid"].to_list() if "sid" in sid_map.columns else codec.to_strings(sid_map["codes"].to_list())
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    return Recommender(
-        run_dir=run_dir, model_stage=stage, model_dir=model_dir, model=model, tokenizer=tok,
-        trie=trie, item_ids=item_ids, sids=sids, sid_ids=sid_ids, titles=_titles(run_dir),
-        renderer=sft_data.make_renderer(
-            tok, sid_ids, cfg.pairs.system_prompt, cfg.sft.max_len, prompt_style=cfg.sft.prompt_style
-        ),
-        max_history=cfg.data.max_history, beam_width=cfg.eval.beam_width,
-        pad_id=int(pad if pad is not None else 0), levels=int(mat.shape[1]),
+    k = min(k, len(run.item_ids))
+    prompt, _ = run.renderer.prompt(history[-run.max_history:])
+    res = constrained_beam_search(
+        run.model, [prompt], run.trie, beam_width=max(k, run.beam_width), k=k,
+        levels=run.levels, pad_id=run.pad_id, constrained=True, batch_users=1,
     )
-
-
-def recommend(run_dir: str | Path, history: Sequence[str], k: int = 10) -> list[dict[str, Any]]:
-    """Top-k items [{"item_id", "title", "score", "sid"}] for `history` (oldest first)."""
-    return load_recommender(run_dir).recommend(history, k)
+    out = []
+    for row, score in zip(res.items[0].tolist(), res.scores[0].tolist()):
+        if row < 0:
+            continue
+        item = run.item_ids[row]
+        out.append({"item_id": item, "title": run.titles.get(item, ""), "score": float(score),
+                    "sid": run.sids[row]})
+    return out
 
 
 def format_recommendations(recs: list[dict[str, Any]], title_width: int = 60) -> str:
@@ -207,13 +60,3 @@ def format_recommendations(recs: list[dict[str, Any]], title_width: int = 60) ->
         title = r["title"] if len(r["title"]) <= title_width else r["title"][: title_width - 3] + "..."
         lines.append(f"{i:>4}  {r['item_id']:<{id_w}}  {r['score']:>9.4f}  {r['sid']:<{sid_w}}  {title}")
     return "\n".join(lines)
-
-
-def cli_main(args) -> int:
-    """`gti recommend`: args.run_dir, args.history (comma-separated ids), args.k."""
-    history = [h.strip() for h in str(args.history).split(",") if h.strip()]
-    rec = load_recommender(args.run_dir)
-    recs = rec.recommend(history, int(args.k))
-    print(f"run {rec.run_dir} (model: {rec.model_stage}), history: {', '.join(history)}")
-    print(format_recommendations(recs))
-    return 0

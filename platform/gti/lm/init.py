@@ -35,9 +35,9 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from gti.config import ConfigError
+from gti.errors import ConfigError
 
-METHODS = ("mean", "mean_noise", "random", "description", "codebook")
+from gti.names import INIT_METHODS as METHODS
 
 
 def _level_offsets(codebook_sizes: Sequence[int]) -> list[int]:

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gti.config import ConfigError
+from gti.errors import ConfigError
 
 SMOLLM2_NAME = "smollm2-135m"
 TINY_NAME = "tiny"

@@ -34,7 +34,7 @@ from typing import Any, Sequence
 
 import torch
 
-from gti.config import ConfigError
+from gti.errors import ConfigError
 from gti.errors import DataError
 
 DEFAULT_TEMPLATES: dict[str, str] = {

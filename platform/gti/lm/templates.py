@@ -29,17 +29,28 @@ tokens are new (`gti.lm.vocab`), or Ray. No torch needed.
 
 from __future__ import annotations
 
-import re
-import weakref
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
-from gti.config import DEFAULT_GROUNDING_TEMPLATES, ConfigError
+import numpy as np
 
-IGNORE = -100
-_PH_USER = "\ue000gti-user\ue001"
-_PH_ANSWER = "\ue000gti-answer\ue001"
-_SLOT_RE = re.compile(r"\{(\w+)\}")
+from gti.errors import ConfigError, DataError
+from gti.lm.chat import (  # noqa: F401 - ChatSkeleton, chat_skeleton, fit_segments, parse_template re-exported
+    IGNORE,
+    ChatSkeleton,
+    _encode,
+    _encode_many,
+    _SKELETONS,
+    _Piece,
+    _slot_text,
+    _tokenise_literals,
+    chat_skeleton,
+    end_of_turn_ids,
+    fit_segments,
+    parse_template,
+)
+from gti.names import DEFAULT_GROUNDING_TEMPLATES
+
 
 # Grounding tasks: (direction, answer template). text->SID answers are the SID itself.
 TASKS: dict[str, tuple[str, str]] = {
@@ -60,6 +71,9 @@ _REQUIRED = {
     "sid2titledesc": {"sid"},
 }
 
+SEQ_TASK = "seqrec"  # the task name of a recommendation (SFT) row
+ROW_COLUMNS = ("task", "input_ids", "labels", "prompt_ids", "answer_ids")
+
 # The paper's three retrieval templates (issue 5); {history} is the SIDs of the history.
 REC_TEMPLATES: tuple[str, ...] = (
     "The user has interacted with items {history} in chronological order. "
@@ -69,165 +83,6 @@ REC_TEMPLATES: tuple[str, ...] = (
     "Here is the item interaction history of the user: {history}, "
     "what to recommend to the user next?",
 )
-
-
-# --------------------------------------------------------------------------- tokenizer helpers
-def _encode(tokenizer, text: str) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
-
-
-def _encode_many(tokenizer, texts: list[str]) -> list[list[int]]:
-    if not texts:
-        return []
-    nonempty = [t if t else " " for t in texts]
-    enc = tokenizer(nonempty, add_special_tokens=False)["input_ids"]
-    return [list(ids) if t else [] for t, ids in zip(texts, enc)]
-
-
-def _render_chat(tokenizer, messages: list[dict[str, str]], generation_prompt: bool) -> str:
-    if not getattr(tokenizer, "chat_template", None):
-        raise ConfigError("model.name: the tokenizer has no chat template; gti needs an instruct/chat model")
-    return tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=generation_prompt
-    )
-
-
-@dataclass(frozen=True)
-class ChatSkeleton:
-    """Token ids around one user turn: prompt = prefix_ids + user ids + suffix_ids."""
-
-    prefix_ids: tuple[int, ...]
-    suffix_ids: tuple[int, ...]
-    eot_ids: tuple[int, ...]
-
-
-def _messages(system_prompt: str, user: str) -> list[dict[str, str]]:
-    msgs = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    return msgs + [{"role": "user", "content": user}]
-
-
-def _build_skeleton(tokenizer, system_prompt: str) -> ChatSkeleton:
-    text = _render_chat(tokenizer, _messages(system_prompt, _PH_USER), True)
-    if text.count(_PH_USER) != 1:
-        raise ConfigError("model.name: the chat template does not render the user message verbatim")
-    pre, post = text.split(_PH_USER)
-    full = _render_chat(
-        tokenizer, _messages(system_prompt, "q") + [{"role": "assistant", "content": _PH_ANSWER}], False
-    )
-    eot = _encode(tokenizer, full.split(_PH_ANSWER, 1)[1]) if _PH_ANSWER in full else []
-    # Trailing whitespace after the end-of-turn token is not part of what the model must emit.
-    while eot and not tokenizer.decode([eot[-1]]).strip():
-        eot.pop()
-    if not eot:
-        if tokenizer.eos_token_id is None:
-            raise ConfigError("model.name: cannot tell how an assistant turn ends (no eos token)")
-        eot = [tokenizer.eos_token_id]
-    return ChatSkeleton(tuple(_encode(tokenizer, pre)), tuple(_encode(tokenizer, post)), tuple(eot))
-
-
-_SKELETONS: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
-
-
-def chat_skeleton(tokenizer, system_prompt: str) -> ChatSkeleton:
-    """Cached per (tokenizer object, system prompt, tokenizer length)."""
-    try:
-        per_tok = _SKELETONS.setdefault(tokenizer, {})
-    except TypeError:  # an object that cannot be weakly referenced: no cache
-        return _build_skeleton(tokenizer, system_prompt)
-    key = (system_prompt, len(tokenizer), tokenizer.chat_template)
-    if key not in per_tok:
-        per_tok[key] = _build_skeleton(tokenizer, system_prompt)
-    return per_tok[key]
-
-
-def end_of_turn_ids(tokenizer) -> list[int]:
-    """Ids that close an assistant turn in this chat template (e.g. [<|im_end|>])."""
-    return list(chat_skeleton(tokenizer, "").eot_ids)
-
-
-# --------------------------------------------------------------------------- template parsing
-@dataclass
-class _Piece:
-    kind: str  # "text" (fixed template text), "slot" (title/description/sid/history)
-    value: str  # literal text or slot name
-    ids: list[int] = field(default_factory=list)
-
-
-def parse_template(template: str, allowed: set[str], name: str) -> list[_Piece]:
-    """Split a template into literal text and slots; a space right before a text slot moves
-    into the slot (see module doc). ConfigError names the template on an unknown slot."""
-    pieces: list[_Piece] = []
-    pos = 0
-    for m in _SLOT_RE.finditer(template):
-        slot = m.group(1)
-        if slot not in allowed:
-            raise ConfigError(f"template '{name}': unknown slot {{{slot}}} (allowed: {sorted(allowed)})")
-        if m.start() > pos:
-            pieces.append(_Piece("text", template[pos: m.start()]))
-        pieces.append(_Piece("slot", slot))
-        pos = m.end()
-    if pos < len(template):
-        pieces.append(_Piece("text", template[pos:]))
-    return pieces
-
-
-def _slot_text(pieces: list[_Piece], i: int, text: str) -> str:
-    """Text for slot i, with the leading space it takes over from the piece before it."""
-    if i > 0 and pieces[i - 1].kind == "text" and pieces[i - 1].value.endswith(" ") and text:
-        return " " + text
-    return text
-
-
-def _tokenise_literals(tokenizer, pieces: list[_Piece], text_slots: set[str]) -> list[_Piece]:
-    for i, p in enumerate(pieces):
-        if p.kind != "text":
-            continue
-        value = p.value
-        nxt = pieces[i + 1] if i + 1 < len(pieces) else None
-        if nxt is not None and nxt.kind == "slot" and nxt.value in text_slots and value.endswith(" "):
-            value = value[:-1]  # the space travels with the slot text
-        p.ids = _encode(tokenizer, value)
-    return pieces
-
-
-def fit_segments(segments: list[tuple[list[int], bool]], max_len: int, what: str) -> tuple[list[list[int]], bool]:
-    """Cut cuttable segments from their ends until the total length is <= max_len.
-
-    Water-filling: the longest texts are cut first, down to a common length T (>= 1 token
-    each), so a long description is trimmed before a short title. Exactly the excess is cut.
-    Returns (segments' ids, whether anything was cut)."""
-    ids = [list(s) for s, _ in segments]
-    excess = sum(map(len, ids)) - max_len
-    if excess <= 0:
-        return ids, False
-    cands = [i for i, (_, c) in enumerate(segments) if c]
-    lens = [len(ids[i]) for i in cands]
-
-    def removed(t: int) -> int:
-        return sum(max(0, n - t) for n in lens)
-
-    if removed(1) < excess:
-        raise ConfigError(
-            f"pairs.max_len={max_len} is too small for {what}: "
-            f"{sum(map(len, ids)) - removed(1)} tokens even with its text cut to one token"
-        )
-    # Largest T with removed(T) >= excess (removed() is non-increasing in T).
-    lo, hi = 1, max(lens)
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if removed(mid) >= excess:
-            lo = mid
-        else:
-            hi = mid - 1
-    t = lo
-    # Cut everything to t + 1 first, then one more token from as many as still needed.
-    extra = excess - removed(t + 1)
-    for i, n in zip(cands, lens):
-        keep = min(n, t + 1)
-        if keep == t + 1 and extra > 0:
-            keep, extra = t, extra - 1
-        ids[i] = ids[i][:keep]
-    return ids, True
 
 
 # --------------------------------------------------------------------------- grounding pairs
@@ -410,8 +265,156 @@ def render_compact_prompt(tokenizer, history_sid_ids: Sequence[Sequence[int]], t
 PROMPT_RENDERERS = {"chat": render_rec_prompt, "compact": render_compact_prompt}
 
 
+# --------------------------------------------------------------------------- SID ids
+def sid_id_table(sid_map: pl.DataFrame, codec: Any, tokenizer: Any) -> dict[str, np.ndarray]:
+    """item_id -> int64[L] token ids of its SID, through `codec.token_ids` (never re-tokenised)."""
+    for col in ("item_id", "codes"):
+        if col not in sid_map.columns:
+            raise DataError(f"sid_map.parquet: missing column '{col}'")
+    codes = np.asarray(sid_map["codes"].to_list(), dtype=np.int64)
+    ids = codec.token_ids(codes, tokenizer)
+    ids = ids.numpy() if hasattr(ids, "numpy") else np.asarray(ids)
+    return dict(zip(sid_map["item_id"].to_list(), ids.astype(np.int64)))
+
+
+# --------------------------------------------------------------------------- recommendation rows
+RenderFn = Callable[[Any, list[list[int]], str, str], list[int]]
+
+
+def _default_render() -> RenderFn:
+    return render_rec_prompt
+
+
+@dataclass
+class RecRenderer:
+    """Renders (history, target) windows into token rows.
+
+    `sid_ids` maps item_id -> int[L] SID token ids; `eot_ids` are the ids that close the
+    assistant turn (appended to the answer so the model learns to stop). `render` is
+    `render_rec_prompt(tokenizer, history_sid_ids, template, system_prompt) -> prompt ids`
+    (up to and including the assistant header). `sid_wrap` = (<sid_start>, <sid_end>) ids when
+    the vocabulary has SID markers: history SIDs are wrapped, the answer is
+    [<sid_start>, SID, <sid_end>, eot], and an evaluation prompt ends with <sid_start> so that
+    decoding starts at the first SID token.
+    """
+
+    tokenizer: Any
+    sid_ids: dict[str, np.ndarray]
+    system_prompt: str
+    max_len: int
+    eot_ids: list[int]
+    templates: Sequence[str] = REC_TEMPLATES
+    render: RenderFn = field(default_factory=_default_render)
+    sid_wrap: tuple[int, int] | None = None
+
+    def _render(self, hist: list[list[int]], template: str) -> list[int]:
+        if self.sid_wrap is None:
+            return list(self.render(self.tokenizer, hist, template, self.system_prompt))
+        return list(self.render(self.tokenizer, hist, template, self.system_prompt, sid_wrap=self.sid_wrap))
+
+    def answer_ids(self, target: str) -> list[int]:
+        """SID ids of `target` (wrapped in markers if any) + end of turn."""
+        sid = self.sid_ids[target].tolist()
+        if self.sid_wrap is not None:
+            sid = [self.sid_wrap[0], *sid, self.sid_wrap[1]]
+        return sid + list(self.eot_ids)
+
+    def _prompt(self, history: Sequence[str], template: str, budget: int) -> tuple[list[int], int]:
+        """Prompt ids with as many of the newest history items as fit in `budget` tokens.
+
+        Returns (prompt_ids, number of history items kept)."""
+        hist = [self.sid_ids[i].tolist() for i in history]
+
+        def render(k: int) -> list[int]:
+            return self._render(hist[len(hist) - k :], template)
+
+        ids = render(len(hist))
+        if len(ids) <= budget:  # the common case: one render
+            return ids, len(hist)
+        # Binary search for the most newest-items that fit (prompt length grows with k).
+        lo, hi, best = 1, len(hist) - 1, None
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            cand = render(mid)
+            if len(cand) <= budget:
+                best, lo = (cand, mid), mid + 1
+            else:
+                hi = mid - 1
+        if best is None:
+            raise ConfigError(
+                f"sft.max_len={self.max_len} is too small: a prompt with one history item "
+                f"needs {len(render(1))} tokens plus {self.max_len - budget} for the answer"
+            )
+        return best
+
+    def prompt(self, history: Sequence[str], template_idx: int = 0) -> tuple[list[int], int]:
+        """Evaluation prompt: ids leaving room for one SID answer + end of turn (ending with
+        <sid_start> when the vocabulary has markers). Returns (ids, history items kept)."""
+        answer_len = len(self.answer_ids(next(iter(self.sid_ids))))
+        ids, kept = self._prompt(history, self.templates[template_idx], self.max_len - answer_len)
+        if self.sid_wrap is not None:
+            ids = ids + [self.sid_wrap[0]]
+        return ids, kept
+
+    def example(self, history: Sequence[str], target: str, template_idx: int) -> dict[str, Any]:
+        """One training row: input_ids = prompt + answer, labels = -100 on the prompt."""
+        answer = self.answer_ids(target)
+        prompt, kept = self._prompt(history, self.templates[template_idx], self.max_len - len(answer))
+        return {
+            "task": SEQ_TASK,
+            "input_ids": prompt + answer,
+            "labels": [IGNORE] * len(prompt) + answer,
+            "prompt_ids": prompt,
+            "answer_ids": answer,
+            "history_kept": kept,
+        }
+
+    def render_windows(self, windows: dict[str, Any]) -> dict[str, list]:
+        """Batch form (columns history, target, template) for `map_batches` / plain use."""
+        rows = [
+            self.example(list(h), str(t), int(k))
+            for h, t, k in zip(windows["history"], windows["target"], windows["template"])
+        ]
+        return {c: [r[c] for r in rows] for c in (*ROW_COLUMNS, "history_kept")}
+
+    def render_prompts(self, windows: dict[str, Any]) -> dict[str, list]:
+        """Batch form of evaluation prompts (columns user_id, split, history, target)."""
+        out: dict[str, list] = {"user_id": [], "split": [], "prompt_ids": [], "target": []}
+        for u, s, h, t in zip(windows["user_id"], windows["split"], windows["history"], windows["target"]):
+            ids, _ = self.prompt(list(h))
+            out["user_id"].append(str(u))
+            out["split"].append(str(s))
+            out["prompt_ids"].append(ids)
+            out["target"].append(str(t))
+        return out
+
+
+def make_renderer(
+    tokenizer: Any, sid_ids: dict[str, np.ndarray], system_prompt: str, max_len: int,
+    templates: Sequence[str] = REC_TEMPLATES, prompt_style: str = "chat",
+) -> RecRenderer:
+    """A `RecRenderer` wired to this module's renderers (chat-template or compact rendering,
+    end-of-turn ids); `prompt_style` is `sft.prompt_style` ("chat" | "compact").
+
+    SID markers are used iff the tokenizer has them (`model.sid_markers` added them)."""
+    if prompt_style not in PROMPT_RENDERERS:
+        raise ConfigError(
+            f"sft.prompt_style must be one of {sorted(PROMPT_RENDERERS)}, got '{prompt_style}'"
+        )
+    from gti.lm.vocab import SID_END, SID_START
+
+    vocab = tokenizer.get_vocab()
+    wrap = (vocab[SID_START], vocab[SID_END]) if SID_START in vocab and SID_END in vocab else None
+    return RecRenderer(
+        tokenizer=tokenizer, sid_ids=sid_ids, system_prompt=system_prompt, max_len=max_len,
+        eot_ids=list(end_of_turn_ids(tokenizer)), templates=templates,
+        render=PROMPT_RENDERERS[prompt_style], sid_wrap=wrap,
+    )
+
+
 __all__ = [
     "DEFAULT_GROUNDING_TEMPLATES", "IGNORE", "REC_TEMPLATES", "TASKS", "ChatSkeleton", "PairRenderer",
     "chat_skeleton", "end_of_turn_ids", "fit_segments", "parse_template", "render_rec_prompt",
-    "render_compact_prompt", "PROMPT_RENDERERS",
+    "render_compact_prompt", "PROMPT_RENDERERS", "RecRenderer", "make_renderer", "sid_id_table", "SEQ_TASK",
+    "ROW_COLUMNS",
 ]

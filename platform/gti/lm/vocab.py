@@ -44,7 +44,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from gti.config import ConfigError
+from gti.errors import ConfigError
 
 SID_START = "<sid_start>"
 SID_END = "<sid_end>"

@@ -48,6 +48,7 @@ import torch
 
 from gti.errors import DataError
 from gti.sid.codec import SidCodec
+from gti.sid.mapfile import sid_map_hash
 
 VERSION_SUFFIX = ".version.json"
 SCHEMA_VERSION = 1
@@ -60,13 +61,8 @@ class UnrelatedSidMapError(DataError):
 
 # --------------------------------------------------------------------------- hashes
 def map_hash(table: pa.Table) -> str:
-    """`sid_map_hash` of a map table (item_id -> sid, independent of row order).
-
-    The function itself lives in the `sid` stage module for now; it is imported lazily (it
-    imports no Ray) and should move next to this module with the stage-layer redesign.
-    """
-    from gti.stages.sid import sid_map_hash
-
+    """`sid_map_hash` of a map table (item_id -> sid, independent of row order): the hash the
+    `sid` stage records (`gti.sid.mapfile.sid_map_hash`)."""
     return sid_map_hash(table.column("item_id").combine_chunks().cast(pa.string()),
                         table.column("sid").combine_chunks().cast(pa.string()))
 
@@ -317,7 +313,7 @@ def version_path(map_path: str | Path) -> Path:
 
 def write_version(map_path: str | Path, version: SidMapVersion) -> Path:
     """Write the record beside the map (atomically) and return its path."""
-    from gti.manifest import atomic_write_bytes
+    from gti.files import atomic_write_bytes
 
     path = version_path(map_path)
     atomic_write_bytes(path, (json.dumps(version.to_dict(), indent=1, sort_keys=True) + "\n").encode())
@@ -352,7 +348,7 @@ class LineageDir:
         self.folder = Path(folder)
 
     def add(self, version: SidMapVersion, table: pa.Table | None = None) -> None:
-        from gti.manifest import atomic_write_bytes
+        from gti.files import atomic_write_bytes
 
         self.folder.mkdir(parents=True, exist_ok=True)
         if table is not None:

@@ -1,6 +1,8 @@
 """Stage modules: the Ray shell around the pure building blocks.
 
-Each module exposes `run(ctx: gti.pipeline.StageContext) -> gti.pipeline.StageResult` and may
+Each module exposes `run(ctx: gti.contract.StageContext) -> gti.contract.StageResult` and may
 expose `input_fingerprints(cfg) -> dict[str, str]` for files it reads from outside the run dir.
-These are the only modules (with `gti.train.loop`) that import ray.
+A stage imports the contract, never the pipeline or another stage; `_ray.py` (starting or
+joining Ray) and `_chunks.py` (resumable chunked output) are the stages' shared infrastructure.
+With `gti.experiments` and `gti.train.driver` these are the only modules that import ray.
 """

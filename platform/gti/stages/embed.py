@@ -31,7 +31,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from gti.errors import DataError
-from gti.pipeline import StageContext, StageResult
+from gti.contract import StageContext, StageResult
 
 _TEXT_COLUMNS = ["item_id", "title", "description", "category", "attributes_text"]
 

@@ -51,7 +51,7 @@ import pyarrow as pa
 from gti import config as C
 from gti.errors import DataError
 from gti.manifest import atomic_write_json
-from gti.pipeline import StageContext, StageResult
+from gti.contract import StageContext, StageResult
 from gti.stages._chunks import ChunkedOutput
 from gti.train import sft_data
 
@@ -71,43 +71,23 @@ class Recommender:
 
     def __init__(self, model_dir: str, sid_map_path: str, sid_facts: dict, run_config: dict) -> None:
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from gti.eval.decode import override_generation_config
-        from gti.sid.codec import SidCodec
-        from gti.sid.trie import SidTrie
-        from gti.eval.recommend import check_sid_map_hash
+        from gti.run_artifacts import LoadedRun
 
         cfg = C.validate(run_config, "<evaluate worker config>")
         self.ec = cfg.eval
-        check_sid_map_hash(Path(model_dir), sid_facts["sid_map_hash"])
         self.device = torch.device("cuda" if self.ec.num_gpus > 0 and torch.cuda.is_available() else "cpu")
         if self.device.type == "cpu":
             from gti.devices import use_cpu_threads
 
             use_cpu_threads(self.ec.cpu_threads)
-        # model.dtype is honoured; on CUDA inference is bf16 either way.
-        bf16 = self.device.type == "cuda" or cfg.model.dtype == "bfloat16"
-        dtype = torch.bfloat16 if bf16 else torch.float32
-        trc = cfg.model.trust_remote_code
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trc)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            model_dir, use_safetensors=True, trust_remote_code=trc, dtype=dtype
-        ).to(self.device).eval()
-        override_generation_config(self.model)
-        tok = self.tokenizer
-        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        sid_map = pl.read_parquet(sid_map_path)
-        sid_ids = sft_data.sid_id_table(sid_map, SidCodec.from_facts(sid_facts), tok)
-        self.item_ids = sid_map["item_id"].to_list()
+        run = LoadedRun.open(model_dir=model_dir, sid_map_path=sid_map_path, sid_facts=sid_facts,
+                             cfg=cfg, device=self.device)
+        self.model, self.tokenizer, self.pad_id = run.model, run.tokenizer, run.pad_id
+        self.item_ids = run.item_ids
         self.row_of = {item: r for r, item in enumerate(self.item_ids)}
         # [N, L] SID token ids, row i = item_ids[i]; the trie's rows and score_catalog's columns.
-        self.mat = mat = torch.from_numpy(np.stack([sid_ids[i] for i in self.item_ids]))
-        self.levels = int(mat.shape[1])
-        self.trie = SidTrie(mat, int(mat.min()), int(mat.max()) + 1).to(self.device)
-        self.renderer = sft_data.make_renderer(
-            tok, sid_ids, cfg.pairs.system_prompt, cfg.sft.max_len, prompt_style=cfg.sft.prompt_style
-        )
+        self.mat, self.levels, self.trie, self.renderer = run.sid_matrix, run.levels, run.trie, run.renderer
         self.k = max(self.ec.ks)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
@@ -285,8 +265,8 @@ def format_ranks(split: str, ranks: dict[str, Any], label: str = "") -> str:
 def run(ctx: StageContext) -> StageResult:
     import ray
 
+    from gti.run_artifacts import check_sid_map_hash
     from gti.stages._ray import ensure_ray
-    from gti.eval.recommend import check_sid_map_hash
 
     cfg, ec = ctx.cfg, ctx.cfg.eval
     sid_facts = ctx.manifest("sid").facts

@@ -9,8 +9,8 @@ What it does, in order:
 2. Computes the initial rows with `gti.lm.init.init_rows` from the REAL old rows (input matrix;
    and output matrix for an untied head): `description` reads item text from `ingest` and codes
    from `sid`; `codebook` reads `sid/codebooks.safetensors`. Writes `e_new_init.safetensors`.
-3. If `ground.enabled` and `ground.steps > 0`: a `TorchTrainer` with `ground.num_workers`
-   workers runs `gti.train.loop.train_loop_per_worker` (task "ground": backbone and old rows
+3. If `ground.enabled` and `ground.steps > 0`: `gti.train.loop.fit` runs the shared loop on
+   `ground.num_workers` workers with the grounding hooks (`gti.train.ground_task`: backbone and old rows
    frozen, only the new rows in the DeepSpeed optimizer), fed by Ray Data shards of the train
    pairs; validation is constrained greedy text->SID exact match on `ground.val_samples`
    held-out title2sid/desc2sid pairs. Ray Train storage is `work_dir/ray_train`, run name
@@ -37,8 +37,10 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
+from gti.data.descriptions import description_text
 from gti.errors import DataError, GateError
-from gti.pipeline import StageContext, StageResult
+from gti.names import arm_name
+from gti.contract import StageContext, StageResult
 
 MODEL_DIR = "model"
 INIT_FILE = "e_new_init.safetensors"
@@ -62,8 +64,6 @@ def _item_codes(ctx: StageContext, levels: int) -> tuple[list[str], torch.Tensor
 def _description_token_ids(ctx: StageContext, tokenizer, item_ids: list[str]) -> list[list[int]]:
     """Token ids of each item's description (pseudo-description where it has none, exactly as
     the pairs stage words it), aligned with `item_ids`."""
-    from gti.stages.pairs import description_text
-
     path = ctx.input("ingest", "items")
     t = pq.read_table(path, columns=["item_id", "title", "description", "category", "attributes_text"]).to_pydict()
     pos = {iid: i for i, iid in enumerate(t["item_id"])}
@@ -148,9 +148,8 @@ def run(ctx: StageContext, run_name: str | None = None, callbacks: list | None =
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
-    from gti.lm import vocab
     from gti.sid.codec import SidCodec
-    from gti.train.loop import load_base_model
+    from gti.train.ground_task import export_grounded, load_base_model
 
     cfg, g = ctx.cfg, ctx.cfg.ground
     work = ctx.work_dir
@@ -179,7 +178,7 @@ def run(ctx: StageContext, run_name: str | None = None, callbacks: list | None =
     facts: dict[str, Any] = {
         "init_method": cfg.init.method,
         "grounded": grounded,
-        "arm": f"gti+{cfg.init.method}" if grounded else cfg.init.method,
+        "arm": arm_name(cfg.init.method, grounded),
         "new_token_ids": [first, end],
         "sid_token_ids": [first_sid, end_sid],
         "sid_map_hash": sf["sid_map_hash"],
@@ -196,8 +195,6 @@ def run(ctx: StageContext, run_name: str | None = None, callbacks: list | None =
     else:
         ctx.log("ground.enabled is false or ground.steps is 0: exporting the initialised rows")
 
-    vocab.attach_new_rows(model, first, n_new, init["e_new"], init.get("head_new"))
-    vocab.load_new_rows_state_dict(model, final)
     meta = {
         "stage": "ground",
         "sid_map_hash": sf["sid_map_hash"],
@@ -207,7 +204,7 @@ def run(ctx: StageContext, run_name: str | None = None, callbacks: list | None =
         "grounded": grounded,
         "steps_done": facts["steps_done"],
     }
-    vocab.export_model(model, tokenizer, work / MODEL_DIR, meta)
+    export_grounded(model, tokenizer, first, init, final, work / MODEL_DIR, meta)
     save_file({k: v.contiguous() for k, v in final.items()}, str(work / GROUND_FILE))
     # Training checkpoints are only needed to resume; the exported model replaces them.
     shutil.rmtree(work / RAY_DIR, ignore_errors=True)
@@ -224,6 +221,7 @@ def _ground(ctx: StageContext, init, first, end, first_sid, end_sid, codec, toke
 
     from gti.stages._ray import ensure_ray
     from gti.train.deepspeed_config import micro_batch
+    from gti.train import ground_task
     from gti.train.loop import fit, train_dataset_from_parquet
 
     cfg, g, work = ctx.cfg, ctx.cfg.ground, ctx.work_dir
@@ -242,6 +240,7 @@ def _ground(ctx: StageContext, init, first, end, first_sid, end_sid, codec, toke
     pad_id = int(tokenizer.pad_token_id)
     loop_config = {
         "task": "ground",
+        "hooks": ground_task.HOOKS,
         "run_config": cfg.model_dump(mode="json"),
         "pad_id": pad_id,
         "ground": {"init_path": str(work / INIT_FILE), "first_new_id": first, "n_new": end - first},

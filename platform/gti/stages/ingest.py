@@ -52,7 +52,7 @@ from gti.data.idset import IdSet
 from gti.data.sequences import build_sequences
 from gti.errors import DataError, GtiError, UnreadableFileError, user_error
 from gti.manifest import file_fingerprint
-from gti.pipeline import StageContext, StageResult
+from gti.contract import StageContext, StageResult
 
 ITEMS_OUT_SCHEMA = pa.schema([cat.ITEM_BATCH_SCHEMA.field(c) for c in cat.ITEMS_OUT_COLUMNS])
 ITEMS_Q_SCHEMA = pa.schema([cat.ITEM_BATCH_SCHEMA.field(c) for c in cat.QUARANTINE_COLUMNS])

@@ -44,8 +44,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from gti.data.descriptions import description_text
 from gti.errors import DataError, user_error
-from gti.pipeline import StageContext, StageResult
+from gti.contract import StageContext, StageResult
 
 TOKENIZER_DIR = "tokenizer"
 PAIRS_FILE = "pairs.parquet"
@@ -64,19 +65,6 @@ def is_val_item(item_id: str, seed: int, fraction: float) -> bool:
         return False
     h = hashlib.blake2b(f"{seed}\x00{item_id}".encode(), digest_size=8).digest()
     return int.from_bytes(h, "big") / 2.0**64 < fraction
-
-
-def description_text(title: str, description: str, category: str, attributes_text: str,
-                     max_chars: int) -> tuple[str, str]:
-    """(description used for the pairs, source): source is "description", "pseudo" or "title"."""
-    d = (description or "").strip()
-    src = "description"
-    if not d:
-        parts = [p.strip() for p in (category or "", attributes_text or "") if p and p.strip()]
-        d, src = (". ".join(parts), "pseudo") if parts else ((title or "").strip(), "title")
-    if len(d) > max_chars:
-        d = d[:max_chars].rstrip()
-    return d, src
 
 
 def same_id_order(items_path: str | Path, sid_path: str | Path, batch_rows: int = 65_536) -> bool:

@@ -32,8 +32,9 @@ from gti.diagnostics import geometry as G
 from gti.diagnostics import plots as P
 from gti.diagnostics.report import PHASES, RunRecord, build_report
 from gti.errors import DataError
+from gti.names import arm_name
 from gti.manifest import ManifestError, package_versions
-from gti.pipeline import StageContext, StageResult
+from gti.contract import StageContext, StageResult
 
 _PHASE_OUTPUT = {
     "init": ("ground", "init_embeddings"),
@@ -46,15 +47,10 @@ _PHASE_MODEL = {"init": "ground", "ground": "ground", "sft": "sft"}
 
 
 def arm_label(cfg) -> str:
-    """The run's name in reports: `report.label`, else derived from init / grounding / SFT."""
+    """The run's name in reports: `report.label`, else its arm (`gti.names.arm_name`)."""
     if cfg.report.label:
         return cfg.report.label
-    grounded = cfg.ground.enabled and cfg.ground.steps > 0
-    if grounded:
-        label = "gti" if cfg.init.method == "mean" else f"{cfg.init.method}+ground"
-    else:
-        label = cfg.init.method
-    return label + ("+multitask" if cfg.sft.multitask else "")
+    return arm_name(cfg.init.method, cfg.ground.enabled and cfg.ground.steps > 0, cfg.sft.multitask)
 
 
 def load_matrix(path: Path, key: str) -> np.ndarray:

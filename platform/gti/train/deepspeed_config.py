@@ -20,7 +20,7 @@ Choices, and why:
 - DeepSpeed's bf16 mode (bf16 module weights, fp32 master weights and optimizer state in the
   ZeRO optimizer) iff the model is held in bf16 (`model.dtype: bfloat16`, `bf16_weights`).
   `precision: bf16` is NOT DeepSpeed's business: it is autocast around the forward in the loop
-  (`gti.train.loop.make_forward`), with fp32 weights. fp16 is never used (no loss scaling).
+  (`gti.train.loss.make_forward`), with fp32 weights. fp16 is never used (no loss scaling).
 
 What it does not know: models, Ray, torch. It never imports deepspeed either.
 """

@@ -20,6 +20,8 @@ labelled tokens only, like HF without it), encoder-decoder models, and Ray.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
@@ -186,3 +188,36 @@ def check_labelled_loss(model, input_ids: Tensor, attention_mask: Tensor | None,
     ours = float(_labelled_loss(model, input_ids, attention_mask, labels))
     hf = float(model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss)
     return abs(ours - hf) <= atol + rtol * abs(hf), ours, hf
+
+
+# --------------------------------------------------------------------------- training forward
+def set_training_attention(model: torch.nn.Module, setting: str, use_gpu: bool) -> str | None:
+    """Apply `attn_implementation` ("auto": eager on CPU, unchanged on GPU) to the HF model
+    inside `model` (a peft wrapper's base model too). Returns what was set, None if nothing."""
+    impl = ("eager" if not use_gpu else None) if setting == "auto" else setting
+    lm = _causal_lm(model)
+    if impl is None or not callable(getattr(lm, "set_attn_implementation", None)):
+        return None
+    lm.set_attn_implementation(impl)
+    return impl
+
+
+def make_forward(model: torch.nn.Module, precision: str, device_type: str) -> Callable:
+    """(engine, batch) -> scalar loss for this model and resolved precision.
+
+    The loss is computed only at labelled positions (`gti.train.loss.labelled_loss`: last
+    hidden states gathered where the next label is not -100, then projected), which equals
+    the HF forward with `labels=`; models the shortcut cannot serve exactly fall back to the
+    HF forward. "bf16" runs the forward under bf16 autocast: weights, gradients and optimizer
+    state stay in their own dtype (fp32 unless model.dtype says otherwise).
+    """
+    fast = supports_labelled_loss(model)
+    autocast = precision == "bf16"
+
+    def forward(engine, b: dict[str, torch.Tensor]) -> torch.Tensor:
+        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=autocast):
+            if fast:
+                return labelled_loss(engine, b["input_ids"], b["attention_mask"], b["labels"])
+            return engine(input_ids=b["input_ids"], attention_mask=b["attention_mask"], labels=b["labels"]).loss
+
+    return forward

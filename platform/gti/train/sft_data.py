@@ -13,7 +13,8 @@ outside the answer, `prompt_ids`, `answer_ids`, all list<int32>, plus `task`).
 - Each training window gets one of the three retrieval templates, drawn by a seeded generator
   over the window order, so the mix is deterministic and independent of how rows are batched.
 - SID token ids come from the SID codec (one row of L ids per item), never from re-tokenising
-  rendered text; prompts are rendered through `gti.lm.templates.render_rec_prompt`.
+  rendered text; prompts and rows are rendered by `gti.lm.templates` (`RecRenderer`,
+  `make_renderer`, `sid_id_table`).
 - Over-long examples lose their OLDEST history items until they fit `max_len` (the target and
   the template are never cut).
 - The optional LC-Rec multitask mix appends grounding pairs (split "train") so that there are
@@ -21,26 +22,20 @@ outside the answer, `prompt_ids`, `answer_ids`, all list<int32>, plus `task`).
   asked for than exist), then shuffles the union with the same seed.
 
 What it does not know: Ray, devices, models, or where files live. It is pure polars/numpy and
-calls the tokenizer only through the templates module.
+never calls the tokenizer itself (rendering is `gti.lm.templates`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 import polars as pl
 
-from gti.config import ConfigError
+from gti.errors import ConfigError
 from gti.errors import DataError
-from gti.lm import templates as _templates
-
-# The paper's three retrieval templates (issue 5), defined once in gti.lm.templates.
-REC_TEMPLATES: tuple[str, ...] = _templates.REC_TEMPLATES
-SEQ_TASK = "seqrec"
-IGNORE = -100
-ROW_COLUMNS = ("task", "input_ids", "labels", "prompt_ids", "answer_ids")
+from gti.lm.templates import IGNORE, REC_TEMPLATES, ROW_COLUMNS, SEQ_TASK  # noqa: F401 - defined once there
 _SEQ_COLUMNS = ("user_id", "train_items", "valid_item", "test_item")
 
 
@@ -131,17 +126,6 @@ def sample_users(user_ids: Sequence[str], n: int | None, seed: int) -> list[str]
 
 
 # --------------------------------------------------------------------------- SID ids
-def sid_id_table(sid_map: pl.DataFrame, codec: Any, tokenizer: Any) -> dict[str, np.ndarray]:
-    """item_id -> int64[L] token ids of its SID, through `codec.token_ids` (never re-tokenised)."""
-    for col in ("item_id", "codes"):
-        if col not in sid_map.columns:
-            raise DataError(f"sid_map.parquet: missing column '{col}'")
-    codes = np.asarray(sid_map["codes"].to_list(), dtype=np.int64)
-    ids = codec.token_ids(codes, tokenizer)
-    ids = ids.numpy() if hasattr(ids, "numpy") else np.asarray(ids)
-    return dict(zip(sid_map["item_id"].to_list(), ids.astype(np.int64)))
-
-
 def check_items_known(frame: pl.DataFrame, sid_ids: dict[str, np.ndarray], what: str) -> None:
     """DataError naming the first item of `frame` (history/target) that has no SID."""
     items = pl.concat([frame["history"].explode(), frame["target"]]).drop_nulls().unique()
@@ -150,118 +134,6 @@ def check_items_known(frame: pl.DataFrame, sid_ids: dict[str, np.ndarray], what:
         raise DataError(
             f"{what}: item '{unknown[0]}' has no SID in sid_map.parquet ({unknown.len()} such items)"
         )
-
-
-# --------------------------------------------------------------------------- rendering
-RenderFn = Callable[[Any, list[list[int]], str, str], list[int]]
-
-
-def _default_render() -> RenderFn:
-    return _templates.render_rec_prompt
-
-
-@dataclass
-class RecRenderer:
-    """Renders (history, target) windows into token rows.
-
-    `sid_ids` maps item_id -> int[L] SID token ids; `eot_ids` are the ids that close the
-    assistant turn (appended to the answer so the model learns to stop). `render` is
-    `render_rec_prompt(tokenizer, history_sid_ids, template, system_prompt) -> prompt ids`
-    (up to and including the assistant header). `sid_wrap` = (<sid_start>, <sid_end>) ids when
-    the vocabulary has SID markers: history SIDs are wrapped, the answer is
-    [<sid_start>, SID, <sid_end>, eot], and an evaluation prompt ends with <sid_start> so that
-    decoding starts at the first SID token.
-    """
-
-    tokenizer: Any
-    sid_ids: dict[str, np.ndarray]
-    system_prompt: str
-    max_len: int
-    eot_ids: list[int]
-    templates: Sequence[str] = REC_TEMPLATES
-    render: RenderFn = field(default_factory=_default_render)
-    sid_wrap: tuple[int, int] | None = None
-
-    def _render(self, hist: list[list[int]], template: str) -> list[int]:
-        if self.sid_wrap is None:
-            return list(self.render(self.tokenizer, hist, template, self.system_prompt))
-        return list(self.render(self.tokenizer, hist, template, self.system_prompt, sid_wrap=self.sid_wrap))
-
-    def answer_ids(self, target: str) -> list[int]:
-        """SID ids of `target` (wrapped in markers if any) + end of turn."""
-        sid = self.sid_ids[target].tolist()
-        if self.sid_wrap is not None:
-            sid = [self.sid_wrap[0], *sid, self.sid_wrap[1]]
-        return sid + list(self.eot_ids)
-
-    def _prompt(self, history: Sequence[str], template: str, budget: int) -> tuple[list[int], int]:
-        """Prompt ids with as many of the newest history items as fit in `budget` tokens.
-
-        Returns (prompt_ids, number of history items kept)."""
-        hist = [self.sid_ids[i].tolist() for i in history]
-
-        def render(k: int) -> list[int]:
-            return self._render(hist[len(hist) - k :], template)
-
-        ids = render(len(hist))
-        if len(ids) <= budget:  # the common case: one render
-            return ids, len(hist)
-        # Binary search for the most newest-items that fit (prompt length grows with k).
-        lo, hi, best = 1, len(hist) - 1, None
-        while lo <= hi:
-            mid = (lo + hi) // 2
-            cand = render(mid)
-            if len(cand) <= budget:
-                best, lo = (cand, mid), mid + 1
-            else:
-                hi = mid - 1
-        if best is None:
-            raise ConfigError(
-                f"sft.max_len={self.max_len} is too small: a prompt with one history item "
-                f"needs {len(render(1))} tokens plus {self.max_len - budget} for the answer"
-            )
-        return best
-
-    def prompt(self, history: Sequence[str], template_idx: int = 0) -> tuple[list[int], int]:
-        """Evaluation prompt: ids leaving room for one SID answer + end of turn (ending with
-        <sid_start> when the vocabulary has markers). Returns (ids, history items kept)."""
-        answer_len = len(self.answer_ids(next(iter(self.sid_ids))))
-        ids, kept = self._prompt(history, self.templates[template_idx], self.max_len - answer_len)
-        if self.sid_wrap is not None:
-            ids = ids + [self.sid_wrap[0]]
-        return ids, kept
-
-    def example(self, history: Sequence[str], target: str, template_idx: int) -> dict[str, Any]:
-        """One training row: input_ids = prompt + answer, labels = -100 on the prompt."""
-        answer = self.answer_ids(target)
-        prompt, kept = self._prompt(history, self.templates[template_idx], self.max_len - len(answer))
-        return {
-            "task": SEQ_TASK,
-            "input_ids": prompt + answer,
-            "labels": [IGNORE] * len(prompt) + answer,
-            "prompt_ids": prompt,
-            "answer_ids": answer,
-            "history_kept": kept,
-        }
-
-    def render_windows(self, windows: dict[str, Any]) -> dict[str, list]:
-        """Batch form (columns history, target, template) for `map_batches` / plain use."""
-        rows = [
-            self.example(list(h), str(t), int(k))
-            for h, t, k in zip(windows["history"], windows["target"], windows["template"])
-        ]
-        return {c: [r[c] for r in rows] for c in (*ROW_COLUMNS, "history_kept")}
-
-    def render_prompts(self, windows: dict[str, Any]) -> dict[str, list]:
-        """Batch form of evaluation prompts (columns user_id, split, history, target)."""
-        out: dict[str, list] = {"user_id": [], "split": [], "prompt_ids": [], "target": []}
-        for u, s, h, t in zip(windows["user_id"], windows["split"], windows["history"], windows["target"]):
-            ids, _ = self.prompt(list(h))
-            out["user_id"].append(str(u))
-            out["split"].append(str(s))
-            out["prompt_ids"].append(ids)
-            out["target"].append(str(t))
-        return out
 
 
 def rows_frame(rows: dict[str, list]) -> pl.DataFrame:
@@ -314,26 +186,3 @@ def multitask_mix(
     mixed = mixed[rng.permutation(mixed.height)]
     tasks = dict(mixed.group_by("task").len().sort("task").iter_rows())
     return mixed, MixStats(seq_rows.height, n_avail, n_long, n_used, tasks)
-
-
-def make_renderer(
-    tokenizer: Any, sid_ids: dict[str, np.ndarray], system_prompt: str, max_len: int,
-    templates: Sequence[str] = REC_TEMPLATES, prompt_style: str = "chat",
-) -> RecRenderer:
-    """A `RecRenderer` wired to `gti.lm.templates` (chat-template or compact rendering,
-    end-of-turn ids); `prompt_style` is `sft.prompt_style` ("chat" | "compact").
-
-    SID markers are used iff the tokenizer has them (`model.sid_markers` added them)."""
-    if prompt_style not in _templates.PROMPT_RENDERERS:
-        raise ConfigError(
-            f"sft.prompt_style must be one of {sorted(_templates.PROMPT_RENDERERS)}, got '{prompt_style}'"
-        )
-    from gti.lm.vocab import SID_END, SID_START
-
-    vocab = tokenizer.get_vocab()
-    wrap = (vocab[SID_START], vocab[SID_END]) if SID_START in vocab and SID_END in vocab else None
-    return RecRenderer(
-        tokenizer=tokenizer, sid_ids=sid_ids, system_prompt=system_prompt, max_len=max_len,
-        eot_ids=list(_templates.end_of_turn_ids(tokenizer)), templates=templates,
-        render=_templates.PROMPT_RENDERERS[prompt_style], sid_wrap=wrap,
-    )

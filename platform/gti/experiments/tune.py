@@ -7,7 +7,8 @@ writing the best setting as a complete, valid run config to `run_dir/tune/best.y
 
 How a trial runs (the Train V2 interop pattern): the trial function is a *driver* that builds
 the grounding `TorchTrainer` itself, through the grounding stage's own code
-(`gti.stages.ground.run(ctx, run_name=..., callbacks=[TuneReportCallback()])`), so the trial
+(`gti.pipeline.run_detached("ground", cfg, <trial>/ground, run_name=..., callbacks=[TuneReportCallback()])`,
+which calls the stage's `run(ctx, run_name=..., callbacks=...)`), so the trial
 trains exactly what `gti run` trains. The Train run's name is derived from the trial's index
 and its sampled parameters (`ground-t003-1a2b3c4d`), and its storage is the trial's folder under
 `run_dir/tune/trials/<name>/`; with the seeded searcher the same sweep re-creates the same names,
@@ -31,7 +32,7 @@ plus a CPU of headroom for its Ray Data tasks: see gti.train.resources), capped 
 `tune.num_samples` and `tune.max_concurrent_trials`.
 
 What it does NOT know: how grounding trains (that is `gti.stages.ground` and
-`gti.train.loop`), or how stages are fingerprinted (that is `gti.pipeline`).
+`gti.train`), or how stages are fingerprinted (that is `gti.pipeline`).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ import yaml
 from gti import config as C
 from gti import pipeline
 from gti.errors import GtiError
+from gti.experiments.shared import adopt_shared
 from gti.train import resources
 
 TUNE_DIR = "tune"
@@ -218,8 +220,6 @@ def ground_trial(params: dict[str, Any], base_raw: dict[str, Any], keys: list[st
     import ray.tune
     from ray.tune.integration.ray_train import TuneReportCallback
 
-    from gti.stages import ground
-
     chosen = {k: params[k] for k in keys}
     cfg = apply_params(base_raw, chosen, "<tune trial>")
     run_dir = cfg.resolved_run_dir()
@@ -229,19 +229,12 @@ def ground_trial(params: dict[str, Any], base_raw: dict[str, Any], keys: list[st
     (trial / "params.json").write_text(json.dumps(chosen, sort_keys=True, indent=1))
 
     if cfg.tune.objective == "grounding":
-        spec = pipeline.spec("ground")
-        fp, _ = pipeline.fingerprint(spec, cfg, run_dir)
-        ctx = pipeline.StageContext(
-            spec=spec, cfg=cfg, run_dir=run_dir, work_dir=trial / "ground", fingerprint=fp
-        )
-        ctx.work_dir.mkdir(parents=True, exist_ok=True)
-        result = ground.run(ctx, run_name=name, callbacks=[TuneReportCallback()])
+        result = pipeline.run_detached("ground", cfg, trial / "ground", run_name=name,
+                                       callbacks=[TuneReportCallback()])
         (trial / "facts.json").write_text(json.dumps(result.facts, indent=1, default=str))
         return
 
     # objective == "sft": a short ground -> sft -> evaluate in the trial's own run folder.
-    from gti.stages.compare import adopt_shared
-
     trial_run = trial / "run"
     adopt_shared(run_dir, trial_run)
     tcfg = cfg.model_copy(update={"run_dir": str(trial_run)})
@@ -348,8 +341,9 @@ def rewrite_trial_curves(cfg: C.RunConfig, run_dir: Path, grid, keys: list[str])
     sweep is over (TensorBoard only: an MLflow run of a stopped trial keeps its live points).
     """
     from gti.progress import JsonlFollower
-    from gti.stages.ground import RAY_DIR
+    from gti.stages.ground import RAY_DIR  # the ground stage's Train storage folder
     from gti.tracking import Tracker
+    from gti.train.driver import progress_path
 
     tb_only = cfg.model_copy(update={"tracking": cfg.tracking.model_copy(update={"mlflow": False})})
     for r in grid:
@@ -357,7 +351,7 @@ def rewrite_trial_curves(cfg: C.RunConfig, run_dir: Path, grid, keys: list[str])
         if trial_id is None:
             continue
         name = trial_run_name(trial_id, {k: r.config[k] for k in keys})
-        progress = _trial_dir(run_dir, name) / "ground" / RAY_DIR / f"{name}.progress.jsonl"
+        progress = progress_path(_trial_dir(run_dir, name) / "ground" / RAY_DIR, name)
         if progress.is_file() and cfg.tracking.tensorboard:
             with Tracker(tb_only, run_dir, f"tune/{name}", fresh=True) as tracker:
                 JsonlFollower(progress, tracker.report).drain()

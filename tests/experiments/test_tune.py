@@ -1,4 +1,4 @@
-"""gti.stages.tune: search-space parsing (fast, no Ray), resource arithmetic, trial naming, and a
+"""gti.experiments.tune: search-space parsing (fast, no Ray), resource arithmetic, trial naming, and a
 real 2-trial sweep on the tiny config whose best.yaml is a valid config inside the space."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from gti import config as C
-from gti.stages import tune as T
+from gti.experiments import tune as T
 from gti.tracking import read_scalars
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""Tests of gti/stages/compare.py: arm overrides, shared stages built once, resume, one report.
+"""Tests of gti/experiments/compare.py: arm overrides, shared stages built once, resume, one report.
 
 The unit tests drive the real pipeline and the real `report` stage with fast fake modules for
 the other stages (writing the documented outputs), so the harness logic is tested without
@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from gti import config, pipeline
-from gti.stages import compare as CMP
+from gti.experiments import compare as CMP
 
 ROOT = Path(__file__).resolve().parents[2]
 SIZES = [6, 6]
@@ -375,7 +375,7 @@ def test_write_report_has_ranks_cold_curves_and_wall_time(tmp_path):
     assert rec.curves["val_mrr"] == [[5, pytest.approx(0.25)], [10, pytest.approx(0.3)]]
     assert rec.timing == {"grounding": True, "ground_s": 40.0, "ground_compute_s": 30.0,
                           "sft_s": 60.0, "sft_compute_s": 50.0}
-    facts = CMP._run_facts(runs[1])
+    facts = CMP.run_facts(runs[1])
     assert facts["ground_s"] == 40.0 and facts["sft_s"] == 60.0 and facts["ground_steps"] == 7
 
     paths = CMP.write_report(runs, cfg, out, "T")
@@ -406,7 +406,7 @@ def test_write_report_on_old_runs(tmp_path):
     for r in runs:
         _write_run(r, new_fields=False)
     assert CMP.load_record(runs[0]).timing == {}
-    assert "ground_s" not in CMP._run_facts(runs[0])
+    assert "ground_s" not in CMP.run_facts(runs[0])
     doc = json.loads(CMP.write_report(runs, cfg, out, "T")["json"].read_text())
     assert {r["name"] for r in doc["metrics"]} == {"recall@10", "invalid_sid_rate"}
     assert doc["cold"]["rows"] == [] and doc["wall_time"] == {}

@@ -1,0 +1,216 @@
+"""One loaded run: a trained model folder with its tokenizer, the SID map it was trained on,
+the catalog's SID trie and the prompt renderer, checked against each other.
+
+What it is for: `LoadedRun.open(run_dir)` (what `gti recommend` needs: the newest exported
+model, `sft/model` else `ground/model`, located through the stage manifests; the `sid` stage's
+map; titles from `ingest`; the config the model stage ran with) and `LoadedRun.open(model_dir=,
+sid_map_path=, sid_facts=, cfg=)` (what the evaluate stage's actors need: the folders named by
+the stage context). Either way the model's `gti_meta.json` `sid_map_hash` must equal the SID
+map's: `LoadedRun.check_sid_map` is that one check (a model trained on another SID map would
+name the wrong items, a `StaleSidMapError`, never a silent mismatch); the sft stage and the
+evaluate driver call it before they start anything. `recommend(run_dir, history, k)` and
+`cli_main` are `gti recommend` (decoding through `gti.eval.recommend.top_k`).
+
+Weights load from safetensors only; fp32 on CPU, bf16 on CUDA (or where `model.dtype` says).
+
+What it does NOT know: training, metrics, or Ray. It reads the run's files and config only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import polars as pl
+
+from gti import config as C
+from gti.errors import GtiError
+from gti.manifest import MANIFEST_NAME, Manifest
+
+MODEL_STAGES = ("sft", "ground")
+
+
+class StaleSidMapError(GtiError):
+    """The model folder was trained with another SID map than the run's `sid` stage."""
+
+
+class RunDirError(GtiError):
+    """The run directory lacks what `recommend` needs (a model, a SID map)."""
+
+
+def find_model_dir(run_dir: Path) -> tuple[str, Path]:
+    """(stage, folder) of the newest exported model: sft, else ground."""
+    for stage in MODEL_STAGES:
+        stage_dir = run_dir / stage
+        if (stage_dir / MANIFEST_NAME).is_file():
+            man = Manifest.read(stage_dir)
+            if "model" in man.outputs:
+                path = man.output(stage_dir, "model")
+                if (path / "config.json").is_file():
+                    return stage, path
+        elif (stage_dir / "model" / "config.json").is_file():
+            return stage, stage_dir / "model"
+    raise RunDirError(
+        f"{run_dir}: no exported model (looked for {' and '.join(f'{s}/model' for s in MODEL_STAGES)}); "
+        "run the pipeline through 'ground' or 'sft' first"
+    )
+
+
+def run_config(run_dir: Path, stage: str) -> C.RunConfig:
+    """The config the model stage ran with (its config.yaml), else the run's, else defaults."""
+    for path in (run_dir / stage / "config.yaml", run_dir / "config.yaml"):
+        if path.is_file():
+            return C.load(path)
+    return C.RunConfig()
+
+
+def catalog_titles(run_dir: Path) -> dict[str, str]:
+    """item_id -> title from the run's ingest stage ({} without one)."""
+    ingest = run_dir / "ingest"
+    if not (ingest / MANIFEST_NAME).is_file():
+        return {}
+    man = Manifest.read(ingest)
+    if "items" not in man.outputs:
+        return {}
+    items = pl.read_parquet(man.output(ingest, "items"), columns=["item_id", "title"])
+    return dict(zip(items["item_id"].to_list(), (t or "" for t in items["title"].to_list())))
+
+
+@dataclass
+class LoadedRun:
+    """A model with everything needed to decode items from it (see the module docstring)."""
+
+    model_dir: Path
+    model: Any
+    tokenizer: Any
+    cfg: C.RunConfig
+    item_ids: list[str]  # trie row i = item_ids[i]
+    sids: list[str]
+    sid_ids: dict[str, np.ndarray]  # item_id -> int64[L] SID token ids
+    sid_matrix: Any  # LongTensor [N, L]: the trie's rows (and score_catalog's columns)
+    trie: Any
+    renderer: Any
+    pad_id: int
+    levels: int
+    run_dir: Path | None = None
+    model_stage: str | None = None
+    titles: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def max_history(self) -> int:
+        return self.cfg.data.max_history
+
+    @property
+    def beam_width(self) -> int:
+        return self.cfg.eval.beam_width
+
+    @staticmethod
+    def check_sid_map(model_dir: Path, sid_map_hash: str) -> None:
+        """StaleSidMapError unless `model_dir/gti_meta.json` records `sid_map_hash`: the one
+        check that a model and a SID map belong together."""
+        from gti.lm.vocab import read_meta
+
+        got = read_meta(model_dir).get("sid_map_hash")
+        if got != sid_map_hash:
+            raise StaleSidMapError(
+                f"{model_dir}/gti_meta.json has sid_map_hash {got or '<none recorded>'} but the sid stage's "
+                f"sid_map_hash is {sid_map_hash}: stale SID map, rerun the stages after 'sid'"
+            )
+
+    @classmethod
+    def open(cls, run_dir: str | Path | None = None, *, model_dir: str | Path | None = None,
+             sid_map_path: str | Path | None = None, sid_facts: dict | None = None,
+             cfg: C.RunConfig | None = None, device: Any = None) -> "LoadedRun":
+        """Load a run from `run_dir`, or from an explicit model folder, SID map file, sid
+        facts and config; the SID map hash is checked before the model is loaded."""
+        stage, titles = None, {}
+        if run_dir is not None:
+            run_dir = Path(run_dir).expanduser().resolve()
+            if not run_dir.is_dir():
+                raise RunDirError(f"run directory not found: {run_dir}")
+            stage, model_dir = find_model_dir(run_dir)
+            sid_dir = run_dir / "sid"
+            if not (sid_dir / MANIFEST_NAME).is_file():
+                raise RunDirError(f"{run_dir}: no finished sid stage ({sid_dir / MANIFEST_NAME} missing)")
+            sid_man = Manifest.read(sid_dir)
+            sid_facts, sid_map_path = sid_man.facts, sid_man.output(sid_dir, "sid_map")
+            cfg = run_config(run_dir, stage)
+            titles = catalog_titles(run_dir)
+        if model_dir is None or sid_map_path is None or sid_facts is None:
+            raise RunDirError("LoadedRun.open needs a run_dir, or model_dir, sid_map_path and sid_facts")
+        model_dir = Path(model_dir)
+        cls.check_sid_map(model_dir, sid_facts["sid_map_hash"])
+        return cls._load(model_dir, Path(sid_map_path), sid_facts, cfg or C.RunConfig(), device,
+                         run_dir=run_dir, model_stage=stage, titles=titles)
+
+    @classmethod
+    def _load(cls, model_dir: Path, sid_map_path: Path, sid_facts: dict, cfg: C.RunConfig, device: Any,
+              **where: Any) -> "LoadedRun":
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from gti.eval.decode import override_generation_config
+        from gti.lm import templates
+        from gti.sid.codec import SidCodec
+        from gti.sid.trie import SidTrie
+
+        trc = cfg.model.trust_remote_code
+        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        tok = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trc)
+        # model.dtype is honoured; on CUDA inference is bf16 either way.
+        bf16 = dev.type == "cuda" or cfg.model.dtype == "bfloat16"
+        model = AutoModelForCausalLM.from_pretrained(
+            str(model_dir), use_safetensors=True, trust_remote_code=trc,
+            dtype=torch.bfloat16 if bf16 else torch.float32,
+        ).to(dev).eval()
+        override_generation_config(model)
+        sid_map = pl.read_parquet(sid_map_path)
+        codec = SidCodec.from_facts(sid_facts)
+        sid_ids = templates.sid_id_table(sid_map, codec, tok)
+        item_ids = sid_map["item_id"].to_list()
+        mat = torch.from_numpy(np.stack([sid_ids[i] for i in item_ids]))
+        sids = sid_map["sid"].to_list() if "sid" in sid_map.columns else codec.to_strings(sid_map["codes"].to_list())
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        return cls(
+            model_dir=model_dir, model=model, tokenizer=tok, cfg=cfg, item_ids=item_ids, sids=sids,
+            sid_ids=sid_ids, sid_matrix=mat, trie=SidTrie(mat, int(mat.min()), int(mat.max()) + 1).to(dev),
+            renderer=templates.make_renderer(tok, sid_ids, cfg.pairs.system_prompt, cfg.sft.max_len,
+                                             prompt_style=cfg.sft.prompt_style),
+            pad_id=int(pad if pad is not None else 0), levels=int(mat.shape[1]), **where,
+        )
+
+    def recommend(self, history: Sequence[str], k: int = 10) -> list[dict[str, Any]]:
+        """Top-k items for `history` (item ids, oldest first), best first:
+        [{"item_id", "title", "score", "sid"}]; score = sum of the SID tokens' log-probs."""
+        from gti.eval.recommend import top_k
+
+        return top_k(self, history, k, where=f"{self.run_dir or self.model_dir}/sid")
+
+
+def check_sid_map_hash(model_dir: Path, sid_map_hash: str) -> None:
+    """`LoadedRun.check_sid_map` (for the stages that check before they load anything)."""
+    LoadedRun.check_sid_map(Path(model_dir), sid_map_hash)
+
+
+def load_recommender(run_dir: str | Path, device: str | None = None) -> LoadedRun:
+    """`LoadedRun.open(run_dir)`: model, tokenizer, SID map and titles of a finished run."""
+    return LoadedRun.open(run_dir, device=device)
+
+
+def recommend(run_dir: str | Path, history: Sequence[str], k: int = 10) -> list[dict[str, Any]]:
+    """Top-k items [{"item_id", "title", "score", "sid"}] for `history` (oldest first)."""
+    return LoadedRun.open(run_dir).recommend(history, k)
+
+
+def cli_main(args) -> int:
+    """`gti recommend`: args.run_dir, args.history (comma-separated ids), args.k."""
+    from gti.eval.recommend import format_recommendations
+
+    history = [h.strip() for h in str(args.history).split(",") if h.strip()]
+    run = LoadedRun.open(args.run_dir)
+    recs = run.recommend(history, int(args.k))
+    print(f"run {run.run_dir} (model: {run.model_stage}), history: {', '.join(history)}")
+    print(format_recommendations(recs))
+    return 0

@@ -1,0 +1,238 @@
+"""The RQ-VAE training task: the worker loop that trains the `sid` stage's quantiser.
+
+What it is for: `train_rqvae(sid_cfg, seed, emb_path, init_model, n_items, storage, log)` trains
+the RQ-VAE on `sid.num_workers` Ray Train workers through the one driver
+(`gti.train.driver.run_trainer`: TorchTrainer, RunConfig, checkpoints, failure handling,
+progress) and returns (trained model, epoch history). `sid_train_loop` is the worker: DDP
+(gloo on CPU, nccl on GPU) over shards of the embeddings; per epoch the workers all-reduce
+code usage, re-seed dead codes (rank 0's choice is broadcast), report metrics and a checkpoint
+(the quantiser, its AdamW state and the epoch history), so a rerun after a killed driver
+resumes from the last epoch. Every worker starts from the same k-means codebooks (the stage
+fits them on the driver) and the shuffle is seeded, so a run is deterministic for a seed.
+
+What it does not know: how embeddings were made, how codes are assigned or de-duplicated (the
+`sid` stage), or Ray's API (only `gti.train.driver` calls it).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from gti.sid.quantizer import load_quantizer, save_quantizer
+from gti.train import driver
+
+STATE_FILE = "train_state.json"
+OPTIM_FILE = "optimizer.safetensors"
+RUN_NAME = "rqvae"
+
+
+# --------------------------------------------------------------------------- checkpoints
+def _save_optimizer(opt: torch.optim.Optimizer, path: Path) -> None:
+    from safetensors.torch import save_file
+
+    flat = {}
+    for idx, st in opt.state_dict()["state"].items():
+        for k, v in st.items():
+            flat[f"{idx}.{k}"] = torch.as_tensor(v).detach().cpu().contiguous()
+    save_file(flat, str(path))
+
+
+def _load_optimizer(opt: torch.optim.Optimizer, path: Path) -> None:
+    from safetensors.torch import load_file
+
+    flat = load_file(str(path))
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for key, v in flat.items():
+        idx, name = key.split(".", 1)
+        state.setdefault(int(idx), {})[name] = v
+    sd = opt.state_dict()
+    sd["state"] = state
+    opt.load_state_dict(sd)
+
+
+def _restore(model, opt) -> tuple[int, list[dict]]:
+    """(start epoch, history) from the latest checkpoint, loading model and optimizer state."""
+    with driver.latest_checkpoint() as d:
+        if d is None:
+            return 0, []
+        model.load_state_dict(load_quantizer(d).state_dict())
+        _load_optimizer(opt, d / OPTIM_FILE)
+        st = json.loads((d / STATE_FILE).read_text())
+        return int(st["epoch"]), list(st["history"])
+
+
+def _save(core, opt, device, epoch: int, history: list[dict], metrics: dict, config: dict) -> None:
+    """Rank 0: the epoch's progress line and checkpoint (quantiser, optimizer, history)."""
+    if config.get("progress_file"):
+        # The driver follows this file for the epoch progress line (gti.progress).
+        with open(config["progress_file"], "a") as fh:
+            fh.write(json.dumps({**metrics, "wall_time": time.time()}) + "\n")
+    with tempfile.TemporaryDirectory() as d:
+        save_quantizer(core.cpu() if device.type != "cpu" else core, d)
+        core.to(device)
+        _save_optimizer(opt, Path(d) / OPTIM_FILE)
+        (Path(d) / STATE_FILE).write_text(json.dumps({"epoch": epoch + 1, "history": history}))
+        driver.report(metrics, checkpoint_dir=d)
+
+
+# --------------------------------------------------------------------------- the worker loop
+def _run_epoch(ddp, core, opt, shard, config, epoch, world, device, window, step):
+    """One pass over the shard: (code counts [L, K], loss sums [5], last residuals, revived
+    per level, step)."""
+    levels, k = core.cfg.levels, core.cfg.codebook_size
+    every = int(config.get("revive_every_steps", 0))
+    counts = torch.zeros(levels, k, dtype=torch.float64, device=device)
+    sums = torch.zeros(5, dtype=torch.float64, device=device)  # loss, recon, quant, div, n
+    last_res = None
+    revived = [0] * levels
+    for batch in shard.iter_torch_batches(
+        batch_size=config["batch_size"],
+        local_shuffle_buffer_size=config["shuffle_buffer"],
+        local_shuffle_seed=config["seed"] * 100003 + epoch,
+        device=device,
+    ):
+        x = batch["embedding"].float()
+        out = ddp(x)
+        opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        opt.step()
+        n = x.shape[0]
+        used = torch.stack(
+            [torch.bincount(out.codes[:, lv], minlength=k) for lv in range(levels)]
+        ).to(counts.dtype)
+        counts += used
+        step += 1
+        if every > 0:
+            window += used
+            if step % every == 0:
+                # Every worker has run the same number of steps (equal shards), so all
+                # reach this collective together.
+                got = _revive(core, window, out.residuals, config, step, world, opt)
+                revived = [a + b for a, b in zip(revived, got)]
+                window.zero_()
+        sums += torch.tensor(
+            [out.loss.item() * n, out.recon_loss.item() * n, out.quant_loss.item() * n,
+             out.diversity_loss.item() * n, n], dtype=torch.float64, device=device)
+        last_res = out.residuals
+    return counts, sums, last_res, revived, step
+
+
+def sid_train_loop(config: dict) -> None:
+    """Ray Train worker loop for the RQ-VAE (one call per worker).
+
+    config: model (RQVAEConfig dict), init_state (state dict with k-means codebooks), epochs,
+    batch_size (per worker), lr, weight_decay, dead_code_threshold, seed, shuffle_buffer,
+    revive_every_steps, progress_file.
+    """
+    import torch.distributed as dist
+
+    from gti.sid.rqvae import RQVAE, RQVAEConfig
+
+    rank, world = driver.worker_rank_world()
+    torch.manual_seed(config["seed"] * 1000 + rank)  # dropout differs per worker, as in DDP
+    model = RQVAE(RQVAEConfig(**config["model"]))
+    model.load_state_dict(config["init_state"])
+    opt = torch.optim.AdamW(model.parameters(), lr=config["lr"], weight_decay=config["weight_decay"])
+    start_epoch, history = _restore(model, opt)
+    device = driver.torch_device()
+    ddp = driver.prepare_ddp(model)
+    core = model  # prepare_model wraps in DDP but keeps (and moves) this module
+    levels, k = model.cfg.levels, model.cfg.codebook_size
+    shard = driver.dataset_shard("train")
+    every, step = int(config.get("revive_every_steps", 0)), 0
+    # Usage since the last revival when reviving every `every` steps (spans epochs).
+    window = torch.zeros(levels, k, dtype=torch.float64, device=device)
+    for epoch in range(start_epoch, config["epochs"]):
+        t0 = time.time()
+        core.train()
+        counts, sums, last_res, revived, step = _run_epoch(
+            ddp, core, opt, shard, config, epoch, world, device, window, step)
+        if world > 1:
+            dist.all_reduce(counts)
+            dist.all_reduce(sums)
+        if every == 0 and epoch < config["epochs"] - 1 and last_res is not None:
+            revived = _revive(core, counts, last_res, config, epoch, world, opt, reduced=True)
+        n = max(sums[4].item(), 1.0)
+        util = ((counts > 0).sum(1).double() / k).tolist()
+        metrics = {
+            "epoch": epoch + 1,
+            "loss": sums[0].item() / n,
+            "recon_loss": sums[1].item() / n,
+            "quant_loss": sums[2].item() / n,
+            "diversity_loss": sums[3].item() / n,
+            "utilisation": [round(u, 4) for u in util],
+            "revived": revived,
+            "items": int(n),
+            "epoch_s": round(time.time() - t0, 3),
+        }
+        history.append(metrics)
+        if rank == 0:
+            _save(core, opt, device, epoch, history, metrics, config)
+        else:
+            driver.report(metrics)
+
+
+def _revive(core, counts, residuals, config, salt, world, opt, reduced=False) -> list[int]:
+    """Dead-code revival shared by the per-epoch and per-window paths. `counts` [L, K] are
+    summed over workers first (unless `reduced`), so every rank picks the same dead codes;
+    each re-seeds them from its own batch, then rank 0's vectors are broadcast so the
+    replicas stay identical."""
+    import torch.distributed as dist
+
+    if world > 1 and not reduced:
+        counts = counts.clone()
+        dist.all_reduce(counts)
+    gen = torch.Generator().manual_seed(config["seed"] * 7919 + salt)
+    got = core.revive_dead_codes(counts, residuals, config["dead_code_threshold"], gen, opt)
+    if world > 1:
+        dist.broadcast(core.codebooks.data, src=0)
+    return got
+
+
+# --------------------------------------------------------------------------- driver side
+def _read_final(d: Path) -> tuple[Any, list[dict]]:
+    return load_quantizer(d), json.loads((d / STATE_FILE).read_text())["history"]
+
+
+def train_rqvae(s, seed: int, emb_path: Path, init_model, n_items: int, storage: Path,
+                log: Callable[[str], None]):
+    """Distributed RQ-VAE training (`s` = the `sid` config section); returns (trained model,
+    epoch history). A rerun with the same `storage` resumes from the last epoch."""
+    from gti.progress import Progress
+
+    ds = driver.read_parquet_dataset(emb_path, ["embedding"])
+    per_worker = max(1, s.batch_size // s.num_workers)
+    config = {
+        "model": init_model.cfg.to_dict(),
+        "init_state": {k: v.detach().cpu() for k, v in init_model.state_dict().items()},
+        "epochs": s.epochs,
+        "batch_size": per_worker,
+        "lr": s.lr,
+        "weight_decay": s.weight_decay,
+        "dead_code_threshold": s.dead_code_threshold,
+        "revive_every_steps": s.revive_every_steps,
+        "seed": seed,
+        "shuffle_buffer": min(max(4 * per_worker, 1024), max(n_items, 1)),
+    }
+    # Deterministic name: a rerun with the same storage resumes (Train V2 has no restore).
+    spec = driver.TrainerSpec(name=RUN_NAME, storage_path=storage, num_workers=s.num_workers,
+                              use_gpu=s.use_gpu, backend="nccl" if s.use_gpu else "gloo")
+    bar = Progress(s.epochs, "rqvae", "epochs", log=log, every_n=1)
+
+    def on_epoch(m: dict) -> None:
+        bar.set(int(m["epoch"]), f"loss {m['loss']:.5g} recon {m['recon_loss']:.5g} quant "
+                                 f"{m['quant_loss']:.5g} util {[round(u, 2) for u in m['utilisation']]} "
+                                 f"revived {sum(m['revived'])}", at=m.get("wall_time"))
+
+    with bar:
+        (model, history), _, _ = driver.run_trainer(sid_train_loop, config, {"train": ds}, spec,
+                                                    _read_final, progress=on_epoch)
+    if not history or history[-1]["epoch"] != s.epochs:
+        raise RuntimeError(f"RQ-VAE checkpoint is at epoch {history[-1]['epoch'] if history else 0}, expected {s.epochs}")
+    return model, history

@@ -1,0 +1,71 @@
+"""The contract between the shared training loop and a task (grounding, SFT), and what the
+tasks' hooks share.
+
+What it is for: `TaskHooks` (build the model, hand back its trainable tensors, validate),
+which each task defines in its own module (`gti.train.ground_task`, `gti.train.sft_task`) and
+passes to `gti.train.loop` in the worker config; and the helpers both tasks' hooks use:
+`full_fp32_cpu` (a parameter's full fp32 copy, ZeRO-aware), `rank_share` (equal validation
+shares per rank) and `load_trie` (the catalog's SID trie, cached per worker).
+
+What it does not know: how the loop steps, or any task's data.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Callable
+
+import torch
+
+
+@dataclass(frozen=True)
+class TaskHooks:
+    """What differs between tasks. All callables must be module-level (they are pickled).
+
+    build_model(config, run_cfg) -> nn.Module with requires_grad True exactly on the trainables.
+    trainable_state(module) -> {name: CPU float32 tensor}; called on EVERY rank (it may gather
+        ZeRO-3 partitions); rank 0's result is written to `trainable.safetensors`.
+    validate(module, config, rank, world) -> {metric: (numerator, denominator)}; called on every
+        rank with the module in eval mode under no_grad, each rank on its share (equal number
+        of forward passes per rank, which ZeRO-3 needs); the loop sums both over ranks.
+    """
+
+    build_model: Callable[[dict, Any], torch.nn.Module]
+    trainable_state: Callable[[torch.nn.Module], dict[str, torch.Tensor]]
+    validate: Callable[[torch.nn.Module, dict, int, int], dict[str, tuple[float, float]]] | None = None
+    grad_norm_key: str = "grad_norm"
+
+
+def full_fp32_cpu(p: torch.nn.Parameter) -> torch.Tensor:
+    """Full fp32 CPU copy of a parameter: DeepSpeed's fp32 master copy where one exists
+    (ZeRO 1-3, bf16 training), else the parameter itself, gathered under ZeRO-3. Collective
+    under ZeRO-3, so every rank must call it."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    from gti.lm import vocab
+
+    full = safe_get_full_fp32_param(p)
+    if full is None:
+        with vocab.gathered([p]):
+            full = p.detach().clone()
+    return full.detach().to("cpu", torch.float32).clone()
+
+
+def rank_share(n: int, rank: int, world: int) -> tuple[list[int], torch.Tensor]:
+    """Rows of an n-row validation table for `rank`: ceil(n/world) rows each, the last ranks
+    wrapping around, so every rank runs the same number of forward passes (ZeRO-3 needs that).
+    Returns (row indices, BoolTensor[per] marking the rows that count)."""
+    per = math.ceil(n / world)
+    idx = [rank * per + i for i in range(per)]
+    return [i % n for i in idx], torch.tensor([i < n for i in idx])
+
+
+@lru_cache(maxsize=4)
+def load_trie(path: str, new_start: int, new_end: int):
+    from safetensors.torch import load_file
+
+    from gti.sid.trie import SidTrie
+
+    return SidTrie(load_file(path)["sid_token_ids"], new_start, new_end)
