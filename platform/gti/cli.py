@@ -152,7 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("compare", help="run initialisation arms x seeds and write one report")
     _add_config_args(p)
     p.add_argument("--arms", default="mean,gti")
-    p.add_argument("--seeds", type=int, default=1)
+    p.add_argument("--seeds", default="1",
+                   help="seeds per arm: N, or N,ARM=M,... (e.g. 3,random=1)")
     p.add_argument("--out", default=None, help="output folder (default: <run_dir>/compare)")
     p.add_argument("--report-only", action="store_true",
                    help="run nothing: report on the finished runs and stored records")

@@ -69,6 +69,17 @@ def test_parse_arms_and_seeds_errors(tmp_path):
         ("mean", 10, "seed10", "mean"), ("gti+multitask", 10, "seed10", "gti_multitask"),
         ("mean", 11, "seed11", "mean"), ("gti+multitask", 11, "seed11", "gti_multitask"),
     ]
+    # Seeds per arm: the protocol (3 mean, 3 gti, 1 random), still seed-major.
+    assert CMP.parse_seeds("3,random=1", ["mean", "gti", "random"]) == {"mean": 3, "gti": 3, "random": 1}
+    assert CMP.parse_seeds("2", ["mean", "gti"]) == {"mean": 2, "gti": 2}
+    runs = CMP.plan(cfg, ["mean", "gti", "random"], "2,random=1", tmp_path / "out")
+    assert [(r.arm, r.seed) for r in runs] == [("mean", 10), ("gti", 10), ("random", 10), ("mean", 11), ("gti", 11)]
+    with pytest.raises(CMP.CompareError, match="'random=x' is not N or ARM=N"):
+        CMP.parse_seeds("3,random=x", ["mean", "random"])
+    with pytest.raises(CMP.CompareError, match="arm\\(s\\) gti that are not in --arms"):
+        CMP.parse_seeds("3,gti=1", ["mean", "random"])
+    with pytest.raises(CMP.CompareError, match="random=0"):
+        CMP.parse_seeds("3,random=0", ["mean", "random"])
 
 
 def test_auto_parallel_from_resources(tmp_path):
@@ -189,7 +200,7 @@ def test_compare_shares_stages_runs_arms_and_resumes(tmp_path, fake_stages, caps
     page = paths["html"].read_text()
     assert "<th>mean</th>" in page and "<th>gti</th>" in page
     assert page.count("data:image/png;base64,") >= 4
-    assert json.loads((out / "compare.json").read_text())["seeds"] == [0, 1]
+    assert json.loads((out / "compare.json").read_text())["seeds"] == {"mean": [0, 1], "gti": [0, 1]}
 
     # rerun: everything is up to date, no stage runs again
     fake_stages.calls.clear()

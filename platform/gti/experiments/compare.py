@@ -68,7 +68,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from gti import config as C
 from gti import pipeline
@@ -136,6 +136,34 @@ def seeds_for(cfg: C.RunConfig, n: int) -> list[int]:
     return [cfg.seed + i for i in range(n)]
 
 
+def parse_seeds(spec: int | str | Mapping[str, int], arms: Sequence[str]) -> dict[str, int]:
+    """Seeds per arm from `--seeds`: `3` (every arm), or `3,random=1` / `mean=3,gti=3,random=1`
+    (a default count and per-arm counts; an arm without one gets the default, 1 if none)."""
+    if isinstance(spec, Mapping):
+        counts = {a: int(spec.get(a, 1)) for a in arms}
+        unknown = sorted(set(spec) - set(arms))
+    else:
+        default, per_arm = 1, {}
+        for part in [p.strip() for p in str(spec).split(",") if p.strip()]:
+            key, eq, val = part.partition("=")
+            try:
+                n = int(val if eq else key)
+            except ValueError:
+                raise CompareError(f"--seeds: '{part}' is not N or ARM=N (e.g. 3 or 3,random=1)") from None
+            if eq:
+                per_arm[key.strip()] = n
+            else:
+                default = n
+        counts = {a: per_arm.get(a, default) for a in arms}
+        unknown = sorted(set(per_arm) - set(arms))
+    if unknown:
+        raise CompareError(f"--seeds names arm(s) {', '.join(unknown)} that are not in --arms {','.join(arms)}")
+    for arm, n in counts.items():
+        if n < 1:
+            raise CompareError(f"--seeds must be >= 1 for every arm, got {arm}={n}")
+    return counts
+
+
 def arm_config(cfg: C.RunConfig, arm: str, seed: int, run_dir: Path) -> C.RunConfig:
     """The validated config of one arm x seed run in `run_dir`."""
     raw = cfg.model_dump(mode="json")
@@ -143,15 +171,18 @@ def arm_config(cfg: C.RunConfig, arm: str, seed: int, run_dir: Path) -> C.RunCon
     return C.validate(C.apply_overrides(raw, ov), f"arm '{arm}' seed {seed}")
 
 
-def plan(cfg: C.RunConfig, arms: Sequence[str], n_seeds: int, out: Path) -> list[ArmRun]:
-    """All arm x seed runs, seed-major (every arm of seed s before any arm of seed s+1), with
-    their configs and run folders. Seed-major so that a comparison stopped part-way (a long CPU
-    run spans sessions) always holds complete, paired seeds to report on."""
+def plan(cfg: C.RunConfig, arms: Sequence[str], n_seeds: int | str | Mapping[str, int], out: Path) -> list[ArmRun]:
+    """All arm x seed runs, seed-major (every arm of seed s before any arm of seed s+1; an arm
+    with fewer seeds, `parse_seeds`, drops out after its last), with their configs and run
+    folders. Seed-major so that a comparison stopped part-way (a long CPU run spans sessions)
+    always holds complete, paired seeds to report on."""
+    counts = parse_seeds(n_seeds, arms)
     runs = []
-    for seed in seeds_for(cfg, n_seeds):
+    for seed in seeds_for(cfg, max(counts.values())):
         for arm in arms:
-            rd = out / "runs" / slug(arm) / f"seed{seed}"
-            runs.append(ArmRun(arm, seed, rd, arm_config(cfg, arm, seed, rd)))
+            if seed - cfg.seed < counts[arm]:
+                rd = out / "runs" / slug(arm) / f"seed{seed}"
+                runs.append(ArmRun(arm, seed, rd, arm_config(cfg, arm, seed, rd)))
     return runs
 
 
@@ -296,8 +327,8 @@ def write_report(
 
 # --------------------------------------------------------------------------- entry points
 def compare(
-    cfg: C.RunConfig, arms: Sequence[str], n_seeds: int, out: str | Path | None = None,
-    echo: Callable[[str], None] = _echo, report_only: bool = False,
+    cfg: C.RunConfig, arms: Sequence[str], n_seeds: int | str | Mapping[str, int],
+    out: str | Path | None = None, echo: Callable[[str], None] = _echo, report_only: bool = False,
 ) -> dict[str, Path]:
     """Shared stages once, every arm x seed (or its stored record), one report; returns the
     report paths. `report_only`: run nothing, report on what is finished or recorded."""
@@ -331,7 +362,7 @@ def compare(
             adopt_shared(shared_dir, r.run_dir)
     atomic_write_json(out / "compare.json", {
         "arms": {a: arm_overrides(cfg, a) for a in arms},
-        "seeds": seeds_for(cfg, n_seeds),
+        "seeds": {a: seeds_for(cfg, n) for a, n in parse_seeds(n_seeds, arms).items()},
         "equal_budget": cfg.compare.equal_budget,
         "shared_run_dir": str(shared_dir),
         "shared_identity": identity,
@@ -354,7 +385,8 @@ def compare(
     else:
         failures = execute(todo, cfg, echo, on_done=keep)
     ok = [r for r in runs if (r.arm, r.seed) not in failures]
-    title = f"gti comparison: {', '.join(arms)} x {n_seeds} seed(s)"
+    counts = parse_seeds(n_seeds, arms)
+    title = f"gti comparison: {', '.join(f'{a} x {counts[a]}' for a in arms)} seed(s)"
     paths = write_report(ok, cfg, out, title, stored) if ok else {}
     if failures:
         for (arm, seed), msg in failures.items():
@@ -367,11 +399,9 @@ def compare(
 
 def cli_main(args) -> int:
     cfg = C.load(args.config, list(getattr(args, "overrides", None) or []))
-    try:
-        n_seeds = int(args.seeds)
-    except (TypeError, ValueError):
-        raise CompareError(f"--seeds must be an integer, got '{args.seeds}'") from None
-    paths = compare(cfg, parse_arms(args.arms), n_seeds, getattr(args, "out", None),
+    arms = parse_arms(args.arms)
+    n_seeds = parse_seeds(args.seeds, arms)  # CompareError naming the bad part, before any work
+    paths = compare(cfg, arms, n_seeds, getattr(args, "out", None),
                     report_only=bool(getattr(args, "report_only", False)))
     print(paths["html"])
     return 0
