@@ -5,9 +5,15 @@ function `recommend(run_dir, history, k)`. It loads the exported model folder
 (`run_dir/sft/model`, falling back to `run_dir/ground/model`, located through the stage
 manifests; the tokenizer is saved in the same folder, weights from safetensors only), the SID
 map of the `sid` stage (through its manifest) and, when the ingest stage is there, item titles.
-Before decoding it checks that the model's `gti_meta.json` `sid_map_hash` equals the `sid`
-manifest's: a model trained on another SID map would name the wrong items, so that is a
-`StaleSidMapError`, never a silent mismatch.
+Before decoding it checks the SID map against the model (`gti.sid.lineage.check_model_map`):
+the map the model's `gti_meta.json` records, or one that descends from it (a refreshed version:
+same codebooks, old items unchanged). A model trained on an unrelated SID map would name the
+wrong items, so that is a `StaleSidMapError` naming both hashes, never a silent mismatch.
+
+After `gti refresh` the newest version is the default (`<run_dir>/refresh/v<k>/`: its map,
+its model, the titles of its new items), so a new item can be recommended; `version=0` (CLI
+`--version 0`) goes back to the run's own sid stage and model, `version=k` picks one, and
+`model_dir=` pairs any model with the chosen map (accepted only if the map descends from it).
 
 The prompt is rendered exactly as the evaluate stage renders it (first retrieval template,
 the run's system prompt, the newest `data.max_history` items, cut to `sft.max_len`), and the
@@ -29,12 +35,14 @@ import polars as pl
 from gti import config as C
 from gti.errors import DataError, GtiError
 from gti.manifest import MANIFEST_NAME, Manifest
+from gti.sid.versions import UnrelatedSidMapError
 
 MODEL_STAGES = ("sft", "ground")
 
 
-class StaleSidMapError(GtiError):
-    """The model folder was trained with another SID map than the run's `sid` stage."""
+# The model folder was trained with a SID map that the map in use does not descend from
+# (issue 15: one error class for the strict check below and gti.sid.lineage.check_model_map).
+StaleSidMapError = UnrelatedSidMapError
 
 
 class RunDirError(GtiError):
@@ -79,16 +87,39 @@ def _run_config(run_dir: Path, stage: str) -> C.RunConfig:
     return C.RunConfig()
 
 
-def _titles(run_dir: Path) -> dict[str, str]:
+def _titles(run_dir: Path, upto=None) -> dict[str, str]:
+    """Titles of the run's items, plus those of the new items of refresh versions up to `upto`."""
+    from gti.sid import lineage
+
+    paths = []
     ingest = run_dir / "ingest"
-    if not (ingest / MANIFEST_NAME).is_file():
-        return {}
-    man = Manifest.read(ingest)
-    if "items" not in man.outputs:
-        return {}
-    path = man.output(ingest, "items")
-    items = pl.read_parquet(path, columns=["item_id", "title"])
-    return dict(zip(items["item_id"].to_list(), (t or "" for t in items["title"].to_list())))
+    if (ingest / MANIFEST_NAME).is_file():
+        man = Manifest.read(ingest)
+        if "items" in man.outputs:
+            paths.append(man.output(ingest, "items"))
+    if upto is not None:
+        paths += [v.items_path for v in lineage.versions(run_dir) if v.k <= upto.k and v.items_path.is_file()]
+    out: dict[str, str] = {}
+    for path in paths:
+        items = pl.read_parquet(path, columns=["item_id", "title"])
+        out.update(zip(items["item_id"].to_list(), (t or "" for t in items["title"].to_list())))
+    return out
+
+
+def _chosen_version(run_dir: Path, version: int | None):
+    """The refresh version `load_recommender` uses (None: the run's own stages)."""
+    from gti.sid import lineage
+
+    if version == 0:
+        return None
+    vs = lineage.versions(run_dir)
+    if version is None:
+        return vs[-1] if vs else None
+    for v in vs:
+        if v.k == version:
+            return v
+    raise RunDirError(f"{run_dir}: no finished refresh version {version} "
+                      f"(have: {', '.join(f'v{v.k}' for v in vs) or 'none'})")
 
 
 @dataclass
@@ -144,8 +175,15 @@ class Recommender:
         return out
 
 
-def load_recommender(run_dir: str | Path, device: str | None = None) -> Recommender:
-    """Load model, tokenizer, SID map and titles of a run (checks the SID map hash first)."""
+def load_recommender(run_dir: str | Path, device: str | None = None, *, version: int | None = None,
+                     model_dir: str | Path | None = None) -> Recommender:
+    """Load model, tokenizer, SID map and titles of a run (checks the SID map first).
+
+    version: None = the newest refresh version if the run has one, else the run itself;
+        0 = the run's own sid stage and model; k = `<run_dir>/refresh/v<k>/`.
+    model_dir: use this model folder with that version's map (e.g. the run's model with a
+        refreshed map: accepted because the map descends from the model's).
+    """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -157,16 +195,24 @@ def load_recommender(run_dir: str | Path, device: str | None = None) -> Recommen
     run_dir = Path(run_dir).expanduser().resolve()
     if not run_dir.is_dir():
         raise RunDirError(f"run directory not found: {run_dir}")
-    stage, model_dir = find_model_dir(run_dir)
+    from gti.sid import lineage
+
     sid_dir = run_dir / "sid"
     if not (sid_dir / MANIFEST_NAME).is_file():
         raise RunDirError(f"{run_dir}: no finished sid stage ({sid_dir / MANIFEST_NAME} missing)")
     sid_man = Manifest.read(sid_dir)
-    sid_hash = sid_man.fact("sid_map_hash")
-    check_sid_map_hash(model_dir, sid_hash)
+    chosen = _chosen_version(run_dir, version)
+    if chosen is None:
+        stage, found = find_model_dir(run_dir) if model_dir is None else ("sft", None)
+        map_path, sid_hash = sid_man.output(sid_dir, "sid_map"), sid_man.fact("sid_map_hash")
+    else:
+        stage, found = f"{lineage.REFRESH_DIR}/v{chosen.k}", chosen.model_dir
+        map_path, sid_hash = chosen.map_path, chosen.version().hash
+    model_dir = Path(model_dir).expanduser().resolve() if model_dir is not None else found
+    lineage.check_model_map(model_dir, sid_hash, map_path=map_path, lineage=lineage.lineage_dir(run_dir))
 
     cfg = _run_config(run_dir, stage)
-    sid_map = pl.read_parquet(sid_man.output(sid_dir, "sid_map"))
+    sid_map = pl.read_parquet(map_path)
     codec = SidCodec.from_facts(sid_man.facts)
     trc = cfg.model.trust_remote_code
     tok = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trc)
@@ -184,7 +230,7 @@ def load_recommender(run_dir: str | Path, device: str | None = None) -> Recommen
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     return Recommender(
         run_dir=run_dir, model_stage=stage, model_dir=model_dir, model=model, tokenizer=tok,
-        trie=trie, item_ids=item_ids, sids=sids, sid_ids=sid_ids, titles=_titles(run_dir),
+        trie=trie, item_ids=item_ids, sids=sids, sid_ids=sid_ids, titles=_titles(run_dir, chosen),
         renderer=sft_data.make_renderer(
             tok, sid_ids, cfg.pairs.system_prompt, cfg.sft.max_len, prompt_style=cfg.sft.prompt_style
         ),
@@ -212,7 +258,7 @@ def format_recommendations(recs: list[dict[str, Any]], title_width: int = 60) ->
 def cli_main(args) -> int:
     """`gti recommend`: args.run_dir, args.history (comma-separated ids), args.k."""
     history = [h.strip() for h in str(args.history).split(",") if h.strip()]
-    rec = load_recommender(args.run_dir)
+    rec = load_recommender(args.run_dir, version=getattr(args, "version", None))
     recs = rec.recommend(history, int(args.k))
     print(f"run {rec.run_dir} (model: {rec.model_stage}), history: {', '.join(history)}")
     print(format_recommendations(recs))
