@@ -288,18 +288,17 @@ def test_second_refresh_chains_versions_and_runs_sft(refreshed, data):
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_full_prefix_group_fails_with_one_line(base_run, tmp_path, capsys):
+def test_full_prefix_group_fails_with_one_line(base_run, data, tmp_path, capsys):
     """More copies of one item than the de-duplication level holds: one line, exit 2, the list
     written. Needs no training (the refresh stops at the assign step)."""
     from gti.cli import main
     from gti.manifest import Manifest
 
     run = _copy(base_run, tmp_path / "run")
-    items = pl.read_parquet(run / "ingest" / "items.parquet")
+    row = pl.read_parquet(data[0] / "base_items.parquet").head(1)
     extra = int(Manifest.read(run / "sid").fact("codebook_sizes")[-1])
-    row = items.head(1)
     copies = pl.concat([row.with_columns(pl.lit(f"copy{i}").alias("item_id")) for i in range(extra + 1)])
-    copies.drop("text_is_pseudo").write_parquet(tmp_path / "copies.parquet")
+    copies.write_parquet(tmp_path / "copies.parquet")
     rc = main(["refresh", "--run-dir", str(run), "--items", str(tmp_path / "copies.parquet"),
                "refresh.ground_steps=0"])
     err = capsys.readouterr().err.strip().splitlines()
