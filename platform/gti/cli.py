@@ -147,7 +147,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", required=True)
     p.add_argument("--history", required=True, help="comma-separated item ids, oldest first")
     p.add_argument("--k", type=int, default=10)
+    p.add_argument("--version", type=int, default=None,
+                   help="refresh version k (default: the newest; 0: the run before any refresh)")
     p.set_defaults(func=_delegate("gti.run_artifacts", "cli_main"))
+
+    p = sub.add_parser("refresh", help="add new items to a trained run: SIDs from its frozen quantiser, "
+                                       "a short grounding pass, a new SID-map version")
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--items", required=True, help="the new items (same formats as data.items.path)")
+    p.add_argument("--interactions", default=None, help="new interactions (optional; needed for refresh.sft_steps)")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="overrides of the run's config, e.g. refresh.ground_steps=20 data.items.format=csv")
+    p.set_defaults(func=_delegate("gti.refresh", "cli_main"))
 
     p = sub.add_parser("compare", help="run initialisation arms x seeds and write one report")
     _add_config_args(p)

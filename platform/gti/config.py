@@ -386,6 +386,28 @@ class TrackingConfig(_Strict):
     mlflow_experiment: str = Field("gti", min_length=1)
 
 
+# --------------------------------------------------------------------------- refresh
+class RefreshConfig(_Strict):
+    """`gti refresh` (gti/refresh.py): new items onto a trained run without retraining it.
+    Not part of any stage's fingerprint (a refresh writes its own versions under
+    <run_dir>/refresh/)."""
+
+    # A new item whose prefix group already uses every code of the de-duplication level (or
+    # whose SID is taken, without one) needs a token the vocabulary lacks. Only "error" is
+    # implemented: the refresh stops with one line and lists those items; adding tokens is
+    # not supported yet.
+    on_full_group: Literal["error"] = "error"
+    # Old grounding pairs replayed per new-item pair in the grounding pass (0: new pairs only).
+    replay_ratio: float = Field(1.0, ge=0)
+    # Grounding steps on the new items' pairs (+ replay), continuing from the run's model;
+    # 0 = assign SIDs only (the model is exported unchanged with the new map version).
+    ground_steps: int = Field(50, ge=0)
+    ground_lr: float | None = Field(None, gt=0, description="None: ground.lr")
+    # Optional short SFT on the new interactions (0 = off; needs --interactions).
+    sft_steps: int = Field(0, ge=0)
+    sft_lr: float | None = Field(None, gt=0, description="None: sft.lr")
+
+
 # --------------------------------------------------------------------------- run
 LOCAL_RAY_ENV = "GTI_LOCAL_RAY"  # "<pid>:<gcs address>" of the local Ray this process started
 
@@ -409,6 +431,7 @@ class RunConfig(_Strict):
     tune: TuneConfig = Field(default_factory=TuneConfig)
     compare: CompareConfig = Field(default_factory=CompareConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    refresh: RefreshConfig = Field(default_factory=RefreshConfig)
 
     def resolved_run_dir(self) -> Path:
         return Path(self.run_dir).expanduser().resolve()

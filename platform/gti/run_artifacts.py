@@ -5,10 +5,14 @@ What it is for: `LoadedRun.open(run_dir)` (what `gti recommend` needs: the newes
 model, `sft/model` else `ground/model`, located through the stage manifests; the `sid` stage's
 map; titles from `ingest`; the config the model stage ran with) and `LoadedRun.open(model_dir=,
 sid_map_path=, sid_facts=, cfg=)` (what the evaluate stage's actors need: the folders named by
-the stage context). Either way the model's `gti_meta.json` `sid_map_hash` must equal the SID
-map's: `LoadedRun.check_sid_map` is that one check (a model trained on another SID map would
-name the wrong items, a `StaleSidMapError`, never a silent mismatch); the sft stage and the
-evaluate driver call it before they start anything. `recommend(run_dir, history, k)` and
+the stage context). Either way the SID map is checked against the model first
+(`LoadedRun.check_map`, `gti.sid.lineage.check_model_map`): it must be the map the model's
+`gti_meta.json` records, or one that descends from it (a `gti refresh` version: same
+codebooks, old items unchanged); a model trained on an unrelated map would name the wrong
+items, a `StaleSidMapError` naming both hashes, never a silent mismatch. After `gti refresh`,
+`open(run_dir)` takes the newest version (`<run_dir>/refresh/v<k>/`: its map, model and new
+items' titles) so a new item can be recommended; `version=0` is the run before any refresh.
+The sft stage keeps the strict `check_sid_map` (exact hash). `recommend(run_dir, history, k)` and
 `cli_main` are `gti recommend` (decoding through `gti.eval.recommend.top_k`).
 
 Weights load from safetensors only; fp32 on CPU, bf16 on CUDA (or where `model.dtype` says).
@@ -28,12 +32,15 @@ import polars as pl
 from gti import config as C
 from gti.errors import GtiError
 from gti.manifest import MANIFEST_NAME, Manifest
+from gti.sid import lineage
+from gti.sid.versions import UnrelatedSidMapError
 
 MODEL_STAGES = ("sft", "ground")
 
 
-class StaleSidMapError(GtiError):
-    """The model folder was trained with another SID map than the run's `sid` stage."""
+# The model folder was trained with a SID map that the map in use is not, and does not
+# descend from (one error class for the strict check and gti.sid.lineage.check_model_map).
+StaleSidMapError = UnrelatedSidMapError
 
 
 class RunDirError(GtiError):
@@ -66,16 +73,37 @@ def run_config(run_dir: Path, stage: str) -> C.RunConfig:
     return C.RunConfig()
 
 
-def catalog_titles(run_dir: Path) -> dict[str, str]:
-    """item_id -> title from the run's ingest stage ({} without one)."""
+def catalog_titles(run_dir: Path, upto: "lineage.RunVersion | None" = None) -> dict[str, str]:
+    """item_id -> title from the run's ingest stage ({} without one), plus the new items of
+    the refresh versions up to `upto`."""
+    paths = []
     ingest = run_dir / "ingest"
-    if not (ingest / MANIFEST_NAME).is_file():
-        return {}
-    man = Manifest.read(ingest)
-    if "items" not in man.outputs:
-        return {}
-    items = pl.read_parquet(man.output(ingest, "items"), columns=["item_id", "title"])
-    return dict(zip(items["item_id"].to_list(), (t or "" for t in items["title"].to_list())))
+    if (ingest / MANIFEST_NAME).is_file():
+        man = Manifest.read(ingest)
+        if "items" in man.outputs:
+            paths.append(man.output(ingest, "items"))
+    if upto is not None:
+        paths += [v.items_path for v in lineage.versions(run_dir) if v.k <= upto.k and v.items_path.is_file()]
+    out: dict[str, str] = {}
+    for path in paths:
+        items = pl.read_parquet(path, columns=["item_id", "title"])
+        out.update(zip(items["item_id"].to_list(), (t or "" for t in items["title"].to_list())))
+    return out
+
+
+def chosen_version(run_dir: Path, version: int | None) -> "lineage.RunVersion | None":
+    """The refresh version a loaded run uses: None = the newest if any (else the run's own
+    stages), 0 = the run's own stages, k = `<run_dir>/refresh/v<k>/`."""
+    if version == 0:
+        return None
+    vs = lineage.versions(run_dir)
+    if version is None:
+        return vs[-1] if vs else None
+    for v in vs:
+        if v.k == version:
+            return v
+    raise RunDirError(f"{run_dir}: no finished refresh version {version} "
+                      f"(have: {', '.join(f'v{v.k}' for v in vs) or 'none'})")
 
 
 @dataclass
@@ -107,9 +135,21 @@ class LoadedRun:
         return self.cfg.eval.beam_width
 
     @staticmethod
+    def check_map(model_dir: Path, sid_map_hash: str, map_path: Path | None = None,
+                  run_dir: Path | None = None) -> int:
+        """The check before decoding: the map (hash `sid_map_hash`, file `map_path`) is the one
+        the model's `gti_meta.json` records or descends from it (a refreshed version: same
+        codebooks, old items unchanged; `gti.sid.lineage.check_model_map`); else
+        StaleSidMapError naming both hashes. Returns the versions between them (0 = same)."""
+        return lineage.check_model_map(
+            model_dir, sid_map_hash, map_path=map_path,
+            lineage=lineage.lineage_dir(run_dir) if run_dir is not None else None,
+        )
+
+    @staticmethod
     def check_sid_map(model_dir: Path, sid_map_hash: str) -> None:
-        """StaleSidMapError unless `model_dir/gti_meta.json` records `sid_map_hash`: the one
-        check that a model and a SID map belong together."""
+        """StaleSidMapError unless `model_dir/gti_meta.json` records exactly `sid_map_hash`
+        (the sft stage trains on top of a model only with the very map it was made with)."""
         from gti.lm.vocab import read_meta
 
         got = read_meta(model_dir).get("sid_map_hash")
@@ -122,26 +162,38 @@ class LoadedRun:
     @classmethod
     def open(cls, run_dir: str | Path | None = None, *, model_dir: str | Path | None = None,
              sid_map_path: str | Path | None = None, sid_facts: dict | None = None,
-             cfg: C.RunConfig | None = None, device: Any = None) -> "LoadedRun":
+             cfg: C.RunConfig | None = None, device: Any = None, version: int | None = None) -> "LoadedRun":
         """Load a run from `run_dir`, or from an explicit model folder, SID map file, sid
-        facts and config; the SID map hash is checked before the model is loaded."""
-        stage, titles = None, {}
+        facts and config; the SID map is checked (`check_map`) before the model is loaded.
+
+        With `run_dir`: version None = the newest `gti refresh` version if the run has one
+        (its map, model and new items' titles), 0 = the run's own stages, k = refresh v<k>;
+        `model_dir` then pairs another model with that map (accepted if the map descends
+        from the model's)."""
+        stage, titles, map_hash = None, {}, None
         if run_dir is not None:
             run_dir = Path(run_dir).expanduser().resolve()
             if not run_dir.is_dir():
                 raise RunDirError(f"run directory not found: {run_dir}")
-            stage, model_dir = find_model_dir(run_dir)
             sid_dir = run_dir / "sid"
             if not (sid_dir / MANIFEST_NAME).is_file():
                 raise RunDirError(f"{run_dir}: no finished sid stage ({sid_dir / MANIFEST_NAME} missing)")
             sid_man = Manifest.read(sid_dir)
-            sid_facts, sid_map_path = sid_man.facts, sid_man.output(sid_dir, "sid_map")
+            sid_facts = sid_man.facts
+            chosen = chosen_version(run_dir, version)
+            if chosen is None:
+                stage, found = find_model_dir(run_dir) if model_dir is None else ("sft", None)
+                sid_map_path, map_hash = sid_man.output(sid_dir, "sid_map"), sid_facts["sid_map_hash"]
+            else:
+                stage, found = f"{lineage.REFRESH_DIR}/v{chosen.k}", chosen.model_dir
+                sid_map_path, map_hash = chosen.map_path, chosen.version().hash
+            model_dir = Path(model_dir).expanduser().resolve() if model_dir is not None else found
             cfg = run_config(run_dir, stage)
-            titles = catalog_titles(run_dir)
+            titles = catalog_titles(run_dir, chosen)
         if model_dir is None or sid_map_path is None or sid_facts is None:
             raise RunDirError("LoadedRun.open needs a run_dir, or model_dir, sid_map_path and sid_facts")
         model_dir = Path(model_dir)
-        cls.check_sid_map(model_dir, sid_facts["sid_map_hash"])
+        cls.check_map(model_dir, map_hash or sid_facts["sid_map_hash"], Path(sid_map_path), run_dir)
         return cls._load(model_dir, Path(sid_map_path), sid_facts, cfg or C.RunConfig(), device,
                          run_dir=run_dir, model_stage=stage, titles=titles)
 
@@ -194,9 +246,11 @@ def check_sid_map_hash(model_dir: Path, sid_map_hash: str) -> None:
     LoadedRun.check_sid_map(Path(model_dir), sid_map_hash)
 
 
-def load_recommender(run_dir: str | Path, device: str | None = None) -> LoadedRun:
-    """`LoadedRun.open(run_dir)`: model, tokenizer, SID map and titles of a finished run."""
-    return LoadedRun.open(run_dir, device=device)
+def load_recommender(run_dir: str | Path, device: str | None = None, *, version: int | None = None,
+                     model_dir: str | Path | None = None) -> LoadedRun:
+    """`LoadedRun.open(run_dir, ...)`: model, tokenizer, SID map and titles of a finished run
+    (the newest refresh version by default; see `LoadedRun.open`)."""
+    return LoadedRun.open(run_dir, device=device, version=version, model_dir=model_dir)
 
 
 def recommend(run_dir: str | Path, history: Sequence[str], k: int = 10) -> list[dict[str, Any]]:
@@ -209,7 +263,7 @@ def cli_main(args) -> int:
     from gti.eval.recommend import format_recommendations
 
     history = [h.strip() for h in str(args.history).split(",") if h.strip()]
-    run = LoadedRun.open(args.run_dir)
+    run = LoadedRun.open(args.run_dir, version=getattr(args, "version", None))
     recs = run.recommend(history, int(args.k))
     print(f"run {run.run_dir} (model: {run.model_stage}), history: {', '.join(history)}")
     print(format_recommendations(recs))

@@ -7,8 +7,9 @@ over the catalog's SID trie, and score them against the held-out item.
 
 - Decoding runs in a Ray Data actor pool (`eval.concurrency` actors, `eval.num_gpus` GPUs each,
   `eval.batch_users` users per call). Every actor loads the exported SFT model folder once
-  and checks its `gti_meta.json` `sid_map_hash` against the `sid` stage's: a model trained on
-  another SID map is refused with a one-line StaleSidMapError (the check also runs on the
+  and checks its `gti_meta.json` `sid_map_hash` against the `sid` stage's map
+  (`gti.sid.lineage.check_model_map`: that map or a refreshed version descending from it): a
+  model trained on another SID map is refused with a one-line StaleSidMapError (the check also runs on the
   driver before any actor starts).
 - Metrics: Recall/NDCG/Precision@K for K in `eval.ks` with bootstrap CIs over users
   (`gti.eval.metrics`), plus MostPop and first-order Markov reference rows
@@ -265,15 +266,15 @@ def format_ranks(split: str, ranks: dict[str, Any], label: str = "") -> str:
 def run(ctx: StageContext) -> StageResult:
     import ray
 
-    from gti.run_artifacts import check_sid_map_hash
+    from gti.run_artifacts import LoadedRun
     from gti.stages._ray import ensure_ray
 
     cfg, ec = ctx.cfg, ctx.cfg.eval
     sid_facts = ctx.manifest("sid").facts
     model_dir = ctx.input("sft", "model")
-    # Refuse a stale SID map before starting anything.
-    check_sid_map_hash(model_dir, sid_facts["sid_map_hash"])
     sid_map_path = ctx.input("sid", "sid_map")
+    # Refuse a stale SID map before starting anything (a descendant of the model's is accepted).
+    LoadedRun.check_map(model_dir, sid_facts["sid_map_hash"], sid_map_path)
     catalog = pl.read_parquet(sid_map_path, columns=["item_id"])["item_id"].to_list()
     if max(ec.ks) > len(catalog):
         raise C.ConfigError(f"eval.ks {ec.ks}: K={max(ec.ks)} exceeds the catalog of {len(catalog)} items")

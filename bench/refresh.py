@@ -1,0 +1,199 @@
+"""Benchmark: new items through `gti refresh` vs SIDs only vs a full retrain (issue 15, item 3).
+
+A slice of items is held out as "new" (`gti.data.holdout.holdout_new_items`: items that end some
+user's history, plus every interaction with them). A base run trains on the rest (ingest ..
+sft). Then three ways to serve the new items, each timed:
+- `refresh`: `gti refresh` with the new items and interactions: SIDs from the frozen quantiser,
+  `refresh.ground_steps` grounding steps on the new items' pairs + replayed old pairs (and
+  `refresh.sft_steps` SFT steps on the touched users' windows, 0 by default);
+- `assign_only`: `gti refresh` with `refresh.ground_steps=0`: the same SIDs, no training; the
+  base run's model is used with the new map (accepted because the map descends from the model's);
+- `retrain`: the whole pipeline again on all items (new SIDs for everything).
+Scored on the test users whose target is a new item (histories from the merged interactions,
+the same prompts for every arm): Recall@K of constrained beam search and MRR of the target's
+exact rank among all catalog items (`gti.eval.rank`); the same on an equal sample of users whose
+target is an old item, to see what the refresh costs them. The last line is one JSON object.
+
+Modes:
+- default (real figures; minutes to hours on 2 CPU cores, not run by the tests): SmolLM2-135M
+  with `jobs/configs/proof-smollm2.yaml` on its documented dense subset of the bundled data
+  (the 1,000 most interacted items, users with >= 5 interactions on them: `gti data dense`),
+  --n-new 50 new items;
+- `--quick` (a smoke test, a few minutes): `jobs/configs/tiny.yaml` (tiny random Llama, hash
+  embeddings) on 300 bundled items, 12 of them new. Its figures say nothing about quality.
+
+Usage: python bench/refresh.py [--quick] [--n-new N] [--work DIR] [key=value ...]
+(overrides go to every run and refresh, e.g. refresh.ground_steps=200 refresh.sft_steps=50).
+One Ray-heavy run at a time: do not run it beside the test suite on a 2-core machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "jobs" / "configs"
+QUICK = {"config": CONFIGS / "tiny.yaml", "n_new": 12, "ks": [1, 5], "users": 40,
+         "overrides": ["data.max_items=null", "ground.steps=6", "sft.steps=6", "refresh.ground_steps=6",
+                       "ground.batch_size=4"]}
+FULL = {"config": CONFIGS / "proof-smollm2.yaml", "n_new": 50, "ks": [1, 10], "users": 200,
+        "overrides": ["refresh.ground_steps=100", "eval.beam_width=20"]}
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def write_data(work: Path, quick: bool, n_new: int, seed: int):
+    """(base items, base interactions, new items, new interactions, all items, all interactions)
+    paths and the holdout."""
+    import polars as pl
+
+    from gti.data import bundled
+    from gti.data.dense import dense_subset
+    from gti.data.holdout import holdout_new_items
+
+    items = pl.read_parquet(bundled.resolve("bundled:amazon-scientific", "items"))
+    inter = pl.read_parquet(bundled.resolve("bundled:amazon-scientific", "interactions"))
+    if quick:
+        items = items.head(300)
+        inter = inter.filter(pl.col("item_id").is_in(items["item_id"].implode()))
+    else:  # the proof config's dense subset: gti data dense --items 1000 --min-user-len 5
+        items, inter = dense_subset(items, inter, 1000, 5)
+    h = holdout_new_items(items, inter, n_new, seed=seed)
+    d = work / "data"
+    d.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for name, df in (("base_items", h.base_items), ("base_inter", h.base_interactions), ("new_items", h.new_items),
+                     ("new_inter", h.new_interactions), ("all_items", items), ("all_inter", inter)):
+        paths[name] = d / f"{name}.parquet"
+        df.write_parquet(paths[name])
+    return paths, h
+
+
+def run_pipeline(config: Path, run_dir: Path, items: Path, inter: Path, overrides: list[str]) -> float:
+    from gti import config as C
+    from gti import pipeline
+
+    cfg = C.load(config, [f"run_dir={run_dir}", f"data.items.path={items}", f"data.interactions.path={inter}",
+                          *overrides])
+    t0 = time.time()
+    pipeline.run(cfg, to_stage="sft", echo=log)
+    return time.time() - t0
+
+
+def linked_copy(src: Path, dest: Path) -> Path:
+    """A copy of a run made of hard links (a refresh writes only under refresh/)."""
+    shutil.copytree(src, dest, copy_function=os.link)
+    return dest
+
+
+def score(rec, histories: list[list[str]], targets: list[str], ks: list[int], batch_users: int = 8) -> dict:
+    """Recall@K (constrained beam search) and MRR (exact rank among all items) for one model+map."""
+    import numpy as np
+    import torch
+
+    from gti.eval.decode import constrained_beam_search
+    from gti.eval.metrics import per_user_metrics
+    from gti.eval.rank import exact_ranks, score_catalog
+
+    keep = [i for i, (h, t) in enumerate(zip(histories, targets)) if t in rec.sid_ids and all(x in rec.sid_ids for x in h)]
+    hist = [histories[i][-rec.max_history:] for i in keep]
+    tg = [targets[i] for i in keep]
+    if not tg:
+        return {"n_users": 0}
+    prompts = [rec.renderer.prompt(h)[0] for h in hist]
+    k = max(ks)
+    res = constrained_beam_search(rec.model, prompts, rec.trie, beam_width=max(k, rec.beam_width), k=k,
+                                  levels=rec.levels, pad_id=rec.pad_id, batch_users=batch_users)
+    ranked = [[rec.item_ids[r] for r in row if r >= 0] for row in res.items.tolist()]
+    per = per_user_metrics(ranked, tg, ks)
+    mat = torch.from_numpy(np.stack([rec.sid_ids[i] for i in rec.item_ids]))
+    row_of = {it: r for r, it in enumerate(rec.item_ids)}
+    scores = score_catalog(rec.model, prompts, mat, pad_id=rec.pad_id, batch_users=batch_users)
+    ranks = exact_ranks(scores, torch.tensor([row_of[t] for t in tg]))
+    out = {f"recall@{kk}": float(np.mean(per[f"recall@{kk}"])) for kk in ks}
+    out.update(mrr=float((1.0 / ranks).mean()), median_rank=float(ranks.median()), n_users=len(tg),
+               n_items=len(rec.item_ids))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="tiny model, 300 items: a smoke test")
+    ap.add_argument("--n-new", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--work", default=None, help="work folder (default: a temp dir, removed)")
+    args, overrides = ap.parse_known_args(argv)
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        ap.error(f"unrecognized arguments: {bad}")
+    mode = QUICK if args.quick else FULL
+    n_new = args.n_new or mode["n_new"]
+    ov = [*mode["overrides"], f"seed={args.seed}", *overrides]
+    own = args.work is None
+    work = Path(args.work or tempfile.mkdtemp(prefix="gti-bench-refresh-")).resolve()
+    try:
+        import polars as pl
+
+        from gti.data.holdout import new_target_users
+        from gti.run_artifacts import load_recommender
+        from gti.refresh import refresh
+
+        paths, h = write_data(work, args.quick, n_new, args.seed)
+        log(f"{h.new_items.height} new items, {h.new_interactions.height} new interactions; base run ...")
+        t_base = run_pipeline(mode["config"], work / "base", paths["base_items"], paths["base_inter"], ov)
+        arms: dict[str, dict] = {}
+        run_ref = linked_copy(work / "base", work / "refresh_run")
+        res = refresh(run_ref, paths["new_items"], paths["new_inter"], ov, log=log)
+        run_asg = linked_copy(work / "base", work / "assign_run")
+        res0 = refresh(run_asg, paths["new_items"], paths["new_inter"], [*ov, "refresh.ground_steps=0",
+                                                                          "refresh.sft_steps=0"], log=log)
+        assert res0.new_hash == res.new_hash  # the same SIDs; only the training differs
+        t_retrain = run_pipeline(mode["config"], work / "retrain", paths["all_items"], paths["all_inter"], ov)
+
+        seqs = pl.read_parquet(res.dir / "ingest" / "sequences.parquet")
+        new_u = new_target_users(seqs, h.new_ids).head(mode["users"])
+        old_u = seqs.filter(~pl.col("test_item").is_in(h.new_ids)).sample(
+            n=min(new_u.height, seqs.height - new_u.height), seed=args.seed)
+        slices = {}
+        for name, df in (("new_target", new_u), ("old_target", old_u)):
+            slices[name] = ([list(t) + [v] for t, v in zip(df["train_items"].to_list(), df["valid_item"].to_list())],
+                            df["test_item"].to_list())
+        recs = {
+            "refresh": (load_recommender(run_ref, version=res.k), res.facts["total_wall_s"]),
+            "assign_only": (load_recommender(run_asg, version=res0.k, model_dir=run_asg / "sft" / "model"),
+                            res0.facts["total_wall_s"]),
+            "retrain": (load_recommender(work / "retrain"), t_retrain),
+        }
+        for arm, (rec, wall) in recs.items():
+            arms[arm] = {"wall_s": round(wall, 2)}
+            for sl, (hist, tg) in slices.items():
+                arms[arm][sl] = score(rec, hist, tg, mode["ks"])
+            log(f"{arm}: {json.dumps(arms[arm])}")
+        arms["refresh"]["steps"] = res.facts["steps"]
+        arms["refresh"]["wall_s_per_step"] = res.facts["wall_s"]
+        arms["assign_only"]["wall_s_per_step"] = res0.facts["wall_s"]
+        out = {"bench": "refresh", "mode": "quick" if args.quick else "full", "config": str(mode["config"].name),
+               "n_new_items": len(h.new_ids), "assigned": res.facts["assigned"],
+               "n_users": {k: len(v[1]) for k, v in slices.items()}, "base_train_wall_s": round(t_base, 2),
+               "overrides": ov, "arms": arms}
+        print(json.dumps(out))
+        return 0
+    finally:
+        if own:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

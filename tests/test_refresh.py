@@ -1,0 +1,338 @@
+"""`gti refresh` (gti/refresh.py) and versioned SID maps in use (gti/sid/lineage.py, evaluate,
+recommend), on a tiny run: 300 items of the bundled data, 12 of them held out as "new"
+(`gti.data.holdout`), the tiny pipeline trained on the rest through sft.
+
+- v1 = 6 new items (+ bad rows) and their interactions (+ bad rows), 6 grounding steps: old
+  SIDs unchanged, new SIDs unique, parent hash, quarantine, the model's meta, the lineage;
+- the same refresh on a copy of the run, its grounding worker killed at step 5 (the driver's
+  call fails, as a killed driver would leave it), rerun: resumes after the step-4 checkpoint and
+  ends with the same map and model rows;
+- v2 = the other 6 items with 2 grounding + 2 SFT steps: chained versions, recommend's default;
+- evaluation's and recommend's check: a descendant map accepted, an unrelated one refused
+  naming both hashes;
+- a full prefix group: one error line, exit 2.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from gti import config as C
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "jobs" / "configs"
+N_ITEMS, N_NEW = 300, 12
+REFRESH = ["refresh.ground_steps=6", "refresh.replay_ratio=1.0", "ground.batch_size=4"]
+
+
+def _bundled():
+    from gti.data import bundled
+
+    items = pl.read_parquet(bundled.resolve("bundled:amazon-scientific", "items")).head(N_ITEMS)
+    inter = pl.read_parquet(bundled.resolve("bundled:amazon-scientific", "interactions"))
+    return items, inter.filter(pl.col("item_id").is_in(items["item_id"].implode()))
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    from gti.data.holdout import holdout_new_items
+
+    d = tmp_path_factory.mktemp("refresh_data")
+    items, inter = _bundled()
+    h = holdout_new_items(items, inter, N_NEW, seed=3)
+    h.base_items.write_parquet(d / "base_items.parquet")
+    h.base_interactions.write_parquet(d / "base_inter.parquet")
+    half = [set(h.new_ids[: N_NEW // 2]), set(h.new_ids[N_NEW // 2:])]
+    for i, ids in enumerate(half, 1):
+        new_items = h.new_items.filter(pl.col("item_id").is_in(list(ids)))
+        new_inter = h.new_interactions.filter(pl.col("item_id").is_in(list(ids)))
+        if i == 1:  # bad rows: no id, a duplicate id, no text; an unknown item, a missing user
+            bad = pl.DataFrame({"item_id": [None, new_items["item_id"][0], "zz-notext"],
+                                "title": ["No id", "Duplicate", None], "description": [None, None, None]},
+                               schema={"item_id": pl.Utf8, "title": pl.Utf8, "description": pl.Utf8})
+            new_items = pl.concat([new_items, bad], how="diagonal_relaxed")
+            new_inter = pl.concat([new_inter, pl.DataFrame(
+                {"user_id": ["0", None], "item_id": ["no-such-item", new_items["item_id"][0]], "ts": [10**9, 10**9]},
+                schema={"user_id": pl.Utf8, "item_id": pl.Utf8, "ts": pl.Int64})], how="diagonal_relaxed")
+        new_items.write_parquet(d / f"new{i}_items.parquet")
+        new_inter.write_parquet(d / f"new{i}_inter.parquet")
+    return d, h, half
+
+
+@pytest.fixture(scope="module")
+def base_run(data, tmp_path_factory, ray_start_4_cpus):
+    from gti import pipeline
+
+    d, _, _ = data
+    run = tmp_path_factory.mktemp("refresh_base") / "run"
+    cfg = C.load(CONFIGS / "tiny.yaml", [
+        f"run_dir={run}", f"data.items.path={d / 'base_items.parquet'}",
+        f"data.interactions.path={d / 'base_inter.parquet'}", "data.max_items=null",
+        "ground.steps=4", "ground.checkpoint_every=4", "ground.val_every=4",
+        "sft.steps=4", "sft.checkpoint_every=4", "sft.val_every=4",
+    ])
+    pipeline.run(cfg, to_stage="sft", echo=lambda m: None)
+    return run
+
+
+def _copy(run: Path, dest: Path) -> Path:
+    shutil.copytree(run, dest, symlinks=True)
+    # config.yaml of each stage names run_dir; refresh uses the folder it is given.
+    return dest
+
+
+@pytest.fixture(scope="module")
+def refreshed(base_run, data, tmp_path_factory):
+    from gti.refresh import refresh
+
+    d, _, _ = data
+    run = _copy(base_run, tmp_path_factory.mktemp("refresh_a") / "run")
+    res = refresh(run, d / "new1_items.parquet", d / "new1_inter.parquet", REFRESH, log=lambda m: None)
+    return run, res
+
+
+def _map(path) -> dict[str, str]:
+    t = pq.read_table(str(path))
+    return dict(zip(t.column("item_id").to_pylist(), t.column("sid").to_pylist()))
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_refresh_keeps_old_sids_gives_unique_new_ones_and_records_the_version(refreshed, data):
+    from gti.lm.vocab import read_meta
+    from gti.manifest import Manifest
+    from gti.sid import lineage
+    from gti.sid.versions import read_version
+
+    run, res = refreshed
+    _, _, half = data
+    base = _map(run / "sid" / "sid_map.parquet")
+    new = _map(res.map_path)
+    assert all(new[i] == s for i, s in base.items())  # every old SID unchanged
+    assert len(set(new.values())) == len(new)  # every SID unique
+    added = set(new) - set(base)
+    assert added == half[0] and res.facts["assigned"] == len(half[0]) == 6
+    base_hash = Manifest.read(run / "sid").fact("sid_map_hash")
+    v = read_version(res.map_path)
+    assert v.parent_hash == base_hash == res.parent_hash and v.hash == res.new_hash != base_hash
+    assert v.n_items == len(new) and res.facts["full_groups"] == 0
+    # The lineage holds the base map and the new one; the model records what it was trained with.
+    lin = lineage.lineage_dir(run)
+    assert lin.get(base_hash).parent_hash is None and lin.get(v.hash).parent_hash == base_hash
+    meta = read_meta(res.model_dir)
+    assert meta["sid_map_hash"] == v.hash and meta["sid_map_parent"] == base_hash
+    assert meta["sid_map_version"]["hash"] == v.hash
+    m = Manifest.read(res.dir)
+    assert m.facts["parent_hash"] == base_hash and m.facts["new_hash"] == v.hash
+    assert m.facts["steps"] == {"ground": 6, "sft": 0}
+    assert set(m.facts["wall_s"]) == {"ingest", "embed", "assign", "pairs", "ground", "sft", "export"}
+    assert lineage.latest_version(run).dir == res.dir
+    # Only the SID rows moved: every other row of the model is the parent's.
+    from safetensors.torch import load_file
+
+    old = load_file(str(run / "sft" / "model" / "model.safetensors"))
+    got = load_file(str(res.model_dir / "model.safetensors"))
+    first, end = Manifest.read(run / "pairs").fact("new_token_ids")
+    name = next(k for k in got if k.endswith("embed_tokens.weight"))
+    assert torch.equal(got[name][:first], old[name][:first])
+    assert not torch.equal(got[name][first:end], old[name][first:end])
+    for k in got:
+        if k != name and "lm_head" not in k:
+            assert torch.equal(got[k], old[k]), k
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_bad_new_rows_are_quarantined_with_reasons(refreshed, data):
+    run, res = refreshed
+    d, _, _ = data
+    q = pl.read_parquet(res.dir / "ingest" / "items_quarantine.parquet")
+    assert sorted(q["reason"].to_list()) == ["duplicate_id", "missing_id", "no_text"]
+    assert set(q["source_file"].to_list()) == {str(d / "new1_items.parquet")}
+    assert q["source_row"].to_list() == sorted(q["source_row"].to_list())
+    iq = pl.read_parquet(res.dir / "ingest" / "interactions_quarantine.parquet")
+    assert {"unknown_item", "missing_user"} <= set(iq["reason"].to_list())
+    f = res.facts["ingest"]
+    assert f["items_rows_in"] == f["items_rows_ok"] + f["items_rows_quarantined"] == 9
+    assert f["interactions_rows_in"] == f["interactions_rows_ok"] + f["interactions_rows_quarantined"]
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_killed_refresh_resumes_with_the_same_result(refreshed, base_run, data, tmp_path, monkeypatch):
+    import gti.train.loop as loop
+    from gti.refresh import refresh
+
+    run_a, res_a = refreshed
+    d, _, _ = data
+    run = _copy(base_run, tmp_path / "run")
+    real_fit, seen = loop.fit, []
+
+    def fit_recording(loop_config, *a, **kw):
+        try:
+            return real_fit(loop_config, *a, **kw)
+        finally:
+            progress = Path(kw["storage_path"]) / f"{kw['name']}.progress.jsonl"
+            seen.append([json.loads(ln)["step"] for ln in progress.read_text().splitlines()])
+
+    monkeypatch.setattr(loop, "fit", fit_recording)
+    fault = {"fail_at_step": 5, "fail_rank": 0, "fail_marker": str(tmp_path / "failed_once")}
+    with pytest.raises(Exception):
+        refresh(run, d / "new1_items.parquet", d / "new1_inter.parquet", REFRESH, log=lambda m: None,
+                fault_injection=fault)
+    partial = run / "refresh" / ".v1.partial"
+    assert (tmp_path / "failed_once").exists() and (partial / "ray_train").is_dir()
+    assert not (run / "refresh" / "v1").exists()
+    done = json.loads((partial / "_steps.json").read_text())
+    assert set(done) == {"ingest", "embed", "assign", "pairs"}  # finished steps are kept
+    res = refresh(run, d / "new1_items.parquet", d / "new1_inter.parquet", REFRESH, log=lambda m: None,
+                  fault_injection=fault)
+    assert seen[0] == [1, 2, 3, 4, 5] and seen[1] == [1, 2, 3, 4, 5, 5, 6]  # resumed after the step-4 checkpoint
+    assert res.new_hash == res_a.new_hash and res.facts["steps"]["ground"] == 6
+    from safetensors.torch import load_file
+
+    got, want = (load_file(str(r.model_dir / "model.safetensors")) for r in (res, res_a))
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-6)
+    assert res.facts["ground"]["val_exact_match"] == res_a.facts["ground"]["val_exact_match"]
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_descendant_map_accepted_unrelated_refused_in_recommend_and_evaluate(refreshed, tmp_path):
+    import pyarrow as pa
+
+    from gti.run_artifacts import StaleSidMapError, load_recommender
+    from gti.manifest import Manifest
+    from gti.sid import lineage
+    from gti.sid.versions import UnrelatedSidMapError, make_version, read_version, write_map
+    from gti.stages.evaluate import Recommender as EvalActor
+
+    run, res = refreshed
+    old_model = run / "sft" / "model"
+    v = read_version(res.map_path)
+    # recommend: the newest version by default (a new item has a SID and can come back) ...
+    rec = load_recommender(run)
+    assert rec.model_stage == "refresh/v1" and rec.model_dir == res.model_dir
+    new_ids = json.loads((res.dir / "sid" / "new_items.json").read_text())["assigned"]
+    assert set(new_ids) <= set(rec.item_ids) and all(rec.titles.get(i) for i in new_ids)
+    out = rec.recommend([new_ids[0], new_ids[1]], k=len(rec.item_ids))
+    assert {r["item_id"] for r in out} >= set(new_ids)  # the whole catalog ranked, new items in it
+    # ... the old model with the new map (descends from the map it was trained with) ...
+    assert lineage.check_model_map(old_model, v.hash, map_path=res.map_path) == 1
+    assert load_recommender(run, model_dir=old_model).model_dir == old_model.resolve()
+    assert load_recommender(run, version=0).model_stage == "sft"
+    # ... evaluation's actor the same way.
+    sid_facts = dict(Manifest.read(run / "sid").facts, sid_map_hash=v.hash)
+    cfg = C.load(run / "sft" / "config.yaml").model_dump(mode="json")
+    EvalActor(str(old_model), str(res.map_path), sid_facts, cfg)
+    # An "unrelated" map: claims the base map as parent but moves an old item's SID.
+    t = pq.read_table(str(res.map_path)).to_pydict()
+    j = next(i for i, it in enumerate(t["item_id"]) if it not in new_ids)
+    k = next(i for i in range(len(t["sid"])) if t["item_id"][i] not in new_ids and t["sid"][i] != t["sid"][j])
+    t["codes"][j], t["codes"][k] = t["codes"][k], t["codes"][j]
+    t["sid"][j], t["sid"][k] = t["sid"][k], t["sid"][j]
+    bad = pa.table(t, schema=pq.read_schema(str(res.map_path)))
+    bad_dir = run / "refresh" / "vbad" / "sid"
+    bad_dir.mkdir(parents=True)
+    bv = make_version(bad, v.codebooks_hash, v.codebook_sizes, v.token_format, v.parent_hash)
+    write_map(bad_dir / "sid_map.parquet", bad, bv)
+    base_hash = Manifest.read(run / "sid").fact("sid_map_hash")
+    with pytest.raises(UnrelatedSidMapError, match=f"{bv.hash} does not descend from {base_hash}.*changed SID"):
+        lineage.check_model_map(old_model, bv.hash, map_path=bad_dir / "sid_map.parquet")
+    with pytest.raises(StaleSidMapError, match=f"{bv.hash} does not descend from {base_hash}"):
+        EvalActor(str(old_model), str(bad_dir / "sid_map.parquet"), dict(sid_facts, sid_map_hash=bv.hash), cfg)
+    # A map with no record at all: the old wording, both hashes named.
+    plain = tmp_path / "plain.parquet"
+    pq.write_table(bad, str(plain))
+    with pytest.raises(StaleSidMapError, match=f"{base_hash} but the SID map's sid_map_hash is {bv.hash}: stale"):
+        lineage.check_model_map(old_model, bv.hash, map_path=plain)
+    # The refreshed model refuses the base map: it descends the other way.
+    with pytest.raises(UnrelatedSidMapError, match=f"{base_hash} does not descend from {v.hash}"):
+        lineage.check_model_map(res.model_dir, base_hash, map_path=run / "sid" / "sid_map.parquet")
+    shutil.rmtree(run / "refresh" / "vbad")
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_second_refresh_chains_versions_and_runs_sft(refreshed, data):
+    from gti.run_artifacts import load_recommender
+    from gti.refresh import refresh
+    from gti.sid import lineage
+    from gti.sid.versions import read_version
+
+    run, res1 = refreshed
+    d, _, half = data
+    res2 = refresh(run, d / "new2_items.parquet", d / "new2_inter.parquet",
+                   ["refresh.ground_steps=2", "refresh.sft_steps=2", "ground.batch_size=4", "sft.batch_size=4",
+                    "ground.checkpoint_every=2", "sft.checkpoint_every=2"], log=lambda m: None)
+    assert res2.k == 2 and res2.parent_hash == res1.new_hash
+    m1, m2 = _map(res1.map_path), _map(res2.map_path)
+    assert all(m2[i] == s for i, s in m1.items()) and set(m2) - set(m1) == half[1]
+    assert len(set(m2.values())) == len(m2)
+    assert res2.facts["steps"] == {"ground": 2, "sft": 2} and res2.facts["sft"]["windows"] > 0
+    assert lineage.check_model_map(run / "sft" / "model", res2.new_hash, map_path=res2.map_path) == 2
+    assert read_version(res2.map_path).parent_hash == res1.new_hash
+    assert load_recommender(run).model_stage == "refresh/v2"
+    seqs = pl.read_parquet(res2.dir / "ingest" / "sequences.parquet")
+    assert seqs["test_item"].is_in(list(half[0] | half[1])).any()
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_full_prefix_group_fails_with_one_line(base_run, data, tmp_path, capsys):
+    """More copies of one item than the de-duplication level holds: one line, exit 2, the list
+    written. Needs no training (the refresh stops at the assign step)."""
+    from gti.cli import main
+    from gti.manifest import Manifest
+
+    run = _copy(base_run, tmp_path / "run")
+    row = pl.read_parquet(data[0] / "base_items.parquet").head(1)
+    extra = int(Manifest.read(run / "sid").fact("codebook_sizes")[-1])
+    copies = pl.concat([row.with_columns(pl.lit(f"copy{i}").alias("item_id")) for i in range(extra + 1)])
+    copies.write_parquet(tmp_path / "copies.parquet")
+    rc = main(["refresh", "--run-dir", str(run), "--items", str(tmp_path / "copies.parquet"),
+               "refresh.ground_steps=0"])
+    err = capsys.readouterr().err.strip().splitlines()
+    # Progress lines ([refresh] ...) come first; the error is one line, the last.
+    errors = [ln for ln in err if ln.startswith("gti: error:")]
+    assert rc == 2 and errors == [err[-1]], err
+    assert err[-1].startswith("gti: error: refresh: ") and "need a SID token the vocabulary lacks" in err[-1]
+    assert "refresh.on_full_group=error" in err[-1] and "Traceback" not in "\n".join(err)
+    listed = json.loads((run / "refresh" / ".v1.partial" / "needs_new_tokens.json").read_text())
+    assert len(listed) >= 1 and all(x["item_id"].startswith("copy") for x in listed)
+    assert not (run / "refresh" / "v1").exists()
+
+
+def test_refresh_config_keys_are_validated():
+    with pytest.raises(C.ConfigError, match="refresh.on_full_group"):
+        C.load(None, ["refresh.on_full_group=add_tokens"])
+    with pytest.raises(C.ConfigError, match="unknown key 'refresh.nope'"):
+        C.load(None, ["refresh.nope=1"])
+    with pytest.raises(C.ConfigError, match="refresh.replay_ratio"):
+        C.load(None, ["refresh.replay_ratio=-1"])
+    assert C.load(None, ["refresh.sft_steps=3"]).refresh.sft_steps == 3
+
+
+def test_holdout_picks_items_that_end_a_history():
+    from gti.data.holdout import holdout_new_items, new_target_users
+
+    items, inter = _bundled()
+    h = holdout_new_items(items, inter, 5, seed=1)
+    assert len(h.new_ids) == 5 and set(h.new_items["item_id"]) == set(h.new_ids)
+    assert not h.base_interactions["item_id"].is_in(h.new_ids).any()
+    assert h.base_interactions.height + h.new_interactions.height == inter.height
+    last = inter.with_row_index("o").sort(["ts", "o"]).group_by("user_id").agg(pl.col("item_id").last())
+    assert last["item_id"].is_in(h.new_ids).sum() >= 5
+    seqs = pl.DataFrame({"user_id": ["a", "b"], "train_items": [["x"], ["y"]], "valid_item": ["x", "y"],
+                         "test_item": [h.new_ids[0], "zz"]})
+    assert new_target_users(seqs, h.new_ids)["user_id"].to_list() == ["a"]
+    assert np.all(h.base_items["item_id"].is_in(h.new_ids).to_numpy() == False)  # noqa: E712
