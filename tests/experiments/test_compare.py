@@ -8,6 +8,7 @@ training. `test_compare_tiny_end_to_end` runs the real tiny pipeline (slow, star
 from __future__ import annotations
 
 import json
+import shutil
 import types
 from argparse import Namespace
 from pathlib import Path
@@ -206,6 +207,11 @@ def test_compare_shares_stages_runs_arms_and_resumes(tmp_path, fake_stages, caps
     fake_stages.calls.clear()
     CMP.compare(cfg, ["mean", "gti"], 2, out, echo=lambda m: None)
     assert fake_stages.calls == []
+    # shared stages rebuilt (a later session): the finished arm runs are left alone
+    shutil.rmtree(out / "shared")
+    CMP.compare(cfg, ["mean", "gti"], 2, out, echo=lambda m: None)
+    assert [c[0] for c in fake_stages.calls] == list(CMP.SHARED_STAGES)
+    fake_stages.calls.clear()
     # a changed SFT budget reruns only the arm stages from sft on
     cfg2 = _base_cfg(tmp_path, "sft.steps=6")
     CMP.compare(cfg2, ["gti"], 1, out, echo=lambda m: None)

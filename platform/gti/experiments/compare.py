@@ -346,9 +346,11 @@ def compare(
         pipeline.run(shared, to_stage=SHARED_STAGES[-1], echo=echo)
     identity = shared_identity(shared_dir)
     rdir = records_dir(cfg, out)
-    todo, stored = [], {}
+    todo, stored, complete = [], {}, set()
     for r in runs:
-        if first_incomplete(r.cfg, r.run_dir) is not None:
+        if first_incomplete(r.cfg, r.run_dir) is None:
+            complete.add((r.arm, r.seed))
+        else:
             rec, facts, why = read_record(r, rdir, identity)
             if rec is not None:
                 stored[(r.arm, r.seed)] = (rec, facts)
@@ -358,8 +360,12 @@ def compare(
                 echo(f"{r.arm} seed {r.seed}: record not used, the run goes again: {why}")
         todo.append(r)
     if not report_only:
+        # Only into runs that still have stages to run: re-linking the shared stages into a
+        # finished run (e.g. one left from an earlier session, whose shared folder has been
+        # rebuilt since) would make its ground stage look stale and run the whole arm again.
         for r in todo:
-            adopt_shared(shared_dir, r.run_dir)
+            if (r.arm, r.seed) not in complete:
+                adopt_shared(shared_dir, r.run_dir)
     atomic_write_json(out / "compare.json", {
         "arms": {a: arm_overrides(cfg, a) for a in arms},
         "seeds": {a: seeds_for(cfg, n) for a, n in parse_seeds(n_seeds, arms).items()},
