@@ -58,12 +58,13 @@ from types import SimpleNamespace
 from typing import Any, Callable, Sequence
 
 from gti import config as C
+from gti.train.driver import STORAGE_DIR
 from gti.errors import DataError, GtiError
 from gti.manifest import MANIFEST_NAME, Manifest, atomic_write_bytes, atomic_write_json, stable_hash
 
 STEPS_FILE = "_steps.json"
 FINGERPRINT_FILE = "_fingerprint"
-RAY_DIR = "ray_train"
+RAY_DIR = STORAGE_DIR  # gti.train.driver.STORAGE_DIR
 GROUND_RUN = "refresh_ground"
 SFT_RUN = "refresh_sft"
 NEEDS_NEW_TOKENS = "needs_new_tokens.json"

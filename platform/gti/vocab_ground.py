@@ -42,6 +42,7 @@ from typing import Any, Callable, Literal, Sequence
 from pydantic import Field, ValidationError
 
 from gti import config as C
+from gti.train.driver import STORAGE_DIR
 from gti.errors import DataError
 from gti.lm.newvocab import DEFAULT_TEMPLATES, NewToken
 
@@ -51,7 +52,7 @@ GROUND_FILE = "e_new_ground.safetensors"
 PAIRS_FILE = "pairs.parquet"
 VAL_FILE = "val_prompts.parquet"
 SIDS_FILE = "token_ids.safetensors"
-RAY_DIR = "ray_train"
+RAY_DIR = STORAGE_DIR  # gti.train.driver.STORAGE_DIR
 RUN_NAME = "vocab_ground"
 
 

@@ -341,9 +341,8 @@ def rewrite_trial_curves(cfg: C.RunConfig, run_dir: Path, grid, keys: list[str])
     sweep is over (TensorBoard only: an MLflow run of a stopped trial keeps its live points).
     """
     from gti.progress import JsonlFollower
-    from gti.stages.ground import RAY_DIR  # the ground stage's Train storage folder
     from gti.tracking import Tracker
-    from gti.train.driver import progress_path
+    from gti.train.driver import STORAGE_DIR, progress_path
 
     tb_only = cfg.model_copy(update={"tracking": cfg.tracking.model_copy(update={"mlflow": False})})
     for r in grid:
@@ -351,7 +350,7 @@ def rewrite_trial_curves(cfg: C.RunConfig, run_dir: Path, grid, keys: list[str])
         if trial_id is None:
             continue
         name = trial_run_name(trial_id, {k: r.config[k] for k in keys})
-        progress = progress_path(_trial_dir(run_dir, name) / "ground" / RAY_DIR, name)
+        progress = progress_path(_trial_dir(run_dir, name) / "ground" / STORAGE_DIR, name)
         if progress.is_file() and cfg.tracking.tensorboard:
             with Tracker(tb_only, run_dir, f"tune/{name}", fresh=True) as tracker:
                 JsonlFollower(progress, tracker.report).drain()

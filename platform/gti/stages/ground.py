@@ -37,6 +37,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
+from gti.train.driver import STORAGE_DIR
 from gti.data.descriptions import description_text
 from gti.errors import DataError, GateError
 from gti.names import arm_name
@@ -45,7 +46,7 @@ from gti.contract import StageContext, StageResult
 MODEL_DIR = "model"
 INIT_FILE = "e_new_init.safetensors"
 GROUND_FILE = "e_new_ground.safetensors"
-RAY_DIR = "ray_train"
+RAY_DIR = STORAGE_DIR  # gti.train.driver.STORAGE_DIR
 VAL_FILE = "val_prompts.parquet"
 SIDS_FILE = "catalog_sids.safetensors"
 VAL_TASKS = ("title2sid", "desc2sid")

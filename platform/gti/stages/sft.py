@@ -45,6 +45,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from gti.train.driver import STORAGE_DIR
 from gti.errors import DataError, GtiError
 from gti.manifest import atomic_write_json
 from gti.contract import StageContext, StageResult
@@ -206,7 +207,7 @@ def _fit(ctx: StageContext, loop_config: dict, train_path: Path):
 
     with open_tracker(ctx) as tracker:
         return loop.fit(
-            loop_config, ds, sc, storage_path=(ctx.work_dir / "ray_train").resolve(), name=TASK,
+            loop_config, ds, sc, storage_path=(ctx.work_dir / STORAGE_DIR).resolve(), name=TASK,
             log=ctx.log, progress_every=max(1, sc.log_every), on_metrics=tracker.report,
         )
 

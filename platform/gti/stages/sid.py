@@ -36,6 +36,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from gti.train.driver import STORAGE_DIR
 from gti.contract import StageContext, StageResult
 from gti.errors import DataError
 from gti.sid.codec import SidCodec
@@ -120,7 +121,7 @@ def _train(ctx: StageContext, emb_path: Path, rows_reader: EmbeddingRows, n_item
     if s.method == "rqvae":
         inert = q.init_codebooks(sample, iters=s.kmeans_iters, generator=gen)
         ctx.log(f"k-means init on {len(sample_rows)} items: inertia per level {[round(v, 5) for v in inert]}")
-        q, history = train_rqvae(s, cfg.seed, emb_path, q, n_items, ctx.work_dir / "ray_train", ctx.log)
+        q, history = train_rqvae(s, cfg.seed, emb_path, q, n_items, ctx.work_dir / STORAGE_DIR, ctx.log)
     else:
         q.fit(sample, iters=s.kmeans_iters, generator=gen, log=ctx.log)
     train_s = time.time() - t0

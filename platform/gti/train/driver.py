@@ -42,6 +42,10 @@ class TrainerSpec:
     callbacks: list = field(default_factory=list)  # e.g. Tune's TuneReportCallback
 
 
+# Where a stage keeps its Ray Train storage (checkpoints, progress file) inside its work dir.
+STORAGE_DIR = "ray_train"
+
+
 # --------------------------------------------------------------------------- driver side
 def progress_path(storage_path: str | Path, name: str) -> Path:
     """Rank 0's progress file of the Train run `name` (one JSON line of metrics per step)."""
