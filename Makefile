@@ -43,7 +43,7 @@ demo: $(STAMP)
 # Tests marked `bench` (bench scripts run end to end, minutes each) run in `make bench`.
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not slow and not bench"
-	$(PY) -m pytest -q -m "slow and not bench"
+	$(PY) -m pytest -q -m "slow and not bench" --durations=25
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"

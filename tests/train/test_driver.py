@@ -21,6 +21,23 @@ def test_import_is_lazy_and_spec_defaults():
     assert (spec.preserve_order, spec.max_failures, spec.backend, spec.env, spec.callbacks) == (False, 0, None, {}, [])
 
 
+def test_registered_checkpoint_step_reads_the_snapshot_and_tolerates_its_absence(tmp_path):
+    import json
+
+    from gti.train.driver import progress_path, registered_checkpoint_step
+
+    pf = progress_path(tmp_path, "run")
+    assert registered_checkpoint_step(pf) is None  # no snapshot yet
+    (tmp_path / "run").mkdir()
+    snap = tmp_path / "run" / "checkpoint_manager_snapshot.json"
+    snap.write_text("{not json")
+    assert registered_checkpoint_step(pf) is None  # half-written
+    snap.write_text(json.dumps({"latest_checkpoint_result": None}))
+    assert registered_checkpoint_step(pf) is None  # no checkpoint registered
+    snap.write_text(json.dumps({"latest_checkpoint_result": {"metrics": {"step": 40, "loss": 1.0}}}))
+    assert registered_checkpoint_step(pf) == 40
+
+
 def _worker(config):
     import json
     import tempfile
@@ -35,7 +52,7 @@ def _worker(config):
         fh.write(json.dumps({"rank": rank}) + "\n")
     with tempfile.TemporaryDirectory() as d:
         Path(d, "state.json").write_text(json.dumps({"world": world}))
-        driver.report({"done": 1}, checkpoint_dir=d)
+        driver.report({"done": 1, "step": 3}, checkpoint_dir=d)
 
 
 @pytest.mark.slow
@@ -46,13 +63,15 @@ def test_run_trainer_reads_the_final_checkpoint_and_unwraps_user_errors(tmp_path
     import ray
 
     from gti.errors import DataError
-    from gti.train.driver import run_trainer
+    from gti.train.driver import progress_path, registered_checkpoint_step, run_trainer
 
     seen = []
     spec = TrainerSpec(name="t", storage_path=tmp_path, num_workers=1)
     got, metrics, _ = run_trainer(_worker, {}, {"train": ray.data.range(4)}, spec,
                                   lambda d: json.loads((d / "state.json").read_text()), progress=seen.append)
     assert got == {"world": 1} and metrics["done"] == 1 and seen == [{"rank": 0}]
+    # The controller's snapshot, as Ray writes it, names the registered checkpoint's step.
+    assert registered_checkpoint_step(progress_path(tmp_path, "t")) == 3
     with pytest.raises(DataError, match="bad.parquet: row 3"):
         run_trainer(_worker, {"fail": True}, {"train": ray.data.range(4)},
                     TrainerSpec(name="f", storage_path=tmp_path, num_workers=1), lambda d: None)

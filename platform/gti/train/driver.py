@@ -52,6 +52,27 @@ def progress_path(storage_path: str | Path, name: str) -> Path:
     return Path(storage_path) / f"{name}.progress.jsonl"
 
 
+def registered_checkpoint_step(progress_file: str | Path) -> int | None:
+    """The step of the latest checkpoint Ray Train's controller has registered for the run
+    whose rank-0 progress file is `progress_file` (None: none yet, or no snapshot readable).
+
+    Read from the controller's checkpoint-manager snapshot beside the run's checkpoints (a
+    Ray-internal file, hence here, the one module that knows Ray). A worker reports a
+    checkpoint into a queue that the controller drains on its health-check poll; until then a
+    crash loses it, so fault injection waits for this before dying to make the resume point
+    deterministic."""
+    import json
+
+    pf = Path(progress_file)
+    snap = pf.parent / pf.name.removesuffix(".progress.jsonl") / "checkpoint_manager_snapshot.json"
+    try:
+        latest = json.loads(snap.read_text()).get("latest_checkpoint_result") or {}
+        step = (latest.get("metrics") or {}).get("step")
+        return None if step is None else int(step)
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
+
+
 def run_trainer(
     worker_fn: Callable[[dict], Any], loop_config: dict, datasets: dict[str, Any], spec: TrainerSpec,
     read: Callable[[Path], Any], *, progress: Callable[[dict], None] | None = None,

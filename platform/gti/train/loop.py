@@ -303,18 +303,30 @@ def train_loop_per_worker(config: dict) -> dict[str, Any]:
             driver.report(metrics)
             timing["report_s"] = timing.get("report_s", 0.0) + time.perf_counter() - tr
         if config.get("fail_at_step") == step:
-            _maybe_fail(config, w.rank)
+            _maybe_fail(config, w.rank, step // tc.checkpoint_every * tc.checkpoint_every)
     return {"step": step, "history": history, "timing": timing, "precision": w.precision}
 
 
-def _maybe_fail(config: dict, rank: int) -> None:
+def _maybe_fail(config: dict, rank: int, ckpt_step: int) -> None:
     """Fault injection for the reliability tests: rank `fail_rank` kills its own process once
-    (guarded by the marker file `fail_marker`, created just before dying)."""
+    (guarded by the marker file `fail_marker`, created just before dying).
+
+    It first waits (up to `fail_wait_s`, default 120 s) until the controller has registered
+    the checkpoint of `ckpt_step` (the last one before this step): a checkpoint still queued
+    when the worker dies is lost, so without the wait the resume point would depend on the
+    controller's 2-s poll and the machine's load, and the tests could not name it."""
     if rank != config.get("fail_rank", 0):
         return
     marker = Path(config["fail_marker"])
     if marker.exists():
         return
+    deadline = time.monotonic() + float(config.get("fail_wait_s", 120))
+    pf = config.get("progress_file")
+    while ckpt_step > 0 and pf and time.monotonic() < deadline:
+        got = driver.registered_checkpoint_step(pf)
+        if got is not None and got >= ckpt_step:
+            break
+        time.sleep(0.2)
     marker.write_text(str(os.getpid()))
     os._exit(1)
 
