@@ -133,3 +133,17 @@ def test_rate_uses_the_time_each_unit_was_done_not_when_it_was_read():
     for step, at in ((1, 110.0), (2, 115.0), (3, 120.0)):
         p.set(step, at=at)
     assert lines[-1] == "3/10 steps (30.0%) 5.0 s/step ETA 35s"
+
+
+def test_a_resumed_runs_earlier_steps_count_but_do_not_slow_the_rate():
+    """A resumed run's progress file holds the killed attempt's steps, hours older: they set
+    the count, and the rate is measured from the first step done after the Progress started."""
+    clock, lines = Clock(), []
+    p = Progress(100, "training", "steps", log=lines.append, every_n=1, tty=False, clock=clock)
+    for step in range(1, 39):  # the killed attempt, 5 h earlier, 4 s a step
+        p.set(step, at=100.0 - 18000 + 4 * step)
+    clock.t = 200.0
+    for step, at in ((26, 150.0), (38, 198.0), (39, 202.0), (40, 206.0)):  # replayed from the step-25 checkpoint
+        p.set(step, at=at)
+    assert p.done == 40
+    assert lines[-1] == "40/100 steps (40.0%) 4.0 s/step ETA 4m00s"

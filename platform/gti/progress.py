@@ -103,7 +103,12 @@ class Progress:
             return
         delta, self.done = done - self.done, done
         self._last_t = self.clock() if at is None else float(at)
-        if self._anchor is None:
+        if at is not None and at < self._t0:
+            # Done before this Progress started (a resumed run's progress file replayed from
+            # its start): counted, but no part of the rate, or the hours between the killed
+            # attempt and this one would make it crawl.
+            self._start_done = done
+        elif self._anchor is None:
             self._anchor = (self._last_t, done)
         if self._bar is not None:
             if postfix is not None:
