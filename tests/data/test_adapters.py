@@ -10,7 +10,7 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 import pytest
 
-from gti.config import ItemColumns
+from gti.config import InteractionColumns, ItemColumns
 from gti.data import adapters
 from gti.errors import DataError
 
@@ -143,11 +143,26 @@ def test_plan_tasks_splits_large_parquet_by_row_groups(tmp_path):
     assert [r.decode() for r in rows] == [str(i) for i in range(1000)]
 
 
-def test_unknown_extension_and_missing_path(tmp_path):
-    (tmp_path / "items.txt").write_text("x")
-    with pytest.raises(DataError, match="set data.<source>.format"):
-        adapters.plan_tasks([str(tmp_path / "items.txt")], "auto")
-    with pytest.raises(DataError, match="no such file or directory"):
-        adapters.expand_paths(str(tmp_path / "nope.csv"), "items")
-    with pytest.raises(DataError, match="no data files"):
-        adapters.expand_paths(str(tmp_path / "*.parquet"), "items")
+def test_iter_task_refuses_unknown_and_misused_formats(tmp_path):
+    p = tmp_path / "x.jsonl"
+    p.write_text('{"item_id": "1"}\n')
+    with pytest.raises(DataError, match="unknown format 'xml'"):
+        list(adapters.iter_task(adapters.ReadTask(str(p), "xml"), "items", ItemColumns()))
+    with pytest.raises(DataError, match="format 'amazon' is for item metadata"):
+        list(adapters.iter_task(adapters.ReadTask(str(p), "amazon"), "interactions", InteractionColumns()))
+
+
+def test_check_header_reads_only_what_it_needs(tmp_path):
+    csv = tmp_path / "items.csv"
+    csv.write_text("item_id,title\n1,a\n")
+    task = adapters.plan_tasks([str(csv)], "auto")[0]
+    assert adapters.check_header(task, "items", ItemColumns()) == ["description", "category", "brand"]
+    with pytest.raises(DataError, match="missing column 'ts'"):
+        adapters.check_header(task, "interactions", InteractionColumns(user="title"))
+    jl = tmp_path / "inter.jsonl"
+    jl.write_text("".join(json.dumps(r) + "\n" for r in INTER))
+    assert adapters.check_header(adapters.ReadTask(str(jl), "jsonl"), "interactions", InteractionColumns()) == []
+    # only unparseable lines, or a layout checked while it is read: nothing to check up front
+    (tmp_path / "bad.jsonl").write_text("nope\n")
+    assert adapters.check_header(adapters.ReadTask(str(tmp_path / "bad.jsonl"), "jsonl"), "items", ItemColumns()) == []
+    assert adapters.check_header(adapters.ReadTask(str(jl), "amazon"), "items", ItemColumns()) == []
