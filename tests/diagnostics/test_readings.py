@@ -51,5 +51,5 @@ def test_reading_groups_metrics_by_verdict_per_arm():
         "one vs mean (test): better by the point estimate only (no CI) on recall@10.",
         "gti vs mean (test) on the cold slice: worse on mrr (-50.0% [-70.0%, -20.0%]).",
         "val_mrr: a curve line.",
-        "wall time: gti takes 7.5 s (ground + SFT stages), -2.5 s less than mean.",
+        "wall time: gti takes 7.5 s (ground + SFT stages), 2.5 s less than mean.",
     ]

@@ -98,7 +98,7 @@ def reading(doc: Mapping[str, Any]) -> list[str]:
         if arm != base and w.get("extra_vs_baseline_s") is not None and base in wt:
             lines.append(
                 f"wall time: {arm} takes {fmt_plain(w['total_s'])} s (ground + SFT stages), "
-                f"{fmt_plain(w['extra_vs_baseline_s'])} s {'more' if w['extra_vs_baseline_s'] >= 0 else 'less'}"
+                f"{fmt_plain(abs(w['extra_vs_baseline_s']))} s {'more' if w['extra_vs_baseline_s'] >= 0 else 'less'}"
                 f" than {base}."
             )
     return lines
