@@ -42,6 +42,7 @@ from typing import Any, Callable, Literal, Sequence
 from pydantic import Field, ValidationError
 
 from gti import config as C
+from gti.config_io import StrictModel, format_error
 from gti.train.driver import STORAGE_DIR
 from gti.errors import DataError
 from gti.lm.newvocab import DEFAULT_TEMPLATES, NewToken
@@ -57,12 +58,12 @@ RUN_NAME = "vocab_ground"
 
 
 # --------------------------------------------------------------------------- config
-class VocabModelConfig(C._Strict):
+class VocabModelConfig(StrictModel):
     dtype: Literal["float32", "bfloat16"] = "float32"
     trust_remote_code: bool = False
 
 
-class VocabGroundConfig(C._Strict):
+class VocabGroundConfig(StrictModel):
     seed: int = 0
     ray_address: str | None = None
     ray_num_cpus: int | None = Field(None, ge=1)
@@ -93,7 +94,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] | None 
     try:
         return VocabGroundConfig.model_validate(raw)
     except ValidationError as err:
-        raise C.ConfigError(C._format_error(err, source)) from None
+        raise C.ConfigError(format_error(err, source)) from None
 
 
 # --------------------------------------------------------------------------- result
