@@ -87,17 +87,27 @@ def build_parser() -> argparse.ArgumentParser:
 
     ap = argparse.ArgumentParser(prog="gti", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
+    _add_pipeline_commands(sub, STAGE_NAMES)  # run, stage, doctor, config
+    _add_data_commands(sub)  # data synth | inspect | dense
+    _add_trained_run_commands(sub)  # recommend, refresh
+    _add_compare_command(sub)
+    _add_vocab_commands(sub)  # vocab ground
+    _add_tune_command(sub)
+    return ap
 
+
+def _add_pipeline_commands(sub, stage_names: Sequence[str]) -> None:
+    """`gti run`, `gti stage`, `gti doctor`, `gti config`: the pipeline of one config."""
     p = sub.add_parser("run", help="run the pipeline (skips stages that are up to date)")
     _add_config_args(p)
-    p.add_argument("--from", dest="from_stage", choices=STAGE_NAMES)
-    p.add_argument("--to", dest="to_stage", choices=STAGE_NAMES)
+    p.add_argument("--from", dest="from_stage", choices=stage_names)
+    p.add_argument("--to", dest="to_stage", choices=stage_names)
     p.add_argument("--force", action="store_true", help="rerun stages even if up to date")
     p.add_argument("--no-preflight", action="store_true", help="skip the checks of gti doctor")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("stage", help="run one stage (its upstream must be complete)")
-    p.add_argument("name", choices=STAGE_NAMES)
+    p.add_argument("name", choices=stage_names)
     _add_config_args(p)
     p.add_argument("--no-preflight", action="store_true", help="skip the checks of gti doctor")
     p.set_defaults(func=cmd_stage)
@@ -111,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p, required=False)
     p.set_defaults(func=cmd_config)
 
+
+def _add_data_commands(sub) -> None:
+    """`gti data synth | inspect | dense`."""
     p = sub.add_parser("data", help="data utilities")
     dsub = p.add_subparsers(dest="data_command", required=True)
     s = dsub.add_parser("synth", help="write a synthetic catalog + interactions")
@@ -143,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", required=True)
     s.set_defaults(func=_delegate("gti.data.dense", "cli_main"))
 
+
+def _add_trained_run_commands(sub) -> None:
+    """`gti recommend` and `gti refresh`: commands on a finished run's folder."""
     p = sub.add_parser("recommend", help="top-K items for a history, from a finished run")
     p.add_argument("--run-dir", required=True)
     p.add_argument("--history", required=True, help="comma-separated item ids, oldest first")
@@ -160,6 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="overrides of the run's config, e.g. refresh.ground_steps=20 data.items.format=csv")
     p.set_defaults(func=_delegate("gti.refresh", "cli_main"))
 
+
+def _add_compare_command(sub) -> None:
+    """`gti compare`: initialisation arms x seeds, one report."""
     p = sub.add_parser("compare", help="run initialisation arms x seeds and write one report")
     _add_config_args(p)
     p.add_argument("--arms", default="mean,gti")
@@ -170,6 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run nothing: report on the finished runs and stored records")
     p.set_defaults(func=_delegate("gti.experiments.compare", "cli_main"))
 
+
+def _add_vocab_commands(sub) -> None:
+    """`gti vocab ground`: grounding any new vocabulary into a HF model."""
     p = sub.add_parser("vocab", help="new-vocabulary utilities")
     vsub = p.add_subparsers(dest="vocab_command", required=True)
     s = vsub.add_parser("ground", help="add new tokens with descriptions to a HF model, ground only their "
@@ -182,10 +204,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. ground.steps=50")
     s.set_defaults(func=_delegate("gti.vocab_ground", "cli_main"))
 
+
+def _add_tune_command(sub) -> None:
+    """`gti tune`: a Ray Tune sweep over the grounding stage."""
     p = sub.add_parser("tune", help="Ray Tune sweep over the grounding stage")
     _add_config_args(p)
     p.set_defaults(func=_delegate("gti.experiments.tune", "cli_main"))
-    return ap
 
 
 # Errors a user fixes on the machine (space, permissions), not in the config or the data.

@@ -3,7 +3,10 @@
 What it is for: one validated object (`RunConfig`) that every stage reads. Unknown keys are
 rejected with the key and the file named; `key=value` overrides are applied to the raw mapping
 and the whole config is validated again, so an override can never produce a state that a YAML
-file could not.
+file could not. The training sections (`TrainConfig`, `GroundConfig`, `SftConfig`,
+`LoraConfig`) live in `gti.config_train`, the schema-free file machinery (strict base model,
+YAML reading, overrides, redaction, error lines) in `gti.config_io`; both are re-exported here,
+so `gti.config` stays the one import.
 
 What it does not know: how stages run, where outputs go (that is `pipeline`/`manifest`), or
 anything about Ray. It never imports ray or torch.
@@ -11,22 +14,25 @@ anything about Ray. It never imports ray or torch.
 
 from __future__ import annotations
 
-import copy
 import os
-import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
+from gti.config_io import (  # noqa: F401 - re-exported: C.redact, C.REDACTED, C.read_yaml, ...
+    REDACTED,
+    apply_overrides,
+    read_yaml,
+    redact,
+)
+from gti.config_io import StrictModel as _Strict
+from gti.config_io import format_error as _format_error
+from gti.config_io import parse_scalar as _parse_scalar  # noqa: F401 - re-exported
+from gti.config_train import GroundConfig, LoraConfig, SftConfig, TrainConfig  # noqa: F401 - re-exported
 from gti.errors import ConfigError, GtiError  # noqa: F401 - ConfigError re-exported
 from gti.names import DEFAULT_GROUNDING_TEMPLATES, INIT_METHODS
-
-
-class _Strict(BaseModel):
-    # extra="forbid" is what makes a mistyped key fail loudly instead of being ignored.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 # --------------------------------------------------------------------------- data
@@ -194,8 +200,6 @@ class InitConfig(_Strict):
 
 
 # --------------------------------------------------------------------------- pairs
-
-
 class PairsConfig(_Strict):
     system_prompt: str = "You are a helpful assistant."
     templates: dict[str, str] = Field(default_factory=lambda: dict(DEFAULT_GROUNDING_TEMPLATES))
@@ -217,81 +221,6 @@ class PairsConfig(_Strict):
                 f"unknown template name(s) {sorted(unknown)}; known: {sorted(DEFAULT_GROUNDING_TEMPLATES)}"
             )
         return v
-
-
-# --------------------------------------------------------------------------- training
-class TrainConfig(_Strict):
-    """Shared by grounding and SFT: optimiser, schedule, parallelism, checkpoints."""
-
-    enabled: bool = True
-    lr: float = Field(1e-3, gt=0)
-    steps: int = Field(100, ge=0)
-    batch_size: int = Field(8, gt=0, description="global batch (sequences per optimizer step)")
-    grad_accum: int = Field(1, ge=1)
-    warmup_steps: int = Field(0, ge=0)
-    weight_decay: float = Field(0.0, ge=0)
-    schedule: Literal["constant", "cosine", "linear"] = "constant"
-    max_grad_norm: float = Field(1.0, gt=0)
-    adam_betas: tuple[float, float] = (0.9, 0.999)
-    adam_eps: float = Field(1e-8, gt=0)
-    num_workers: int = Field(1, ge=1)
-    use_gpu: bool = False
-    # Ray resources per Train worker (ScalingConfig.resources_per_worker), e.g. {CPU: 8, GPU: 1},
-    # or {CPU: 1, gti_worker: 1} with cluster/local_cluster.sh to force one worker per node.
-    # None = Ray Train's default (1 CPU, plus 1 GPU when use_gpu).
-    resources_per_worker: dict[str, float] | None = None
-    zero_stage: Literal[0, 1, 2, 3] = 2
-    # "auto": bf16 autocast where bf16 is native (CUDA, CPUs with AVX512-BF16/AMX), else fp32
-    # (gti.devices.resolve_precision; the resolved value goes into the stage manifest). Master
-    # weights and optimizer state stay fp32 unless model.dtype is bfloat16.
-    precision: Literal["auto", "fp32", "bf16"] = "auto"
-    # Micro-batches of similar-length rows (gti.train.batching), so padding costs little.
-    group_by_length: bool = True
-    # Attention kernel while training: "auto" = eager on CPU (its backward is ~1.35x faster than
-    # SDPA's flash kernel for SmolLM2 rows of ~65 tokens on 2 cores; bench/RESULTS.md), the
-    # model's own choice on GPU.
-    attn_implementation: Literal["auto", "sdpa", "eager"] = "auto"
-    # torch intra-op threads per CPU training worker; None keeps Ray's setting (= the CPUs the
-    # worker reserved, 1 by default). Set it to the node's cores for a single worker on a laptop.
-    cpu_threads: int | None = Field(None, ge=1)
-    checkpoint_every: int = Field(50, ge=1)
-    val_every: int = Field(50, ge=1)
-    val_samples: int = Field(64, ge=1)
-    max_failures: int = Field(0, ge=-1)
-    log_every: int = Field(1, ge=1)
-
-
-class GroundConfig(TrainConfig):
-    lr: float = Field(1e-3, gt=0)
-    steps: int = Field(200, ge=0)
-
-
-class LoraConfig(_Strict):
-    enabled: bool = False
-    r: int = Field(8, gt=0)
-    alpha: int = Field(32, gt=0)
-    dropout: float = Field(0.05, ge=0, lt=1)
-    quantize_4bit: bool = False
-
-
-class SftConfig(TrainConfig):
-    lr: float = Field(3e-4, gt=0)
-    steps: int = Field(200, ge=0)
-    schedule: Literal["constant", "cosine", "linear"] = "cosine"
-    weight_decay: float = Field(0.01, ge=0)
-    max_len: int = Field(160, gt=8)
-    # LC-Rec style multitask mix: weight of grounding-pair tasks relative to the sequence task.
-    multitask: bool = False
-    multitask_weight: float = Field(0.5, ge=0)
-    lora: LoraConfig = Field(default_factory=LoraConfig)
-    val_users: int = Field(64, ge=1)
-    # Also the exact-rank MRR of the validation users at every validation (gti.eval.rank: one
-    # prefill plus one token per distinct SID prefix per user); val_loss is always computed.
-    val_mrr: bool = False
-    # "chat": the chat template, system prompt and a retrieval template around the history
-    # (the paper's form). "compact": the history's SID tokens alone, then the answer; no chat
-    # scaffolding (see gti.lm.templates.render_rec_prompt). Used by SFT, evaluate and recommend.
-    prompt_style: Literal["chat", "compact"] = "chat"
 
 
 # --------------------------------------------------------------------------- eval
@@ -451,93 +380,12 @@ class RunConfig(_Strict):
 
 
 # --------------------------------------------------------------------------- loading
-_SECRET_RE = re.compile(r"(key|token|secret|password|passwd|credentials?)")
-REDACTED = "***redacted***"
-
-
-def redact(obj: Any) -> Any:
-    """Copy of a nested mapping with values of secret-looking keys replaced.
-
-    Used for everything written to manifests and logs, so that a token put in a config never
-    lands on disk. The match is on the last word of the key (`auth_token`, `api_key`), so
-    `max_tokens` (a count) is left alone.
-    """
-    if isinstance(obj, dict):
-        out = {}
-        for k, v in obj.items():
-            last = str(k).lower().split("_")[-1]
-            out[k] = REDACTED if _SECRET_RE.fullmatch(last) else redact(v)
-        return out
-    if isinstance(obj, list):
-        return [redact(v) for v in obj]
-    return obj
-
-
-def _parse_scalar(text: str) -> Any:
-    """Parse an override value the way YAML would ("1e-3" -> float, "[1,2]" -> list)."""
-    try:
-        val = yaml.safe_load(text)
-    except yaml.YAMLError:
-        return text
-    # YAML 1.1 reads "1e-3" as a string; accept it as a float like a human would.
-    if isinstance(val, str):
-        try:
-            return float(val) if re.fullmatch(r"[-+]?\d*\.?\d+[eE][-+]?\d+", val) else val
-        except ValueError:
-            return val
-    return val
-
-
-def apply_overrides(raw: dict[str, Any], overrides: list[str], source: str = "<overrides>") -> dict:
-    """Return a copy of `raw` with `a.b.c=value` overrides applied (validation comes later)."""
-    out = copy.deepcopy(raw)
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"override '{item}' is not of the form key=value")
-        key, value = item.split("=", 1)
-        key = key.strip()
-        if not key:
-            raise ConfigError(f"override '{item}' has an empty key")
-        node = out
-        parts = key.split(".")
-        for p in parts[:-1]:
-            nxt = node.get(p)
-            if nxt is None:
-                nxt = node[p] = {}
-            if not isinstance(nxt, dict):
-                raise ConfigError(f"override '{key}': '{p}' is not a section")
-            node = nxt
-        node[parts[-1]] = _parse_scalar(value)
-    return out
-
-
-def _format_error(err: ValidationError, source: str) -> str:
-    first = err.errors()[0]
-    loc = ".".join(str(p) for p in first["loc"])
-    if first["type"] == "extra_forbidden":
-        return f"{source}: unknown key '{loc}'"
-    msg = first["msg"]
-    return f"{source}: invalid value for '{loc}': {msg}" if loc else f"{source}: {msg}"
-
-
 def validate(raw: dict[str, Any], source: str = "<config>") -> RunConfig:
+    """A raw mapping -> RunConfig; ConfigError naming the key and `source` otherwise."""
     try:
         return RunConfig.model_validate(raw)
     except ValidationError as err:
         raise ConfigError(_format_error(err, source)) from None
-
-
-def read_yaml(path: str | Path) -> dict[str, Any]:
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"config file not found: {p}")
-    try:
-        raw = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{p}: not valid YAML: {str(err).splitlines()[0]}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{p}: top level must be a mapping")
-    return raw
 
 
 def load(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
@@ -551,6 +399,5 @@ def load(path: str | Path | None = None, overrides: list[str] | None = None) -> 
 
 
 def dump(cfg: RunConfig) -> str:
+    """The config as YAML, secrets redacted (`gti config show`)."""
     return yaml.safe_dump(redact(cfg.model_dump(mode="json")), sort_keys=False)
-
-

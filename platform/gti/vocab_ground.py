@@ -42,6 +42,7 @@ from typing import Any, Callable, Literal, Sequence
 from pydantic import Field, ValidationError
 
 from gti import config as C
+from gti.config_io import StrictModel, format_error
 from gti.train.driver import STORAGE_DIR
 from gti.errors import DataError
 from gti.lm.newvocab import DEFAULT_TEMPLATES, NewToken
@@ -57,12 +58,12 @@ RUN_NAME = "vocab_ground"
 
 
 # --------------------------------------------------------------------------- config
-class VocabModelConfig(C._Strict):
+class VocabModelConfig(StrictModel):
     dtype: Literal["float32", "bfloat16"] = "float32"
     trust_remote_code: bool = False
 
 
-class VocabGroundConfig(C._Strict):
+class VocabGroundConfig(StrictModel):
     seed: int = 0
     ray_address: str | None = None
     ray_num_cpus: int | None = Field(None, ge=1)
@@ -93,7 +94,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] | None 
     try:
         return VocabGroundConfig.model_validate(raw)
     except ValidationError as err:
-        raise C.ConfigError(C._format_error(err, source)) from None
+        raise C.ConfigError(format_error(err, source)) from None
 
 
 # --------------------------------------------------------------------------- result
@@ -136,14 +137,44 @@ def ground_vocabulary(
         token2desc: "...{token}..."}).
     Returns a VocabGroundResult. User mistakes raise GtiError subclasses (one line).
     """
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    import torch
-    from safetensors.torch import save_file
-
-    from gti.lm import models, newvocab, vocab
-
     t_start = time.time()
+    cfg, toks = _settings(config, templates, tokens)
+    out_dir = Path(out_dir).expanduser().resolve()
+    own_work = work_dir is None
+    work = Path(work_dir) if work_dir is not None else out_dir.with_name(f".{out_dir.name}.work")
+    work.mkdir(parents=True, exist_ok=True)
+
+    ext = _load_and_extend(model, cfg, toks, log)
+    pairs, n_train = _write_pairs(ext, toks, cfg, work, log)
+    init = _initial_rows(ext, toks, cfg, work)
+    g = cfg.ground
+    grounded = g.enabled and g.steps > 0
+    final, res_facts = init, {"steps_done": 0}
+    val_split = "val" if any(t.eval_descriptions for t in toks) else "train"
+    if grounded:
+        final, res_facts = _fit(cfg, ext.run_cfg, work, pairs, ext.ids, ext.tok, ext.first, ext.end, n_train,
+                                val_split, log)
+    else:
+        log("ground.enabled is false or ground.steps is 0: exporting the initialised rows")
+
+    _export(ext, cfg, init, final, grounded, res_facts["steps_done"], out_dir)
+    shutil.rmtree(work / RAY_DIR, ignore_errors=True)
+    if own_work:
+        shutil.rmtree(work, ignore_errors=True)
+    log(f"exported {out_dir}")
+    return VocabGroundResult(
+        out_dir=out_dir, token_ids=ext.ids, new_token_ids=(ext.first, ext.end), init_method=cfg.init.method,
+        steps_done=int(res_facts["steps_done"]), first_loss=res_facts.get("first_loss"),
+        final_loss=res_facts.get("final_loss"), val_exact_match=res_facts.get("val_exact_match", []),
+        val_split=val_split, n_train_pairs=n_train, wall_s=round(time.time() - t_start, 2),
+    )
+
+
+def _settings(config: VocabGroundConfig | str | Path | None, templates: dict[str, str] | None,
+              tokens: Sequence[NewToken | dict] | str | Path) -> tuple[VocabGroundConfig, list[NewToken]]:
+    """The resolved config and the parsed tokens; every settings mistake raises before any work."""
+    from gti.lm import newvocab
+
     cfg = config if isinstance(config, VocabGroundConfig) else load_config(config)
     if templates is not None:
         cfg = cfg.model_copy(update={"templates": dict(templates)})
@@ -152,10 +183,26 @@ def ground_vocabulary(
         raise C.ConfigError("init.method=codebook needs SID codebooks; new vocabulary has none "
                             "(use mean, mean_noise, random or description)")
     newvocab.pair_templates(cfg.templates)  # ConfigError on a bad template before any work
-    out_dir = Path(out_dir).expanduser().resolve()
-    own_work = work_dir is None
-    work = Path(work_dir) if work_dir is not None else out_dir.with_name(f".{out_dir.name}.work")
-    work.mkdir(parents=True, exist_ok=True)
+    return cfg, toks
+
+
+@dataclass
+class _Extended:
+    """The base model and its tokenizer with the new tokens added (ids [first, end))."""
+
+    model_path: Path
+    run_cfg: C.RunConfig
+    base: Any  # the loaded model, rows not yet attached
+    tok: Any
+    n_real: int  # tokenizer size before the new tokens
+    first: int
+    end: int
+    ids: dict[str, int]  # new token -> id
+
+
+def _load_and_extend(model: str | Path, cfg: VocabGroundConfig, toks: list[NewToken], log) -> _Extended:
+    """Resolve and load the model, refuse tokens it already has, add the new ones."""
+    from gti.lm import models, vocab
 
     model_path = models.resolve_model_path(C.ModelConfig(name=str(model), trust_remote_code=cfg.model.trust_remote_code),
                                            log=log)
@@ -169,61 +216,66 @@ def ground_vocabulary(
                         + (f" (and {len(clash) - 1} more)" if len(clash) > 1 else ""))
     first, end = vocab.extend_tokenizer(tok, [t.token for t in toks])
     ids = {t.token: first + i for i, t in enumerate(toks)}
-    n_new = end - first
-    log(f"{n_new} new tokens [{first}, {end}) for {model_path}; init '{cfg.init.method}'")
+    log(f"{end - first} new tokens [{first}, {end}) for {model_path}; init '{cfg.init.method}'")
+    return _Extended(model_path, run_cfg, base, tok, n_real, first, end, ids)
 
-    # Pairs: one row per (token, description, direction).
-    pairs = newvocab.render_pairs(tok, toks, [ids[t.token] for t in toks], cfg.templates,
-                                  cfg.system_prompt, cfg.max_len)
+
+def _write_pairs(ext: _Extended, toks: list[NewToken], cfg: VocabGroundConfig, work: Path, log) -> tuple[dict, int]:
+    """The grounding pairs, one row per (token, description, direction), to work/pairs.parquet;
+    -> (pairs, training rows)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from gti.lm import newvocab
     from gti.stages.pairs import PAIRS_SCHEMA
 
+    pairs = newvocab.render_pairs(ext.tok, toks, [ext.ids[t.token] for t in toks], cfg.templates,
+                                  cfg.system_prompt, cfg.max_len)
     pq.write_table(pa.table({c: pairs[c] for c in PAIRS_SCHEMA.names}, schema=PAIRS_SCHEMA), work / PAIRS_FILE)
     n_train = sum(s == "train" for s in pairs["split"])
     truncated = sum(map(bool, pairs["truncated"]))
     if truncated:
         log(f"WARNING: {truncated} pairs were cut to max_len={cfg.max_len} tokens")
+    return pairs, n_train
 
-    # Initial rows (descriptions for init.method=description, tokenised without the template).
-    desc_ids = [tok([*t.descriptions], add_special_tokens=False)["input_ids"] for t in toks]
-    init = newvocab.initial_rows(cfg.init.method, base, n_real, n_new, description_ids=desc_ids,
+
+def _initial_rows(ext: _Extended, toks: list[NewToken], cfg: VocabGroundConfig, work: Path) -> dict[str, Any]:
+    """The new rows as `init.method` makes them, saved to work/e_new_init.safetensors."""
+    from safetensors.torch import save_file
+
+    from gti.lm import newvocab
+
+    # Descriptions for init.method=description, tokenised without the template.
+    desc_ids = [ext.tok([*t.descriptions], add_special_tokens=False)["input_ids"] for t in toks]
+    init = newvocab.initial_rows(cfg.init.method, ext.base, ext.n_real, ext.end - ext.first, description_ids=desc_ids,
                                  noise_std=cfg.init.noise_std, seed=cfg.seed)
     save_file({k: v.contiguous() for k, v in init.items()}, str(work / INIT_FILE))
+    return init
 
-    g = cfg.ground
-    grounded = g.enabled and g.steps > 0
-    final, res_facts = init, {"steps_done": 0}
-    val_split = "val" if any(t.eval_descriptions for t in toks) else "train"
-    if grounded:
-        final, res_facts = _fit(cfg, run_cfg, work, pairs, ids, tok, first, end, n_train, val_split, log)
-    else:
-        log("ground.enabled is false or ground.steps is 0: exporting the initialised rows")
 
-    vocab.attach_new_rows(base, first, n_new, init["e_new"], init.get("head_new"))
-    vocab.load_new_rows_state_dict(base, final)
+def _export(ext: _Extended, cfg: VocabGroundConfig, init: dict[str, Any], final: dict[str, Any], grounded: bool,
+            steps_done: int, out_dir: Path) -> None:
+    """The base model with the final rows as a standard HF folder, plus the rows before/after."""
+    from safetensors.torch import save_file
+
+    from gti.lm import vocab
+
+    vocab.attach_new_rows(ext.base, ext.first, ext.end - ext.first, init["e_new"], init.get("head_new"))
+    vocab.load_new_rows_state_dict(ext.base, final)
     meta = {
         "stage": MODEL_META_STAGE,
-        "base_model": str(model_path),
-        "new_token_ids": [first, end],
-        "tokens": ids,
+        "base_model": str(ext.model_path),
+        "new_token_ids": [ext.first, ext.end],
+        "tokens": ext.ids,
         "init_method": cfg.init.method,
         "grounded": grounded,
-        "steps_done": res_facts["steps_done"],
+        "steps_done": steps_done,
         "templates": cfg.templates,
         "system_prompt": cfg.system_prompt,
     }
-    vocab.export_model(base, tok, out_dir, meta)
+    vocab.export_model(ext.base, ext.tok, out_dir, meta)
     save_file({k: v.contiguous() for k, v in init.items()}, str(out_dir / INIT_FILE))
     save_file({k: v.contiguous() for k, v in final.items()}, str(out_dir / GROUND_FILE))
-    shutil.rmtree(work / RAY_DIR, ignore_errors=True)
-    if own_work:
-        shutil.rmtree(work, ignore_errors=True)
-    log(f"exported {out_dir}")
-    return VocabGroundResult(
-        out_dir=out_dir, token_ids=ids, new_token_ids=(first, end), init_method=cfg.init.method,
-        steps_done=int(res_facts["steps_done"]), first_loss=res_facts.get("first_loss"),
-        final_loss=res_facts.get("final_loss"), val_exact_match=res_facts.get("val_exact_match", []),
-        val_split=val_split, n_train_pairs=n_train, wall_s=round(time.time() - t_start, 2),
-    )
 
 
 def _fit(cfg: VocabGroundConfig, run_cfg: C.RunConfig, work: Path, pairs: dict, ids: dict[str, int], tok,

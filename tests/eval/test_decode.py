@@ -1,20 +1,14 @@
 """Constrained beam search (gti/eval/decode.py) on a tiny random Llama: validity, exactness
-against exhaustive scoring, batch invariance, agreement with the transformers peer, and the
-generation-config override."""
+against exhaustive scoring, batch invariance, eval mode, and the names gti.eval.decode
+re-exports (the peer and the generation-config override are tested in test_generate.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import GenerationConfig
 
-from gti.eval.decode import (
-    constrained_beam_search,
-    generate_with_prefix_fn,
-    override_generation_config,
-    score_all_sids,
-    topk_agreement,
-)
+from gti.eval import beams, generate
+from gti.eval.decode import constrained_beam_search, score_all_sids
 from gti.sid.trie import SidTrie
 
 
@@ -98,78 +92,6 @@ def test_batch_size_invariance(sidspace):
     )
 
 
-def test_matches_transformers_generate_with_prefix_fn(sidspace):
-    s = sidspace
-    sids = s.random_sids(50, s.LEVELS, s.CODEBOOK, s.FIRST_NEW, seed=9)
-    trie = SidTrie(sids, s.FIRST_NEW, s.NEW_END)
-    model = s.tiny_llama(seed=5)
-    users = s.prompts(4, seed=3)
-    ours = _search(model, users, trie, s, batch_users=2)
-    peer = generate_with_prefix_fn(
-        model, users, trie, beam_width=8, k=5, levels=s.LEVELS, pad_id=0, batch_users=4
-    )
-    assert peer.n_invalid == 0
-    agree = topk_agreement(ours, peer, atol=1e-4)
-    assert agree["exact_users"] == 4, agree
-    assert agree["max_score_diff"] < 1e-4
-
-
-def test_generation_config_override(sidspace):
-    """A checkpoint whose generation_config samples with top_k=5 / top_p=0.5 must not change
-    our search nor the peer path once overridden."""
-    s = sidspace
-    sids = s.random_sids(50, s.LEVELS, s.CODEBOOK, s.FIRST_NEW, seed=9)
-    trie = SidTrie(sids, s.FIRST_NEW, s.NEW_END)
-    users = s.prompts(3, seed=3)
-    clean = s.tiny_llama(seed=5)
-    reference = _search(clean, users, trie, s)
-
-    model = s.tiny_llama(seed=5)
-    sampling = GenerationConfig(
-        do_sample=True, top_k=5, top_p=0.5, temperature=0.7, repetition_penalty=1.3,
-        no_repeat_ngram_size=2, pad_token_id=0, eos_token_id=2,
-    )
-    model.generation_config = sampling
-    # The trap exists in this transformers: a fresh config passed to generate inherits the
-    # checkpoint's sampling settings for every field it leaves unset.
-    naive, _ = model._prepare_generation_config(GenerationConfig(num_beams=8, max_new_tokens=3))
-    assert naive.do_sample is True and naive.top_k == 5 and naive.top_p == 0.5
-
-    ours = _search(model, users, trie, s)
-    assert torch.equal(ours.items, reference.items)
-    torch.testing.assert_close(ours.scores, reference.scores)
-
-    cfg = override_generation_config(model, beam_width=8, k=5, levels=s.LEVELS, pad_id=0)
-    assert model.generation_config is cfg
-    resolved, _ = model._prepare_generation_config(cfg)
-    assert resolved.do_sample is False and resolved.top_k != 5 and resolved.top_p == 1.0
-    assert resolved.temperature == 1.0 and resolved.repetition_penalty == 1.0
-    assert resolved.no_repeat_ngram_size == 0 and resolved.num_beams == 8
-    assert resolved.eos_token_id == 2 and resolved.pad_token_id == 0, "token ids are kept"
-
-    # The peer path, on the sampling checkpoint (it overrides again internally), agrees with
-    # our search on the clean model, twice in a row (no sampling left).
-    model.generation_config = sampling
-    for _ in range(2):
-        peer = generate_with_prefix_fn(model, users, trie, beam_width=8, k=5, levels=s.LEVELS, pad_id=0)
-        agree = topk_agreement(reference, peer, atol=1e-4)
-        assert agree["exact_users"] == 3, agree
-
-
-def test_topk_agreement_treats_near_ties_as_equal():
-    from gti.eval.decode import DecodeResult
-
-    def res(items, scores):
-        it, sc = torch.tensor([items]), torch.tensor([scores])
-        return DecodeResult(it, sc, it.unsqueeze(-1), it.unsqueeze(-1), sc)
-
-    a = res([1, 2, 3], [-1.0, -2.0, -2.00001])
-    assert topk_agreement(a, res([1, 3, 2], [-1.0, -2.00001, -2.0]))["identical_users"] == 1
-    assert topk_agreement(a, res([1, 2, 4], [-1.0, -2.0, -2.00001]))["identical_users"] == 1
-    assert topk_agreement(a, res([2, 1, 3], [-1.0, -2.0, -2.00001]))["identical_users"] == 0
-    assert topk_agreement(a, res([1, 2, 3], [-1.0, -2.5, -2.6]))["mismatched_users"] == [0]
-
-
 def test_search_runs_in_eval_mode_and_restores_training(sidspace):
     s = sidspace
     sids = s.random_sids(30, s.LEVELS, s.CODEBOOK, s.FIRST_NEW, seed=4)
@@ -184,3 +106,13 @@ def test_search_runs_in_eval_mode_and_restores_training(sidspace):
     assert model.training, "the caller's train mode is restored"
     assert torch.equal(got.items, ref.items)
     torch.testing.assert_close(got.scores, ref.scores)
+
+
+def test_decode_re_exports_the_result_type_and_the_peer():
+    """`gti.eval.decode` stays the one import for decoding (callers and bench/ use it)."""
+    from gti.eval import decode
+
+    for name in ("DecodeResult", "TrieLike", "left_pad", "topk_agreement"):
+        assert getattr(decode, name) is getattr(beams, name)
+    for name in ("override_generation_config", "generate_with_prefix_fn", "make_prefix_allowed_tokens_fn"):
+        assert getattr(decode, name) is getattr(generate, name)

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from gti.eval.decode import _as_prompt_lists, _chunks, _model_device, left_pad
+from gti.eval.beams import as_prompt_lists, chunks, left_pad, model_device
 from gti.eval.metrics import bootstrap_ci
 
 MASKABLE_ATTENTION = ("eager", "sdpa")
@@ -144,13 +144,13 @@ def score_catalog(
     if prefix_batch < 1:
         raise ValueError(f"prefix_batch must be >= 1, got {prefix_batch}")
     _check_attention(model)
-    prompt_lists = _as_prompt_lists(prompts)
+    prompt_lists = as_prompt_lists(prompts)
     tree = _Tree(sids)
     parts = []
     was_training = bool(getattr(model, "training", False))
     model.eval()
     try:
-        for sl in _chunks(len(prompt_lists), max(1, batch_users)):
+        for sl in chunks(len(prompt_lists), max(1, batch_users)):
             parts.append(_score_batch(model, prompt_lists[sl], sids, tree, pad_id, prefix_batch))
             if progress is not None:
                 progress(sl.stop, len(prompt_lists))
@@ -172,7 +172,7 @@ def _score_batch(
     prefix_batch: int,
 ) -> torch.Tensor:
     """Scores [U_b, N] for one batch of users (see `score_catalog`)."""
-    device = _model_device(model)
+    device = model_device(model)
     n_users = len(prompts)
     n_items, levels = sids.shape
     ids, pmask, pos = left_pad(prompts, pad_id, device)  # [U_b, T] each
@@ -205,7 +205,7 @@ def _score_batch(
         order = torch.argsort(item_node, stable=True)
         bounds = torch.searchsorted(item_node[order], torch.arange(n_nodes + 1, device=device))
         kept = tree.offset[d]  # tree slots of the kept shallower depths
-        for sl in _chunks(n_nodes, prefix_batch):
+        for sl in chunks(n_nodes, prefix_batch):
             c = sl.stop - sl.start
             # Slots in the cache's tree part: ancestors at their kept slots, the chunk after
             # everything already cached (= offset[d] + sl.start for kept depths, offset[d]

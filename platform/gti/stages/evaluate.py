@@ -42,10 +42,10 @@ from __future__ import annotations
 
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import polars as pl
 import pyarrow as pa
 
@@ -264,10 +264,46 @@ def format_ranks(split: str, ranks: dict[str, Any], label: str = "") -> str:
 
 # --------------------------------------------------------------------------- stage entry
 def run(ctx: StageContext) -> StageResult:
-    import ray
+    ks = list(ctx.cfg.eval.ks)
+    inp = _read_inputs(ctx)
+    recs, decode_facts = _decode(ctx, inp)
+    out = _metrics(ctx, inp, recs)
+    _write_outputs(ctx, out, recs)
+    for line in format_table(out, ks).splitlines():
+        ctx.log(line)
+    return StageResult(
+        outputs={"metrics": METRICS_FILE, "recommendations": RECS_FILE},
+        facts={
+            "metrics": out["splits"],
+            "baselines": out["baselines"],
+            "ranks": out["ranks"],
+            "slices": out["slices"],
+            "invalid_sid_rate": out["invalid_sid_rate"],
+            "n_users": out["n_users"],
+            **decode_facts,  # users_per_s, resumed_prompts
+            "sid_map_hash": inp.sid_facts["sid_map_hash"],
+        },
+    )
 
+
+@dataclass
+class _Inputs:
+    """What the stage reads before decoding: upstream outputs and the sampled users' prompts."""
+
+    model_dir: Path
+    sid_map_path: Path
+    sid_facts: dict[str, Any]
+    catalog: list[str]  # item ids in SID-map row order
+    seqs: pl.DataFrame  # ingest's per-user sequences
+    frames: dict[str, pl.DataFrame]  # split -> the sampled users' windows (history, target)
+    rows: pl.DataFrame  # every split's frame, in decoding order
+    sft_counts: dict[str, int]  # item -> SFT training windows targeting it (the cold slice)
+    n_cold: int  # catalog items that are cold under that definition
+
+
+def _read_inputs(ctx: StageContext) -> _Inputs:
+    """Refuse a stale SID map or a K above the catalog, read the sequences, sample the users."""
     from gti.run_artifacts import LoadedRun
-    from gti.stages._ray import ensure_ray
 
     cfg, ec = ctx.cfg, ctx.cfg.eval
     sid_facts = ctx.manifest("sid").facts
@@ -294,7 +330,13 @@ def run(ctx: StageContext) -> StageResult:
     # Cold items: counted on SFT training windows only (train items; never valid/test).
     sft_counts = sft_data.sft_target_counts(seqs)
     n_cold = n_cold_items(catalog, sft_counts, ec.cold_max_sft_targets)
+    return _Inputs(model_dir, sid_map_path, sid_facts, catalog, seqs, frames, rows, sft_counts, n_cold)
 
+
+def _decode(ctx: StageContext, inp: _Inputs) -> tuple[pl.DataFrame, dict[str, Any]]:
+    """Decode every prompt not already in a chunk of an interrupted attempt; -> (the decoded
+    rows of all prompts, in `inp.rows` order; {users_per_s, resumed_prompts})."""
+    rows, ec = inp.rows, ctx.cfg.eval
     # Whole batches per chunk, so that a resumed run decodes the same batches as an
     # uninterrupted one (batched beam search is exact per batch, not across compositions).
     chunk_rows = ec.batch_users * max(1, round(CHUNK_ROWS / ec.batch_users))
@@ -304,29 +346,15 @@ def run(ctx: StageContext) -> StageResult:
     if resumed:
         ctx.log(f"resuming: {resumed:,} of {rows.height:,} prompts already decoded by an interrupted attempt")
     todo = rows.slice(resumed)
-
-    ensure_ray(cfg)
-    ray.data.DataContext.get_current().execution_options.preserve_order = True
-    ds = ray.data.from_arrow(todo.to_arrow()).map_batches(
-        Recommender,
-        fn_constructor_kwargs=dict(
-            model_dir=str(model_dir), sid_map_path=str(sid_map_path), sid_facts=sid_facts,
-            run_config=cfg.model_dump(mode="json"),
-        ),
-        batch_size=ec.batch_users,
-        batch_format="pyarrow",
-        compute=ray.data.ActorPoolStrategy(size=ec.concurrency),
-        num_gpus=ec.num_gpus or None,
-    )
+    ds = _recommender_pool(ctx, inp, todo)
     from gti.progress import Progress
 
     bar = Progress(todo.height, "decode", "prompts", log=ctx.log)  # a resumed run decodes only the rest
-    t0 = last = time.time()
-    parts, done = decoded, 0  # parts.append writes each whole chunk; iterating gives them all
+    t0 = time.time()
+    parts = decoded  # parts.append writes each whole chunk; iterating gives them all
     for block in ds.iter_batches(batch_size=None, batch_format="pyarrow") if todo.height else []:
         block = block if isinstance(block, pa.Table) else pa.Table.from_batches([block])
         parts.append(block)
-        done += block.num_rows
         bar.update(block.num_rows)
     bar.close()
     recs = pl.from_arrow(pa.concat_tables(parts)) if parts else None
@@ -335,46 +363,79 @@ def run(ctx: StageContext) -> StageResult:
     elapsed = time.time() - t0
     ctx.log(f"decoded {todo.height:,} prompts in {elapsed:.1f}s ({todo.height / max(elapsed, 1e-9):.2f} users/s)"
             + (f", {resumed:,} more from the interrupted attempt" if resumed else ""))
+    return recs, {"users_per_s": round(todo.height / max(elapsed, 1e-9), 3), "resumed_prompts": resumed}
 
+
+def _recommender_pool(ctx: StageContext, inp: _Inputs, todo: pl.DataFrame):
+    """The Ray Dataset of `todo` decoded by a pool of `Recommender` actors, in order."""
+    import ray
+
+    from gti.stages._ray import ensure_ray
+
+    cfg, ec = ctx.cfg, ctx.cfg.eval
+    ensure_ray(cfg)
+    ray.data.DataContext.get_current().execution_options.preserve_order = True
+    return ray.data.from_arrow(todo.to_arrow()).map_batches(
+        Recommender,
+        fn_constructor_kwargs=dict(
+            model_dir=str(inp.model_dir), sid_map_path=str(inp.sid_map_path), sid_facts=inp.sid_facts,
+            run_config=cfg.model_dump(mode="json"),
+        ),
+        batch_size=ec.batch_users,
+        batch_format="pyarrow",
+        compute=ray.data.ActorPoolStrategy(size=ec.concurrency),
+        num_gpus=ec.num_gpus or None,
+    )
+
+
+def _metrics(ctx: StageContext, inp: _Inputs, recs: pl.DataFrame) -> dict[str, Any]:
+    """metrics.json's content: per split the model's, the baselines' and the rank metrics, on
+    all sampled users and on the cold slice (layout in docs/ARCHITECTURE.md)."""
+    ec = ctx.cfg.eval
     n_returned, n_invalid = int(recs["n_returned"].sum()), int(recs["n_invalid"].sum())
-    invalid_rate = n_invalid / n_returned if n_returned else 0.0
     out: dict[str, Any] = {
         "splits": {}, "baselines": {"mostpop": {}, "markov": {}}, "ranks": {},
         "slices": {"cold": {"definition": {"max_sft_targets": ec.cold_max_sft_targets,
-                                           "n_cold_items": n_cold, "n_items": len(catalog)}}},
-        "invalid_sid_rate": invalid_rate, "n_users": {}, "per_user": {},
+                                           "n_cold_items": inp.n_cold, "n_items": len(inp.catalog)}}},
+        "invalid_sid_rate": n_invalid / n_returned if n_returned else 0.0, "n_users": {}, "per_user": {},
         "config": {"beam_width": ec.beam_width, "ks": list(ec.ks), "constrained": ec.constrained,
                    "bootstrap": ec.bootstrap, "max_users": ec.max_users, "exact_rank": ec.exact_rank,
                    "cold_max_sft_targets": ec.cold_max_sft_targets},
     }
     for split in ec.splits:
-        part = recs.filter(pl.col("split") == split)
-        frame = frames[split]
-        summary, per_user = metric_block(
-            part["items"].to_list(), part["target"].to_list(), list(ec.ks), ec.bootstrap, cfg.seed
-        )
-        out["splits"][split] = summary
-        out["n_users"][split] = part.height
-        out["per_user"][split] = {"user_ids": part["user_id"].to_list(), **per_user}
-        for name, vals in baseline_rows(
-            seqs, split, frame, list(ec.ks), ec.bootstrap, cfg.seed, catalog
-        ).items():
-            out["baselines"][name][split] = vals
-        if ec.exact_rank:
-            from gti.eval.rank import rank_metrics
+        _split_metrics(ctx, inp, split, recs.filter(pl.col("split") == split), out)
+    return out
 
-            out["ranks"][split] = rank_metrics(part["exact_rank"].to_numpy(), len(catalog), ec.bootstrap, cfg.seed)
-            out["per_user"][split]["exact_rank"] = part["exact_rank"].to_list()
-            ctx.log(format_ranks(split, out["ranks"][split]))
-        # Masks per table (both carry the target), so the slice never depends on row order.
-        cold_part = pl.Series(cold_users(part, sft_counts, ec.cold_max_sft_targets), dtype=pl.Boolean)
-        cold_frame = pl.Series(cold_users(frame, sft_counts, ec.cold_max_sft_targets), dtype=pl.Boolean)
-        out["slices"]["cold"][split] = cold_block = slice_metrics(
-            part.filter(cold_part), frame.filter(cold_frame), seqs, split, list(ec.ks), ec.bootstrap, cfg.seed,
-            catalog, ec.exact_rank,
-        )
-        if cold_block["ranks"]:
-            ctx.log(format_ranks(split, cold_block["ranks"], "[cold]"))
+
+def _split_metrics(ctx: StageContext, inp: _Inputs, split: str, part: pl.DataFrame, out: dict[str, Any]) -> None:
+    """Fill `out` with one split's metrics; `part` = that split's decoded rows."""
+    cfg, ec = ctx.cfg, ctx.cfg.eval
+    ks, catalog, seqs, frame = list(ec.ks), inp.catalog, inp.seqs, inp.frames[split]
+    summary, per_user = metric_block(part["items"].to_list(), part["target"].to_list(), ks, ec.bootstrap, cfg.seed)
+    out["splits"][split] = summary
+    out["n_users"][split] = part.height
+    out["per_user"][split] = {"user_ids": part["user_id"].to_list(), **per_user}
+    for name, vals in baseline_rows(seqs, split, frame, ks, ec.bootstrap, cfg.seed, catalog).items():
+        out["baselines"][name][split] = vals
+    if ec.exact_rank:
+        from gti.eval.rank import rank_metrics
+
+        out["ranks"][split] = rank_metrics(part["exact_rank"].to_numpy(), len(catalog), ec.bootstrap, cfg.seed)
+        out["per_user"][split]["exact_rank"] = part["exact_rank"].to_list()
+        ctx.log(format_ranks(split, out["ranks"][split]))
+    # Masks per table (both carry the target), so the slice never depends on row order.
+    cold_part = pl.Series(cold_users(part, inp.sft_counts, ec.cold_max_sft_targets), dtype=pl.Boolean)
+    cold_frame = pl.Series(cold_users(frame, inp.sft_counts, ec.cold_max_sft_targets), dtype=pl.Boolean)
+    out["slices"]["cold"][split] = cold_block = slice_metrics(
+        part.filter(cold_part), frame.filter(cold_frame), seqs, split, ks, ec.bootstrap, cfg.seed,
+        catalog, ec.exact_rank,
+    )
+    if cold_block["ranks"]:
+        ctx.log(format_ranks(split, cold_block["ranks"], "[cold]"))
+
+
+def _write_outputs(ctx: StageContext, out: dict[str, Any], recs: pl.DataFrame) -> None:
+    """metrics.json, the tracker's scalars and recs.parquet; the decoded chunks are then removed."""
     atomic_write_json(ctx.work_dir / METRICS_FILE, out)
     from gti.tracking import eval_tags, open_tracker
 
@@ -382,21 +443,3 @@ def run(ctx: StageContext) -> StageResult:
         tracker.scalars(eval_tags(out), int(ctx.manifest("sft").facts.get("steps_done") or 0))
     recs.select("user_id", "split", "target", "items", "scores").write_parquet(ctx.work_dir / RECS_FILE)
     shutil.rmtree(ctx.work_dir / DECODED_DIR)  # recs.parquet holds them now
-
-    table = format_table(out, list(ec.ks))
-    for line in table.splitlines():
-        ctx.log(line)
-    return StageResult(
-        outputs={"metrics": METRICS_FILE, "recommendations": RECS_FILE},
-        facts={
-            "metrics": out["splits"],
-            "baselines": out["baselines"],
-            "ranks": out["ranks"],
-            "slices": out["slices"],
-            "invalid_sid_rate": invalid_rate,
-            "n_users": out["n_users"],
-            "users_per_s": round(todo.height / max(elapsed, 1e-9), 3),
-            "resumed_prompts": resumed,
-            "sid_map_hash": sid_facts["sid_map_hash"],
-        },
-    )

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -208,8 +209,6 @@ def run(ctx: StageContext) -> StageResult:
     from gti.stages._ray import ensure_ray
 
     ensure_ray(ctx.cfg)
-    import ray
-
     from gti.sid.codec import SidCodec
 
     cfg, pc = ctx.cfg, ctx.cfg.pairs
@@ -226,6 +225,32 @@ def run(ctx: StageContext) -> StageResult:
         f"({end - first} = {codec.num_tokens} SID{' + 2 markers' if wrap else ''}); "
         f"excluding {len(exclude):,} ids; max_len={pc.max_len}"
     )
+
+    joined = _items_with_codes(ctx, n_items)
+    ds = _render(ctx, joined, tok, table, wrap, exclude, n_items)
+    t0 = time.time()
+    counts = _write_pairs(ctx, ds, n_items)
+    counts.check(n_items, exclude)
+    ctx.log(
+        f"{counts.n_rows:,} pairs from {len(counts.items_seen):,} items in {time.time() - t0:.1f}s; "
+        f"val items {len(counts.val_items):,}; truncated {counts.truncated:,}; "
+        f"descriptions from pseudo-text {counts.desc_src['pseudo']:,}, from title {counts.desc_src['title']:,}"
+    )
+    return StageResult(
+        outputs={"tokenizer": TOKENIZER_DIR, "pairs": PAIRS_FILE},
+        facts={
+            **counts.facts(n_items, exclude),
+            "sid_map_hash": sid_facts["sid_map_hash"],
+            "max_len": pc.max_len,
+            **tok_facts,
+        },
+    )
+
+
+def _items_with_codes(ctx: StageContext, n_items: int):
+    """Ray Dataset of the items' text columns with their SID codes: a row-aligned zip when
+    sid_map lists the items in their order, else a left hash join sorted by item_id."""
+    import ray
 
     ctx_data = ray.data.DataContext.get_current()
     ctx_data.execution_options.preserve_order = True
@@ -244,45 +269,87 @@ def run(ctx: StageContext) -> StageResult:
         # Join output order depends on scheduling; sorting by id makes the file deterministic.
         joined = joined.sort("item_id")
         ctx.log("sid_map order differs from items: hash join, output sorted by item_id")
-    ds = joined.map_batches(
+    return joined
+
+
+def _render(ctx: StageContext, joined, tok, table: np.ndarray, wrap: tuple[int, int] | None,
+            exclude: set[str], n_items: int):
+    """`joined` rendered into pairs rows by a pool of `RenderPairs` actors."""
+    import ray
+
+    return joined.map_batches(
         RenderPairs,
-        fn_constructor_kwargs=dict(tokenizer=tok, code_table=table, pairs_cfg=pc.model_dump(),
-                                   seed=cfg.seed, sid_wrap=wrap, exclude=exclude),
+        fn_constructor_kwargs=dict(tokenizer=tok, code_table=table, pairs_cfg=ctx.cfg.pairs.model_dump(),
+                                   seed=ctx.cfg.seed, sid_wrap=wrap, exclude=exclude),
         batch_size=1024,
         batch_format="pyarrow",
         # One actor per ~50k items (each holds a tokenizer), at most 4.
         compute=ray.data.ActorPoolStrategy(size=max(1, min(4, -(-n_items // 50_000)))),
     )
-    out = ctx.work_dir / PAIRS_FILE
-    tasks: dict[str, int] = {t: 0 for t in pc.templates}
-    split_rows = {"train": 0, "val": 0}
-    items_seen: set[str] = set()
-    val_items: set[str] = set()
-    truncated = 0
-    desc_src: dict[str, int] = {"description": 0, "pseudo": 0, "title": 0}
-    n_rows = 0
-    t0 = time.time()
+
+
+@dataclass
+class _PairCounts:
+    """What the driver counts while it streams the rendered pairs into pairs.parquet."""
+
+    tasks: dict[str, int]
+    split_rows: dict[str, int] = field(default_factory=lambda: {"train": 0, "val": 0})
+    items_seen: set[str] = field(default_factory=set)
+    val_items: set[str] = field(default_factory=set)
+    truncated: int = 0
+    desc_src: dict[str, int] = field(default_factory=lambda: {"description": 0, "pseudo": 0, "title": 0})
+    n_rows: int = 0
+
+    def add(self, block: pa.Table) -> None:
+        d = block.select(["item_id", "task", "split", "truncated", "desc_source"]).to_pydict()
+        for it, task, sp, tr, src in zip(d["item_id"], d["task"], d["split"], d["truncated"], d["desc_source"]):
+            self.tasks[task] += 1
+            self.split_rows[sp] += 1
+            self.truncated += bool(tr)
+            if it not in self.items_seen:
+                self.items_seen.add(it)
+                self.desc_src[src] += 1
+            if sp == "val":
+                self.val_items.add(it)
+        self.n_rows += block.num_rows
+
+    def check(self, n_items: int, exclude: set[str]) -> None:
+        """Every catalog item was rendered except excluded ones, and some are left."""
+        if n_items - len(self.items_seen) > len(exclude):
+            raise DataError(f"pairs: rendered {len(self.items_seen)} of {n_items} items but only {len(exclude)} were excluded")
+        if not self.items_seen:
+            raise DataError("pairs: no items left to ground (pairs.exclude_items removed all of them)")
+
+    def facts(self, n_items: int, exclude: set[str]) -> dict[str, Any]:
+        excluded_found = n_items - len(self.items_seen)
+        return {
+            "n_pairs": self.n_rows,
+            "tasks": self.tasks,
+            "splits": self.split_rows,
+            "n_items": len(self.items_seen),
+            "n_val_items": len(self.val_items),
+            "excluded_items": excluded_found,
+            "exclude_ids_not_in_catalog": len(exclude) - excluded_found,
+            "truncated_pairs": self.truncated,
+            "description_source": self.desc_src,
+        }
+
+
+def _write_pairs(ctx: StageContext, ds, n_items: int) -> _PairCounts:
+    """Stream the rendered blocks into pairs.parquet (counting them); a user error raised in an
+    actor is re-raised as itself."""
+    counts = _PairCounts(tasks={t: 0 for t in ctx.cfg.pairs.templates})
     from gti.progress import Progress
 
     bar = Progress(n_items, "pairs", "items", log=ctx.log)
-    writer = pq.ParquetWriter(out, PAIRS_SCHEMA)
+    writer = pq.ParquetWriter(ctx.work_dir / PAIRS_FILE, PAIRS_SCHEMA)
     try:
         for block in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
             if block.num_rows == 0:
                 continue
-            d = block.select(["item_id", "task", "split", "truncated", "desc_source"]).to_pydict()
-            for it, task, sp, tr, src in zip(d["item_id"], d["task"], d["split"], d["truncated"], d["desc_source"]):
-                tasks[task] += 1
-                split_rows[sp] += 1
-                truncated += bool(tr)
-                if it not in items_seen:
-                    items_seen.add(it)
-                    desc_src[src] += 1
-                if sp == "val":
-                    val_items.add(it)
+            counts.add(block)
             writer.write_table(block.select(PAIRS_SCHEMA.names).cast(PAIRS_SCHEMA), row_group_size=65_536)
-            n_rows += block.num_rows
-            bar.set(len(items_seen), f"{n_rows:,} pairs")
+            bar.set(len(counts.items_seen), f"{counts.n_rows:,} pairs")
         bar.close()
     except Exception as err:
         user = user_error(err)
@@ -291,31 +358,4 @@ def run(ctx: StageContext) -> StageResult:
         raise
     finally:
         writer.close()
-    excluded_found = n_items - len(items_seen)
-    if excluded_found > len(exclude):
-        raise DataError(f"pairs: rendered {len(items_seen)} of {n_items} items but only {len(exclude)} were excluded")
-    if not items_seen:
-        raise DataError("pairs: no items left to ground (pairs.exclude_items removed all of them)")
-    elapsed = time.time() - t0
-    ctx.log(
-        f"{n_rows:,} pairs from {len(items_seen):,} items in {elapsed:.1f}s; "
-        f"val items {len(val_items):,}; truncated {truncated:,}; "
-        f"descriptions from pseudo-text {desc_src['pseudo']:,}, from title {desc_src['title']:,}"
-    )
-    return StageResult(
-        outputs={"tokenizer": TOKENIZER_DIR, "pairs": PAIRS_FILE},
-        facts={
-            "n_pairs": n_rows,
-            "tasks": tasks,
-            "splits": split_rows,
-            "n_items": len(items_seen),
-            "n_val_items": len(val_items),
-            "excluded_items": excluded_found,
-            "exclude_ids_not_in_catalog": len(exclude) - excluded_found,
-            "truncated_pairs": truncated,
-            "description_source": desc_src,
-            "sid_map_hash": sid_facts["sid_map_hash"],
-            "max_len": pc.max_len,
-            **tok_facts,
-        },
-    )
+    return counts

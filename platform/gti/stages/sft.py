@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -107,9 +108,7 @@ def collect_blocks(ds) -> list[pa.Table]:
 def _prepare_data(ctx: StageContext, tokenizer, sid_ids: dict[str, np.ndarray],
                   val_info: dict[str, Any]) -> dict[str, Any]:
     """Write data/sft_train.parquet and data/val.parquet; return their statistics."""
-    import ray
-
-    cfg, sc = ctx.cfg, ctx.cfg.sft
+    sc = ctx.cfg.sft
     data_dir = ctx.work_dir / DATA_DIR
     data_dir.mkdir(parents=True, exist_ok=True)
     stats_path = data_dir / "stats.json"
@@ -118,6 +117,31 @@ def _prepare_data(ctx: StageContext, tokenizer, sid_ids: dict[str, np.ndarray],
         ctx.log(f"reusing {train_path} from an interrupted attempt (same fingerprint)")
         return json.loads(stats_path.read_text())
 
+    seqs, windows = _training_windows(ctx, sid_ids)
+    rendered, truncated = _render_windows(ctx, windows, sid_ids)
+    mixed, mix = _mix_in_pairs(ctx, rendered)
+    mixed.write_parquet(train_path)
+    n_val_users = _write_val_prompts(ctx, seqs, tokenizer, sid_ids, val_info["item_ids"], data_dir / VAL_FILE)
+    stats = {
+        "n_windows": windows.height,
+        "n_train_rows": mixed.height,
+        "truncated_examples": truncated,
+        "tasks": mix.tasks,
+        "multitask": {
+            "enabled": bool(sc.multitask), "weight": sc.multitask_weight,
+            "pairs_available": mix.n_pairs_available, "pairs_used": mix.n_pairs_used,
+            "pairs_too_long": mix.n_pairs_too_long,
+        },
+        "val_users": n_val_users,
+        "mean_tokens": float(mixed["input_ids"].list.len().mean()),
+    }
+    atomic_write_json(stats_path, stats)
+    return stats
+
+
+def _training_windows(ctx: StageContext, sid_ids: dict[str, np.ndarray]) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """(ingest's sequences, the training windows over each user's training items)."""
+    cfg = ctx.cfg
     seq_path = ctx.input("ingest", "sequences")
     seqs = pl.read_parquet(seq_path)
     sft_data.check_sequences(seqs, str(seq_path))
@@ -126,7 +150,16 @@ def _prepare_data(ctx: StageContext, tokenizer, sid_ids: dict[str, np.ndarray],
     if windows.height == 0:
         raise DataError(f"{seq_path}: no user has 2 or more training items, so there is nothing to train on")
     ctx.log(f"{windows.height:,} training windows from {seqs.height:,} users (history <= {cfg.data.max_history})")
+    return seqs, windows
 
+
+def _render_windows(ctx: StageContext, windows: pl.DataFrame,
+                    sid_ids: dict[str, np.ndarray]) -> tuple[pl.DataFrame, int]:
+    """The windows rendered into token rows by `RenderWindows` actors (Ray Data), in order;
+    -> (rows, how many histories were cut to sft.max_len)."""
+    import ray
+
+    cfg, sc = ctx.cfg, ctx.cfg.sft
     t0 = time.time()
     item_ids = list(sid_ids)
     ray.data.DataContext.get_current().execution_options.preserve_order = True
@@ -147,17 +180,27 @@ def _prepare_data(ctx: StageContext, tokenizer, sid_ids: dict[str, np.ndarray],
         raise DataError(f"sft: rendered {rendered.height} rows for {windows.height} windows")
     truncated = int((rendered["history_kept"] < rendered["history_len"]).sum())
     ctx.log(f"rendered {rendered.height:,} examples in {time.time() - t0:.1f}s ({truncated:,} cut to sft.max_len={sc.max_len})")
+    return rendered, truncated
 
+
+def _mix_in_pairs(ctx: StageContext, rendered: pl.DataFrame):
+    """The training rows, with grounding pairs mixed in when sft.multitask (LC-Rec), shuffled
+    with the seed; -> (rows, the mix's counts)."""
+    cfg, sc = ctx.cfg, ctx.cfg.sft
     pairs = None
     if sc.multitask and sc.multitask_weight > 0:
         pairs = pl.read_parquet(ctx.input("pairs", "pairs"))
-    mixed, mix = sft_data.multitask_mix(
+    return sft_data.multitask_mix(
         rendered.select(sft_data.ROW_COLUMNS), pairs, sc.multitask_weight if sc.multitask else 0.0,
         cfg.seed, sc.max_len,
     )
-    mixed.write_parquet(train_path)
 
-    # Validation users: a deterministic sample of the valid split.
+
+def _write_val_prompts(ctx: StageContext, seqs: pl.DataFrame, tokenizer, sid_ids: dict[str, np.ndarray],
+                       item_ids: list[str], path: Path) -> int:
+    """Prompts of a deterministic sample of validation users, with the trie row of each one's
+    valid item as target, to `path`; -> the number of users."""
+    cfg, sc = ctx.cfg, ctx.cfg.sft
     val_w = sft_data.eval_windows(seqs, "valid", cfg.data.max_history)
     users = sft_data.sample_users(val_w["user_id"].to_list(), sc.val_users, cfg.seed)
     val_w = val_w.filter(pl.col("user_id").is_in(users))
@@ -165,28 +208,13 @@ def _prepare_data(ctx: StageContext, tokenizer, sid_ids: dict[str, np.ndarray],
         tokenizer, sid_ids, cfg.pairs.system_prompt, sc.max_len, prompt_style=sc.prompt_style
     )
     prompts = renderer.render_prompts(val_w.to_dict(as_series=False))
-    row_of = {it: i for i, it in enumerate(val_info["item_ids"])}
+    row_of = {it: i for i, it in enumerate(item_ids)}
     pl.DataFrame(
         {"user_id": prompts["user_id"], "prompt": prompts["prompt_ids"],
          "target_row": [row_of[t] for t in prompts["target"]]},
         schema={"user_id": pl.Utf8, "prompt": pl.List(pl.Int32), "target_row": pl.Int64},
-    ).write_parquet(data_dir / VAL_FILE)
-
-    stats = {
-        "n_windows": windows.height,
-        "n_train_rows": mixed.height,
-        "truncated_examples": truncated,
-        "tasks": mix.tasks,
-        "multitask": {
-            "enabled": bool(sc.multitask), "weight": sc.multitask_weight,
-            "pairs_available": mix.n_pairs_available, "pairs_used": mix.n_pairs_used,
-            "pairs_too_long": mix.n_pairs_too_long,
-        },
-        "val_users": val_w.height,
-        "mean_tokens": float(mixed["input_ids"].list.len().mean()),
-    }
-    atomic_write_json(stats_path, stats)
-    return stats
+    ).write_parquet(path)
+    return val_w.height
 
 
 # --------------------------------------------------------------------------- training
@@ -216,13 +244,7 @@ def _fit(ctx: StageContext, loop_config: dict, train_path: Path):
 def run(ctx: StageContext, fault_injection: dict | None = None) -> StageResult:
     """Run the stage. `fault_injection` (tests only): {"fail_at_step", "fail_rank",
     "fail_marker"}, passed to the worker loop, which kills that worker once."""
-    from safetensors.torch import save_file
-    from transformers import AutoTokenizer
-
     from gti.run_artifacts import check_sid_map_hash
-    from gti.lm import vocab
-    from gti.sid.codec import SidCodec
-    from gti.stages._ray import ensure_ray
 
     cfg, sc = ctx.cfg, ctx.cfg.sft
     check_lora_supported(sc)
@@ -233,92 +255,151 @@ def run(ctx: StageContext, fault_injection: dict | None = None) -> StageResult:
     pairs_facts = ctx.manifest("pairs").facts
     ground_dir = ctx.input("ground", "model")
     check_sid_map_hash(ground_dir, sid_map_hash)
+    tokenizer, pad_id = _tokenizer(ctx)
+    sids = _sid_tables(ctx, sid_facts, tokenizer)
+    if sc.enabled and sc.steps > 0:
+        trained = _train(ctx, tokenizer, pad_id, ground_dir, sids, fault_injection)
+    else:
+        # An ablation arm without SFT: the grounded model is exported unchanged.
+        ctx.log("sft.enabled is false or sft.steps is 0: exporting the grounded model unchanged")
+        trained = _Trained(model=load_causal_lm(ground_dir, cfg))
+    new_ids = [int(x) for x in pairs_facts["new_token_ids"]]
+    _export(ctx, trained.model, tokenizer, ground_dir, sid_map_hash, new_ids)
+    facts = _facts(sc, trained, sid_map_hash, new_ids)
+    if facts["loss_history"]:
+        ctx.log(
+            f"loss {facts['first_loss']:.4f} -> {facts['final_loss']:.4f}"
+            + (f"; {VAL_METRIC} {facts[VAL_METRIC][-1]['value']:.4f}" if facts[VAL_METRIC] else "")
+        )
+    return StageResult(outputs={"model": MODEL_DIR, "sft_embeddings": E_NEW_FILE}, facts=facts)
+
+
+@dataclass
+class _SidTables:
+    """The catalog's SIDs as token ids of the extended tokenizer."""
+
+    sid_ids: dict[str, np.ndarray]  # item -> its L SID token ids
+    item_ids: list[str]  # SID-map row order
+    matrix: torch.Tensor  # [N, L] SID token ids, row i = item_ids[i]
+
+
+@dataclass
+class _Trained:
+    """The model to export and what training reported (the defaults: no SFT ran)."""
+
+    model: Any
+    stats: dict[str, Any] = field(default_factory=dict)
+    n_trainable: int = 0
+    history: dict[str, Any] = field(default_factory=lambda: {"loss": [], "val": {}})
+    steps_done: int = 0
+    precision: str | None = None
+    timing: dict[str, Any] | None = None
+
+
+def _tokenizer(ctx: StageContext):
+    """The pairs stage's extended tokenizer and its padding id (eos when it has none)."""
+    from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(
-        str(ctx.input("pairs", "tokenizer")), trust_remote_code=cfg.model.trust_remote_code
+        str(ctx.input("pairs", "tokenizer")), trust_remote_code=ctx.cfg.model.trust_remote_code
     )
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return tokenizer, pad_id
+
+
+def _sid_tables(ctx: StageContext, sid_facts: dict[str, Any], tokenizer) -> _SidTables:
+    from gti.sid.codec import SidCodec
 
     sid_map = pl.read_parquet(ctx.input("sid", "sid_map"))
     codec = SidCodec.from_facts(sid_facts)
     sid_ids = templates.sid_id_table(sid_map, codec, tokenizer)
     item_ids = sid_map["item_id"].to_list()
-    sid_matrix = torch.from_numpy(np.stack([sid_ids[i] for i in item_ids]))
-    new_start, new_end = int(sid_matrix.min()), int(sid_matrix.max()) + 1
+    return _SidTables(sid_ids, item_ids, torch.from_numpy(np.stack([sid_ids[i] for i in item_ids])))
 
-    if sc.enabled and sc.steps > 0:
-        ensure_ray(cfg)
-        stats = _prepare_data(ctx, tokenizer, sid_ids, {"item_ids": item_ids})
-        data_dir = (ctx.work_dir / DATA_DIR).resolve()
-        save_file({"sid_token_ids": sid_matrix.contiguous()}, str(data_dir / SIDS_FILE))
-        k = min(VAL_K, len(item_ids))
-        loop_config: dict[str, Any] = {
-            "task": TASK,
-            "run_config": cfg.model_dump(mode="json"),
-            "pad_id": int(pad_id),
-            "hooks": sft_task.HOOKS,
-            "sft": {"model_dir": str(ground_dir)},
-            "val": {
-                "path": str(data_dir / VAL_FILE), "sids_path": str(data_dir / SIDS_FILE),
-                "new_start": new_start, "new_end": new_end, "levels": int(sid_matrix.shape[1]),
-                "pad_id": int(pad_id), "k": k, "beam_width": max(k, cfg.eval.beam_width),
-                "batch_users": cfg.eval.batch_users, "mrr": sc.val_mrr,
-            },
-        }
-        if fault_injection:
-            loop_config.update(fault_injection)
-        ctx.log(
-            f"SFT: {stats['n_train_rows']:,} rows {stats['tasks']}, {sc.steps} steps x batch {sc.batch_size} "
-            f"(accum {sc.grad_accum}) on {sc.num_workers} worker(s), ZeRO-{sc.zero_stage} {sc.precision}, "
-            f"{'LoRA r=%d' % sc.lora.r if sc.lora.enabled else 'all parameters'}"
-        )
-        t0 = time.time()
-        result = _fit(ctx, loop_config, data_dir / TRAIN_FILE)
-        ctx.log(f"training done in {time.time() - t0:.1f}s")
-        model = rebuild_trained(ground_dir, cfg, result.state_dict)
-        n_trainable = int(sum(t.numel() for t in result.state_dict.values()))
-        history, steps_done = result.history, int(result.steps_done)
-        resolved_precision, timing = result.precision or sc.precision, result.timing
-    else:
-        # An ablation arm without SFT: the grounded model is exported unchanged.
-        ctx.log("sft.enabled is false or sft.steps is 0: exporting the grounded model unchanged")
-        model = load_causal_lm(ground_dir, cfg)
-        stats, n_trainable, history, steps_done = {}, 0, {"loss": [], "val": {}}, 0
-        resolved_precision, timing = None, None
-    first_new, end_new = (int(x) for x in pairs_facts["new_token_ids"])
+
+def _train(ctx: StageContext, tokenizer, pad_id: int, ground_dir: Path, sids: _SidTables,
+           fault_injection: dict | None) -> _Trained:
+    """Prepare the data, train on Ray Train and rebuild the trained model on the driver."""
+    from safetensors.torch import save_file
+
+    from gti.stages._ray import ensure_ray
+
+    cfg, sc = ctx.cfg, ctx.cfg.sft
+    ensure_ray(cfg)
+    stats = _prepare_data(ctx, tokenizer, sids.sid_ids, {"item_ids": sids.item_ids})
+    data_dir = (ctx.work_dir / DATA_DIR).resolve()
+    save_file({"sid_token_ids": sids.matrix.contiguous()}, str(data_dir / SIDS_FILE))
+    loop_config = _loop_config(cfg, int(pad_id), ground_dir, data_dir, sids)
+    if fault_injection:
+        loop_config.update(fault_injection)
+    ctx.log(
+        f"SFT: {stats['n_train_rows']:,} rows {stats['tasks']}, {sc.steps} steps x batch {sc.batch_size} "
+        f"(accum {sc.grad_accum}) on {sc.num_workers} worker(s), ZeRO-{sc.zero_stage} {sc.precision}, "
+        f"{'LoRA r=%d' % sc.lora.r if sc.lora.enabled else 'all parameters'}"
+    )
+    t0 = time.time()
+    result = _fit(ctx, loop_config, data_dir / TRAIN_FILE)
+    ctx.log(f"training done in {time.time() - t0:.1f}s")
+    return _Trained(
+        model=rebuild_trained(ground_dir, cfg, result.state_dict), stats=stats,
+        n_trainable=int(sum(t.numel() for t in result.state_dict.values())),
+        history=result.history, steps_done=int(result.steps_done),
+        precision=result.precision or sc.precision, timing=result.timing,
+    )
+
+
+def _loop_config(cfg, pad_id: int, ground_dir: Path, data_dir: Path, sids: _SidTables) -> dict[str, Any]:
+    """The worker loop's config: the SFT hooks, the grounded model, the validation set-up."""
+    k = min(VAL_K, len(sids.item_ids))
+    return {
+        "task": TASK,
+        "run_config": cfg.model_dump(mode="json"),
+        "pad_id": pad_id,
+        "hooks": sft_task.HOOKS,
+        "sft": {"model_dir": str(ground_dir)},
+        "val": {
+            "path": str(data_dir / VAL_FILE), "sids_path": str(data_dir / SIDS_FILE),
+            "new_start": int(sids.matrix.min()), "new_end": int(sids.matrix.max()) + 1,
+            "levels": int(sids.matrix.shape[1]), "pad_id": pad_id, "k": k,
+            "beam_width": max(k, cfg.eval.beam_width), "batch_users": cfg.eval.batch_users, "mrr": cfg.sft.val_mrr,
+        },
+    }
+
+
+def _export(ctx: StageContext, model, tokenizer, ground_dir: Path, sid_map_hash: str, new_ids: list[int]) -> None:
+    """model/ (HF folder + tokenizer + gti_meta.json) and the new rows, e_new_sft.safetensors."""
+    from safetensors.torch import save_file
+
+    from gti.lm import vocab
+
+    first_new, end_new = new_ids
     e_new = model.get_input_embeddings().weight[first_new:end_new].detach().float().contiguous()
     meta = dict(vocab.read_meta(ground_dir))
     meta.update({"sid_map_hash": sid_map_hash, "stage": TASK, "new_token_ids": [first_new, end_new]})
     vocab.export_model(model, tokenizer, ctx.work_dir / MODEL_DIR, meta)
     save_file({"e_new": e_new}, str(ctx.work_dir / E_NEW_FILE))
 
-    losses = history["loss"]
-    val_hist = [{"step": int(s), "value": float(v)} for s, v in history["val"].get(VAL_METRIC, [])]
-    if losses:
-        ctx.log(
-            f"loss {losses[0][1]:.4f} -> {losses[-1][1]:.4f}"
-            + (f"; {VAL_METRIC} {val_hist[-1]['value']:.4f}" if val_hist else "")
-        )
-    return StageResult(
-        outputs={"model": MODEL_DIR, "sft_embeddings": E_NEW_FILE},
-        facts={
-            "steps_done": steps_done,
-            "final_loss": float(losses[-1][1]) if losses else None,
-            "first_loss": float(losses[0][1]) if losses else None,
-            "loss_history": [{"step": int(s), "value": float(v)} for s, v in losses],
-            VAL_METRIC: val_hist,
-            # Every validation metric's curve (val_recall@10, val_loss, val_mrr with sft.val_mrr).
-            "val_history": {k: [{"step": int(st), "value": float(x)} for st, x in pts]
-                            for k, pts in history["val"].items()},
-            "sid_map_hash": sid_map_hash,
-            "new_token_ids": [first_new, end_new],
-            "trainable_params": n_trainable,
-            "lora": sc.lora.model_dump() if sc.lora.enabled else None,
-            "zero_stage": sc.zero_stage,
-            "precision": resolved_precision,
-            "precision_setting": sc.precision,
-            "timing": timing,
-            "prompt_style": sc.prompt_style,
-            "num_workers": sc.num_workers,
-            **stats,
-        },
-    )
+
+def _facts(sc, trained: _Trained, sid_map_hash: str, new_ids: list[int]) -> dict[str, Any]:
+    losses, history = trained.history["loss"], trained.history
+    return {
+        "steps_done": trained.steps_done,
+        "final_loss": float(losses[-1][1]) if losses else None,
+        "first_loss": float(losses[0][1]) if losses else None,
+        "loss_history": [{"step": int(s), "value": float(v)} for s, v in losses],
+        VAL_METRIC: [{"step": int(s), "value": float(v)} for s, v in history["val"].get(VAL_METRIC, [])],
+        # Every validation metric's curve (val_recall@10, val_loss, val_mrr with sft.val_mrr).
+        "val_history": {k: [{"step": int(st), "value": float(x)} for st, x in pts]
+                        for k, pts in history["val"].items()},
+        "sid_map_hash": sid_map_hash,
+        "new_token_ids": list(new_ids),
+        "trainable_params": trained.n_trainable,
+        "lora": sc.lora.model_dump() if sc.lora.enabled else None,
+        "zero_stage": sc.zero_stage,
+        "precision": trained.precision,
+        "precision_setting": sc.precision,
+        "timing": trained.timing,
+        "prompt_style": sc.prompt_style,
+        "num_workers": sc.num_workers,
+        **trained.stats,
+    }

@@ -1,0 +1,37 @@
+"""The training sections of the run config (gti/config_train.py): shared fields, each stage's
+own defaults, bounds, and their place in RunConfig (reached through gti.config as before)."""
+
+import pytest
+from pydantic import ValidationError
+
+from gti import config as C
+from gti import config_train as T
+
+
+def test_grounding_and_sft_share_the_training_fields_with_their_own_defaults():
+    g, s = T.GroundConfig(), T.SftConfig()
+    assert isinstance(g, T.TrainConfig) and isinstance(s, T.TrainConfig)
+    assert (g.lr, g.steps, g.schedule, g.weight_decay) == (1e-3, 200, "constant", 0.0)
+    assert (s.lr, s.steps, s.schedule, s.weight_decay) == (3e-4, 200, "cosine", 0.01)
+    assert s.lora == T.LoraConfig() and s.lora.enabled is False
+    assert s.prompt_style == "chat" and s.multitask is False
+
+
+@pytest.mark.parametrize("cls, key, value", [
+    (T.TrainConfig, "grad_accum", 0), (T.TrainConfig, "zero_stage", 4), (T.TrainConfig, "precision", "fp16"),
+    (T.GroundConfig, "lr", 0), (T.SftConfig, "max_len", 8), (T.LoraConfig, "dropout", 1.0),
+    (T.SftConfig, "lorra", {}),
+])
+def test_bad_values_and_unknown_keys_are_refused(cls, key, value):
+    with pytest.raises(ValidationError):
+        cls(**{key: value})
+
+
+def test_run_config_holds_them_and_gti_config_re_exports_them():
+    assert (C.TrainConfig, C.GroundConfig, C.SftConfig, C.LoraConfig) == (
+        T.TrainConfig, T.GroundConfig, T.SftConfig, T.LoraConfig)
+    cfg = C.load(None, ["sft.lora.r=4", "ground.steps=7"])
+    assert isinstance(cfg.ground, T.GroundConfig) and cfg.ground.steps == 7
+    assert isinstance(cfg.sft.lora, T.LoraConfig) and cfg.sft.lora.r == 4
+    with pytest.raises(C.ConfigError, match="unknown key 'sft.lora.rank'"):
+        C.load(None, ["sft.lora.rank=4"])
