@@ -40,9 +40,10 @@ Output: `<run>/refresh/v<k>/` (k = 1, 2, ...; layout in `gti.sid.lineage`). The 
 it: finished steps are skipped and grounding/SFT resume from their last Ray Train checkpoint.
 
 Ray: only through `gti.stages._ray.ensure_ray` and `gti.train.loop.fit` (this module is a
-driver, like `gti.vocab_ground`). It reuses from stage modules: `gti.stages.ingest` (`_Source`,
-`_ingest_items`, `local_stream`, `_iterate`, `_raise_file_error`, `_fill_raw_inter`,
-`INTER_Q_SCHEMA`), `gti.stages.pairs` (`RenderPairs`, `PAIRS_SCHEMA`), `gti.stages.ground`
+driver, like `gti.vocab_ground`). It reads with the ingest stage's public API: the readers of
+`gti.data.sources` (`Source`, `local_stream`, `iterate`, `raise_file_error`,
+`fill_interaction_raw`) and `gti.stages.ingest` (`ingest_items`, the output schemas such as
+`INTER_Q_SCHEMA`); from other stage modules it reuses `gti.stages.pairs` (`RenderPairs`, `PAIRS_SCHEMA`), `gti.stages.ground`
 (`write_val_set`, `VAL_TASKS`); the SFT hooks and `rebuild_trained` come from `gti.train.sft_task`.
 """
 
@@ -319,6 +320,7 @@ class _Job:
         import pyarrow.parquet as pq
 
         from gti.data.idset import IdSet
+        from gti.data.sources import Source, fill_interaction_raw, iterate, local_stream, raise_file_error
         from gti.stages import ingest as ING
 
         out = self.work / "ingest"
@@ -326,7 +328,7 @@ class _Job:
             shutil.rmtree(out)
         out.mkdir(parents=True)
         ctx = SimpleNamespace(cfg=self.cfg, log=lambda m: self.log(f"ingest: {m}"), work_dir=out)
-        st, kept = ING._ingest_items(ctx, out, ING.local_stream, ING._Source(ctx, "items"))
+        st, kept = ING.ingest_items(ctx, out, local_stream, Source(self.cfg.data, "items", ctx.log))
         facts: dict[str, Any] = {"items_rows_in": st.rows_in, "items_rows_ok": st.ok,
                                  "items_rows_quarantined": st.quarantined,
                                  "items_quarantine_reasons": dict(st.reasons)}
@@ -337,7 +339,7 @@ class _Job:
         old_ids = IdSet()
         old_ids.add(pq.read_table(str(self.parent.map_path), columns=["item_id"]).column("item_id"))
         d = self.cfg.data
-        src = ING._Source(ctx, "interactions")
+        src = Source(d, "interactions", ctx.log)
         has_ts = d.interactions.columns.ts is not None
         import polars as pl
 
@@ -349,9 +351,9 @@ class _Job:
         parts, rows_in, reasons = [], 0, {}
         w_q = pq.ParquetWriter(out / "interactions_quarantine.parquet", ING.INTER_Q_SCHEMA)
         try:
-            for batch in ING._iterate(ING.local_stream, src.tasks, "interactions", d.interactions.columns,
-                                      d.max_text_chars, None):
-                ING._raise_file_error(batch)
+            for batch in iterate(local_stream, src.tasks, "interactions", d.interactions.columns,
+                                 d.max_text_chars, None):
+                raise_file_error(batch)
                 n = batch.num_rows
                 valid = np.asarray(pc.is_null(batch.column("reason")).to_numpy(zero_copy_only=False))
                 ids = batch.column("item_id")
@@ -366,7 +368,7 @@ class _Job:
                 ok_mask = pa.array(valid & known)
                 bad = batch.filter(pa.array(~(valid & known)))
                 if bad.num_rows:
-                    bad = ING._fill_raw_inter(bad)
+                    bad = fill_interaction_raw(bad)
                     w_q.write_table(bad.select(cat.INTERACTIONS_QUARANTINE_COLUMNS).cast(ING.INTER_Q_SCHEMA))
                     for r in bad.column("reason").to_pylist():
                         reasons[r] = reasons.get(r, 0) + 1

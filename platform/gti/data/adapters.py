@@ -157,6 +157,9 @@ def _reason(err: BaseException) -> str:
     return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
 
 
+error_reason = _reason  # the public name, for callers outside this module (gti.data.sources, ingest)
+
+
 def detect_format(path: str, fmt: str) -> str:
     """Concrete reader for one file: parquet, csv, tsv, jsonl, json, amazon, movielens."""
     base = os.path.basename(path).lower()
