@@ -58,7 +58,8 @@ def write_run(run: Path) -> FakeRun:
 
     from gti.sid.codec import SidCodec
     from gti.sid.quantizer import codebooks_tensor, save_quantizer
-    from gti.sid.versions import map_hash, map_table
+    from gti.sid.map_edits import map_table
+    from gti.sid.versions import map_hash
     from gti.stages.ingest import INTER_OUT_SCHEMA
     from gti.stages.pairs import PAIRS_SCHEMA
 

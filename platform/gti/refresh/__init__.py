@@ -17,7 +17,7 @@ run's (so evaluation and `gti recommend` accept it for the old model as well as 
 2. embed (`gti.refresh.sids`, as 3 and 4): the run's encoder (`embed` section;
    `gti.embed.encoders`), in this process.
 3. assign: the run's frozen quantiser (`<run>/sid/quantizer.*`, `gti.sid.quantizer.load_quantizer`)
-   gives the codes; `gti.sid.versions.assign_new_items` resolves collisions against the parent
+   gives the codes; `gti.sid.map_edits.assign_new_items` resolves collisions against the parent
    map without changing any existing SID (the de-duplication level takes the smallest free
    code of the prefix group). Items that would need a new token (a full prefix group) are
    listed in `needs_new_tokens.json` and the refresh stops with one line

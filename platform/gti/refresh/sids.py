@@ -5,7 +5,7 @@ What it is for:
   items, in this process -> `<work>/embed/embeddings.parquet` (RefreshError when its dim is not
   the run's).
 - `assign_step(job)`: the run's frozen quantiser (`<run>/sid/quantizer.*`) gives the codes and
-  `gti.sid.versions.assign_new_items` the SIDs, never changing an existing one ->
+  `gti.sid.map_edits.assign_new_items` the SIDs, never changing an existing one ->
   `<work>/sid/sid_map.parquet` with its version record (parent hash) and `new_items.json`. Items
   that would need a new token are listed in `needs_new_tokens.json` and the refresh stops with
   one RefreshError line (`refresh.on_full_group: error`).
@@ -78,11 +78,12 @@ def assign_step(job: Job) -> dict:
     import pyarrow.parquet as pq
 
     from gti.sid import versions as V
+    from gti.sid.map_edits import assign_new_items
 
     sf = job.sf
     ids, pre, last_cost = _quantise(job)
     parent_map = pq.read_table(str(job.parent.map_path))
-    a = V.assign_new_items(parent_map, ids, pre, sf["codebook_sizes"], sf["token_format"], last_cost=last_cost)
+    a = assign_new_items(parent_map, ids, pre, sf["codebook_sizes"], sf["token_format"], last_cost=last_cost)
     job.log(f"assign: {a.summary()}")
     if a.needs_new_tokens:
         path = job.work / NEEDS_NEW_TOKENS
