@@ -6,7 +6,7 @@ they mean with a short grounding pass, and writes a new SID-map version that des
 run's (so evaluation and `gti recommend` accept it for the old model as well as for the new):
 
 1. ingest (`gti.refresh.ingest`): the new items (and optional new interactions) are read and
-   validated with the ingest stage's own readers and row checks (`gti.data.sources`,
+   validated with the ingest stage's own readers and row checks (`gti.data.batches`,
    `gti.stages.ingest.ingest_items`: same formats, same column mapping `data.items.*` /
    `data.interactions.*`, overridable with key=value). Bad rows go to
    `ingest/items_quarantine.parquet` / `interactions_quarantine.parquet` with their reason,
@@ -48,7 +48,7 @@ Modules: `job` (the `Job` every step gets: run, config, parent version, work fol
 
 Ray: only through `gti.stages._ray.ensure_ray` and `gti.train.loop.fit` (this package is a
 driver, like `gti.vocab_ground`). It reads with the ingest stage's public API: the readers of
-`gti.data.sources` (`Source`, `local_stream`, `iterate`, `raise_file_error`,
+`gti.data.batches` (`Source`, `local_stream`, `iterate`, `raise_file_error`,
 `fill_interaction_raw`) and `gti.stages.ingest` (`ingest_items`, the output schemas such as
 `INTER_Q_SCHEMA`). From other stage modules it reuses `gti.stages.pairs` (`RenderPairs`,
 `PAIRS_SCHEMA`) and `gti.stages.ground` (`write_val_set`, `VAL_TASKS`); the SFT hooks and

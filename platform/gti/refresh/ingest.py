@@ -2,7 +2,7 @@
 
 What it is for: `ingest_step(job)` writes `<work>/ingest/`: items.parquet and
 items_quarantine.parquet (the ingest stage's items pass, `gti.stages.ingest.ingest_items`, on
-the in-process stream of `gti.data.sources`); with `--interactions`, also
+the in-process stream of `gti.data.batches`); with `--interactions`, also
 interactions_quarantine.parquet (row check failures; `unknown_item` for an item neither in the
 parent's map nor new; users left without enough history), interactions.parquet and
 sequences.parquet (the parent's interactions + the new ones, each user's history in time
@@ -30,7 +30,7 @@ import pyarrow.parquet as pq
 from gti.data import catalog as cat
 from gti.data.idset import IdSet
 from gti.data.sequences import build_sequences
-from gti.data.sources import Source, fill_interaction_raw, iterate, local_stream, raise_file_error
+from gti.data.batches import Source, fill_interaction_raw, iterate, local_stream, raise_file_error
 from gti.errors import DataError
 from gti.refresh.job import Job
 from gti.stages.ingest import INTER_OUT_SCHEMA, INTER_Q_SCHEMA, SEQ_SCHEMA, ingest_items

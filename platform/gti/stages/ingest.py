@@ -29,7 +29,7 @@ any output or count. Skipped files are listed with their reason under facts.skip
 their rows are in no `*_rows_in` (unknown: the files could not be read).
 
 Shared with `gti refresh` (which validates new items the same way, in process): the reading
-half lives in `gti.data.sources` (`Source`, `local_stream`, `iterate`, `raise_file_error`,
+half lives in `gti.data.batches` (`Source`, `local_stream`, `iterate`, `raise_file_error`,
 `fill_item_raw` / `fill_interaction_raw`); this module's public `ingest_items(ctx, out, stream,
 source)` is the items pass (duplicates first kept, `data.max_items`, items.parquet and its
 quarantine, `ItemCounts`), and the output schemas (`ITEMS_OUT_SCHEMA`, `INTER_Q_SCHEMA`,
@@ -57,7 +57,7 @@ from gti.data import adapters
 from gti.data import catalog as cat
 from gti.data.idset import IdSet
 from gti.data.sequences import build_sequences
-from gti.data.sources import (
+from gti.data.batches import (
     Source, fill_interaction_raw, fill_item_raw, iterate, local_stream, raise_file_error, validated_batches,
 )
 from gti.errors import DataError, UnreadableFileError, user_error
@@ -109,7 +109,7 @@ def input_fingerprints(cfg) -> dict[str, str]:
 # --------------------------------------------------------------------------- Ray tasks
 def _read_validate(batch: dict, kind: str, columns: dict, max_text_chars: int, batch_rows: int):
     """map_batches body (batch_size=1): one read task in, validated pyarrow batches out
-    (`gti.data.sources.validated_batches`; the task and the columns travel as JSON / a dict)."""
+    (`gti.data.batches.validated_batches`; the task and the columns travel as JSON / a dict)."""
     from gti.config import InteractionColumns, ItemColumns
 
     cols = ItemColumns(**columns) if kind == "items" else InteractionColumns(**columns)

@@ -1,4 +1,4 @@
-"""gti.data.sources: sources planned before any row is read, read tasks into validated batches in
+"""gti.data.batches: sources planned before any row is read, read tasks into validated batches in
 process, file-level errors as one marker row (raised on the driver), skip mode's restarts, and
 the raw JSON given to rows quarantined after the row check. (The ingest stage's own use is in
 tests/data/test_bad_inputs.py; its Ray stream against this one in tests/stages/test_ingest.py.)"""
@@ -13,7 +13,7 @@ import pytest
 
 from gti import config
 from gti.data import catalog as cat
-from gti.data.sources import (
+from gti.data.batches import (
     FILE_ERROR, UNREADABLE_FILE, SkipFile, Source, fill_interaction_raw, fill_item_raw, iterate, local_stream,
     raise_file_error, validated_batches,
 )
