@@ -317,7 +317,7 @@ class TrackingConfig(_Strict):
 
 # --------------------------------------------------------------------------- refresh
 class RefreshConfig(_Strict):
-    """`gti refresh` (gti/refresh.py): new items onto a trained run without retraining it.
+    """`gti refresh` (gti/refresh/): new items onto a trained run without retraining it.
     Not part of any stage's fingerprint (a refresh writes its own versions under
     <run_dir>/refresh/)."""
 

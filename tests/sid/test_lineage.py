@@ -12,14 +12,8 @@ import torch
 from gti.sid import lineage as L
 from gti.sid.resolve import dedup_extra_level
 from gti.sid.codec import SidCodec
-from gti.sid.versions import (
-    UnrelatedSidMapError,
-    assign_new_items,
-    codebooks_hash,
-    make_version,
-    map_table,
-    write_map,
-)
+from gti.sid.map_edits import assign_new_items, map_table
+from gti.sid.versions import UnrelatedSidMapError, codebooks_hash, make_version, write_map
 
 
 def _base():

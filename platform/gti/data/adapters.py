@@ -68,8 +68,10 @@ __all__ = [
     "detect_format", "expand_paths", "interaction_mapping", "item_mapping", "iter_task", "plan_tasks",
     # reader internals that gti.data.inspect, gti.data.amazon2023 and gti.stages.ingest use
     "_csv_header", "_json_records", "_movielens_records", "_open", "_parquet_file", "_reason",
-    "_records_to_batches",
+    "_records_to_batches", "error_reason",
 ]
+
+error_reason = _reason  # the public name, for callers outside gti.data (gti.data.batches, ingest)
 
 
 def iter_task(task: ReadTask, kind: str, columns, batch_rows: int = 8192) -> Iterator[tuple[RawBatch, int]]:

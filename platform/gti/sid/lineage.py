@@ -11,7 +11,7 @@ What it is for (issue 15, "versioned SID maps in use"):
   Otherwise `UnrelatedSidMapError` (a DataError) with one line naming both hashes; a map
   without any version record keeps the old wording ("stale SID map, rerun the stages after
   'sid'").
-- The layout `gti refresh` writes (gti/refresh.py):
+- The layout `gti refresh` writes (gti/refresh/):
   `<run_dir>/refresh/lineage/` (a `LineageDir`: `<hash>.json` + `<hash>.parquet` of the run's
   base map and of every refreshed version) and `<run_dir>/refresh/v<k>/` (k = 1, 2, ...), each
   with `_manifest.json`, `sid/sid_map.parquet` + `sid/sid_map.version.json` (the new map and

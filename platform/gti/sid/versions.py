@@ -1,20 +1,8 @@
-"""Versioned SID maps: adding items to a frozen map, removing them, and the lineage that lets a
-model trained on one map version accept a later one.
+"""Versioned SID maps: the record of each version of a map and the lineage that lets a model
+trained on one map version accept a later one.
 
-What it is for (issue 15, "catalogs change"):
-- `assign_new_items(existing_map, new_item_ids, new_codes_prefix, codebook_sizes, ...)`: given
-  the frozen quantiser's codes for new items (its levels only, without the de-duplication
-  level) and the existing map, give every new item a full SID without changing any existing
-  item's SID. With a de-duplication level (`sid.dedup: extra_level`), the extra code is the
-  smallest one free within the item's prefix group (equal quantiser codes). Without one, a new
-  item takes its quantiser codes when that SID is free; if it is taken and the caller passes
-  `last_cost` (distances to the last codebook, as `dedup_reassign` uses), the cheapest
-  last-level code still free under its first L-1 codes. An item that fits nowhere (its group
-  already uses every code of the extra level, or no free code is left) is returned in
-  `needs_new_tokens` with a reason: never dropped, never given a duplicate. Ids already in the
-  map keep their old SID and are reported (`already_present`, and `prefix_changed` when the
-  quantiser now puts them elsewhere).
-- `remove_items(map, ids)`: a removed item simply leaves the map (and so the trie).
+What it is for (issue 15, "catalogs change"; editing a map, new items in and removed items
+out, is `gti.sid.map_edits`):
 - `SidMapVersion`: the record written beside a map (`<map>.version.json`): its hash
   (`sid_map_hash`, the same function the `sid` stage uses), the parent's hash, item count,
   the codebooks' identity (`codebooks_hash` of codebooks.safetensors, plus the codebook sizes
@@ -28,7 +16,8 @@ What it is for (issue 15, "catalogs change"):
   tables (`<hash>.parquet`) to look ancestors up in; any mapping {hash: SidMapVersion} works too.
 
 A SID map is a pyarrow table `item_id` str, `codes` list<int32>, `sid` str (the `sid` stage's
-sid_map.parquet). What it does not know: embeddings, quantiser weights, models, Ray.
+sid_map.parquet). What it does not know: how a map is edited (`gti.sid.map_edits`),
+embeddings, quantiser weights, models, Ray.
 """
 
 from __future__ import annotations
@@ -36,23 +25,19 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
 from gti.errors import DataError
-from gti.sid.codec import SidCodec
 from gti.sid.mapfile import sid_map_hash
 
 VERSION_SUFFIX = ".version.json"
 SCHEMA_VERSION = 1
-MAP_SCHEMA = pa.schema([("item_id", pa.string()), ("codes", pa.list_(pa.int32())), ("sid", pa.string())])
 
 
 class UnrelatedSidMapError(DataError):
@@ -80,181 +65,6 @@ def codebooks_hash(codebooks: Mapping[str, torch.Tensor] | str | Path) -> str:
         h.update(f"{name}|{t.dtype}|{list(t.shape)}\n".encode())
         h.update(t.numpy().tobytes())
     return h.hexdigest()[:16]
-
-
-# --------------------------------------------------------------------------- map tables
-def map_table(item_ids: Sequence[str], codes: Sequence[Sequence[int]] | np.ndarray, codec: SidCodec) -> pa.Table:
-    """A SID-map table from ids and full codes [N, L] (SID strings spelled by `codec`)."""
-    rows = [list(map(int, c)) for c in np.asarray(codes, dtype=np.int64).reshape(len(item_ids), codec.levels)]
-    return pa.table({"item_id": [str(i) for i in item_ids], "codes": rows,
-                     "sid": [codec.to_string(r) for r in rows]}, schema=MAP_SCHEMA)
-
-
-def _codes_matrix(table: pa.Table) -> np.ndarray:
-    """int64 [N, L] codes of a map table (DataError if rows differ in length)."""
-    col = table.column("codes").combine_chunks()
-    if len(col) == 0:
-        return np.zeros((0, 0), dtype=np.int64)
-    lens = np.asarray(pc.list_value_length(col).to_numpy(zero_copy_only=False))
-    if (lens != lens[0]).any():
-        raise DataError(f"SID map: codes rows have different lengths {sorted(set(lens.tolist()))}")
-    return np.asarray(col.flatten().to_numpy(zero_copy_only=False), dtype=np.int64).reshape(len(col), int(lens[0]))
-
-
-def remove_items(table: pa.Table, item_ids: Sequence[str]) -> tuple[pa.Table, list[str], list[str]]:
-    """(map without `item_ids`, ids removed, ids that were not in the map). Every other row keeps
-    its SID and its position; a removed item simply leaves the trie."""
-    drop = {str(i) for i in item_ids}
-    ids = table.column("item_id").to_pylist()
-    keep = [i for i, iid in enumerate(ids) if iid not in drop]
-    present = set(ids)
-    removed = [i for i in dict.fromkeys(map(str, item_ids)) if i in present]
-    missing = [i for i in dict.fromkeys(map(str, item_ids)) if i not in present]
-    return table.take(pa.array(keep, pa.int64())), removed, missing
-
-
-@dataclass(frozen=True)
-class NeedsNewToken:
-    """A new item that cannot get a unique SID from the existing vocabulary."""
-
-    item_id: str
-    codes: tuple[int, ...]  # the quantiser's codes (prefix levels)
-    reason: str
-
-
-@dataclass
-class Assignment:
-    """Result of `assign_new_items`.
-
-    table: the new map: every existing row unchanged and in place, then the assigned new items
-        in input order.
-    assigned: ids of the new items that got a SID (in input order).
-    already_present: ids that were in the map already (their SID is kept).
-    prefix_changed: the subset of `already_present` whose quantiser codes now differ from the
-        prefix of their kept SID (text changed; a full refresh would move them).
-    needs_new_tokens: items left out because no free code exists for them, with the reason.
-    """
-
-    table: pa.Table
-    assigned: list[str] = field(default_factory=list)
-    already_present: list[str] = field(default_factory=list)
-    prefix_changed: list[str] = field(default_factory=list)
-    needs_new_tokens: list[NeedsNewToken] = field(default_factory=list)
-
-    def summary(self) -> str:
-        return (f"{len(self.assigned)} new items assigned, {len(self.already_present)} already present "
-                f"({len(self.prefix_changed)} with changed codes, SIDs kept), "
-                f"{len(self.needs_new_tokens)} need new tokens")
-
-
-def assign_new_items(
-    existing_map: pa.Table,
-    new_item_ids: Sequence[str],
-    new_codes_prefix: Sequence[Sequence[int]] | np.ndarray | torch.Tensor,
-    codebook_sizes: Sequence[int],
-    token_format: str = "<{level}_{code}>",
-    *,
-    last_cost: np.ndarray | torch.Tensor | None = None,
-) -> Assignment:
-    """Full SIDs for new items that leave every existing SID unchanged (see module doc).
-
-    existing_map: the current map (item_id, codes, sid).
-    new_item_ids: [M] ids (unique).
-    new_codes_prefix: [M, Lq] codes of the frozen quantiser (`quantizer.encode`), Lq = its levels.
-    codebook_sizes: the map's codebook sizes (the `sid` facts' `codebook_sizes`, incl. the
-        de-duplication level when the map has one); the vocabulary never grows here.
-    last_cost: optional [M, K_last] costs of the last quantiser level (maps without a
-        de-duplication level only): a new item whose SID is taken moves to the cheapest free
-        last-level code under its first L-1 codes, as `gti.sid.resolve.dedup_reassign` does.
-
-    Deterministic: new items are taken in input order; each gets the smallest free extra code.
-    """
-    sizes = [int(k) for k in codebook_sizes]
-    codec = SidCodec(len(sizes), sizes, token_format)
-    ids = [str(i) for i in new_item_ids]
-    if len(set(ids)) != len(ids):
-        dup = next(i for i in ids if ids.count(i) > 1)
-        raise DataError(f"new items: item_id '{dup}' appears more than once")
-    pre = np.asarray(torch.as_tensor(new_codes_prefix).cpu().numpy() if isinstance(new_codes_prefix, torch.Tensor)
-                     else new_codes_prefix, dtype=np.int64)
-    if pre.size == 0:
-        pre = pre.reshape(len(ids), -1)
-    if pre.ndim != 2 or pre.shape[0] != len(ids):
-        raise DataError(f"new items: codes have shape {list(pre.shape)} for {len(ids)} ids")
-    lq, levels = pre.shape[1], len(sizes)
-    extra = levels - lq
-    if extra not in (0, 1):
-        raise DataError(f"new items: quantiser gives {lq} levels but the map has {levels} "
-                        f"(codebook_sizes {sizes}); expected {levels} or {levels - 1}")
-    for lv in range(lq):
-        bad = np.nonzero((pre[:, lv] < 0) | (pre[:, lv] >= sizes[lv]))[0]
-        if bad.size:
-            raise DataError(f"new item '{ids[bad[0]]}': code {int(pre[bad[0], lv])} at level {lv} is "
-                            f"outside 0..{sizes[lv] - 1}")
-    if last_cost is not None and extra:
-        raise DataError("new items: last_cost only applies to maps without a de-duplication level")
-    cost = None if last_cost is None else np.asarray(torch.as_tensor(last_cost).float().cpu().numpy())
-    if cost is not None and cost.shape != (len(ids), sizes[-1]):
-        raise DataError(f"new items: last_cost has shape {list(cost.shape)}, expected [{len(ids)}, {sizes[-1]}]")
-
-    old = _codes_matrix(existing_map)
-    if old.shape[0] and old.shape[1] != levels:
-        raise DataError(f"SID map has {old.shape[1]} levels but codebook_sizes {sizes} has {levels}")
-    old_ids = existing_map.column("item_id").to_pylist()
-    old_pos = {iid: i for i, iid in enumerate(old_ids)}
-    # Used codes: full SIDs, and per group (prefix for the extra level; first L-1 codes without
-    # one) the set of codes taken at the last level.
-    taken: set[tuple[int, ...]] = set(map(tuple, old.tolist()))
-    if len(taken) != old.shape[0]:
-        raise DataError("SID map: existing map has duplicate SIDs")
-    group_used: dict[tuple[int, ...], set[int]] = {}
-    for row in old.tolist():
-        group_used.setdefault(tuple(row[:-1]), set()).add(row[-1])
-
-    out = Assignment(table=existing_map)
-    new_ids, new_codes = [], []
-    k_last = sizes[-1]
-    for m, iid in enumerate(ids):
-        p = tuple(int(c) for c in pre[m])
-        if iid in old_pos:
-            out.already_present.append(iid)
-            if tuple(old[old_pos[iid], :lq].tolist()) != p:
-                out.prefix_changed.append(iid)
-            continue
-        if extra:
-            used = group_used.setdefault(p, set())
-            free = next((c for c in range(k_last) if c not in used), None)
-            if free is None:
-                out.needs_new_tokens.append(NeedsNewToken(iid, p, (
-                    f"prefix {''.join(codec.token(lv, c) for lv, c in enumerate(p))} already holds "
-                    f"{len(used)} items, every code of the de-duplication level (size {k_last})")))
-                continue
-            full = p + (free,)
-        else:
-            full = p
-            if full in taken:
-                used = group_used.setdefault(p[:-1], set())
-                free = None
-                if cost is not None:
-                    order = np.argsort(cost[m], kind="stable")
-                    free = next((int(c) for c in order if int(c) not in used), None)
-                if free is None:
-                    why = ("and every last-level code under its first levels is taken" if cost is not None
-                           else "and the map has no de-duplication level (pass last_cost to move it)")
-                    out.needs_new_tokens.append(NeedsNewToken(
-                        iid, p, f"SID {codec.to_string(list(p))} is taken {why}"))
-                    continue
-                full = p[:-1] + (free,)
-        taken.add(full)
-        group_used.setdefault(full[:-1], set()).add(full[-1])
-        new_ids.append(iid)
-        new_codes.append(list(full))
-        out.assigned.append(iid)
-    if new_ids:
-        add = map_table(new_ids, np.asarray(new_codes, dtype=np.int64), codec)
-        base = existing_map.select(["item_id", "codes", "sid"]).cast(MAP_SCHEMA)
-        out.table = pa.concat_tables([base, add])
-    return out
 
 
 # --------------------------------------------------------------------------- version records

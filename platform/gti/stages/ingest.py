@@ -28,6 +28,13 @@ without it (one restart per damaged file found mid-read), so no row of a skipped
 any output or count. Skipped files are listed with their reason under facts.skipped_files;
 their rows are in no `*_rows_in` (unknown: the files could not be read).
 
+Shared with `gti refresh` (which validates new items the same way, in process): the reading
+half lives in `gti.data.batches` (`Source`, `local_stream`, `iterate`, `raise_file_error`,
+`fill_item_raw` / `fill_interaction_raw`); this module's public `ingest_items(ctx, out, stream,
+source)` is the items pass (duplicates first kept, `data.max_items`, items.parquet and its
+quarantine, `ItemCounts`), and the output schemas (`ITEMS_OUT_SCHEMA`, `INTER_Q_SCHEMA`,
+`INTER_OUT_SCHEMA`, `SEQ_SCHEMA`, ...) are the contract files'.
+
 What it does not know: embeddings or anything downstream.
 """
 
@@ -50,7 +57,10 @@ from gti.data import adapters
 from gti.data import catalog as cat
 from gti.data.idset import IdSet
 from gti.data.sequences import build_sequences
-from gti.errors import DataError, GtiError, UnreadableFileError, user_error
+from gti.data.batches import (
+    Source, fill_interaction_raw, fill_item_raw, iterate, local_stream, raise_file_error, validated_batches,
+)
+from gti.errors import DataError, UnreadableFileError, user_error
 from gti.manifest import file_fingerprint
 from gti.contract import StageContext, StageResult
 
@@ -63,8 +73,6 @@ SEQ_SCHEMA = pa.schema(
      ("valid_item", pa.string()), ("test_item", pa.string())]
 )
 ROW_GROUP = 65_536
-FILE_ERROR = "__file_error__"  # marker row: a reader failed on a whole file (see _read_validate)
-UNREADABLE_FILE = "__unreadable_file__"  # marker row: the same, for a file that may be skipped
 # Caps and filters that can silently remove most of a data set: quarantine reason -> config key.
 CAP_KEYS = {cat.OUTSIDE_MAX_ITEMS: "data.max_items", cat.OUTSIDE_MAX_USERS: "data.max_users",
             cat.SHORT_SEQUENCE: "data.min_seq_len"}
@@ -81,7 +89,7 @@ def _fingerprint_files(path: str, kind: str) -> str:
                 fs, p = pafs.FileSystem.from_uri(f)
                 info = fs.get_file_info(p)
             except (*adapters.READ_ERRORS, ValueError) as err:
-                raise UnreadableFileError(f, f"cannot stat: {adapters._reason(err)}") from None
+                raise UnreadableFileError(f, f"cannot stat: {adapters.error_reason(err)}") from None
             parts.append(f"{f}:{info.size}:{info.mtime_ns}")
         else:
             parts.append(f"{os.path.basename(f)}:{file_fingerprint(f)}")
@@ -100,40 +108,13 @@ def input_fingerprints(cfg) -> dict[str, str]:
 
 # --------------------------------------------------------------------------- Ray tasks
 def _read_validate(batch: dict, kind: str, columns: dict, max_text_chars: int, batch_rows: int):
-    """map_batches body (batch_size=1): one read task in, validated pyarrow batches out."""
+    """map_batches body (batch_size=1): one read task in, validated pyarrow batches out
+    (`gti.data.batches.validated_batches`; the task and the columns travel as JSON / a dict)."""
     from gti.config import InteractionColumns, ItemColumns
 
     cols = ItemColumns(**columns) if kind == "items" else InteractionColumns(**columns)
-    schema = cat.ITEM_BATCH_SCHEMA if kind == "items" else cat.INTERACTION_BATCH_SCHEMA
-    for spec in batch["task"]:
-        task = adapters.ReadTask(**json.loads(spec))
-        try:
-            try:
-                for raw, first_row in adapters.iter_task(task, kind, cols, batch_rows):
-                    if kind == "items":
-                        yield cat.validate_items(raw, cols.attributes, max_text_chars, task.file, first_row)
-                    else:
-                        has_ts = cols.ts is not None or task.fmt == "movielens"
-                        yield cat.validate_interactions(raw, has_ts, task.file, first_row)
-            except adapters.READ_ERRORS as err:  # a reader path that did not name the file itself
-                raise UnreadableFileError(task.file, f"cannot read: {adapters._reason(err)}") from None
-        except GtiError as err:
-            # A file-level user error travels as a marker row rather than a task failure, so the
-            # user sees our one line instead of Ray's retry notes and task traceback.
-            row = {f.name: None for f in schema}
-            unreadable = isinstance(err, UnreadableFileError)
-            row.update(reason=UNREADABLE_FILE if unreadable else FILE_ERROR, detail=str(err).splitlines()[0],
-                       source_file=task.file, raw=err.what if unreadable else None)
-            yield pa.Table.from_pylist([row], schema=schema)
-            return
-
-
-def local_stream(tasks: list[adapters.ReadTask], kind: str, columns, max_text_chars: int, parallelism):
-    """The same validated batches as `ray_stream`, computed in this process (for tests and
-    for debugging a bad file without Ray)."""
-    for t in tasks:
-        yield from _read_validate({"task": [json.dumps(asdict(t))]}, kind, columns.model_dump(),
-                                  max_text_chars, 8192)
+    tasks = [adapters.ReadTask(**json.loads(spec)) for spec in batch["task"]]
+    yield from validated_batches(tasks, kind, cols, max_text_chars, batch_rows)
 
 
 def ray_stream(tasks: list[adapters.ReadTask], kind: str, columns, max_text_chars: int, parallelism):
@@ -159,98 +140,10 @@ def ray_stream(tasks: list[adapters.ReadTask], kind: str, columns, max_text_char
         raise
 
 
-class _SkipFile(Exception):
-    """A read task found `file` unreadable under data.on_unreadable_file=skip: the pass over
-    its source starts again without it."""
-
-    def __init__(self, file: str, what: str) -> None:
-        super().__init__(f"{file}: {what}")
-        self.file, self.what = file, what
-
-
-def _raise_file_error(batch: pa.Table, skip: bool = False) -> None:
-    """Raise for a marker row of `_read_validate`. It may sit anywhere in the batch: Ray Data
-    merges a task's small outputs into one block, so it can follow the file's earlier rows."""
-    marks = pc.is_in(batch.column("reason"), pa.array([FILE_ERROR, UNREADABLE_FILE]))
-    if not pc.any(marks).as_py():
-        return
-    i = int(pc.index(marks, True).as_py())
-    reason = batch.column("reason")[i].as_py()
-    if reason == FILE_ERROR:
-        raise DataError(batch.column("detail")[i].as_py())
-    file, what = batch.column("source_file")[i].as_py(), batch.column("raw")[i].as_py()
-    raise _SkipFile(file, what) if skip else UnreadableFileError(file, what)
-
-
-class _Source:
-    """One input source (items or interactions) planned in the driver before any work: its
-    files, read tasks, the optional columns it lacks, and the files skipped as unreadable."""
-
-    def __init__(self, ctx: StageContext, kind: str) -> None:
-        d = ctx.cfg.data
-        self.kind, self.ctx = kind, ctx
-        self.src = d.items if kind == "items" else d.interactions
-        self.skip = d.on_unreadable_file == "skip"
-        self.files = adapters.expand_paths(self.src.path, kind)
-        self.tasks: list[adapters.ReadTask] = []
-        self.skipped: list[dict[str, str]] = []
-        missing: set[str] = set()
-        for f in self.files:
-            try:
-                tasks = adapters.plan_tasks([f], self.src.format)
-                # Header/schema checks here, so a wrong column fails before Ray starts work.
-                missing.update(adapters.check_header(tasks[0], kind, self.src.columns) if tasks else [])
-            except UnreadableFileError as err:
-                if not self.skip:
-                    raise
-                self._record(err.file, err.what)
-                continue
-            self.tasks += tasks
-        self.missing_columns = sorted(missing)
-        self._check_left()
-
-    def _record(self, file: str, what: str) -> None:
-        self.skipped.append({"file": file, "reason": what})
-        self.ctx.log(f"WARNING: {self.kind}: skipped unreadable file {file}: {what} "
-                     "(data.on_unreadable_file: skip)")
-
-    def _check_left(self) -> None:
-        if not self.tasks:
-            first = self.skipped[0] if self.skipped else {"file": self.src.path, "reason": "no files"}
-            raise DataError(f"data.{self.kind}.path {self.src.path}: all {len(self.files)} file(s) are "
-                            f"unreadable (first: {first['file']}: {first['reason']})")
-
-    def drop(self, skip: _SkipFile) -> None:
-        """Leave out a file a read task found unreadable (skip mode); the pass restarts."""
-        self._record(skip.file, skip.what)
-        self.tasks = [t for t in self.tasks if t.file != skip.file]
-        self._check_left()
-
-    def passes(self, body):
-        """body(tasks) -> result, rerun without each file it finds unreadable (skip mode)."""
-        for _ in range(len(self.files) + 1):
-            try:
-                return body(self.tasks)
-            except _SkipFile as skip:
-                self.drop(skip)
-                self.ctx.log(f"{self.kind}: reading again without {skip.file}")
-        raise RuntimeError(f"{self.kind}: more restarts than files")  # each pass drops one file
-
-
-def _iterate(stream, tasks, kind, columns, max_text_chars, parallelism):
-    """`stream` (a generator) closed when the caller stops early or fails, so Ray Data stops
-    its read tasks at once instead of when the generator is collected."""
-    it = stream(tasks, kind, columns, max_text_chars, parallelism)
-    try:
-        yield from it
-    finally:
-        close = getattr(it, "close", None)
-        if close is not None:
-            close()
-
-
 # --------------------------------------------------------------------------- items
-class _Items:
+class ItemCounts:
+    """What the items pass counted (the ingest facts' items_* numbers) and the kept ids."""
+
     def __init__(self) -> None:
         self.rows_in = self.ok = self.quarantined = self.truncated = self.pseudo = 0
         self.reasons: Counter[str] = Counter()
@@ -258,9 +151,13 @@ class _Items:
         self.limit_reached = False
 
 
-def _ingest_items(ctx: StageContext, out: Path, stream, source: _Source | None = None) -> tuple[_Items, IdSet]:
+def ingest_items(ctx: StageContext, out: Path, stream, source: Source | None = None) -> tuple[ItemCounts, IdSet]:
+    """The items pass: `stream` (`local_stream`, `ray_stream`) over `source` (default: planned
+    from `ctx.cfg.data`) writes `out`/items.parquet and items_quarantine.parquet (duplicates:
+    first kept; `data.max_items` ends the catalog). Returns (counts, the kept ids); DataError
+    when no item is valid. `ctx`: anything with `.cfg` (a RunConfig) and `.log(msg)`."""
     d = ctx.cfg.data
-    source = source or _Source(ctx, "items")
+    source = source or Source(d, "items", ctx.log)
     missing = source.missing_columns
     if missing:
         ctx.log(f"items: optional columns not in the input, treated as empty: {missing}")
@@ -273,16 +170,16 @@ def _ingest_items(ctx: StageContext, out: Path, stream, source: _Source | None =
     return st, st.seen
 
 
-def _items_pass(ctx: StageContext, out: Path, stream, tasks, skip: bool) -> _Items:
+def _items_pass(ctx: StageContext, out: Path, stream, tasks, skip: bool) -> ItemCounts:
     d = ctx.cfg.data
-    st = _Items()
+    st = ItemCounts()
     n_kept = 0
     w_ok = pq.ParquetWriter(out / "items.parquet", ITEMS_OUT_SCHEMA)
     w_q = pq.ParquetWriter(out / "items_quarantine.parquet", ITEMS_Q_SCHEMA)
     t0, last_log = time.time(), time.time()
     try:
-        for batch in _iterate(stream, tasks, "items", d.items.columns, d.max_text_chars, d.parallelism):
-            _raise_file_error(batch, skip)
+        for batch in iterate(stream, tasks, "items", d.items.columns, d.max_text_chars, d.parallelism):
+            raise_file_error(batch, skip)
             valid = pc.is_null(batch.column("reason")).to_numpy(zero_copy_only=False)
             new = st.seen.first_new(batch.column("item_id"), valid)
             n_used = batch.num_rows
@@ -309,7 +206,7 @@ def _items_pass(ctx: StageContext, out: Path, stream, tasks, skip: bool) -> _Ite
             ok = batch.filter(mask)
             bad = batch.filter(pc.invert(mask))
             if bad.num_rows:
-                bad = _fill_raw(bad)
+                bad = fill_item_raw(bad)
                 w_q.write_table(bad.select(cat.QUARANTINE_COLUMNS).cast(ITEMS_Q_SCHEMA))
             if ok.num_rows:
                 st.seen.add(ok.column("item_id"))
@@ -331,22 +228,10 @@ def _items_pass(ctx: StageContext, out: Path, stream, tasks, skip: bool) -> _Ite
     return st
 
 
-def _fill_raw(bad: pa.Table) -> pa.Table:
-    """Duplicates passed the row check, so they have no raw JSON yet; give them one."""
-    raw = bad.column("raw").to_pylist()
-    if all(r is not None for r in raw):
-        return bad
-    cols = {c: bad.column(c).to_pylist() for c in ("item_id", "title", "description", "category", "attributes_text")}
-    for i, r in enumerate(raw):
-        if r is None:
-            raw[i] = cat.raw_json({c: cols[c][i] for c in cols})
-    return bad.set_column(bad.schema.get_field_index("raw"), "raw", pa.array(raw, pa.string()))
-
-
 # --------------------------------------------------------------------------- interactions
 def _ingest_interactions(ctx: StageContext, out: Path, kept_ids: IdSet, items_limited: bool,
-                         stream, source: _Source | None = None) -> dict:
-    source = source or _Source(ctx, "interactions")
+                         stream, source: Source | None = None) -> dict:
+    source = source or Source(ctx.cfg.data, "interactions", ctx.log)
     ctx.log(f"interactions: {len(source.files)} file(s) from {ctx.cfg.data.interactions.path}")
     return source.passes(lambda tasks: _interactions_pass(ctx, out, kept_ids, items_limited, stream,
                                                           tasks, source.skip))
@@ -364,8 +249,8 @@ def _interactions_pass(ctx: StageContext, out: Path, kept_ids: IdSet, items_limi
     kept_parts: list[pa.Table] = []
     w_q = pq.ParquetWriter(out / "interactions_quarantine.parquet", INTER_Q_SCHEMA)
     try:
-        for batch in _iterate(stream, tasks, "interactions", src.columns, d.max_text_chars, d.parallelism):
-            _raise_file_error(batch, skip)
+        for batch in iterate(stream, tasks, "interactions", src.columns, d.max_text_chars, d.parallelism):
+            raise_file_error(batch, skip)
             n = batch.num_rows
             rows_in += n
             batch = batch.append_column("order", pa.array(range(order, order + n), pa.int64()))
@@ -381,7 +266,7 @@ def _interactions_pass(ctx: StageContext, out: Path, kept_ids: IdSet, items_limi
             ok_mask = pc.is_null(reason)
             bad = batch.filter(pc.invert(ok_mask))
             if bad.num_rows:
-                bad = _fill_raw_inter(bad)
+                bad = fill_interaction_raw(bad)
                 w_q.write_table(bad.select(cat.INTERACTIONS_QUARANTINE_COLUMNS).cast(INTER_Q_SCHEMA))
                 quarantined += bad.num_rows
                 reasons.update(bad.column("reason").to_pylist())
@@ -441,17 +326,6 @@ def cap_warnings(cfg, rows_in: int, reasons: dict[str, int], share: float = 0.5)
     return out
 
 
-def _fill_raw_inter(bad: pa.Table) -> pa.Table:
-    raw = bad.column("raw").to_pylist()
-    if all(r is not None for r in raw):
-        return bad
-    cols = {c: bad.column(c).to_pylist() for c in ("user_id", "item_id", "ts")}
-    for i, r in enumerate(raw):
-        if r is None:
-            raw[i] = cat.raw_json({c: cols[c][i] for c in cols})
-    return bad.set_column(bad.schema.get_field_index("raw"), "raw", pa.array(raw, pa.string()))
-
-
 # --------------------------------------------------------------------------- stage
 def run(ctx: StageContext) -> StageResult:
     from gti.stages._ray import ensure_ray
@@ -466,17 +340,17 @@ def run(ctx: StageContext) -> StageResult:
     return ingest(ctx, ray_stream, sources)
 
 
-def _sources(ctx: StageContext) -> dict[str, _Source]:
-    return {kind: _Source(ctx, kind) for kind in ("items", "interactions")}
+def _sources(ctx: StageContext) -> dict[str, Source]:
+    return {kind: Source(ctx.cfg.data, kind, ctx.log) for kind in ("items", "interactions")}
 
 
-def ingest(ctx: StageContext, stream=local_stream, sources: dict[str, _Source] | None = None) -> StageResult:
+def ingest(ctx: StageContext, stream=local_stream, sources: dict[str, Source] | None = None) -> StageResult:
     """The stage body; `stream` yields validated batches in input order (`ray_stream` in the
     pipeline, `local_stream` in-process)."""
     out = ctx.work_dir
     t0 = time.time()
     sources = sources or _sources(ctx)  # files and headers of both, before any row is read
-    items, kept_ids = _ingest_items(ctx, out, stream, sources["items"])
+    items, kept_ids = ingest_items(ctx, out, stream, sources["items"])
     ctx.log(f"items: {items.ok:,} ok, {items.quarantined:,} quarantined in {time.time() - t0:.1f}s")
     inter = _ingest_interactions(ctx, out, kept_ids, items.limit_reached, stream, sources["interactions"])
     ctx.log(f"interactions: {inter['ok']:,} ok, {inter['quarantined']:,} quarantined; {inter['n_users']:,} users")

@@ -1,4 +1,4 @@
-"""`gti refresh` (gti/refresh.py) and versioned SID maps in use (gti/sid/lineage.py, evaluate,
+"""`gti refresh` (gti/refresh/, its driver) and versioned SID maps in use (gti/sid/lineage.py, evaluate,
 recommend), on a tiny run: 300 items of the bundled data, 12 of them held out as "new"
 (`gti.data.holdout`), the tiny pipeline trained on the rest through sft.
 
@@ -11,6 +11,10 @@ recommend), on a tiny run: 300 items of the bundled data, 12 of them held out as
 - evaluation's and recommend's check: a descendant map accepted, an unrelated one refused
   naming both hashes;
 - a full prefix group: one error line, exit 2.
+
+The fast tests at the end use the fake run of conftest.py (no model, no Ray): the step record
+that makes a rerun skip finished steps, the work folder's fingerprint, the export of an
+untrained refresh, and the argument checks.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import torch
 
 from gti import config as C
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "jobs" / "configs"
 N_ITEMS, N_NEW = 300, 12
 REFRESH = ["refresh.ground_steps=6", "refresh.replay_ratio=1.0", "ground.batch_size=4"]
@@ -336,3 +340,75 @@ def test_holdout_picks_items_that_end_a_history():
                          "test_item": [h.new_ids[0], "zz"]})
     assert new_target_users(seqs, h.new_ids)["user_id"].to_list() == ["a"]
     assert np.all(h.base_items["item_id"].is_in(h.new_ids).to_numpy() == False)  # noqa: E712
+
+
+# --------------------------------------------------------------------------- fast (fake run)
+def test_steps_are_recorded_and_reused_by_a_rerun(tmp_path):
+    from gti.refresh.driver import Steps
+
+    logs, calls = [], []
+    s = Steps(tmp_path, logs.append)
+    assert s.run("ingest", lambda: calls.append(1) or {"n": 1}) == {"n": 1}
+    again = Steps(tmp_path, logs.append)  # a new attempt on the same work folder
+    assert again.run("ingest", lambda: calls.append(2) or {"n": 2}) == {"n": 1} and calls == [1]
+    assert logs == ["ingest: done by an interrupted attempt, reused"]
+    assert set(again.walls()) == {"ingest"} and again.walls()["ingest"] >= 0
+
+
+def test_work_folder_is_kept_only_for_the_same_inputs_and_settings(fake_run, tmp_path):
+    from gti.refresh.driver import fingerprint, open_work
+    from gti.refresh.job import find_parent
+
+    items = tmp_path / "items.csv"
+    items.write_text("item_id,title\nn1,A\n")
+    parent = find_parent(fake_run.dir)
+    fp = fingerprint(fake_run.cfg(items), parent, str(items), None)
+    assert fp == fingerprint(fake_run.cfg(items), parent, str(items), None)
+    assert fp != fingerprint(fake_run.cfg(items, None, "refresh.ground_steps=3"), parent, str(items), None)
+    work = tmp_path / ".v1.partial"
+    open_work(work, fp)
+    (work / "kept").write_text("x")
+    open_work(work, fp)
+    assert (work / "kept").exists()
+    items.write_text("item_id,title\nn1,B\n")  # the same path, other content
+    fp2 = fingerprint(fake_run.cfg(items), parent, str(items), None)
+    assert fp2 != fp
+    open_work(work, fp2)
+    assert not (work / "kept").exists() and (work / "_fingerprint").read_text() == fp2
+
+
+def test_export_without_training_copies_the_parents_model_with_the_new_map(make_job):
+    import pyarrow.parquet as pq
+
+    from gti.refresh.driver import export_step
+    from gti.sid.versions import make_version, write_map
+
+    job = make_job()
+    (job.work / "sid").mkdir()
+    t = pq.read_table(str(job.parent.map_path))
+    v = make_version(t.slice(0, 4), "cbhash", [4, 4, 2], parent=job.parent.hash)
+    write_map(job.work / "sid" / "sid_map.parquet", t.slice(0, 4), v)
+    (job.work / "val_source.parquet").write_bytes(b"")
+    assert export_step(job) == {"model_source": "parent"}
+    meta = json.loads((job.work / "model" / "gti_meta.json").read_text())
+    assert meta["sid_map_hash"] == v.hash and meta["sid_map_parent"] == job.parent.hash
+    assert meta["sid_map_version"]["hash"] == v.hash and meta["refresh_version"] == 1
+    assert meta["refresh_model_source"] == "parent" and meta["refreshed_from"] == str(job.parent.model_dir)
+    assert not (job.work / "val_source.parquet").exists()
+    assert json.loads((job.parent.model_dir / "gti_meta.json").read_text()) == {"sid_map_hash": job.parent.hash}
+    assert export_step(job) == {"model_source": "parent"}  # a rerun after an interrupted export
+    (job.work / "ground_model").mkdir()
+    (job.work / "ground_model" / "config.json").write_text("{}")
+    assert export_step(job) == {"model_source": "ground"} and not (job.work / "ground_model").exists()
+
+
+def test_refresh_refuses_bad_arguments_with_one_line(fake_run, tmp_path):
+    from gti.refresh import RefreshError, refresh
+
+    with pytest.raises(RefreshError, match="run directory not found"):
+        refresh(tmp_path / "nope", "items.csv")
+    with pytest.raises(C.ConfigError, match="refresh.sft_steps > 0 needs --interactions"):
+        refresh(fake_run.dir, "items.csv", None, ["refresh.sft_steps=2"])
+    shutil.rmtree(fake_run.dir / "sid")
+    with pytest.raises(RefreshError, match="stage 'sid' has not completed"):
+        refresh(fake_run.dir, "items.csv")

@@ -1,0 +1,67 @@
+"""`gti refresh`: new items onto a trained run, without retraining it (issue 15, item 1).
+
+What it is for: a catalog gains items after a run has trained. `refresh(run_dir, items,
+interactions)` gives them SIDs made of the run's existing code tokens, teaches the model what
+they mean with a short grounding pass, and writes a new SID-map version that descends from the
+run's (so evaluation and `gti recommend` accept it for the old model as well as for the new):
+
+1. ingest (`gti.refresh.ingest`): the new items (and optional new interactions) are read and
+   validated with the ingest stage's own readers and row checks (`gti.data.batches`,
+   `gti.stages.ingest.ingest_items`: same formats, same column mapping `data.items.*` /
+   `data.interactions.*`, overridable with key=value). Bad rows go to
+   `ingest/items_quarantine.parquet` / `interactions_quarantine.parquet` with their reason,
+   file and row; an interaction naming an item that is neither in the run's map nor new is
+   `unknown_item`. New interactions are merged with the parent's (each user's history in time
+   order) into `ingest/sequences.parquet` (leave-one-out, as ingest splits). `data.max_items`
+   and `data.max_users` do not apply to a refresh.
+2. embed (`gti.refresh.sids`, as 3 and 4): the run's encoder (`embed` section;
+   `gti.embed.encoders`), in this process.
+3. assign: the run's frozen quantiser (`<run>/sid/quantizer.*`, `gti.sid.quantizer.load_quantizer`)
+   gives the codes; `gti.sid.map_edits.assign_new_items` resolves collisions against the parent
+   map without changing any existing SID (the de-duplication level takes the smallest free
+   code of the prefix group). Items that would need a new token (a full prefix group) are
+   listed in `needs_new_tokens.json` and the refresh stops with one line
+   (`refresh.on_full_group: error`, the only value implemented). The new map is written with
+   its version record (parent hash) and added to `<run>/refresh/lineage/`.
+4. pairs: the new items' grounding pairs (the pairs stage's renderer, same templates and
+   tokenizer), plus `refresh.replay_ratio` x as many old training pairs (seeded sample of the
+   run's pairs and earlier refreshes' new pairs).
+5. ground (`gti.refresh.train`, as 6): `refresh.ground_steps` steps of the grounding task on Ray Train + DeepSpeed
+   (`gti.train.loop.fit`, the grounding hooks: backbone and every non-SID row frozen, only the
+   SID rows train), continuing from the parent's model (the latest refresh's, else
+   `<run>/sft/model`, else `<run>/ground/model`). Validation: constrained text->SID exact match
+   on the new items (held-out pairs when the split has them, else in-sample).
+6. sft (optional, `refresh.sft_steps` > 0, needs `--interactions`): the SFT task on the
+   training windows of the users the new interactions touch.
+7. export (`gti.refresh.driver`, which also orders the steps): `model/` (standard HF folder;
+   `gti_meta.json` records `sid_map_hash` = the new map, `sid_map_parent`, `sid_map_version`),
+   `_manifest.json` (facts: parent and new hash, counts, steps, wall time of each step) and
+   `config.yaml`.
+
+Output: `<run>/refresh/v<k>/` (k = 1, 2, ...; layout in `gti.sid.lineage`). The work happens in
+`<run>/refresh/.v<k>.partial/`; a rerun of the same command (same inputs and settings) reuses
+it: finished steps are skipped and grounding/SFT resume from their last Ray Train checkpoint.
+
+Modules: `job` (the `Job` every step gets: run, config, parent version, work folder;
+`RefreshError`, `RefreshResult`, `load_run_config`), `ingest`, `sids`, `train` (the steps) and
+`driver` (`refresh`, `cli_main`, the export step, resuming and publishing a version).
+
+Ray: only through `gti.stages._ray.ensure_ray` and `gti.train.loop.fit` (this package is a
+driver, like `gti.vocab_ground`). It reads with the ingest stage's public API: the readers of
+`gti.data.batches` (`Source`, `local_stream`, `iterate`, `raise_file_error`,
+`fill_interaction_raw`) and `gti.stages.ingest` (`ingest_items`, the output schemas such as
+`INTER_Q_SCHEMA`). From other stage modules it reuses `gti.stages.pairs` (`RenderPairs`,
+`PAIRS_SCHEMA`) and `gti.stages.ground` (`write_val_set`, `VAL_TASKS`); the SFT hooks and
+`rebuild_trained` come from `gti.train.sft_task`.
+
+What it does not know: how the run's stages were run (it reads their manifests and outputs).
+"""
+
+from gti.refresh.driver import cli_main, refresh
+from gti.refresh.job import (
+    FINGERPRINT_FILE, GROUND_RUN, NEEDS_NEW_TOKENS, RAY_DIR, SFT_RUN, STEPS_FILE, RefreshError, RefreshResult,
+    load_run_config,
+)
+
+__all__ = ["FINGERPRINT_FILE", "GROUND_RUN", "NEEDS_NEW_TOKENS", "RAY_DIR", "SFT_RUN", "STEPS_FILE", "RefreshError",
+           "RefreshResult", "cli_main", "load_run_config", "refresh"]

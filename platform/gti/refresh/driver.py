@@ -1,0 +1,263 @@
+"""`refresh(run_dir, items, interactions, overrides)`: one `gti refresh`, from the run to `<run>/refresh/v<k>/`.
+
+What it is for: the order of the steps and what makes a refresh resumable and traceable. It
+adds the run's base map to the lineage (once), opens the work folder `<run>/refresh/.v<k>.partial/`
+(kept when its `_fingerprint` — parent map, input files, seed, the data/embed/pairs/ground/sft/
+refresh settings — is the same, else started afresh), runs the steps (`gti.refresh.ingest`,
+`.sids`, `.train`, then `export_step` here), each recorded in `_steps.json` so a rerun skips the
+finished ones, writes `_manifest.json` (facts: parent and new hash, counts, steps, wall time of
+each step) and `config.yaml`, adds the new map to `<run>/refresh/lineage/` and renames the work
+folder to `v<k>`. `export_step` puts the model in `model/` (the SFT model, else the grounded
+one, else a copy of the parent's) with `gti_meta.json` naming the new map, its parent and its
+version record. `cli_main` is `gti refresh`.
+
+What it does not know: how a step reads, assigns or trains (the step modules do), Ray.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from gti import config as C
+from gti.manifest import Manifest, atomic_write_bytes, atomic_write_json, stable_hash
+from gti.refresh.ingest import ingest_step
+from gti.refresh.job import (
+    FINGERPRINT_FILE, RAY_DIR, STEPS_FILE, Job, Parent, RefreshError, RefreshResult, find_parent, load_run_config,
+    log_default, read_manifest,
+)
+from gti.refresh.sids import assign_step, embed_step, pairs_step
+from gti.refresh.train import ground_step, sft_step
+
+CONFIG_SECTIONS = ("data", "embed", "pairs", "ground", "sft", "refresh")  # in the fingerprint and the manifest
+
+
+class Steps:
+    """Finished steps of one attempt, kept in the work dir: {name: {"wall_s", "facts"}}."""
+
+    def __init__(self, work: Path, log) -> None:
+        self.path = work / STEPS_FILE
+        self.log = log
+        self.done: dict[str, dict] = json.loads(self.path.read_text()) if self.path.is_file() else {}
+
+    def run(self, name: str, fn: Callable[[], dict]) -> dict:
+        if name in self.done:
+            self.log(f"{name}: done by an interrupted attempt, reused")
+            return self.done[name]["facts"]
+        t0 = time.time()
+        facts = fn()
+        self.done[name] = {"wall_s": round(time.time() - t0, 3), "facts": facts}
+        atomic_write_json(self.path, self.done)
+        return facts
+
+    def walls(self) -> dict[str, float]:
+        return {k: v["wall_s"] for k, v in self.done.items()}
+
+
+def _files_fingerprint(path: str | None, kind: str) -> str | None:
+    if path is None:
+        return None
+    from gti.data import adapters
+    from gti.manifest import file_fingerprint
+
+    return stable_hash([f"{Path(f).name}:{file_fingerprint(f)}" for f in adapters.expand_paths(path, kind)])
+
+
+def fingerprint(cfg: C.RunConfig, parent: Parent, items: str, interactions: str | None) -> str:
+    """What a work folder may be reused for: the parent map, the input files, the settings."""
+    dumped = cfg.model_dump(mode="json")
+    return stable_hash({
+        "parent": parent.hash, "items": _files_fingerprint(items, "items"),
+        "interactions": _files_fingerprint(interactions, "interactions"),
+        "seed": cfg.seed, **{s: dumped[s] for s in CONFIG_SECTIONS},
+    })
+
+
+def _lineage_with_base(run_dir: Path, sid_man: Manifest, cb_hash: str):
+    """The run's lineage folder, holding the run's base map (so any later map can be traced
+    back to it)."""
+    from gti.sid import lineage
+    from gti.sid import versions as V
+
+    lin = lineage.lineage_dir(run_dir)
+    sf = sid_man.facts
+    if lin.get(sf["sid_map_hash"]) is None:
+        import pyarrow.parquet as pq
+
+        base_table = pq.read_table(str(sid_man.output(run_dir / "sid", "sid_map")))
+        lin.add(V.make_version(base_table, cb_hash, sf["codebook_sizes"], sf["token_format"], None,
+                               note="base: the run's sid stage"), base_table)
+    return lin
+
+
+def open_work(work: Path, fp: str) -> None:
+    """The work folder, kept when it was made for the same fingerprint, else emptied."""
+    marker = work / FINGERPRINT_FILE
+    if work.exists() and (not marker.is_file() or marker.read_text().strip() != fp):
+        shutil.rmtree(work)
+    work.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(marker, fp.encode())
+
+
+def refresh(run_dir: str | Path, items: str | Path, interactions: str | Path | None = None,
+            overrides: Sequence[str] = (), *, log: Callable[[str], None] = log_default,
+            fault_injection: dict | None = None) -> RefreshResult:
+    """Refresh the run in `run_dir` with the new items (see the `gti.refresh` docstring).
+
+    items / interactions: paths in any format `data.items.path` / `data.interactions.path` take
+    (the run's column mapping and format apply; override them with `data.items.format=csv` etc.).
+    overrides: key=value on the run's config (`refresh.*`, `ground.*`, `sft.*`, ...).
+    fault_injection (tests): {"fail_at_step", "fail_rank", "fail_marker"} for the grounding loop.
+    Returns a RefreshResult; user mistakes raise GtiError subclasses (one line).
+    """
+    from gti.sid import lineage
+    from gti.sid import versions as V
+
+    t_start = time.time()
+    run_dir = Path(run_dir).expanduser().resolve()
+    if not run_dir.is_dir():
+        raise RefreshError(f"run directory not found: {run_dir}")
+    items_s, inter_s = str(items), None if interactions is None else str(interactions)
+    cfg = load_run_config(run_dir, items_s, inter_s, overrides)
+    if cfg.refresh.sft_steps > 0 and interactions is None:
+        raise C.ConfigError("refresh.sft_steps > 0 needs --interactions (the SFT pass trains on them)")
+    parent = find_parent(run_dir)
+    sid_man = read_manifest(run_dir, "sid")
+    cb_hash = V.codebooks_hash(sid_man.output(run_dir / "sid", "codebooks"))
+    lin = _lineage_with_base(run_dir, sid_man, cb_hash)
+    k = parent.k + 1
+    work = lineage.refresh_root(run_dir) / f".v{k}.partial"
+    fp = fingerprint(cfg, parent, items_s, inter_s)
+    open_work(work, fp)
+    log(f"v{k} of {run_dir} (parent map {parent.hash}, model {parent.model_dir})")
+    steps = Steps(work, log)
+    job = Job(run_dir, cfg, parent, work, k, sid_man.facts, cb_hash, log, interactions is not None)
+    done = run_steps(steps, job, fault_injection)
+    version = V.read_version(work / "sid" / "sid_map.parquet")
+    facts = _facts(job, version, done, steps, t_start)
+    _write_record(job, fp, facts, {"parent": parent.hash, "items": str(items), "interactions": str(interactions)})
+    final = _publish(job, lin, version)
+    log(f"v{k}: {facts['assigned']} new items, map {parent.hash} -> {version.hash}; "
+        f"ground {facts['steps']['ground']} steps, sft {facts['steps']['sft']} steps; "
+        f"{facts['total_wall_s']:.1f}s -> {final}")
+    return RefreshResult(k=k, dir=final, parent_hash=parent.hash, new_hash=version.hash, facts=facts)
+
+
+def run_steps(steps: Steps, job: Job, fault_injection: dict | None = None) -> dict[str, dict]:
+    """{step name: its facts}, in order; a step an interrupted attempt finished is reused."""
+    return {
+        "ingest": steps.run("ingest", lambda: ingest_step(job)),
+        "embed": steps.run("embed", lambda: embed_step(job)),
+        "assign": steps.run("assign", lambda: assign_step(job)),
+        "pairs": steps.run("pairs", lambda: pairs_step(job)),
+        "ground": steps.run("ground", lambda: ground_step(job, fault_injection)),
+        "sft": steps.run("sft", lambda: sft_step(job)),
+        "export": steps.run("export", lambda: export_step(job)),
+    }
+
+
+def _facts(job: Job, version, done: dict[str, dict], steps: Steps, t_start: float) -> dict[str, Any]:
+    f_assign = done["assign"]
+    return {
+        "version": job.k,
+        "parent_hash": job.parent.hash,
+        "new_hash": version.hash,
+        "parent_version": job.parent.k,
+        "parent_model": str(job.parent.model_dir),
+        "assigned": f_assign["assigned"],
+        "already_present": f_assign["already_present"],
+        "prefix_changed": f_assign["prefix_changed"],
+        "full_groups": f_assign["needs_new_tokens"],
+        "n_items": version.n_items,
+        **{name: f for name, f in done.items() if name != "assign"},  # assign's facts are the counts above
+        "steps": {"ground": done["ground"].get("steps_done", 0), "sft": done["sft"].get("steps_done", 0)},
+        "wall_s": steps.walls(),
+        "total_wall_s": round(time.time() - t_start, 3),
+    }
+
+
+def _write_record(job: Job, fp: str, facts: dict, inputs: dict) -> None:
+    """`_manifest.json` and `config.yaml` of the version, in the work folder."""
+    work, cfg = job.work, job.cfg
+    outputs = {"sid_map": "sid/sid_map.parquet", "sid_map_version": "sid/sid_map.version.json",
+               "model": "model", "items": "ingest/items.parquet",
+               "items_quarantine": "ingest/items_quarantine.parquet", "pairs_new": "pairs_new.parquet"}
+    for name in ("interactions", "interactions_quarantine", "sequences"):
+        if (work / "ingest" / f"{name}.parquet").is_file():
+            outputs[name] = f"ingest/{name}.parquet"
+    red = C.redact(cfg.model_dump(mode="json"))
+    Manifest(stage="refresh", fingerprint=fp, config={"seed": cfg.seed, **{s: red[s] for s in CONFIG_SECTIONS}},
+             inputs=inputs, facts=facts, outputs=outputs, duration_s=facts["total_wall_s"]).write(work)
+    atomic_write_bytes(work / "config.yaml", C.dump(cfg).encode())
+
+
+def _publish(job: Job, lin, version) -> Path:
+    """The new map into the lineage, the work folder renamed to `v<k>` (returned)."""
+    import pyarrow.parquet as pq
+
+    work = job.work
+    lin.add(version, pq.read_table(str(work / "sid" / "sid_map.parquet")))
+    shutil.rmtree(work / RAY_DIR, ignore_errors=True)
+    (work / FINGERPRINT_FILE).unlink(missing_ok=True)
+    final = work.parent / f"v{job.k}"
+    if final.exists():  # a finished folder without a manifest (never listed as a version)
+        shutil.rmtree(final)
+    work.rename(final)
+    return final
+
+
+def _place_model(job: Job) -> str:
+    """`<work>/model/`: the SFT model, else the grounded one, else a copy of the parent's;
+    returns which (a rerun after an interrupted export reads it from `.refresh_source`)."""
+    final = job.work / "model"
+    cands = [(c, st) for c, st in ((job.work / "sft_model", "sft"), (job.work / "ground_model", "ground"))
+             if (c / "config.json").is_file()]
+    if cands:
+        if final.exists():
+            shutil.rmtree(final)
+        source = cands[0][1]
+        (cands[0][0] / ".refresh_source").write_text(source)  # before the move: a rerun knows it
+        cands[0][0].rename(final)
+    elif (final / "config.json").is_file() and (final / ".refresh_source").is_file():
+        source = (final / ".refresh_source").read_text().strip()  # an interrupted export moved it already
+    else:
+        if final.exists():
+            shutil.rmtree(final)
+        tmp = job.work / ".model.copy"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(job.parent.model_dir, tmp)
+        source = "parent"
+        (tmp / ".refresh_source").write_text(source)
+        tmp.rename(final)
+    return source
+
+
+def export_step(job: Job) -> dict:
+    """Step 7: `model/` with its `gti_meta.json` naming the new map (see the module docstring)."""
+    from gti.lm.vocab import META_NAME
+    from gti.sid import versions as V
+
+    source = _place_model(job)
+    version = V.read_version(job.work / "sid" / "sid_map.parquet")
+    meta_path = job.work / "model" / META_NAME
+    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    meta.update({"stage": "refresh", "refresh_version": job.k, "sid_map_hash": version.hash,
+                 "sid_map_parent": job.parent.hash, "sid_map_version": version.to_dict(),
+                 "refreshed_from": str(job.parent.model_dir), "refresh_model_source": source})
+    atomic_write_bytes(meta_path, json.dumps(meta, indent=2, sort_keys=True, default=str).encode())
+    for f in ("e_new_start.safetensors", "val_source.parquet"):
+        (job.work / f).unlink(missing_ok=True)
+    return {"model_source": source}
+
+
+def cli_main(args) -> int:
+    """`gti refresh --run-dir R --items NEW [--interactions NEW] [key=value ...]`."""
+    res = refresh(args.run_dir, args.items, args.interactions, getattr(args, "overrides", None) or [])
+    f = res.facts
+    print(f"refresh v{res.k}: {f['assigned']} new items assigned ({f['already_present']} already present), "
+          f"SID map {res.parent_hash} -> {res.new_hash}; ground {f['steps']['ground']} steps, "
+          f"sft {f['steps']['sft']} steps; {f['total_wall_s']:.0f}s; model: {res.model_dir}")
+    return 0

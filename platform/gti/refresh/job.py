@@ -1,0 +1,151 @@
+"""What one `gti refresh` attempt works with: the run, its config, the parent version, the work folder.
+
+What it is for: the steps of a refresh (`gti.refresh.ingest`, `.sids`, `.train`, `.driver`)
+share one `Job`: the run folder, the config the run's model was trained with plus the
+overrides (`load_run_config`), the version it builds on (`Parent`, from `find_parent`: the
+newest refresh, else the run), the work folder `<run>/refresh/.v<k>.partial/`, the run's `sid`
+facts and codebooks hash, and the log. Also the names every step agrees on (files in the work
+folder, Ray Train run names) and `RefreshError` / `RefreshResult`.
+
+What it does not know: how a step does its work, Ray, training.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from gti import config as C
+from gti.errors import GtiError
+from gti.manifest import MANIFEST_NAME, Manifest
+from gti.train.driver import STORAGE_DIR
+
+STEPS_FILE = "_steps.json"
+FINGERPRINT_FILE = "_fingerprint"
+RAY_DIR = STORAGE_DIR  # gti.train.driver.STORAGE_DIR
+GROUND_RUN = "refresh_ground"
+SFT_RUN = "refresh_sft"
+NEEDS_NEW_TOKENS = "needs_new_tokens.json"
+
+
+class RefreshError(GtiError):
+    """The run cannot be refreshed as asked (missing stages, a full prefix group); one line."""
+
+
+@dataclass
+class RefreshResult:
+    k: int
+    dir: Path
+    parent_hash: str
+    new_hash: str
+    facts: dict[str, Any]
+
+    @property
+    def model_dir(self) -> Path:
+        return self.dir / "model"
+
+    @property
+    def map_path(self) -> Path:
+        return self.dir / "sid" / "sid_map.parquet"
+
+
+def log_default(msg: str) -> None:
+    print(f"[refresh] {msg}", file=sys.stderr, flush=True)
+
+
+def read_manifest(run_dir: Path, stage: str) -> Manifest:
+    """The manifest of a finished stage of the run; RefreshError when it has not completed."""
+    if not (run_dir / stage / MANIFEST_NAME).is_file():
+        raise RefreshError(f"{run_dir}: stage '{stage}' has not completed; refresh needs a trained run "
+                           "(ingest, embed, sid, pairs and ground or sft)")
+    return Manifest.read(run_dir / stage)
+
+
+def load_run_config(run_dir: Path, items: str, interactions: str | None,
+                    overrides: Sequence[str] = ()) -> C.RunConfig:
+    """The config the run's model was trained with (`<run>/sft/config.yaml`, else ground's, else
+    `<run>/config.yaml`) + overrides, reading the new files."""
+    path = next((p for p in (run_dir / "sft" / "config.yaml", run_dir / "ground" / "config.yaml")
+                 if p.is_file()), run_dir / "config.yaml")
+    raw = C.read_yaml(path) if path.is_file() else {}
+    raw = C.apply_overrides(raw, list(overrides), str(path)) if overrides else raw
+    data = raw.setdefault("data", {})
+    data.setdefault("items", {})["path"] = str(items)
+    if interactions is not None:
+        data.setdefault("interactions", {})["path"] = str(interactions)
+    data["max_items"] = None  # caps of the run's catalog read never cut the new items
+    data["max_users"] = None
+    raw["run_dir"] = str(run_dir)
+    return C.validate(raw, f"{path} (refresh)")
+
+
+@dataclass
+class Parent:
+    """What the refresh builds on: the newest version of the run (a refresh, else the run)."""
+
+    k: int  # 0 = the run itself
+    map_path: Path
+    hash: str
+    model_dir: Path
+    interactions_path: Path
+    pair_files: list[Path]
+
+
+def find_parent(run_dir: Path) -> Parent:
+    """The newest version of `run_dir`, with every earlier refresh's new pairs and the newest
+    interactions; RefreshError when the run lacks a stage or a trained model."""
+    from gti.run_artifacts import RunDirError, find_model_dir
+    from gti.sid import lineage
+
+    sid = read_manifest(run_dir, "sid")
+    pairs = read_manifest(run_dir, "pairs")
+    ing = read_manifest(run_dir, "ingest")
+    pair_files = [pairs.output(run_dir / "pairs", "pairs")]
+    inter = ing.output(run_dir / "ingest", "interactions")
+    vs = lineage.versions(run_dir)
+    for v in vs:
+        if (v.dir / "pairs_new.parquet").is_file():
+            pair_files.append(v.dir / "pairs_new.parquet")
+        if (v.dir / "ingest" / "interactions.parquet").is_file():
+            inter = v.dir / "ingest" / "interactions.parquet"
+    if vs:
+        v = vs[-1]
+        return Parent(v.k, v.map_path, v.version().hash, v.model_dir, inter, pair_files)
+    try:
+        _, model_dir = find_model_dir(run_dir)
+    except RunDirError as err:
+        raise RefreshError(str(err)) from None
+    return Parent(0, sid.output(run_dir / "sid", "sid_map"), sid.fact("sid_map_hash"), model_dir, inter,
+                  pair_files)
+
+
+@dataclass
+class Job:
+    """One refresh attempt: version `k` of `run_dir`, built on `parent`, written in `work`."""
+
+    run_dir: Path
+    cfg: C.RunConfig
+    parent: Parent
+    work: Path
+    k: int
+    sf: dict  # the run's `sid` facts (codebook sizes, token format, levels, ...)
+    cb_hash: str  # codebooks_hash of the run's codebooks
+    log: Callable[[str], None]
+    interactions_given: bool
+
+    def assigned(self) -> list[str]:
+        """The new items the assign step gave a SID (in input order)."""
+        return json.loads((self.work / "sid" / "new_items.json").read_text())["assigned"]
+
+    def tokenizer(self):
+        """The parent model's tokenizer (pad = eos when it has none)."""
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(self.parent.model_dir),
+                                            trust_remote_code=self.cfg.model.trust_remote_code)
+        if tok.pad_token_id is None:
+            tok.pad_token = tok.eos_token
+        return tok

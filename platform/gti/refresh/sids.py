@@ -1,0 +1,160 @@
+"""Steps 2-4 of `gti refresh`: the new items' embeddings, SIDs and grounding pairs.
+
+What it is for:
+- `embed_step(job)`: the run's encoder (`embed` section, `gti.embed.encoders`) on the new
+  items, in this process -> `<work>/embed/embeddings.parquet` (RefreshError when its dim is not
+  the run's).
+- `assign_step(job)`: the run's frozen quantiser (`<run>/sid/quantizer.*`) gives the codes and
+  `gti.sid.map_edits.assign_new_items` the SIDs, never changing an existing one ->
+  `<work>/sid/sid_map.parquet` with its version record (parent hash) and `new_items.json`. Items
+  that would need a new token are listed in `needs_new_tokens.json` and the refresh stops with
+  one RefreshError line (`refresh.on_full_group: error`).
+- `pairs_step(job)`: the new items' grounding pairs (the pairs stage's `RenderPairs`, same
+  templates and tokenizer) -> `pairs_new.parquet`, plus `refresh.replay_ratio` x as many old
+  training pairs (a seeded sample of the run's and earlier refreshes' pairs) -> `pairs.parquet`.
+
+What it does not know: training, the model's weights, Ray.
+"""
+
+from __future__ import annotations
+
+from gti.errors import DataError
+from gti.manifest import Manifest, atomic_write_json
+from gti.refresh.job import NEEDS_NEW_TOKENS, Job, RefreshError
+
+
+def embed_step(job: Job) -> dict:
+    """Step 2 (see the module docstring)."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from gti.embed.encoders import build_encoder, item_text
+
+    e = job.cfg.embed
+    items = pq.read_table(str(job.work / "ingest" / "items.parquet")).to_pydict()
+    enc = build_encoder(e, job.cfg.model, device="cuda" if e.num_gpus > 0 else "cpu", seed=job.cfg.seed)
+    texts = [item_text(t or "", d or "", c or "", a or "", e.fields) for t, d, c, a in
+             zip(items["title"], items["description"], items["category"], items["attributes_text"])]
+    vecs = np.concatenate([enc.encode(texts[i: i + e.batch_size]) for i in range(0, len(texts), e.batch_size)])
+    vecs = np.ascontiguousarray(vecs, dtype=np.float32)
+    bad = np.nonzero(~np.isfinite(vecs).all(1))[0]
+    if bad.size:
+        raise DataError(f"embed.encoder {e.encoder}: non-finite embedding for new item_id {items['item_id'][bad[0]]}")
+    want = Manifest.read(job.run_dir / "embed").facts.get("dim")
+    if want is not None and int(want) != vecs.shape[1]:
+        raise RefreshError(f"embed: the encoder gives dim {vecs.shape[1]} but the run's embeddings have {want}; "
+                           "refresh with the run's embed settings")
+    (job.work / "embed").mkdir(exist_ok=True)
+    arr = pa.FixedSizeListArray.from_arrays(pa.array(vecs.reshape(-1)), vecs.shape[1])
+    pq.write_table(pa.table({"item_id": items["item_id"], "embedding": arr}),
+                   str(job.work / "embed" / "embeddings.parquet"))
+    return {"n_items": len(texts), "dim": int(vecs.shape[1]), "encoder": e.encoder}
+
+
+def _quantise(job: Job):
+    """(new item ids, their quantiser codes, the last level's costs or None)."""
+    import pyarrow.parquet as pq
+    import torch
+
+    from gti.sid.embeddings import embedding_matrix
+    from gti.sid.kmeans import sq_dists
+    from gti.sid.quantizer import load_quantizer
+
+    t = pq.read_table(str(job.work / "embed" / "embeddings.parquet"))
+    ids = t.column("item_id").to_pylist()
+    x = torch.from_numpy(embedding_matrix(t.column("embedding"), "embeddings").copy())
+    q = load_quantizer(job.run_dir / "sid")
+    with torch.inference_mode():
+        pre = q.encode(x)
+        last_cost = None
+        if not job.sf.get("dedup_level_added", True) and int(job.sf["levels"]) == q.levels:
+            last_cost = sq_dists(q.last_residual(x).float(), q.level_codebooks()[-1].float())
+    return ids, pre, last_cost
+
+
+def assign_step(job: Job) -> dict:
+    """Step 3 (see the module docstring)."""
+    import pyarrow.parquet as pq
+
+    from gti.sid import versions as V
+    from gti.sid.map_edits import assign_new_items
+
+    sf = job.sf
+    ids, pre, last_cost = _quantise(job)
+    parent_map = pq.read_table(str(job.parent.map_path))
+    a = assign_new_items(parent_map, ids, pre, sf["codebook_sizes"], sf["token_format"], last_cost=last_cost)
+    job.log(f"assign: {a.summary()}")
+    if a.needs_new_tokens:
+        path = job.work / NEEDS_NEW_TOKENS
+        atomic_write_json(path, [{"item_id": n.item_id, "codes": list(n.codes), "reason": n.reason}
+                                 for n in a.needs_new_tokens])
+        first = a.needs_new_tokens[0]
+        raise RefreshError(
+            f"refresh: {len(a.needs_new_tokens)} new item(s) need a SID token the vocabulary lacks "
+            f"(e.g. '{first.item_id}': {first.reason}); refresh.on_full_group={job.cfg.refresh.on_full_group} "
+            f"(adding tokens is not supported yet); the list is in {path}")
+    version = V.make_version(a.table, job.cb_hash, sf["codebook_sizes"], sf["token_format"], job.parent.hash,
+                             note=f"refresh v{job.k}: +{len(a.assigned)} items")
+    (job.work / "sid").mkdir(exist_ok=True)
+    V.write_map(job.work / "sid" / "sid_map.parquet", a.table, version)
+    atomic_write_json(job.work / "sid" / "new_items.json",
+                      {"assigned": a.assigned, "already_present": a.already_present,
+                       "prefix_changed": a.prefix_changed})
+    return {"assigned": len(a.assigned), "already_present": len(a.already_present),
+            "prefix_changed": len(a.prefix_changed), "needs_new_tokens": 0,
+            "parent_hash": job.parent.hash, "new_hash": version.hash}
+
+
+def _new_pairs(job: Job, assigned: set[str]):
+    """(the new items' rendered pairs in PAIRS_SCHEMA, how many were truncated)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    from gti.sid.codec import SidCodec
+    from gti.stages.pairs import PAIRS_SCHEMA, RenderPairs
+
+    pf = Manifest.read(job.run_dir / "pairs").facts
+    tok = job.tokenizer()
+    table = SidCodec.from_facts(job.sf).code_to_token_id_table(tok).numpy()
+    wrap = tuple(pf["sid_markers"]) if pf.get("sid_markers") else None
+    items = pq.read_table(str(job.work / "ingest" / "items.parquet"))
+    items = items.filter(pc.is_in(items.column("item_id"), pa.array(sorted(assigned), pa.string())))
+    smap = pq.read_table(str(job.work / "sid" / "sid_map.parquet"))
+    code_of = dict(zip(smap.column("item_id").to_pylist(), smap.column("codes").to_pylist()))
+    items = items.append_column("codes", pa.array([code_of[i] for i in items.column("item_id").to_pylist()],
+                                                  pa.list_(pa.int32())))
+    render = RenderPairs(tok, table, job.cfg.pairs.model_dump(), job.cfg.seed, wrap, set())
+    blocks = [render(items.slice(s, 256)) for s in range(0, items.num_rows, 256)]
+    new = pa.concat_tables(blocks) if blocks else PAIRS_SCHEMA.empty_table()
+    truncated = int(pc.sum(new.column("truncated")).as_py() or 0) if "truncated" in new.column_names else 0
+    return new.select(PAIRS_SCHEMA.names).cast(PAIRS_SCHEMA), truncated
+
+
+def pairs_step(job: Job) -> dict:
+    """Step 4 (see the module docstring)."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    from gti.stages.pairs import PAIRS_SCHEMA
+
+    cfg = job.cfg
+    assigned = set(job.assigned())
+    new, truncated = _new_pairs(job, assigned)
+    pq.write_table(new, str(job.work / "pairs_new.parquet"))
+    n_new_train = int(pc.sum(pc.equal(new.column("split"), "train")).as_py() or 0)
+    pool = pa.concat_tables([pq.read_table(str(p)).select(PAIRS_SCHEMA.names).cast(PAIRS_SCHEMA)
+                             for p in job.parent.pair_files])
+    pool = pool.filter(pc.equal(pool.column("split"), "train"))
+    n_rep = min(pool.num_rows, int(round(cfg.refresh.replay_ratio * n_new_train)))
+    rng = np.random.default_rng([cfg.seed, job.k, 0x2EF])
+    rows = np.sort(rng.choice(pool.num_rows, size=n_rep, replace=False)) if n_rep else np.zeros(0, np.int64)
+    replay = pool.take(pa.array(rows, pa.int64()))
+    pq.write_table(pa.concat_tables([new, replay]), str(job.work / "pairs.parquet"))
+    job.log(f"pairs: {new.num_rows} pairs of {len(assigned)} new items ({n_new_train} train), "
+            f"{n_rep} replayed old pairs (refresh.replay_ratio={cfg.refresh.replay_ratio:g})")
+    return {"new_pairs": new.num_rows, "new_train_pairs": n_new_train, "replay_pairs": n_rep,
+            "truncated_pairs": truncated}

@@ -1,0 +1,203 @@
+"""Steps 5-6 of `gti refresh`: teach the parent model the new SIDs, optionally a short SFT.
+
+What it is for:
+- `ground_step(job, fault_injection)`: `refresh.ground_steps` steps of the grounding task on
+  Ray Train + DeepSpeed (`gti.train.loop.fit` with `gti.train.ground_task.HOOKS`: backbone and
+  every non-SID row frozen, only the SID rows train) on `<work>/pairs.parquet`, continuing from
+  the parent's model; its starting rows are the parent's SID rows. Validation: constrained
+  text->SID exact match on the new items (`val_source`: held-out pairs when the split has
+  them, else in-sample). -> `<work>/ground_model/`.
+- `sft_step(job)`: `refresh.sft_steps` steps of the SFT task (`gti.train.sft_task`) on the
+  training windows of the users the new interactions touch, from the grounded model (else the
+  parent's). -> `<work>/sft_model/`.
+Both resume from their last Ray Train checkpoint under `<work>/ray_train/` when rerun.
+
+What it does not know: how the new items were read or given SIDs (it reads the step files),
+the version folder's layout beyond the work folder.
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from gti.errors import DataError
+from gti.manifest import Manifest
+from gti.refresh.job import GROUND_RUN, RAY_DIR, SFT_RUN, Job
+
+
+def _start_rows(model, first: int, end: int) -> dict:
+    from gti.lm import vocab
+
+    out = {"e_new": model.get_input_embeddings().weight[first:end].detach().float().clone()}
+    head = model.get_output_embeddings()
+    if head is not None and not vocab.heads_tied(model):
+        out["head_new"] = head.weight[first:end].detach().float().clone()
+    return out
+
+
+def val_source(new: pa.Table) -> tuple[pa.Table, bool]:
+    """(the new pairs with the validation split to use, in_sample): their held-out text->SID
+    pairs, else (few new items, none held out) their training text->SID pairs, in-sample."""
+    from gti.stages.ground import VAL_TASKS
+
+    is_t2s = pc.is_in(new.column("task"), pa.array(list(VAL_TASKS)))
+    held = pc.and_(is_t2s, pc.equal(new.column("split"), "val"))
+    in_sample = not pc.any(held).as_py()
+    if in_sample:
+        new = new.set_column(new.schema.get_field_index("split"), "split",
+                             pc.if_else(is_t2s, pa.scalar("val"), new.column("split")))
+    return new, in_sample
+
+
+def _write_validation(job: Job, gcfg, codec, first: int, tok) -> tuple[int, bool]:
+    """The validation prompts of the new items and the catalog's SID token ids, in the work
+    folder; (number of prompts, in_sample)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from gti.stages.ground import write_val_set
+
+    new, in_sample = val_source(pq.read_table(str(job.work / "pairs_new.parquet")))
+    pq.write_table(new, str(job.work / "val_source.parquet"))
+    shim = SimpleNamespace(cfg=gcfg, input=lambda stage, name: job.work / "val_source.parquet")
+    n_val = write_val_set(shim, job.work, first, first + codec.num_tokens, codec.levels)
+    smap = pq.read_table(str(job.work / "sid" / "sid_map.parquet"), columns=["codes"])
+    codes = torch.tensor(smap.column("codes").to_pylist(), dtype=torch.long)
+    save_file({"sid_token_ids": codec.token_ids(codes, tok).contiguous()}, str(job.work / "catalog_sids.safetensors"))
+    return n_val, in_sample
+
+
+def _loss_ends(res) -> dict:
+    loss = res.history.get("loss", [])
+    return {"first_loss": loss[0][1] if loss else None, "final_loss": loss[-1][1] if loss else None}
+
+
+def _ground_loop_config(job: Job, gcfg, codec, first: int, end: int, pad_id: int, n_val: int,
+                        fault_injection: dict | None) -> dict:
+    from gti.train import ground_task
+
+    w = job.work
+    return {
+        "task": "ground", "hooks": ground_task.HOOKS, "run_config": gcfg.model_dump(mode="json"), "pad_id": pad_id,
+        "ground": {"init_path": str(w / "e_new_start.safetensors"), "first_new_id": first, "n_new": end - first},
+        "val": None if n_val == 0 else {
+            "path": str(w / "val_prompts.parquet"), "sids_path": str(w / "catalog_sids.safetensors"),
+            "new_start": first, "new_end": end, "levels": codec.levels, "pad_id": pad_id},
+        **(fault_injection or {}),
+    }
+
+
+def ground_step(job: Job, fault_injection: dict | None) -> dict:
+    """Step 5 (see the module docstring); fault_injection (tests) goes to the training loop."""
+    from safetensors.torch import save_file
+
+    from gti.lm import models, vocab
+    from gti.sid.codec import SidCodec
+    from gti.stages._ray import ensure_ray
+    from gti.train.deepspeed_config import micro_batch
+    from gti.train.loop import fit, train_dataset_from_parquet
+
+    cfg, rc = job.cfg, job.cfg.refresh
+    if rc.ground_steps == 0:
+        job.log("ground: refresh.ground_steps=0: SIDs only, the parent's model is kept as it is")
+        return {"steps_done": 0, "grounded": False}
+    pf = Manifest.read(job.run_dir / "pairs").facts
+    first, end = (int(x) for x in pf["new_token_ids"])
+    codec = SidCodec.from_facts(job.sf)
+    g = cfg.ground.model_copy(update={"steps": rc.ground_steps, **({"lr": rc.ground_lr} if rc.ground_lr else {})})
+    gcfg = cfg.model_copy(update={"ground": g, "model": cfg.model.model_copy(update={"name": str(job.parent.model_dir)})})
+    micro = micro_batch(g, g.num_workers)
+    pairs_path = job.work / "pairs.parquet"
+    n_train = int(pc.sum(pc.equal(pq.read_table(str(pairs_path), columns=["split"]).column("split"), "train")).as_py() or 0)
+    if n_train < g.num_workers * micro:
+        raise DataError(f"{pairs_path}: {n_train} train pairs cannot fill one micro-batch of {micro} on each of "
+                        f"{g.num_workers} workers (ground.batch_size / ground.num_workers)")
+    tok = job.tokenizer()
+    model, _ = models.load_model_and_tokenizer(cfg.model, path=job.parent.model_dir)
+    start = _start_rows(model, first, end)
+    save_file({k: v.contiguous() for k, v in start.items()}, str(job.work / "e_new_start.safetensors"))
+    n_val, in_sample = _write_validation(job, gcfg, codec, first, tok)
+    loop_config = _ground_loop_config(job, gcfg, codec, first, end, int(tok.pad_token_id), n_val, fault_injection)
+    job.log(f"ground: {g.steps} steps x {g.batch_size} pairs on {g.num_workers} worker(s), lr {g.lr:g}, "
+            f"from {job.parent.model_dir}; {n_train} train pairs, {n_val} "
+            f"{'in-sample' if in_sample else 'held-out'} val prompts")
+    ensure_ray(cfg)
+    ds = train_dataset_from_parquet(pairs_path, seed=cfg.seed)
+    res = fit(loop_config, ds, g, storage_path=job.work / RAY_DIR, name=GROUND_RUN,
+              log=lambda m: job.log(f"ground: {m}"), progress_every=max(g.log_every, math.ceil(g.steps / 20)))
+    vocab.attach_new_rows(model, first, end - first, start["e_new"], start.get("head_new"))
+    vocab.load_new_rows_state_dict(model, res.state_dict)
+    vocab.export_model(model, tok, job.work / "ground_model", dict(vocab.read_meta(job.parent.model_dir)))
+    return {
+        "grounded": True, "steps_done": res.steps_done, "lr": g.lr, **_loss_ends(res),
+        "val_exact_match": [{"step": int(s), "value": float(v)}
+                            for s, v in res.history.get("val", {}).get("val_exact_match", [])],
+        "val_in_sample": in_sample, "val_prompts": n_val, "train_pairs": n_train,
+    }
+
+
+def _sft_windows(job: Job, tok):
+    """(the touched users' training windows rendered as SFT rows, their number of users)."""
+    import polars as pl
+
+    from gti.lm import templates
+    from gti.sid.codec import SidCodec
+    from gti.train import sft_data
+
+    cfg = job.cfg
+    smap = pl.read_parquet(job.work / "sid" / "sid_map.parquet")
+    sid_ids = templates.sid_id_table(smap, SidCodec.from_facts(job.sf), tok)
+    seqs = pl.read_parquet(job.work / "ingest" / "sequences.parquet")
+    touched = pl.read_parquet(job.work / "ingest" / "touched_users.parquet")["user_id"]
+    seqs = seqs.filter(pl.col("user_id").is_in(touched.implode()))
+    windows = sft_data.training_windows(seqs, cfg.data.max_history, seed=cfg.seed)
+    if windows.height == 0:
+        raise DataError("refresh.sft_steps > 0 but no touched user has 2 or more training items "
+                        "in the merged sequences: nothing to train on")
+    renderer = templates.make_renderer(tok, sid_ids, cfg.pairs.system_prompt, cfg.sft.max_len,
+                                       prompt_style=cfg.sft.prompt_style)
+    rows = renderer.render_windows(windows.select("history", "target", "template").to_dict(as_series=False))
+    return sft_data.rows_frame(rows).select(sft_data.ROW_COLUMNS), seqs.height
+
+
+def sft_step(job: Job) -> dict:
+    """Step 6 (see the module docstring); nothing when `refresh.sft_steps` is 0."""
+    import numpy as np
+
+    from gti.lm import vocab
+    from gti.stages._ray import ensure_ray
+    from gti.train.loop import fit
+    from gti.train.sft_task import HOOKS as SFT_HOOKS
+    from gti.train.sft_task import rebuild_trained
+
+    cfg, rc = job.cfg, job.cfg.refresh
+    if rc.sft_steps == 0:
+        return {"steps_done": 0}
+    start = job.work / "ground_model"
+    if not (start / "config.json").is_file():
+        start = job.parent.model_dir
+    tok = job.tokenizer()
+    frame, n_users = _sft_windows(job, tok)
+    order = np.random.default_rng([cfg.seed, job.k, 0x5F7]).permutation(frame.height)
+    train_path = job.work / "sft_train.parquet"
+    frame[order].write_parquet(train_path)
+    s = cfg.sft.model_copy(update={"steps": rc.sft_steps, **({"lr": rc.sft_lr} if rc.sft_lr else {})})
+    scfg = cfg.model_copy(update={"sft": s})
+    loop_config = {"task": "sft", "run_config": scfg.model_dump(mode="json"), "pad_id": int(tok.pad_token_id),
+                   "hooks": SFT_HOOKS, "sft": {"model_dir": str(start)}, "val": None}
+    job.log(f"sft: {s.steps} steps x batch {s.batch_size} on {frame.height} windows of "
+            f"{n_users} touched users, from {start}")
+    ensure_ray(cfg)
+    import ray
+
+    ds = ray.data.read_parquet(str(train_path), columns=["input_ids", "labels"]).materialize()
+    res = fit(loop_config, ds, s, storage_path=(job.work / RAY_DIR).resolve(), name=SFT_RUN,
+              log=lambda m: job.log(f"sft: {m}"), progress_every=max(1, s.log_every))
+    model = rebuild_trained(start, scfg, res.state_dict)
+    vocab.export_model(model, tok, job.work / "sft_model", dict(vocab.read_meta(start)))
+    return {"steps_done": res.steps_done, "lr": s.lr, "windows": frame.height, "users": n_users, **_loss_ends(res)}

@@ -1,0 +1,99 @@
+"""gti.refresh.sids: embeddings by the run's encoder, SIDs from the frozen quantiser that never
+move an old one (a full prefix group stops the refresh with the list written), and the replay
+sample of old training pairs (on the fake run of conftest.py: codes (a, b) for a vector
+(10a, b); the map's de-duplication level holds 2 items per group, (0, 0) is full)."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from gti.refresh.job import NEEDS_NEW_TOKENS, RefreshError
+from gti.refresh.sids import assign_step, embed_step, pairs_step
+
+
+def _items(job, ids):
+    (job.work / "ingest").mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({"item_id": ids, "title": [f"Title {i}" for i in ids], "description": [None] * len(ids),
+                             "category": ["Lab"] * len(ids), "attributes_text": [None] * len(ids)},
+                            schema=pa.schema([(c, pa.string()) for c in
+                                              ("item_id", "title", "description", "category", "attributes_text")])),
+                   str(job.work / "ingest" / "items.parquet"))
+
+
+def _embeddings(job, vecs: dict[str, tuple[float, float]]):
+    (job.work / "embed").mkdir(parents=True, exist_ok=True)
+    flat = pa.array([float(x) for v in vecs.values() for x in v], pa.float32())
+    pq.write_table(pa.table({"item_id": list(vecs), "embedding": pa.FixedSizeListArray.from_arrays(flat, 2)}),
+                   str(job.work / "embed" / "embeddings.parquet"))
+
+
+def test_embed_uses_the_runs_encoder_and_checks_its_dim(make_job, fake_run):
+    job = make_job()
+    _items(job, ["n1", "n2", "n3"])
+    f = embed_step(job)
+    assert f == {"n_items": 3, "dim": 16, "encoder": "hash"}
+    t = pq.read_table(str(job.work / "embed" / "embeddings.parquet"))
+    assert t.column("item_id").to_pylist() == ["n1", "n2", "n3"] and t.schema.field("embedding").type.list_size == 16
+    with pytest.raises(RefreshError, match="the encoder gives dim 8 but the run's embeddings have 16"):
+        embed_step(make_job("unused.csv", None, "embed.dim=8"))
+
+
+def test_assign_keeps_old_sids_and_records_the_version(make_job, fake_run):
+    from gti.sid.versions import read_version
+
+    job = make_job()
+    _embeddings(job, {"n2": (10, 2), "n3": (30, 1), "a3": (0, 1)})
+    f = assign_step(job)
+    t = pq.read_table(str(job.work / "sid" / "sid_map.parquet"))
+    codes = dict(zip(t.column("item_id").to_pylist(), t.column("codes").to_pylist()))
+    assert codes["n2"] == [1, 2, 1]  # a2 holds (1, 2, 0): the smallest free code of the group
+    assert codes["n3"] == [3, 1, 0] and codes["a3"] == [2, 1, 0]  # a3 is known: its SID is kept
+    assert f["assigned"] == 2 and f["already_present"] == 1 and f["prefix_changed"] == 1
+    assert f["needs_new_tokens"] == 0 and f["parent_hash"] == fake_run.map_hash
+    v = read_version(job.work / "sid" / "sid_map.parquet")
+    assert v.parent_hash == fake_run.map_hash and v.hash == f["new_hash"] and v.codebooks_hash == "cbhash"
+    assert v.note == "refresh v1: +2 items"
+    listed = json.loads((job.work / "sid" / "new_items.json").read_text())
+    assert listed == {"assigned": ["n2", "n3"], "already_present": ["a3"], "prefix_changed": ["a3"]}
+
+
+def test_a_full_prefix_group_stops_with_the_list_written(make_job):
+    job = make_job()
+    _embeddings(job, {"n1": (0, 0), "n2": (10, 2)})
+    with pytest.raises(RefreshError, match=r"1 new item\(s\) need a SID token the vocabulary lacks \(e.g. 'n1'.*"
+                                           r"refresh.on_full_group=error"):
+        assign_step(job)
+    listed = json.loads((job.work / NEEDS_NEW_TOKENS).read_text())
+    assert [x["item_id"] for x in listed] == ["n1"] and listed[0]["codes"] == [0, 0]
+    assert not (job.work / "sid" / "sid_map.parquet").exists()
+
+
+def _new_pairs_table():
+    from gti.stages.pairs import PAIRS_SCHEMA
+
+    n = 4
+    return pa.table({"item_id": ["n1"] * n, "task": ["title2sid"] * n, "split": ["train", "train", "train", "val"],
+                     **{c: [[9]] * n for c in PAIRS_SCHEMA.names[3:]}}, schema=PAIRS_SCHEMA)
+
+
+@pytest.mark.parametrize("ratio, n_rep", [(1.0, 3), (0.0, 0), (5.0, 4)])
+def test_pairs_replay_a_seeded_sample_of_old_training_pairs(make_job, monkeypatch, ratio, n_rep):
+    import gti.refresh.sids as sids
+
+    monkeypatch.setattr(sids, "_new_pairs", lambda job, assigned: (_new_pairs_table(), 1))
+    job = make_job("unused.csv", None, f"refresh.replay_ratio={ratio}")
+    (job.work / "sid").mkdir()
+    (job.work / "sid" / "new_items.json").write_text(json.dumps({"assigned": ["n1"]}))
+    f = pairs_step(job)
+    assert f == {"new_pairs": 4, "new_train_pairs": 3, "replay_pairs": n_rep, "truncated_pairs": 1}
+    assert pq.read_table(str(job.work / "pairs_new.parquet")).equals(_new_pairs_table())
+    both = pq.read_table(str(job.work / "pairs.parquet"))
+    assert both.num_rows == 4 + n_rep
+    replay = both.slice(4)
+    assert set(replay.column("split").to_pylist()) <= {"train"}  # the run's val pairs are never replayed
+    assert set(replay.column("item_id").to_pylist()) <= {"a0", "a1", "a2", "a3"}
+    assert pairs_step(job) == f and pq.read_table(str(job.work / "pairs.parquet")).equals(both)  # seeded
