@@ -118,3 +118,26 @@ def test_every_package_module_has_a_test_module_of_the_same_name():
         if not want.is_file():
             missing.append(f"{rel} -> {want.relative_to(ROOT)}")
     assert not missing, missing
+
+
+MAX_MODULE_LINES = 450
+MAX_FUNCTION_LINES = 80
+
+
+def test_no_module_over_450_lines_and_no_function_over_80():
+    """Issue 16's size limits: a module a newcomer can read in one sitting, an entry point that
+    reads like a table of contents (split long work into named steps, not into one long body)."""
+    import ast
+
+    big_modules, long_functions = [], []
+    for f in sorted(PKG.rglob("*.py")):
+        text = f.read_text()
+        rel = f.relative_to(PKG)
+        if text.count("\n") > MAX_MODULE_LINES:
+            big_modules.append(f"{rel}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    long_functions.append(f"{rel}:{node.lineno} {node.name}: {n} lines")
+    assert not big_modules and not long_functions, big_modules + long_functions

@@ -146,3 +146,12 @@ def test_codes_matrix_and_empty_maps():
         assign_new_items(map_table(["p", "q"], [[0, 2], [0, 2]], codec), ["a"], [[1, 1]], [3, 3])
     with pytest.raises(DataError, match="last_cost has shape"):
         assign_new_items(t, ["a"], [[1, 1]], [3, 3], last_cost=np.zeros((1, 2)))
+
+
+def test_no_new_items_leave_the_map_as_it_is():
+    prefix = np.array([[0, 0], [0, 0], [1, 1]])
+    old, sizes = _map_from_prefix(prefix)
+    for empty in ([], np.zeros((0, 2), dtype=np.int64)):
+        res = assign_new_items(old, [], empty, sizes)
+        assert res.table.equals(old) and not res.assigned and not res.needs_new_tokens
+        _check_invariants(old, res, 0)

@@ -109,8 +109,8 @@ def _checked_inputs(new_item_ids, new_codes_prefix, sizes: list[int], last_cost)
         raise DataError(f"new items: item_id '{dup}' appears more than once")
     pre = np.asarray(torch.as_tensor(new_codes_prefix).cpu().numpy() if isinstance(new_codes_prefix, torch.Tensor)
                      else new_codes_prefix, dtype=np.int64)
-    if pre.size == 0:
-        pre = pre.reshape(len(ids), -1)
+    if pre.size == 0:  # no new items (or no levels): an empty [M, Lq] that the checks below accept
+        pre = pre.reshape(len(ids), -1) if ids else np.zeros((0, len(sizes)), dtype=np.int64)
     if pre.ndim != 2 or pre.shape[0] != len(ids):
         raise DataError(f"new items: codes have shape {list(pre.shape)} for {len(ids)} ids")
     lq, levels = pre.shape[1], len(sizes)
