@@ -322,7 +322,7 @@ def test_full_prefix_group_fails_with_one_line(base_run, data, tmp_path, capsys)
 @pytest.mark.slow
 @pytest.mark.ray
 def test_full_prefix_group_with_add_tokens_grows_the_last_level(base_run, data, tmp_path, capsys):
-    """The full group of the test above with `refresh.on_full_group=add_tokens` and 4 grounding
+    """The full group of the test above with `refresh.on_full_group=add_tokens` and 8 grounding
     steps on the copies' pairs: every copy gets a unique SID (old ones unchanged), the version records the grown
     size, the model has the added tokens (rows trained from their level's mean), `gti recommend
     --version 1` loads it, and the run's own model refuses the grown map naming the tokens."""
@@ -342,7 +342,7 @@ def test_full_prefix_group_with_add_tokens_grows_the_last_level(base_run, data, 
     copies = pl.concat([row.with_columns(pl.lit(f"copy{i}").alias("item_id")) for i in range(sizes[-1] + 1)])
     copies.write_parquet(tmp_path / "copies.parquet")
     res = refresh(run, tmp_path / "copies.parquet", None,
-                  ["refresh.on_full_group=add_tokens", "refresh.ground_steps=4", "refresh.replay_ratio=0",
+                  ["refresh.on_full_group=add_tokens", "refresh.ground_steps=8", "refresh.replay_ratio=0",
                    "ground.batch_size=4"], log=lambda m: None)
     base, new = _map(run / "sid" / "sid_map.parquet"), _map(res.map_path)
     assert all(new[i] == s for i, s in base.items()) and len(set(new.values())) == len(new)
@@ -353,7 +353,7 @@ def test_full_prefix_group_with_add_tokens_grows_the_last_level(base_run, data, 
     assert n_add >= 1 and list(v.codebook_sizes) == sizes[:-1] + [sizes[-1] + n_add]
     assert res.facts["codebook_sizes"] == list(v.codebook_sizes) and res.facts["full_groups"] == n_add
     added = res.facts["added_tokens"]
-    assert len(added) == n_add and res.facts["steps"]["ground"] == 4
+    assert len(added) == n_add and res.facts["steps"]["ground"] == 8
     # the tokenizer and the embedding have the added tokens, after the parent's
     parent = run / "sft" / "model"
     ptok, tok = AutoTokenizer.from_pretrained(str(parent)), AutoTokenizer.from_pretrained(str(res.model_dir))
