@@ -322,10 +322,15 @@ class RefreshConfig(_Strict):
     <run_dir>/refresh/)."""
 
     # A new item whose prefix group already uses every code of the de-duplication level (or
-    # whose SID is taken, without one) needs a token the vocabulary lacks. Only "error" is
-    # implemented: the refresh stops with one line and lists those items; adding tokens is
-    # not supported yet.
-    on_full_group: Literal["error"] = "error"
+    # whose SID is taken and no last-level code is free, without one) needs a token the
+    # vocabulary lacks. Such items are always listed in needs_new_tokens.json. "error": the
+    # refresh stops with one line. "add_tokens": the last level grows by as many codes as the
+    # fullest group needs (gti.sid.map_edits.add_last_level_codes; old SIDs unchanged), the
+    # new code tokens are appended to the tokenizer and the model (rows start at the mean of
+    # their level's rows, the grounding pass trains them with the other SID rows), and the
+    # new map version records the grown codebook sizes. The parent's model then refuses the
+    # grown map (its vocabulary lacks the added tokens).
+    on_full_group: Literal["error", "add_tokens"] = "error"
     # Old grounding pairs replayed per new-item pair in the grounding pass (0: new pairs only).
     replay_ratio: float = Field(1.0, ge=0)
     # Grounding steps on the new items' pairs (+ replay), continuing from the run's model;

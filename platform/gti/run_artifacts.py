@@ -12,7 +12,11 @@ codebooks, old items unchanged); a model trained on an unrelated map would name 
 items, a `StaleSidMapError` naming both hashes, never a silent mismatch. After `gti refresh`,
 `open(run_dir)` takes the newest version (`<run_dir>/refresh/v<k>/`: its map, model and new
 items' titles) so a new item can be recommended; `version=0` is the run before any refresh.
-The sft stage keeps the strict `check_sid_map` (exact hash). `recommend(run_dir, history, k)` and
+The codec that spells the map is the `sid` stage's, with the codebook sizes of the map's version
+record when it has one (`map_codec`: a refresh with `refresh.on_full_group: add_tokens` grows
+the last level), and the model's tokenizer must hold every one of its tokens (else
+`MissingSidTokensError`, one line naming them). The sft stage keeps the strict `check_sid_map`
+(exact hash). `recommend(run_dir, history, k)` and
 `cli_main` are `gti recommend` (decoding through `gti.eval.recommend.top_k`).
 
 Weights load from safetensors only; fp32 on CPU, bf16 on CUDA (or where `model.dtype` says).
@@ -33,7 +37,7 @@ from gti import config as C
 from gti.errors import GtiError
 from gti.manifest import MANIFEST_NAME, Manifest
 from gti.sid import lineage
-from gti.sid.versions import UnrelatedSidMapError
+from gti.sid.versions import MissingSidTokensError, UnrelatedSidMapError
 
 MODEL_STAGES = ("sft", "ground")
 
@@ -89,6 +93,31 @@ def catalog_titles(run_dir: Path, upto: "lineage.RunVersion | None" = None) -> d
         items = pl.read_parquet(path, columns=["item_id", "title"])
         out.update(zip(items["item_id"].to_list(), (t or "" for t in items["title"].to_list())))
     return out
+
+
+def map_codec(sid_map_path: Path, sid_facts: dict):
+    """The `SidCodec` of the map file: the `sid` stage's (`sid_facts`), with the codebook sizes
+    of the map's version record when it has one (a refresh may have grown the last level)."""
+    from gti.sid.codec import SidCodec
+    from gti.sid.versions import read_version
+
+    facts = dict(sid_facts)
+    version = read_version(sid_map_path)
+    if version is not None and len(version.codebook_sizes) == int(facts["levels"]):
+        facts["codebook_sizes"] = list(version.codebook_sizes)
+    return SidCodec.from_facts(facts)
+
+
+def check_tokens(tokenizer, codec, model_dir: Path, sid_map_path: Path) -> None:
+    """MissingSidTokensError (one line naming them) unless the tokenizer has every SID token of
+    `codec` (a model made before a refresh added codes lacks the added ones)."""
+    vocab = tokenizer.get_vocab()
+    missing = [t for t in codec.tokens() if t not in vocab]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f", ... ({len(missing)} in all)" if len(missing) > 5 else "")
+        raise MissingSidTokensError(
+            f"{model_dir}: its tokenizer lacks {len(missing)} SID token(s) of the SID map {sid_map_path} "
+            f"(codebook sizes {codec.codebook_sizes}): {shown}; use the model of the refresh that added them")
 
 
 def chosen_version(run_dir: Path, version: int | None) -> "lineage.RunVersion | None":
@@ -205,12 +234,13 @@ class LoadedRun:
 
         from gti.eval.decode import override_generation_config
         from gti.lm import templates
-        from gti.sid.codec import SidCodec
         from gti.sid.trie import SidTrie
 
         trc = cfg.model.trust_remote_code
         dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         tok = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trc)
+        codec = map_codec(sid_map_path, sid_facts)
+        check_tokens(tok, codec, model_dir, sid_map_path)  # before the weights load
         # model.dtype is honoured; on CUDA inference is bf16 either way.
         bf16 = dev.type == "cuda" or cfg.model.dtype == "bfloat16"
         model = AutoModelForCausalLM.from_pretrained(
@@ -219,7 +249,6 @@ class LoadedRun:
         ).to(dev).eval()
         override_generation_config(model)
         sid_map = pl.read_parquet(sid_map_path)
-        codec = SidCodec.from_facts(sid_facts)
         sid_ids = templates.sid_id_table(sid_map, codec, tok)
         item_ids = sid_map["item_id"].to_list()
         mat = torch.from_numpy(np.stack([sid_ids[i] for i in item_ids]))

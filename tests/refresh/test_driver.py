@@ -10,7 +10,9 @@ recommend), on a tiny run: 300 items of the bundled data, 12 of them held out as
 - v2 = the other 6 items with 2 grounding + 2 SFT steps: chained versions, recommend's default;
 - evaluation's and recommend's check: a descendant map accepted, an unrelated one refused
   naming both hashes;
-- a full prefix group: one error line, exit 2.
+- a full prefix group: one error line, exit 2; with `refresh.on_full_group=add_tokens` the last
+  level grows instead, the added tokens reach the refreshed model (grounded with the others),
+  `gti recommend --version 1` loads it and the run's model refuses the grown map.
 
 The fast tests at the end use the fake run of conftest.py (no model, no Ray): the step record
 that makes a rerun skip finished steps, the work folder's fingerprint, the export of an
@@ -137,7 +139,8 @@ def test_refresh_keeps_old_sids_gives_unique_new_ones_and_records_the_version(re
     m = Manifest.read(res.dir)
     assert m.facts["parent_hash"] == base_hash and m.facts["new_hash"] == v.hash
     assert m.facts["steps"] == {"ground": 6, "sft": 0}
-    assert set(m.facts["wall_s"]) == {"ingest", "embed", "assign", "pairs", "ground", "sft", "export"}
+    assert set(m.facts["wall_s"]) == {"ingest", "embed", "assign", "tokens", "pairs", "ground", "sft", "export"}
+    assert m.facts["added_tokens"] == [] and m.facts["codebook_sizes"] == list(v.codebook_sizes)
     assert lineage.latest_version(run).dir == res.dir
     # Only the SID rows moved: every other row of the model is the parent's.
     from safetensors.torch import load_file
@@ -196,7 +199,7 @@ def test_killed_refresh_resumes_with_the_same_result(refreshed, base_run, data, 
     assert (tmp_path / "failed_once").exists() and (partial / "ray_train").is_dir()
     assert not (run / "refresh" / "v1").exists()
     done = json.loads((partial / "_steps.json").read_text())
-    assert set(done) == {"ingest", "embed", "assign", "pairs"}  # finished steps are kept
+    assert set(done) == {"ingest", "embed", "assign", "tokens", "pairs"}  # finished steps are kept
     res = refresh(run, d / "new1_items.parquet", d / "new1_inter.parquet", REFRESH, log=lambda m: None,
                   fault_injection=fault)
     assert seen[0] == [1, 2, 3, 4, 5] and seen[1] == [1, 2, 3, 4, 5, 5, 6]  # resumed after the step-4 checkpoint
@@ -316,9 +319,78 @@ def test_full_prefix_group_fails_with_one_line(base_run, data, tmp_path, capsys)
     assert not (run / "refresh" / "v1").exists()
 
 
+@pytest.mark.slow
+@pytest.mark.ray
+def test_full_prefix_group_with_add_tokens_grows_the_last_level(base_run, data, tmp_path, capsys):
+    """The full group of the test above with `refresh.on_full_group=add_tokens` and 8 grounding
+    steps on the copies' pairs: every copy gets a unique SID (old ones unchanged), the version records the grown
+    size, the model has the added tokens (rows trained from their level's mean), `gti recommend
+    --version 1` loads it, and the run's own model refuses the grown map naming the tokens."""
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    from gti.cli import main
+    from gti.lm.vocab import read_meta
+    from gti.manifest import Manifest
+    from gti.refresh import refresh
+    from gti.run_artifacts import load_recommender
+    from gti.sid.versions import MissingSidTokensError, read_version
+
+    run = _copy(base_run, tmp_path / "run")
+    sizes = [int(k) for k in Manifest.read(run / "sid").fact("codebook_sizes")]
+    row = pl.read_parquet(data[0] / "base_items.parquet").head(1)
+    copies = pl.concat([row.with_columns(pl.lit(f"copy{i}").alias("item_id")) for i in range(sizes[-1] + 1)])
+    copies.write_parquet(tmp_path / "copies.parquet")
+    res = refresh(run, tmp_path / "copies.parquet", None,
+                  ["refresh.on_full_group=add_tokens", "refresh.ground_steps=8", "refresh.replay_ratio=0",
+                   "ground.batch_size=4"], log=lambda m: None)
+    base, new = _map(run / "sid" / "sid_map.parquet"), _map(res.map_path)
+    assert all(new[i] == s for i, s in base.items()) and len(set(new.values())) == len(new)
+    assert set(new) - set(base) == set(copies["item_id"]) and res.facts["assigned"] == copies.height
+    listed = json.loads((res.dir / "needs_new_tokens.json").read_text())
+    n_add = len(listed)  # identical copies: one prefix group, so it grows by as many as it lacked
+    v = read_version(res.map_path)
+    assert n_add >= 1 and list(v.codebook_sizes) == sizes[:-1] + [sizes[-1] + n_add]
+    assert res.facts["codebook_sizes"] == list(v.codebook_sizes) and res.facts["full_groups"] == n_add
+    added = res.facts["added_tokens"]
+    assert len(added) == n_add and res.facts["steps"]["ground"] == 8
+    # the tokenizer and the embedding have the added tokens, after the parent's
+    parent = run / "sft" / "model"
+    ptok, tok = AutoTokenizer.from_pretrained(str(parent)), AutoTokenizer.from_pretrained(str(res.model_dir))
+    end0 = len(ptok)
+    assert tok.convert_tokens_to_ids(added) == list(range(end0, end0 + n_add)) and len(tok) == end0 + n_add
+    first = int(Manifest.read(run / "pairs").fact("new_token_ids")[0])
+    meta = read_meta(res.model_dir)
+    assert meta["codebook_sizes"] == list(v.codebook_sizes) and meta["new_token_ids"] == [first, end0 + n_add]
+    old_w, got_w = (load_file(str(p / "model.safetensors")) for p in (parent, res.model_dir))
+    name = next(k for k in got_w if k.endswith("embed_tokens.weight"))
+    assert got_w[name].shape[0] >= end0 + n_add and torch.equal(got_w[name][:first], old_w[name][:first])
+    level = ptok.convert_tokens_to_ids([t for t in ptok.get_vocab() if t.startswith(added[0][:3])])
+    mean = old_w[name][level].float().mean(0)
+    # they started at their level's mean (gti.refresh.tokens) and were grounded with the other SID rows
+    assert any(not torch.equal(got_w[name][end0 + j].float(), mean) for j in range(n_add))
+    # gti recommend --version 1 loads the grown codec and trie
+    rec = load_recommender(run, version=1)
+    assert rec.model_dir == res.model_dir and set(copies["item_id"]) <= set(rec.item_ids)
+    on_new = json.loads((res.dir / "sid" / "new_items.json").read_text())["on_new_codes"]
+    sid_ids = dict(zip(rec.item_ids, rec.sid_matrix.tolist()))
+    assert len(on_new) == n_add and all(end0 <= sid_ids[i][-1] < end0 + n_add for i in on_new)
+    capsys.readouterr()
+    assert main(["recommend", "--run-dir", str(run), "--version", "1", "--history", "copy0", "--k", "3"]) == 0
+    assert "refresh/v1" in capsys.readouterr().out
+    # the run's own model lacks the added tokens: refused with one line naming them and both hashes
+    with pytest.raises(MissingSidTokensError) as e:
+        load_recommender(run, version=1, model_dir=parent)
+    msg = str(e.value)
+    assert added[0] in msg and v.hash in msg and Manifest.read(run / "sid").fact("sid_map_hash") in msg
+    assert "\n" not in msg
+
+
 def test_refresh_config_keys_are_validated():
     with pytest.raises(C.ConfigError, match="refresh.on_full_group"):
-        C.load(None, ["refresh.on_full_group=add_tokens"])
+        C.load(None, ["refresh.on_full_group=grow"])
+    assert C.load(None, ["refresh.on_full_group=add_tokens"]).refresh.on_full_group == "add_tokens"
+    assert C.load(None, []).refresh.on_full_group == "error"
     with pytest.raises(C.ConfigError, match="unknown key 'refresh.nope'"):
         C.load(None, ["refresh.nope=1"])
     with pytest.raises(C.ConfigError, match="refresh.replay_ratio"):

@@ -1,5 +1,6 @@
 """gti.refresh.sids: embeddings by the run's encoder, SIDs from the frozen quantiser that never
-move an old one (a full prefix group stops the refresh with the list written), and the replay
+move an old one (a full prefix group stops the refresh with the list written, or with
+`refresh.on_full_group=add_tokens` grows the last level for it), and the replay
 sample of old training pairs (on the fake run of conftest.py: codes (a, b) for a vector
 (10a, b); the map's de-duplication level holds 2 items per group, (0, 0) is full)."""
 
@@ -58,18 +59,57 @@ def test_assign_keeps_old_sids_and_records_the_version(make_job, fake_run):
     assert v.parent_hash == fake_run.map_hash and v.hash == f["new_hash"] and v.codebooks_hash == "cbhash"
     assert v.note == "refresh v1: +2 items"
     listed = json.loads((job.work / "sid" / "new_items.json").read_text())
-    assert listed == {"assigned": ["n2", "n3"], "already_present": ["a3"], "prefix_changed": ["a3"]}
+    assert listed == {"assigned": ["n2", "n3"], "already_present": ["a3"], "prefix_changed": ["a3"], "on_new_codes": []}
+    assert f["codebook_sizes"] == [4, 4, 2] and f["added_tokens"] == [] and v.codebook_sizes == (4, 4, 2)
 
 
 def test_a_full_prefix_group_stops_with_the_list_written(make_job):
     job = make_job()
     _embeddings(job, {"n1": (0, 0), "n2": (10, 2)})
     with pytest.raises(RefreshError, match=r"1 new item\(s\) need a SID token the vocabulary lacks \(e.g. 'n1'.*"
-                                           r"refresh.on_full_group=error"):
+                                           r"refresh.on_full_group=error \(set refresh.on_full_group=add_tokens"):
         assign_step(job)
     listed = json.loads((job.work / NEEDS_NEW_TOKENS).read_text())
     assert [x["item_id"] for x in listed] == ["n1"] and listed[0]["codes"] == [0, 0]
     assert not (job.work / "sid" / "sid_map.parquet").exists()
+
+
+def test_add_tokens_grows_the_last_level_for_a_full_group(make_job, fake_run):
+    from gti.sid.versions import read_version
+
+    job = make_job("unused.csv", None, "refresh.on_full_group=add_tokens")
+    # (0, 0) holds a0 and a1: both codes of the de-duplication level; n1, n4 and n5 need one more each
+    _embeddings(job, {"n1": (0, 0), "n2": (10, 2), "n4": (0, 0), "n5": (0, 0), "n6": (30, 3)})
+    f = assign_step(job)
+    t = pq.read_table(str(job.work / "sid" / "sid_map.parquet"))
+    codes = dict(zip(t.column("item_id").to_pylist(), t.column("codes").to_pylist()))
+    assert codes["n1"] == [0, 0, 2] and codes["n4"] == [0, 0, 3] and codes["n5"] == [0, 0, 4]
+    assert codes["n2"] == [1, 2, 1] and codes["n6"] == [3, 3, 1]
+    old = pq.read_table(str(fake_run.dir / "sid" / "sid_map.parquet"))
+    assert t.slice(0, old.num_rows).column("sid").to_pylist() == old.column("sid").to_pylist()  # old SIDs kept
+    assert len(set(t.column("sid").to_pylist())) == t.num_rows
+    assert f["assigned"] == 5 and f["needs_new_tokens"] == 3
+    assert f["codebook_sizes"] == [4, 4, 5] and f["added_tokens"] == ["<c_2>", "<c_3>", "<c_4>"]
+    v = read_version(job.work / "sid" / "sid_map.parquet")
+    assert v.codebook_sizes == (4, 4, 5) and v.parent_hash == fake_run.map_hash and v.hash == f["new_hash"]
+    assert v.note == "refresh v1: +5 items, +3 last-level codes"
+    assert job.map_facts()["codebook_sizes"] == [4, 4, 5] and job.sf["codebook_sizes"] == [4, 4, 2]
+    listed = json.loads((job.work / NEEDS_NEW_TOKENS).read_text())  # reported, though placed
+    assert [x["item_id"] for x in listed] == ["n1", "n4", "n5"]
+    new_items = json.loads((job.work / "sid" / "new_items.json").read_text())
+    assert new_items["assigned"] == ["n2", "n6", "n1", "n4", "n5"] and new_items["on_new_codes"] == ["n1", "n4", "n5"]
+    assert any("the last level grows from 2 to 5 codes" in m for m in job.logs)
+
+
+def test_last_level_costs_are_widened_to_a_grown_level():
+    import torch
+
+    from gti.refresh.sids import _padded_cost
+
+    cost = torch.tensor([[0.5, 0.1], [0.0, 0.2]])
+    wide = _padded_cost(cost, 4)
+    assert wide.shape == (2, 4) and torch.equal(wide[:, :2], cost) and torch.isinf(wide[:, 2:]).all()
+    assert _padded_cost(cost, 2) is cost and _padded_cost(None, 4) is None
 
 
 def _new_pairs_table():

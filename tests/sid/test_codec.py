@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gti.errors import DataError
-from gti.sid.codec import SidCodec, SidFormatError
+from gti.sid.codec import SidCodec, SidFormatError, codes_added
 
 
 def _tokenizer_with(tokens: list[str]):
@@ -115,3 +115,15 @@ def test_token_ids_code_out_of_range_raises():
 def test_from_facts():
     c = SidCodec.from_facts({"levels": 2, "codebook_sizes": [8, 3], "token_format": "<{level}{code}>"})
     assert c == SidCodec(2, [8, 3], "<{level}{code}>")
+
+
+def test_codes_added_lists_the_grown_codes_level_major():
+    assert codes_added([4, 4, 2], [4, 4, 2]) == []
+    assert codes_added([4, 4, 2], [4, 4, 4]) == [(2, 2), (2, 3)]
+    assert codes_added([2, 2], [3, 4]) == [(0, 2), (1, 2), (1, 3)]
+    grown = SidCodec(3, [4, 4, 4])
+    assert [grown.token(lv, c) for lv, c in codes_added([4, 4, 2], [4, 4, 4])] == ["<c_2>", "<c_3>"]
+    with pytest.raises(ValueError, match="smaller"):
+        codes_added([4, 4, 2], [4, 4, 1])
+    with pytest.raises(ValueError, match="levels"):
+        codes_added([4, 4], [4, 4, 1])

@@ -12,8 +12,8 @@ import torch
 from gti.sid import lineage as L
 from gti.sid.resolve import dedup_extra_level
 from gti.sid.codec import SidCodec
-from gti.sid.map_edits import assign_new_items, map_table
-from gti.sid.versions import UnrelatedSidMapError, codebooks_hash, make_version, write_map
+from gti.sid.map_edits import add_last_level_codes, assign_new_items, map_table
+from gti.sid.versions import MissingSidTokensError, UnrelatedSidMapError, codebooks_hash, make_version, write_map
 
 
 def _base():
@@ -74,3 +74,31 @@ def test_model_accepts_its_map_and_a_descendant_refuses_an_unrelated_one(tmp_pat
     # a map whose record disagrees with the hash it is given as
     with pytest.raises(UnrelatedSidMapError, match="records hash"):
         L.check_model_map(model, "0" * 16, map_path=L.versions(run)[0].map_path)
+
+
+def test_a_grown_version_needs_a_model_with_its_added_tokens(tmp_path):
+    """v2 grows the last level (two more copies of the full group (0, 0)): the base model, whose
+    map record the lineage holds, is refused with one line naming the added tokens; a model
+    trained on v2 (its gti_meta.json records v2 and its version) accepts it."""
+    run, (base, v0), (t1, v1) = _refreshed_run(tmp_path)
+    _, sizes, cb = _base()
+    first = assign_new_items(t1, ["x", "y"], [[0, 0], [0, 0]], sizes)
+    g = add_last_level_codes(first, sizes)
+    assert g.codebook_sizes == sizes[:-1] + [sizes[-1] + 2]
+    v2 = make_version(g.assignment.table, cb, g.codebook_sizes, parent=v1, created=2.0)
+    vdir = L.refresh_root(run) / "v2"
+    (vdir / "sid").mkdir(parents=True)
+    write_map(vdir / L.MAP_REL, g.assignment.table, v2)
+    (vdir / L.MANIFEST).write_text("{}")
+    L.lineage_dir(run).add(v2, g.assignment.table)
+    model = _model(tmp_path / "model", v0.hash)
+    with pytest.raises(MissingSidTokensError) as err:
+        L.check_model_map(model, None, map_path=vdir / L.MAP_REL)
+    msg = str(err.value)
+    assert f"<c_{sizes[-1]}>, <c_{sizes[-1] + 1}>" in msg and v0.hash in msg and v2.hash in msg
+    assert str(model) in msg and "\n" not in msg
+    assert L.check_model_map(model, None, map_path=L.versions(run)[0].map_path) == 1  # v1 did not grow
+    grown = tmp_path / "grown"
+    grown.mkdir()
+    (grown / L.META_NAME).write_text(json.dumps({"sid_map_hash": v2.hash, "sid_map_version": v2.to_dict()}))
+    assert L.check_model_map(grown, None, map_path=vdir / L.MAP_REL) == 0

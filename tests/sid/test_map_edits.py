@@ -1,5 +1,7 @@
 """Editing a frozen SID map (gti/sid/map_edits.py): new items never move an old SID, new SIDs
-are unique, full groups are reported with a reason, removed items leave and free their code."""
+are unique, full groups are reported with a reason, removed items leave and free their code;
+with added last-level codes (`add_last_level_codes`) every item is placed, the last level grown
+by the least that places them."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import torch
 
 from gti.errors import DataError
 from gti.sid.codec import SidCodec
-from gti.sid.map_edits import assign_new_items, codes_matrix, map_table, remove_items
+from gti.sid.map_edits import add_last_level_codes, assign_new_items, codes_matrix, map_table, remove_items
 from gti.sid.resolve import dedup_extra_level
 
 
@@ -155,3 +157,82 @@ def test_no_new_items_leave_the_map_as_it_is():
         res = assign_new_items(old, [], empty, sizes)
         assert res.table.equals(old) and not res.assigned and not res.needs_new_tokens
         _check_invariants(old, res, 0)
+
+
+def _check_growth(old: pa.Table, first, g, sizes: list[int], n_new: int):
+    """Invariants of `add_last_level_codes` on top of `assign_new_items`'s result `first`."""
+    res = g.assignment
+    new_sid = dict(zip(res.table.column("item_id").to_pylist(), res.table.column("sid").to_pylist()))
+    first_sid = dict(zip(first.table.column("item_id").to_pylist(), first.table.column("sid").to_pylist()))
+    assert all(new_sid[i] == s for i, s in first_sid.items())  # old SIDs (and the first pass's) unchanged
+    assert res.table.slice(0, first.table.num_rows).equals(first.table.cast(res.table.schema))
+    sids = res.table.column("sid").to_pylist()
+    assert len(sids) == len(set(sids))  # every SID unique
+    assert not res.needs_new_tokens and len(res.assigned) + len(res.already_present) == n_new  # none dropped
+    assert set(g.on_new_codes) == {n.item_id for n in first.needs_new_tokens}
+    assert res.assigned == first.assigned + g.on_new_codes
+    assert g.codebook_sizes[:-1] == sizes[:-1] and g.old_size == sizes[-1]
+    codes = {i: c for i, c in zip(res.table.column("item_id").to_pylist(), res.table.column("codes").to_pylist())}
+    placed = [codes[i] for i in g.on_new_codes]
+    assert all(c[-1] >= sizes[-1] for c in placed)  # only added codes for them
+    assert all(all(0 <= x < k for x, k in zip(c, g.codebook_sizes)) for c in codes.values())
+    # minimal: the last level grew by the size of the largest group of items needing a token
+    groups: dict[tuple, int] = {}
+    for c in placed:
+        groups[tuple(c[:-1])] = groups.get(tuple(c[:-1]), 0) + 1
+    assert g.n_added == (max(groups.values()) if groups else 0)
+    # the grown sizes spell every SID
+    codec = SidCodec(len(g.codebook_sizes), g.codebook_sizes)
+    assert [codec.to_string(c) for c in res.table.column("codes").to_pylist()] == sids
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_random_growth_places_every_item_and_grows_minimally(seed):
+    rng = np.random.default_rng(100 + seed)
+    k = int(rng.integers(2, 4))
+    prefix = rng.integers(0, k, size=(int(rng.integers(5, 40)), 2))
+    old, sizes = _map_from_prefix(prefix)
+    m = int(rng.integers(1, 40))
+    new_ids = [f"n{j}" for j in range(m)]
+    if seed % 4 == 0:
+        new_ids[-1] = "i0"  # already present: kept, not placed again
+    new_prefix = np.minimum(rng.integers(0, k, size=(m, 2)), np.array(sizes[:2]) - 1)
+    first = assign_new_items(old, new_ids, new_prefix, sizes)
+    g = add_last_level_codes(first, sizes)
+    _check_growth(old, first, g, sizes, m)
+    again = add_last_level_codes(assign_new_items(old, new_ids, new_prefix, sizes), sizes)
+    assert again.assignment.table.equals(g.assignment.table) and again.codebook_sizes == g.codebook_sizes
+    # a second refresh on the grown map: its groups use the added codes as their own
+    res2 = assign_new_items(g.assignment.table, ["z1", "z2"], new_prefix[:1].repeat(2, 0), g.codebook_sizes)
+    g2 = add_last_level_codes(res2, g.codebook_sizes)
+    _check_growth(g.assignment.table, res2, g2, g.codebook_sizes, 2)
+
+
+def test_growth_takes_the_smallest_codes_past_the_old_size_per_group():
+    prefix = np.array([[0, 0], [0, 0], [0, 0], [1, 1], [1, 1], [1, 1]])
+    old, sizes = _map_from_prefix(prefix)
+    assert sizes == [2, 2, 3]  # both groups full
+    first = assign_new_items(old, ["a", "b", "c", "d"], [[0, 0], [1, 1], [0, 0], [0, 0]], sizes)
+    assert [n.item_id for n in first.needs_new_tokens] == ["a", "b", "c", "d"]
+    g = add_last_level_codes(first, sizes, "<{level}_{code}>")
+    codes = dict(zip(g.assignment.table.column("item_id").to_pylist(), g.assignment.table.column("codes").to_pylist()))
+    assert codes["a"] == [0, 0, 3] and codes["c"] == [0, 0, 4] and codes["d"] == [0, 0, 5] and codes["b"] == [1, 1, 3]
+    assert g.codebook_sizes == [2, 2, 6] and g.n_added == 3 and g.on_new_codes == ["a", "b", "c", "d"]
+    assert g.assignment.table.column("sid").to_pylist()[-1] == "<a_0><b_0><c_5>"
+    _check_growth(old, first, g, sizes, 4)
+    # nothing needing a token: the assignment and the sizes come back unchanged
+    none = assign_new_items(old, ["e"], [[1, 0]], sizes)
+    same = add_last_level_codes(none, sizes)
+    assert same.assignment is none and same.codebook_sizes == sizes and same.n_added == 0 and not same.on_new_codes
+
+
+def test_growth_without_a_dedup_level_uses_the_first_levels_as_group():
+    codec = SidCodec(2, [3, 3])
+    full = map_table(["p", "q", "r", "s"], [[0, 0], [0, 1], [0, 2], [1, 1]], codec)
+    first = assign_new_items(full, ["a", "b", "c"], [[0, 1], [0, 0], [1, 1]], [3, 3], last_cost=np.zeros((3, 3)))
+    assert [n.item_id for n in first.needs_new_tokens] == ["a", "b"] and first.assigned == ["c"]
+    g = add_last_level_codes(first, [3, 3])
+    codes = dict(zip(g.assignment.table.column("item_id").to_pylist(), g.assignment.table.column("codes").to_pylist()))
+    assert codes["a"] == [0, 3] and codes["b"] == [0, 4] and codes["c"] == [1, 0]
+    assert g.codebook_sizes == [3, 5]
+    _check_growth(full, first, g, [3, 3], 3)

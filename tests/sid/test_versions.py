@@ -11,14 +11,16 @@ import torch
 from gti.errors import DataError
 from gti.sid.codec import SidCodec
 from gti.sid.resolve import dedup_extra_level
-from gti.sid.map_edits import assign_new_items, map_table, remove_items
+from gti.sid.map_edits import add_last_level_codes, assign_new_items, map_table, remove_items
 from gti.sid.versions import (
     LineageDir,
+    MissingSidTokensError,
     UnrelatedSidMapError,
     check_map_for_model,
     codebooks_hash,
     compare_tables,
     descends_from,
+    identity_problem,
     make_version,
     map_hash,
     read_version,
@@ -107,9 +109,14 @@ def test_unrelated_maps_refused_naming_both_hashes(tmp_path):
     with pytest.raises(UnrelatedSidMapError, match="other codebooks") as e:
         check_map_for_model(v0.hash, v_cb, {v0.hash: v0})
     assert v0.hash in str(e.value) and v_cb.hash in str(e.value)
-    # other codebook sizes (another vocabulary) count as other codebooks too
-    v_sz = make_version(t1, cb_hash, [2, 2, 4], parent=v0)
-    assert not descends_from(v_sz, v0.hash, {v0.hash: v0})
+    # other codebook sizes (another vocabulary) count as other codebooks too: a level other than
+    # the last grew, the last level shrank, a level more, another token format
+    for bad_sizes in ([2, 4, 2], [2, 2, 1], [2, 2, 2, 2]):
+        v_sz = make_version(t1, cb_hash, bad_sizes, parent=v0)
+        assert not descends_from(v_sz, v0.hash, {v0.hash: v0})
+        with pytest.raises(UnrelatedSidMapError, match=f"{v_sz.hash} does not descend from {v0.hash}.*other codebooks"):
+            check_map_for_model(v0.hash, v_sz, {v0.hash: v0})
+    assert not descends_from(make_version(t1, cb_hash, sizes, "[{level}{code}]", parent=v0), v0.hash, {v0.hash: v0})
     # an old item's SID changed, while the parent pointer claims descent: caught on the tables
     sids = t1.column("sid").to_pylist()
     codes = t1.column("codes").to_pylist()
@@ -138,3 +145,62 @@ def test_lineage_dir_without_tables_cannot_verify_the_swap(tmp_path):
     with pytest.raises(UnrelatedSidMapError, match="not available"):
         check_map_for_model(v0.hash, v1, ld)
     assert check_map_for_model(v0.hash, v1, ld, child_table=t1) == 1
+
+
+def _grown_case():
+    """v0 (sizes [2, 2, 2], group (0, 0) full) -> v1: two more copies of (0, 0) on added codes
+    (last level 2 -> 4) -> v2: one more item on a free code, sizes as v1's."""
+    cb_hash = codebooks_hash({"level_0": torch.ones(2, 4), "level_1": torch.zeros(2, 4)})
+    old, sizes = _map_from_prefix(np.array([[0, 0], [0, 0], [1, 1]]))
+    v0 = make_version(old, cb_hash, sizes, created=0.0)
+    first = assign_new_items(old, ["a", "b"], [[0, 0], [0, 0]], sizes)
+    assert [n.item_id for n in first.needs_new_tokens] == ["a", "b"]
+    g = add_last_level_codes(first, sizes)
+    assert g.codebook_sizes == [2, 2, 4]
+    t1 = g.assignment.table
+    v1 = make_version(t1, cb_hash, g.codebook_sizes, parent=v0, created=1.0)
+    t2 = assign_new_items(t1, ["c"], [[0, 0]], g.codebook_sizes).table
+    assert t2.num_rows == t1.num_rows  # (0, 0) uses all 4 codes now: c needs a token again
+    t2 = assign_new_items(t1, ["c"], [[1, 0]], g.codebook_sizes).table
+    v2 = make_version(t2, cb_hash, g.codebook_sizes, parent=v1, created=2.0)
+    return cb_hash, (old, v0), (t1, v1), (t2, v2)
+
+
+def test_identity_rule_lets_only_the_last_level_grow():
+    assert identity_problem(("h", (4, 4, 2), "f"), ("h", (4, 4, 2), "f")) is None
+    assert identity_problem(("h", (4, 4, 2), "f"), ("h", (4, 4, 5), "f")) is None
+    assert "only the last level may grow" in identity_problem(("h", (4, 4, 2), "f"), ("h", (4, 5, 2), "f"))
+    assert "shrank from 2 to 1" in identity_problem(("h", (4, 4, 2), "f"), ("h", (4, 4, 1), "f"))
+    assert "codebooks g are not h" in identity_problem(("h", (4, 4, 2), "f"), ("g", (4, 4, 3), "f"))
+    assert "token format" in identity_problem(("h", (4, 4, 2), "f"), ("h", (4, 4, 3), "e"))
+    assert "only the last level" in identity_problem(("h", (4, 4), "f"), ("h", (4, 4, 2), "f"))
+
+
+def test_grown_map_descends_but_the_parents_model_lacks_its_tokens():
+    _, (old, v0), (t1, v1), (t2, v2) = _grown_case()
+    lineage = {v.hash: v for v in (v0, v1, v2)}
+    # the lineage rule: a grown last level still descends (old SIDs checked on the tables)
+    assert descends_from(v1, v0.hash, lineage, child_table=t1, ancestor_table=old)
+    assert descends_from(v2, v0.hash, lineage, child_table=t2, ancestor_table=old)
+    # the model of v0 has no rows for <c_2>, <c_3>: one line naming them and both hashes
+    for child, table in ((v1, t1), (v2, t2)):
+        with pytest.raises(MissingSidTokensError) as e:
+            check_map_for_model(v0.hash, child, lineage, model_dir="runs/x/sft/model", child_table=table,
+                                ancestor_table=old)
+        msg = str(e.value)
+        assert "\n" not in msg and child.hash in msg and v0.hash in msg and "runs/x/sft/model/gti_meta.json" in msg
+        assert "<c_2>, <c_3>" in msg and "vocabulary lacks" in msg
+    # the same when the model's sizes come from its own record (ancestor_identity) instead of the lineage
+    with pytest.raises(MissingSidTokensError, match="<c_2>, <c_3>"):
+        check_map_for_model(v0.hash, v1, {}, ancestor_identity=v0.codebook_identity)
+    assert issubclass(MissingSidTokensError, UnrelatedSidMapError)
+    # the model made with the grown map (v1's vocabulary) accepts it and its descendant
+    assert check_map_for_model(v1.hash, v1, lineage) == 0
+    assert check_map_for_model(v1.hash, v2, lineage, child_table=t2, ancestor_table=t1,
+                               ancestor_identity=v1.codebook_identity) == 1
+    # a version that shrinks the last level again on the way is refused with the usual line
+    v_back = make_version(t2, v1.codebooks_hash, [2, 2, 3], parent=v1)
+    lineage[v_back.hash] = v_back
+    with pytest.raises(UnrelatedSidMapError, match=f"does not descend from {v0.hash}.*other codebooks") as e:
+        check_map_for_model(v0.hash, v_back, lineage)
+    assert not isinstance(e.value, MissingSidTokensError)

@@ -1,7 +1,8 @@
 """`gti refresh`: new items onto a trained run, without retraining it (issue 15, item 1).
 
 What it is for: a catalog gains items after a run has trained. `refresh(run_dir, items,
-interactions)` gives them SIDs made of the run's existing code tokens, teaches the model what
+interactions)` gives them SIDs made of the run's existing code tokens (plus a few added ones
+where a prefix group is full and `refresh.on_full_group: add_tokens`), teaches the model what
 they mean with a short grounding pass, and writes a new SID-map version that descends from the
 run's (so evaluation and `gti recommend` accept it for the old model as well as for the new):
 
@@ -14,36 +15,51 @@ run's (so evaluation and `gti recommend` accept it for the old model as well as 
    `unknown_item`. New interactions are merged with the parent's (each user's history in time
    order) into `ingest/sequences.parquet` (leave-one-out, as ingest splits). `data.max_items`
    and `data.max_users` do not apply to a refresh.
-2. embed (`gti.refresh.sids`, as 3 and 4): the run's encoder (`embed` section;
+2. embed (`gti.refresh.sids`, as 3 and 5): the run's encoder (`embed` section;
    `gti.embed.encoders`), in this process.
 3. assign: the run's frozen quantiser (`<run>/sid/quantizer.*`, `gti.sid.quantizer.load_quantizer`)
    gives the codes; `gti.sid.map_edits.assign_new_items` resolves collisions against the parent
-   map without changing any existing SID (the de-duplication level takes the smallest free
-   code of the prefix group). Items that would need a new token (a full prefix group) are
-   listed in `needs_new_tokens.json` and the refresh stops with one line
-   (`refresh.on_full_group: error`, the only value implemented). The new map is written with
-   its version record (parent hash) and added to `<run>/refresh/lineage/`.
-4. pairs: the new items' grounding pairs (the pairs stage's renderer, same templates and
-   tokenizer), plus `refresh.replay_ratio` x as many old training pairs (seeded sample of the
-   run's pairs and earlier refreshes' new pairs).
-5. ground (`gti.refresh.train`, as 6): `refresh.ground_steps` steps of the grounding task on Ray Train + DeepSpeed
+   map (with the parent version's codebook sizes) without changing any existing SID (the
+   de-duplication level takes the smallest free code of the prefix group). Items that would
+   need a new token (a full prefix group) are listed in `needs_new_tokens.json`. With
+   `refresh.on_full_group: error` (the default) the refresh then stops with one line. With
+   `add_tokens`, `gti.sid.map_edits.add_last_level_codes` grows the last level by as many codes
+   as the fullest group needs and puts those items on them (old SIDs still unchanged). The new
+   map is written with its version record (parent hash, codebook sizes, grown or not) and added
+   to `<run>/refresh/lineage/`; a grown map still descends from its parent
+   (`gti.sid.versions.identity_problem`), but a model whose vocabulary lacks the added tokens
+   (the parent's) refuses it with one line naming them (`MissingSidTokensError`).
+4. tokens (`gti.refresh.tokens`, only when codes were added): the parent's model and tokenizer
+   get one token per added code, appended after the tokenizer's last token, each row (input,
+   and untied head) the mean of the last level's existing rows (where mean initialisation
+   would put it) -> `<work>/grown_model/`, whose `gti_meta.json` `new_token_ids` covers them.
+   Every later step starts from it.
+5. pairs: the new items' grounding pairs (the pairs stage's renderer, same templates, the new
+   map's codec and that model's tokenizer), plus `refresh.replay_ratio` x as many old training
+   pairs (seeded sample of the run's pairs and earlier refreshes' new pairs).
+6. ground (`gti.refresh.train`, as 7): `refresh.ground_steps` steps of the grounding task on Ray Train + DeepSpeed
    (`gti.train.loop.fit`, the grounding hooks: backbone and every non-SID row frozen, only the
-   SID rows train), continuing from the parent's model (the latest refresh's, else
-   `<run>/sft/model`, else `<run>/ground/model`). Validation: constrained text->SID exact match
-   on the new items (held-out pairs when the split has them, else in-sample).
-6. sft (optional, `refresh.sft_steps` > 0, needs `--interactions`): the SFT task on the
+   SID rows train, the added ones included), continuing from the parent's model (the latest
+   refresh's, else `<run>/sft/model`, else `<run>/ground/model`; with the added tokens when
+   step 4 made them). Validation: constrained text->SID exact match on the new items
+   (held-out pairs when the split has them, else in-sample). With `refresh.ground_steps: 0`
+   nothing trains: the exported model is the parent's, with any added tokens at their
+   level's mean rows (usable, untrained for those tokens).
+7. sft (optional, `refresh.sft_steps` > 0, needs `--interactions`): the SFT task on the
    training windows of the users the new interactions touch.
-7. export (`gti.refresh.driver`, which also orders the steps): `model/` (standard HF folder;
-   `gti_meta.json` records `sid_map_hash` = the new map, `sid_map_parent`, `sid_map_version`),
-   `_manifest.json` (facts: parent and new hash, counts, steps, wall time of each step) and
-   `config.yaml`.
+8. export (`gti.refresh.driver`, which also orders the steps): `model/` (standard HF folder;
+   `gti_meta.json` records `sid_map_hash` = the new map, `sid_map_parent`, `sid_map_version`,
+   `codebook_sizes`), `_manifest.json` (facts: parent and new hash, counts, `codebook_sizes`,
+   `added_tokens`, steps, wall time of each step) and `config.yaml`. `gti recommend --version k`
+   and evaluation spell the map with its version record's sizes
+   (`gti.run_artifacts.map_codec`).
 
 Output: `<run>/refresh/v<k>/` (k = 1, 2, ...; layout in `gti.sid.lineage`). The work happens in
 `<run>/refresh/.v<k>.partial/`; a rerun of the same command (same inputs and settings) reuses
 it: finished steps are skipped and grounding/SFT resume from their last Ray Train checkpoint.
 
 Modules: `job` (the `Job` every step gets: run, config, parent version, work folder;
-`RefreshError`, `RefreshResult`, `load_run_config`), `ingest`, `sids`, `train` (the steps) and
+`RefreshError`, `RefreshResult`, `load_run_config`), `ingest`, `sids`, `tokens`, `train` (the steps) and
 `driver` (`refresh`, `cli_main`, the export step, resuming and publishing a version).
 
 Ray: only through `gti.stages._ray.ensure_ray` and `gti.train.loop.fit` (this package is a
@@ -59,9 +75,9 @@ What it does not know: how the run's stages were run (it reads their manifests a
 
 from gti.refresh.driver import cli_main, refresh
 from gti.refresh.job import (
-    FINGERPRINT_FILE, GROUND_RUN, NEEDS_NEW_TOKENS, RAY_DIR, SFT_RUN, STEPS_FILE, RefreshError, RefreshResult,
-    load_run_config,
+    FINGERPRINT_FILE, GROUND_RUN, GROWN_MODEL, NEEDS_NEW_TOKENS, RAY_DIR, SFT_RUN, STEPS_FILE, RefreshError,
+    RefreshResult, load_run_config,
 )
 
-__all__ = ["FINGERPRINT_FILE", "GROUND_RUN", "NEEDS_NEW_TOKENS", "RAY_DIR", "SFT_RUN", "STEPS_FILE", "RefreshError",
-           "RefreshResult", "cli_main", "load_run_config", "refresh"]
+__all__ = ["FINGERPRINT_FILE", "GROUND_RUN", "GROWN_MODEL", "NEEDS_NEW_TOKENS", "RAY_DIR", "SFT_RUN", "STEPS_FILE",
+           "RefreshError", "RefreshResult", "cli_main", "load_run_config", "refresh"]

@@ -4,12 +4,15 @@ What it is for: the order of the steps and what makes a refresh resumable and tr
 adds the run's base map to the lineage (once), opens the work folder `<run>/refresh/.v<k>.partial/`
 (kept when its `_fingerprint` — parent map, input files, seed, the data/embed/pairs/ground/sft/
 refresh settings — is the same, else started afresh), runs the steps (`gti.refresh.ingest`,
-`.sids`, `.train`, then `export_step` here), each recorded in `_steps.json` so a rerun skips the
-finished ones, writes `_manifest.json` (facts: parent and new hash, counts, steps, wall time of
-each step) and `config.yaml`, adds the new map to `<run>/refresh/lineage/` and renames the work
-folder to `v<k>`. `export_step` puts the model in `model/` (the SFT model, else the grounded
-one, else a copy of the parent's) with `gti_meta.json` naming the new map, its parent and its
-version record. `cli_main` is `gti refresh`.
+`.sids` (embed, assign), `.tokens`, `.sids` (pairs), `.train`, then `export_step` here), each
+recorded in `_steps.json` so a rerun skips the finished ones, writes `_manifest.json` (facts:
+parent and new hash, counts, the new map's `codebook_sizes` and `added_tokens`, steps, wall
+time of each step) and `config.yaml`, adds the new map to `<run>/refresh/lineage/` and renames
+the work folder to `v<k>`. `export_step` puts the model in `model/` (the SFT model, else the
+grounded one, else the parent's with the added code tokens when the tokens step made it, else
+a copy of the parent's) with `gti_meta.json` naming the new map, its parent, its version
+record and its `codebook_sizes` (`new_token_ids` covers any added tokens). `cli_main` is
+`gti refresh`.
 
 What it does not know: how a step reads, assigns or trains (the step modules do), Ray.
 """
@@ -26,10 +29,11 @@ from gti import config as C
 from gti.manifest import Manifest, atomic_write_bytes, atomic_write_json, stable_hash
 from gti.refresh.ingest import ingest_step
 from gti.refresh.job import (
-    FINGERPRINT_FILE, RAY_DIR, STEPS_FILE, Job, Parent, RefreshError, RefreshResult, find_parent, load_run_config,
-    log_default, read_manifest,
+    FINGERPRINT_FILE, GROWN_MODEL, RAY_DIR, STEPS_FILE, Job, Parent, RefreshError, RefreshResult, find_parent,
+    load_run_config, log_default, read_manifest,
 )
 from gti.refresh.sids import assign_step, embed_step, pairs_step
+from gti.refresh.tokens import tokens_step
 from gti.refresh.train import ground_step, sft_step
 
 CONFIG_SECTIONS = ("data", "embed", "pairs", "ground", "sft", "refresh")  # in the fingerprint and the manifest
@@ -152,6 +156,7 @@ def run_steps(steps: Steps, job: Job, fault_injection: dict | None = None) -> di
         "ingest": steps.run("ingest", lambda: ingest_step(job)),
         "embed": steps.run("embed", lambda: embed_step(job)),
         "assign": steps.run("assign", lambda: assign_step(job)),
+        "tokens": steps.run("tokens", lambda: tokens_step(job)),
         "pairs": steps.run("pairs", lambda: pairs_step(job)),
         "ground": steps.run("ground", lambda: ground_step(job, fault_injection)),
         "sft": steps.run("sft", lambda: sft_step(job)),
@@ -171,6 +176,8 @@ def _facts(job: Job, version, done: dict[str, dict], steps: Steps, t_start: floa
         "already_present": f_assign["already_present"],
         "prefix_changed": f_assign["prefix_changed"],
         "full_groups": f_assign["needs_new_tokens"],
+        "codebook_sizes": list(version.codebook_sizes),
+        "added_tokens": f_assign.get("added_tokens", []),
         "n_items": version.n_items,
         **{name: f for name, f in done.items() if name != "assign"},  # assign's facts are the counts above
         "steps": {"ground": done["ground"].get("steps_done", 0), "sft": done["sft"].get("steps_done", 0)},
@@ -210,20 +217,27 @@ def _publish(job: Job, lin, version) -> Path:
 
 
 def _place_model(job: Job) -> str:
-    """`<work>/model/`: the SFT model, else the grounded one, else a copy of the parent's;
-    returns which (a rerun after an interrupted export reads it from `.refresh_source`)."""
+    """`<work>/model/`: the SFT model, else the grounded one, else the parent's with the added
+    code tokens (`grown_model/`), else a copy of the parent's; returns which (a rerun after an
+    interrupted export reads it from `.refresh_source`)."""
     final = job.work / "model"
-    cands = [(c, st) for c, st in ((job.work / "sft_model", "sft"), (job.work / "ground_model", "ground"))
+    cands = [(c, st) for c, st in ((job.work / "sft_model", "sft"), (job.work / "ground_model", "ground"),
+                                   (job.work / GROWN_MODEL, "parent_with_added_tokens"))
              if (c / "config.json").is_file()]
     if cands:
         if final.exists():
             shutil.rmtree(final)
         source = cands[0][1]
+        if source != "parent_with_added_tokens":  # first: a rerun must never pick it over a trained model
+            shutil.rmtree(job.work / GROWN_MODEL, ignore_errors=True)
         (cands[0][0] / ".refresh_source").write_text(source)  # before the move: a rerun knows it
         cands[0][0].rename(final)
     elif (final / "config.json").is_file() and (final / ".refresh_source").is_file():
         source = (final / ".refresh_source").read_text().strip()  # an interrupted export moved it already
     else:
+        if tuple(job.map_facts()["codebook_sizes"]) != tuple(job.parent.codebook_sizes):
+            raise RefreshError(f"export: the new map adds code tokens but {job.work / GROWN_MODEL} (the parent's "
+                               f"model with them) is missing; remove {job.work} and rerun the refresh")
         if final.exists():
             shutil.rmtree(final)
         tmp = job.work / ".model.copy"
@@ -246,6 +260,7 @@ def export_step(job: Job) -> dict:
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
     meta.update({"stage": "refresh", "refresh_version": job.k, "sid_map_hash": version.hash,
                  "sid_map_parent": job.parent.hash, "sid_map_version": version.to_dict(),
+                 "codebook_sizes": list(version.codebook_sizes),
                  "refreshed_from": str(job.parent.model_dir), "refresh_model_source": source})
     atomic_write_bytes(meta_path, json.dumps(meta, indent=2, sort_keys=True, default=str).encode())
     for f in ("e_new_start.safetensors", "val_source.parquet"):
@@ -257,7 +272,8 @@ def cli_main(args) -> int:
     """`gti refresh --run-dir R --items NEW [--interactions NEW] [key=value ...]`."""
     res = refresh(args.run_dir, args.items, args.interactions, getattr(args, "overrides", None) or [])
     f = res.facts
+    added = f" (+{len(f['added_tokens'])} SID tokens)" if f.get("added_tokens") else ""
     print(f"refresh v{res.k}: {f['assigned']} new items assigned ({f['already_present']} already present), "
-          f"SID map {res.parent_hash} -> {res.new_hash}; ground {f['steps']['ground']} steps, "
+          f"SID map {res.parent_hash} -> {res.new_hash}{added}; ground {f['steps']['ground']} steps, "
           f"sft {f['steps']['sft']} steps; {f['total_wall_s']:.0f}s; model: {res.model_dir}")
     return 0

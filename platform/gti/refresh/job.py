@@ -3,8 +3,12 @@
 What it is for: the steps of a refresh (`gti.refresh.ingest`, `.sids`, `.train`, `.driver`)
 share one `Job`: the run folder, the config the run's model was trained with plus the
 overrides (`load_run_config`), the version it builds on (`Parent`, from `find_parent`: the
-newest refresh, else the run), the work folder `<run>/refresh/.v<k>.partial/`, the run's `sid`
-facts and codebooks hash, and the log. Also the names every step agrees on (files in the work
+newest refresh, else the run; with its map's codebook sizes, which an earlier refresh may have
+grown), the work folder `<run>/refresh/.v<k>.partial/`, the run's `sid` facts and codebooks
+hash, and the log. After the assign step, `Job.map_facts()` is the `sid` facts with the new
+map's codebook sizes; after the tokens step, `Job.base_model_dir` is the model the training
+steps start from (`<work>/grown_model/` when codes were added, else the parent's) and
+`Job.token_range()` its SID rows. Also the names every step agrees on (files in the work
 folder, Ray Train run names) and `RefreshError` / `RefreshResult`.
 
 What it does not know: how a step does its work, Ray, training.
@@ -29,6 +33,7 @@ RAY_DIR = STORAGE_DIR  # gti.train.driver.STORAGE_DIR
 GROUND_RUN = "refresh_ground"
 SFT_RUN = "refresh_sft"
 NEEDS_NEW_TOKENS = "needs_new_tokens.json"
+GROWN_MODEL = "grown_model"  # the parent's model + the added code tokens (tokens step)
 
 
 class RefreshError(GtiError):
@@ -92,6 +97,7 @@ class Parent:
     model_dir: Path
     interactions_path: Path
     pair_files: list[Path]
+    codebook_sizes: tuple[int, ...]  # of the parent's map (its version record, else the sid stage's)
 
 
 def find_parent(run_dir: Path) -> Parent:
@@ -112,14 +118,14 @@ def find_parent(run_dir: Path) -> Parent:
         if (v.dir / "ingest" / "interactions.parquet").is_file():
             inter = v.dir / "ingest" / "interactions.parquet"
     if vs:
-        v = vs[-1]
-        return Parent(v.k, v.map_path, v.version().hash, v.model_dir, inter, pair_files)
+        v, rec = vs[-1], vs[-1].version()
+        return Parent(v.k, v.map_path, rec.hash, v.model_dir, inter, pair_files, tuple(rec.codebook_sizes))
     try:
         _, model_dir = find_model_dir(run_dir)
     except RunDirError as err:
         raise RefreshError(str(err)) from None
     return Parent(0, sid.output(run_dir / "sid", "sid_map"), sid.fact("sid_map_hash"), model_dir, inter,
-                  pair_files)
+                  pair_files, tuple(int(k) for k in sid.fact("codebook_sizes")))
 
 
 @dataclass
@@ -140,11 +146,40 @@ class Job:
         """The new items the assign step gave a SID (in input order)."""
         return json.loads((self.work / "sid" / "new_items.json").read_text())["assigned"]
 
+    def map_facts(self) -> dict:
+        """The run's `sid` facts with the codebook sizes of the new map (its version record,
+        written by the assign step): what `SidCodec.from_facts` spells the new map with."""
+        from gti.sid.versions import read_version
+
+        v = read_version(self.work / "sid" / "sid_map.parquet")
+        if v is None:
+            raise RefreshError(f"{self.work}/sid/sid_map.parquet: no version record (the assign step has not run)")
+        return dict(self.sf, codebook_sizes=list(v.codebook_sizes))
+
+    @property
+    def base_model_dir(self) -> Path:
+        """The model the training steps start from: `<work>/grown_model/` (the parent's with the
+        added code tokens) when the tokens step made one, else the parent's."""
+        grown = self.work / GROWN_MODEL
+        return grown if (grown / "config.json").is_file() else self.parent.model_dir
+
+    def token_range(self) -> tuple[int, int]:
+        """[first, end) of the SID rows of `base_model_dir` (the trainable rows): the pairs
+        stage's `new_token_ids`, extended to the end its `gti_meta.json` records when a refresh
+        appended code tokens after them."""
+        from gti.lm.vocab import read_meta
+
+        first, end = (int(x) for x in Manifest.read(self.run_dir / "pairs").facts["new_token_ids"])
+        recorded = read_meta(self.base_model_dir).get("new_token_ids")
+        if recorded and int(recorded[0]) == first:
+            end = max(end, int(recorded[1]))
+        return first, end
+
     def tokenizer(self):
-        """The parent model's tokenizer (pad = eos when it has none)."""
+        """The tokenizer of `base_model_dir` (pad = eos when it has none)."""
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(str(self.parent.model_dir),
+        tok = AutoTokenizer.from_pretrained(str(self.base_model_dir),
                                             trust_remote_code=self.cfg.model.trust_remote_code)
         if tok.pad_token_id is None:
             tok.pad_token = tok.eos_token

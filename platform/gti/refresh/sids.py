@@ -6,11 +6,16 @@ What it is for:
   the run's).
 - `assign_step(job)`: the run's frozen quantiser (`<run>/sid/quantizer.*`) gives the codes and
   `gti.sid.map_edits.assign_new_items` the SIDs, never changing an existing one ->
-  `<work>/sid/sid_map.parquet` with its version record (parent hash) and `new_items.json`. Items
-  that would need a new token are listed in `needs_new_tokens.json` and the refresh stops with
-  one RefreshError line (`refresh.on_full_group: error`).
+  `<work>/sid/sid_map.parquet` with its version record (parent hash, codebook sizes) and
+  `new_items.json`. The parent map's sizes are the parent version's (an earlier refresh may
+  have grown the last level). Items that would need a new token are listed in
+  `needs_new_tokens.json`; with `refresh.on_full_group: error` the refresh stops with one
+  RefreshError line, with `add_tokens` `gti.sid.map_edits.add_last_level_codes` puts them on
+  added last-level codes and the version records the grown sizes (the tokens step,
+  `gti.refresh.tokens`, then adds the tokens to the model).
 - `pairs_step(job)`: the new items' grounding pairs (the pairs stage's `RenderPairs`, same
-  templates and tokenizer) -> `pairs_new.parquet`, plus `refresh.replay_ratio` x as many old
+  templates, the tokenizer of `job.base_model_dir`, the new map's codec) -> `pairs_new.parquet`,
+  plus `refresh.replay_ratio` x as many old
   training pairs (a seeded sample of the run's and earlier refreshes' pairs) -> `pairs.parquet`.
 
 What it does not know: training, the model's weights, Ray.
@@ -73,36 +78,70 @@ def _quantise(job: Job):
     return ids, pre, last_cost
 
 
+def _padded_cost(last_cost, k_last: int):
+    """The last quantiser level's costs [M, K_q], widened to the map's last-level size with +inf
+    (codes an earlier refresh added have no codebook vector: taken only when no real one is free)."""
+    import torch
+
+    if last_cost is None or last_cost.shape[1] >= k_last:
+        return last_cost
+    pad = torch.full((last_cost.shape[0], k_last - last_cost.shape[1]), float("inf"), dtype=last_cost.dtype)
+    return torch.cat([last_cost, pad], dim=1)
+
+
+def _full_groups(job: Job, a, sizes: list[int]):
+    """The items needing a new token: listed in `needs_new_tokens.json`; RefreshError with
+    `refresh.on_full_group: error`, else (add_tokens) the `Growth` that places them."""
+    from gti.sid.map_edits import add_last_level_codes
+
+    path = job.work / NEEDS_NEW_TOKENS
+    atomic_write_json(path, [{"item_id": n.item_id, "codes": list(n.codes), "reason": n.reason}
+                             for n in a.needs_new_tokens])
+    mode = job.cfg.refresh.on_full_group
+    first = a.needs_new_tokens[0]
+    if mode != "add_tokens":
+        raise RefreshError(
+            f"refresh: {len(a.needs_new_tokens)} new item(s) need a SID token the vocabulary lacks "
+            f"(e.g. '{first.item_id}': {first.reason}); refresh.on_full_group={mode} "
+            f"(set refresh.on_full_group=add_tokens to add the tokens); the list is in {path}")
+    g = add_last_level_codes(a, sizes, job.sf["token_format"])
+    job.log(f"assign: {len(g.on_new_codes)} item(s) need a new token (listed in {path}); "
+            f"refresh.on_full_group=add_tokens: the last level grows from {g.old_size} to "
+            f"{g.codebook_sizes[-1]} codes")
+    return g
+
+
 def assign_step(job: Job) -> dict:
     """Step 3 (see the module docstring)."""
     import pyarrow.parquet as pq
 
     from gti.sid import versions as V
-    from gti.sid.map_edits import assign_new_items
+    from gti.sid.codec import SidCodec, codes_added
+    from gti.sid.map_edits import Growth, assign_new_items
 
     sf = job.sf
+    sizes = [int(k) for k in job.parent.codebook_sizes]
     ids, pre, last_cost = _quantise(job)
     parent_map = pq.read_table(str(job.parent.map_path))
-    a = assign_new_items(parent_map, ids, pre, sf["codebook_sizes"], sf["token_format"], last_cost=last_cost)
+    a = assign_new_items(parent_map, ids, pre, sizes, sf["token_format"],
+                         last_cost=_padded_cost(last_cost, sizes[-1]))
     job.log(f"assign: {a.summary()}")
-    if a.needs_new_tokens:
-        path = job.work / NEEDS_NEW_TOKENS
-        atomic_write_json(path, [{"item_id": n.item_id, "codes": list(n.codes), "reason": n.reason}
-                                 for n in a.needs_new_tokens])
-        first = a.needs_new_tokens[0]
-        raise RefreshError(
-            f"refresh: {len(a.needs_new_tokens)} new item(s) need a SID token the vocabulary lacks "
-            f"(e.g. '{first.item_id}': {first.reason}); refresh.on_full_group={job.cfg.refresh.on_full_group} "
-            f"(adding tokens is not supported yet); the list is in {path}")
-    version = V.make_version(a.table, job.cb_hash, sf["codebook_sizes"], sf["token_format"], job.parent.hash,
-                             note=f"refresh v{job.k}: +{len(a.assigned)} items")
+    n_full = len(a.needs_new_tokens)
+    g = _full_groups(job, a, sizes) if n_full else Growth(a, sizes, sizes[-1])
+    a = g.assignment
+    version = V.make_version(a.table, job.cb_hash, g.codebook_sizes, sf["token_format"], job.parent.hash,
+                             note=f"refresh v{job.k}: +{len(a.assigned)} items"
+                                  + (f", +{g.n_added} last-level codes" if g.n_added else ""))
     (job.work / "sid").mkdir(exist_ok=True)
     V.write_map(job.work / "sid" / "sid_map.parquet", a.table, version)
     atomic_write_json(job.work / "sid" / "new_items.json",
                       {"assigned": a.assigned, "already_present": a.already_present,
-                       "prefix_changed": a.prefix_changed})
+                       "prefix_changed": a.prefix_changed, "on_new_codes": g.on_new_codes})
+    codec = SidCodec(len(g.codebook_sizes), g.codebook_sizes, sf["token_format"])
     return {"assigned": len(a.assigned), "already_present": len(a.already_present),
-            "prefix_changed": len(a.prefix_changed), "needs_new_tokens": 0,
+            "prefix_changed": len(a.prefix_changed), "needs_new_tokens": n_full,
+            "codebook_sizes": g.codebook_sizes,
+            "added_tokens": [codec.token(lv, c) for lv, c in codes_added(sizes, g.codebook_sizes)],
             "parent_hash": job.parent.hash, "new_hash": version.hash}
 
 
@@ -117,7 +156,7 @@ def _new_pairs(job: Job, assigned: set[str]):
 
     pf = Manifest.read(job.run_dir / "pairs").facts
     tok = job.tokenizer()
-    table = SidCodec.from_facts(job.sf).code_to_token_id_table(tok).numpy()
+    table = SidCodec.from_facts(job.map_facts()).code_to_token_id_table(tok).numpy()
     wrap = tuple(pf["sid_markers"]) if pf.get("sid_markers") else None
     items = pq.read_table(str(job.work / "ingest" / "items.parquet"))
     items = items.filter(pc.is_in(items.column("item_id"), pa.array(sorted(assigned), pa.string())))

@@ -4,12 +4,15 @@ What it is for:
 - `ground_step(job, fault_injection)`: `refresh.ground_steps` steps of the grounding task on
   Ray Train + DeepSpeed (`gti.train.loop.fit` with `gti.train.ground_task.HOOKS`: backbone and
   every non-SID row frozen, only the SID rows train) on `<work>/pairs.parquet`, continuing from
-  the parent's model; its starting rows are the parent's SID rows. Validation: constrained
+  `job.base_model_dir` (the parent's model, or `<work>/grown_model/` when the tokens step
+  appended code tokens); its starting rows are that model's SID rows `job.token_range()`,
+  which cover the added tokens too, so they train with the others. Validation: constrained
   text->SID exact match on the new items (`val_source`: held-out pairs when the split has
-  them, else in-sample). -> `<work>/ground_model/`.
+  them, else in-sample; the SID answer tokens are found by id, as the new map's codec spells
+  them). -> `<work>/ground_model/`.
 - `sft_step(job)`: `refresh.sft_steps` steps of the SFT task (`gti.train.sft_task`) on the
-  training windows of the users the new interactions touch, from the grounded model (else the
-  parent's). -> `<work>/sft_model/`.
+  training windows of the users the new interactions touch, from the grounded model (else
+  `job.base_model_dir`). -> `<work>/sft_model/`.
 Both resume from their last Ray Train checkpoint under `<work>/ray_train/` when rerun.
 
 What it does not know: how the new items were read or given SIDs (it reads the step files),
@@ -26,7 +29,6 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from gti.errors import DataError
-from gti.manifest import Manifest
 from gti.refresh.job import GROUND_RUN, RAY_DIR, SFT_RUN, Job
 
 
@@ -54,9 +56,11 @@ def val_source(new: pa.Table) -> tuple[pa.Table, bool]:
     return new, in_sample
 
 
-def _write_validation(job: Job, gcfg, codec, first: int, tok) -> tuple[int, bool]:
+def _write_validation(job: Job, gcfg, codec, first: int, end: int, tok) -> tuple[int, bool]:
     """The validation prompts of the new items and the catalog's SID token ids, in the work
-    folder; (number of prompts, in_sample)."""
+    folder; (number of prompts, in_sample). The SID tokens of an answer are found by id (the
+    codec's ids in `tok`): after added codes they are not one contiguous range (markers, if
+    any, sit between the run's SID tokens and the added ones)."""
     import torch
     from safetensors.torch import save_file
 
@@ -65,7 +69,9 @@ def _write_validation(job: Job, gcfg, codec, first: int, tok) -> tuple[int, bool
     new, in_sample = val_source(pq.read_table(str(job.work / "pairs_new.parquet")))
     pq.write_table(new, str(job.work / "val_source.parquet"))
     shim = SimpleNamespace(cfg=gcfg, input=lambda stage, name: job.work / "val_source.parquet")
-    n_val = write_val_set(shim, job.work, first, first + codec.num_tokens, codec.levels)
+    table = codec.code_to_token_id_table(tok)
+    sid_ids = frozenset(int(i) for i in table[table >= 0].tolist())
+    n_val = write_val_set(shim, job.work, first, end, codec.levels, sid_ids=sid_ids)
     smap = pq.read_table(str(job.work / "sid" / "sid_map.parquet"), columns=["codes"])
     codes = torch.tensor(smap.column("codes").to_pylist(), dtype=torch.long)
     save_file({"sid_token_ids": codec.token_ids(codes, tok).contiguous()}, str(job.work / "catalog_sids.safetensors"))
@@ -103,28 +109,30 @@ def ground_step(job: Job, fault_injection: dict | None) -> dict:
     from gti.train.loop import fit, train_dataset_from_parquet
 
     cfg, rc = job.cfg, job.cfg.refresh
+    base = job.base_model_dir
     if rc.ground_steps == 0:
-        job.log("ground: refresh.ground_steps=0: SIDs only, the parent's model is kept as it is")
+        grown = base != job.parent.model_dir
+        job.log("ground: refresh.ground_steps=0: SIDs only, the parent's model is kept as it is"
+                + (" (with the added code tokens, their rows untrained at their level's mean)" if grown else ""))
         return {"steps_done": 0, "grounded": False}
-    pf = Manifest.read(job.run_dir / "pairs").facts
-    first, end = (int(x) for x in pf["new_token_ids"])
-    codec = SidCodec.from_facts(job.sf)
+    first, end = job.token_range()
     g = cfg.ground.model_copy(update={"steps": rc.ground_steps, **({"lr": rc.ground_lr} if rc.ground_lr else {})})
-    gcfg = cfg.model_copy(update={"ground": g, "model": cfg.model.model_copy(update={"name": str(job.parent.model_dir)})})
+    gcfg = cfg.model_copy(update={"ground": g, "model": cfg.model.model_copy(update={"name": str(base)})})
     micro = micro_batch(g, g.num_workers)
     pairs_path = job.work / "pairs.parquet"
     n_train = int(pc.sum(pc.equal(pq.read_table(str(pairs_path), columns=["split"]).column("split"), "train")).as_py() or 0)
     if n_train < g.num_workers * micro:
         raise DataError(f"{pairs_path}: {n_train} train pairs cannot fill one micro-batch of {micro} on each of "
                         f"{g.num_workers} workers (ground.batch_size / ground.num_workers)")
+    codec = SidCodec.from_facts(job.map_facts())
     tok = job.tokenizer()
-    model, _ = models.load_model_and_tokenizer(cfg.model, path=job.parent.model_dir)
+    model, _ = models.load_model_and_tokenizer(cfg.model, path=base)
     start = _start_rows(model, first, end)
     save_file({k: v.contiguous() for k, v in start.items()}, str(job.work / "e_new_start.safetensors"))
-    n_val, in_sample = _write_validation(job, gcfg, codec, first, tok)
+    n_val, in_sample = _write_validation(job, gcfg, codec, first, end, tok)
     loop_config = _ground_loop_config(job, gcfg, codec, first, end, int(tok.pad_token_id), n_val, fault_injection)
     job.log(f"ground: {g.steps} steps x {g.batch_size} pairs on {g.num_workers} worker(s), lr {g.lr:g}, "
-            f"from {job.parent.model_dir}; {n_train} train pairs, {n_val} "
+            f"from {base}; SID rows [{first}, {end}); {n_train} train pairs, {n_val} "
             f"{'in-sample' if in_sample else 'held-out'} val prompts")
     ensure_ray(cfg)
     ds = train_dataset_from_parquet(pairs_path, seed=cfg.seed)
@@ -132,7 +140,7 @@ def ground_step(job: Job, fault_injection: dict | None) -> dict:
               log=lambda m: job.log(f"ground: {m}"), progress_every=max(g.log_every, math.ceil(g.steps / 20)))
     vocab.attach_new_rows(model, first, end - first, start["e_new"], start.get("head_new"))
     vocab.load_new_rows_state_dict(model, res.state_dict)
-    vocab.export_model(model, tok, job.work / "ground_model", dict(vocab.read_meta(job.parent.model_dir)))
+    vocab.export_model(model, tok, job.work / "ground_model", dict(vocab.read_meta(base)))
     return {
         "grounded": True, "steps_done": res.steps_done, "lr": g.lr, **_loss_ends(res),
         "val_exact_match": [{"step": int(s), "value": float(v)}
@@ -151,7 +159,7 @@ def _sft_windows(job: Job, tok):
 
     cfg = job.cfg
     smap = pl.read_parquet(job.work / "sid" / "sid_map.parquet")
-    sid_ids = templates.sid_id_table(smap, SidCodec.from_facts(job.sf), tok)
+    sid_ids = templates.sid_id_table(smap, SidCodec.from_facts(job.map_facts()), tok)
     seqs = pl.read_parquet(job.work / "ingest" / "sequences.parquet")
     touched = pl.read_parquet(job.work / "ingest" / "touched_users.parquet")["user_id"]
     seqs = seqs.filter(pl.col("user_id").is_in(touched.implode()))
@@ -180,7 +188,7 @@ def sft_step(job: Job) -> dict:
         return {"steps_done": 0}
     start = job.work / "ground_model"
     if not (start / "config.json").is_file():
-        start = job.parent.model_dir
+        start = job.base_model_dir
     tok = job.tokenizer()
     frame, n_users = _sft_windows(job, tok)
     order = np.random.default_rng([cfg.seed, job.k, 0x5F7]).permutation(frame.height)

@@ -8,6 +8,9 @@ tokens have. Later stages build SID token ids from here, never by re-tokenising 
 Level `l` is spelled with the letter `chr(ord('a') + l)`; level `l` has `codebook_sizes[l]` codes.
 `tokens()` lists every new token level-major (all codes of level a, then level b, ...), which is
 the order in which they are added to the tokenizer, so new-token id = first_new_id + rank.
+(Codes a refresh adds to the last level later, `codes_added`, are appended after whatever the
+tokenizer then ends with, so for a grown codec look ids up through the tokenizer,
+`code_to_token_id_table` / `token_ids`, not with the `*_from_offset` helpers.)
 
 What it does not know: how codes were produced (see `gti.sid.rqvae` / the `sid` stage), how the
 tokenizer is extended (`gti.lm.vocab`), or anything about Ray. Pure python + torch.
@@ -32,6 +35,19 @@ def level_letter(level: int) -> str:
     if not 0 <= level < 26:
         raise ValueError(f"level {level} out of range 0..25 (levels are spelled a..z)")
     return string.ascii_lowercase[level]
+
+
+def codes_added(old_sizes: Sequence[int], new_sizes: Sequence[int]) -> list[tuple[int, int]]:
+    """(level, code) of every code `new_sizes` has beyond `old_sizes`, level-major (the codes a
+    map gains when a refresh grows a level, `gti.sid.map_edits.add_last_level_codes`; their
+    tokens are `codec.token(level, code)`). ValueError when the level counts differ or a level
+    shrank."""
+    old, new = [int(k) for k in old_sizes], [int(k) for k in new_sizes]
+    if len(old) != len(new):
+        raise ValueError(f"codebook sizes {new} have {len(new)} levels, {old} has {len(old)}")
+    if any(n < o for o, n in zip(old, new)):
+        raise ValueError(f"codebook sizes {new} are smaller than {old} at some level")
+    return [(lv, c) for lv in range(len(old)) for c in range(old[lv], new[lv])]
 
 
 class SidCodec:

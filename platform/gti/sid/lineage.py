@@ -6,11 +6,13 @@ What it is for (issue 15, "versioned SID maps in use"):
   decoding. A model records the SID map it was trained with (`gti_meta.json`: `sid_map_hash`,
   and after a refresh `sid_map_parent` and `sid_map_version`, the version record). The map is
   accepted when it is that map, or when it *descends* from it (`gti.sid.versions`: the parent
-  pointers lead there, same codebooks, every old item still present keeps its SID; a removed
-  item simply leaves the trie). Returns the number of versions between them (0 = same map).
-  Otherwise `UnrelatedSidMapError` (a DataError) with one line naming both hashes; a map
-  without any version record keeps the old wording ("stale SID map, rerun the stages after
-  'sid'").
+  pointers lead there, same codebooks, the last level may have grown, every old item still
+  present keeps its SID; a removed item simply leaves the trie). Returns the number of
+  versions between them (0 = same map). Otherwise `UnrelatedSidMapError` (a DataError) with
+  one line naming both hashes; a map without any version record keeps the old wording ("stale
+  SID map, rerun the stages after 'sid'"). A descendant whose grown last level has codes the
+  model's map lacks (`refresh.on_full_group: add_tokens`) is refused with
+  `MissingSidTokensError`, naming the tokens: that model's vocabulary has no row for them.
 - The layout `gti refresh` writes (gti/refresh/):
   `<run_dir>/refresh/lineage/` (a `LineageDir`: `<hash>.json` + `<hash>.parquet` of the run's
   base map and of every refreshed version) and `<run_dir>/refresh/v<k>/` (k = 1, 2, ...), each

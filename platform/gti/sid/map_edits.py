@@ -13,6 +13,14 @@ What it is for (issue 15, "catalogs change"):
   `needs_new_tokens` with a reason: never dropped, never given a duplicate. Ids already in the
   map keep their old SID and are reported (`already_present`, and `prefix_changed` when the
   quantiser now puts them elsewhere).
+- `add_last_level_codes(assignment, codebook_sizes, token_format)` (`gti refresh` with
+  `refresh.on_full_group: add_tokens`): the items `assign_new_items` left in
+  `needs_new_tokens` get codes past the end of the last level: the last level grows by exactly
+  as many codes as the fullest group needs, and each item takes the smallest free code >= the
+  old size in its group (the quantiser prefix with a de-duplication level, else its first L-1
+  codes). Old SIDs unchanged, every SID unique, nothing dropped; the grown sizes are returned
+  (`Growth`) for the new map's version record and the vocabulary. Only the last level grows:
+  its codes are the only ones no quantiser codebook vector stands for.
 - `remove_items(map, ids)`: a removed item simply leaves the map (and so the trie).
 - `map_table(ids, codes, codec)`: a map table from full codes.
 
@@ -228,3 +236,71 @@ def assign_new_items(
         base = existing_map.select(["item_id", "codes", "sid"]).cast(MAP_SCHEMA)
         out.table = pa.concat_tables([base, add])
     return out
+
+
+@dataclass
+class Growth:
+    """Result of `add_last_level_codes`.
+
+    assignment: the `Assignment` with every item placed: the first pass's rows, then the items
+        that needed a new token on their added codes (in `needs_new_tokens` order); its
+        `assigned` lists the first pass's ids, then those; `needs_new_tokens` is empty.
+    codebook_sizes: the grown sizes (the last level's size + `n_added`; the rest unchanged).
+    old_size: the last level's size before.
+    on_new_codes: ids of the items placed on added codes.
+    """
+
+    assignment: Assignment
+    codebook_sizes: list[int]
+    old_size: int
+    on_new_codes: list[str] = field(default_factory=list)
+
+    @property
+    def n_added(self) -> int:
+        """How many codes the last level gained."""
+        return self.codebook_sizes[-1] - self.old_size
+
+
+def _group_key(need: NeedsNewToken, levels: int) -> tuple[int, ...]:
+    """The prefix group of an item that needs a new token: its quantiser codes with a
+    de-duplication level (the map has one more level), else its first L-1 codes."""
+    if len(need.codes) == levels - 1:
+        return tuple(need.codes)
+    if len(need.codes) == levels:
+        return tuple(need.codes[:-1])
+    raise DataError(f"new item '{need.item_id}': {len(need.codes)} quantiser codes for a map of {levels} levels")
+
+
+def add_last_level_codes(assignment: Assignment, codebook_sizes: Sequence[int],
+                         token_format: str = "<{level}_{code}>") -> Growth:
+    """Place `assignment.needs_new_tokens` on new codes of the last level (see module doc).
+
+    codebook_sizes: the sizes `assignment` was made with (`assign_new_items`'s argument).
+    Deterministic: items in `needs_new_tokens` order, each on the smallest free code >= the old
+    last-level size in its group, so the last level grows by exactly the size of the largest
+    group of such items. Without any such item the assignment and the sizes come back as they
+    are.
+    """
+    sizes = [int(k) for k in codebook_sizes]
+    k_old = sizes[-1]
+    needs = list(assignment.needs_new_tokens)
+    if not needs:
+        return Growth(assignment, sizes, k_old)
+    used = _UsedCodes(codes_matrix(assignment.table))
+    ids, codes = [], []
+    for need in needs:
+        key = _group_key(need, len(sizes))
+        in_group = used.group(key)
+        code = k_old
+        while code in in_group:
+            code += 1
+        used.add(key + (code,))
+        ids.append(need.item_id)
+        codes.append(list(key) + [code])
+    grown = sizes[:-1] + [max(k_old, max(c[-1] for c in codes) + 1)]
+    add = map_table(ids, np.asarray(codes, dtype=np.int64), SidCodec(len(grown), grown, token_format))
+    base = assignment.table.select(["item_id", "codes", "sid"]).cast(MAP_SCHEMA)
+    placed = Assignment(table=pa.concat_tables([base, add]), assigned=list(assignment.assigned) + ids,
+                        already_present=list(assignment.already_present),
+                        prefix_changed=list(assignment.prefix_changed))
+    return Growth(placed, grown, k_old, ids)

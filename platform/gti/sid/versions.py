@@ -8,10 +8,15 @@ out, is `gti.sid.map_edits`):
   the codebooks' identity (`codebooks_hash` of codebooks.safetensors, plus the codebook sizes
   and token format that spell the vocabulary) and a creation time.
 - `descends_from(...)`, `check_map_for_model(...)`: a map *descends* from the model's map when
-  the parent pointers lead there, every version on the way has the same codebook identity, and
-  (checked on the tables whenever they are available, never only by the pointers) every item of
-  the ancestor map that is still present has the same SID. `check_map_for_model` raises
-  `UnrelatedSidMapError` with one line naming both hashes otherwise.
+  the parent pointers lead there, every version on the way has the codebook identity of the
+  one before it (`identity_problem`: the same codebooks, token format and sizes, except that
+  the last level's size may grow, which a refresh with `refresh.on_full_group: add_tokens`
+  does), and (checked on the tables whenever they are available, never only by the pointers)
+  every item of the ancestor map that is still present has the same SID.
+  `check_map_for_model` raises `UnrelatedSidMapError` with one line naming both hashes
+  otherwise, and `MissingSidTokensError` (one line naming the missing tokens and both hashes)
+  when the map descends from the model's but uses codes added after it: that model's
+  vocabulary lacks those tokens.
 - `LineageDir(folder)`: a folder of version records (`<hash>.json`) and, optionally, their
   tables (`<hash>.parquet`) to look ancestors up in; any mapping {hash: SidMapVersion} works too.
 
@@ -42,6 +47,11 @@ SCHEMA_VERSION = 1
 
 class UnrelatedSidMapError(DataError):
     """A SID map that does not descend from the map a model was trained with."""
+
+
+class MissingSidTokensError(UnrelatedSidMapError):
+    """A SID map that descends from the model's map but uses codes added after it (a grown last
+    level): the model's vocabulary lacks their tokens."""
 
 
 # --------------------------------------------------------------------------- hashes
@@ -246,13 +256,16 @@ def descent_problem(child: SidMapVersion, ancestor_hash: str, lineage: Lineage |
     chain, why = chain_to(child, ancestor_hash, lineage)
     if chain is None:
         return why
-    ident = child.codebook_identity
+    newer = child.codebook_identity
     for v in chain[1:]:
-        if v is not None and v.codebook_identity != ident:
+        if v is None:
+            continue
+        if identity_problem(v.codebook_identity, newer) is not None:
             return (f"map {v.hash} on its lineage has other codebooks ({_ident_str(v.codebook_identity)} vs "
-                    f"{_ident_str(ident)})")
-    if ancestor_identity is not None and tuple(ancestor_identity) != ident:
-        return f"the model's codebooks differ ({_ident_str(tuple(ancestor_identity))} vs {_ident_str(ident)})"
+                    f"{_ident_str(newer)})")
+        newer = v.codebook_identity
+    if ancestor_identity is not None and identity_problem(tuple(ancestor_identity), newer) is not None:
+        return f"the model's codebooks differ ({_ident_str(tuple(ancestor_identity))} vs {_ident_str(newer)})"
     if ancestor_table is None:
         ancestor_table = _lineage_table(lineage, ancestor_hash)
     if ancestor_table is not None:
@@ -270,6 +283,37 @@ def descent_problem(child: SidMapVersion, ancestor_hash: str, lineage: Lineage |
         if diff["duplicate_sids"]:
             return f"it gives {diff['duplicate_sids']} SID(s) to more than one item"
     return None
+
+
+def identity_problem(older: tuple[str, tuple[int, ...], str], newer: tuple[str, tuple[int, ...], str]) -> str | None:
+    """None when a map with codebook identity `newer` may follow one with `older` on a lineage:
+    the same codebooks hash, token format and sizes, except that the last level's size may
+    have grown (codes added by a refresh, `gti.sid.map_edits.add_last_level_codes`); else why
+    not (one clause)."""
+    (h_old, s_old, f_old), (h_new, s_new, f_new) = older, newer
+    s_old, s_new = [int(k) for k in s_old], [int(k) for k in s_new]
+    if h_old != h_new:
+        return f"codebooks {h_new} are not {h_old}"
+    if f_old != f_new:
+        return f"token format {f_new!r} is not {f_old!r}"
+    if len(s_old) != len(s_new) or s_old[:-1] != s_new[:-1]:
+        return f"codebook sizes {s_new} are not {s_old} (only the last level may grow)"
+    if s_new[-1] < s_old[-1]:
+        return f"the last level shrank from {s_old[-1]} to {s_new[-1]} codes"
+    return None
+
+
+def missing_tokens(model_sizes: Sequence[int], map_version: "SidMapVersion") -> list[str]:
+    """The SID tokens `map_version` can use that a vocabulary spelling `model_sizes` lacks (the
+    codes its grown last level added), in code order."""
+    from gti.sid.codec import SidCodec, codes_added
+
+    sizes = list(map_version.codebook_sizes)
+    if len(sizes) != len(model_sizes):
+        return []
+    have = [min(int(a), int(b)) for a, b in zip(model_sizes, sizes)]
+    codec = SidCodec(len(sizes), sizes, map_version.token_format)
+    return [codec.token(lv, c) for lv, c in codes_added(have, sizes)]
 
 
 def _ident_str(ident: tuple[str, tuple[int, ...], str]) -> str:
@@ -299,4 +343,21 @@ def check_map_for_model(model_meta_hash: str | None, map_version: SidMapVersion,
             f"SID map {map_version.hash} does not descend from {model_meta_hash}, the map {where} was trained "
             f"with: {problem}")
     chain, _ = chain_to(map_version, model_meta_hash, lineage)
+    _check_tokens(model_meta_hash, map_version, chain, tables.get("ancestor_identity"), where)
     return len(chain) - 1 if chain else 0
+
+
+def _check_tokens(model_meta_hash: str, map_version: SidMapVersion, chain: list | None, ancestor_identity,
+                  where: str) -> None:
+    """MissingSidTokensError when the map uses codes added after the model's map (the model's
+    sizes: `ancestor_identity`, else the ancestor's record on the chain; unknown: no check)."""
+    ancestor = chain[-1] if chain else None
+    sizes = (tuple(ancestor_identity)[1] if ancestor_identity is not None
+             else ancestor.codebook_sizes if ancestor is not None else None)
+    missing = missing_tokens(sizes, map_version) if sizes is not None else []
+    if missing:
+        shown = ", ".join(missing[:5]) + (f", ... ({len(missing)} in all)" if len(missing) > 5 else "")
+        raise MissingSidTokensError(
+            f"SID map {map_version.hash} descends from {model_meta_hash}, the map {where} was trained with, but "
+            f"uses SID tokens added after it that the model's vocabulary lacks ({shown}); use the model of the "
+            f"refresh that added them")

@@ -109,10 +109,13 @@ def initial_rows(ctx: StageContext, model, tokenizer, n_real: int, n_new: int) -
     return out
 
 
-def write_val_set(ctx: StageContext, out_dir: Path, first_sid: int, end_sid: int, levels: int) -> int:
+def write_val_set(ctx: StageContext, out_dir: Path, first_sid: int, end_sid: int, levels: int,
+                  sid_ids: frozenset[int] | None = None) -> int:
     """Sample `ground.val_samples` held-out text->SID pairs (seeded) into `val_prompts.parquet`:
     prompt = chat prompt + the answer tokens before the SID (e.g. <sid_start>), target = the
-    L SID token ids. Returns the number of rows (0 = no validation)."""
+    L SID token ids. The SID tokens are the ids in [first_sid, end_sid), or the set `sid_ids`
+    when given (`gti refresh` after added codes: not one contiguous range). Returns the number
+    of rows (0 = no validation)."""
     import pyarrow as pa
 
     path = ctx.input("pairs", "pairs")
@@ -127,7 +130,7 @@ def write_val_set(ctx: StageContext, out_dir: Path, first_sid: int, end_sid: int
     t = t.take(pa.array(rows))
     prompts, targets = [], []
     for i, (p, a) in enumerate(zip(t["prompt_ids"].to_pylist(), t["answer_ids"].to_pylist())):
-        where = [j for j, x in enumerate(a) if first_sid <= x < end_sid]
+        where = [j for j, x in enumerate(a) if (x in sid_ids if sid_ids is not None else first_sid <= x < end_sid)]
         if len(where) < levels or where[:levels] != list(range(where[0], where[0] + levels)):
             raise DataError(f"{path}: val pair {int(rows[i])} has no run of {levels} SID tokens in its answer")
         s = where[0]
