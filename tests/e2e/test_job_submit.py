@@ -4,7 +4,8 @@ The test starts `ray start --head --block` as its own child process (dashboard a
 127.0.0.1, free ports, its own temp dir, token authentication with a token file of its own),
 submits `gti run --config jobs/configs/tiny.yaml` through the Job Submission SDK
 (`jobs/submit.py`, working_dir = the repository, runtime env = jobs/runtime_env.yaml), waits for
-SUCCEEDED, checks the stage manifests the job wrote, and ends the head with SIGTERM to that
+SUCCEEDED, checks the stage manifests the job wrote, the TensorBoard curves of every
+training stage and the progress lines in the job's log, and ends the head with SIGTERM to that
 child's pid (never `ray stop`, which would kill every Ray on the machine).
 
 Why the job finds `gti`: the head is started with this venv's `ray` and this venv's bin first on
@@ -139,7 +140,7 @@ def test_tiny_pipeline_as_ray_job(tmp_path):
         job = subprocess.run(
             [sys.executable, "jobs/submit.py", "--address", address, "--connect-timeout", "90",
              "--working-dir", ".", "--runtime-env", "jobs/runtime_env.yaml", "--timeout", "1500",
-             "--", "gti", "run", "--config", "jobs/configs/tiny.yaml", f"run_dir={run_dir}",
+             "--", "gti", "run", "--config", "jobs/configs/tiny.yaml", f"run_dir={run_dir}", *TRACKED,
              "--to", TO_STAGE],
             cwd=ROOT, env=env, capture_output=True, text=True, timeout=1700,
         )
@@ -163,3 +164,40 @@ def test_tiny_pipeline_as_ray_job(tmp_path):
     assert f"{TO_STAGE}: done" in logs
     # No Ray process of this head survives it.
     assert leftover.stdout.strip() == "", f"processes left behind: {leftover.stdout}"
+    _check_tracking(run_dir, logs)  # needs the pipeline through evaluate (the default TO_STAGE)
+
+
+# The job runs the tiny config with the RQ-VAE (2 epochs) instead of residual k-means, so the
+# sid stage's Ray Train loop is covered too, and its TensorBoard files and progress lines are
+# checked below (this was a test of its own, which cost a second tiny pipeline run).
+TRACKED = ["sid.method=rqvae", "sid.epochs=2", "sid.encoder_dims=[32]", "sid.code_dim=8", "sid.batch_size=64"]
+
+
+def _check_tracking(run_dir: Path, logs: str) -> None:
+    """After the tiny pipeline, `tensorboard --logdir <run_dir>` has every training stage's
+    curves and the evaluation's metrics, and the driver printed step progress with rate and ETA."""
+    from gti import config
+    from gti.tracking import read_scalars
+
+    cfg = config.load(ROOT / "jobs" / "configs" / "tiny.yaml", [f"run_dir={run_dir}", *TRACKED])
+    tb = run_dir / "tensorboard"
+    assert sorted(p.name for p in tb.iterdir()) == ["evaluate", "ground", "sft", "sid"]
+    sid = read_scalars(tb / "sid")
+    assert [s for s, _ in sid["train/loss"]] == [1, 2]  # one point per epoch
+    assert {"train/recon_loss", "train/quant_loss", "train/utilisation/l0", "sid/recon_mse",
+            "sid/collision_rate_after", "sid/utilisation/l0"} <= set(sid)
+    ground = read_scalars(tb / "ground")
+    steps = cfg.ground.steps
+    assert [s for s, _ in ground["train/loss"]] == list(range(1, steps + 1))
+    assert {"train/lr", "train/grad_norm_new_rows", "train/tokens_per_s", "val/exact_match"} <= set(ground)
+    assert [s for s, _ in ground["val/exact_match"]][-1] == steps
+    sft = read_scalars(tb / "sft")
+    assert [s for s, _ in sft["train/loss"]] == list(range(1, cfg.sft.steps + 1))
+    assert {"train/lr", "train/grad_norm", "train/tokens_per_s", "val/loss"} <= set(sft)
+    ev = read_scalars(tb / "evaluate")
+    metrics = json.loads((run_dir / "evaluate" / "metrics.json").read_text())
+    assert ev["eval/test/recall_at_5"] == [(cfg.sft.steps, pytest.approx(metrics["splits"]["test"]["recall@5"]["value"]))]
+    assert "eval/valid/mostpop/recall_at_5" in ev and "eval/test/markov/ndcg_at_5" in ev
+    assert f"[ground] {steps}/{steps} steps (100.0%)" in logs
+    assert "[sid] 2/2 epochs (100.0%)" in logs
+    assert "[evaluate] " in logs and "prompts (100.0%)" in logs
