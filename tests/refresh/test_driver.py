@@ -472,6 +472,16 @@ def test_export_without_training_copies_the_parents_model_with_the_new_map(make_
     (job.work / "ground_model").mkdir()
     (job.work / "ground_model" / "config.json").write_text("{}")
     assert export_step(job) == {"model_source": "ground"} and not (job.work / "ground_model").exists()
+    # An export killed after moving the SFT model into place, the grounded one still beside it:
+    # the rerun keeps the SFT model.
+    shutil.rmtree(job.work / "model")
+    for name, source in (("sft_model", "sft"), ("ground_model", "ground")):
+        (job.work / name).mkdir()
+        (job.work / name / "config.json").write_text(json.dumps({"source": source}))
+    (job.work / "sft_model" / ".refresh_source").write_text("sft")
+    (job.work / "sft_model").rename(job.work / "model")
+    assert export_step(job) == {"model_source": "sft"}
+    assert json.loads((job.work / "model" / "config.json").read_text()) == {"source": "sft"}
 
 
 def test_refresh_refuses_bad_arguments_with_one_line(fake_run, tmp_path):

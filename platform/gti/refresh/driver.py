@@ -216,6 +216,10 @@ def _publish(job: Job, lin, version) -> Path:
     return final
 
 
+# Which model a refresh publishes, best first: the one trained furthest.
+_SOURCE_RANK = {"sft": 0, "ground": 1, "parent_with_added_tokens": 2, "parent": 3}
+
+
 def _place_model(job: Job) -> str:
     """`<work>/model/`: the SFT model, else the grounded one, else the parent's with the added
     code tokens (`grown_model/`), else a copy of the parent's; returns which (a rerun after an
@@ -224,6 +228,12 @@ def _place_model(job: Job) -> str:
     cands = [(c, st) for c, st in ((job.work / "sft_model", "sft"), (job.work / "ground_model", "ground"),
                                    (job.work / GROWN_MODEL, "parent_with_added_tokens"))
              if (c / "config.json").is_file()]
+    placed = (final / ".refresh_source").read_text().strip() \
+        if (final / "config.json").is_file() and (final / ".refresh_source").is_file() else None
+    if placed in _SOURCE_RANK and (not cands or _SOURCE_RANK[placed] <= _SOURCE_RANK[cands[0][1]]):
+        # An interrupted export already moved the best model there (e.g. the SFT model, with the
+        # grounded one still beside it): keep it, never replace it with a lesser one.
+        return placed
     if cands:
         if final.exists():
             shutil.rmtree(final)
@@ -232,8 +242,6 @@ def _place_model(job: Job) -> str:
             shutil.rmtree(job.work / GROWN_MODEL, ignore_errors=True)
         (cands[0][0] / ".refresh_source").write_text(source)  # before the move: a rerun knows it
         cands[0][0].rename(final)
-    elif (final / "config.json").is_file() and (final / ".refresh_source").is_file():
-        source = (final / ".refresh_source").read_text().strip()  # an interrupted export moved it already
     else:
         if tuple(job.map_facts()["codebook_sizes"]) != tuple(job.parent.codebook_sizes):
             raise RefreshError(f"export: the new map adds code tokens but {job.work / GROWN_MODEL} (the parent's "
