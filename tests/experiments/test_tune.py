@@ -152,7 +152,7 @@ def test_two_trial_sweep_writes_valid_best_yaml(tmp_path, ray_start_4_cpus):
     cfg = C.validate(raw, "test")
     summary = T.sweep(cfg, raw=raw)
 
-    assert len(summary["trials"]) == 1 and summary["errored"] == 0
+    assert len(summary["trials"]) == 2 and summary["errored"] == 0
     params = {p.key: p for p in T.parse_search_space(cfg.tune.search_space, cfg)}
     best_path = run_dir / "tune" / "best.yaml"
     best = C.load(best_path)  # a full, valid RunConfig
