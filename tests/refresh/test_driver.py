@@ -437,6 +437,8 @@ def test_work_folder_is_kept_only_for_the_same_inputs_and_settings(fake_run, tmp
     fp = fingerprint(fake_run.cfg(items), parent, str(items), None)
     assert fp == fingerprint(fake_run.cfg(items), parent, str(items), None)
     assert fp != fingerprint(fake_run.cfg(items, None, "refresh.ground_steps=3"), parent, str(items), None)
+    # the dtype the parent model is loaded in changes what the tokens and ground steps make
+    assert fp != fingerprint(fake_run.cfg(items, None, "model.dtype=bfloat16"), parent, str(items), None)
     work = tmp_path / ".v1.partial"
     open_work(work, fp)
     (work / "kept").write_text("x")

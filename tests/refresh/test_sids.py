@@ -137,3 +137,42 @@ def test_pairs_replay_a_seeded_sample_of_old_training_pairs(make_job, monkeypatc
     assert set(replay.column("split").to_pylist()) <= {"train"}  # the run's val pairs are never replayed
     assert set(replay.column("item_id").to_pylist()) <= {"a0", "a1", "a2", "a3"}
     assert pairs_step(job) == f and pq.read_table(str(job.work / "pairs.parquet")).equals(both)  # seeded
+
+
+def test_items_all_already_in_the_map_stop_with_one_line(make_job, fake_run):
+    """The same map again would be a version that is its own parent (a lineage cycle)."""
+    job = make_job()
+    _embeddings(job, {"a3": (20, 1), "a0": (0, 0)})
+    with pytest.raises(RefreshError, match=rf"nothing to refresh: all 2 item\(s\) given are already in map "
+                                           rf"{fake_run.map_hash}"):
+        assign_step(job)
+    assert not (job.work / "sid" / "sid_map.parquet").exists()
+
+
+def test_publish_killed_before_the_rename_leaves_a_reusable_work_folder(make_job, monkeypatch, tmp_path):
+    """The work folder keeps its fingerprint until it is `v<k>`: a kill in between must not make
+    the rerun empty it (every finished step would be recomputed)."""
+    from pathlib import Path
+
+    from gti.refresh.driver import _publish
+    from gti.refresh.job import FINGERPRINT_FILE
+    from gti.sid.versions import LineageDir, read_version
+
+    job = make_job()
+    (job.work / FINGERPRINT_FILE).write_text("fp")
+    _embeddings(job, {"n3": (30, 1)})
+    assign_step(job)
+    version = read_version(job.work / "sid" / "sid_map.parquet")
+    lin = LineageDir(tmp_path / "lineage")
+
+    def killed(self, target):
+        raise KeyboardInterrupt("killed")
+
+    with monkeypatch.context() as m:
+        m.setattr(Path, "rename", killed)
+        with pytest.raises(KeyboardInterrupt):
+            _publish(job, lin, version)
+    assert (job.work / FINGERPRINT_FILE).read_text() == "fp"
+    final = _publish(job, lin, version)
+    assert final.name == "v1" and not job.work.exists() and not (final / FINGERPRINT_FILE).exists()
+    assert (final / "sid" / "sid_map.parquet").is_file() and lin.get(version.hash) == version

@@ -204,3 +204,19 @@ def test_grown_map_descends_but_the_parents_model_lacks_its_tokens():
     with pytest.raises(UnrelatedSidMapError, match=f"does not descend from {v0.hash}.*other codebooks") as e:
         check_map_for_model(v0.hash, v_back, lineage)
     assert not isinstance(e.value, MissingSidTokensError)
+
+
+def test_lineage_dir_refuses_a_self_parent_and_a_rewritten_parent(tmp_path):
+    """A record that names itself as parent, or that rewrites a known record's parent, would cut
+    older models off their maps; both are refused and the stored record is kept."""
+    _, cb_hash, sizes, (old, v0), (t1, v1), (t2, v2) = _lineage_case(tmp_path)
+    ld = LineageDir(tmp_path / "v")
+    for t, v in ((old, v0), (t1, v1), (t2, v2)):
+        ld.add(v, t)
+    ld.add(v1, t1)  # the same record again is fine (a rerun)
+    with pytest.raises(DataError, match=f"version {v1.hash} names itself as its parent"):
+        ld.add(make_version(t1, cb_hash, sizes, parent=v1.hash), t1)
+    with pytest.raises(DataError, match=f"version {v1.hash} is recorded with parent {v0.hash}, not {v2.hash}"):
+        ld.add(make_version(t1, cb_hash, sizes, parent=v2.hash), t1)
+    assert ld.get(v1.hash) == v1
+    assert check_map_for_model(v0.hash, v2, ld) == 2

@@ -36,7 +36,9 @@ from gti.refresh.sids import assign_step, embed_step, pairs_step
 from gti.refresh.tokens import tokens_step
 from gti.refresh.train import ground_step, sft_step
 
-CONFIG_SECTIONS = ("data", "embed", "pairs", "ground", "sft", "refresh")  # in the fingerprint and the manifest
+# In the fingerprint and the manifest: every section a step reads (model: the dtype the parent is
+# loaded in; sid: assignment settings; init: how added code tokens start).
+CONFIG_SECTIONS = ("data", "embed", "sid", "model", "init", "pairs", "ground", "sft", "refresh")
 
 
 class Steps:
@@ -208,11 +210,13 @@ def _publish(job: Job, lin, version) -> Path:
     work = job.work
     lin.add(version, pq.read_table(str(work / "sid" / "sid_map.parquet")))
     shutil.rmtree(work / RAY_DIR, ignore_errors=True)
-    (work / FINGERPRINT_FILE).unlink(missing_ok=True)
     final = work.parent / f"v{job.k}"
     if final.exists():  # a finished folder without a manifest (never listed as a version)
         shutil.rmtree(final)
     work.rename(final)
+    # Only after the rename: a kill before it leaves the work folder with its marker, so the
+    # rerun keeps every finished step instead of emptying the folder.
+    (final / FINGERPRINT_FILE).unlink(missing_ok=True)
     return final
 
 

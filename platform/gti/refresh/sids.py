@@ -129,6 +129,10 @@ def assign_step(job: Job) -> dict:
     n_full = len(a.needs_new_tokens)
     g = _full_groups(job, a, sizes) if n_full else Growth(a, sizes, sizes[-1])
     a = g.assignment
+    if not a.assigned:  # the same map again: a version that is its own parent breaks lineage
+        raise RefreshError(f"nothing to refresh: all {len(a.already_present)} item(s) given are already in "
+                           f"map {job.parent.hash} (a refresh adds new items; to train on new interactions "
+                           f"alone, rerun SFT with `gti run --from sft`)")
     version = V.make_version(a.table, job.cb_hash, g.codebook_sizes, sf["token_format"], job.parent.hash,
                              note=f"refresh v{job.k}: +{len(a.assigned)} items"
                                   + (f", +{g.n_added} last-level codes" if g.n_added else ""))

@@ -170,6 +170,13 @@ class LineageDir:
     def add(self, version: SidMapVersion, table: pa.Table | None = None) -> None:
         from gti.files import atomic_write_bytes
 
+        if version.parent_hash == version.hash:
+            raise DataError(f"lineage {self.folder}: version {version.hash} names itself as its parent")
+        known = self.get(version.hash)
+        if known is not None and known.parent_hash != version.parent_hash:
+            # Rewriting it would cut the record's real link (and every older model's path).
+            raise DataError(f"lineage {self.folder}: version {version.hash} is recorded with parent "
+                            f"{known.parent_hash}, not {version.parent_hash}")
         self.folder.mkdir(parents=True, exist_ok=True)
         if table is not None:
             got = map_hash(table)
