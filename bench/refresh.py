@@ -12,7 +12,9 @@ sft). Then three ways to serve the new items, each timed:
 Scored on the test users whose target is a new item (histories from the merged interactions,
 the same prompts for every arm): Recall@K of constrained beam search and MRR of the target's
 exact rank among all catalog items (`gti.eval.rank`); the same on an equal sample of users whose
-target is an old item, to see what the refresh costs them. The last line is one JSON object.
+target is an old item, to see what the refresh costs them. Every figure has a bootstrap CI over
+users, and MostPop and first-order Markov (fitted on the refreshed run's training sequences) are
+scored on the same users. The last line is one JSON object.
 
 Modes:
 - default (real figures; minutes to hours on 2 CPU cores, not run by the tests): SmolLM2-135M
@@ -98,8 +100,20 @@ def linked_copy(src: Path, dest: Path) -> Path:
     return dest
 
 
-def score(rec, histories: list[list[str]], targets: list[str], ks: list[int], batch_users: int = 8) -> dict:
-    """Recall@K (constrained beam search) and MRR (exact rank among all items) for one model+map."""
+def _with_ci(per_user, n_boot: int, seed: int) -> dict:
+    """{"value": mean, "ci": [lo, hi]} of per-user values (bootstrap over users)."""
+    import numpy as np
+
+    from gti.eval.metrics import bootstrap_ci
+
+    v = np.asarray(per_user, dtype=np.float64)
+    return {"value": float(v.mean()) if v.size else 0.0, "ci": list(bootstrap_ci(v, n_boot=n_boot, seed=seed))}
+
+
+def score(rec, histories: list[list[str]], targets: list[str], ks: list[int], batch_users: int = 8,
+          n_boot: int = 1000, seed: int = 0) -> dict:
+    """Recall@K (constrained beam search) and MRR (exact rank among all items) for one model+map,
+    each {"value", "ci"} over the users whose history and target the map holds."""
     import numpy as np
     import torch
 
@@ -122,9 +136,31 @@ def score(rec, histories: list[list[str]], targets: list[str], ks: list[int], ba
     row_of = {it: r for r, it in enumerate(rec.item_ids)}
     scores = score_catalog(rec.model, prompts, mat, pad_id=rec.pad_id, batch_users=batch_users)
     ranks = exact_ranks(scores, torch.tensor([row_of[t] for t in tg]))
-    out = {f"recall@{kk}": float(np.mean(per[f"recall@{kk}"])) for kk in ks}
-    out.update(mrr=float((1.0 / ranks).mean()), median_rank=float(ranks.median()), n_users=len(tg),
-               n_items=len(rec.item_ids))
+    out = {f"recall@{kk}": _with_ci(per[f"recall@{kk}"], n_boot, seed) for kk in ks}
+    out.update(mrr=_with_ci((1.0 / ranks).numpy(), n_boot, seed), median_rank=float(ranks.median()),
+               n_users=len(tg), n_items=len(rec.item_ids))
+    return out
+
+
+def baseline_scores(train_sequences: list[list[str]], catalog: list[str], histories: list[list[str]],
+                    targets: list[str], ks: list[int], n_boot: int = 1000, seed: int = 0) -> dict:
+    """MostPop and first-order Markov, fitted on `train_sequences`, on the same users as the
+    arms: {"mostpop": {"recall@K": {"value", "ci"}, "mrr": ...}, "markov": ...}. Both rank the
+    whole catalog, so MRR is the target's rank in it (1 / (len(catalog) + 1) when absent)."""
+    import numpy as np
+
+    from gti.eval.baselines import Markov, MostPop
+    from gti.eval.metrics import per_user_metrics, target_ranks
+
+    out = {}
+    for name, cls in (("mostpop", MostPop), ("markov", Markov)):
+        ranked = cls(catalog).fit(train_sequences).recommend(histories, len(catalog))
+        per = per_user_metrics(ranked, targets, ks)
+        r0 = target_ranks(ranked, targets)  # 0-based, -1 when absent
+        ranks = np.where(r0 >= 0, r0 + 1, len(catalog) + 1).astype(float)  # absent: after the whole catalog
+        row = {f"recall@{kk}": _with_ci(per[f"recall@{kk}"], n_boot, seed) for kk in ks}
+        row["mrr"] = _with_ci(1.0 / ranks, n_boot, seed)
+        out[name] = row
     return out
 
 
@@ -181,13 +217,19 @@ def main(argv=None) -> int:
             for sl, (hist, tg) in slices.items():
                 arms[arm][sl] = score(rec, hist, tg, mode["ks"])
             log(f"{arm}: {json.dumps(arms[arm])}")
+        # Reference rows on the same users, fitted on the refreshed run's training sequences
+        # (old and new interactions, the targets held out as for the model).
+        train_seqs = [list(t) for t in seqs["train_items"].to_list()]
+        catalog = list(recs["refresh"][0].item_ids)
+        baselines = {sl: baseline_scores(train_seqs, catalog, hist, tg, mode["ks"]) for sl, (hist, tg) in slices.items()}
+        log(f"baselines: {json.dumps(baselines)}")
         arms["refresh"]["steps"] = res.facts["steps"]
         arms["refresh"]["wall_s_per_step"] = res.facts["wall_s"]
         arms["assign_only"]["wall_s_per_step"] = res0.facts["wall_s"]
         out = {"bench": "refresh", "mode": "quick" if args.quick else "full", "config": str(mode["config"].name),
                "n_new_items": len(h.new_ids), "assigned": res.facts["assigned"],
                "n_users": {k: len(v[1]) for k, v in slices.items()}, "base_train_wall_s": round(t_base, 2),
-               "overrides": ov, "arms": arms}
+               "overrides": ov, "arms": arms, "baselines": baselines}
         print(json.dumps(out))
         return 0
     finally:

@@ -27,5 +27,31 @@ def test_refresh_bench_quick(tmp_path):
     for arm in out["arms"].values():
         assert arm["wall_s"] > 0
         assert arm["new_target"]["n_users"] == out["n_users"]["new_target"] > 0
-        assert 0 <= arm["new_target"]["recall@5"] <= 1 and 0 < arm["new_target"]["mrr"] <= 1
+        r5, mrr = arm["new_target"]["recall@5"], arm["new_target"]["mrr"]
+        assert 0 <= r5["ci"][0] <= r5["value"] <= r5["ci"][1] <= 1 and 0 < mrr["ci"][0] <= mrr["value"] <= mrr["ci"][1] <= 1
+    for sl in ("new_target", "old_target"):  # MostPop and Markov on the same users, with CIs
+        assert set(out["baselines"][sl]) == {"mostpop", "markov"}
+        for row in out["baselines"][sl].values():
+            assert set(row) == {"recall@1", "recall@5", "mrr"} and row["mrr"]["ci"][0] <= row["mrr"]["value"]
     assert out["arms"]["refresh"]["steps"]["ground"] == 6
+
+
+def test_baseline_scores_on_a_toy_catalog():
+    """MostPop ranks by training counts, Markov by the last item's successors; MRR uses the
+    rank in the whole catalog (after it when the target is not in the catalog)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import refresh as bench
+    finally:
+        sys.path.pop(0)
+    train = [["a", "b"], ["a", "b"], ["c", "a"]]  # counts a 3, b 2, c 1; a -> b twice, c -> a once
+    out = bench.baseline_scores(train, ["a", "b", "c", "d"], [["c"], ["a"], ["a"]], ["a", "b", "zz"], [1, 2],
+                                n_boot=50)
+    pop, mk = out["mostpop"], out["markov"]
+    # MostPop lists a, b, c, d for everyone: targets a (rank 1), b (rank 2), zz (absent: 5)
+    assert pop["recall@1"]["value"] == 1 / 3 and pop["recall@2"]["value"] == 2 / 3
+    assert abs(pop["mrr"]["value"] - (1 + 1 / 2 + 1 / 5) / 3) < 1e-12
+    # Markov: c -> a (rank 1), a -> b (rank 1), zz absent
+    assert mk["recall@1"]["value"] == 2 / 3 and abs(mk["mrr"]["value"] - (1 + 1 + 1 / 5) / 3) < 1e-12
+    lo, hi = mk["mrr"]["ci"]
+    assert lo <= mk["mrr"]["value"] <= hi
