@@ -25,6 +25,9 @@ Modes:
   embeddings) on 300 bundled items, 12 of them new. Its figures say nothing about quality.
 
 Usage: python bench/refresh.py [--quick] [--n-new N] [--work DIR] [key=value ...]
+With `--work DIR` the bench resumes: the same command again continues the runs from their
+stages and checkpoints, reuses finished refreshes and the scores already written under
+DIR/scores/ (the full mode takes hours, more than one working session on 2 cores).
 (overrides go to every run and refresh, e.g. refresh.ground_steps=200 refresh.sft_steps=50).
 One Ray-heavy run at a time: do not run it beside the test suite on a 2-core machine.
 """
@@ -37,7 +40,6 @@ import os
 import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -79,7 +81,8 @@ def write_data(work: Path, quick: bool, n_new: int, seed: int):
     for name, df in (("base_items", h.base_items), ("base_inter", h.base_interactions), ("new_items", h.new_items),
                      ("new_inter", h.new_interactions), ("all_items", items), ("all_inter", inter)):
         paths[name] = d / f"{name}.parquet"
-        df.write_parquet(paths[name])
+        if not paths[name].is_file():  # a resumed bench keeps its inputs (the stages hash them)
+            df.write_parquet(paths[name])
     return paths, h
 
 
@@ -89,15 +92,57 @@ def run_pipeline(config: Path, run_dir: Path, items: Path, inter: Path, override
 
     cfg = C.load(config, [f"run_dir={run_dir}", f"data.items.path={items}", f"data.interactions.path={inter}",
                           *overrides])
-    t0 = time.time()
     pipeline.run(cfg, to_stage="sft", echo=log)
-    return time.time() - t0
+    return stages_wall_s(run_dir)
+
+
+def stages_wall_s(run_dir: Path) -> float:
+    """Wall time of a run's stages ingest .. sft from their manifests (so a bench resumed in a
+    later session reports the time the stages took, not the seconds it took to find them done;
+    a stage resumed from a checkpoint counts its last attempt)."""
+    total = 0.0
+    for stage in ("ingest", "embed", "sid", "pairs", "ground", "sft"):
+        m = run_dir / stage / "_manifest.json"
+        if m.is_file():
+            total += float(json.loads(m.read_text()).get("duration_s") or 0.0)
+    return total
 
 
 def linked_copy(src: Path, dest: Path) -> Path:
-    """A copy of a run made of hard links (a refresh writes only under refresh/)."""
-    shutil.copytree(src, dest, copy_function=os.link)
+    """A copy of a run made of hard links (a refresh writes only under refresh/); an existing
+    copy is kept (a resumed bench: its refresh resumes or is done)."""
+    if not dest.exists():
+        tmp = dest.with_name(dest.name + ".partial")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(src, tmp, copy_function=os.link)
+        tmp.rename(dest)
     return dest
+
+
+def refresh_once(run: Path, items: Path, inter: Path, overrides: list[str]):
+    """`gti refresh` of `run` with the new items, or its result when an earlier attempt of the
+    bench finished it (a second call would make v2 on top of v1)."""
+    from gti.refresh import refresh
+    from gti.refresh.job import RefreshResult
+
+    done = run / "refresh" / "v1" / "_manifest.json"
+    if done.is_file():
+        f = json.loads(done.read_text())["facts"]
+        log(f"{run.name}: refresh v1 done by an earlier attempt, reused")
+        return RefreshResult(k=1, dir=done.parent, parent_hash=f["parent_hash"], new_hash=f["new_hash"], facts=f)
+    return refresh(run, items, inter, overrides, log=log)
+
+
+def cached(path: Path, compute):
+    """The JSON in `path`, else compute() written there (scores survive an interrupted bench)."""
+    if path.is_file():
+        return json.loads(path.read_text())
+    out = compute()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(out))
+    tmp.rename(path)
+    return out
 
 
 def _with_ci(per_user, n_boot: int, seed: int) -> dict:
@@ -184,17 +229,16 @@ def main(argv=None) -> int:
 
         from gti.data.holdout import new_target_users
         from gti.run_artifacts import load_recommender
-        from gti.refresh import refresh
 
         paths, h = write_data(work, args.quick, n_new, args.seed)
         log(f"{h.new_items.height} new items, {h.new_interactions.height} new interactions; base run ...")
         t_base = run_pipeline(mode["config"], work / "base", paths["base_items"], paths["base_inter"], ov)
         arms: dict[str, dict] = {}
         run_ref = linked_copy(work / "base", work / "refresh_run")
-        res = refresh(run_ref, paths["new_items"], paths["new_inter"], ov, log=log)
+        res = refresh_once(run_ref, paths["new_items"], paths["new_inter"], ov)
         run_asg = linked_copy(work / "base", work / "assign_run")
-        res0 = refresh(run_asg, paths["new_items"], paths["new_inter"], [*ov, "refresh.ground_steps=0",
-                                                                          "refresh.sft_steps=0"], log=log)
+        res0 = refresh_once(run_asg, paths["new_items"], paths["new_inter"],
+                            [*ov, "refresh.ground_steps=0", "refresh.sft_steps=0"])
         assert res0.new_hash == res.new_hash  # the same SIDs; only the training differs
         t_retrain = run_pipeline(mode["config"], work / "retrain", paths["all_items"], paths["all_inter"], ov)
 
@@ -215,7 +259,7 @@ def main(argv=None) -> int:
         for arm, (rec, wall) in recs.items():
             arms[arm] = {"wall_s": round(wall, 2)}
             for sl, (hist, tg) in slices.items():
-                arms[arm][sl] = score(rec, hist, tg, mode["ks"])
+                arms[arm][sl] = cached(work / "scores" / f"{arm}.{sl}.json", lambda: score(rec, hist, tg, mode["ks"]))
             log(f"{arm}: {json.dumps(arms[arm])}")
         # Reference rows on the same users, fitted on the refreshed run's training sequences
         # (old and new interactions, the targets held out as for the model).

@@ -39,11 +39,7 @@ def test_refresh_bench_quick(tmp_path):
 def test_baseline_scores_on_a_toy_catalog():
     """MostPop ranks by training counts, Markov by the last item's successors; MRR uses the
     rank in the whole catalog (after it when the target is not in the catalog)."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        import refresh as bench
-    finally:
-        sys.path.pop(0)
+    bench = _bench()
     train = [["a", "b"], ["a", "b"], ["c", "a"]]  # counts a 3, b 2, c 1; a -> b twice, c -> a once
     out = bench.baseline_scores(train, ["a", "b", "c", "d"], [["c"], ["a"], ["a"]], ["a", "b", "zz"], [1, 2],
                                 n_boot=50)
@@ -55,3 +51,36 @@ def test_baseline_scores_on_a_toy_catalog():
     assert mk["recall@1"]["value"] == 2 / 3 and abs(mk["mrr"]["value"] - (1 + 1 + 1 / 5) / 3) < 1e-12
     lo, hi = mk["mrr"]["ci"]
     assert lo <= mk["mrr"]["value"] <= hi
+
+
+def _bench():
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import refresh as bench
+    finally:
+        sys.path.pop(0)
+    return bench
+
+
+def test_a_resumed_bench_reuses_copies_refreshes_and_scores(tmp_path):
+    """--work resumes: an existing linked copy is kept, a finished refresh v1 is read back
+    instead of making v2 on top of it, a written score is not recomputed, and the wall time of a
+    run comes from its stage manifests."""
+    bench = _bench()
+    base = tmp_path / "base"
+    (base / "sft").mkdir(parents=True)
+    (base / "sft" / "_manifest.json").write_text(json.dumps({"duration_s": 30.5}))
+    (base / "ground").mkdir()
+    (base / "ground" / "_manifest.json").write_text(json.dumps({"duration_s": 10.0}))
+    assert bench.stages_wall_s(base) == 40.5
+    copy = bench.linked_copy(base, tmp_path / "copy")
+    (copy / "refresh" / "v1").mkdir(parents=True)
+    facts = {"parent_hash": "p", "new_hash": "n", "total_wall_s": 3.0, "steps": {"ground": 5, "sft": 0}}
+    (copy / "refresh" / "v1" / "_manifest.json").write_text(json.dumps({"facts": facts}))
+    assert bench.linked_copy(base, tmp_path / "copy") == copy and (copy / "refresh" / "v1").is_dir()
+    res = bench.refresh_once(copy, tmp_path / "items.parquet", None, [])  # no refresh runs: no such files
+    assert (res.k, res.dir, res.new_hash, res.facts) == (1, copy / "refresh" / "v1", "n", facts)
+    calls = []
+    first = bench.cached(tmp_path / "scores" / "a.json", lambda: calls.append(1) or {"mrr": 0.5})
+    again = bench.cached(tmp_path / "scores" / "a.json", lambda: calls.append(2) or {"mrr": 0.0})
+    assert first == again == {"mrr": 0.5} and calls == [1]
