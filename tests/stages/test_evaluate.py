@@ -289,3 +289,18 @@ def test_stale_sid_map_is_refused(tmp_path):
     (d / "model" / "gti_meta.json").write_text(json.dumps({"sid_map_hash": "trained-on-another-map"}))
     with pytest.raises(StaleSidMapError, match="stale SID map"):
         pipeline.run_stage(pipeline.spec("evaluate"), eval_cfg(run_dir), run_dir)
+
+
+def test_chunks_are_whole_batches_and_smaller_with_exact_ranks():
+    """A resumed evaluation must decode the same batches: chunks are whole eval.batch_users
+    batches; exact ranks (seconds per prompt) get short chunks, so a kill loses minutes."""
+    from gti.config import EvalConfig
+    from gti.stages import evaluate as E
+
+    for batch in (1, 5, 8, 16, 300):
+        for exact in (False, True):
+            rows = E.chunk_rows(EvalConfig(batch_users=batch, exact_rank=exact))
+            assert rows % batch == 0 and rows >= batch
+    assert E.chunk_rows(EvalConfig(batch_users=8)) == E.CHUNK_ROWS == 256
+    assert E.chunk_rows(EvalConfig(batch_users=8, exact_rank=True)) == E.EXACT_RANK_CHUNK_ROWS == 32
+    assert E.chunk_rows(EvalConfig(batch_users=5, exact_rank=True)) == 30

@@ -25,8 +25,9 @@ over the catalog's SID trie, and score them against the held-out item.
   target is the target of at most `eval.cold_max_sft_targets` SFT training windows
   (`sft_data.sft_target_counts`, counted on training items only, never valid/test), under
   slices.cold.<split>, with the definition under slices.cold.definition.
-- Resume: decoded rows are kept in the work dir in chunks of about `CHUNK_ROWS` prompts (a
-  multiple of `eval.batch_users`; `gti.stages._chunks`), each written atomically as it
+- Resume: decoded rows are kept in the work dir in chunks of about `CHUNK_ROWS` prompts
+  (`EXACT_RANK_CHUNK_ROWS` with exact ranks; a multiple of `eval.batch_users`, `chunk_rows`;
+  `gti.stages._chunks`), each written atomically as it
   completes. A rerun after an interrupted attempt (same fingerprint, so the same work dir)
   decodes only the prompts after the last whole chunk, in the same batches, so its metrics
   equal an uninterrupted run's.
@@ -60,6 +61,9 @@ METRICS_FILE = "metrics.json"
 RECS_FILE = "recs.parquet"
 DECODED_DIR = "decoded"  # resumable chunks of decoded rows (gti.stages._chunks), in the work dir
 CHUNK_ROWS = 256  # prompts per chunk, rounded to a multiple of eval.batch_users
+# With exact ranks a prompt costs seconds on a CPU (every SID of the catalog is scored), so a
+# 256-prompt chunk would be a quarter of an hour lost to a kill; 32 keeps it to a few minutes.
+EXACT_RANK_CHUNK_ROWS = 32
 _on_chunk = None  # test hook: called with each chunk index written (e.g. to interrupt the stage)
 
 
@@ -333,14 +337,19 @@ def _read_inputs(ctx: StageContext) -> _Inputs:
     return _Inputs(model_dir, sid_map_path, sid_facts, catalog, seqs, frames, rows, sft_counts, n_cold)
 
 
+def chunk_rows(ec) -> int:
+    """Prompts per resumable chunk: whole batches (`eval.batch_users`), so that a resumed run
+    decodes the same batches as an uninterrupted one (batched beam search is exact per batch,
+    not across compositions); fewer with `eval.exact_rank`, whose prompts are slow."""
+    target = EXACT_RANK_CHUNK_ROWS if ec.exact_rank else CHUNK_ROWS
+    return ec.batch_users * max(1, round(target / ec.batch_users))
+
+
 def _decode(ctx: StageContext, inp: _Inputs) -> tuple[pl.DataFrame, dict[str, Any]]:
     """Decode every prompt not already in a chunk of an interrupted attempt; -> (the decoded
     rows of all prompts, in `inp.rows` order; {users_per_s, resumed_prompts})."""
     rows, ec = inp.rows, ctx.cfg.eval
-    # Whole batches per chunk, so that a resumed run decodes the same batches as an
-    # uninterrupted one (batched beam search is exact per batch, not across compositions).
-    chunk_rows = ec.batch_users * max(1, round(CHUNK_ROWS / ec.batch_users))
-    decoded = ChunkedOutput(ctx.work_dir / DECODED_DIR, rows.select("user_id", "split").to_arrow(), chunk_rows,
+    decoded = ChunkedOutput(ctx.work_dir / DECODED_DIR, rows.select("user_id", "split").to_arrow(), chunk_rows(ec),
                             on_chunk=_on_chunk)
     resumed = decoded.resume()
     if resumed:
