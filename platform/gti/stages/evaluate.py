@@ -25,9 +25,8 @@ over the catalog's SID trie, and score them against the held-out item.
   target is the target of at most `eval.cold_max_sft_targets` SFT training windows
   (`sft_data.sft_target_counts`, counted on training items only, never valid/test), under
   slices.cold.<split>, with the definition under slices.cold.definition.
-- Resume: decoded rows are kept in the work dir in chunks of about `CHUNK_ROWS` prompts
-  (`EXACT_RANK_CHUNK_ROWS` with exact ranks; a multiple of `eval.batch_users`, `chunk_rows`;
-  `gti.stages._chunks`), each written atomically as it
+- Resume: decoded rows are kept in the work dir in chunks (`chunk_rows`; `gti.stages._chunks`),
+  each written atomically as it
   completes. A rerun after an interrupted attempt (same fingerprint, so the same work dir)
   decodes only the prompts after the last whole chunk, in the same batches, so its metrics
   equal an uninterrupted run's.
@@ -61,9 +60,7 @@ METRICS_FILE = "metrics.json"
 RECS_FILE = "recs.parquet"
 DECODED_DIR = "decoded"  # resumable chunks of decoded rows (gti.stages._chunks), in the work dir
 CHUNK_ROWS = 256  # prompts per chunk, rounded to a multiple of eval.batch_users
-# With exact ranks a prompt costs seconds on a CPU (every SID of the catalog is scored), so a
-# 256-prompt chunk would be a quarter of an hour lost to a kill; 32 keeps it to a few minutes.
-EXACT_RANK_CHUNK_ROWS = 32
+EXACT_RANK_CHUNK_ROWS = 32  # exact ranks cost seconds a prompt on a CPU: a kill loses minutes, not 1/4 h
 _on_chunk = None  # test hook: called with each chunk index written (e.g. to interrupt the stage)
 
 
@@ -338,9 +335,8 @@ def _read_inputs(ctx: StageContext) -> _Inputs:
 
 
 def chunk_rows(ec) -> int:
-    """Prompts per resumable chunk: whole batches (`eval.batch_users`), so that a resumed run
-    decodes the same batches as an uninterrupted one (batched beam search is exact per batch,
-    not across compositions); fewer with `eval.exact_rank`, whose prompts are slow."""
+    """Prompts per resumable chunk: whole `eval.batch_users` batches, so a resumed run decodes the
+    same batches (beam search is exact per batch); fewer with `eval.exact_rank` (slow prompts)."""
     target = EXACT_RANK_CHUNK_ROWS if ec.exact_rank else CHUNK_ROWS
     return ec.batch_users * max(1, round(target / ec.batch_users))
 
