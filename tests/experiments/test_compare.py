@@ -269,10 +269,18 @@ def test_report_only_runs_nothing(tmp_path, fake_stages):
     with pytest.raises(CMP.CompareError, match="--report-only: shared stage"):
         CMP.compare(cfg, ["mean"], 1, tmp_path / "o", echo=lambda m: None, report_only=True)
     CMP.compare(cfg, ["mean"], 1, tmp_path / "o", echo=lambda m: None)
+    record = tmp_path / "o" / "records" / "mean" / "seed0.json"
+    doc = json.loads(record.read_text())
+    doc["written"] = "an earlier session"  # a rewrite would stamp it again
+    record.write_text(json.dumps(doc))
+    written = record.read_text()
     fake_stages.calls.clear()
     paths = CMP.compare(cfg, ["mean"], 1, tmp_path / "o", echo=lambda m: None, report_only=True)
     assert fake_stages.calls == [] and paths["html"].is_file()
-    assert (tmp_path / "o" / "records" / "mean" / "seed0.json").is_file()
+    assert record.read_text() == written  # the record that stands for the run is not rewritten
+    record.unlink()  # a finished run without its record gets one
+    CMP.compare(cfg, ["mean"], 1, tmp_path / "o", echo=lambda m: None, report_only=True)
+    assert json.loads(record.read_text())["record"] == json.loads(written)["record"]
 
 
 def test_config_diff_and_records_validated_with_todays_defaults(tmp_path):

@@ -103,13 +103,16 @@ def config_diff(a: Any, b: Any, prefix: str = "") -> list[str]:
 
 def write_record(r: ArmRun, rdir: Path, identity: dict[str, str]) -> Path:
     """Keep the finished run `r` as a record file (see the module docstring). A record already
-    there that stands for another run (other config or shared data, e.g. a committed one while
-    a run with overrides finishes) is not overwritten: CompareError names both."""
+    there is never rewritten: one that stands for this run is left as it is (a `--report-only`
+    pass does not touch committed records), one for another run (other config or shared data,
+    e.g. a committed one while a run with overrides finishes) raises CompareError naming both."""
     path = record_path(rdir, r.arm, r.seed)
     if path.is_file():
-        _, _, why = read_record(r, rdir, identity)
+        stored, _, why = read_record(r, rdir, identity)
         if why:
             raise CompareError(f"kept the existing record, which is for another run: {why}")
+        if stored is not None:  # it already stands for this run: left as written (no churn)
+            return path
     rec = load_record(r)
     atomic_write_json(path, {
         "format": RECORD_FORMAT, "arm": r.arm, "seed": r.seed, "shared": identity,
