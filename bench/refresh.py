@@ -163,7 +163,7 @@ def score(rec, histories: list[list[str]], targets: list[str], ks: list[int], ba
     import torch
 
     from gti.eval.decode import constrained_beam_search
-    from gti.eval.metrics import per_user_metrics
+    from gti.eval.metrics import metrics_table
     from gti.eval.rank import exact_ranks, score_catalog
 
     keep = [i for i, (h, t) in enumerate(zip(histories, targets)) if t in rec.sid_ids and all(x in rec.sid_ids for x in h)]
@@ -176,12 +176,11 @@ def score(rec, histories: list[list[str]], targets: list[str], ks: list[int], ba
     res = constrained_beam_search(rec.model, prompts, rec.trie, beam_width=max(k, rec.beam_width), k=k,
                                   levels=rec.levels, pad_id=rec.pad_id, batch_users=batch_users)
     ranked = [[rec.item_ids[r] for r in row if r >= 0] for row in res.items.tolist()]
-    per = per_user_metrics(ranked, tg, ks)
     mat = torch.from_numpy(np.stack([rec.sid_ids[i] for i in rec.item_ids]))
     row_of = {it: r for r, it in enumerate(rec.item_ids)}
     scores = score_catalog(rec.model, prompts, mat, pad_id=rec.pad_id, batch_users=batch_users)
     ranks = exact_ranks(scores, torch.tensor([row_of[t] for t in tg]))
-    out = {f"recall@{kk}": _with_ci(per[f"recall@{kk}"], n_boot, seed) for kk in ks}
+    out = metrics_table(ranked, tg, ks, metrics=("recall",), n_boot=n_boot, seed=seed)
     out.update(mrr=_with_ci((1.0 / ranks).numpy(), n_boot, seed), median_rank=float(ranks.median()),
                n_users=len(tg), n_items=len(rec.item_ids))
     return out
@@ -195,15 +194,14 @@ def baseline_scores(train_sequences: list[list[str]], catalog: list[str], histor
     import numpy as np
 
     from gti.eval.baselines import Markov, MostPop
-    from gti.eval.metrics import per_user_metrics, target_ranks
+    from gti.eval.metrics import metrics_table, target_ranks
 
     out = {}
     for name, cls in (("mostpop", MostPop), ("markov", Markov)):
         ranked = cls(catalog).fit(train_sequences).recommend(histories, len(catalog))
-        per = per_user_metrics(ranked, targets, ks)
         r0 = target_ranks(ranked, targets)  # 0-based, -1 when absent
         ranks = np.where(r0 >= 0, r0 + 1, len(catalog) + 1).astype(float)  # absent: after the whole catalog
-        row = {f"recall@{kk}": _with_ci(per[f"recall@{kk}"], n_boot, seed) for kk in ks}
+        row = metrics_table(ranked, targets, ks, metrics=("recall",), n_boot=n_boot, seed=seed)
         row["mrr"] = _with_ci(1.0 / ranks, n_boot, seed)
         out[name] = row
     return out
