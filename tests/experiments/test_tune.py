@@ -41,6 +41,8 @@ def test_default_search_space_parses(base):
         ({"ground.lr": {"type": "uniform", "low": 0.1, "high": 0.01}}, "below high"),
         ({"ground.lr": {"type": "uniform", "low": "a", "high": 1}}, "numeric"),
         ({"ground.steps": {"type": "choice", "values": []}}, "non-empty"),
+        ({"sft.lr": {"type": "grid", "values": 0.1}}, "non-empty"),
+        ({"sft.lr": {"type": "grid", "values": [1e-3], "low": 1}}, "low"),
         ({"ground.steps": {"type": "choice", "values": [10, -5]}}, r"-5.*ground\.steps"),
         ({"ground.lrr": {"type": "loguniform", "low": 1e-4, "high": 1e-2}}, "lrr"),
         ({"ground.lr": {"type": "loguniform", "low": 1e-4, "high": 1e-2, "step": 2}}, "step"),
@@ -72,6 +74,64 @@ def test_search_space_from_yaml_with_every_type(base, tmp_path):
     for p in params:
         for _ in range(20):
             assert p.contains(space[p.key].sample())
+
+
+def test_grid_runs_every_value(base):
+    (p,) = T.parse_search_space({"sft.lr": {"type": "grid", "values": [2e-4, 5e-4, 1.5e-3]}}, base)
+    assert p.type == "grid" and p.contains(5e-4) and not p.contains(1e-3)
+    assert T.to_tune_space([p]) == {"sft.lr": {"grid_search": [2e-4, 5e-4, 1.5e-3]}}
+
+
+# --------------------------------------------------------------------------- shared stages
+def test_trials_share_every_stage_before_the_first_searched_one():
+    assert T.stage_of("ground.lr") == "ground" and T.stage_of("init.method") == "ground"
+    assert T.stage_of("sft.lr") == "sft" and T.stage_of("eval.beam_width") == "evaluate"
+    assert T.stage_of("seed") == "ingest"
+    shared = T.trial_shared_stages
+    # A ground key: each trial grounds (as before); an sft-only sweep grounds once.
+    assert shared(["ground.lr", "sft.lr"], "sft") == ("ingest", "embed", "sid", "pairs")
+    assert shared(["sft.lr", "sft.steps"], "sft") == ("ingest", "embed", "sid", "pairs", "ground")
+    assert shared(["eval.beam_width"], "sft") == ("ingest", "embed", "sid", "pairs", "ground", "sft")
+    assert shared(["ground.lr"], "grounding") == ("ingest", "embed", "sid", "pairs")
+    assert T.first_searched_stage(["sft.lr", "eval.beam_width"]) == "sft"
+
+
+@pytest.mark.parametrize("keys, objective, match", [
+    (["sid.levels"], "sft", r"tune\.search_space\.sid\.levels: .*sid stage"),
+    (["model.name"], "sft", r"model\.name.*pairs stage"),
+    (["seed"], "sft", r"seed.*ingest stage"),
+    (["sft.lr"], "grounding", r"sft\.lr.*only the sft stage.*tune\.objective: sft"),
+    (["tune.num_samples"], "sft", r"tune\.search_space\.tune\.num_samples: 'tune' is part of no stage"),
+])
+def test_keys_the_trials_cannot_vary_are_refused(keys, objective, match):
+    with pytest.raises(C.GtiError, match=match):
+        T.trial_shared_stages(keys, objective)
+
+
+def test_sft_objective_needs_an_eval_metric_on_the_valid_split(base):
+    def cfg(*ov):
+        return C.validate(C.apply_overrides(base.model_dump(mode="json"), ["tune.objective=sft", *ov]), "t")
+
+    T.check_sft_objective(cfg("tune.metric=recall@10"))
+    T.check_sft_objective(cfg("tune.metric=mrr", "eval.exact_rank=true"))
+    with pytest.raises(C.ConfigError, match="'val_exact_match' is not an evaluation metric"):
+        T.check_sft_objective(cfg())
+    with pytest.raises(C.ConfigError, match="mrr.*eval.exact_rank: true"):
+        T.check_sft_objective(cfg("tune.metric=mrr", "eval.exact_rank=false"))
+    with pytest.raises(C.ConfigError, match=r"eval.splits: .*\['test'\]; add valid"):
+        T.check_sft_objective(cfg("tune.metric=recall@10", "eval.splits=[test]"))
+
+
+def test_trial_metric_is_read_from_the_valid_split():
+    facts = {"metrics": {"test": {"recall@10": {"value": 0.9}}, "valid": {"recall@10": {"value": 0.2}}},
+             "ranks": {"valid": {"mrr": {"value": 0.05, "ci": [0.01, 0.1]}, "mean_percentile_rank": {"value": 0.3}}}}
+    assert T._eval_metric(facts, "recall@10") == 0.2
+    assert T._eval_metric(facts, "mrr") == 0.05
+    assert T._eval_metric(facts, "mean_percentile_rank") == 0.3
+    with pytest.raises(T.TuneError, match="ndcg@10"):
+        T._eval_metric(facts, "ndcg@10")
+    with pytest.raises(T.TuneError, match="no valid split"):
+        T._eval_metric({"metrics": {"test": {"recall@10": {"value": 0.9}}}}, "recall@10")
 
 
 def test_apply_params_gives_a_valid_config(base):
@@ -182,28 +242,35 @@ def test_two_trial_sweep_writes_valid_best_yaml(tmp_path, ray_start_4_cpus):
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_sft_objective_runs_ground_sft_evaluate_per_trial(tmp_path, ray_start_4_cpus):
-    """tune.objective=sft: a trial runs ground -> sft -> evaluate in its own folder with its
-    sampled grounding setting, and is scored by an evaluation metric on the valid split. One
-    trial (the two-trial sweep above covers picking the best of several; each trial here costs
-    a whole ground + SFT + evaluate)."""
+def test_sft_objective_over_an_sft_key_grounds_once_and_scores_each_trial(tmp_path, ray_start_4_cpus):
+    """tune.objective=sft over sft.lr (a 2-value grid: 2 trials): the base run grounds once;
+    each trial links that ground stage, runs SFT with its own lr and the evaluation, and is
+    scored by an evaluation metric on the valid split. (A sweep over ground keys runs ground in
+    every trial: the same call from the first searched stage, unit-tested above.)"""
     run_dir = tmp_path / "run"
     raw = C.apply_overrides(C.read_yaml(TINY), [
         f"run_dir={run_dir}", "tune.num_samples=1", "tune.objective=sft", "tune.metric=recall@5",
+        "ground.steps=2", "ground.checkpoint_every=2", "ground.val_every=2",
         "sft.steps=2", "sft.checkpoint_every=2", "sft.val_every=2", "eval.max_users=8",
-        "tune.search_space={ground.lr: {type: loguniform, low: 1.0e-4, high: 1.0e-2}, "
-        "ground.steps: {type: choice, values: [2, 4]}}",
+        "tune.search_space={sft.lr: {type: grid, values: [1.0e-4, 1.0e-3]}}",
     ])
     cfg = C.validate(raw, "test")
     summary = T.sweep(cfg, raw=raw)
 
-    assert len(summary["trials"]) == 1 and summary["errored"] == 0
+    assert len(summary["trials"]) == 2 and summary["errored"] == 0
+    assert sorted(t["params"]["sft.lr"] for t in summary["trials"]) == [1e-4, 1e-3]
+    base_ground = run_dir / "ground" / "_manifest.json"
     for t in summary["trials"]:
         trial_run = run_dir / "tune" / "trials" / T.trial_run_name(t["trial_id"], t["params"]) / "run"
-        ground = json.loads((trial_run / "ground" / "_manifest.json").read_text())
-        assert ground["facts"]["steps_done"] == t["params"]["ground.steps"]
-        assert ground["config"]["ground"]["lr"] == pytest.approx(t["params"]["ground.lr"])
+        # Grounded once: the trial's ground stage is the base run's own files (hard links).
+        assert (trial_run / "ground" / "_manifest.json").samefile(base_ground)
+        sft = json.loads((trial_run / "sft" / "_manifest.json").read_text())
+        assert sft["config"]["sft"]["lr"] == pytest.approx(t["params"]["sft.lr"])
+        assert t["steps_done"] == t["steps_target"] == 2
         metrics = json.loads((trial_run / "evaluate" / "metrics.json").read_text())
         assert t["metric"] == pytest.approx(metrics["splits"]["valid"]["recall@5"]["value"])
-    best = C.load(run_dir / "tune" / "best.yaml")
-    assert best.ground.lr == pytest.approx(summary["best"]["params"]["ground.lr"])
+    best_path = run_dir / "tune" / "best.yaml"
+    best = C.load(best_path)
+    assert best.sft.lr == pytest.approx(summary["best"]["params"]["sft.lr"])
+    assert best.ground == cfg.ground
+    assert best_path.read_text().startswith(f"# Run: gti run --config {best_path} --from sft")

@@ -55,10 +55,10 @@ def link_tree(src: Path, dst: Path) -> None:
     tmp.rename(dst)
 
 
-def adopt_shared(shared_dir: Path, run_dir: Path) -> None:
-    """Put the shared stages into run_dir (unless the same ones are already there)."""
+def adopt_shared(shared_dir: Path, run_dir: Path, stages: tuple[str, ...] = SHARED_STAGES) -> None:
+    """Put `stages` of shared_dir into run_dir (unless the same ones are already there)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    for stage in SHARED_STAGES:
+    for stage in stages:
         src = shared_dir / stage
         want = Manifest.read(src).fingerprint
         try:

@@ -21,10 +21,20 @@ step as its time axis; the grounding loop reports the metric after each validati
 it forward in every later report. Reports before the first validation lack it, which ASHA
 ignores (strict metric checking is off for that reason).
 
-Objective `sft`: each trial grounds, then runs a short SFT and the evaluation stage in its own
-run folder (upstream stages hard-linked from the base run) and reports the evaluation's
-validation metric (`tune.metric`, e.g. `recall@10`) once at the end; ASHA then has nothing to
-stop early.
+Objective `sft`: each trial runs ground (unless shared, below), a short SFT and the evaluation
+stage in its own run folder (upstream stages hard-linked from the base run) and reports the
+evaluation's validation metric (`tune.metric`: `recall@10`, `ndcg@10`, ... or, with
+`eval.exact_rank`, `mrr` / `mean_percentile_rank`) once at the end; ASHA then has nothing to
+stop early. The valid split must be evaluated: a sweep never picks by the test split.
+
+Shared stages: every stage before the first one a searched key changes runs once in the base
+run and is hard-linked into each trial (`first_searched_stage`): a sweep over `sft.*` keys
+grounds once, not once per trial. Keys of stages upstream of ground (data, embed, sid, model,
+pairs, seed) are refused: the trials share those stages, so a sampled value would be ignored.
+
+Search types: `loguniform`, `uniform`, `randint` and `choice` are sampled (`tune.num_samples`
+draws); `grid` runs every listed value (times `num_samples`), so a 3-value learning-rate
+check is 3 trials with `num_samples: 1`.
 
 Concurrency: `max_concurrent_trials` = what the cluster holds (total CPUs, GPUs and custom
 resources) divided by what one trial holds at once (`num_workers` x `resources_per_worker`,
@@ -52,7 +62,7 @@ import yaml
 from gti import config as C
 from gti import pipeline
 from gti.errors import GtiError
-from gti.experiments.shared import adopt_shared
+from gti.experiments.shared import SHARED_STAGES, adopt_shared
 from gti.train import resources
 
 TUNE_DIR = "tune"
@@ -61,7 +71,9 @@ BEST_FILE = "best.yaml"
 RESULTS_FILE = "results.json"
 # A trial's driver only waits on its Train run; it must still ask Tune for some resource.
 DRIVER_CPU = 0.05
-SPACE_TYPES = ("loguniform", "uniform", "choice", "randint")
+SPACE_TYPES = ("loguniform", "uniform", "choice", "randint", "grid")
+# Evaluation facts that are not "@K" metrics (facts["ranks"][split], with eval.exact_rank).
+RANK_METRICS = ("mrr", "mean_percentile_rank")
 
 
 class TuneError(GtiError):
@@ -80,11 +92,11 @@ class Param:
     values: tuple[Any, ...] = ()
 
     def bounds_or_values(self) -> list[Any]:
-        """The values a sample can take at the extremes (ranges) or all of them (choice)."""
-        return list(self.values) if self.type == "choice" else [self.low, self.high]
+        """The values a sample can take at the extremes (ranges) or all of them (choice, grid)."""
+        return list(self.values) if self.type in ("choice", "grid") else [self.low, self.high]
 
     def contains(self, value: Any) -> bool:
-        if self.type == "choice":
+        if self.type in ("choice", "grid"):
             return value in self.values
         if self.type == "randint":  # Ray's randint excludes the upper bound
             return float(value).is_integer() and self.low <= value < self.high
@@ -108,11 +120,12 @@ def parse_search_space(space: dict[str, dict[str, Any]], base: C.RunConfig) -> l
         kind = spec.get("type")
         if kind not in SPACE_TYPES:
             raise C.ConfigError(f"{where}.type: '{kind}' is not one of {list(SPACE_TYPES)}")
-        allowed = {"type", "values"} if kind == "choice" else {"type", "low", "high"}
+        listed = kind in ("choice", "grid")
+        allowed = {"type", "values"} if listed else {"type", "low", "high"}
         extra = set(spec) - allowed
         if extra:
             raise C.ConfigError(f"{where}: unknown key(s) {sorted(extra)} for type {kind}")
-        if kind == "choice":
+        if listed:
             values = spec.get("values")
             if not isinstance(values, list) or not values:
                 raise C.ConfigError(f"{where}.values: give a non-empty list")
@@ -158,6 +171,8 @@ def to_tune_space(params: list[Param]) -> dict[str, Any]:
             out[p.key] = tune.uniform(p.low, p.high)
         elif p.type == "randint":
             out[p.key] = tune.randint(int(p.low), int(p.high))
+        elif p.type == "grid":
+            out[p.key] = tune.grid_search(list(p.values))
         else:
             out[p.key] = tune.choice(list(p.values))
     return out
@@ -175,6 +190,63 @@ def trial_run_name(trial_id: str, params: dict[str, Any]) -> str:
     index = f"t{int(index):03d}" if index.isdigit() else trial_id
     digest = hashlib.sha256(json.dumps(params, sort_keys=True, default=str).encode()).hexdigest()[:8]
     return f"ground-{index}-{digest}"
+
+
+# --------------------------------------------------------------------------- stages
+def stage_of(key: str) -> str:
+    """The first pipeline stage whose fingerprint config key `key` (dotted) is part of:
+    `seed` is in every stage's; a key of no stage's sections changes nothing (TuneError)."""
+    section = key.split(".", 1)[0]
+    if section == "seed":
+        return pipeline.STAGE_NAMES[0]
+    for s in pipeline.STAGES:
+        if section in s.sections:
+            return s.name
+    raise TuneError(f"tune.search_space.{key}: '{section}' is part of no stage's settings, so a "
+                    "sampled value would change nothing")
+
+
+def first_searched_stage(keys: list[str], objective: str = "sft") -> str:
+    """The first stage a trial must run: the earliest stage any searched key changes. Every
+    stage before it runs once in the base run and is shared by the trials. ConfigError, naming
+    the key, for a key of a stage upstream of ground (the trials share those) and, with
+    objective `grounding` (trials run the ground stage alone), for a key of a later stage."""
+    order = pipeline.STAGE_NAMES.index
+    first = "evaluate"
+    for key in keys:
+        stage = stage_of(key)
+        if order(stage) < order("ground"):
+            raise C.ConfigError(
+                f"tune.search_space.{key}: '{key}' changes the {stage} stage, which every trial shares "
+                "with the base run (tune searches ground, sft and eval settings)")
+        if objective == "grounding" and stage != "ground":
+            raise C.ConfigError(
+                f"tune.search_space.{key}: '{key}' changes only the {stage} stage, but tune.objective "
+                "grounding runs the ground stage alone (use tune.objective: sft)")
+        first = min(first, stage, key=order)
+    return first
+
+
+def trial_shared_stages(keys: list[str], objective: str) -> tuple[str, ...]:
+    """Stages a trial takes hard-linked from the base run (never fewer than SHARED_STAGES)."""
+    first = first_searched_stage(keys, objective)
+    return tuple(pipeline.STAGE_NAMES[: max(pipeline.STAGE_NAMES.index(first), len(SHARED_STAGES))])
+
+
+def check_sft_objective(cfg: C.RunConfig) -> None:
+    """tune.objective sft scores trials by an evaluation metric on the valid split."""
+    metric = cfg.tune.metric
+    if "@" not in metric and metric not in RANK_METRICS:
+        raise C.ConfigError(
+            f"tune.metric '{metric}' is not an evaluation metric; with tune.objective sft use one such "
+            f"as recall@10 or ndcg@10 (or, with eval.exact_rank: true, one of {list(RANK_METRICS)}), "
+            "on the valid split")
+    if metric in RANK_METRICS and not cfg.eval.exact_rank:
+        raise C.ConfigError(f"tune.metric '{metric}' needs eval.exact_rank: true (it ranks the whole catalog)")
+    if "valid" not in cfg.eval.splits:
+        raise C.ConfigError(
+            f"eval.splits: tune.objective sft scores trials on the valid split, but eval.splits is "
+            f"{list(cfg.eval.splits)}; add valid (a sweep must not pick by the test split)")
 
 
 # --------------------------------------------------------------------------- resources
@@ -234,19 +306,25 @@ def ground_trial(params: dict[str, Any], base_raw: dict[str, Any], keys: list[st
         (trial / "facts.json").write_text(json.dumps(result.facts, indent=1, default=str))
         return
 
-    # objective == "sft": a short ground -> sft -> evaluate in the trial's own run folder.
+    # objective == "sft": [ground ->] sft -> evaluate in the trial's own run folder, from the
+    # first stage a searched key changes (the stages before it are the base run's, linked).
     trial_run = trial / "run"
-    adopt_shared(run_dir, trial_run)
+    shared = trial_shared_stages(keys, cfg.tune.objective)
+    adopt_shared(run_dir, trial_run, stages=shared)
     tcfg = cfg.model_copy(update={"run_dir": str(trial_run)})
-    done = pipeline.run(tcfg, from_stage="ground", to_stage="evaluate", echo=_echo)
+    first = pipeline.STAGE_NAMES[len(shared)]
+    done = pipeline.run(tcfg, from_stage=first, to_stage="evaluate", echo=_echo)
     metrics = _eval_metric(done["evaluate"].facts, cfg.tune.metric)
     ray.tune.report({cfg.tune.metric: metrics, "step": tcfg.sft.steps})
 
 
 def _eval_metric(facts: dict[str, Any], metric: str) -> float:
     """`metric` (e.g. `recall@10`) on the validation split from the evaluate stage's facts."""
-    table = facts.get("metrics", {})
-    split = table.get("valid") or next(iter(table.values()), {})
+    table = facts.get("ranks" if metric in RANK_METRICS else "metrics", {})
+    split = table.get("valid")
+    if split is None:
+        raise TuneError(f"the evaluation has no valid split to read tune.metric '{metric}' from "
+                        f"(splits: {sorted(table)})")
     value = split.get(metric)
     if isinstance(value, dict):
         value = value.get("value", value.get("mean"))
@@ -256,10 +334,6 @@ def _eval_metric(facts: dict[str, Any], metric: str) -> float:
 
 
 # --------------------------------------------------------------------------- the sweep
-def _upstream_of_ground() -> str:
-    return pipeline.STAGE_NAMES[pipeline.STAGE_NAMES.index("ground") - 1]
-
-
 def sweep(cfg: C.RunConfig, raw: dict[str, Any] | None = None, echo=_echo) -> dict[str, Any]:
     """Run the sweep; returns the summary also written to run_dir/tune/results.json.
 
@@ -279,14 +353,13 @@ def sweep(cfg: C.RunConfig, raw: dict[str, Any] | None = None, echo=_echo) -> di
     keys = [p.key for p in params]
     if not cfg.ground.enabled:
         raise C.ConfigError("gti tune searches the grounding stage: it needs ground.enabled: true")
-    if cfg.tune.objective == "sft" and "@" not in cfg.tune.metric:
-        raise C.ConfigError(
-            f"tune.metric '{cfg.tune.metric}' is not an evaluation metric; with tune.objective sft "
-            "use one such as recall@10 or ndcg@10 (on the valid split)"
-        )
+    if cfg.tune.objective == "sft":
+        check_sft_objective(cfg)
+    shared = trial_shared_stages(keys, cfg.tune.objective)
 
-    echo(f"upstream stages up to '{_upstream_of_ground()}'")
-    pipeline.run(cfg, to_stage=_upstream_of_ground())
+    # The stages every trial shares run once here (or are found up to date).
+    echo(f"shared stages up to '{shared[-1]}'")
+    pipeline.run(cfg, to_stage=shared[-1])
 
     # Read by Tune in this process (and propagated to trial actors): trials keep the job's cwd
     # so relative data paths still resolve; reports before the first validation carry no metric.
@@ -364,7 +437,9 @@ def summarise(cfg, base_raw, params, grid, wall: float, echo=_echo) -> dict[str,
     for r in grid:
         chosen = {k: r.config[k] for k in keys}
         m = r.metrics or {}
-        target = int(chosen.get("ground.steps", cfg.ground.steps))
+        # The step count a trial reports up to: grounding's, or (objective sft) SFT's.
+        target = (int(chosen.get("ground.steps", cfg.ground.steps)) if cfg.tune.objective == "grounding"
+                  else int(chosen.get("sft.steps", cfg.sft.steps)))
         steps_done = int(m.get("step", 0) or 0)
         trials.append({
             "trial_id": m.get("trial_id"),
@@ -387,7 +462,7 @@ def summarise(cfg, base_raw, params, grid, wall: float, echo=_echo) -> dict[str,
     out.mkdir(parents=True, exist_ok=True)
     best_path = out / BEST_FILE
     header = (
-        f"# Run: gti run --config {best_path} --from ground\n"
+        f"# Run: gti run --config {best_path} --from {first_searched_stage(keys, cfg.tune.objective)}\n"
         f"# Best of {len(trials)} tune trials ({cfg.tune.metric} {cfg.tune.mode}: {best['metric']}); "
         f"params {json.dumps(best['params'], sort_keys=True)}\n"
     )
