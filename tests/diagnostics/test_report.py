@@ -55,7 +55,8 @@ def test_json_and_csv_match_html_table(tmp_path):
     parser = _Cells()
     parser.feed(paths["html"].read_text())
     html_cells = {(c["data-arm"], c["data-group"], c["data-name"]): c for c in parser.cells}
-    rows = doc["metrics"] + doc["cold"]["rows"] + doc["diagnostics"]
+    rows = doc["metrics"] + doc["pairwise"] + doc["cold"]["rows"] + doc["diagnostics"]
+    assert doc["pairwise"]  # gti vs gti+multitask
     assert len(html_cells) == len(rows)
     with paths["csv"].open() as fh:
         csv_rows = {(r["table"], r["arm"], r["group"], r["name"]): r for r in csv.DictReader(fh)}
@@ -198,3 +199,30 @@ def test_csv_text_writes_exact_floats_and_blanks_for_missing():
     values = dict(zip(CSV_COLUMNS, next(csv.reader([row]))))
     assert values["mean"] == "0.30000000000000004" and float(values["mean"]) == 0.1 + 0.2
     assert values["std"] == "" and values["group"] == "" and values["n"] == "2" and values["ci_method"] == "a, b"
+
+
+def test_pairwise_rows_put_each_arm_against_the_later_non_baseline_arms(tmp_path):
+    from gti.diagnostics.tables import metrics_table
+
+    recs = make_records(per_user=True)  # arms mean (baseline), gti, gti+multitask
+    paths = build_report(recs, tmp_path / "out", n_boot=200)
+    doc = json.loads(paths["json"].read_text())
+    pw = doc["pairwise"]
+    # Only gti vs gti+multitask: never the baseline, never both directions of a pair.
+    assert {(r["arm"], r["group"], r["table"]) for r in pw} == {("gti", "test vs gti+multitask", "pairwise")}
+    want = {r["name"]: r for r in metrics_table(recs, "test", "gti+multitask", 200, 0) if r["arm"] == "gti"}
+    for r in pw:
+        assert r["lift"] == pytest.approx(want[r["name"]]["lift"])
+        assert (r["lift_ci_lo"], r["lift_ci_hi"]) == pytest.approx((want[r["name"]]["lift_ci_lo"],
+                                                                    want[r["name"]]["lift_ci_hi"]))
+        if r["name"] == "recall@10":  # per-user values exist: the lift is paired over users
+            assert "paired user bootstrap" in r["ci_method"]
+    gti = np.mean([r.metrics["splits"]["test"]["recall@10"]["value"] for r in recs if r.arm == "gti"])
+    mt = np.mean([r.metrics["splits"]["test"]["recall@10"]["value"] for r in recs if r.arm == "gti+multitask"])
+    assert {r["name"]: r for r in pw}["recall@10"]["lift"] == pytest.approx(gti / mt - 1)
+    assert any(x.startswith("gti vs gti+multitask (test): ") for x in doc["reading"])
+    assert not any(x.startswith("gti vs mean (test) vs") for x in doc["reading"])
+    page = paths["html"].read_text()
+    assert "Arm against arm" in page and 'class="pairwise"' in page
+    with paths["csv"].open() as fh:
+        assert sum(r["table"] == "pairwise" for r in csv.DictReader(fh)) == len(pw)

@@ -236,6 +236,20 @@ def _wall_time_html(wall: Mapping[str, Mapping[str, Any]], baseline_arm: str) ->
     return "".join(out)
 
 
+def _pairwise_html(rows: Sequence[Mapping[str, Any]]) -> str:
+    """Arm against arm (beside the baseline): each cell's lift is against the arm its row names."""
+    if not rows:
+        return ""
+    return (
+        "<h3>Arm against arm</h3>"
+        '<p class="note">The same metrics, each arm against a later non-baseline arm (row: '
+        "&lsquo;arm vs reference&rsquo;); lift = mean_arm / mean_reference &minus; 1 [95% CI, "
+        "paired over users where per-user values exist].</p>"
+        + _table_html(rows, lambda r: (r["arm"], r["group"].split(" vs ", 1)[-1]), lambda r: r["name"],
+                      ["arm", "vs"], "pairwise", _col_label)
+    )
+
+
 def render_html(doc: Mapping[str, Any], plots: Mapping[str, Path]) -> str:
     """The HTML page for a report document (as written to report.json) and its plot files."""
     split = doc["split"]
@@ -258,6 +272,7 @@ def render_html(doc: Mapping[str, Any], plots: Mapping[str, Path]) -> str:
         "mean_percentile_rank = mean of (rank&minus;1)/(items&minus;1) (0 = first, 0.5 = chance). "
         "CI methods per cell are in report.csv / report.json (<code>ci_method</code>).</p>",
         _table_html(metrics, lambda r: r["arm"], lambda r: r["name"], ["arm"], "metrics", _col_label),
+        _pairwise_html(doc.get("pairwise") or []),
         _reading_html(doc.get("reading") or []),
         "<h2>Reference baselines</h2>",
         _baselines_html(doc.get("baselines") or {}, split),

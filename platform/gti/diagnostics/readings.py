@@ -1,7 +1,8 @@
 """The report's numbers in plain words (the "Reading" section and report.json "reading").
 
 What it is for: per arm, which metrics are better / worse than the baseline arm (the lift CI
-read with the metric's direction), on all users and on the cold slice; each learning curve
+read with the metric's direction), on all users and on the cold slice, and against each later
+non-baseline arm (the pairwise rows); each learning curve
 against the baseline arm's (ahead / behind at the first and last common step, who catches
 up); the extra wall time.
 
@@ -60,7 +61,9 @@ def reading(doc: Mapping[str, Any]) -> list[str]:
     then the learning-curve reading."""
     base = doc["baseline_arm"]
     lines = []
-    for label, rows in (("", doc["metrics"]), (" on the cold slice", (doc.get("cold") or {}).get("rows") or [])):
+    sources = (("", doc["metrics"]), (" on the cold slice", (doc.get("cold") or {}).get("rows") or []),
+               ("", doc.get("pairwise") or []))
+    for label, rows in sources:
         groups: dict[tuple[str, str], dict[str, list[str]]] = {}
         for r in rows:
             if r["arm"] == base or not r.get("verdict"):
@@ -91,7 +94,8 @@ def reading(doc: Mapping[str, Any]) -> list[str]:
                 if g.get(k):
                     parts.append(f"{word} on " + ", ".join(x.split(" (")[0] for x in g[k]))
             grp = group.split("/", 1)[-1]
-            lines.append(f"{arm} vs {base} ({grp}){label}: " + "; ".join(parts) + ".")
+            grp, _, ref = grp.partition(" vs ")  # a pairwise row names its reference arm
+            lines.append(f"{arm} vs {ref or base} ({grp}){label}: " + "; ".join(parts) + ".")
     lines += doc.get("curve_reading") or []
     wt = doc.get("wall_time") or {}
     for arm, w in wt.items():

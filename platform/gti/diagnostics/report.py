@@ -10,7 +10,8 @@ package versions) of one or many arms x seeds into
 
 Statistics (documented in the report itself):
 - mean +- std over seeds (sample std, ddof=1; empty with one seed);
-- relative lift against the baseline arm (default `mean`): mean_arm / mean_baseline - 1;
+- relative lift against the baseline arm (default `mean`): mean_arm / mean_baseline - 1; the
+  same for each arm against every later non-baseline arm ("pairwise", e.g. gti vs random);
 - 95% bootstrap CIs. When every run's metrics.json carries `per_user` values (see
   docs/ARCHITECTURE.md, evaluate row), users are resampled: the arm CI resamples users of the
   per-user mean over seeds, and the lift CI is a *paired* bootstrap over the users both arms
@@ -71,6 +72,7 @@ from gti.diagnostics.tables import (
     diagnostics_table,
     learning_curves,
     metrics_table,
+    pairwise_table,
     rsa_level_table,
     wall_time_table,
 )
@@ -143,6 +145,8 @@ def build_report(
         "arms": arms,
         "seeds_per_arm": {a: sum(r.arm == a for r in records) for a in arms},
         "metrics": metrics_table(records, split, baseline_arm, n_boot, seed),
+        # Arm against arm beside the baseline (gti vs random: grounding's own share).
+        "pairwise": pairwise_table(records, split, baseline_arm, n_boot, seed),
         "cold": cold_table(records, baseline_arm, n_boot, seed),
         "learning_curves": {m: {a: [[p["step"], p["mean"]] for p in pts] for a, pts in arms_.items()}
                             for m, arms_ in curves.items()},
@@ -167,7 +171,8 @@ def build_report(
     doc = _clean(doc)
     paths = {"html": out / "report.html", "json": out / "report.json", "csv": out / "report.csv"}
     atomic_write_bytes(paths["json"], (json.dumps(doc, indent=1, allow_nan=False) + "\n").encode())
-    atomic_write_bytes(paths["csv"], _csv_text(doc["metrics"] + doc["cold"]["rows"] + doc["diagnostics"]).encode())
+    atomic_write_bytes(paths["csv"], _csv_text(doc["metrics"] + doc["pairwise"] + doc["cold"]["rows"]
+                                               + doc["diagnostics"]).encode())
     atomic_write_bytes(paths["html"], render_html(doc, {c: Path(p) for c, p in (plots or {}).items()}).encode())
     return paths
 

@@ -112,6 +112,27 @@ def metrics_table(
     return rows
 
 
+def pairwise_table(
+    records: Sequence[RunRecord],
+    split: str = "test",
+    baseline_arm: str = "mean",
+    n_boot: int = 1000,
+    seed: int = 0,
+) -> list[dict[str, Any]]:
+    """Lift rows of each arm against every later non-baseline arm (e.g. gti vs random: what
+    grounding adds over a start that is not collapsed), computed as `metrics_table` with that
+    arm as the reference; rows tagged table "pairwise", group "<split> vs <reference arm>"."""
+    arms = _ordered_arms(records)
+    rows = []
+    for ref in arms:
+        if ref == baseline_arm:
+            continue
+        for row in metrics_table(records, split, ref, n_boot, seed):
+            if row["arm"] != baseline_arm and arms.index(row["arm"]) < arms.index(ref):
+                rows.append({**row, "table": "pairwise", "group": f"{split} vs {ref}"})
+    return rows
+
+
 def diagnostics_table(
     records: Sequence[RunRecord], n_boot: int = 1000, seed: int = 0
 ) -> list[dict[str, Any]]:
