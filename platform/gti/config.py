@@ -285,7 +285,8 @@ class CompareConfig(_Strict):
 
 # --------------------------------------------------------------------------- tune
 class TuneConfig(_Strict):
-    # Search space: {param: {type: loguniform|uniform|choice, low, high, values}}
+    # Search space: {param: {type: loguniform|uniform|randint|choice|grid, low, high, values}}
+    # (grid: every value runs, times num_samples; the others are sampled num_samples times)
     search_space: dict[str, dict[str, Any]] = Field(
         default_factory=lambda: {
             "ground.lr": {"type": "loguniform", "low": 1e-4, "high": 1e-2},
