@@ -1,5 +1,7 @@
-"""gti.experiments.tune: search-space parsing (fast, no Ray), resource arithmetic, trial naming, and a
-real 2-trial sweep on the tiny config whose best.yaml is a valid config inside the space."""
+"""gti.experiments.tune: reading a trial's metric, resource arithmetic, trial naming (fast, no
+Ray), and real sweeps on the tiny config: a 2-trial grounding sweep whose best.yaml is a valid
+config inside the space, and an sft-objective grid over sft.lr that grounds once (the search
+space itself: test_tune_space.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,6 @@ import json
 from pathlib import Path
 
 import pytest
-import yaml
 
 from gti import config as C
 from gti.experiments import tune as T
@@ -22,106 +23,6 @@ def base():
     return C.load(TINY)
 
 
-# --------------------------------------------------------------------------- search space
-def test_default_search_space_parses(base):
-    params = {p.key: p for p in T.parse_search_space(C.TuneConfig().search_space, base)}
-    lr, steps = params["ground.lr"], params["ground.steps"]
-    assert (lr.type, lr.low, lr.high) == ("loguniform", 1e-4, 1e-2)
-    assert steps.type == "choice" and steps.values == (100, 200, 400)
-    assert lr.contains(1e-3) and not lr.contains(0.1)
-    assert steps.contains(200) and not steps.contains(300)
-
-
-@pytest.mark.parametrize(
-    "space, match",
-    [
-        ({}, "empty"),
-        ({"ground.lr": {"type": "gaussian", "low": 1, "high": 2}}, r"ground\.lr\.type"),
-        ({"ground.lr": {"type": "loguniform", "low": 0.0, "high": 1e-2}}, "low > 0"),
-        ({"ground.lr": {"type": "uniform", "low": 0.1, "high": 0.01}}, "below high"),
-        ({"ground.lr": {"type": "uniform", "low": "a", "high": 1}}, "numeric"),
-        ({"ground.steps": {"type": "choice", "values": []}}, "non-empty"),
-        ({"sft.lr": {"type": "grid", "values": 0.1}}, "non-empty"),
-        ({"sft.lr": {"type": "grid", "values": [1e-3], "low": 1}}, "low"),
-        ({"ground.steps": {"type": "choice", "values": [10, -5]}}, r"-5.*ground\.steps"),
-        ({"ground.lrr": {"type": "loguniform", "low": 1e-4, "high": 1e-2}}, "lrr"),
-        ({"ground.lr": {"type": "loguniform", "low": 1e-4, "high": 1e-2, "step": 2}}, "step"),
-        ({"ground.steps": {"type": "randint", "low": 1.5, "high": 4}}, "integer"),
-        ({"ground.lr": [1, 2]}, "mapping"),
-    ],
-)
-def test_bad_search_space_names_the_key(space, match, base):
-    with pytest.raises(C.ConfigError, match=match):
-        T.parse_search_space(space, base)
-
-
-def test_search_space_from_yaml_with_every_type(base, tmp_path):
-    f = tmp_path / "c.yaml"
-    raw = yaml.safe_load(TINY.read_text())
-    raw["tune"] = {"search_space": {
-        "ground.lr": {"type": "loguniform", "low": 1e-4, "high": 1e-2},
-        "ground.warmup_steps": {"type": "randint", "low": 0, "high": 3},
-        "ground.weight_decay": {"type": "uniform", "low": 0.0, "high": 0.1},
-        "init.method": {"type": "choice", "values": ["mean", "random"]},
-    }}
-    f.write_text(yaml.safe_dump(raw))
-    cfg = C.load(f)
-    params = T.parse_search_space(cfg.tune.search_space, cfg)
-    assert [p.type for p in params] == ["loguniform", "randint", "uniform", "choice"]
-    space = T.to_tune_space(params)
-    assert set(space) == set(cfg.tune.search_space)
-    # Ray's samplers draw inside the declared space.
-    for p in params:
-        for _ in range(20):
-            assert p.contains(space[p.key].sample())
-
-
-def test_grid_runs_every_value(base):
-    (p,) = T.parse_search_space({"sft.lr": {"type": "grid", "values": [2e-4, 5e-4, 1.5e-3]}}, base)
-    assert p.type == "grid" and p.contains(5e-4) and not p.contains(1e-3)
-    assert T.to_tune_space([p]) == {"sft.lr": {"grid_search": [2e-4, 5e-4, 1.5e-3]}}
-
-
-# --------------------------------------------------------------------------- shared stages
-def test_trials_share_every_stage_before_the_first_searched_one():
-    assert T.stage_of("ground.lr") == "ground" and T.stage_of("init.method") == "ground"
-    assert T.stage_of("sft.lr") == "sft" and T.stage_of("eval.beam_width") == "evaluate"
-    assert T.stage_of("seed") == "ingest"
-    shared = T.trial_shared_stages
-    # A ground key: each trial grounds (as before); an sft-only sweep grounds once.
-    assert shared(["ground.lr", "sft.lr"], "sft") == ("ingest", "embed", "sid", "pairs")
-    assert shared(["sft.lr", "sft.steps"], "sft") == ("ingest", "embed", "sid", "pairs", "ground")
-    assert shared(["eval.beam_width"], "sft") == ("ingest", "embed", "sid", "pairs", "ground", "sft")
-    assert shared(["ground.lr"], "grounding") == ("ingest", "embed", "sid", "pairs")
-    assert T.first_searched_stage(["sft.lr", "eval.beam_width"]) == "sft"
-
-
-@pytest.mark.parametrize("keys, objective, match", [
-    (["sid.levels"], "sft", r"tune\.search_space\.sid\.levels: .*sid stage"),
-    (["model.name"], "sft", r"model\.name.*pairs stage"),
-    (["seed"], "sft", r"seed.*ingest stage"),
-    (["sft.lr"], "grounding", r"sft\.lr.*only the sft stage.*tune\.objective: sft"),
-    (["tune.num_samples"], "sft", r"tune\.search_space\.tune\.num_samples: 'tune' is part of no stage"),
-])
-def test_keys_the_trials_cannot_vary_are_refused(keys, objective, match):
-    with pytest.raises(C.GtiError, match=match):
-        T.trial_shared_stages(keys, objective)
-
-
-def test_sft_objective_needs_an_eval_metric_on_the_valid_split(base):
-    def cfg(*ov):
-        return C.validate(C.apply_overrides(base.model_dump(mode="json"), ["tune.objective=sft", *ov]), "t")
-
-    T.check_sft_objective(cfg("tune.metric=recall@10"))
-    T.check_sft_objective(cfg("tune.metric=mrr", "eval.exact_rank=true"))
-    with pytest.raises(C.ConfigError, match="'val_exact_match' is not an evaluation metric"):
-        T.check_sft_objective(cfg())
-    with pytest.raises(C.ConfigError, match="mrr.*eval.exact_rank: true"):
-        T.check_sft_objective(cfg("tune.metric=mrr", "eval.exact_rank=false"))
-    with pytest.raises(C.ConfigError, match=r"eval.splits: .*\['test'\]; add valid"):
-        T.check_sft_objective(cfg("tune.metric=recall@10", "eval.splits=[test]"))
-
-
 def test_trial_metric_is_read_from_the_valid_split():
     facts = {"metrics": {"test": {"recall@10": {"value": 0.9}}, "valid": {"recall@10": {"value": 0.2}}},
              "ranks": {"valid": {"mrr": {"value": 0.05, "ci": [0.01, 0.1]}, "mean_percentile_rank": {"value": 0.3}}}}
@@ -132,12 +33,6 @@ def test_trial_metric_is_read_from_the_valid_split():
         T._eval_metric(facts, "ndcg@10")
     with pytest.raises(T.TuneError, match="no valid split"):
         T._eval_metric({"metrics": {"test": {"recall@10": {"value": 0.9}}}}, "recall@10")
-
-
-def test_apply_params_gives_a_valid_config(base):
-    cfg = T.apply_params(base.model_dump(mode="json"), {"ground.lr": 3.3e-4, "ground.steps": 4}, "t")
-    assert cfg.ground.lr == pytest.approx(3.3e-4) and cfg.ground.steps == 4
-    assert cfg.sft == base.sft  # nothing else moved
 
 
 def test_trial_run_name_is_deterministic():
