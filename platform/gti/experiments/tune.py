@@ -1,9 +1,11 @@
-"""`gti tune`: a Ray Tune sweep over the grounding stage (Ray Train V2 + Tune interop).
+"""`gti tune`: a Ray Tune sweep over the grounding stage, or (objective sft) over grounding, SFT
+and evaluation settings scored by the evaluation (Ray Train V2 + Tune interop).
 
-What it is for: sampling settings of the grounding stage (`tune.search_space` in the config,
-e.g. `ground.lr` loguniform and `ground.steps` from a list), running one trial per setting, and
-writing the best setting as a complete, valid run config to `run_dir/tune/best.yaml`, which
-`gti run --config run_dir/tune/best.yaml --from ground` accepts.
+What it is for: sampling settings (`tune.search_space` in the config, e.g. `ground.lr`
+loguniform and `ground.steps` from a list; `gti.experiments.tune_space` parses it), running one
+trial per setting, and writing the best setting as a complete, valid run config to
+`run_dir/tune/best.yaml`, which `gti run --config run_dir/tune/best.yaml --from <first searched
+stage>` accepts.
 
 How a trial runs (the Train V2 interop pattern): the trial function is a *driver* that builds
 the grounding `TorchTrainer` itself, through the grounding stage's own code
