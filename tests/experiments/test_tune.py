@@ -67,6 +67,20 @@ def test_max_concurrent_from_cluster_resources(base):
         T.derive_max_concurrent(cfg, {"CPU": 64.0})
 
 
+def test_max_concurrent_counts_every_grid_trial_and_reaches_the_search_alg(base):
+    cfg = base.model_copy(deep=True)
+    cfg.tune.num_samples = 1
+    cfg.tune.search_space = {"ground.lr": {"type": "grid", "values": [1e-3, 2e-3, 3e-3]}}
+    # One sample of a 3-value grid is 3 trials: all fit at once on a big cluster.
+    assert T.derive_max_concurrent(cfg, {"CPU": 64.0}) == 3
+    cfg.tune.max_concurrent_trials = 1
+    assert T.derive_max_concurrent(cfg, {"CPU": 64.0}) == 1
+    # Tune ignores TuneConfig.max_concurrent_trials for a BasicVariantGenerator: the limit
+    # must sit on the generator (the sft-objective sweep below checks trials do not overlap).
+    alg = T.search_alg(cfg, 1)
+    assert alg.max_concurrent == 1
+
+
 # --------------------------------------------------------------------------- a real sweep
 def test_trial_curves_are_rewritten_from_the_progress_file(base, tmp_path):
     """A trial ended before its tracker read the last progress lines (ASHA stop) left a short
@@ -135,6 +149,14 @@ def test_two_trial_sweep_writes_valid_best_yaml(tmp_path, ray_start_4_cpus):
     assert ray.is_initialized()
 
 
+def _stage_span(trial_run: Path) -> tuple[float, float]:
+    """(start of its sft stage, end of its evaluate stage) from the manifests' end times and
+    durations."""
+    sft = json.loads((trial_run / "sft" / "_manifest.json").read_text())
+    ev = json.loads((trial_run / "evaluate" / "_manifest.json").read_text())
+    return sft["created"] - sft["duration_s"], ev["created"]
+
+
 @pytest.mark.slow
 @pytest.mark.ray
 def test_sft_objective_over_an_sft_key_grounds_once_and_scores_each_trial(tmp_path, ray_start_4_cpus):
@@ -145,6 +167,7 @@ def test_sft_objective_over_an_sft_key_grounds_once_and_scores_each_trial(tmp_pa
     run_dir = tmp_path / "run"
     raw = C.apply_overrides(C.read_yaml(TINY), [
         f"run_dir={run_dir}", "tune.num_samples=1", "tune.objective=sft", "tune.metric=recall@5",
+        "tune.max_concurrent_trials=1",
         "ground.steps=2", "ground.checkpoint_every=2", "ground.val_every=2",
         "sft.steps=2", "sft.checkpoint_every=2", "sft.val_every=2", "eval.max_users=8",
         "tune.search_space={sft.lr: {type: grid, values: [1.0e-4, 1.0e-3]}}",
@@ -164,6 +187,11 @@ def test_sft_objective_over_an_sft_key_grounds_once_and_scores_each_trial(tmp_pa
         assert t["steps_done"] == t["steps_target"] == 2
         metrics = json.loads((trial_run / "evaluate" / "metrics.json").read_text())
         assert t["metric"] == pytest.approx(metrics["splits"]["valid"]["recall@5"]["value"])
+    # tune.max_concurrent_trials=1 holds: one trial's sft..evaluate ends before the other's
+    # SFT starts (4 CPUs would fit both at once).
+    spans = sorted(_stage_span(run_dir / "tune" / "trials" / T.trial_run_name(t["trial_id"], t["params"]) / "run")
+                   for t in summary["trials"])
+    assert spans[0][1] <= spans[1][0], spans
     best_path = run_dir / "tune" / "best.yaml"
     best = C.load(best_path)
     assert best.sft.lr == pytest.approx(summary["best"]["params"]["sft.lr"])

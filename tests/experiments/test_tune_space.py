@@ -80,6 +80,17 @@ def test_grid_runs_every_value(base):
     assert T.to_tune_space([p]) == {"sft.lr": {"grid_search": [2e-4, 5e-4, 1.5e-3]}}
 
 
+def test_trial_count_multiplies_grids_by_num_samples(base):
+    params = T.parse_search_space({
+        "sft.lr": {"type": "grid", "values": [2e-4, 5e-4, 1.5e-3]},
+        "sft.warmup_steps": {"type": "grid", "values": [0, 20]},
+        "ground.lr": {"type": "loguniform", "low": 1e-4, "high": 1e-2},
+    }, base)
+    assert T.trial_count(params, 1) == 6
+    assert T.trial_count(params, 2) == 12
+    assert T.trial_count(params[2:], 4) == 4  # sampled dimensions only: num_samples draws
+
+
 # --------------------------------------------------------------------------- shared stages
 def test_trials_share_every_stage_before_the_first_searched_one():
     assert T.stage_of("ground.lr") == "ground" and T.stage_of("init.method") == "ground"

@@ -74,6 +74,7 @@ from gti.experiments.tune_space import (  # noqa: F401 - re-exported: gti.experi
     parse_search_space,
     stage_of,
     to_tune_space,
+    trial_count,
     trial_shared_stages,
 )
 from gti.train import resources
@@ -109,18 +110,28 @@ def trial_need(cfg: C.RunConfig) -> dict[str, float]:
 
 def derive_max_concurrent(cfg: C.RunConfig, cluster: dict[str, float]) -> int:
     """Trials that fit side by side: min over needed resources of cluster total // need, capped
-    by num_samples and tune.max_concurrent_trials; at least 1 (trials then queue). Fails when
-    the cluster cannot hold even one trial's workers."""
+    by the sweep's trial count (num_samples x every grid's size) and tune.max_concurrent_trials;
+    at least 1 (trials then queue). Fails when the cluster cannot hold even one trial's workers."""
     short = resources.shortfall(resources.run_need(cfg, _trial_stages(cfg), headroom=False), cluster)
     for res, (amount, have) in short.items():
         raise TuneError(
             f"one trial needs {amount:g} {res} (ground.num_workers x resources_per_worker) "
             f"but the cluster has {have:g}"
         )
-    cap = cfg.tune.num_samples
+    cap = trial_count(parse_search_space(cfg.tune.search_space, cfg), cfg.tune.num_samples)
     if cfg.tune.max_concurrent_trials is not None:
         cap = min(cap, cfg.tune.max_concurrent_trials)
     return resources.runs_that_fit(trial_need(cfg), cluster, cap)
+
+
+def search_alg(cfg: C.RunConfig, concurrent: int):
+    """Tune's search algorithm: seeded sampling (the same sweep samples the same settings, so
+    the same trial run names), at most `concurrent` trials at once. The limit must be given to
+    the generator itself: Tune ignores `TuneConfig.max_concurrent_trials` (with only a
+    warning) when the search algorithm passed is a BasicVariantGenerator."""
+    from ray import tune
+
+    return tune.search.BasicVariantGenerator(random_state=cfg.seed, max_concurrent=concurrent)
 
 
 # --------------------------------------------------------------------------- trials
@@ -215,7 +226,7 @@ def sweep(cfg: C.RunConfig, raw: dict[str, Any] | None = None, echo=_echo) -> di
     concurrent = derive_max_concurrent(cfg, ray.cluster_resources())
     max_steps = max([cfg.ground.steps] + [int(v) for p in params if p.key == "ground.steps"
                                           for v in p.bounds_or_values()])
-    echo(f"{cfg.tune.num_samples} trials over {keys}, up to {concurrent} at a time, "
+    echo(f"{trial_count(params, cfg.tune.num_samples)} trials over {keys}, up to {concurrent} at a time, "
          f"ASHA on {cfg.tune.metric} ({cfg.tune.mode})")
 
     scheduler = None
@@ -234,9 +245,7 @@ def sweep(cfg: C.RunConfig, raw: dict[str, Any] | None = None, echo=_echo) -> di
         param_space=to_tune_space(params),
         tune_config=tune.TuneConfig(
             metric=cfg.tune.metric, mode=cfg.tune.mode, num_samples=cfg.tune.num_samples,
-            max_concurrent_trials=concurrent, scheduler=scheduler,
-            # Seeded sampling: the same sweep samples the same settings (and trial run names).
-            search_alg=tune.search.BasicVariantGenerator(random_state=cfg.seed),
+            scheduler=scheduler, search_alg=search_alg(cfg, concurrent),
         ),
         run_config=tune.RunConfig(
             name=SWEEP_NAME, storage_path=str(storage), verbose=0,

@@ -109,6 +109,15 @@ def _fmt(v: Any) -> str:
     return json.dumps(v) if not isinstance(v, str) else v
 
 
+def trial_count(params: list[Param], num_samples: int) -> int:
+    """Trials a sweep runs: Ray Tune repeats every grid combination `num_samples` times."""
+    n = num_samples
+    for p in params:
+        if p.type == "grid":
+            n *= len(p.values)
+    return n
+
+
 def to_tune_space(params: list[Param]) -> dict[str, Any]:
     """The Ray Tune param_space for `params` (keys stay dotted config paths)."""
     from ray import tune
