@@ -46,6 +46,11 @@ def test_default_search_space_parses(base):
         ({"ground.lr": {"type": "loguniform", "low": 1e-4, "high": 1e-2, "step": 2}}, "step"),
         ({"ground.steps": {"type": "randint", "low": 1.5, "high": 4}}, "integer"),
         ({"ground.lr": [1, 2]}, "mapping"),
+        ({"sft.batch_size,sft.steps": {"type": "loguniform", "low": 1, "high": 2}}, "tied keys.*grid or choice"),
+        ({"sft.batch_size,sft.steps": {"type": "grid", "values": [[8, 250], [16]]}}, r"list 2 values.*\[16\]"),
+        ({"sft.batch_size,sft.steps": {"type": "grid", "values": [[8, -1]]}}, r"sft\.batch_size,sft\.steps"),
+        ({"sft.lr": {"type": "grid", "values": [1e-3]},
+          "sft.steps,sft.lr": {"type": "grid", "values": [[10, 1e-3]]}}, r"\['sft.lr'\] set by more than one"),
     ],
 )
 def test_bad_search_space_names_the_key(space, match, base):
@@ -129,6 +134,23 @@ def test_sft_objective_needs_an_eval_metric_on_the_valid_split(base):
         T.check_sft_objective(cfg("tune.metric=mrr", "eval.exact_rank=false"))
     with pytest.raises(C.ConfigError, match=r"eval.splits: .*\['test'\]; add valid"):
         T.check_sft_objective(cfg("tune.metric=recall@10", "eval.splits=[test]"))
+
+
+def test_tied_keys_take_one_listed_tuple_per_trial(base):
+    """`sft.batch_size,sft.steps` over [[8, 250], [16, 125]]: 2 trials of 2,000 examples each
+    (a cross product of two grids would be 4 trials, two of them with other budgets)."""
+    (p,) = T.parse_search_space({"sft.batch_size,sft.steps": {"type": "grid", "values": [[8, 250], [16, 125]]}}, base)
+    assert p.keys == ("sft.batch_size", "sft.steps") and T.config_keys([p]) == list(p.keys)
+    assert T.trial_count([p], 1) == 2
+    assert T.to_tune_space([p]) == {"sft.batch_size,sft.steps": {"grid_search": [[8, 250], [16, 125]]}}
+    assert T.expand_params({"sft.batch_size,sft.steps": [16, 125], "sft.lr": 1e-3}) == {
+        "sft.batch_size": 16, "sft.steps": 125, "sft.lr": 1e-3}
+    cfg = T.apply_params(base.model_dump(mode="json"), {"sft.batch_size,sft.steps": [16, 125]}, "t")
+    assert (cfg.sft.batch_size, cfg.sft.steps) == (16, 125)
+    # The shared stages come from every tied key: a ground key tied to an sft one regrounds.
+    assert T.trial_shared_stages(T.config_keys([p]), "sft")[-1] == "ground"
+    (q,) = T.parse_search_space({"sft.steps,ground.steps": {"type": "grid", "values": [[10, 4]]}}, base)
+    assert T.trial_shared_stages(T.config_keys([q]), "sft")[-1] == "pairs"
 
 
 def test_apply_params_gives_a_valid_config(base):

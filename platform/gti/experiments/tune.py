@@ -70,6 +70,8 @@ from gti.experiments.tune_space import (  # noqa: F401 - re-exported: gti.experi
     TuneError,
     apply_params,
     check_sft_objective,
+    config_keys,
+    expand_params,
     first_searched_stage,
     parse_search_space,
     stage_of,
@@ -149,7 +151,7 @@ def ground_trial(params: dict[str, Any], base_raw: dict[str, Any], keys: list[st
     import ray.tune
     from ray.tune.integration.ray_train import TuneReportCallback
 
-    chosen = {k: params[k] for k in keys}
+    chosen = expand_params({k: params[k] for k in keys})
     cfg = apply_params(base_raw, chosen, "<tune trial>")
     run_dir = cfg.resolved_run_dir()
     name = trial_run_name(ray.tune.get_context().get_trial_id(), chosen)
@@ -166,7 +168,7 @@ def ground_trial(params: dict[str, Any], base_raw: dict[str, Any], keys: list[st
     # objective == "sft": [ground ->] sft -> evaluate in the trial's own run folder, from the
     # first stage a searched key changes (the stages before it are the base run's, linked).
     trial_run = trial / "run"
-    shared = trial_shared_stages(keys, cfg.tune.objective)
+    shared = trial_shared_stages(list(chosen), cfg.tune.objective)
     adopt_shared(run_dir, trial_run, stages=shared)
     tcfg = cfg.model_copy(update={"run_dir": str(trial_run)})
     first = pipeline.STAGE_NAMES[len(shared)]
@@ -212,7 +214,7 @@ def sweep(cfg: C.RunConfig, raw: dict[str, Any] | None = None, echo=_echo) -> di
         raise C.ConfigError("gti tune searches the grounding stage: it needs ground.enabled: true")
     if cfg.tune.objective == "sft":
         check_sft_objective(cfg)
-    shared = trial_shared_stages(keys, cfg.tune.objective)
+    shared = trial_shared_stages(config_keys(params), cfg.tune.objective)
 
     # The stages every trial shares run once here (or are found up to date).
     echo(f"shared stages up to '{shared[-1]}'")
@@ -224,7 +226,8 @@ def sweep(cfg: C.RunConfig, raw: dict[str, Any] | None = None, echo=_echo) -> di
     os.environ["TUNE_DISABLE_STRICT_METRIC_CHECKING"] = "1"
     ensure_ray(cfg)
     concurrent = derive_max_concurrent(cfg, ray.cluster_resources())
-    max_steps = max([cfg.ground.steps] + [int(v) for p in params if p.key == "ground.steps"
+    max_steps = max([cfg.ground.steps] + [int(expand_params({p.key: v})["ground.steps"]) for p in params
+                                          if "ground.steps" in p.keys
                                           for v in p.bounds_or_values()])
     echo(f"{trial_count(params, cfg.tune.num_samples)} trials over {keys}, up to {concurrent} at a time, "
          f"ASHA on {cfg.tune.metric} ({cfg.tune.mode})")
@@ -290,7 +293,7 @@ def summarise(cfg, base_raw, params, grid, wall: float, echo=_echo) -> dict[str,
     keys = [p.key for p in params]
     trials = []
     for r in grid:
-        chosen = {k: r.config[k] for k in keys}
+        chosen = expand_params({k: r.config[k] for k in keys})
         m = r.metrics or {}
         # The step count a trial reports up to: grounding's, or (objective sft) SFT's.
         target = (int(chosen.get("ground.steps", cfg.ground.steps)) if cfg.tune.objective == "grounding"

@@ -2,7 +2,9 @@
 and which pipeline stages its trials share.
 
 What it is for: `parse_search_space` (tune.search_space -> Params, the bad key named),
-`to_tune_space` (Params -> Ray Tune's param_space), `apply_params`, `first_searched_stage` /
+`to_tune_space` (Params -> Ray Tune's param_space), `expand_params` / `apply_params` (tied keys
+such as `sft.batch_size,sft.steps` take one listed tuple per trial, so a sweep can hold the
+number of examples fixed), `first_searched_stage` /
 `trial_shared_stages` (every stage before the first one a searched key changes is run once and
 shared; keys of upstream stages are refused) and `check_sft_objective`.
 
@@ -41,6 +43,12 @@ class Param:
     high: float | None = None
     values: tuple[Any, ...] = ()
 
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """The config keys this dimension sets: one, or several tied ones (`a,b`: each value
+        is a list giving a and b together)."""
+        return tuple(self.key.split(","))
+
     def bounds_or_values(self) -> list[Any]:
         """The values a sample can take at the extremes (ranges) or all of them (choice, grid)."""
         return list(self.values) if self.type in ("choice", "grid") else [self.low, self.high]
@@ -71,6 +79,9 @@ def parse_search_space(space: dict[str, dict[str, Any]], base: C.RunConfig) -> l
         if kind not in SPACE_TYPES:
             raise C.ConfigError(f"{where}.type: '{kind}' is not one of {list(SPACE_TYPES)}")
         listed = kind in ("choice", "grid")
+        tied = len(Param(key, kind).keys) > 1
+        if tied and not listed:
+            raise C.ConfigError(f"{where}: tied keys ({key}) need type grid or choice, got {kind}")
         allowed = {"type", "values"} if listed else {"type", "low", "high"}
         extra = set(spec) - allowed
         if extra:
@@ -79,6 +90,12 @@ def parse_search_space(space: dict[str, dict[str, Any]], base: C.RunConfig) -> l
             values = spec.get("values")
             if not isinstance(values, list) or not values:
                 raise C.ConfigError(f"{where}.values: give a non-empty list")
+            if tied:
+                n = len(Param(key, kind).keys)
+                bad = [v for v in values if not isinstance(v, list) or len(v) != n]
+                if bad:
+                    raise C.ConfigError(f"{where}.values: each value must list {n} values, one for each "
+                                        f"of {key}; got {bad[0]!r}")
             p = Param(key, kind, values=tuple(values))
         else:
             try:
@@ -97,10 +114,15 @@ def parse_search_space(space: dict[str, dict[str, Any]], base: C.RunConfig) -> l
         for v in p.bounds_or_values():
             probe = v - 1 if (kind == "randint" and v == p.high) else v
             try:
-                C.validate(C.apply_overrides(raw, [f"{key}={_fmt(probe)}"]), where)
+                C.validate(C.apply_overrides(raw, [f"{k}={_fmt(x)}" for k, x in
+                                                   expand_params({key: probe}).items()]), where)
             except C.ConfigError as err:
                 raise C.ConfigError(f"{where}: value {probe!r} is not valid for config key '{key}' ({err})") from None
         params.append(p)
+    keys = config_keys(params)
+    twice = sorted({k for k in keys if keys.count(k) > 1})
+    if twice:
+        raise C.ConfigError(f"tune.search_space: {twice} set by more than one entry")
     return params
 
 
@@ -137,9 +159,25 @@ def to_tune_space(params: list[Param]) -> dict[str, Any]:
     return out
 
 
+def expand_params(params: dict[str, Any]) -> dict[str, Any]:
+    """{dotted key: value} of a trial, tied keys (`a,b`: [va, vb]) split into their own keys."""
+    out: dict[str, Any] = {}
+    for key, value in params.items():
+        keys = key.split(",")
+        out.update(zip(keys, value) if len(keys) > 1 else [(key, value)])
+    return out
+
+
+def config_keys(params: list[Param]) -> list[str]:
+    """Every config key the search space sets (tied keys one by one)."""
+    return [k for p in params for k in p.keys]
+
+
 def apply_params(raw: dict[str, Any], params: dict[str, Any], source: str) -> C.RunConfig:
-    """The run config with sampled `params` ({dotted key: value}) applied and validated."""
-    return C.validate(C.apply_overrides(raw, [f"{k}={_fmt(v)}" for k, v in sorted(params.items())]), source)
+    """The run config with sampled `params` ({dotted key: value}, tied keys allowed) applied
+    and validated."""
+    flat = expand_params(params)
+    return C.validate(C.apply_overrides(raw, [f"{k}={_fmt(v)}" for k, v in sorted(flat.items())]), source)
 
 
 # --------------------------------------------------------------------------- stages
