@@ -64,25 +64,29 @@ def print_metrics(recs, facts) -> None:
 
 
 def print_history_coverage(data: Path, lengths=(5, 10, 20)) -> None:
-    """Share of SFT windows, of history items and of test users that a history cap cuts.
-
-    Each user's last two items are valid and test targets; SFT windows predict every later
-    train item from the ones before it (gti.train.sft_data), so a user with n interactions has
-    n - 3 windows with histories 1 .. n - 3, and a test history of n - 1 items."""
+    """Share of SFT windows, of history items and of test users that a history cap cuts, from
+    the pipeline's own leave-one-out split and windows (gti.data.sequences,
+    gti.train.sft_data) taken uncapped."""
     import numpy as np
     import polars as pl
+
+    from gti.data.sequences import build_sequences
+    from gti.train.sft_data import eval_windows, training_windows
 
     path = data / "interactions.parquet"
     if not path.is_file():
         print(f"\nhistory coverage: {path} missing (gti data dense --items 1000 --min-user-len 5 --out {data})")
         return
-    n = pl.read_parquet(path).group_by("user_id").len()["len"].to_numpy().astype(np.int64)
-    hist = np.concatenate([np.arange(1, k - 2) for k in n if k > 3])
-    print(f"\nhistory coverage ({path}): {n.size} users, median {np.median(n):.0f} interactions, "
-          f"{hist.size} SFT windows")
+    df = pl.read_parquet(path).with_row_index("order").with_columns(pl.col("order").cast(pl.Int64))
+    seqs = build_sequences(df, min_seq_len=3).sequences
+    uncapped = 10**9
+    hist = training_windows(seqs, uncapped)["history"].list.len().to_numpy().astype(np.int64)
+    test = eval_windows(seqs, "test", uncapped)["history"].list.len().to_numpy().astype(np.int64)
+    print(f"\nhistory coverage ({path}): {seqs.height} users, median test history {np.median(test):.0f} "
+          f"items, {hist.size} SFT windows")
     for h in lengths:
         print(f"  max_history={h:2d}: windows cut {np.mean(hist > h):.3f}, history items dropped "
-              f"{np.maximum(hist - h, 0).sum() / hist.sum():.3f}, test users cut {np.mean(n - 1 > h):.3f}")
+              f"{np.maximum(hist - h, 0).sum() / hist.sum():.3f}, test users cut {np.mean(test > h):.3f}")
 
 
 def main(argv=None) -> int:

@@ -73,6 +73,7 @@ def test_max_concurrent_counts_every_grid_trial_and_reaches_the_search_alg(base)
     cfg.tune.search_space = {"ground.lr": {"type": "grid", "values": [1e-3, 2e-3, 3e-3]}}
     # One sample of a 3-value grid is 3 trials: all fit at once on a big cluster.
     assert T.derive_max_concurrent(cfg, {"CPU": 64.0}) == 3
+    assert T.derive_max_concurrent(cfg, {"CPU": 64.0}, n_trials=2) == 2  # the count sweep() passes
     cfg.tune.max_concurrent_trials = 1
     assert T.derive_max_concurrent(cfg, {"CPU": 64.0}) == 1
     # Tune ignores TuneConfig.max_concurrent_trials for a BasicVariantGenerator: the limit

@@ -110,17 +110,18 @@ def trial_need(cfg: C.RunConfig) -> dict[str, float]:
     return resources.run_need(cfg, _trial_stages(cfg))
 
 
-def derive_max_concurrent(cfg: C.RunConfig, cluster: dict[str, float]) -> int:
+def derive_max_concurrent(cfg: C.RunConfig, cluster: dict[str, float], n_trials: int | None = None) -> int:
     """Trials that fit side by side: min over needed resources of cluster total // need, capped
     by the sweep's trial count (num_samples x every grid's size) and tune.max_concurrent_trials;
-    at least 1 (trials then queue). Fails when the cluster cannot hold even one trial's workers."""
+    at least 1 (trials then queue). Fails when the cluster cannot hold even one trial's workers.
+    `n_trials`: the trial count when the caller has parsed the search space already."""
     short = resources.shortfall(resources.run_need(cfg, _trial_stages(cfg), headroom=False), cluster)
     for res, (amount, have) in short.items():
         raise TuneError(
             f"one trial needs {amount:g} {res} (ground.num_workers x resources_per_worker) "
             f"but the cluster has {have:g}"
         )
-    cap = trial_count(parse_search_space(cfg.tune.search_space, cfg), cfg.tune.num_samples)
+    cap = n_trials or trial_count(parse_search_space(cfg.tune.search_space, cfg), cfg.tune.num_samples)
     if cfg.tune.max_concurrent_trials is not None:
         cap = min(cap, cfg.tune.max_concurrent_trials)
     return resources.runs_that_fit(trial_need(cfg), cluster, cap)
@@ -225,11 +226,12 @@ def sweep(cfg: C.RunConfig, raw: dict[str, Any] | None = None, echo=_echo) -> di
     os.environ["RAY_CHDIR_TO_TRIAL_DIR"] = "0"
     os.environ["TUNE_DISABLE_STRICT_METRIC_CHECKING"] = "1"
     ensure_ray(cfg)
-    concurrent = derive_max_concurrent(cfg, ray.cluster_resources())
+    n_trials = trial_count(params, cfg.tune.num_samples)
+    concurrent = derive_max_concurrent(cfg, ray.cluster_resources(), n_trials)
     max_steps = max([cfg.ground.steps] + [int(expand_params({p.key: v})["ground.steps"]) for p in params
                                           if "ground.steps" in p.keys
                                           for v in p.bounds_or_values()])
-    echo(f"{trial_count(params, cfg.tune.num_samples)} trials over {keys}, up to {concurrent} at a time, "
+    echo(f"{n_trials} trials over {keys}, up to {concurrent} at a time, "
          f"ASHA on {cfg.tune.metric} ({cfg.tune.mode})")
 
     scheduler = None
