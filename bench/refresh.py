@@ -7,7 +7,8 @@ sft). Then three ways to serve the new items, each timed:
   `refresh.ground_steps` grounding steps on the new items' pairs + replayed old pairs (and
   `refresh.sft_steps` SFT steps on the touched users' windows, 0 by default);
 - `assign_only`: `gti refresh` with `refresh.ground_steps=0`: the same SIDs, no training; the
-  base run's model is used with the new map (accepted because the map descends from the model's);
+  refresh's export is the base run's model (with the added code tokens' rows, mean-initialised,
+  when the new items needed some) and serves the new map;
 - `retrain`: the whole pipeline again on all items (new SIDs for everything).
 Scored on the test users whose target is a new item (histories from the merged interactions,
 the same prompts for every arm): Recall@K of constrained beam search and MRR of the target's
@@ -24,10 +25,18 @@ Modes:
 - `--quick` (a smoke test, a few minutes): `jobs/configs/tiny.yaml` (tiny random Llama, hash
   embeddings) on 300 bundled items, 12 of them new. Its figures say nothing about quality.
 
-Usage: python bench/refresh.py [--quick] [--n-new N] [--work DIR] [key=value ...]
+Usage: python bench/refresh.py [--quick] [--n-new N] [--users N] [--work DIR] [--records DIR]
+                                [--arms refresh,assign_only,retrain] [key=value ...]
 With `--work DIR` the bench resumes: the same command again continues the runs from their
-stages and checkpoints, reuses finished refreshes and the scores already written under
-DIR/scores/ (the full mode takes hours, more than one working session on 2 cores).
+stages and checkpoints, reuses finished refreshes and the scores already written.
+With `--records DIR` (the full mode: `bench/refresh-smollm2/`, committed) every finished part
+is kept there as a small JSON file: the scored users and the MostPop/Markov rows
+(`slices.json`), each arm's scores per slice and its wall time. A later session on a fresh
+machine, whose work folder is gone, skips what is recorded and trains only what is not: the
+full mode takes ~3 h on 2 cores, more than one session, so it runs in parts, e.g. `--arms
+retrain` (~75 min) in one session and `--arms refresh,assign_only` (~1 h 45 min: the base run,
+both refreshes, their scores) in another. The last line is printed by every part; it says
+which arms are still missing.
 (overrides go to every run and refresh, e.g. refresh.ground_steps=200 refresh.sft_steps=50).
 One Ray-heavy run at a time: do not run it beside the test suite on a 2-core machine.
 """
@@ -42,19 +51,26 @@ import sys
 import tempfile
 from pathlib import Path
 
+ARMS = ("refresh", "assign_only", "retrain")
+SLICES = ("new_target", "old_target")
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "jobs" / "configs"
-QUICK = {"config": CONFIGS / "tiny.yaml", "n_new": 12, "ks": [1, 5], "users": 40,
+QUICK = {"config": CONFIGS / "tiny.yaml", "n_new": 12, "ks": [1, 5], "users": 40, "records": None,
          "overrides": ["data.max_items=null", "ground.steps=6", "sft.steps=6", "refresh.ground_steps=6",
                        "ground.batch_size=4"]}
 # Full mode: the proof config as is, except that SFT validates on val_loss alone (its exact-rank
 # val_mrr costs ~10 min per SFT run and the bench reads no learning curve), and 100 users per
-# slice (exact ranks cost ~4 s per user per arm on 2 cores).
+# slice (exact ranks cost ~4 s per user per arm on 2 cores). On this holdout 3 of the 50 new
+# items land in a prefix group whose last-level codes are all taken, so the refresh adds tokens
+# (`refresh.on_full_group=add_tokens`; the default refuses with one line).
 FULL = {"config": CONFIGS / "proof-smollm2.yaml", "n_new": 50, "ks": [1, 10], "users": 100,
-        "overrides": ["refresh.ground_steps=100", "eval.beam_width=20", "sft.val_mrr=false"]}
+        "records": ROOT / "bench" / "refresh-smollm2",
+        "overrides": ["refresh.ground_steps=100", "refresh.on_full_group=add_tokens", "eval.beam_width=20",
+                      "sft.val_mrr=false"]}
 
 
 def log(msg: str) -> None:
@@ -210,76 +226,172 @@ def baseline_scores(train_sequences: list[list[str]], catalog: list[str], histor
     return out
 
 
+def inputs_hash(all_inter: Path, new_ids: list[str], n_users: int, seed: int) -> str:
+    """sha256 of what decides the scored users: the interactions, the new items, the users per
+    slice and the seed. Recorded in slices.json and checked before any training, so a part of
+    the bench on other data (another --seed, --n-new or --users) is never mixed with the
+    recorded ones."""
+    import hashlib
+
+    import polars as pl
+
+    df = pl.read_parquet(all_inter).select(pl.all().cast(pl.Utf8))
+    df = df.sort(df.columns)
+    h = hashlib.sha256(json.dumps({"new": sorted(new_ids), "users": n_users, "seed": seed}).encode())
+    for col in df.columns:
+        h.update(col.encode())
+        h.update("\x1f".join(df[col].fill_null("").to_list()).encode())
+    return h.hexdigest()[:16]
+
+
+def make_slices(seq_path: Path, new_ids: list[str], catalog: list[str], n_users: int, ks: list[int],
+                seed: int, inputs: str) -> dict:
+    """The scored users: up to `n_users` test users whose target is a new item and as many
+    whose target is an old one ({slice: {"histories", "targets"}}; history = train items + the
+    valid item), with MostPop and Markov fitted on the training sequences and scored on them,
+    and `inputs` (the inputs_hash they came from)."""
+    import polars as pl
+
+    from gti.data.holdout import new_target_users
+
+    seqs = pl.read_parquet(seq_path)
+    new_u = new_target_users(seqs, new_ids).head(n_users)
+    old_u = seqs.filter(~pl.col("test_item").is_in(new_ids)).sample(n=min(new_u.height, seqs.height - new_u.height),
+                                                                   seed=seed)
+    out: dict = {"inputs_hash": inputs, "baselines": {}}
+    train_seqs = [list(t) for t in seqs["train_items"].to_list()]
+    for name, df in (("new_target", new_u), ("old_target", old_u)):
+        hist = [list(t) + [v] for t, v in zip(df["train_items"].to_list(), df["valid_item"].to_list())]
+        out[name] = {"histories": hist, "targets": df["test_item"].to_list()}
+        # Reference rows on the same users, fitted on the training sequences (old and new
+        # interactions, the targets held out as for the model).
+        out["baselines"][name] = baseline_scores(train_seqs, catalog, hist, out[name]["targets"], ks)
+    return out
+
+
+class Store:
+    """Finished parts of a bench, one JSON file each, in `--records` (kept across sessions) or
+    else `<work>/scores/`: `slices.json`, `base.json`, `<arm>.json` (wall time, steps) and
+    `<arm>.<slice>.json` (its scores)."""
+
+    def __init__(self, root: Path):
+        self.root = root
+
+    def has(self, name: str) -> bool:
+        return (self.root / f"{name}.json").is_file()
+
+    def get(self, name: str, compute):
+        return cached(self.root / f"{name}.json", compute)
+
+    def arm_done(self, arm: str) -> bool:
+        return self.has(arm) and all(self.has(f"{arm}.{sl}") for sl in SLICES)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny model, 300 items: a smoke test")
     ap.add_argument("--n-new", type=int, default=None)
+    ap.add_argument("--users", type=int, default=None, help="users per slice (quick 40, full 100)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--work", default=None, help="work folder (default: a temp dir, removed)")
+    ap.add_argument("--records", default=None,
+                    help="folder of finished parts, kept across sessions (full mode: bench/refresh-smollm2)")
+    ap.add_argument("--arms", default=",".join(ARMS), help="arms this part computes (the others are read "
+                    "from the records when there)")
     args, overrides = ap.parse_known_args(argv)
     bad = [o for o in overrides if "=" not in o]
     if bad:
         ap.error(f"unrecognized arguments: {bad}")
+    arms = [a for a in args.arms.split(",") if a]
+    if not arms or set(arms) - set(ARMS):
+        ap.error(f"--arms: {sorted(set(arms) - set(ARMS)) or arms} not among {list(ARMS)}")
     mode = QUICK if args.quick else FULL
-    n_new = args.n_new or mode["n_new"]
+    n_new, n_users = args.n_new or mode["n_new"], args.users or mode["users"]
     ov = [*mode["overrides"], f"seed={args.seed}", *overrides]
     own = args.work is None
     work = Path(args.work or tempfile.mkdtemp(prefix="gti-bench-refresh-")).resolve()
+    records = args.records or mode["records"]
+    store = Store(Path(records).resolve() if records else work / "scores")
     try:
-        import polars as pl
-
-        from gti.data.holdout import new_target_users
-        from gti.run_artifacts import load_recommender
-
-        paths, h = write_data(work, args.quick, n_new, args.seed)
-        log(f"{h.new_items.height} new items, {h.new_interactions.height} new interactions; base run ...")
-        t_base = run_pipeline(mode["config"], work / "base", paths["base_items"], paths["base_inter"], ov)
-        arms: dict[str, dict] = {}
-        run_ref = linked_copy(work / "base", work / "refresh_run")
-        res = refresh_once(run_ref, paths["new_items"], paths["new_inter"], ov)
-        run_asg = linked_copy(work / "base", work / "assign_run")
-        res0 = refresh_once(run_asg, paths["new_items"], paths["new_inter"],
-                            [*ov, "refresh.ground_steps=0", "refresh.sft_steps=0"])
-        assert res0.new_hash == res.new_hash  # the same SIDs; only the training differs
-        t_retrain = run_pipeline(mode["config"], work / "retrain", paths["all_items"], paths["all_inter"], ov)
-
-        seqs = pl.read_parquet(res.dir / "ingest" / "sequences.parquet")
-        new_u = new_target_users(seqs, h.new_ids).head(mode["users"])
-        old_u = seqs.filter(~pl.col("test_item").is_in(h.new_ids)).sample(
-            n=min(new_u.height, seqs.height - new_u.height), seed=args.seed)
-        slices = {}
-        for name, df in (("new_target", new_u), ("old_target", old_u)):
-            slices[name] = ([list(t) + [v] for t, v in zip(df["train_items"].to_list(), df["valid_item"].to_list())],
-                            df["test_item"].to_list())
-        recs = {
-            "refresh": (load_recommender(run_ref, version=res.k), res.facts["total_wall_s"]),
-            "assign_only": (load_recommender(run_asg, version=res0.k, model_dir=run_asg / "sft" / "model"),
-                            res0.facts["total_wall_s"]),
-            "retrain": (load_recommender(work / "retrain"), t_retrain),
-        }
-        for arm, (rec, wall) in recs.items():
-            arms[arm] = {"wall_s": round(wall, 2)}
-            for sl, (hist, tg) in slices.items():
-                arms[arm][sl] = cached(work / "scores" / f"{arm}.{sl}.json", lambda: score(rec, hist, tg, mode["ks"]))
-            log(f"{arm}: {json.dumps(arms[arm])}")
-        # Reference rows on the same users, fitted on the refreshed run's training sequences
-        # (old and new interactions, the targets held out as for the model).
-        train_seqs = [list(t) for t in seqs["train_items"].to_list()]
-        catalog = list(recs["refresh"][0].item_ids)
-        baselines = {sl: baseline_scores(train_seqs, catalog, hist, tg, mode["ks"]) for sl, (hist, tg) in slices.items()}
-        log(f"baselines: {json.dumps(baselines)}")
-        arms["refresh"]["steps"] = res.facts["steps"]
-        arms["refresh"]["wall_s_per_step"] = res.facts["wall_s"]
-        arms["assign_only"]["wall_s_per_step"] = res0.facts["wall_s"]
-        out = {"bench": "refresh", "mode": "quick" if args.quick else "full", "config": str(mode["config"].name),
-               "n_new_items": len(h.new_ids), "assigned": res.facts["assigned"],
-               "n_users": {k: len(v[1]) for k, v in slices.items()}, "base_train_wall_s": round(t_base, 2),
-               "overrides": ov, "arms": arms, "baselines": baselines}
+        out = run_bench(args, mode, arms, n_new, n_users, ov, work, store)
         print(json.dumps(out))
         return 0
     finally:
         if own:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def run_bench(args, mode: dict, arms: list[str], n_new: int, n_users: int, ov: list[str], work: Path,
+              store: Store) -> dict:
+    """Train what `arms` needs and the store lacks, score it, and return the bench's JSON (every
+    recorded arm, not only this part's)."""
+    import polars as pl
+
+    from gti.run_artifacts import load_recommender
+
+    paths, h = write_data(work, args.quick, n_new, args.seed)
+    catalog = pl.read_parquet(paths["all_items"], columns=["item_id"])["item_id"].cast(pl.Utf8).to_list()
+    inputs = inputs_hash(paths["all_inter"], h.new_ids, n_users, args.seed)
+    if store.has("slices") and store.get("slices", None)["inputs_hash"] != inputs:
+        raise SystemExit(f"{store.root}/slices.json was recorded on other inputs (inputs hash "
+                         f"{store.get('slices', None)['inputs_hash']}, these {inputs}: another --seed, --n-new, "
+                         f"--users or data); use another --records folder")
+    todo = [a for a in arms if not store.arm_done(a)]
+    log(f"{h.new_items.height} new items, {h.new_interactions.height} new interactions; recorded in {store.root}: "
+        f"{[a for a in ARMS if store.arm_done(a)]}; to run: {todo}")
+    loaders, seq_path = {}, None
+    if {"refresh", "assign_only"} & set(todo):
+        log("base run ...")
+        t_base = run_pipeline(mode["config"], work / "base", paths["base_items"], paths["base_inter"], ov)
+        store.get("base", lambda: {"wall_s": round(t_base, 2)})
+        if "refresh" in todo:
+            run_ref = linked_copy(work / "base", work / "refresh_run")
+            res = refresh_once(run_ref, paths["new_items"], paths["new_inter"], ov)
+            seq_path = res.dir / "ingest" / "sequences.parquet"
+            loaders["refresh"] = (lambda: load_recommender(run_ref, version=res.k),
+                                  {"wall_s": round(res.facts["total_wall_s"], 2), "steps": res.facts["steps"],
+                                   "wall_s_per_step": res.facts["wall_s"], "assigned": res.facts["assigned"],
+                                   "sid_map_hash": res.new_hash})
+        if "assign_only" in todo:
+            run_asg = linked_copy(work / "base", work / "assign_run")
+            res0 = refresh_once(run_asg, paths["new_items"], paths["new_inter"],
+                                [*ov, "refresh.ground_steps=0", "refresh.sft_steps=0"])
+            seq_path = seq_path or res0.dir / "ingest" / "sequences.parquet"
+            # Its export: the base model as is, or with the added tokens' rows (the base model
+            # alone cannot spell a map with a grown last level, and loading it so is refused).
+            loaders["assign_only"] = (lambda: load_recommender(run_asg, version=res0.k),
+                                      {"wall_s": round(res0.facts["total_wall_s"], 2),
+                                       "wall_s_per_step": res0.facts["wall_s"], "assigned": res0.facts["assigned"],
+                                       "sid_map_hash": res0.new_hash})
+    if "retrain" in todo:
+        t_retrain = run_pipeline(mode["config"], work / "retrain", paths["all_items"], paths["all_inter"], ov)
+        seq_path = seq_path or work / "retrain" / "ingest" / "sequences.parquet"  # the same interactions
+        loaders["retrain"] = (lambda: load_recommender(work / "retrain"), {"wall_s": round(t_retrain, 2)})
+    if seq_path is None and not store.has("slices"):
+        raise SystemExit(f"{store.root}/slices.json is missing and no arm is left to run that would make it")
+    slices = store.get("slices", lambda: make_slices(seq_path, h.new_ids, catalog, n_users, mode["ks"], args.seed,
+                                                     inputs))
+    for arm, (load, meta) in loaders.items():
+        rec = None
+        for sl in SLICES:
+            def compute(sl=sl):
+                nonlocal rec
+                rec = rec or load()
+                return score(rec, slices[sl]["histories"], slices[sl]["targets"], mode["ks"])
+            store.get(f"{arm}.{sl}", compute)
+        store.get(arm, lambda meta=meta: meta)
+        log(f"{arm}: {json.dumps({sl: store.get(f'{arm}.{sl}', None) for sl in SLICES})}")
+    done = [a for a in ARMS if store.arm_done(a)]
+    res_arms = {a: {**store.get(a, None), **{sl: store.get(f"{a}.{sl}", None) for sl in SLICES}} for a in done}
+    hashes = {res_arms[a]["sid_map_hash"] for a in ("refresh", "assign_only") if a in res_arms}
+    assert len(hashes) <= 1, f"refresh and assign_only assigned different SIDs: {hashes}"  # only training differs
+    base = store.get("base", None) if store.has("base") else {}
+    return {"bench": "refresh", "mode": "quick" if args.quick else "full", "config": str(mode["config"].name),
+            "n_new_items": len(h.new_ids), "assigned": next((r["assigned"] for r in res_arms.values() if "assigned" in r),
+                                                             None),
+            "n_users": {sl: len(slices[sl]["targets"]) for sl in SLICES}, "base_train_wall_s": base.get("wall_s"),
+            "overrides": ov, "arms": res_arms, "missing_arms": [a for a in ARMS if a not in done],
+            "baselines": slices["baselines"], "records": str(store.root)}
 
 
 if __name__ == "__main__":

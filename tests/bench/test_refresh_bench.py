@@ -18,10 +18,21 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.ray
 @pytest.mark.timeout(1500)
 def test_refresh_bench_quick(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "refresh.py"), "--quick", "--work", str(tmp_path / "w")],
-                          capture_output=True, text=True, timeout=1450, cwd=ROOT)
+    """In two parts, as the full mode runs across sessions: `--arms retrain` first, then the
+    rest, which reads the retrain arm from the records instead of training it again."""
+    cmd = [sys.executable, str(ROOT / "bench" / "refresh.py"), "--quick", "--work", str(tmp_path / "w"),
+           "--records", str(tmp_path / "rec")]
+    part = subprocess.run(cmd + ["--arms", "retrain"], capture_output=True, text=True, timeout=700, cwd=ROOT)
+    assert part.returncode == 0, part.stderr[-3000:]
+    first = json.loads(part.stdout.strip().splitlines()[-1])
+    assert set(first["arms"]) == {"retrain"} and first["missing_arms"] == ["refresh", "assign_only"]
+    recorded = (tmp_path / "rec" / "retrain.new_target.json").read_text()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1450, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "to run: ['refresh', 'assign_only']" in proc.stderr
+    assert (tmp_path / "rec" / "retrain.new_target.json").read_text() == recorded
     out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["missing_arms"] == [] and out["arms"]["retrain"] == first["arms"]["retrain"]
     assert out["bench"] == "refresh" and out["mode"] == "quick" and out["assigned"] == 12
     assert set(out["arms"]) == {"refresh", "assign_only", "retrain"}
     for arm in out["arms"].values():
@@ -84,3 +95,71 @@ def test_a_resumed_bench_reuses_copies_refreshes_and_scores(tmp_path):
     first = bench.cached(tmp_path / "scores" / "a.json", lambda: calls.append(1) or {"mrr": 0.5})
     again = bench.cached(tmp_path / "scores" / "a.json", lambda: calls.append(2) or {"mrr": 0.0})
     assert first == again == {"mrr": 0.5} and calls == [1]
+
+
+def _records(bench, tmp_path, arms=("refresh", "assign_only", "retrain"), inputs=None) -> tuple[Path, Path]:
+    """A work folder with the quick mode's data and a records folder holding `arms` finished."""
+    work, rec = tmp_path / "w", tmp_path / "rec"
+    paths, h = bench.write_data(work, True, 12, 0)
+    score = {"n_users": 2, "recall@1": {"value": 0.5, "ci": [0.0, 1.0]}, "mrr": {"value": 0.5, "ci": [0.1, 1.0]}}
+    files = {"slices": {"inputs_hash": inputs or bench.inputs_hash(paths["all_inter"], h.new_ids, 40, 0),
+                        "baselines": {"new_target": {}, "old_target": {}},
+                        "new_target": {"histories": [["a"], ["b"]], "targets": ["c", "d"]},
+                        "old_target": {"histories": [["a"], ["b"]], "targets": ["e", "f"]}},
+             "base": {"wall_s": 7.0}}
+    for arm in arms:
+        files[arm] = {"wall_s": 3.0, "assigned": 12, "sid_map_hash": "h"}
+        files.update({f"{arm}.{sl}": score for sl in bench.SLICES})
+    rec.mkdir()
+    for name, body in files.items():
+        (rec / f"{name}.json").write_text(json.dumps(body))
+    return work, rec
+
+
+def _no_training(bench, monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("trained although every asked-for arm is recorded")
+    monkeypatch.setattr(bench, "run_pipeline", refuse)
+    monkeypatch.setattr(bench, "refresh_once", refuse)
+
+
+def test_recorded_arms_are_read_back_without_training(tmp_path, monkeypatch, capsys):
+    """A fresh session with every arm in --records trains nothing and prints the recorded
+    figures; with only some recorded and only those asked for, it names the missing ones."""
+    bench = _bench()
+    _no_training(bench, monkeypatch)
+    work, rec = _records(bench, tmp_path)
+    assert bench.main(["--quick", "--work", str(work), "--records", str(rec)]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["missing_arms"] == [] and out["base_train_wall_s"] == 7.0 and out["assigned"] == 12
+    assert out["arms"]["retrain"]["new_target"]["mrr"]["value"] == 0.5 and out["n_users"] == {
+        "new_target": 2, "old_target": 2}
+
+
+def test_a_part_reads_only_its_arms_and_names_the_missing(tmp_path, monkeypatch, capsys):
+    bench = _bench()
+    _no_training(bench, monkeypatch)
+    work, rec = _records(bench, tmp_path, arms=("retrain",))
+    assert bench.main(["--quick", "--work", str(work), "--records", str(rec), "--arms", "retrain"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(out["arms"]) == {"retrain"} and out["missing_arms"] == ["refresh", "assign_only"]
+    with pytest.raises(AssertionError, match="trained although"):  # refresh is not recorded: it would train
+        bench.main(["--quick", "--work", str(work), "--records", str(rec), "--arms", "refresh"])
+
+
+def test_records_of_other_inputs_are_refused_before_training(tmp_path, monkeypatch):
+    bench = _bench()
+    _no_training(bench, monkeypatch)
+    work, rec = _records(bench, tmp_path, inputs="0123456789abcdef")
+    with pytest.raises(SystemExit, match="recorded on other inputs .*0123456789abcdef"):
+        bench.main(["--quick", "--work", str(work), "--records", str(rec)])
+    # another --users changes the inputs too
+    work, rec = _records(bench, tmp_path / "b")
+    with pytest.raises(SystemExit, match="recorded on other inputs"):
+        bench.main(["--quick", "--work", str(work), "--records", str(rec), "--users", "41"])
+
+
+def test_unknown_arm_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        _bench().main(["--quick", "--arms", "retrain,everything"])
+    assert "everything" in capsys.readouterr().err
