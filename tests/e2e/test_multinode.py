@@ -120,9 +120,10 @@ def upstream_done(tmp_path) -> Path:
     """The run's stages before grounding, run before the cluster starts, on a local Ray: on the
     3-node cluster they took ~5 of the test's 11 min (three raylets and their prestarted workers
     on 2 cores), and they are not what the test is about. `ray_address` is not part of any
-    stage's fingerprint, so the cluster run finds them up to date."""
+    stage's fingerprint, and neither is the `ground` section (whose gti_worker resources a local
+    Ray lacks, so preflight would refuse them), so the cluster run finds them up to date."""
     run_dir = tmp_path / "run"
-    cmd = [a for a in _gti_cmd(run_dir)[:-1] if a != "ray_address=auto"] + ["pairs"]
+    cmd = [a for a in _gti_cmd(run_dir)[:-1] if a != "ray_address=auto" and not a.startswith("ground.")] + ["pairs"]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tmp_path, timeout=900)
