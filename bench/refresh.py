@@ -10,11 +10,13 @@ sft). Then three ways to serve the new items, each timed:
   refresh's export is the base run's model (with the added code tokens' rows, mean-initialised,
   when the new items needed some) and serves the new map;
 - `retrain`: the whole pipeline again on all items (new SIDs for everything).
-Scored on the test users whose target is a new item (histories from the merged interactions,
-the same prompts for every arm): Recall@K of constrained beam search and MRR of the target's
+Scored on the test users whose target is a new item (histories from the full data's ingest:
+the retrain run's first stage, run for this even when the retrain arm is recorded; a refresh's
+merged sequences lack the users whose base history was too short to keep; the same prompts for
+every arm): Recall@K of constrained beam search and MRR of the target's
 exact rank among all catalog items (`gti.eval.rank`); the same on an equal sample of users whose
 target is an old item, to see what the refresh costs them. Every figure has a bootstrap CI over
-users, and MostPop and first-order Markov (fitted on the refreshed run's training sequences) are
+users, and MostPop and first-order Markov (fitted on the full data's training sequences) are
 scored on the same users. The last line is one JSON object.
 
 Modes:
@@ -105,13 +107,14 @@ def write_data(work: Path, quick: bool, n_new: int, seed: int):
     return paths, h
 
 
-def run_pipeline(config: Path, run_dir: Path, items: Path, inter: Path, overrides: list[str]) -> float:
+def run_pipeline(config: Path, run_dir: Path, items: Path, inter: Path, overrides: list[str],
+                 to_stage: str = "sft") -> float:
     from gti import config as C
     from gti import pipeline
 
     cfg = C.load(config, [f"run_dir={run_dir}", f"data.items.path={items}", f"data.interactions.path={inter}",
                           *overrides])
-    pipeline.run(cfg, to_stage="sft", echo=log)
+    pipeline.run(cfg, to_stage=to_stage, echo=log)
     return stages_wall_s(run_dir)
 
 
@@ -339,7 +342,7 @@ def run_bench(args, mode: dict, arms: list[str], n_new: int, n_users: int, ov: l
     todo = [a for a in arms if not store.arm_done(a)]
     log(f"{h.new_items.height} new items, {h.new_interactions.height} new interactions; recorded in {store.root}: "
         f"{[a for a in ARMS if store.arm_done(a)]}; to run: {todo}")
-    loaders, seq_path = {}, None
+    loaders = {}
     if {"refresh", "assign_only"} & set(todo):
         log("base run ...")
         t_base = run_pipeline(mode["config"], work / "base", paths["base_items"], paths["base_inter"], ov)
@@ -347,7 +350,6 @@ def run_bench(args, mode: dict, arms: list[str], n_new: int, n_users: int, ov: l
         if "refresh" in todo:
             run_ref = linked_copy(work / "base", work / "refresh_run")
             res = refresh_once(run_ref, paths["new_items"], paths["new_inter"], ov)
-            seq_path = res.dir / "ingest" / "sequences.parquet"
             loaders["refresh"] = (lambda: load_recommender(run_ref, version=res.k),
                                   {"wall_s": round(res.facts["total_wall_s"], 2), "steps": res.facts["steps"],
                                    "wall_s_per_step": res.facts["wall_s"], "assigned": res.facts["assigned"],
@@ -356,7 +358,6 @@ def run_bench(args, mode: dict, arms: list[str], n_new: int, n_users: int, ov: l
             run_asg = linked_copy(work / "base", work / "assign_run")
             res0 = refresh_once(run_asg, paths["new_items"], paths["new_inter"],
                                 [*ov, "refresh.ground_steps=0", "refresh.sft_steps=0"])
-            seq_path = seq_path or res0.dir / "ingest" / "sequences.parquet"
             # Its export: the base model as is, or with the added tokens' rows (the base model
             # alone cannot spell a map with a grown last level, and loading it so is refused).
             loaders["assign_only"] = (lambda: load_recommender(run_asg, version=res0.k),
@@ -365,12 +366,17 @@ def run_bench(args, mode: dict, arms: list[str], n_new: int, n_users: int, ov: l
                                        "sid_map_hash": res0.new_hash})
     if "retrain" in todo:
         t_retrain = run_pipeline(mode["config"], work / "retrain", paths["all_items"], paths["all_inter"], ov)
-        seq_path = seq_path or work / "retrain" / "ingest" / "sequences.parquet"  # the same interactions
         loaders["retrain"] = (lambda: load_recommender(work / "retrain"), {"wall_s": round(t_retrain, 2)})
-    if seq_path is None and not store.has("slices"):
-        raise SystemExit(f"{store.root}/slices.json is missing and no arm is left to run that would make it")
-    slices = store.get("slices", lambda: make_slices(seq_path, h.new_ids, catalog, n_users, mode["ks"], args.seed,
-                                                     inputs))
+
+    def full_sequences() -> Path:
+        # The scored users come from the full data's ingest (the retrain run's first stage), in
+        # whichever order the parts run: a refresh's merged sequences lack users whose base
+        # history was too short to keep, and many new-target users are such users.
+        run_pipeline(mode["config"], work / "retrain", paths["all_items"], paths["all_inter"], ov, to_stage="ingest")
+        return work / "retrain" / "ingest" / "sequences.parquet"
+
+    slices = store.get("slices", lambda: make_slices(full_sequences(), h.new_ids, catalog, n_users, mode["ks"],
+                                                     args.seed, inputs))
     for arm, (load, meta) in loaders.items():
         rec = None
         for sl in SLICES:

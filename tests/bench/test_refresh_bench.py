@@ -163,3 +163,29 @@ def test_unknown_arm_is_refused(capsys):
     with pytest.raises(SystemExit):
         _bench().main(["--quick", "--arms", "retrain,everything"])
     assert "everything" in capsys.readouterr().err
+
+
+def test_slices_take_new_target_users_and_an_equal_old_sample(tmp_path):
+    """make_slices: the users whose test target is new (history = train items + valid item), as
+    many whose target is old, and MostPop/Markov fitted on the training sequences."""
+    import polars as pl
+
+    bench = _bench()
+    seqs = pl.DataFrame({
+        "user_id": ["u1", "u2", "u3", "u4", "u5"],
+        "train_items": [["a", "b"], ["b", "c"], ["a", "c"], ["c", "a"], ["b", "a"]],
+        "valid_item": ["c", "a", "b", "b", "c"],
+        "test_item": ["n1", "a", "n2", "c", "b"],
+    })
+    path = tmp_path / "sequences.parquet"
+    seqs.write_parquet(path)
+    out = bench.make_slices(path, ["n1", "n2"], ["a", "b", "c", "n1", "n2"], 10, [1, 5], 0, "h")
+    assert out["inputs_hash"] == "h"
+    assert out["new_target"] == {"histories": [["a", "b", "c"], ["a", "c", "b"]], "targets": ["n1", "n2"]}
+    assert len(out["old_target"]["targets"]) == 2 and set(out["old_target"]["targets"]) <= {"a", "c", "b"}
+    for sl in ("new_target", "old_target"):
+        assert set(out["baselines"][sl]) == {"mostpop", "markov"}
+    # new items never occur in the training sequences: MostPop's top item is an old one
+    assert out["baselines"]["new_target"]["mostpop"]["recall@1"]["value"] == 0.0
+    assert bench.make_slices(path, ["n1", "n2"], ["a", "b", "c", "n1", "n2"], 1, [1], 0, "h")["new_target"][
+        "targets"] == ["n1"]
