@@ -11,7 +11,7 @@ sft). Then three ways to serve the new items, each timed:
   when the new items needed some) and serves the new map;
 - `retrain`: the whole pipeline again on all items (new SIDs for everything).
 Scored on the test users whose target is a new item (histories from the full data's ingest:
-the retrain run's first stage, run for this even when the retrain arm is recorded; a refresh's
+the retrain run's first stage, run for this whenever slices.json is not recorded yet; a refresh's
 merged sequences lack the users whose base history was too short to keep; the same prompts for
 every arm): Recall@K of constrained beam search and MRR of the target's
 exact rank among all catalog items (`gti.eval.rank`); the same on an equal sample of users whose
@@ -230,21 +230,16 @@ def baseline_scores(train_sequences: list[list[str]], catalog: list[str], histor
 
 
 def inputs_hash(all_inter: Path, new_ids: list[str], n_users: int, seed: int) -> str:
-    """sha256 of what decides the scored users: the interactions, the new items, the users per
-    slice and the seed. Recorded in slices.json and checked before any training, so a part of
-    the bench on other data (another --seed, --n-new or --users) is never mixed with the
-    recorded ones."""
+    """sha256 of what decides the scored users: the interactions (order-free content hash,
+    `gti.experiments.records.table_hash`), the new items, the users per slice and the seed.
+    Recorded in slices.json and checked before any training, so a part of the bench on other
+    data (another --seed, --n-new or --users) is never mixed with the recorded ones."""
     import hashlib
 
-    import polars as pl
+    from gti.experiments.records import table_hash
 
-    df = pl.read_parquet(all_inter).select(pl.all().cast(pl.Utf8))
-    df = df.sort(df.columns)
-    h = hashlib.sha256(json.dumps({"new": sorted(new_ids), "users": n_users, "seed": seed}).encode())
-    for col in df.columns:
-        h.update(col.encode())
-        h.update("\x1f".join(df[col].fill_null("").to_list()).encode())
-    return h.hexdigest()[:16]
+    key = {"interactions": table_hash(all_inter), "new": sorted(new_ids), "users": n_users, "seed": seed}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def make_slices(seq_path: Path, new_ids: list[str], catalog: list[str], n_users: int, ks: list[int],
@@ -284,7 +279,11 @@ class Store:
         return (self.root / f"{name}.json").is_file()
 
     def get(self, name: str, compute):
+        """The recorded `name`, else compute() recorded."""
         return cached(self.root / f"{name}.json", compute)
+
+    def read(self, name: str) -> dict:
+        return json.loads((self.root / f"{name}.json").read_text())
 
     def arm_done(self, arm: str) -> bool:
         return self.has(arm) and all(self.has(f"{arm}.{sl}") for sl in SLICES)
@@ -335,10 +334,10 @@ def run_bench(args, mode: dict, arms: list[str], n_new: int, n_users: int, ov: l
     paths, h = write_data(work, args.quick, n_new, args.seed)
     catalog = pl.read_parquet(paths["all_items"], columns=["item_id"])["item_id"].cast(pl.Utf8).to_list()
     inputs = inputs_hash(paths["all_inter"], h.new_ids, n_users, args.seed)
-    if store.has("slices") and store.get("slices", None)["inputs_hash"] != inputs:
-        raise SystemExit(f"{store.root}/slices.json was recorded on other inputs (inputs hash "
-                         f"{store.get('slices', None)['inputs_hash']}, these {inputs}: another --seed, --n-new, "
-                         f"--users or data); use another --records folder")
+    recorded = store.read("slices")["inputs_hash"] if store.has("slices") else inputs
+    if recorded != inputs:
+        raise SystemExit(f"{store.root}/slices.json was recorded on other inputs (inputs hash {recorded}, these "
+                         f"{inputs}: another --seed, --n-new, --users or data); use another --records folder")
     todo = [a for a in arms if not store.arm_done(a)]
     log(f"{h.new_items.height} new items, {h.new_interactions.height} new interactions; recorded in {store.root}: "
         f"{[a for a in ARMS if store.arm_done(a)]}; to run: {todo}")
@@ -378,20 +377,18 @@ def run_bench(args, mode: dict, arms: list[str], n_new: int, n_users: int, ov: l
     slices = store.get("slices", lambda: make_slices(full_sequences(), h.new_ids, catalog, n_users, mode["ks"],
                                                      args.seed, inputs))
     for arm, (load, meta) in loaders.items():
-        rec = None
-        for sl in SLICES:
-            def compute(sl=sl):
-                nonlocal rec
-                rec = rec or load()
-                return score(rec, slices[sl]["histories"], slices[sl]["targets"], mode["ks"])
-            store.get(f"{arm}.{sl}", compute)
+        missing = [sl for sl in SLICES if not store.has(f"{arm}.{sl}")]
+        rec = load() if missing else None  # a model is loaded only when some slice is unscored
+        for sl in missing:
+            store.get(f"{arm}.{sl}", lambda sl=sl: score(rec, slices[sl]["histories"], slices[sl]["targets"],
+                                                          mode["ks"]))
         store.get(arm, lambda meta=meta: meta)
-        log(f"{arm}: {json.dumps({sl: store.get(f'{arm}.{sl}', None) for sl in SLICES})}")
+        log(f"{arm}: {json.dumps({sl: store.read(f'{arm}.{sl}') for sl in SLICES})}")
     done = [a for a in ARMS if store.arm_done(a)]
-    res_arms = {a: {**store.get(a, None), **{sl: store.get(f"{a}.{sl}", None) for sl in SLICES}} for a in done}
+    res_arms = {a: {**store.read(a), **{sl: store.read(f"{a}.{sl}") for sl in SLICES}} for a in done}
     hashes = {res_arms[a]["sid_map_hash"] for a in ("refresh", "assign_only") if a in res_arms}
     assert len(hashes) <= 1, f"refresh and assign_only assigned different SIDs: {hashes}"  # only training differs
-    base = store.get("base", None) if store.has("base") else {}
+    base = store.read("base") if store.has("base") else {}
     return {"bench": "refresh", "mode": "quick" if args.quick else "full", "config": str(mode["config"].name),
             "n_new_items": len(h.new_ids), "assigned": next((r["assigned"] for r in res_arms.values() if "assigned" in r),
                                                              None),
