@@ -17,7 +17,9 @@ every arm): Recall@K of constrained beam search and MRR of the target's
 exact rank among all catalog items (`gti.eval.rank`); the same on an equal sample of users whose
 target is an old item, to see what the refresh costs them. Every figure has a bootstrap CI over
 users, and MostPop and first-order Markov (fitted on the full data's training sequences) are
-scored on the same users. The last line is one JSON object.
+scored on the same users; paired differences (refresh - SIDs only, each - retrain, each - Markov)
+come with a paired bootstrap CI over the users both scored. A markdown table of it all goes to
+stderr, and the last line is one JSON object.
 
 Modes:
 - default (real figures; minutes to hours on 2 CPU cores, not run by the tests): SmolLM2-135M
@@ -202,9 +204,10 @@ def score(rec, histories: list[list[str]], targets: list[str], ks: list[int], ba
     row_of = {it: r for r, it in enumerate(rec.item_ids)}
     scores = score_catalog(rec.model, prompts, mat, pad_id=rec.pad_id, batch_users=batch_users)
     ranks = exact_ranks(scores, torch.tensor([row_of[t] for t in tg]))
-    out = metrics_table(ranked, tg, ks, metrics=("recall",), n_boot=n_boot, seed=seed)
-    out.update(mrr=_with_ci((1.0 / ranks).numpy(), n_boot, seed), median_rank=float(ranks.median()),
-               n_users=len(tg), n_items=len(rec.item_ids))
+    out, per = metrics_table(ranked, tg, ks, metrics=("recall",), n_boot=n_boot, seed=seed, return_per_user=True)
+    rr = (1.0 / ranks).numpy()
+    out.update(mrr=_with_ci(rr, n_boot, seed), median_rank=float(ranks.median()), n_users=len(tg),
+               n_items=len(rec.item_ids), per_user={"user": keep, "rr": rr.tolist(), **per})
     return out
 
 
@@ -223,10 +226,87 @@ def baseline_scores(train_sequences: list[list[str]], catalog: list[str], histor
         ranked = cls(catalog).fit(train_sequences).recommend(histories, len(catalog))
         r0 = target_ranks(ranked, targets)  # 0-based, -1 when absent
         ranks = np.where(r0 >= 0, r0 + 1, len(catalog) + 1).astype(float)  # absent: after the whole catalog
-        row = metrics_table(ranked, targets, ks, metrics=("recall",), n_boot=n_boot, seed=seed)
+        row, per = metrics_table(ranked, targets, ks, metrics=("recall",), n_boot=n_boot, seed=seed,
+                                 return_per_user=True)
         row["mrr"] = _with_ci(1.0 / ranks, n_boot, seed)
+        row["per_user"] = {"user": list(range(len(targets))), "rr": (1.0 / ranks).tolist(), **per}
         out[name] = row
     return out
+
+
+# Paired differences reported (first minus second, on the users both scored): the refresh's
+# grounding against SIDs only, each way of serving new items against the full retrain, and
+# the arms against first-order Markov (the stronger baseline here).
+PAIRS = (("refresh", "assign_only"), ("refresh", "retrain"), ("assign_only", "retrain"), ("refresh", "markov"),
+         ("retrain", "markov"))
+
+
+def paired_diff(a: dict, b: dict, n_boot: int = 1000, seed: int = 0) -> dict:
+    """Mean per-user difference a - b with a paired bootstrap CI, for every per-user figure both
+    rows hold (MRR from the reciprocal ranks, Recall@K), on the users both scored (`per_user`:
+    {"user": slice indices, "rr": [...], "recall@K": [...]}); {} when a row has no per-user
+    values (records written before they were kept)."""
+    import numpy as np
+
+    from gti.eval.metrics import paired_bootstrap_ci
+
+    pa, pb = a.get("per_user"), b.get("per_user")
+    if not pa or not pb:
+        return {}
+    ia, ib = {u: i for i, u in enumerate(pa["user"])}, {u: i for i, u in enumerate(pb["user"])}
+    common = sorted(set(ia) & set(ib))
+    out: dict = {"n_users": len(common)}
+    for m in (m for m in pa if m != "user" and m in pb):
+        x = np.array([pa[m][ia[u]] for u in common], dtype=np.float64)
+        y = np.array([pb[m][ib[u]] for u in common], dtype=np.float64)
+        out["mrr" if m == "rr" else m] = {"value": float((x - y).mean()) if common else 0.0,
+                                          "ci": list(paired_bootstrap_ci(x, y, n_boot=n_boot, seed=seed))}
+    return out
+
+
+def paired_rows(arms: dict, baselines: dict) -> dict:
+    """{slice: {"a-b": paired_diff(a, b)}} for the PAIRS whose rows are both there."""
+    out: dict = {}
+    for sl in SLICES:
+        rows = {**{a: r[sl] for a, r in arms.items()}, **baselines.get(sl, {})}
+        out[sl] = {f"{a}-{b}": d for a, b in PAIRS if a in rows and b in rows
+                   for d in [paired_diff(rows[a], rows[b])] if d}
+    return out
+
+
+def without_per_user(row: dict) -> dict:
+    """A row for the printed JSON: per-user lists dropped (they stay in the records)."""
+    return {k: (without_per_user(v) if isinstance(v, dict) else v) for k, v in row.items() if k != "per_user"}
+
+
+def _cell(c: dict | None, digits: int = 3) -> str:
+    if not c:
+        return "-"
+    lo, hi = c["ci"]
+    return f"{c['value']:.{digits}f} [{lo:.{digits}f}, {hi:.{digits}f}]"
+
+
+def markdown_table(out: dict) -> str:
+    """The bench's JSON as markdown for bench/RESULTS.md: per slice, every arm and baseline
+    (Recall@K and MRR with CIs, users, wall time), then the paired differences."""
+    ks = [f"recall@{k}" for k in out["ks"]]
+    lines = []
+    for sl in SLICES:
+        lines += [f"{sl} ({out['n_users'][sl]} users)", "", "| arm | users | " + " | ".join(ks) + " | MRR | wall s |",
+                  "|---|---|" + "---|" * (len(ks) + 2)]
+        rows = {**{a: (r[sl], r.get("wall_s")) for a, r in out["arms"].items()},
+                **{b: (r, None) for b, r in out["baselines"].get(sl, {}).items()}}
+        for name, (r, wall) in rows.items():
+            lines.append(f"| {name} | {r.get('n_users', out['n_users'][sl])} | " + " | ".join(_cell(r.get(k)) for k in ks)
+                         + f" | {_cell(r.get('mrr'), 4)} | {'-' if wall is None else f'{wall:.0f}'} |")
+        pairs = out.get("paired", {}).get(sl, {})
+        if pairs:
+            lines += ["", "| paired (first - second) | users | " + " | ".join(ks) + " | MRR |",
+                      "|---|---|" + "---|" * (len(ks) + 1)]
+            lines += [f"| {p} | {d['n_users']} | " + " | ".join(_cell(d.get(k)) for k in ks) + f" | {_cell(d.get('mrr'), 4)} |"
+                      for p, d in pairs.items()]
+        lines.append("")
+    return "\n".join(lines)
 
 
 def inputs_hash(all_inter: Path, new_ids: list[str], n_users: int, seed: int) -> str:
@@ -316,6 +396,7 @@ def main(argv=None) -> int:
     store = Store(Path(records).resolve() if records else work / "scores")
     try:
         out = run_bench(args, mode, arms, n_new, n_users, ov, work, store)
+        log(markdown_table(out))
         print(json.dumps(out))
         return 0
     finally:
@@ -389,12 +470,14 @@ def run_bench(args, mode: dict, arms: list[str], n_new: int, n_users: int, ov: l
     hashes = {res_arms[a]["sid_map_hash"] for a in ("refresh", "assign_only") if a in res_arms}
     assert len(hashes) <= 1, f"refresh and assign_only assigned different SIDs: {hashes}"  # only training differs
     base = store.read("base") if store.has("base") else {}
+    paired = paired_rows(res_arms, slices["baselines"])
+    res_arms = {a: without_per_user(r) for a, r in res_arms.items()}
     return {"bench": "refresh", "mode": "quick" if args.quick else "full", "config": str(mode["config"].name),
-            "n_new_items": len(h.new_ids), "assigned": next((r["assigned"] for r in res_arms.values() if "assigned" in r),
+            "ks": mode["ks"], "n_new_items": len(h.new_ids), "assigned": next((r["assigned"] for r in res_arms.values() if "assigned" in r),
                                                              None),
             "n_users": {sl: len(slices[sl]["targets"]) for sl in SLICES}, "base_train_wall_s": base.get("wall_s"),
             "overrides": ov, "arms": res_arms, "missing_arms": [a for a in ARMS if a not in done],
-            "baselines": slices["baselines"], "records": str(store.root)}
+            "baselines": without_per_user(slices["baselines"]), "paired": paired, "records": str(store.root)}
 
 
 if __name__ == "__main__":

@@ -45,6 +45,10 @@ def test_refresh_bench_quick(tmp_path):
         for row in out["baselines"][sl].values():
             assert set(row) == {"recall@1", "recall@5", "mrr"} and row["mrr"]["ci"][0] <= row["mrr"]["value"]
     assert out["arms"]["refresh"]["steps"]["ground"] == 6
+    pairs = out["paired"]["new_target"]  # every pair, on the same users (each map holds them all)
+    assert set(pairs) == {f"{a}-{b}" for a, b in _bench().PAIRS}
+    assert all(d["n_users"] == out["n_users"]["new_target"] for d in pairs.values())
+    assert "per_user" not in json.dumps(out)  # the per-user lists stay in the records
 
 
 def test_baseline_scores_on_a_toy_catalog():
@@ -189,3 +193,36 @@ def test_slices_take_new_target_users_and_an_equal_old_sample(tmp_path):
     assert out["baselines"]["new_target"]["mostpop"]["recall@1"]["value"] == 0.0
     assert bench.make_slices(path, ["n1", "n2"], ["a", "b", "c", "n1", "n2"], 1, [1], 0, "h")["new_target"][
         "targets"] == ["n1"]
+
+
+def test_paired_differences_use_the_users_both_arms_scored():
+    """paired_diff: a - b per user on the common users (an arm scores only the users its map
+    holds), a paired bootstrap CI around it; no per-user values (older records) give {}."""
+    bench = _bench()
+    a = {"per_user": {"user": [0, 1, 2], "rr": [1.0, 0.5, 0.25], "recall@1": [1.0, 0.0, 0.0]}}
+    b = {"per_user": {"user": [1, 2, 3], "rr": [0.25, 0.25, 1.0], "recall@1": [0.0, 1.0, 1.0]}}
+    d = bench.paired_diff(a, b, n_boot=200)
+    assert d["n_users"] == 2  # users 1 and 2
+    assert abs(d["mrr"]["value"] - ((0.5 - 0.25) + 0.0) / 2) < 1e-12 and d["recall@1"]["value"] == -0.5
+    lo, hi = d["mrr"]["ci"]
+    assert 0.0 <= lo <= d["mrr"]["value"] <= hi <= 0.25
+    assert bench.paired_diff(a, {"mrr": {"value": 0.1}}) == {}
+    rows = bench.paired_rows({"refresh": {"new_target": a, "old_target": a}, "retrain": {"new_target": b, "old_target": {}}},
+                             {"new_target": {"markov": b}})
+    assert set(rows["new_target"]) == {"refresh-retrain", "refresh-markov", "retrain-markov"}
+    assert rows["old_target"] == {}  # retrain's old_target row has no per-user values
+
+
+def test_the_markdown_table_lists_arms_baselines_and_pairs():
+    bench = _bench()
+    cell = {"value": 0.25, "ci": [0.1, 0.4]}
+    row = {"n_users": 4, "recall@1": cell, "mrr": cell, "per_user": {"user": [0]}}
+    out = {"ks": [1], "n_users": {"new_target": 4, "old_target": 4},
+           "arms": {"refresh": {"wall_s": 812.4, "new_target": row, "old_target": row}},
+           "baselines": {"new_target": {"markov": row}, "old_target": {}},
+           "paired": {"new_target": {"refresh-markov": {"n_users": 4, "recall@1": cell, "mrr": cell}}}}
+    md = bench.markdown_table(out)
+    assert "| refresh | 4 | 0.250 [0.100, 0.400] | 0.2500 [0.1000, 0.4000] | 812 |" in md
+    assert "| markov | 4 | 0.250 [0.100, 0.400] |" in md and "| refresh-markov | 4 |" in md
+    assert md.count("| arm | users | recall@1 | MRR | wall s |") == 2
+    assert bench.without_per_user({"a": row})["a"] == {"n_users": 4, "recall@1": cell, "mrr": cell}
