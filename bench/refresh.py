@@ -120,6 +120,18 @@ def run_pipeline(config: Path, run_dir: Path, items: Path, inter: Path, override
     return stages_wall_s(run_dir)
 
 
+def variant_suffix(ov: list[str], mode: dict) -> str:
+    """"" for the mode's own overrides (and seed=0), else "-<hash of the overrides>": a variant
+    (e.g. refresh.ground_lr=3e-4) refreshes its own copies of the base run (the base run's
+    stages do not hash the refresh section, so it is shared), never a refresh done with other
+    settings."""
+    import hashlib
+
+    if ov == [*mode["overrides"], "seed=0"]:
+        return ""
+    return "-" + hashlib.sha256(json.dumps(ov).encode()).hexdigest()[:8]
+
+
 def stages_wall_s(run_dir: Path) -> float:
     """Wall time of a run's stages ingest .. sft from their manifests (so a bench resumed in a
     later session reports the time the stages took, not the seconds it took to find them done;
@@ -180,9 +192,11 @@ def _with_ci(per_user, n_boot: int, seed: int) -> dict:
 
 
 def score(rec, histories: list[list[str]], targets: list[str], ks: list[int], batch_users: int = 8,
-          n_boot: int = 1000, seed: int = 0) -> dict:
+          n_boot: int = 1000, seed: int = 0, new_ids: frozenset = frozenset()) -> dict:
     """Recall@K (constrained beam search) and MRR (exact rank among all items) for one model+map,
-    each {"value", "ci"} over the users whose history and target the map holds."""
+    each {"value", "ci"} over the users whose history and target the map holds; with `new_ids`,
+    also `new_share@K`: the share of new items in each user's top K (how far a model's
+    recommendations moved toward the new items, whatever the user's target)."""
     import numpy as np
     import torch
 
@@ -205,6 +219,9 @@ def score(rec, histories: list[list[str]], targets: list[str], ks: list[int], ba
     scores = score_catalog(rec.model, prompts, mat, pad_id=rec.pad_id, batch_users=batch_users)
     ranks = exact_ranks(scores, torch.tensor([row_of[t] for t in tg]))
     out, per = metrics_table(ranked, tg, ks, metrics=("recall",), n_boot=n_boot, seed=seed, return_per_user=True)
+    if new_ids:
+        per[f"new_share@{k}"] = [sum(x in new_ids for x in row[:k]) / k for row in ranked]
+        out[f"new_share@{k}"] = _with_ci(per[f"new_share@{k}"], n_boot, seed)
     rr = (1.0 / ranks).numpy()
     out.update(mrr=_with_ci(rr, n_boot, seed), median_rank=float(ranks.median()), n_users=len(tg),
                n_items=len(rec.item_ids), per_user={"user": keep, "rr": rr.tolist(), **per})
@@ -288,23 +305,25 @@ def _cell(c: dict | None, digits: int = 3) -> str:
 
 def markdown_table(out: dict) -> str:
     """The bench's JSON as markdown for bench/RESULTS.md: per slice, every arm and baseline
-    (Recall@K and MRR with CIs, users, wall time), then the paired differences."""
-    ks = [f"recall@{k}" for k in out["ks"]]
+    (Recall@K, MRR and the new items' share of the top K with CIs, users, wall time), then the
+    paired differences."""
+    cols = [*(f"recall@{k}" for k in out["ks"]), "mrr", f"new_share@{max(out['ks'])}"]
+    head = " | ".join("MRR" if c == "mrr" else c for c in cols)
     lines = []
     for sl in SLICES:
-        lines += [f"{sl} ({out['n_users'][sl]} users)", "", "| arm | users | " + " | ".join(ks) + " | MRR | wall s |",
-                  "|---|---|" + "---|" * (len(ks) + 2)]
+        lines += [f"{sl} ({out['n_users'][sl]} users)", "", f"| arm | users | {head} | wall s |",
+                  "|---|---|" + "---|" * (len(cols) + 1)]
         rows = {**{a: (r[sl], r.get("wall_s")) for a, r in out["arms"].items()},
                 **{b: (r, None) for b, r in out["baselines"].get(sl, {}).items()}}
         for name, (r, wall) in rows.items():
-            lines.append(f"| {name} | {r.get('n_users', out['n_users'][sl])} | " + " | ".join(_cell(r.get(k)) for k in ks)
-                         + f" | {_cell(r.get('mrr'), 4)} | {'-' if wall is None else f'{wall:.0f}'} |")
+            cells = " | ".join(_cell(r.get(c), 4 if c == "mrr" else 3) for c in cols)
+            lines.append(f"| {name} | {r.get('n_users', out['n_users'][sl])} | {cells} | "
+                         f"{'-' if wall is None else f'{wall:.0f}'} |")
         pairs = out.get("paired", {}).get(sl, {})
         if pairs:
-            lines += ["", "| paired (first - second) | users | " + " | ".join(ks) + " | MRR |",
-                      "|---|---|" + "---|" * (len(ks) + 1)]
-            lines += [f"| {p} | {d['n_users']} | " + " | ".join(_cell(d.get(k)) for k in ks) + f" | {_cell(d.get('mrr'), 4)} |"
-                      for p, d in pairs.items()]
+            lines += ["", f"| paired (first - second) | users | {head} |", "|---|---|" + "---|" * len(cols)]
+            lines += [f"| {p} | {d['n_users']} | " + " | ".join(_cell(d.get(c), 4 if c == "mrr" else 3) for c in cols)
+                      + " |" for p, d in pairs.items()]
         lines.append("")
     return "\n".join(lines)
 
@@ -419,6 +438,10 @@ def run_bench(args, mode: dict, arms: list[str], n_new: int, n_users: int, ov: l
     if recorded != inputs:
         raise SystemExit(f"{store.root}/slices.json was recorded on other inputs (inputs hash {recorded}, these "
                          f"{inputs}: another --seed, --n-new, --users or data); use another --records folder")
+    for a in (a for a in ARMS if store.has(a)):
+        if store.read(a).get("overrides", ov) != ov:
+            raise SystemExit(f"{store.root}/{a}.json was recorded with overrides {store.read(a)['overrides']}, this "
+                             f"part has {ov}; use another --records folder for a variant")
     todo = [a for a in arms if not store.arm_done(a)]
     log(f"{h.new_items.height} new items, {h.new_interactions.height} new interactions; recorded in {store.root}: "
         f"{[a for a in ARMS if store.arm_done(a)]}; to run: {todo}")
@@ -428,14 +451,14 @@ def run_bench(args, mode: dict, arms: list[str], n_new: int, n_users: int, ov: l
         t_base = run_pipeline(mode["config"], work / "base", paths["base_items"], paths["base_inter"], ov)
         store.get("base", lambda: {"wall_s": round(t_base, 2)})
         if "refresh" in todo:
-            run_ref = linked_copy(work / "base", work / "refresh_run")
+            run_ref = linked_copy(work / "base", work / f"refresh_run{variant_suffix(ov, mode)}")
             res = refresh_once(run_ref, paths["new_items"], paths["new_inter"], ov)
             loaders["refresh"] = (lambda: load_recommender(run_ref, version=res.k),
                                   {"wall_s": round(res.facts["total_wall_s"], 2), "steps": res.facts["steps"],
                                    "wall_s_per_step": res.facts["wall_s"], "assigned": res.facts["assigned"],
                                    "sid_map_hash": res.new_hash})
         if "assign_only" in todo:
-            run_asg = linked_copy(work / "base", work / "assign_run")
+            run_asg = linked_copy(work / "base", work / f"assign_run{variant_suffix(ov, mode)}")
             res0 = refresh_once(run_asg, paths["new_items"], paths["new_inter"],
                                 [*ov, "refresh.ground_steps=0", "refresh.sft_steps=0"])
             # Its export: the base model as is, or with the added tokens' rows (the base model
@@ -462,9 +485,9 @@ def run_bench(args, mode: dict, arms: list[str], n_new: int, n_users: int, ov: l
         rec = load() if missing else None  # a model is loaded only when some slice is unscored
         for sl in missing:
             store.get(f"{arm}.{sl}", lambda sl=sl: score(rec, slices[sl]["histories"], slices[sl]["targets"],
-                                                          mode["ks"]))
-        store.get(arm, lambda meta=meta: meta)
-        log(f"{arm}: {json.dumps({sl: store.read(f'{arm}.{sl}') for sl in SLICES})}")
+                                                          mode["ks"], new_ids=frozenset(h.new_ids)))
+        store.get(arm, lambda meta=meta: {**meta, "overrides": ov})
+        log(f"{arm}: {json.dumps({sl: without_per_user(store.read(f'{arm}.{sl}')) for sl in SLICES})}")
     done = [a for a in ARMS if store.arm_done(a)]
     res_arms = {a: {**store.read(a), **{sl: store.read(f"{a}.{sl}") for sl in SLICES}} for a in done}
     hashes = {res_arms[a]["sid_map_hash"] for a in ("refresh", "assign_only") if a in res_arms}

@@ -49,6 +49,10 @@ def test_refresh_bench_quick(tmp_path):
     assert set(pairs) == {f"{a}-{b}" for a, b in _bench().PAIRS}
     assert all(d["n_users"] == out["n_users"]["new_target"] for d in pairs.values())
     assert "per_user" not in json.dumps(out)  # the per-user lists stay in the records
+    for arm in out["arms"].values():  # the new items' share of every user's top 5, and the overrides
+        share = arm["old_target"]["new_share@5"]
+        assert 0 <= share["ci"][0] <= share["value"] <= share["ci"][1] <= 1
+        assert arm["overrides"] == out["overrides"]
 
 
 def test_baseline_scores_on_a_toy_catalog():
@@ -217,12 +221,33 @@ def test_the_markdown_table_lists_arms_baselines_and_pairs():
     bench = _bench()
     cell = {"value": 0.25, "ci": [0.1, 0.4]}
     row = {"n_users": 4, "recall@1": cell, "mrr": cell, "per_user": {"user": [0]}}
+    arm_row = {**row, "new_share@1": {"value": 0.5, "ci": [0.25, 0.75]}}
     out = {"ks": [1], "n_users": {"new_target": 4, "old_target": 4},
-           "arms": {"refresh": {"wall_s": 812.4, "new_target": row, "old_target": row}},
+           "arms": {"refresh": {"wall_s": 812.4, "new_target": arm_row, "old_target": arm_row}},
            "baselines": {"new_target": {"markov": row}, "old_target": {}},
            "paired": {"new_target": {"refresh-markov": {"n_users": 4, "recall@1": cell, "mrr": cell}}}}
     md = bench.markdown_table(out)
-    assert "| refresh | 4 | 0.250 [0.100, 0.400] | 0.2500 [0.1000, 0.4000] | 812 |" in md
-    assert "| markov | 4 | 0.250 [0.100, 0.400] |" in md and "| refresh-markov | 4 |" in md
-    assert md.count("| arm | users | recall@1 | MRR | wall s |") == 2
+    assert "| refresh | 4 | 0.250 [0.100, 0.400] | 0.2500 [0.1000, 0.4000] | 0.500 [0.250, 0.750] | 812 |" in md
+    assert "| markov | 4 | 0.250 [0.100, 0.400] | 0.2500 [0.1000, 0.4000] | - | - |" in md
+    assert "| refresh-markov | 4 |" in md
+    assert md.count("| arm | users | recall@1 | MRR | new_share@1 | wall s |") == 2
     assert bench.without_per_user({"a": row})["a"] == {"n_users": 4, "recall@1": cell, "mrr": cell}
+
+
+def test_a_variant_refreshes_its_own_copies_and_records_elsewhere(tmp_path, monkeypatch):
+    """Overrides beyond the mode's own name other copies of the base run (a variant never reuses
+    a refresh done with other settings), and records made with other overrides are refused
+    before any training (records without the field, written before it was kept, are read)."""
+    bench = _bench()
+    mode = bench.QUICK
+    assert bench.variant_suffix([*mode["overrides"], "seed=0"], mode) == ""
+    a = bench.variant_suffix([*mode["overrides"], "seed=0", "refresh.ground_lr=3e-4"], mode)
+    b = bench.variant_suffix([*mode["overrides"], "seed=0", "refresh.ground_lr=1e-4"], mode)
+    assert a.startswith("-") and len(a) == 9 and a != b
+    _no_training(bench, monkeypatch)
+    work, rec = _records(bench, tmp_path)
+    body = json.loads((rec / "refresh.json").read_text())
+    (rec / "refresh.json").write_text(json.dumps({**body, "overrides": [*mode["overrides"], "seed=0"]}))
+    assert bench.main(["--quick", "--work", str(work), "--records", str(rec)]) == 0  # same overrides
+    with pytest.raises(SystemExit, match=r"refresh.json was recorded with overrides .*refresh.ground_lr=3e-4"):
+        bench.main(["--quick", "--work", str(work), "--records", str(rec), "refresh.ground_lr=3e-4"])
