@@ -319,6 +319,10 @@ def markdown_table(out: dict) -> str:
             cells = " | ".join(_cell(r.get(c), 4 if c == "mrr" else 3) for c in cols)
             lines.append(f"| {name} | {r.get('n_users', out['n_users'][sl])} | {cells} | "
                          f"{'-' if wall is None else f'{wall:.0f}'} |")
+        if sl in out.get("new_item_prior", {}):  # a reference, not a servable baseline
+            r = out["new_item_prior"][sl]
+            lines.append(f"| (MostPop of new items only) | {out['n_users'][sl]} | "
+                         + " | ".join(_cell(r.get(c), 4 if c == "mrr" else 3) for c in cols) + " | - |")
         pairs = out.get("paired", {}).get(sl, {})
         if pairs:
             lines += ["", f"| paired (first - second) | users | {head} |", "|---|---|" + "---|" * len(cols)]
@@ -364,6 +368,19 @@ def make_slices(seq_path: Path, new_ids: list[str], catalog: list[str], n_users:
         # interactions, the targets held out as for the model).
         out["baselines"][name] = baseline_scores(train_seqs, catalog, hist, out[name]["targets"], ks)
     return out
+
+
+def new_item_prior(seq_path: Path, new_ids: list[str], slices: dict, ks: list[int]) -> dict:
+    """A reference that knows which items are new: MostPop over the new items alone (fitted on
+    the training sequences), on both slices ({slice: {"recall@K", "mrr"}}). Not a baseline one
+    can serve (nothing tells which users' next item is new); it shows how much a model gains on
+    new-target users only by moving its top K toward the new items."""
+    import polars as pl
+
+    seqs = pl.read_parquet(seq_path)
+    train_seqs = [list(t) for t in seqs["train_items"].to_list()]
+    return {sl: without_per_user(baseline_scores(train_seqs, list(new_ids), slices[sl]["histories"],
+                                                 slices[sl]["targets"], ks)["mostpop"]) for sl in SLICES}
 
 
 class Store:
@@ -480,6 +497,7 @@ def run_bench(args, mode: dict, arms: list[str], n_new: int, n_users: int, ov: l
 
     slices = store.get("slices", lambda: make_slices(full_sequences(), h.new_ids, catalog, n_users, mode["ks"],
                                                      args.seed, inputs))
+    prior = store.get("new_item_prior", lambda: new_item_prior(full_sequences(), h.new_ids, slices, mode["ks"]))
     for arm, (load, meta) in loaders.items():
         missing = [sl for sl in SLICES if not store.has(f"{arm}.{sl}")]
         rec = load() if missing else None  # a model is loaded only when some slice is unscored
@@ -500,7 +518,8 @@ def run_bench(args, mode: dict, arms: list[str], n_new: int, n_users: int, ov: l
                                                              None),
             "n_users": {sl: len(slices[sl]["targets"]) for sl in SLICES}, "base_train_wall_s": base.get("wall_s"),
             "overrides": ov, "arms": res_arms, "missing_arms": [a for a in ARMS if a not in done],
-            "baselines": without_per_user(slices["baselines"]), "paired": paired, "records": str(store.root)}
+            "baselines": without_per_user(slices["baselines"]), "new_item_prior": prior, "paired": paired,
+            "records": str(store.root)}
 
 
 if __name__ == "__main__":

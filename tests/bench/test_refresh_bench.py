@@ -114,7 +114,7 @@ def _records(bench, tmp_path, arms=("refresh", "assign_only", "retrain"), inputs
                         "baselines": {"new_target": {}, "old_target": {}},
                         "new_target": {"histories": [["a"], ["b"]], "targets": ["c", "d"]},
                         "old_target": {"histories": [["a"], ["b"]], "targets": ["e", "f"]}},
-             "base": {"wall_s": 7.0}}
+             "base": {"wall_s": 7.0}, "new_item_prior": {sl: score for sl in bench.SLICES}}
     for arm in arms:
         files[arm] = {"wall_s": 3.0, "assigned": 12, "sid_map_hash": "h"}
         files.update({f"{arm}.{sl}": score for sl in bench.SLICES})
@@ -197,6 +197,11 @@ def test_slices_take_new_target_users_and_an_equal_old_sample(tmp_path):
     assert out["baselines"]["new_target"]["mostpop"]["recall@1"]["value"] == 0.0
     assert bench.make_slices(path, ["n1", "n2"], ["a", "b", "c", "n1", "n2"], 1, [1], 0, "h")["new_target"][
         "targets"] == ["n1"]
+    # the prior that knows which items are new: MostPop over n1, n2 alone (both unseen in
+    # training, so a tie in catalog order): n1 first for everyone
+    prior = bench.new_item_prior(path, ["n1", "n2"], out, [1, 2])
+    assert prior["new_target"]["recall@2"]["value"] == 1.0 and prior["old_target"]["recall@2"]["value"] == 0.0
+    assert "per_user" not in prior["new_target"]
 
 
 def test_paired_differences_use_the_users_both_arms_scored():
