@@ -41,7 +41,13 @@ full mode takes ~3 h on 2 cores, more than one session, so it runs in parts, e.g
 retrain` (~75 min) in one session and `--arms refresh,assign_only` (~1 h 45 min: the base run,
 both refreshes, their scores) in another. The last line is printed by every part; it says
 which arms are still missing.
-(overrides go to every run and refresh, e.g. refresh.ground_steps=200 refresh.sft_steps=50).
+(overrides go to every run and refresh, e.g. refresh.ground_steps=200 refresh.sft_steps=50; ones
+beyond the mode's make a variant: it refreshes its own copies of the base run, which it shares,
+since the base stages do not hash the refresh section, and needs its own --records folder, as
+arms record their overrides and records made with others are refused). A reference that knows
+which items are new (MostPop over them alone) is scored on both slices too: it shows how much
+a model can gain on new-target users by only moving its top K toward the new items, which each
+arm's `new_share@K` (the new items' share of each user's top K) measures.
 One Ray-heavy run at a time: do not run it beside the test suite on a 2-core machine.
 """
 
