@@ -315,6 +315,10 @@ def markdown_table(out: dict) -> str:
     paired differences."""
     cols = [*(f"recall@{k}" for k in out["ks"]), "mrr", f"new_share@{max(out['ks'])}"]
     head = " | ".join("MRR" if c == "mrr" else c for c in cols)
+
+    def cells(r: dict) -> str:
+        return " | ".join(_cell(r.get(c), 4 if c == "mrr" else 3) for c in cols)
+
     lines = []
     for sl in SLICES:
         lines += [f"{sl} ({out['n_users'][sl]} users)", "", f"| arm | users | {head} | wall s |",
@@ -322,18 +326,15 @@ def markdown_table(out: dict) -> str:
         rows = {**{a: (r[sl], r.get("wall_s")) for a, r in out["arms"].items()},
                 **{b: (r, None) for b, r in out["baselines"].get(sl, {}).items()}}
         for name, (r, wall) in rows.items():
-            cells = " | ".join(_cell(r.get(c), 4 if c == "mrr" else 3) for c in cols)
-            lines.append(f"| {name} | {r.get('n_users', out['n_users'][sl])} | {cells} | "
+            lines.append(f"| {name} | {r.get('n_users', out['n_users'][sl])} | {cells(r)} | "
                          f"{'-' if wall is None else f'{wall:.0f}'} |")
         if sl in out.get("new_item_prior", {}):  # a reference, not a servable baseline
             r = out["new_item_prior"][sl]
-            lines.append(f"| (MostPop of new items only) | {out['n_users'][sl]} | "
-                         + " | ".join(_cell(r.get(c), 4 if c == "mrr" else 3) for c in cols) + " | - |")
+            lines.append(f"| (MostPop of new items only) | {out['n_users'][sl]} | {cells(r)} | - |")
         pairs = out.get("paired", {}).get(sl, {})
         if pairs:
             lines += ["", f"| paired (first - second) | users | {head} |", "|---|---|" + "---|" * len(cols)]
-            lines += [f"| {p} | {d['n_users']} | " + " | ".join(_cell(d.get(c), 4 if c == "mrr" else 3) for c in cols)
-                      + " |" for p, d in pairs.items()]
+            lines += [f"| {p} | {d['n_users']} | {cells(d)} |" for p, d in pairs.items()]
         lines.append("")
     return "\n".join(lines)
 
