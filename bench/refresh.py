@@ -138,6 +138,39 @@ def variant_suffix(ov: list[str], mode: dict) -> str:
     return "-" + hashlib.sha256(json.dumps(ov).encode()).hexdigest()[:8]
 
 
+# Refresh keys that cannot change SIDs only's result: it runs with no grounding and no SFT.
+_TRAINING_KEYS = frozenset({"refresh.ground_steps", "refresh.ground_lr", "refresh.replay_ratio",
+                            "refresh.sft_steps", "refresh.sft_lr"})
+
+
+def arm_overrides(arm: str, ov: list[str]) -> list[str]:
+    """The overrides that can change `arm`'s result: the retrain never refreshes (no `refresh.*`
+    key), SIDs only forces its training steps to 0 (none of `_TRAINING_KEYS`), the refresh
+    depends on all of them. A variant (e.g. refresh.ground_lr=3e-4) thus shares the recorded
+    SIDs-only and retrain arms, and pairs with them on the same users."""
+    if arm == "retrain":
+        return [o for o in ov if not o.startswith("refresh.")]
+    if arm == "assign_only":
+        return [o for o in ov if o.split("=", 1)[0] not in _TRAINING_KEYS]
+    return list(ov)
+
+
+def seed_records(store: "Store", src: Path, arms: list[str]) -> list[str]:
+    """Copy from the records folder `src` into `store` what a variant shares and `store` lacks:
+    the scored users and references (slices, new_item_prior, test_share), the base run's time
+    and the arms this part does not compute (their overrides are checked like any record).
+    Returns the names copied."""
+    names = ["slices", "new_item_prior", "test_share", "base",
+             *(f"{a}{part}" for a in ARMS if a not in arms for part in ("", *(f".{sl}" for sl in SLICES)))]
+    copied = []
+    store.root.mkdir(parents=True, exist_ok=True)
+    for n in names:
+        if (src / f"{n}.json").is_file() and not store.has(n):
+            shutil.copyfile(src / f"{n}.json", store.root / f"{n}.json")
+            copied.append(n)
+    return copied
+
+
 def stages_wall_s(run_dir: Path) -> float:
     """Wall time of a run's stages ingest .. sft from their manifests (so a bench resumed in a
     later session reports the time the stages took, not the seconds it took to find them done;
@@ -264,26 +297,70 @@ PAIRS = (("refresh", "assign_only"), ("refresh", "retrain"), ("assign_only", "re
          ("retrain", "markov"))
 
 
-def paired_diff(a: dict, b: dict, n_boot: int = 1000, seed: int = 0) -> dict:
-    """Mean per-user difference a - b with a paired bootstrap CI, for every per-user figure both
-    rows hold (MRR from the reciprocal ranks, Recall@K), on the users both scored (`per_user`:
-    {"user": slice indices, "rr": [...], "recall@K": [...]}); {} when a row has no per-user
-    values (records written before they were kept)."""
+def _paired_values(a: dict, b: dict):
+    """(common users, {metric: (a's values, b's values)}) on the users both rows scored
+    (`per_user`: {"user": slice indices, "rr": [...], "recall@K": [...]}; "rr" is named "mrr");
+    None when a row has no per-user values (records written before they were kept)."""
     import numpy as np
-
-    from gti.eval.metrics import paired_bootstrap_ci
 
     pa, pb = a.get("per_user"), b.get("per_user")
     if not pa or not pb:
-        return {}
+        return None
     ia, ib = {u: i for i, u in enumerate(pa["user"])}, {u: i for i, u in enumerate(pb["user"])}
     common = sorted(set(ia) & set(ib))
+    return common, {("mrr" if m == "rr" else m): (np.array([pa[m][ia[u]] for u in common], dtype=np.float64),
+                                                    np.array([pb[m][ib[u]] for u in common], dtype=np.float64))
+                    for m in pa if m != "user" and m in pb}
+
+
+def paired_diff(a: dict, b: dict, n_boot: int = 1000, seed: int = 0) -> dict:
+    """Mean per-user difference a - b with a paired bootstrap CI, for every per-user figure both
+    rows hold (MRR from the reciprocal ranks, Recall@K), on the users both scored; {} when a row
+    has no per-user values."""
+    from gti.eval.metrics import paired_bootstrap_ci
+
+    pv = _paired_values(a, b)
+    if pv is None:
+        return {}
+    common, vals = pv
     out: dict = {"n_users": len(common)}
-    for m in (m for m in pa if m != "user" and m in pb):
-        x = np.array([pa[m][ia[u]] for u in common], dtype=np.float64)
-        y = np.array([pb[m][ib[u]] for u in common], dtype=np.float64)
-        out["mrr" if m == "rr" else m] = {"value": float((x - y).mean()) if common else 0.0,
-                                          "ci": list(paired_bootstrap_ci(x, y, n_boot=n_boot, seed=seed))}
+    for m, (x, y) in vals.items():
+        out[m] = {"value": float((x - y).mean()) if common else 0.0,
+                  "ci": list(paired_bootstrap_ci(x, y, n_boot=n_boot, seed=seed))}
+    return out
+
+
+def overall(arms: dict, baselines: dict, share: dict, n_boot: int = 1000, seed: int = 0) -> dict:
+    """What the slices mean for all test users: each figure as share * new-target value +
+    (1 - share) * old-target value (share = `share["new_target_users"] / share["test_users"]`,
+    the test users whose target is new), with a bootstrap CI that resamples each slice on its own
+    (`gti.eval.metrics.stratified_bootstrap_ci`), for every arm and baseline with per-user values
+    on both slices, and the PAIRS' differences the same way (per slice on the users both scored).
+    -> {"share_new", "rows": {name: {metric: {"value", "ci"}}}, "paired": {"a-b": {...}}}."""
+    import numpy as np
+
+    from gti.eval.metrics import stratified_bootstrap_ci
+
+    p = share["new_target_users"] / share["test_users"]
+    rows = {**{a: {sl: r[sl] for sl in SLICES} for a, r in arms.items()},
+            **{b: {sl: baselines[sl][b] for sl in SLICES} for b in baselines.get(SLICES[0], {})
+               if all(b in baselines.get(sl, {}) for sl in SLICES)}}
+
+    def cell(new, old) -> dict:
+        v, lo, hi = stratified_bootstrap_ci([new, old], [p, 1 - p], n_boot=n_boot, seed=seed)
+        return {"value": v, "ci": [lo, hi]}
+
+    out: dict = {"share_new": p, "rows": {}, "paired": {}}
+    for name, r in rows.items():
+        new, old = ({("mrr" if m == "rr" else m): v for m, v in r[sl].get("per_user", {}).items() if m != "user"}
+                    for sl in SLICES)
+        if new and old and r[SLICES[0]]["per_user"]["user"] and r[SLICES[1]]["per_user"]["user"]:
+            out["rows"][name] = {m: cell(new[m], old[m]) for m in new if m in old}
+    for a, b in ((a, b) for a, b in PAIRS if a in rows and b in rows):
+        pv = [_paired_values(rows[a][sl], rows[b][sl]) for sl in SLICES]
+        if all(x is not None and x[0] for x in pv):
+            out["paired"][f"{a}-{b}"] = {m: cell(np.subtract(*pv[0][1][m]), np.subtract(*pv[1][1][m]))
+                                         for m in pv[0][1] if m in pv[1][1]}
     return out
 
 
@@ -335,6 +412,15 @@ def markdown_table(out: dict) -> str:
         if pairs:
             lines += ["", f"| paired (first - second) | users | {head} |", "|---|---|" + "---|" * len(cols)]
             lines += [f"| {p} | {d['n_users']} | {cells(d)} |" for p, d in pairs.items()]
+        lines.append("")
+    w = out.get("overall")
+    if w and w["rows"]:
+        lines += [f"all test users (weighted: {w['share_new']:.1%} have a new target; each slice resampled on its own)",
+                  "", f"| arm | {head} |", "|---|" + "---|" * len(cols)]
+        lines += [f"| {name} | {cells(r)} |" for name, r in w["rows"].items()]
+        if w["paired"]:
+            lines += ["", f"| paired (first - second) | {head} |", "|---|" + "---|" * len(cols)]
+            lines += [f"| {p} | {cells(d)} |" for p, d in w["paired"].items()]
         lines.append("")
     return "\n".join(lines)
 
@@ -390,6 +476,17 @@ def new_item_prior(seq_path: Path, new_ids: list[str], slices: dict, ks: list[in
                                                  slices[sl]["targets"], ks)["mostpop"]) for sl in SLICES}
 
 
+def test_share(seq_path: Path, new_ids: list[str]) -> dict:
+    """How many of all test users have a new item as their target (the weight of the new-target
+    slice in `overall`): {"new_target_users", "test_users"}."""
+    import polars as pl
+
+    from gti.data.holdout import new_target_users
+
+    seqs = pl.read_parquet(seq_path)
+    return {"new_target_users": new_target_users(seqs, new_ids).height, "test_users": seqs.height}
+
+
 class Store:
     """Finished parts of a bench, one JSON file each, in `--records` (kept across sessions) or
     else `<work>/scores/`: `slices.json`, `base.json`, `<arm>.json` (wall time, steps) and
@@ -423,6 +520,10 @@ def main(argv=None) -> int:
                     help="folder of finished parts, kept across sessions (full mode: bench/refresh-smollm2)")
     ap.add_argument("--arms", default=",".join(ARMS), help="arms this part computes (the others are read "
                     "from the records when there)")
+    ap.add_argument("--baseline-records", default=None,
+                    help="records folder a variant shares (e.g. bench/refresh-smollm2): its users, references "
+                    "and the arms not in --arms are copied into --records when missing there, so the variant's "
+                    "refresh pairs with them")
     args, overrides = ap.parse_known_args(argv)
     bad = [o for o in overrides if "=" not in o]
     if bad:
@@ -437,6 +538,11 @@ def main(argv=None) -> int:
     work = Path(args.work or tempfile.mkdtemp(prefix="gti-bench-refresh-")).resolve()
     records = args.records or mode["records"]
     store = Store(Path(records).resolve() if records else work / "scores")
+    if args.baseline_records:
+        src = Path(args.baseline_records).resolve()
+        if not (src / "slices.json").is_file():
+            ap.error(f"--baseline-records: {src}/slices.json not found (not a records folder)")
+        log(f"from {src}: {seed_records(store, src, arms) or 'nothing (all there)'}")
     try:
         out = run_bench(args, mode, arms, n_new, n_users, ov, work, store)
         log(markdown_table(out))
@@ -463,9 +569,10 @@ def run_bench(args, mode: dict, arms: list[str], n_new: int, n_users: int, ov: l
         raise SystemExit(f"{store.root}/slices.json was recorded on other inputs (inputs hash {recorded}, these "
                          f"{inputs}: another --seed, --n-new, --users or data); use another --records folder")
     for a in (a for a in ARMS if store.has(a)):
-        if store.read(a).get("overrides", ov) != ov:
+        if arm_overrides(a, store.read(a).get("overrides", ov)) != arm_overrides(a, ov):
             raise SystemExit(f"{store.root}/{a}.json was recorded with overrides {store.read(a)['overrides']}, this "
-                             f"part has {ov}; use another --records folder for a variant")
+                             f"part has {ov} (for {a}: {arm_overrides(a, ov)}); use another --records folder "
+                             f"for a variant")
     todo = [a for a in arms if not store.arm_done(a)]
     log(f"{h.new_items.height} new items, {h.new_interactions.height} new interactions; recorded in {store.root}: "
         f"{[a for a in ARMS if store.arm_done(a)]}; to run: {todo}")
@@ -505,6 +612,7 @@ def run_bench(args, mode: dict, arms: list[str], n_new: int, n_users: int, ov: l
     slices = store.get("slices", lambda: make_slices(full_sequences(), h.new_ids, catalog, n_users, mode["ks"],
                                                      args.seed, inputs))
     prior = store.get("new_item_prior", lambda: new_item_prior(full_sequences(), h.new_ids, slices, mode["ks"]))
+    share = store.get("test_share", lambda: test_share(full_sequences(), h.new_ids))
     for arm, (load, meta) in loaders.items():
         missing = [sl for sl in SLICES if not store.has(f"{arm}.{sl}")]
         rec = load() if missing else None  # a model is loaded only when some slice is unscored
@@ -519,6 +627,7 @@ def run_bench(args, mode: dict, arms: list[str], n_new: int, n_users: int, ov: l
     assert len(hashes) <= 1, f"refresh and assign_only assigned different SIDs: {hashes}"  # only training differs
     base = store.read("base") if store.has("base") else {}
     paired = paired_rows(res_arms, slices["baselines"])
+    weighted = overall(res_arms, slices["baselines"], share)
     res_arms = {a: without_per_user(r) for a, r in res_arms.items()}
     return {"bench": "refresh", "mode": "quick" if args.quick else "full", "config": str(mode["config"].name),
             "ks": mode["ks"], "n_new_items": len(h.new_ids), "assigned": next((r["assigned"] for r in res_arms.values() if "assigned" in r),
@@ -526,6 +635,7 @@ def run_bench(args, mode: dict, arms: list[str], n_new: int, n_users: int, ov: l
             "n_users": {sl: len(slices[sl]["targets"]) for sl in SLICES}, "base_train_wall_s": base.get("wall_s"),
             "overrides": ov, "arms": res_arms, "missing_arms": [a for a in ARMS if a not in done],
             "baselines": without_per_user(slices["baselines"]), "new_item_prior": prior, "paired": paired,
+            "test_share": share, "overall": weighted,
             "records": str(store.root)}
 
 

@@ -53,6 +53,13 @@ def test_refresh_bench_quick(tmp_path):
         share = arm["old_target"]["new_share@5"]
         assert 0 <= share["ci"][0] <= share["value"] <= share["ci"][1] <= 1
         assert arm["overrides"] == out["overrides"]
+    w = out["overall"]  # every test user: the slices weighted by the new-target share
+    assert 0 < w["share_new"] < 1 and set(w["rows"]) == {*out["arms"], "mostpop", "markov"}
+    assert set(w["paired"]) == set(pairs)
+    for arm, r in out["arms"].items():
+        m = w["rows"][arm]["mrr"]
+        want = w["share_new"] * r["new_target"]["mrr"]["value"] + (1 - w["share_new"]) * r["old_target"]["mrr"]["value"]
+        assert abs(m["value"] - want) < 1e-9 and m["ci"][0] <= m["value"] <= m["ci"][1]
 
 
 def test_baseline_scores_on_a_toy_catalog():
@@ -114,7 +121,8 @@ def _records(bench, tmp_path, arms=("refresh", "assign_only", "retrain"), inputs
                         "baselines": {"new_target": {}, "old_target": {}},
                         "new_target": {"histories": [["a"], ["b"]], "targets": ["c", "d"]},
                         "old_target": {"histories": [["a"], ["b"]], "targets": ["e", "f"]}},
-             "base": {"wall_s": 7.0}, "new_item_prior": {sl: score for sl in bench.SLICES}}
+             "base": {"wall_s": 7.0}, "new_item_prior": {sl: score for sl in bench.SLICES},
+             "test_share": {"new_target_users": 3, "test_users": 30}}
     for arm in arms:
         files[arm] = {"wall_s": 3.0, "assigned": 12, "sid_map_hash": "h"}
         files.update({f"{arm}.{sl}": score for sl in bench.SLICES})
@@ -256,3 +264,74 @@ def test_a_variant_refreshes_its_own_copies_and_records_elsewhere(tmp_path, monk
     assert bench.main(["--quick", "--work", str(work), "--records", str(rec)]) == 0  # same overrides
     with pytest.raises(SystemExit, match=r"refresh.json was recorded with overrides .*refresh.ground_lr=3e-4"):
         bench.main(["--quick", "--work", str(work), "--records", str(rec), "refresh.ground_lr=3e-4"])
+
+
+def test_arm_overrides_keep_only_what_can_change_the_arm():
+    bench = _bench()
+    ov = ["refresh.ground_steps=100", "refresh.on_full_group=add_tokens", "sft.val_mrr=false", "seed=0",
+          "refresh.ground_lr=3e-4", "refresh.sft_steps=50", "refresh.replay_ratio=4"]
+    assert bench.arm_overrides("refresh", ov) == ov
+    assert bench.arm_overrides("retrain", ov) == ["sft.val_mrr=false", "seed=0"]
+    assert bench.arm_overrides("assign_only", ov) == ["refresh.on_full_group=add_tokens", "sft.val_mrr=false", "seed=0"]
+
+
+def test_a_variant_shares_the_baseline_records_and_pairs_with_them(tmp_path, monkeypatch, capsys):
+    """--baseline-records copies the users, references and the arms a variant does not compute;
+    SIDs only and the retrain, recorded with the mode's overrides, are accepted beside a refresh
+    recorded with refresh.ground_lr=3e-4 (it cannot change them), but not under another
+    on_full_group (it decides SIDs only's tokens)."""
+    bench = _bench()
+    mode = bench.QUICK
+    _no_training(bench, monkeypatch)
+    work, base = _records(bench, tmp_path)
+    for arm in bench.ARMS:
+        body = json.loads((base / f"{arm}.json").read_text())
+        (base / f"{arm}.json").write_text(json.dumps({**body, "overrides": [*mode["overrides"], "seed=0"]}))
+    var = tmp_path / "variant"
+    var.mkdir()
+    for sl in ("", *(f".{s}" for s in bench.SLICES)):  # the variant's own refresh, already scored
+        (var / f"refresh{sl}.json").write_text((base / f"refresh{sl}.json").read_text())
+    body = json.loads((var / "refresh.json").read_text())
+    ov = [*mode["overrides"], "seed=0", "refresh.ground_lr=3e-4"]
+    (var / "refresh.json").write_text(json.dumps({**body, "overrides": ov, "wall_s": 9.0}))
+    args = ["--quick", "--work", str(work), "--records", str(var), "--arms", "refresh",
+            "--baseline-records", str(base), "refresh.ground_lr=3e-4"]
+    assert bench.main(args) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["missing_arms"] == [] and out["arms"]["refresh"]["wall_s"] == 9.0
+    assert out["arms"]["retrain"]["wall_s"] == 3.0 and out["test_share"] == {"new_target_users": 3, "test_users": 30}
+    assert {"slices", "assign_only", "retrain.old_target", "test_share"} <= {p.stem for p in var.glob("*.json")}
+    # the variant's refresh is not overwritten by the baseline's
+    assert json.loads((var / "refresh.json").read_text())["wall_s"] == 9.0
+    with pytest.raises(SystemExit, match=r"assign_only.json was recorded with overrides"):
+        bench.main([*args[:4], str(tmp_path / "variant2"), *args[5:-1], "refresh.on_full_group=error"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        bench.main([*args[:7], "--baseline-records", str(tmp_path / "nowhere")])
+    assert "nowhere/slices.json not found (not a records folder)" in capsys.readouterr().err
+
+
+def test_overall_weights_the_slices_by_the_new_target_share():
+    """overall: share * new + (1 - share) * old per arm and baseline, each slice resampled on its
+    own; paired rows on the users both scored per slice; rows without per-user values skipped."""
+    bench = _bench()
+
+    def row(users, rr):
+        return {"per_user": {"user": users, "rr": rr, "recall@1": [float(r == 1.0) for r in rr]}}
+    arms = {"refresh": {"new_target": row([0, 1], [1.0, 0.5]), "old_target": row([0, 1], [0.25, 0.25])},
+            "assign_only": {"new_target": row([0, 1], [0.5, 0.5]), "old_target": row([0, 1], [0.5, 0.5])},
+            "retrain": {"new_target": {"mrr": {"value": 0.3}}, "old_target": {"mrr": {"value": 0.3}}}}
+    baselines = {"new_target": {"markov": row([0, 1], [0.5, 0.5])}, "old_target": {"markov": row([1], [1.0])}}
+    w = bench.overall(arms, baselines, {"new_target_users": 1, "test_users": 4}, n_boot=200)
+    assert w["share_new"] == 0.25 and set(w["rows"]) == {"refresh", "assign_only", "markov"}
+    assert abs(w["rows"]["refresh"]["mrr"]["value"] - (0.25 * 0.75 + 0.75 * 0.25)) < 1e-12
+    assert w["rows"]["assign_only"]["mrr"] == {"value": 0.5, "ci": [0.5, 0.5]}
+    assert w["rows"]["refresh"]["recall@1"]["value"] == 0.25 * 0.5
+    d = w["paired"]["refresh-assign_only"]["mrr"]
+    assert abs(d["value"] - (0.25 * 0.25 + 0.75 * -0.25)) < 1e-12 and d["ci"][0] <= d["value"] <= d["ci"][1]
+    # refresh - markov: old slice on user 1 only (0.25 - 1.0)
+    assert abs(w["paired"]["refresh-markov"]["mrr"]["value"] - (0.25 * 0.25 + 0.75 * -0.75)) < 1e-12
+    assert "refresh-retrain" not in w["paired"]  # the retrain rows have no per-user values
+    out = {"ks": [1], "n_users": {"new_target": 2, "old_target": 2}, "arms": {}, "baselines": {}, "overall": w}
+    md = bench.markdown_table(out)
+    assert "all test users (weighted: 25.0% have a new target" in md and "| refresh-assign_only | " in md

@@ -93,6 +93,28 @@ def test_paired_bootstrap_is_tighter_than_unpaired():
         M.paired_bootstrap_ci(a, b[:-1])
 
 
+def test_stratified_bootstrap_weights_each_stratum_by_its_share():
+    """Two strata sampled equally but 10% / 90% of the population: the value is the weighted
+    mean, not the pooled one; the CI covers the spread of the heavier stratum."""
+    rng = np.random.default_rng(1)
+    new, old = rng.binomial(1, 0.5, 100).astype(float), rng.binomial(1, 0.1, 100).astype(float)
+    value, lo, hi = M.stratified_bootstrap_ci([new, old], [0.1, 0.9], n_boot=500)
+    assert value == pytest.approx(0.1 * new.mean() + 0.9 * old.mean())
+    assert value != pytest.approx(np.concatenate([new, old]).mean())
+    assert lo < value < hi
+    # the old stratum's half width (~1.96 * sd / sqrt(100)) scaled by 0.9 dominates
+    half = 1.96 * 0.9 * old.std() / 10
+    assert abs((hi - lo) / 2 - half) < 0.35 * half
+    # constant strata: no spread at all
+    assert M.stratified_bootstrap_ci([[1.0] * 5, [0.0] * 7], [0.25, 0.75], n_boot=50) == (0.25, 0.25, 0.25)
+    with pytest.raises(ValueError, match="summing to 1"):
+        M.stratified_bootstrap_ci([new, old], [0.5, 0.6])
+    with pytest.raises(ValueError, match="every stratum needs users"):
+        M.stratified_bootstrap_ci([new, []], [0.5, 0.5])
+    with pytest.raises(ValueError, match="2 strata but 1 weights"):
+        M.stratified_bootstrap_ci([new, old], [1.0])
+
+
 def test_metrics_table_and_format():
     table, per_user = M.metrics_table(RANKED, TARGETS, [1, 3], n_boot=50, return_per_user=True)
     assert table["recall@3"]["value"] == pytest.approx(0.75)

@@ -209,6 +209,35 @@ def paired_bootstrap_ci(
     return bootstrap_ci(a - b, n_boot=n_boot, alpha=alpha, seed=seed)
 
 
+def stratified_bootstrap_ci(
+    strata: Sequence[Sequence[float] | np.ndarray],
+    weights: Sequence[float],
+    n_boot: int = 1000,
+    alpha: float = 0.05,
+    seed: int = 0,
+) -> tuple[float, float, float]:
+    """(value, lo, hi) of sum_s weights[s] * mean(strata[s]): the mean over a population whose
+    users were sampled per stratum (e.g. a fixed number of users whose target is a new item and
+    as many whose target is old) and whose strata have the population shares `weights` (summing
+    to 1). Each bootstrap replicate resamples every stratum on its own, with replacement. For a
+    paired difference pass each stratum's per-user differences. An empty stratum is refused."""
+    w = np.asarray(weights, dtype=np.float64)
+    vs = [np.asarray(v, dtype=np.float64) for v in strata]
+    if len(vs) != w.size:
+        raise ValueError(f"{len(vs)} strata but {w.size} weights")
+    if any(v.size == 0 for v in vs):
+        raise ValueError(f"every stratum needs users: sizes {[v.size for v in vs]}")
+    if np.any(w < 0) or abs(float(w.sum()) - 1.0) > 1e-9:
+        raise ValueError(f"weights must be shares summing to 1: {w.tolist()}")
+    value = float(sum(wi * v.mean() for wi, v in zip(w, vs)))
+    if n_boot <= 0:
+        return value, value, value
+    rng = np.random.default_rng(seed)
+    reps = sum(wi * v[rng.integers(0, v.size, size=(n_boot, v.size))].mean(axis=1) for wi, v in zip(w, vs))
+    lo, hi = np.quantile(reps, [alpha / 2, 1 - alpha / 2])
+    return value, float(lo), float(hi)
+
+
 def metrics_table(
     ranked: Sequence[Sequence[Hashable]],
     targets: Sequence[Hashable] | None = None,
