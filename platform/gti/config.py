@@ -341,6 +341,9 @@ class RefreshConfig(_Strict):
     # Optional short SFT on the new interactions (0 = off; needs --interactions).
     sft_steps: int = Field(0, ge=0)
     sft_lr: float | None = Field(None, gt=0, description="None: sft.lr")
+    # Windows of untouched users replayed per touched-user window in the refresh SFT (0: the
+    # touched users' windows only).
+    sft_replay_ratio: float = Field(0.0, ge=0)
 
 
 # --------------------------------------------------------------------------- run

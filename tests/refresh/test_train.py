@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from gti.errors import DataError
-from gti.refresh.train import ground_step, sft_step, val_source
+from gti.refresh.train import ground_step, select_windows, sft_step, val_source
 
 
 def _pairs(tasks, splits):
@@ -50,3 +50,29 @@ def test_too_few_train_pairs_for_one_micro_batch_fail_before_loading_the_model(m
     with pytest.raises(DataError, match=r"3 train pairs cannot fill one micro-batch of 2 on each of 2 workers"):
         ground_step(job, None)
     assert not (job.work / "e_new_start.safetensors").exists()
+
+
+def _seqs():
+    import polars as pl
+
+    return pl.DataFrame({"user_id": ["t1", "t2", "o1", "o2", "o3"],
+                         "train_items": [["a", "b", "c"], ["b", "n"], ["a", "b", "c", "d"], ["c", "d"], ["x"]],
+                         "valid_item": ["d"] * 5, "test_item": ["e"] * 5})
+
+
+def test_refresh_sft_replays_a_share_of_untouched_users_windows():
+    import polars as pl
+
+    touched = pl.Series("user_id", ["t1", "t2"])
+    w, facts = select_windows(_seqs(), touched, 20, 0.0, seed=0)
+    assert facts == {"touched_users": 2, "touched_windows": 3, "replay_windows": 0}
+    assert set(w["user_id"]) == {"t1", "t2"} and sorted(w["target"]) == ["b", "c", "n"]
+    w, facts = select_windows(_seqs(), touched, 20, 1.0, seed=0)  # 3 of the others' 4 windows
+    assert facts["replay_windows"] == 3 and w.height == 6
+    assert set(w.filter(pl.col("user_id").is_in(["o1", "o2", "o3"]))["user_id"]) <= {"o1", "o2"}
+    again, _ = select_windows(_seqs(), touched, 20, 1.0, seed=0)
+    assert again.equals(w)  # seeded
+    w, facts = select_windows(_seqs(), touched, 20, 10.0, seed=0)  # fewer than asked: all of them
+    assert facts["replay_windows"] == 4 and w.height == 7
+    with pytest.raises(DataError, match="no touched user has 2 or more training items"):
+        select_windows(_seqs(), pl.Series("user_id", ["o3"]), 20, 1.0, seed=0)

@@ -46,7 +46,8 @@ run's (so evaluation and `gti recommend` accept it for the old model as well as 
    nothing trains: the exported model is the parent's, with any added tokens at their
    level's mean rows (usable, untrained for those tokens).
 7. sft (optional, `refresh.sft_steps` > 0, needs `--interactions`): the SFT task on the
-   training windows of the users the new interactions touch.
+   training windows of the users the new interactions touch, plus `refresh.sft_replay_ratio`
+   x as many windows of other users (0 by default).
 8. export (`gti.refresh.driver`, which also orders the steps): `model/` (standard HF folder;
    `gti_meta.json` records `sid_map_hash` = the new map, `sid_map_parent`, `sid_map_version`,
    `codebook_sizes`), `_manifest.json` (facts: parent and new hash, counts, `codebook_sizes`,

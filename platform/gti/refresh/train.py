@@ -11,7 +11,8 @@ What it is for:
   them, else in-sample; the SID answer tokens are found by id, as the new map's codec spells
   them). -> `<work>/ground_model/`.
 - `sft_step(job)`: `refresh.sft_steps` steps of the SFT task (`gti.train.sft_task`) on the
-  training windows of the users the new interactions touch, from the grounded model (else
+  training windows of the users the new interactions touch (+ `refresh.sft_replay_ratio` x as
+  many windows of other users, `select_windows`), from the grounded model (else
   `job.base_model_dir`). -> `<work>/sft_model/`.
 Both resume from their last Ray Train checkpoint under `<work>/ray_train/` when rerun.
 
@@ -149,8 +150,33 @@ def ground_step(job: Job, fault_injection: dict | None) -> dict:
     }
 
 
+def select_windows(seqs, touched, max_history: int, replay_ratio: float, seed: int):
+    """The refresh SFT's training windows: every window of the users in `touched` (a user_id
+    Series) and, with `replay_ratio` > 0, a seeded sample of round(replay_ratio x that many)
+    windows of the other users (all of them when there are fewer), so a short SFT on the new
+    interactions also sees the targets of users it did not touch (as grounding replays old
+    pairs). -> (windows frame, {"touched_users", "touched_windows", "replay_windows"})."""
+    import polars as pl
+
+    from gti.train import sft_data
+
+    is_touched = pl.col("user_id").is_in(touched.implode())
+    mine = seqs.filter(is_touched)
+    windows = sft_data.training_windows(mine, max_history, seed=seed)
+    if windows.height == 0:
+        raise DataError("refresh.sft_steps > 0 but no touched user has 2 or more training items "
+                        "in the merged sequences: nothing to train on")
+    replay = windows.head(0)
+    if replay_ratio > 0:
+        others = sft_data.training_windows(seqs.filter(~is_touched), max_history, seed=seed)
+        replay = others.sample(n=min(others.height, round(replay_ratio * windows.height)), seed=seed)
+    facts = {"touched_users": mine.height, "touched_windows": windows.height, "replay_windows": replay.height}
+    return pl.concat([windows, replay]), facts
+
+
 def _sft_windows(job: Job, tok):
-    """(the touched users' training windows rendered as SFT rows, their number of users)."""
+    """(the touched users' training windows, and the replayed ones, rendered as SFT rows;
+    select_windows' facts)."""
     import polars as pl
 
     from gti.lm import templates
@@ -162,15 +188,11 @@ def _sft_windows(job: Job, tok):
     sid_ids = templates.sid_id_table(smap, SidCodec.from_facts(job.map_facts()), tok)
     seqs = pl.read_parquet(job.work / "ingest" / "sequences.parquet")
     touched = pl.read_parquet(job.work / "ingest" / "touched_users.parquet")["user_id"]
-    seqs = seqs.filter(pl.col("user_id").is_in(touched.implode()))
-    windows = sft_data.training_windows(seqs, cfg.data.max_history, seed=cfg.seed)
-    if windows.height == 0:
-        raise DataError("refresh.sft_steps > 0 but no touched user has 2 or more training items "
-                        "in the merged sequences: nothing to train on")
+    windows, facts = select_windows(seqs, touched, cfg.data.max_history, cfg.refresh.sft_replay_ratio, cfg.seed)
     renderer = templates.make_renderer(tok, sid_ids, cfg.pairs.system_prompt, cfg.sft.max_len,
                                        prompt_style=cfg.sft.prompt_style)
     rows = renderer.render_windows(windows.select("history", "target", "template").to_dict(as_series=False))
-    return sft_data.rows_frame(rows).select(sft_data.ROW_COLUMNS), seqs.height
+    return sft_data.rows_frame(rows).select(sft_data.ROW_COLUMNS), facts
 
 
 def sft_step(job: Job) -> dict:
@@ -190,7 +212,7 @@ def sft_step(job: Job) -> dict:
     if not (start / "config.json").is_file():
         start = job.base_model_dir
     tok = job.tokenizer()
-    frame, n_users = _sft_windows(job, tok)
+    frame, facts = _sft_windows(job, tok)
     order = np.random.default_rng([cfg.seed, job.k, 0x5F7]).permutation(frame.height)
     train_path = job.work / "sft_train.parquet"
     frame[order].write_parquet(train_path)
@@ -198,8 +220,9 @@ def sft_step(job: Job) -> dict:
     scfg = cfg.model_copy(update={"sft": s})
     loop_config = {"task": "sft", "run_config": scfg.model_dump(mode="json"), "pad_id": int(tok.pad_token_id),
                    "hooks": SFT_HOOKS, "sft": {"model_dir": str(start)}, "val": None}
-    job.log(f"sft: {s.steps} steps x batch {s.batch_size} on {frame.height} windows of "
-            f"{n_users} touched users, from {start}")
+    job.log(f"sft: {s.steps} steps x batch {s.batch_size} on {facts['touched_windows']} windows of "
+            f"{facts['touched_users']} touched users + {facts['replay_windows']} replayed windows of other "
+            f"users, from {start}")
     ensure_ray(cfg)
     import ray
 
@@ -208,4 +231,5 @@ def sft_step(job: Job) -> dict:
               log=lambda m: job.log(f"sft: {m}"), progress_every=max(1, s.log_every))
     model = rebuild_trained(start, scfg, res.state_dict)
     vocab.export_model(model, tok, job.work / "sft_model", dict(vocab.read_meta(start)))
-    return {"steps_done": res.steps_done, "lr": s.lr, "windows": frame.height, "users": n_users, **_loss_ends(res)}
+    return {"steps_done": res.steps_done, "lr": s.lr, "windows": frame.height, "users": facts["touched_users"],
+            **facts, **_loss_ends(res)}
