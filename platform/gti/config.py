@@ -317,6 +317,9 @@ class TrackingConfig(_Strict):
 
 
 # --------------------------------------------------------------------------- refresh
+REFRESH_LR_SCALE = 0.1  # refresh.ground_lr's default, as a share of ground.lr (see ground_lr)
+
+
 class RefreshConfig(_Strict):
     """`gti refresh` (gti/refresh/): new items onto a trained run without retraining it.
     Not part of any stage's fingerprint (a refresh writes its own versions under
@@ -337,13 +340,22 @@ class RefreshConfig(_Strict):
     # Grounding steps on the new items' pairs (+ replay), continuing from the run's model;
     # 0 = assign SIDs only (the model is exported unchanged with the new map version).
     ground_steps: int = Field(50, ge=0)
-    ground_lr: float | None = Field(None, gt=0, description="None: ground.lr")
+    # None: REFRESH_LR_SCALE x ground.lr. A refresh continues from rows already trained (and
+    # tuned by SFT to recommend), not from the mean: at the first grounding's lr its 100 steps
+    # moved every old SID row by 35-68% of its norm and old-target Recall@10 fell .10 -> .02;
+    # at a tenth of it the old targets kept .10 and the new ones gained as much (.02 -> .16)
+    # (bench/RESULTS.md "New items").
+    ground_lr: float | None = Field(None, gt=0, description="None: REFRESH_LR_SCALE x ground.lr")
     # Optional short SFT on the new interactions (0 = off; needs --interactions).
     sft_steps: int = Field(0, ge=0)
     sft_lr: float | None = Field(None, gt=0, description="None: sft.lr")
     # Windows of untouched users replayed per touched-user window in the refresh SFT (0: the
     # touched users' windows only).
     sft_replay_ratio: float = Field(0.0, ge=0)
+
+    def ground_lr_from(self, ground_lr: float) -> float:
+        """The refresh's grounding lr, given the run's `ground.lr`."""
+        return self.ground_lr if self.ground_lr is not None else REFRESH_LR_SCALE * ground_lr
 
 
 # --------------------------------------------------------------------------- run

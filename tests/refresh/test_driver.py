@@ -396,6 +396,13 @@ def test_refresh_config_keys_are_validated():
     with pytest.raises(C.ConfigError, match="refresh.replay_ratio"):
         C.load(None, ["refresh.replay_ratio=-1"])
     assert C.load(None, ["refresh.sft_steps=3"]).refresh.sft_steps == 3
+    # the refresh's grounding lr: a tenth of ground.lr unless set (it starts from trained rows)
+    cfg = C.load(None, ["ground.lr=2e-3"])
+    assert cfg.refresh.ground_lr is None and cfg.refresh.ground_lr_from(cfg.ground.lr) == pytest.approx(2e-4)
+    assert C.load(None, ["refresh.ground_lr=5e-3"]).refresh.ground_lr_from(1e-3) == 5e-3
+    assert C.load(None, ["refresh.sft_replay_ratio=2"]).refresh.sft_replay_ratio == 2.0
+    with pytest.raises(C.ConfigError, match="refresh.sft_replay_ratio"):
+        C.load(None, ["refresh.sft_replay_ratio=-1"])
 
 
 def test_holdout_picks_items_that_end_a_history():

@@ -117,7 +117,7 @@ def ground_step(job: Job, fault_injection: dict | None) -> dict:
                 + (" (with the added code tokens, their rows untrained at their level's mean)" if grown else ""))
         return {"steps_done": 0, "grounded": False}
     first, end = job.token_range()
-    g = cfg.ground.model_copy(update={"steps": rc.ground_steps, **({"lr": rc.ground_lr} if rc.ground_lr else {})})
+    g = cfg.ground.model_copy(update={"steps": rc.ground_steps, "lr": rc.ground_lr_from(cfg.ground.lr)})
     gcfg = cfg.model_copy(update={"ground": g, "model": cfg.model.model_copy(update={"name": str(base)})})
     micro = micro_batch(g, g.num_workers)
     pairs_path = job.work / "pairs.parquet"
