@@ -30,6 +30,7 @@ Modes:
   embeddings) on 300 bundled items, 12 of them new. Its figures say nothing about quality.
 
 Usage: python bench/refresh.py [--quick] [--n-new N] [--users N] [--work DIR] [--records DIR]
+                                [--baseline-records DIR]
                                 [--arms refresh,assign_only,retrain] [key=value ...]
 With `--work DIR` the bench resumes: the same command again continues the runs from their
 stages and checkpoints, reuses finished refreshes and the scores already written.
@@ -44,7 +45,12 @@ which arms are still missing.
 (overrides go to every run and refresh, e.g. refresh.ground_steps=200 refresh.sft_steps=50; ones
 beyond the mode's make a variant: it refreshes its own copies of the base run, which it shares,
 since the base stages do not hash the refresh section, and needs its own --records folder, as
-arms record their overrides and records made with others are refused). A reference that knows
+arms record their overrides and records made with overrides that can change them are refused
+(`arm_overrides`: the retrain ignores refresh.*, SIDs only the training keys). `--baseline-records
+DIR` copies DIR's users, references and the arms this part does not compute into the variant's
+folder, so its refresh pairs with SIDs only and the retrain recorded there.) Besides each slice,
+every figure is given for all test users (`overall`: the slices weighted by the share of test
+users whose target is new, `test_share`), the figure a refresh setting is judged by. A reference that knows
 which items are new (MostPop over them alone) is scored on both slices too: it shows how much
 a model can gain on new-target users by only moving its top K toward the new items, which each
 arm's `new_share@K` (the new items' share of each user's top K) measures.
