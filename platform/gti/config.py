@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
@@ -31,8 +31,18 @@ from gti.config_io import StrictModel as _Strict
 from gti.config_io import format_error as _format_error
 from gti.config_io import parse_scalar as _parse_scalar  # noqa: F401 - re-exported
 from gti.config_train import GroundConfig, LoraConfig, SftConfig, TrainConfig  # noqa: F401 - re-exported
+from gti.config_eval import BASELINES, BASELINES_HELP, BaselineNames, SasrecConfig  # noqa: F401 - re-exported
+from gti.config_serve import ServeConfig  # noqa: F401 - re-exported (the serve: section)
 from gti.errors import ConfigError, GtiError  # noqa: F401 - ConfigError re-exported
 from gti.names import DEFAULT_GROUNDING_TEMPLATES, INIT_METHODS
+
+# Bounds that would otherwise fail hours into a run (a negative seed in the first Ray Data
+# shuffle, a zero-width encoder layer in the sid stage, a codebook of millions of tokens in the
+# vocabulary): checked when the config is validated, naming the key.
+SEED_MAX = 2**32 - 1  # numpy's and Ray Data's seeds are uint32
+MAX_CODEBOOK_SIZE = 65536  # codes per level: each one is a new token of the LM's vocabulary
+Seed = Annotated[int, Field(ge=0, le=SEED_MAX)]
+PositiveInt = Annotated[int, Field(gt=0)]
 
 
 # --------------------------------------------------------------------------- data
@@ -114,9 +124,9 @@ class SidGates(_Strict):
 class SidConfig(_Strict):
     method: Literal["rqvae", "rqkmeans"] = "rqvae"
     levels: int = Field(4, ge=1, le=26)
-    codebook_size: int = Field(256, ge=2)
+    codebook_size: int = Field(256, ge=2, le=MAX_CODEBOOK_SIZE)
     code_dim: int = Field(32, gt=0)
-    encoder_dims: list[int] = Field(default_factory=lambda: [512, 256])
+    encoder_dims: list[PositiveInt] = Field(default_factory=lambda: [512, 256])
     dropout: float = Field(0.1, ge=0, lt=1)
     epochs: int = Field(50, ge=1)
     batch_size: int = Field(1024, gt=0)
@@ -226,10 +236,10 @@ class PairsConfig(_Strict):
 # --------------------------------------------------------------------------- eval
 class EvalConfig(_Strict):
     beam_width: int = Field(20, ge=1)
-    ks: list[int] = Field(default_factory=lambda: [5, 10, 20])
+    ks: list[PositiveInt] = Field(default_factory=lambda: [5, 10, 20], min_length=1)
     splits: list[Literal["valid", "test"]] = Field(default_factory=lambda: ["valid", "test"])
     max_users: int | None = Field(None, gt=0, description="evaluate a sample of users")
-    sample_seed: int | None = Field(
+    sample_seed: Seed | None = Field(
         None, description="seed of that sample (None: the run's seed; fix it to evaluate the same "
         "users in every seed of a comparison)",
     )
@@ -247,6 +257,8 @@ class EvalConfig(_Strict):
     # Cold-item slice: every metric is also reported for the users whose target item is the
     # target of at most this many SFT training windows (counted on train items only).
     cold_max_sft_targets: int = Field(1, ge=0)
+    baselines: BaselineNames = Field(default_factory=lambda: list(BASELINES), description=BASELINES_HELP)
+    sasrec: SasrecConfig = Field(default_factory=SasrecConfig, description="the sasrec reference row")
 
     @model_validator(mode="after")
     def _k_le_beam(self) -> "EvalConfig":
@@ -364,7 +376,7 @@ LOCAL_RAY_ENV = "GTI_LOCAL_RAY"  # "<pid>:<gcs address>" of the local Ray this p
 
 class RunConfig(_Strict):
     run_dir: str = "runs/demo"
-    seed: int = 0
+    seed: Seed = 0
     # Ray address: None starts/joins a local Ray; "auto" joins a running cluster.
     ray_address: str | None = None
     ray_num_cpus: int | None = Field(None, ge=1)
@@ -382,6 +394,7 @@ class RunConfig(_Strict):
     compare: CompareConfig = Field(default_factory=CompareConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     refresh: RefreshConfig = Field(default_factory=RefreshConfig)
+    serve: ServeConfig = Field(default_factory=ServeConfig)
 
     def resolved_run_dir(self) -> Path:
         return Path(self.run_dir).expanduser().resolve()

@@ -4,7 +4,8 @@ What it is for: `StrictModel`, the pydantic base of every config section (an unk
 loudly instead of being ignored); `read_yaml` (a file -> its top-level mapping, or a one-line
 ConfigError); `apply_overrides` (`a.b.c=value` onto a raw mapping, values parsed the way YAML
 would by `parse_scalar`); `format_error` (a pydantic ValidationError -> one line naming the key
-and the file); `redact` (secret-looking keys masked before anything reaches a manifest or log).
+and the file); `redact` (secret-looking keys masked, and credentials inside URIs, before
+anything reaches a manifest or log; the rules are `gti.redact`'s).
 `gti.config` builds the run config from these; `gti.vocab_ground` builds its own.
 
 What it does NOT know: any config section or its defaults (`gti.config`, `gti.config_train`),
@@ -22,6 +23,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from gti.errors import ConfigError
+from gti.redact import REDACTED, is_secret_key, redact_text  # noqa: F401 - re-exported (C.REDACTED, ...)
 
 
 class StrictModel(BaseModel):
@@ -31,26 +33,23 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-_SECRET_RE = re.compile(r"(key|token|secret|password|passwd|credentials?)")
-REDACTED = "***redacted***"
-
-
 def redact(obj: Any) -> Any:
-    """Copy of a nested mapping with values of secret-looking keys replaced.
+    """Copy of a nested mapping with values of secret-looking keys replaced and the credentials
+    inside URIs in every other string removed (`redact_text`).
 
     Used for everything written to manifests and logs, so that a token put in a config never
-    lands on disk. The match is on the last word of the key (`auth_token`, `api_key`), so
-    `max_tokens` (a count) is left alone.
+    lands on disk. The key match is on the last word(s) of the key in any spelling
+    (`auth_token`, `apiKey`, `api-key`, `auth`, `passphrase`, `connection_string`;
+    `is_secret_key`), so `max_tokens` (a count) is left alone.
     """
     if isinstance(obj, dict):
         out = {}
         for k, v in obj.items():
-            last = str(k).lower().split("_")[-1]
-            out[k] = REDACTED if _SECRET_RE.fullmatch(last) else redact(v)
+            out[k] = REDACTED if is_secret_key(k) else redact(v)
         return out
     if isinstance(obj, list):
         return [redact(v) for v in obj]
-    return obj
+    return redact_text(obj)
 
 
 def parse_scalar(text: str) -> Any:

@@ -47,6 +47,12 @@ class GateError(GtiError):
     """A quality gate failed (e.g. SID utilisation or collisions); the message has the stats."""
 
 
+class NonFiniteError(GtiError):
+    """Training produced a NaN or infinite loss or gradient norm; the message names the step.
+    Raised in every worker at the same step (the check is on all-reduced values), before that
+    step's checkpoint, so no NaN rows are ever exported."""
+
+
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 # A chained worker exception survives a Ray Data task only as traceback text, e.g.
 # "gti.errors.DataError: x.parquet: ..." or "gti.config.ConfigError: ...".

@@ -95,8 +95,12 @@ class Manifest:
         }
 
     def write(self, stage_dir: str | Path) -> Path:
+        """Write `_manifest.json`; every string in it has the credentials of its URIs removed
+        (`gti.config_io.redact_text`: a path or an error quoted in the facts)."""
+        from gti.redact import redact_strings
+
         path = Path(stage_dir) / MANIFEST_NAME
-        atomic_write_json(path, self.to_json())
+        atomic_write_json(path, redact_strings(self.to_json()))
         return path
 
     @classmethod

@@ -107,8 +107,26 @@ def _select(from_stage: str | None, to_stage: str | None) -> tuple[int, int]:
     return lo, hi
 
 
+def check_stage_folder(run_dir: Path, name: str) -> None:
+    """PipelineError when `<run_dir>/<name>` is a non-empty folder that is not a stage folder
+    (no manifest: e.g. a user's own `report/` in a run_dir set to an existing folder). Stages
+    replace their folder whole, so gti must never take one it did not make."""
+    from gti.files import UnsafeReplaceError, check_replaceable_dir
+
+    try:
+        check_replaceable_dir(run_dir / name, is_ours=lambda p: (p / MANIFEST_NAME).is_file(),
+                              protected={}, what=f"stage '{name}' folder",
+                              ours=f"a gti stage folder (no {MANIFEST_NAME})", force_hint="a run_dir of its own")
+    except UnsafeReplaceError as err:
+        raise PipelineError(str(err)) from None
+
+
 def run_stage(s: StageSpec, cfg: C.RunConfig, run_dir: Path) -> Manifest:
-    """Run one stage into its partial dir, write its manifest, swap it into place."""
+    """Run one stage into its partial dir, write its manifest, swap it into place (an old
+    complete folder is exchanged for the new one: `<stage>/` is never missing)."""
+    from gti.files import replace_dir
+
+    check_stage_folder(run_dir, s.name)
     fp, inputs = fingerprint(s, cfg, run_dir)
     work = run_dir / f".{s.name}.partial"
     marker = work / "_fingerprint"
@@ -138,13 +156,11 @@ def run_stage(s: StageSpec, cfg: C.RunConfig, run_dir: Path) -> Manifest:
     # The whole resolved config sits beside every artifact (litgpt style).
     atomic_write_bytes(work / "config.yaml", C.dump(cfg).encode())
     final = run_dir / s.name
-    old = run_dir / f".{s.name}.old"
+    old = run_dir / f".{s.name}.old"  # left by an older gti interrupted mid-swap
     if old.exists():
         shutil.rmtree(old)
-    if final.exists():
-        final.rename(old)
-    work.rename(final)
-    shutil.rmtree(old, ignore_errors=True)
+    check_stage_folder(run_dir, s.name)
+    replace_dir(work, final)
     (final / "_fingerprint").unlink(missing_ok=True)
     return manifest
 
@@ -180,10 +196,20 @@ def run(
     Stages in the slice whose fingerprint matches their manifest are skipped unless `force`
     (or unless they are `from_stage` itself, which the user asked to rerun).
     """
+    from gti.runlock import RunLock
+
     run_dir = cfg.resolved_run_dir()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(run_dir / "config.yaml", C.dump(cfg).encode())
     lo, hi = _select(from_stage, to_stage)
+    for s in STAGES[lo: hi + 1]:  # before anything is written: a folder gti may not replace stops it
+        check_stage_folder(run_dir, s.name)
+    # One writer per run folder: a second command is refused here, naming this one.
+    with RunLock(run_dir):
+        return _run_locked(cfg, run_dir, lo, hi, from_stage, force, echo)
+
+
+def _run_locked(cfg: C.RunConfig, run_dir: Path, lo: int, hi: int, from_stage: str | None, force: bool,
+                echo: Callable[[str], None]) -> dict[str, Manifest]:
+    atomic_write_bytes(run_dir / "config.yaml", C.dump(cfg).encode())
     done: dict[str, Manifest] = {}
     for i, s in enumerate(STAGES[: hi + 1]):
         if i < lo:

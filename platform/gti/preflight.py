@@ -318,11 +318,11 @@ def _check_deepspeed(cfg: C.RunConfig, facts: Facts) -> Check:
     if ds.get("torch") and not tv.startswith(str(ds["torch"])):
         return Check("deepspeed", WARN, f"DeepSpeed {ds['version']} was built against torch {ds['torch']} but "
                                         f"torch is {facts.torch_version}: its prebuilt ops may not load; reinstall it "
-                                        "(Makefile: DS_BUILD_SHM_COMM=1 DS_BUILD_CPU_ADAM=1 pip install --no-build-isolation deepspeed)")
+                                        "(Makefile: DS_BUILD_SHM_COMM=1 pip install --no-build-isolation deepspeed)")
     if missing:
         return Check("deepspeed", WARN, f"DeepSpeed {ds['version']}: op(s) {missing} not prebuilt, so every CPU "
                                         "worker JIT-compiles them (needs a compiler, minutes); reinstall with "
-                                        "DS_BUILD_SHM_COMM=1 DS_BUILD_CPU_ADAM=1 (Makefile)")
+                                        "DS_BUILD_SHM_COMM=1 (Makefile)")
     return Check("deepspeed", OK, f"DeepSpeed {ds['version']}, prebuilt ops: {', '.join(built) or 'none'}")
 
 
@@ -420,7 +420,10 @@ def _check_tracking(cfg: C.RunConfig, facts: Facts) -> Check:
     if t.mlflow and not facts.packages.get("mlflow", False):
         return Check("tracking", ERROR, "tracking.mlflow: true needs the mlflow package, which is not installed "
                                         "(pip install mlflow), or set tracking.mlflow: false")
-    sinks = (["tensorboard"] if t.tensorboard else []) + ([f"mlflow ({t.mlflow_uri or 'run_dir/mlruns'})"] if t.mlflow else [])
+    from gti.redact import redact_text  # user:password or a token in the tracking URI
+
+    sinks = (["tensorboard"] if t.tensorboard else []) + (
+        [f"mlflow ({redact_text(t.mlflow_uri) or 'run_dir/mlruns'})"] if t.mlflow else [])
     return Check("tracking", OK, ", ".join(sinks) or "off")
 
 

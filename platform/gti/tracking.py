@@ -168,7 +168,9 @@ class Tracker:
     def _warn(self, sink: str, err: BaseException) -> None:
         if sink not in self._warned:
             self._warned.add(sink)
-            first = (str(err).strip() or type(err).__name__).splitlines()[0]
+            from gti.redact import redact_text  # the error may quote tracking.mlflow_uri
+
+            first = redact_text((str(err).strip() or type(err).__name__).splitlines()[0])
             print(f"gti: warning: tracking ({sink}, {self.logdir}): {first}; "
                   f"{sink} logging is off for the rest of this stage", file=sys.stderr, flush=True)
 

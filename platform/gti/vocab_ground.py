@@ -19,8 +19,17 @@ calls, knowledge-graph nodes, product codes). `ground_vocabulary(model, tokens, 
    after grounding).
 
 The work files (pairs, initial rows, Ray Train checkpoints) go to `work_dir` (default
-`<out>.work/` beside `out_dir`), so a rerun of the same call after a killed driver resumes
-from the last checkpoint; the default work dir is removed once the model is exported.
+`.<out>.work/` beside `out_dir`, marked as gti's by a `.gti-vocab-work` file), so a rerun of the
+same call after a killed driver resumes from the last checkpoint; the default work dir is
+removed once the model is exported (only when it carries the marker: a folder of that name
+gti did not make is refused, never emptied).
+
+What `out_dir` may be (checked before any work, `gti.files.check_replaceable_dir`): a new or
+empty folder, or an earlier gti export (it holds `gti_meta.json`), which is replaced whole;
+any other non-empty folder only with `force` (`gti vocab ground --force`). Never the model
+folder, the tokens file, the work dir, the current or home directory, or a folder above one of
+them. The export is written beside `out_dir` and swapped in (`gti.files.replace_dir`): there is
+no moment without a complete folder at `out_dir`.
 
 Settings: `VocabGroundConfig` (YAML for `gti vocab ground --config`): `seed`, `ray_address`,
 `ray_num_cpus`, `model` (`dtype`, `trust_remote_code`), `init` (as in run configs), `ground`
@@ -55,6 +64,7 @@ VAL_FILE = "val_prompts.parquet"
 SIDS_FILE = "token_ids.safetensors"
 RAY_DIR = STORAGE_DIR  # gti.train.driver.STORAGE_DIR
 RUN_NAME = "vocab_ground"
+WORK_MARKER = ".gti-vocab-work"  # in the default work dir: gti made it, so gti may remove it
 
 
 # --------------------------------------------------------------------------- config
@@ -64,7 +74,7 @@ class VocabModelConfig(StrictModel):
 
 
 class VocabGroundConfig(StrictModel):
-    seed: int = 0
+    seed: C.Seed = 0
     ray_address: str | None = None
     ray_num_cpus: int | None = Field(None, ge=1)
     model: VocabModelConfig = Field(default_factory=VocabModelConfig)
@@ -124,6 +134,7 @@ def ground_vocabulary(
     config: VocabGroundConfig | str | Path | None = None,
     templates: dict[str, str] | None = None,
     work_dir: str | Path | None = None,
+    force: bool = False,
     log: Callable[[str], None] = print,
 ) -> VocabGroundResult:
     """Add `tokens` to the model at `model`, ground their rows, export to `out_dir`.
@@ -135,16 +146,34 @@ def ground_vocabulary(
     config: VocabGroundConfig, or a YAML path; None = defaults (init mean, 200 steps, lr 1e-3).
     templates: overrides `config.templates` ({desc2token: "...{description}...",
         token2desc: "...{token}..."}).
+    force: replace `out_dir` even when it is a non-empty folder that is not a gti export (never
+        when it is or contains the model, the tokens file, the work dir, the current or home
+        directory; see the module docstring).
     Returns a VocabGroundResult. User mistakes raise GtiError subclasses (one line).
     """
     t_start = time.time()
-    cfg, toks = _settings(config, templates, tokens)
     out_dir = Path(out_dir).expanduser().resolve()
     own_work = work_dir is None
-    work = Path(work_dir) if work_dir is not None else out_dir.with_name(f".{out_dir.name}.work")
-    work.mkdir(parents=True, exist_ok=True)
+    work = Path(work_dir).expanduser().resolve() if work_dir is not None \
+        else out_dir.with_name(f".{out_dir.name}.work")
+    protected = _protected(model, tokens, None if own_work else work)
+    _check_out(out_dir, force, protected)  # before any work: a refused folder costs nothing
+    from gti.runlock import RunLock
+
+    # One writer per output: a second `gti vocab ground --out` of the same folder is refused.
+    with RunLock(out_dir.parent, name=f".{out_dir.name}.gti.lock"):
+        return _ground_locked(model, tokens, out_dir, config, templates, work, own_work, force, protected, log,
+                              t_start)
+
+
+def _ground_locked(model, tokens, out_dir: Path, config, templates, work: Path, own_work: bool, force: bool,
+                   protected: dict, log: Callable[[str], None], t_start: float) -> VocabGroundResult:
+    cfg, toks = _settings(config, templates, tokens)
+    _open_work(work, own_work)
 
     ext = _load_and_extend(model, cfg, toks, log)
+    if isinstance(ext.model_path, Path):  # e.g. smollm2-135m, resolved into the cache
+        protected["--model"] = ext.model_path
     pairs, n_train = _write_pairs(ext, toks, cfg, work, log)
     init = _initial_rows(ext, toks, cfg, work)
     g = cfg.ground
@@ -157,9 +186,9 @@ def ground_vocabulary(
     else:
         log("ground.enabled is false or ground.steps is 0: exporting the initialised rows")
 
-    _export(ext, cfg, init, final, grounded, res_facts["steps_done"], out_dir)
+    _export(ext, cfg, init, final, grounded, res_facts["steps_done"], out_dir, force, protected)
     shutil.rmtree(work / RAY_DIR, ignore_errors=True)
-    if own_work:
+    if own_work and (work / WORK_MARKER).is_file():
         shutil.rmtree(work, ignore_errors=True)
     log(f"exported {out_dir}")
     return VocabGroundResult(
@@ -168,6 +197,43 @@ def ground_vocabulary(
         final_loss=res_facts.get("final_loss"), val_exact_match=res_facts.get("val_exact_match", []),
         val_split=val_split, n_train_pairs=n_train, wall_s=round(time.time() - t_start, 2),
     )
+
+
+def _protected(model: str | Path, tokens: Any, work: Path | None) -> dict[str, Path | None]:
+    """The paths `out_dir` may neither be nor contain: the model folder, the tokens file and a
+    caller's work dir (the current and home directories are always protected)."""
+    from gti.lm import models
+
+    out: dict[str, Path | None] = {}
+    if isinstance(model, (str, Path)) and Path(model).expanduser().exists():
+        out["--model"] = Path(model).expanduser()
+    elif str(model) == models.SMOLLM2_NAME:
+        out["--model"] = models.cache_root() / "models" / models.SMOLLM2_NAME
+    if isinstance(tokens, (str, Path)) and Path(tokens).expanduser().exists():
+        out["--tokens"] = Path(tokens).expanduser()
+    out["the work folder"] = work
+    return out
+
+
+def _check_out(out_dir: Path, force: bool, protected: dict[str, Path | None]) -> None:
+    from gti.files import check_replaceable_dir
+    from gti.lm.vocab import is_export
+
+    check_replaceable_dir(out_dir, is_ours=is_export, force=force, protected=protected, what="--out",
+                          ours="a gti export (no gti_meta.json)")
+
+
+def _open_work(work: Path, own: bool) -> None:
+    """Create the work dir; the default one is marked as gti's (so that only it is ever removed),
+    and a folder of its name without the marker is refused."""
+    if own:
+        if work.exists() and not (work / WORK_MARKER).is_file() and (not work.is_dir() or any(work.iterdir())):
+            raise DataError(f"work folder {work} exists and was not made by gti vocab ground; "
+                            "remove or rename it, then rerun")
+        work.mkdir(parents=True, exist_ok=True)
+        (work / WORK_MARKER).touch()
+    else:
+        work.mkdir(parents=True, exist_ok=True)
 
 
 def _settings(config: VocabGroundConfig | str | Path | None, templates: dict[str, str] | None,
@@ -254,8 +320,10 @@ def _initial_rows(ext: _Extended, toks: list[NewToken], cfg: VocabGroundConfig, 
 
 
 def _export(ext: _Extended, cfg: VocabGroundConfig, init: dict[str, Any], final: dict[str, Any], grounded: bool,
-            steps_done: int, out_dir: Path) -> None:
-    """The base model with the final rows as a standard HF folder, plus the rows before/after."""
+            steps_done: int, out_dir: Path, force: bool = False,
+            protected: dict[str, Path | None] | None = None) -> None:
+    """The base model with the final rows as a standard HF folder, plus the rows before/after
+    (written into the folder before it is swapped in: it appears complete or not at all)."""
     from safetensors.torch import save_file
 
     from gti.lm import vocab
@@ -273,9 +341,12 @@ def _export(ext: _Extended, cfg: VocabGroundConfig, init: dict[str, Any], final:
         "templates": cfg.templates,
         "system_prompt": cfg.system_prompt,
     }
-    vocab.export_model(ext.base, ext.tok, out_dir, meta)
-    save_file({k: v.contiguous() for k, v in init.items()}, str(out_dir / INIT_FILE))
-    save_file({k: v.contiguous() for k, v in final.items()}, str(out_dir / GROUND_FILE))
+
+    def rows(tmp: Path) -> None:
+        save_file({k: v.contiguous() for k, v in init.items()}, str(tmp / INIT_FILE))
+        save_file({k: v.contiguous() for k, v in final.items()}, str(tmp / GROUND_FILE))
+
+    vocab.export_model(ext.base, ext.tok, out_dir, meta, force=force, protected=protected, extra=rows)
 
 
 def _fit(cfg: VocabGroundConfig, run_cfg: C.RunConfig, work: Path, pairs: dict, ids: dict[str, int], tok,
@@ -340,7 +411,7 @@ def _fit(cfg: VocabGroundConfig, run_cfg: C.RunConfig, work: Path, pairs: dict, 
 def cli_main(args) -> int:
     """`gti vocab ground --model DIR --tokens FILE --out DIR [--config YAML] [key=value ...]`."""
     cfg = load_config(args.config, getattr(args, "overrides", None))
-    res = ground_vocabulary(args.model, args.tokens, args.out, config=cfg)
+    res = ground_vocabulary(args.model, args.tokens, args.out, config=cfg, force=bool(getattr(args, "force", False)))
     last = f"{res.val_exact_match[-1]['value']:.3f}" if res.val_exact_match else "n/a"
 
     def fmt(x):

@@ -126,7 +126,7 @@ def check_header(task: ReadTask, kind: str, columns) -> list[str]:
     mapping = item_mapping(columns) if kind == "items" else interaction_mapping(columns)
     required = ["item_id"] if kind == "items" else list(mapping)
     if task.fmt == "parquet":
-        present = _parquet_file(task.file).schema_arrow.names
+        present = _parquet_file(task.file, task.storage_options).schema_arrow.names
     elif task.fmt in ("csv", "tsv"):
         present = _csv_header(task, "," if task.fmt == "csv" else "\t")
     elif task.fmt == "jsonl":

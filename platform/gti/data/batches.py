@@ -32,6 +32,7 @@ import pyarrow.compute as pc
 from gti.data import adapters
 from gti.data import catalog as cat
 from gti.errors import DataError, GtiError, UnreadableFileError
+from gti.redact import redact_text
 
 FILE_ERROR = "__file_error__"  # marker row: a reader failed on a whole file (see validated_batches)
 UNREADABLE_FILE = "__unreadable_file__"  # marker row: the same, for a file that may be skipped
@@ -45,14 +46,15 @@ def validated_batches(tasks: list[adapters.ReadTask], kind: str, columns, max_te
     marker row naming the file (reason FILE_ERROR, or UNREADABLE_FILE with the reader's error)."""
     schema = cat.ITEM_BATCH_SCHEMA if kind == "items" else cat.INTERACTION_BATCH_SCHEMA
     for task in tasks:
+        shown = redact_text(task.file)  # every row's source_file: no credentials of a URI
         try:
             try:
                 for raw, first_row in adapters.iter_task(task, kind, columns, batch_rows):
                     if kind == "items":
-                        yield cat.validate_items(raw, columns.attributes, max_text_chars, task.file, first_row)
+                        yield cat.validate_items(raw, columns.attributes, max_text_chars, shown, first_row)
                     else:
                         has_ts = columns.ts is not None or task.fmt == "movielens"
-                        yield cat.validate_interactions(raw, has_ts, task.file, first_row)
+                        yield cat.validate_interactions(raw, has_ts, shown, first_row)
             except adapters.READ_ERRORS as err:  # a reader path that did not name the file itself
                 raise UnreadableFileError(task.file, f"cannot read: {adapters.error_reason(err)}") from None
         except GtiError as err:
@@ -121,13 +123,14 @@ class Source:
         self.kind, self.log = kind, log
         self.src = data.items if kind == "items" else data.interactions
         self.skip = data.on_unreadable_file == "skip"
-        self.files = adapters.expand_paths(self.src.path, kind)
+        opts = getattr(self.src, "storage_options", None) or {}
+        self.files = adapters.expand_paths(self.src.path, kind, opts)
         self.tasks: list[adapters.ReadTask] = []
         self.skipped: list[dict[str, str]] = []
         missing: set[str] = set()
         for f in self.files:
             try:
-                tasks = adapters.plan_tasks([f], self.src.format)
+                tasks = adapters.plan_tasks([f], self.src.format, storage_options=opts)
                 # Header/schema checks here, so a wrong column fails before Ray starts work.
                 missing.update(adapters.check_header(tasks[0], kind, self.src.columns) if tasks else [])
             except UnreadableFileError as err:
@@ -140,6 +143,7 @@ class Source:
         self._check_left()
 
     def _record(self, file: str, what: str) -> None:
+        file, what = redact_text(file), redact_text(what)  # facts.skipped_files and the log line
         self.skipped.append({"file": file, "reason": what})
         self.log(f"WARNING: {self.kind}: skipped unreadable file {file}: {what} "
                  "(data.on_unreadable_file: skip)")
@@ -147,8 +151,9 @@ class Source:
     def _check_left(self) -> None:
         if not self.tasks:
             first = self.skipped[0] if self.skipped else {"file": self.src.path, "reason": "no files"}
-            raise DataError(f"data.{self.kind}.path {self.src.path}: all {len(self.files)} file(s) are "
-                            f"unreadable (first: {first['file']}: {first['reason']})")
+            raise DataError(redact_text(
+                f"data.{self.kind}.path {self.src.path}: all {len(self.files)} file(s) are "
+                f"unreadable (first: {first['file']}: {first['reason']})"))
 
     def drop(self, skip: SkipFile) -> None:
         """Leave out a file a read task found unreadable (skip mode); the pass restarts."""
@@ -163,7 +168,7 @@ class Source:
                 return body(self.tasks)
             except SkipFile as skip:
                 self.drop(skip)
-                self.log(f"{self.kind}: reading again without {skip.file}")
+                self.log(f"{self.kind}: reading again without {redact_text(skip.file)}")
         raise RuntimeError(f"{self.kind}: more restarts than files")  # each pass drops one file
 
 

@@ -18,7 +18,8 @@ Decisions (documented here because they change what a user sees):
 - an item without title and description but with a category or attributes keeps a
   pseudo-text title built from them (`text_is_pseudo`); with none of these it is `no_text`.
 - interaction timestamps must be non-negative integers (int, integral float, digit string, or
-  an ISO-8601 date/time, taken as UTC seconds); anything else is `invalid_ts`.
+  an ISO-8601 date/time, taken as UTC seconds) that fit int64; anything else is `invalid_ts`
+  (one row quarantined: an out-of-range value never makes its whole file unreadable).
 
 What it does not know: files, Ray, duplicates across batches, or unknown items (those need the
 whole catalog and are decided by the ingest stage, in file order).
@@ -154,16 +155,24 @@ def pseudo_title(category: str | None, attributes: dict[str, str]) -> str:
     return " ".join(parts)
 
 
+TS_MAX = 2**63 - 1  # timestamps are int64 in every output file; a larger one is invalid_ts
+
+
+def _ts_in_range(v: int) -> int | None:
+    return v if 0 <= v <= TS_MAX else None
+
+
 def parse_ts(value: Any) -> int | None:
-    """A raw timestamp -> non-negative int, or None when it is missing or invalid."""
+    """A raw timestamp -> int in [0, 2**63 - 1], or None when it is missing, invalid or out of
+    that range (the row is then quarantined as invalid_ts, never the whole file)."""
     if value is None or _is_nan(value) or isinstance(value, bool):
         return None
     if isinstance(value, int):
-        return value if value >= 0 else None
+        return _ts_in_range(value)
     if isinstance(value, float):
         if math.isinf(value) or not value.is_integer() or value < 0:
             return None
-        return int(value)
+        return _ts_in_range(int(value))
     if isinstance(value, date) and not isinstance(value, datetime):
         value = datetime.combine(value, time())  # a date column: midnight UTC
     if isinstance(value, datetime):
@@ -177,11 +186,12 @@ def parse_ts(value: Any) -> int | None:
             return None
     if isinstance(value, str):
         s = value.strip()
-        if _DIGITS.match(s):
-            return int(s)
-        if _INTEGRAL_FLOAT_STR.match(s):
-            v = int(s.split(".")[0])
-            return v if v >= 0 else None
+        if _DIGITS.match(s) or _INTEGRAL_FLOAT_STR.match(s):
+            digits = s.split(".")[0]
+            # More than 19 significant digits cannot fit int64 (and int() refuses > 4300 digits).
+            if len(digits.lstrip("+-").lstrip("0")) > 19:
+                return None
+            return _ts_in_range(int(digits))
         try:
             dt = datetime.fromisoformat(s)
         except ValueError:

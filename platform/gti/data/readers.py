@@ -34,6 +34,8 @@ MOVIELENS_GENRES = [
 ]
 
 RawBatch = dict[str, list[Any]]
+# pyarrow reads CSV in blocks of this many bytes; one row (field) must fit in one block.
+CSV_BLOCK_BYTES = 8 << 20
 
 
 # --------------------------------------------------------------------------- column mapping
@@ -76,25 +78,59 @@ def _rename(cols: dict[str, list], mapping: dict[str, str], n: int) -> RawBatch:
     return out
 
 
-def _arrow_to_lists(table: pa.Table) -> dict[str, list]:
+_UNITS_PER_S = {"s": 1, "ms": 1_000, "us": 1_000_000, "ns": 1_000_000_000}
+
+
+def _epoch_seconds(col) -> list:
+    """A timestamp or date column as UTC epoch seconds (Python ints, floor): never as Python
+    datetimes, whose year range (1-9999) is narrower than Arrow's, so one out-of-range value
+    reaches the row check (invalid_ts if negative) instead of failing the whole batch. A
+    timestamp without a time zone counts as UTC, as `gti.data.catalog.parse_ts` reads one."""
+    import pyarrow.compute as pc
+
+    t = col.type
+    if pa.types.is_timestamp(t):
+        raw = col.cast(pa.int64())  # the stored epoch count in the column's unit
+        return [None if v is None else v // _UNITS_PER_S[t.unit] for v in raw.to_pylist()]
+    if pa.types.is_date32(t):
+        return [None if v is None else v * 86_400 for v in col.cast(pa.int32()).cast(pa.int64()).to_pylist()]
+    # date64: milliseconds since the epoch
+    return [None if v is None else v // 1000 for v in pc.cast(col, pa.int64()).to_pylist()]
+
+
+def _arrow_to_lists(table: pa.Table, epoch_columns: frozenset[str] | set[str] = frozenset()) -> dict[str, list]:
+    """Columns as Python lists. `epoch_columns` (the mapped ts column): timestamps and dates as
+    epoch seconds (`_epoch_seconds`); any other temporal column whose values Python's datetime
+    cannot hold comes through as Arrow's text for them instead of failing the batch."""
     out = {}
     for name in table.column_names:
         col = table.column(name)
+        temporal = pa.types.is_timestamp(col.type) or pa.types.is_date(col.type)
         # Strings travel as bytes so that invalid UTF-8 reaches the row check instead of
         # failing the batch (pyarrow does not validate UTF-8 when check_utf8=False).
         if pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
             col = col.cast(pa.large_binary())
+        elif temporal and name in epoch_columns:
+            out[name] = _epoch_seconds(col)
+            continue
+        elif temporal:
+            try:
+                out[name] = col.to_pylist()
+            except (ValueError, OverflowError):  # a year past 9999 (or before 1)
+                out[name] = col.cast(pa.string()).to_pylist()
+            continue
         out[name] = col.to_pylist()
     return out
 
 
 # --------------------------------------------------------------------------- format readers
 def _iter_parquet(task: ReadTask, mapping, required, section, batch_rows) -> Iterator[tuple[RawBatch, int]]:
-    pf = _parquet_file(task.file)
+    pf = _parquet_file(task.file, task.storage_options)
     present = pf.schema_arrow.names
     check_columns(task.file, present, mapping, required, section)
     wanted = [c for c in dict.fromkeys(mapping.values()) if c in present]
     row = task.first_row
+    epoch = {mapping["ts"]} if "ts" in mapping else set()
     groups = task.row_groups if task.row_groups is not None else list(range(pf.num_row_groups))
     # One row group at a time, so that a damaged page is reported with its row group.
     for rg in groups:
@@ -102,7 +138,7 @@ def _iter_parquet(task: ReadTask, mapping, required, section, batch_rows) -> Ite
         try:
             for batch in pf.iter_batches(batch_size=batch_rows, row_groups=[rg], columns=wanted):
                 t = pa.Table.from_batches([batch])
-                yield _rename(_arrow_to_lists(t), mapping, t.num_rows), row
+                yield _rename(_arrow_to_lists(t, epoch), mapping, t.num_rows), row
                 row += t.num_rows
         except READ_ERRORS as err:
             n = pf.metadata.row_group(rg).num_rows
@@ -116,7 +152,7 @@ def _csv_header(task: ReadTask, delimiter: str) -> list[str]:
     import io
 
     try:
-        with _open(task.file) as fh:
+        with _open(task.file, task.storage_options) as fh:
             head = fh.read(1 << 16)
     except READ_ERRORS as err:  # e.g. a gzip file whose end is cut off, read whole here
         raise UnreadableFileError(task.file, f"cannot read: {_reason(err)}") from None
@@ -135,11 +171,11 @@ def _iter_csv(task: ReadTask, mapping, required, section, batch_rows, delimiter=
         include_columns=[c for c in dict.fromkeys(mapping.values()) if c in header],
         strings_can_be_null=True,
     )
-    read = pacsv.ReadOptions(block_size=8 << 20)
+    read = pacsv.ReadOptions(block_size=CSV_BLOCK_BYTES)
     parse = pacsv.ParseOptions(delimiter=delimiter, newlines_in_values=True)
     row = 0
     try:
-        with _open(task.file) as fh:
+        with _open(task.file, task.storage_options) as fh:
             reader = pacsv.open_csv(fh, read_options=read, parse_options=parse, convert_options=convert)
             for batch in reader:
                 t = pa.Table.from_batches([batch])
@@ -148,8 +184,14 @@ def _iter_csv(task: ReadTask, mapping, required, section, batch_rows, delimiter=
                     yield _rename(_arrow_to_lists(part), mapping, part.num_rows), row
                     row += part.num_rows
     except pa.ArrowInvalid as err:
+        if "straddl" in str(err):  # one row (a field) longer than a block: not a ragged row
+            after = f" after the first {row} data rows" if row else ""
+            raise UnreadableFileError(
+                task.file, f"a CSV row{after} is longer than the CSV reader's block size of "
+                f"{_size(CSV_BLOCK_BYTES)} (a field that long, or an unclosed quote); shorten that field, "
+                "or convert the file to parquet or JSON lines") from None
         # pyarrow parses blocks of rows and does not say which row failed; find it.
-        where = _ragged_row(task.file, delimiter, len(header))
+        where = _ragged_row(task.file, delimiter, len(header), task.storage_options)
         # pyarrow's own "Row #N" (a line number, given only when it parses serially) would
         # contradict the data row: drop it with its redundant prefix.
         what = re.sub(r"^CSV parse error: (Row #\d+: )?", "", _reason(err))
@@ -160,7 +202,11 @@ def _iter_csv(task: ReadTask, mapping, required, section, batch_rows, delimiter=
         raise UnreadableFileError(task.file, f"cannot read{read}: {_reason(err)}") from None
 
 
-def _ragged_row(path: str, delimiter: str, n_columns: int) -> str:
+def _size(n: int) -> str:
+    return f"{n / (1 << 20):g} MiB" if n >= 1 << 20 else f"{n / 1024:g} KiB"
+
+
+def _ragged_row(path: str, delimiter: str, n_columns: int, storage_options=None) -> str:
     """' at data row R (line L)' for the first row of `path` whose field count is not
     `n_columns` (R counts data rows from 0, as `source_row` in the quarantine files; L is the
     file line where that row ends), or '' when no such row is found."""
@@ -168,7 +214,7 @@ def _ragged_row(path: str, delimiter: str, n_columns: int) -> str:
     import io
 
     try:
-        with _open(path) as fh:
+        with _open(path, storage_options) as fh:
             text = io.TextIOWrapper(fh, encoding="utf-8", errors="replace", newline="")
             reader = csv.reader(text, delimiter=delimiter)
             next(reader, None)  # the header
@@ -191,7 +237,7 @@ def _json_records(task: ReadTask, literal_ok: bool = False) -> Iterator[dict]:
 
 
 def _json_records_of(task: ReadTask, literal_ok: bool, counter: list[int]) -> Iterator[dict]:
-    with _open(task.file) as fh:
+    with _open(task.file, task.storage_options) as fh:
         data_iter = _counted(_lines(fh), counter)
         first = None
         for first in data_iter:
@@ -206,6 +252,8 @@ def _json_records_of(task: ReadTask, literal_ok: bool, counter: list[int]) -> It
                 arr = json.loads(rest)
             except (ValueError, UnicodeDecodeError) as err:
                 raise UnreadableFileError(task.file, f"not valid JSON: {_reason(err)}") from None
+            except RecursionError:
+                raise UnreadableFileError(task.file, f"not readable JSON: {_TOO_DEEP}") from None
             for rec in arr:
                 yield rec if isinstance(rec, dict) else {READ_ERROR: MALFORMED_RECORD, "_raw": repr(rec)}
             return
@@ -219,7 +267,7 @@ def _json_records_of(task: ReadTask, literal_ok: bool, counter: list[int]) -> It
                 continue
             try:
                 rec = json.loads(text)
-            except ValueError:
+            except (ValueError, RecursionError):  # a line nested too deeply: that row is malformed
                 rec = None
                 if literal_ok:
                     try:
@@ -230,6 +278,9 @@ def _json_records_of(task: ReadTask, literal_ok: bool, counter: list[int]) -> It
                 yield {READ_ERROR: MALFORMED_RECORD, "_raw": text}
                 continue
             yield rec
+
+
+_TOO_DEEP = "nested deeper than Python's JSON parser can follow (RecursionError)"
 
 
 def _counted(lines: Iterator[bytes], counter: list[int]) -> Iterator[bytes]:
@@ -245,16 +296,25 @@ def _chain(a, b):
 
 
 def _lines(fh, chunk: int = 1 << 20) -> Iterator[bytes]:
-    buf = b""
+    """The lines of a binary stream, without their newline. A block without a newline is only
+    kept (joined once its line ends), so a long line (a minified JSON array) costs linear time,
+    not a re-split of the growing buffer per block."""
+    pending: list[bytes] = []
     while True:
         block = fh.read(chunk)
         if not block:
             break
-        buf += block
-        *lines, buf = buf.split(b"\n")
+        if b"\n" not in block:
+            pending.append(block)
+            continue
+        head, *lines, tail = block.split(b"\n")
+        pending.append(head)
+        yield b"".join(pending)
         yield from lines
-    if buf:
-        yield buf
+        pending = [tail] if tail else []
+    last = b"".join(pending)
+    if last:
+        yield last
 
 
 def _records_to_batches(task, records, mapping, required, section, batch_rows, convert=None):
@@ -323,7 +383,7 @@ def _amazon_record(rec: dict) -> dict:
 
 
 def _movielens_records(task: ReadTask, kind: str) -> Iterator[dict]:
-    with _open(task.file) as fh:
+    with _open(task.file, task.storage_options) as fh:
         for raw in _lines(fh):
             # ml-100k ships latin-1 text; decode accordingly instead of quarantining it.
             line = raw.decode("latin-1").rstrip("\r")

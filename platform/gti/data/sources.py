@@ -8,6 +8,13 @@ byte stream (gz/bz2/zstd decompressed) or as a parquet file. A file that cannot 
 raises `UnreadableFileError` naming it; `READ_ERRORS` and `_reason` are how every reader
 catches and words a damaged read.
 
+Private buckets: `data.<source>.storage_options` (e.g. {key, secret} for s3://, {account_name,
+account_key} for abfs://) go to every listing and open of that source's URIs: `filesystem(path,
+storage_options)` builds fsspec's file system for the URI's scheme with them (wrapped for pyarrow);
+without options a URI opens with pyarrow's own file system for its scheme, as before. They travel
+inside `ReadTask.storage_options` to the read tasks; values shown as `***redacted***` (a config
+read back from a run folder) are dropped. Local paths ignore them.
+
 What it does not know: column names, what a row means or when it is valid (`gti.data.readers`,
 `gti.data.catalog`), Ray, or where outputs go.
 """
@@ -16,7 +23,8 @@ from __future__ import annotations
 
 import glob as globlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Mapping
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -45,16 +53,40 @@ def _data_file(name: str) -> bool:
     return not base.startswith((".", "_"))
 
 
-def expand_paths(path: str, kind: str) -> list[str]:
-    """Configured path -> sorted list of files (local paths or URIs). DataError if none."""
+def _options(storage_options: Mapping[str, str] | None) -> dict[str, str]:
+    from gti.redact import REDACTED
+
+    return {k: v for k, v in (storage_options or {}).items() if v != REDACTED}
+
+
+def filesystem(path: str, storage_options: Mapping[str, str] | None = None) -> tuple[pafs.FileSystem, str]:
+    """(file system, path inside it) for a local path or URI. With `storage_options`, a URI gets
+    fsspec's file system for its scheme built with them (credentials, endpoint, ...) and wrapped
+    for pyarrow; without, pyarrow's own file system for the URI."""
+    if not _is_uri(path):
+        return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(_strip_file_scheme(path)))
+    opts = _options(storage_options)
+    if not opts:
+        return pafs.FileSystem.from_uri(path)
+    import fsspec
+
+    fs = fsspec.filesystem(path.split("://", 1)[0], **opts)
+    return pafs.PyFileSystem(pafs.FSSpecHandler(fs)), fs._strip_protocol(path)
+
+
+def expand_paths(path: str, kind: str, storage_options: Mapping[str, str] | None = None) -> list[str]:
+    """Configured path -> sorted list of files (local paths or URIs). DataError if none.
+    `storage_options`: the source's file-system options for a URI (see the module docstring)."""
     path = bundled.resolve(path, kind)
     if _is_uri(path):
+        from gti.redact import redact_text
+
         try:
-            files = _expand_uri(path)
-        except (*READ_ERRORS, ValueError, ImportError) as err:  # unknown scheme, no access, ...
-            raise DataError(f"data.{kind}.path: cannot list {path}: {_reason(err)}") from None
+            files = _expand_uri(path, storage_options)
+        except (*READ_ERRORS, ValueError, ImportError, TypeError) as err:  # unknown scheme, no access, ...
+            raise DataError(redact_text(f"data.{kind}.path: cannot list {path}: {_reason(err)}")) from None
         if not files:
-            raise DataError(f"data.{kind}.path: no data files match {path}")
+            raise DataError(f"data.{kind}.path: no data files match {redact_text(path)}")
         return files
     path = os.path.expanduser(_strip_file_scheme(path))
     if any(ch in path for ch in "*?["):
@@ -75,17 +107,19 @@ def expand_paths(path: str, kind: str) -> list[str]:
     return files
 
 
-def _expand_uri(uri: str) -> list[str]:
+def _expand_uri(uri: str, storage_options: Mapping[str, str] | None = None) -> list[str]:
     scheme = uri.split("://", 1)[0]
     if any(ch in uri for ch in "*?["):
         import fsspec
 
-        fs = fsspec.filesystem(scheme)
+        fs = fsspec.filesystem(scheme, **_options(storage_options))
         return sorted(f"{scheme}://{p}" if "://" not in p else p for p in fs.glob(uri))
-    fs, p = pafs.FileSystem.from_uri(uri)
+    fs, p = filesystem(uri, storage_options)
     info = fs.get_file_info(p)
     if info.type == pafs.FileType.NotFound:
-        raise DataError(f"no such file or directory: {uri}")
+        from gti.redact import redact_text
+
+        raise DataError(f"no such file or directory: {redact_text(uri)}")
     if info.type == pafs.FileType.Directory:
         infos = fs.get_file_info(pafs.FileSelector(p, recursive=True))
         return sorted(
@@ -94,22 +128,22 @@ def _expand_uri(uri: str) -> list[str]:
     return [uri]
 
 
-def _open(path: str):
+def _open(path: str, storage_options: Mapping[str, str] | None = None):
     """Binary input stream for a local path or URI; gz/bz2/zstd decompressed by extension."""
-    if _is_uri(path):
-        fs, p = pafs.FileSystem.from_uri(path)
-    else:
-        fs, p = pafs.LocalFileSystem(), os.path.abspath(path)
     try:
+        if _is_uri(path):
+            fs, p = filesystem(path, storage_options)
+        else:
+            fs, p = pafs.LocalFileSystem(), os.path.abspath(path)
         return fs.open_input_stream(p, compression="detect")
     except (OSError, pa.ArrowException) as err:
         raise UnreadableFileError(path, f"cannot open: {_reason(err)}") from None
 
 
-def _parquet_file(path: str) -> pq.ParquetFile:
+def _parquet_file(path: str, storage_options: Mapping[str, str] | None = None) -> pq.ParquetFile:
     try:
         if _is_uri(path):
-            fs, p = pafs.FileSystem.from_uri(path)
+            fs, p = filesystem(path, storage_options)
             return pq.ParquetFile(fs.open_input_file(p))
         return pq.ParquetFile(path)
     except (OSError, pa.ArrowException) as err:
@@ -158,26 +192,31 @@ class ReadTask:
     row_groups: list[int] | None = None
     first_row: int = 0
     rows: int | None = None  # known for parquet
+    # data.<source>.storage_options for a URI (credentials: never logged or written; see
+    # the module docstring)
+    storage_options: dict[str, str] = field(default_factory=dict, repr=False)
 
 
-def plan_tasks(files: list[str], fmt: str, rows_per_task: int = 200_000) -> list[ReadTask]:
+def plan_tasks(files: list[str], fmt: str, rows_per_task: int = 200_000,
+               storage_options: Mapping[str, str] | None = None) -> list[ReadTask]:
     """Cut files into read tasks, in file order. Parquet files with many row groups are split
     so a single large file still reads in parallel; other formats are one task per file."""
     tasks: list[ReadTask] = []
+    opts = dict(storage_options or {})
     for f in files:
         concrete = detect_format(f, fmt)
         if concrete != "parquet":
-            tasks.append(ReadTask(f, concrete))
+            tasks.append(ReadTask(f, concrete, storage_options=opts))
             continue
-        md = _parquet_file(f).metadata
+        md = _parquet_file(f, opts).metadata
         groups, rows, first = [], 0, 0
         for rg in range(md.num_row_groups):
             groups.append(rg)
             rows += md.row_group(rg).num_rows
             if rows >= rows_per_task:
-                tasks.append(ReadTask(f, "parquet", groups, first, rows))
+                tasks.append(ReadTask(f, "parquet", groups, first, rows, storage_options=opts))
                 first += rows
                 groups, rows = [], 0
         if groups or md.num_row_groups == 0:
-            tasks.append(ReadTask(f, "parquet", groups, first, rows))
+            tasks.append(ReadTask(f, "parquet", groups, first, rows, storage_options=opts))
     return tasks

@@ -15,7 +15,20 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from gti.errors import DataError, GtiError
+from gti.errors import ConfigError, DataError
+
+MAX_K = 1000  # the beam search keeps max(k, beam_width) beams per level: bounded like a config value
+
+
+def check_k(k: int, key: str = "k") -> int:
+    """`k` itself when 1 <= k <= MAX_K, else ConfigError naming `key` (`--k` for the CLI)."""
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise ConfigError(f"{key} must be an integer, got {k!r}")
+    if k < 1:
+        raise ConfigError(f"{key} must be >= 1, got {k}")
+    if k > MAX_K:
+        raise ConfigError(f"{key} must be <= {MAX_K}, got {k}")
+    return k
 
 
 def top_k(run: Any, history: Sequence[str], k: int = 10, where: str = "the SID map") -> list[dict[str, Any]]:
@@ -26,8 +39,7 @@ def top_k(run: Any, history: Sequence[str], k: int = 10, where: str = "the SID m
     history = [str(h).strip() for h in history if str(h).strip()]
     if not history:
         raise DataError("history is empty: give at least one item id")
-    if k < 1:
-        raise GtiError(f"k must be >= 1, got {k}")
+    check_k(k)
     unknown = [h for h in dict.fromkeys(history) if h not in run.sid_ids]
     if unknown:
         raise DataError(

@@ -331,9 +331,20 @@ def compare(
     out: str | Path | None = None, echo: Callable[[str], None] = _echo, report_only: bool = False,
 ) -> dict[str, Path]:
     """Shared stages once, every arm x seed (or its stored record), one report; returns the
-    report paths. `report_only`: run nothing, report on what is finished or recorded."""
+    report paths. `report_only`: run nothing, report on what is finished or recorded. A run
+    (not `report_only`, a reader) holds `out`'s writer lock (`gti.runlock`) throughout."""
+    from contextlib import nullcontext
+
+    from gti.runlock import RunLock
+
     arms = parse_arms(list(arms))
     out = Path(out).expanduser().resolve() if out else cfg.resolved_run_dir() / "compare"
+    with nullcontext() if report_only else RunLock(out):
+        return _compare(cfg, arms, n_seeds, out, echo, report_only)
+
+
+def _compare(cfg: C.RunConfig, arms: list[str], n_seeds, out: Path, echo: Callable[[str], None],
+             report_only: bool) -> dict[str, Path]:
     runs = plan(cfg, arms, n_seeds, out)  # validates every arm config before any work
     shared = shared_config(cfg, out)
     shared_dir = shared.resolved_run_dir()

@@ -47,12 +47,12 @@ def link_tree(src: Path, dst: Path) -> None:
         except OSError:
             shutil.copy2(s, d)
 
+    from gti.files import replace_dir
+
     tmp = dst.with_name(f".{dst.name}.linking")
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(src, tmp, copy_function=link)
-    if dst.exists():
-        shutil.rmtree(dst)
-    tmp.rename(dst)
+    replace_dir(tmp, dst)  # dst: a stage folder of this run (gti-made), never missing meanwhile
 
 
 def adopt_shared(shared_dir: Path, run_dir: Path, stages: tuple[str, ...] = SHARED_STAGES) -> None:

@@ -198,8 +198,16 @@ def sweep(cfg: C.RunConfig, raw: dict[str, Any] | None = None, echo=_echo) -> di
     """Run the sweep; returns the summary also written to run_dir/tune/results.json.
 
     `raw` is the config mapping the trials start from (default: `cfg` dumped), so best.yaml keeps
-    the user's own settings. Upstream stages are run (or found up to date) first.
+    the user's own settings. Upstream stages are run (or found up to date) first. Holds the run
+    folder's writer lock (`gti.runlock`) for the whole sweep.
     """
+    from gti.runlock import RunLock
+
+    with RunLock(cfg.resolved_run_dir()):
+        return _sweep_locked(cfg, raw, echo)
+
+
+def _sweep_locked(cfg: C.RunConfig, raw: dict[str, Any] | None, echo) -> dict[str, Any]:
     import ray
     from ray import tune
 

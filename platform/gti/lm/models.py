@@ -132,9 +132,11 @@ def _convert_gguf(gguf: Path, out_dir: Path, log=print) -> None:
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
-        if out_dir.exists():  # an incomplete folder from an older, interrupted layout
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
+        from gti.files import replace_dir
+
+        # An existing folder here is an incomplete one from an older, interrupted layout (the
+        # caller found no complete one under the lock): swapped out, then removed.
+        replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -34,11 +34,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import Tensor, nn
@@ -360,15 +359,30 @@ def load_new_rows_state_dict(model, state: dict[str, Tensor]) -> None:
 
 
 # --------------------------------------------------------------------------- export
-def export_model(model, tokenizer, out_dir: str | Path, meta: dict[str, Any]) -> Path:
+def is_export(p: str | Path) -> bool:
+    """Whether folder `p` is a model folder gti exported (it holds `gti_meta.json`)."""
+    return (Path(p) / META_NAME).is_file()
+
+
+def export_model(model, tokenizer, out_dir: str | Path, meta: dict[str, Any], *, force: bool = False,
+                 protected: dict[str, Any] | None = None,
+                 extra: Callable[[Path], None] | None = None) -> Path:
     """Write a standard HF folder (safetensors weights, config, generation config, tokenizer)
     plus `gti_meta.json` (`meta`, e.g. sid_map_hash and new_token_ids) to `out_dir`.
 
     A split model is merged on a deep copy, so `model` itself keeps training as it was. The
-    folder is written in a temp dir and renamed into place, so a crash never leaves a folder
-    that looks complete. Under ZeRO-3 call it on rank 0 with the module's parameters gathered.
+    folder is written in a temp dir beside `out_dir` (`extra(tmp)` may add files to it) and
+    swapped into place (`gti.files.replace_dir`), so a crash never leaves a folder that looks
+    complete and `out_dir` is never missing. An existing `out_dir` is replaced only when it is
+    empty or a gti export (`is_export`), or with `force`; never when it is or contains the
+    current or home directory or one of `protected` ({label: path}): `UnsafeReplaceError`,
+    raised before anything is written. Under ZeRO-3 call it on rank 0 with the module's
+    parameters gathered.
     """
+    from gti.files import check_replaceable_dir, replace_dir
+
     out_dir = Path(out_dir)
+    check_replaceable_dir(out_dir, is_ours=is_export, force=force, protected=protected, ours="a gti export")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     to_save = merge_new_rows(copy.deepcopy(model)) if is_split(model) else model
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
@@ -376,9 +390,11 @@ def export_model(model, tokenizer, out_dir: str | Path, meta: dict[str, Any]) ->
         to_save.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         (tmp / META_NAME).write_text(json.dumps(meta, indent=2, sort_keys=True, default=str))
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
+        if extra is not None:
+            extra(tmp)
+        # Checked again: the folder may have changed during the save.
+        check_replaceable_dir(out_dir, is_ours=is_export, force=force, protected=protected, ours="a gti export")
+        replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from gti import config as C
-from gti.manifest import Manifest, atomic_write_bytes, atomic_write_json, stable_hash
+from gti.manifest import MANIFEST_NAME, Manifest, atomic_write_bytes, atomic_write_json, stable_hash
 from gti.refresh.ingest import ingest_step
 from gti.refresh.job import (
     FINGERPRINT_FILE, GROWN_MODEL, RAY_DIR, STEPS_FILE, Job, Parent, RefreshError, RefreshResult, find_parent,
@@ -117,15 +117,24 @@ def refresh(run_dir: str | Path, items: str | Path, interactions: str | Path | N
     (the run's column mapping and format apply; override them with `data.items.format=csv` etc.).
     overrides: key=value on the run's config (`refresh.*`, `ground.*`, `sft.*`, ...).
     fault_injection (tests): {"fail_at_step", "fail_rank", "fail_marker"} for the grounding loop.
-    Returns a RefreshResult; user mistakes raise GtiError subclasses (one line).
+    Returns a RefreshResult; user mistakes raise GtiError subclasses (one line). Holds the run
+    folder's writer lock (`gti.runlock`): a second refresh (or run) of the folder is refused.
     """
+    from gti.runlock import RunLock
+
+    run_dir = Path(run_dir).expanduser().resolve()
+    if not run_dir.is_dir():
+        raise RefreshError(f"run directory not found: {run_dir}")
+    with RunLock(run_dir):
+        return _refresh_locked(run_dir, items, interactions, overrides, log, fault_injection)
+
+
+def _refresh_locked(run_dir: Path, items, interactions, overrides: Sequence[str], log: Callable[[str], None],
+                    fault_injection: dict | None) -> RefreshResult:
     from gti.sid import lineage
     from gti.sid import versions as V
 
     t_start = time.time()
-    run_dir = Path(run_dir).expanduser().resolve()
-    if not run_dir.is_dir():
-        raise RefreshError(f"run directory not found: {run_dir}")
     items_s, inter_s = str(items), None if interactions is None else str(interactions)
     cfg = load_run_config(run_dir, items_s, inter_s, overrides)
     if cfg.refresh.sft_steps > 0 and interactions is None:
@@ -208,9 +217,12 @@ def _publish(job: Job, lin, version) -> Path:
     import pyarrow.parquet as pq
 
     work = job.work
+    final = work.parent / f"v{job.k}"
+    if (final / MANIFEST_NAME).is_file():  # a published version is never replaced
+        raise RefreshError(f"{final} is already a published version (it has a {MANIFEST_NAME}); "
+                           f"not replacing it: the work folder {work} is kept")
     lin.add(version, pq.read_table(str(work / "sid" / "sid_map.parquet")))
     shutil.rmtree(work / RAY_DIR, ignore_errors=True)
-    final = work.parent / f"v{job.k}"
     if final.exists():  # a finished folder without a manifest (never listed as a version)
         shutil.rmtree(final)
     work.rename(final)

@@ -58,7 +58,9 @@ class RefreshResult:
 
 
 def log_default(msg: str) -> None:
-    print(f"[refresh] {msg}", file=sys.stderr, flush=True)
+    from gti.redact import redact_text  # a data URI's credentials never reach the log
+
+    print(f"[refresh] {redact_text(msg)}", file=sys.stderr, flush=True)
 
 
 def read_manifest(run_dir: Path, stage: str) -> Manifest:

@@ -63,6 +63,7 @@ from gti.data.batches import (
 from gti.errors import DataError, UnreadableFileError, user_error
 from gti.manifest import file_fingerprint
 from gti.contract import StageContext, StageResult
+from gti.redact import redact_text
 
 ITEMS_OUT_SCHEMA = pa.schema([cat.ITEM_BATCH_SCHEMA.field(c) for c in cat.ITEMS_OUT_COLUMNS])
 ITEMS_Q_SCHEMA = pa.schema([cat.ITEM_BATCH_SCHEMA.field(c) for c in cat.QUARANTINE_COLUMNS])
@@ -79,18 +80,19 @@ CAP_KEYS = {cat.OUTSIDE_MAX_ITEMS: "data.max_items", cat.OUTSIDE_MAX_USERS: "dat
 
 
 # --------------------------------------------------------------------------- fingerprints
-def _fingerprint_files(path: str, kind: str) -> str:
-    parts = []
-    for f in adapters.expand_paths(path, kind):
-        if "://" in f and not f.startswith("file://"):
-            import pyarrow.fs as pafs
+def _fingerprint_files(path: str, kind: str, storage_options=None) -> str:
+    from gti.data.sources import filesystem
 
+    parts = []
+    for f in adapters.expand_paths(path, kind, storage_options):
+        if "://" in f and not f.startswith("file://"):
             try:
-                fs, p = pafs.FileSystem.from_uri(f)
+                fs, p = filesystem(f, storage_options)
                 info = fs.get_file_info(p)
             except (*adapters.READ_ERRORS, ValueError) as err:
                 raise UnreadableFileError(f, f"cannot stat: {adapters.error_reason(err)}") from None
-            parts.append(f"{f}:{info.size}:{info.mtime_ns}")
+            # The URI without a presigned query (its signature changes with every signing).
+            parts.append(f"{f.split('?', 1)[0]}:{info.size}:{info.mtime_ns}")
         else:
             parts.append(f"{os.path.basename(f)}:{file_fingerprint(f)}")
     from gti.manifest import stable_hash
@@ -101,8 +103,8 @@ def _fingerprint_files(path: str, kind: str) -> str:
 def input_fingerprints(cfg) -> dict[str, str]:
     d = cfg.data
     return {
-        "items": _fingerprint_files(d.items.path, "items"),
-        "interactions": _fingerprint_files(d.interactions.path, "interactions"),
+        "items": _fingerprint_files(d.items.path, "items", d.items.storage_options),
+        "interactions": _fingerprint_files(d.interactions.path, "interactions", d.interactions.storage_options),
     }
 
 
@@ -161,12 +163,13 @@ def ingest_items(ctx: StageContext, out: Path, stream, source: Source | None = N
     missing = source.missing_columns
     if missing:
         ctx.log(f"items: optional columns not in the input, treated as empty: {missing}")
-    ctx.log(f"items: {len(source.files)} file(s), {len(source.tasks)} read task(s) from {d.items.path}")
+    ctx.log(f"items: {len(source.files)} file(s), {len(source.tasks)} read task(s) from {redact_text(d.items.path)}")
     st = source.passes(lambda tasks: _items_pass(ctx, out, stream, tasks, source.skip))
     st.missing_columns = missing  # type: ignore[attr-defined]
     if st.ok == 0:
         detail = ", ".join(f"{k}: {v}" for k, v in st.reasons.most_common()) or "no rows"
-        raise DataError(f"data.items.path {d.items.path}: no valid items ({st.rows_in} rows read; {detail})")
+        raise DataError(f"data.items.path {redact_text(d.items.path)}: no valid items "
+                        f"({st.rows_in} rows read; {detail})")
     return st, st.seen
 
 
@@ -232,7 +235,7 @@ def _items_pass(ctx: StageContext, out: Path, stream, tasks, skip: bool) -> Item
 def _ingest_interactions(ctx: StageContext, out: Path, kept_ids: IdSet, items_limited: bool,
                          stream, source: Source | None = None) -> dict:
     source = source or Source(ctx.cfg.data, "interactions", ctx.log)
-    ctx.log(f"interactions: {len(source.files)} file(s) from {ctx.cfg.data.interactions.path}")
+    ctx.log(f"interactions: {len(source.files)} file(s) from {redact_text(ctx.cfg.data.interactions.path)}")
     return source.passes(lambda tasks: _interactions_pass(ctx, out, kept_ids, items_limited, stream,
                                                           tasks, source.skip))
 
@@ -277,7 +280,7 @@ def _interactions_pass(ctx: StageContext, out: Path, kept_ids: IdSet, items_limi
             kept_parts.append(ok)
         if not kept_parts or sum(t.num_rows for t in kept_parts) == 0:
             raise DataError(
-                f"data.interactions.path {src.path}: no valid interactions ({rows_in} rows read; "
+                f"data.interactions.path {redact_text(src.path)}: no valid interactions ({rows_in} rows read; "
                 + (", ".join(f"{k}: {v}" for k, v in reasons.most_common()) or "no rows") + ")"
             )
         df = pl.from_arrow(pa.concat_tables(kept_parts))
@@ -298,7 +301,7 @@ def _interactions_pass(ctx: StageContext, out: Path, kept_ids: IdSet, items_limi
         w_q.close()
     if res.sequences.height == 0:
         raise DataError(
-            f"data.interactions.path {src.path}: no user has >= {res.min_seq_len} valid interactions "
+            f"data.interactions.path {redact_text(src.path)}: no user has >= {res.min_seq_len} valid interactions "
             f"({', '.join(f'{k}: {v}' for k, v in reasons.most_common())})"
         )
     pq.write_table(res.interactions.to_arrow().cast(INTER_OUT_SCHEMA), out / "interactions.parquet",

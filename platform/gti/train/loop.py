@@ -29,6 +29,10 @@ ranks / step wall time), the grad norm before clipping under `hooks.grad_norm_ke
 validation metrics (e.g. `val_exact_match`), carried forward between validations so that every
 report after the first validation has them (Tune's schedulers need the metric in each result).
 
+NaN/inf stop (`gti.train.nonfinite`): after every step the all-reduced loss and gradient norm
+are checked; a non-finite one raises `gti.errors.NonFiniteError` on every rank at the same
+step, before that step's checkpoint, with one line naming the section and the step.
+
 Checkpoints (every `checkpoint_every` steps and at the last step): a temp dir holding `ds/`
 (DeepSpeed `save_checkpoint` with `exclude_frozen_parameters=True`: trainable weights, the
 ZeRO-partitioned optimizer state of each rank, the lr scheduler; not in the last one, after
@@ -54,6 +58,7 @@ import math
 import os
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -62,7 +67,7 @@ import torch
 
 from gti import config as C
 from gti.devices import resolve_precision, use_cpu_threads
-from gti.train import driver
+from gti.train import driver, nonfinite
 from gti.train.shards import IGNORE_INDEX, PadCollate, ShardStream  # noqa: F401 - loop API
 from gti.train.deepspeed_config import build_ds_config, micro_batch
 from gti.train.driver import train_dataset_from_parquet  # noqa: F401 - the stages' data helper
@@ -250,6 +255,7 @@ def train_loop_per_worker(config: dict) -> dict[str, Any]:
     Returns (rank 0's value becomes `Result.return_value`): {"step", "history"} with history
     {"loss": [[step, loss]], "val": {metric: [[step, value]]}, "tokens_per_s": [[step, v]]}.
     """
+    nonfinite.raise_if_marked(config)
     w, cfg = _setup(config)
     tc, engine = w.tc, w.engine
     state, done = _resume(w)
@@ -270,7 +276,10 @@ def train_loop_per_worker(config: dict) -> dict[str, Any]:
     while step < tc.steps:
         lr, loss_sum, gn, tokens, dt = _train_step(w, batches, timing)
         step += 1
-        loss_all, tok_all = _all_reduce_sum([loss_sum / tc.grad_accum, tokens], engine.device)
+        # All-reduced, so every rank sees the same values and stops at the same step.
+        gn_bad = 0.0 if gn is None or math.isfinite(gn) else 1.0
+        loss_all, tok_all, bad_ranks = _all_reduce_sum([loss_sum / tc.grad_accum, tokens, gn_bad], engine.device)
+        nonfinite.check_step(config, w.rank, step, loss_all / w.world, gn, bad_ranks)
         metrics: dict[str, Any] = {
             "step": step, "epoch": stream.epoch, "loss": loss_all / w.world, "lr": lr,
             "tokens_per_s": tok_all / max(dt, 1e-9),
@@ -418,6 +427,9 @@ def fit(
         # preserve_order makes the shard contents deterministic, so resume == uninterrupted.
         preserve_order=True, callbacks=list(callbacks or []),
     )
+    # One id per fit call: restarted worker groups of this call see a NaN stop of an earlier
+    # attempt (`gti.train.nonfinite.raise_if_marked`); a later call trains afresh.
+    loop_config = {**loop_config, "fit_id": uuid.uuid4().hex}
     tail = _ProgressTail(log, progress_every, train_cfg.steps, on_metrics)
     with tail:
         (st, sd), metrics, path = driver.run_trainer(

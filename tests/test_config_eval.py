@@ -1,0 +1,30 @@
+"""The evaluation's reference-row config (gti/config_eval.py, re-exported by gti.config):
+`eval.baselines` defaults to MostPop, Markov and SASRec, names are checked, and `eval.sasrec`
+rejects settings SASRec cannot run."""
+
+from __future__ import annotations
+
+import pytest
+
+from gti import config as C
+
+
+def test_baselines_default_to_all_three_rows():
+    ec = C.load(None).eval
+    assert ec.baselines == ["mostpop", "markov", "sasrec"] == list(C.BASELINES)
+    assert ec.sasrec.loss == "ce" and ec.sasrec.epochs >= 1 and ec.sasrec.val_users
+    assert C.load(None, ["eval.baselines=[mostpop]"]).eval.baselines == ["mostpop"]
+    assert C.load(None, ["eval.baselines=[]"]).eval.baselines == []
+
+
+def test_unknown_or_repeated_names_and_bad_sasrec_settings_fail_naming_the_key():
+    with pytest.raises(C.ConfigError, match="eval.baselines"):
+        C.load(None, ["eval.baselines=[mostpop,gru4rec]"])
+    with pytest.raises(C.ConfigError, match="eval.baselines"):
+        C.load(None, ["eval.baselines=[markov,markov]"])
+    with pytest.raises(C.ConfigError, match="eval.sasrec"):
+        C.load(None, ["eval.sasrec.dim=10", "eval.sasrec.heads=3"])
+    with pytest.raises(C.ConfigError, match="eval.sasrec.epochs"):
+        C.load(None, ["eval.sasrec.epochs=0"])
+    with pytest.raises(C.ConfigError, match="eval.sasrec.nope"):
+        C.load(None, ["eval.sasrec.nope=1"])

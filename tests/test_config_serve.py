@@ -1,0 +1,44 @@
+"""gti/config_serve.py: the serve: section's defaults (safe: 127.0.0.1, no token needed
+except for /admin), its bounds, its place in RunConfig (overrides, a dump that loads back),
+and a description on every field."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from gti import config as C
+from gti.config_serve import ServeConfig
+from gti.errors import ConfigError
+
+
+def test_defaults_are_local_and_in_the_run_config():
+    cfg = C.load(None)
+    assert cfg.serve == ServeConfig()
+    assert (cfg.serve.host, cfg.serve.port, cfg.serve.token_required, cfg.serve.unknown_items) == \
+        ("127.0.0.1", 8000, False, "ignore")
+    assert C.load(None, ["serve.port=9000", "serve.unknown_items=error"]).serve.port == 9000
+    # The dump (what a run folder keeps) loads back: no serve key is redacted as a secret.
+    assert C.validate(yaml.safe_load(C.dump(cfg))).serve == cfg.serve
+
+
+@pytest.mark.parametrize("override, key", [
+    ("serve.port=0", "serve.port"), ("serve.max_k=1001", "serve.max_k"), ("serve.replicas=0", "serve.replicas"),
+    ("serve.unknown_items=drop", "serve.unknown_items"), ("serve.min_replicas=1", "max_replicas"),
+    ("serve.bogus=1", "serve.bogus"),
+])
+def test_bad_values_name_the_key(override, key):
+    with pytest.raises(ConfigError, match=key):
+        C.load(None, [override])
+
+
+def test_autoscaling_bounds():
+    assert ServeConfig(min_replicas=1, max_replicas=3).autoscaling
+    assert not ServeConfig().autoscaling
+    with pytest.raises(ValueError, match="exceeds max_replicas"):
+        ServeConfig(min_replicas=4, max_replicas=3)
+
+
+def test_every_field_has_a_description():
+    missing = [name for name, f in ServeConfig.model_fields.items() if not f.description]
+    assert not missing, missing
