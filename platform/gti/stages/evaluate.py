@@ -12,15 +12,17 @@ over the catalog's SID trie, and score them against the held-out item.
   model trained on another SID map is refused with a one-line StaleSidMapError (the check also runs on the
   driver before any actor starts).
 - Metrics: Recall/NDCG/Precision@K for K in `eval.ks` with bootstrap CIs over users
-  (`gti.eval.metrics`), plus MostPop and first-order Markov reference rows
-  (`gti.eval.baselines`) fitted on the same split's training data (valid: train items; test:
-  train items + valid item) and scored on the same users. The invalid-SID rate is reported
-  (0 by construction when `eval.constrained`).
+  (`gti.eval.metrics`), plus the reference rows of `eval.baselines` on the same users
+  (`gti.eval.reference`): MostPop and Markov fitted per split, SASRec trained once on the SFT
+  windows (wall time under the facts' "sasrec"). The invalid-SID rate is reported (0 by
+  construction when `eval.constrained`).
 - Exact ranks (`eval.exact_rank`, off by default): the actor also scores EVERY catalog SID for
   each user (`gti.eval.rank.score_catalog`: one prefill plus one token per distinct SID prefix)
   and reports the target's rank among all items; per split MRR, mean percentile rank (with
   bootstrap CIs) and median rank under "ranks", per-user ranks under per_user.exact_rank.
   These move long before Recall/NDCG@K leave the floor, so they tell small models apart.
+  SASRec's exact ranks: "baseline_ranks".sasrec.<split>; its per-user values (layout of
+  per_user.<split>): "baseline_per_user".sasrec.<split>, for paired CIs against the model.
 - Cold-item slice: every metric (model, baselines, ranks) is also reported for the users whose
   target is the target of at most `eval.cold_max_sft_targets` SFT training windows
   (`sft_data.sft_target_counts`, counted on training items only, never valid/test), under
@@ -53,6 +55,15 @@ from gti import config as C
 from gti.errors import DataError
 from gti.manifest import atomic_write_json
 from gti.contract import StageContext, StageResult
+from gti.eval.reference import (  # noqa: F401 - re-exported: the stage's pure table helpers
+    DEFAULT_BASELINES,
+    baseline_rank_rows,
+    baseline_rows,
+    metric_block,
+    reference_block,
+    reference_frames,
+    split_train_sequences,
+)
 from gti.stages._chunks import ChunkedOutput
 from gti.train import sft_data
 
@@ -151,37 +162,6 @@ def split_frame(seqs: pl.DataFrame, split: str, users: list[str], max_history: i
     return w.filter(pl.col("user_id").is_in(users))
 
 
-def split_train_sequences(seqs: pl.DataFrame, split: str) -> list[list[str]]:
-    """Per-user chronological sequences the baselines may learn from for `split`."""
-    if split == "valid":
-        return seqs["train_items"].to_list()
-    return [t + [v] for t, v in zip(seqs["train_items"].to_list(), seqs["valid_item"].to_list())]
-
-
-def metric_block(ranked: list[list[str]], targets: list[str], ks: list[int], n_boot: int, seed: int):
-    """({metric@k: {"value", "ci"}}, {metric@k: per-user values}) for ranked lists."""
-    from gti.eval import metrics as M
-
-    return M.metrics_table(ranked, targets, ks, n_boot=n_boot, seed=seed, return_per_user=True)
-
-
-def baseline_rows(seqs: pl.DataFrame, split: str, frame: pl.DataFrame, ks: list[int],
-                  n_boot: int, seed: int, catalog: list[str]) -> dict[str, dict]:
-    """MostPop and Markov metrics on `frame` (same users), fitted on the split's training data."""
-    from gti.eval import baselines as B
-
-    train = split_train_sequences(seqs, split)
-    histories = frame["history"].to_list()
-    targets = frame["target"].to_list()
-    k = max(ks)
-    out = {}
-    for name, model in (("mostpop", B.MostPop(catalog)), ("markov", B.Markov(catalog))):
-        model.fit(train)
-        ranked = model.recommend(histories, k)
-        out[name], _ = metric_block(ranked, targets, ks, n_boot, seed)
-    return out
-
-
 def cold_users(frame: pl.DataFrame, counts: dict[str, int], max_targets: int) -> list[bool]:
     """Per row of a split frame: is its target cold, i.e. the target of at most `max_targets`
     SFT training windows (`counts` from `sft_data.sft_target_counts`; absent = 0)?"""
@@ -195,29 +175,34 @@ def n_cold_items(catalog: list[str], counts: dict[str, int], max_targets: int) -
 
 def slice_metrics(part: pl.DataFrame, frame: pl.DataFrame, seqs: pl.DataFrame, split: str,
                   ks: list[int], n_boot: int, seed: int, catalog: list[str],
-                  exact_rank: bool) -> dict[str, Any]:
+                  exact_rank: bool, names: tuple[str, ...] | list[str] = DEFAULT_BASELINES) -> dict[str, Any]:
     """Every metric of one split on a slice of its users.
 
     part: the slice's decoded rows (items, target, exact_rank); frame: the same users' split
-    frame (history, target) for the baselines. -> {"n_users", "model": metric@k table,
-    "baselines": {name: table}, "ranks": rank_metrics or {}}; empty blocks for 0 users.
+    frame (history, target; sasrec columns when `names` has sasrec) for the baselines.
+    -> {"n_users", "model": metric@k table, "baselines": {name: table}, "ranks": rank_metrics
+    or {}} (+ "baseline_ranks" {"sasrec": rank_metrics} when the frame has SASRec's exact
+    ranks); empty blocks for 0 users.
     """
     if part.height != frame.height:
         raise DataError(f"evaluate: slice of {part.height} decoded rows but {frame.height} prompts")
     if part.height == 0:
-        return {"n_users": 0, "model": {}, "baselines": {"mostpop": {}, "markov": {}}, "ranks": {}}
+        return {"n_users": 0, "model": {}, "baselines": {b: {} for b in names}, "ranks": {}}
     model, _ = metric_block(part["items"].to_list(), part["target"].to_list(), ks, n_boot, seed)
     ranks = {}
     if exact_rank:
         from gti.eval.rank import rank_metrics
 
         ranks = rank_metrics(part["exact_rank"].to_numpy(), len(catalog), n_boot, seed)
-    return {
+    out = {
         "n_users": part.height,
         "model": model,
-        "baselines": baseline_rows(seqs, split, frame, ks, n_boot, seed, catalog),
+        "baselines": baseline_rows(seqs, split, frame, ks, n_boot, seed, catalog, names),
         "ranks": ranks,
     }
+    if exact_rank and (b_ranks := baseline_rank_rows(frame, len(catalog), n_boot, seed)):
+        out["baseline_ranks"] = b_ranks
+    return out
 
 
 def format_table(metrics: dict[str, Any], ks: list[int]) -> str:
@@ -265,9 +250,13 @@ def format_ranks(split: str, ranks: dict[str, Any], label: str = "") -> str:
 
 # --------------------------------------------------------------------------- stage entry
 def run(ctx: StageContext) -> StageResult:
-    ks = list(ctx.cfg.eval.ks)
+    ec = ctx.cfg.eval
+    ks = list(ec.ks)
     inp = _read_inputs(ctx)
     recs, decode_facts = _decode(ctx, inp)
+    inp.frames, reference_facts = reference_frames(  # SASRec: trained once, on the SFT windows
+        inp.frames, inp.seqs, inp.catalog, ec.baselines, ctx.cfg.data.max_history, ec.sasrec.model_dump(),
+        ctx.cfg.seed, max(ks), ec.exact_rank, ctx.log)
     out = _metrics(ctx, inp, recs)
     _write_outputs(ctx, out, recs)
     for line in format_table(out, ks).splitlines():
@@ -278,6 +267,8 @@ def run(ctx: StageContext) -> StageResult:
             "metrics": out["splits"],
             "baselines": out["baselines"],
             "ranks": out["ranks"],
+            "baseline_ranks": out["baseline_ranks"],
+            **reference_facts,  # sasrec: train_seconds, epochs, windows, selection, ...
             "slices": out["slices"],
             "invalid_sid_rate": out["invalid_sid_rate"],
             "n_users": out["n_users"],
@@ -399,13 +390,14 @@ def _metrics(ctx: StageContext, inp: _Inputs, recs: pl.DataFrame) -> dict[str, A
     ec = ctx.cfg.eval
     n_returned, n_invalid = int(recs["n_returned"].sum()), int(recs["n_invalid"].sum())
     out: dict[str, Any] = {
-        "splits": {}, "baselines": {"mostpop": {}, "markov": {}}, "ranks": {},
+        "splits": {}, "baselines": {b: {} for b in ec.baselines}, "ranks": {},
+        "baseline_ranks": {}, "baseline_per_user": {},
         "slices": {"cold": {"definition": {"max_sft_targets": ec.cold_max_sft_targets,
                                            "n_cold_items": inp.n_cold, "n_items": len(inp.catalog)}}},
         "invalid_sid_rate": n_invalid / n_returned if n_returned else 0.0, "n_users": {}, "per_user": {},
         "config": {"beam_width": ec.beam_width, "ks": list(ec.ks), "constrained": ec.constrained,
                    "bootstrap": ec.bootstrap, "max_users": ec.max_users, "exact_rank": ec.exact_rank,
-                   "cold_max_sft_targets": ec.cold_max_sft_targets},
+                   "cold_max_sft_targets": ec.cold_max_sft_targets, "baselines": list(ec.baselines)},
     }
     for split in ec.splits:
         _split_metrics(ctx, inp, split, recs.filter(pl.col("split") == split), out)
@@ -420,20 +412,24 @@ def _split_metrics(ctx: StageContext, inp: _Inputs, split: str, part: pl.DataFra
     out["splits"][split] = summary
     out["n_users"][split] = part.height
     out["per_user"][split] = {"user_ids": part["user_id"].to_list(), **per_user}
-    for name, vals in baseline_rows(seqs, split, frame, ks, ec.bootstrap, cfg.seed, catalog).items():
-        out["baselines"][name][split] = vals
+    ref = reference_block(seqs, split, frame, ks, ec.bootstrap, cfg.seed, catalog, ec.baselines, ec.exact_rank)
+    for key, dest in (("baselines", "baselines"), ("ranks", "baseline_ranks"), ("per_user", "baseline_per_user")):
+        for name, vals in ref[key].items():
+            out[dest].setdefault(name, {})[split] = vals
     if ec.exact_rank:
         from gti.eval.rank import rank_metrics
 
         out["ranks"][split] = rank_metrics(part["exact_rank"].to_numpy(), len(catalog), ec.bootstrap, cfg.seed)
         out["per_user"][split]["exact_rank"] = part["exact_rank"].to_list()
         ctx.log(format_ranks(split, out["ranks"][split]))
+        for name, ranks in ref["ranks"].items():
+            ctx.log(format_ranks(split, ranks, f"/{name}"))
     # Masks per table (both carry the target), so the slice never depends on row order.
     cold_part = pl.Series(cold_users(part, inp.sft_counts, ec.cold_max_sft_targets), dtype=pl.Boolean)
     cold_frame = pl.Series(cold_users(frame, inp.sft_counts, ec.cold_max_sft_targets), dtype=pl.Boolean)
     out["slices"]["cold"][split] = cold_block = slice_metrics(
         part.filter(cold_part), frame.filter(cold_frame), seqs, split, ks, ec.bootstrap, cfg.seed,
-        catalog, ec.exact_rank,
+        catalog, ec.exact_rank, ec.baselines,
     )
     if cold_block["ranks"]:
         ctx.log(format_ranks(split, cold_block["ranks"], "[cold]"))

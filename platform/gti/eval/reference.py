@@ -1,0 +1,156 @@
+"""Reference rows of the evaluation table: MostPop, Markov and SASRec on the model's users.
+
+What it is for: the evaluate stage's baseline rows (`eval.baselines`), computed with the same
+metric code (`gti.eval.metrics`) on the same users and split frames as the model, so the rows
+compare like with like.
+
+- mostpop / markov (`gti.eval.baselines`) are fitted per split on that split's training data
+  (`split_train_sequences`: valid -> train items; test -> train items + valid item).
+- sasrec (`gti.eval.sasrec`) is trained ONCE per evaluation (`fit_reference_models`) on exactly
+  the SFT training windows (train items, history data.max_history), its checkpoint picked on the
+  valid split only; test items are never read. `add_reference_columns` puts its top-K lists
+  (and, with exact ranks, each target's rank over the whole catalog) into a split frame as
+  columns, so any slice of the frame (the cold-item slice) carries them.
+
+What it does not know: Ray, files, the LM, decoding. Pure polars/numpy (+ torch via SASRec).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Mapping, Sequence
+
+import polars as pl
+
+from gti.errors import ConfigError, DataError
+
+
+def split_train_sequences(seqs: pl.DataFrame, split: str) -> list[list[str]]:
+    """Per-user chronological sequences the baselines may learn from for `split`."""
+    if split == "valid":
+        return seqs["train_items"].to_list()
+    return [t + [v] for t, v in zip(seqs["train_items"].to_list(), seqs["valid_item"].to_list())]
+
+
+def metric_block(ranked: list[list[str]], targets: list[str], ks: list[int], n_boot: int, seed: int):
+    """({metric@k: {"value", "ci"}}, {metric@k: per-user values}) for ranked lists."""
+    from gti.eval import metrics as M
+
+    return M.metrics_table(ranked, targets, ks, n_boot=n_boot, seed=seed, return_per_user=True)
+
+
+SASREC_ITEMS, SASREC_RANK = "sasrec_items", "sasrec_rank"  # split-frame columns (add_reference_columns)
+DEFAULT_BASELINES = ("mostpop", "markov")
+
+
+def baseline_rows(seqs: pl.DataFrame, split: str, frame: pl.DataFrame, ks: list[int],
+                  n_boot: int, seed: int, catalog: list[str],
+                  names: tuple[str, ...] | list[str] = DEFAULT_BASELINES,
+                  per_user: dict[str, dict] | None = None) -> dict[str, dict]:
+    """Reference rows on `frame` (same users): {name: metric@k table} in `names` order.
+
+    mostpop/markov are fitted here on the split's training data; sasrec reads the top-K lists
+    that `add_reference_columns` put in the frame (DataError when absent). `per_user`, when
+    given, receives {name: {metric@k: per-user values}} (frame order).
+    """
+    from gti.eval import baselines as B
+
+    histories = frame["history"].to_list()
+    targets = frame["target"].to_list()
+    k = max(ks)
+    out = {}
+    train = None
+    for name in names:
+        if name == "sasrec":
+            if SASREC_ITEMS not in frame.columns:
+                raise DataError("evaluate: the sasrec row needs the SASRec recommendations (add_reference_columns)")
+            ranked = [list(r)[:k] for r in frame[SASREC_ITEMS].to_list()]
+        elif name in ("mostpop", "markov"):
+            train = split_train_sequences(seqs, split) if train is None else train
+            model = B.MostPop(catalog) if name == "mostpop" else B.Markov(catalog)
+            ranked = model.fit(train).recommend(histories, k)
+        else:
+            raise ConfigError(f"eval.baselines: unknown baseline '{name}'")
+        out[name], pu = metric_block(ranked, targets, ks, n_boot, seed)
+        if per_user is not None:
+            per_user[name] = pu
+    return out
+
+
+def baseline_rank_rows(frame: pl.DataFrame, n_items: int, n_boot: int, seed: int) -> dict[str, dict]:
+    """{"sasrec": rank_metrics} from the frame's exact SASRec ranks; {} when it has none."""
+    if SASREC_RANK not in frame.columns or frame[SASREC_RANK].null_count():
+        return {}
+    from gti.eval.rank import rank_metrics
+
+    return {"sasrec": rank_metrics(frame[SASREC_RANK].to_numpy(), n_items, n_boot, seed)}
+
+
+def fit_reference_models(seqs: pl.DataFrame, catalog: list[str], names: Sequence[str], max_history: int,
+                         sasrec: Mapping[str, Any] | None = None, seed: int = 0,
+                         log=lambda m: None) -> dict[str, Any]:
+    """The reference models trained once per evaluation (not per split): {"sasrec": fitted
+    `gti.eval.sasrec.SasrecRecommender`} when `names` has sasrec, else {}.
+
+    SASRec learns from exactly the SFT training windows (`train_items`, history `max_history`
+    = data.max_history) and picks its checkpoint on the valid items only; test items are never
+    read. `sasrec`: the eval.sasrec settings (`gti.eval.sasrec.SasrecParams` fields).
+    """
+    if "sasrec" not in names:
+        return {}
+    from gti.eval.sasrec import SasrecParams, fit_sasrec
+
+    model = fit_sasrec(
+        seqs["user_id"].to_list(), seqs["train_items"].to_list(), seqs["valid_item"].to_list(), catalog,
+        max_history, SasrecParams(**(sasrec or {})), seed=seed, log=log,
+    )
+    return {"sasrec": model}
+
+
+def add_reference_columns(frame: pl.DataFrame, models: dict[str, Any], k: int, exact_rank: bool) -> pl.DataFrame:
+    """`frame` (history, target) plus, when models has "sasrec", its top-k lists (sasrec_items
+    list<str>) and, with exact_rank, each target's exact rank over the whole catalog (sasrec_rank)."""
+    if "sasrec" not in models:
+        return frame
+    try:
+        ranked, ranks = models["sasrec"].ranked_and_ranks(
+            frame["history"].to_list(), frame["target"].to_list(), k, exact_rank)
+    except KeyError as e:
+        raise DataError(f"evaluate: SASRec: {e.args[0]}") from None
+    out = frame.with_columns(pl.Series(SASREC_ITEMS, ranked, dtype=pl.List(pl.String)))
+    if exact_rank:
+        out = out.with_columns(pl.Series(SASREC_RANK, ranks, dtype=pl.Float64))
+    return out
+
+
+def reference_frames(frames: dict[str, pl.DataFrame], seqs: pl.DataFrame, catalog: list[str],
+                     names: Sequence[str], max_history: int, sasrec: Mapping[str, Any] | None, seed: int,
+                     k: int, exact_rank: bool, log=lambda m: None) -> tuple[dict[str, pl.DataFrame], dict[str, Any]]:
+    """Train the once-per-evaluation reference models (`fit_reference_models`) and add their
+    columns to every split frame (`add_reference_columns`).
+    -> (frames, facts {"sasrec": {train_seconds, score_seconds, ...}} or {})."""
+    models = fit_reference_models(seqs, catalog, names, max_history, sasrec, seed, log)
+    if not models:
+        return frames, {}
+    t0 = time.time()
+    frames = {s: add_reference_columns(f, models, k, exact_rank) for s, f in frames.items()}
+    facts = dict(models["sasrec"].facts, score_seconds=round(time.time() - t0, 2))
+    log(f"SASRec: trained in {facts['train_seconds']:.1f}s, scored {sum(f.height for f in frames.values()):,} "
+        f"prompts in {facts['score_seconds']:.1f}s")
+    return frames, {"sasrec": facts}
+
+
+def reference_block(seqs: pl.DataFrame, split: str, frame: pl.DataFrame, ks: list[int], n_boot: int,
+                    seed: int, catalog: list[str], names, exact_rank: bool) -> dict[str, dict]:
+    """One split's reference rows. -> {"baselines": {name: metric@k table}, "ranks": {"sasrec":
+    rank_metrics} (with exact_rank), "per_user": {"sasrec": {"user_ids", metric@k: [...],
+    "exact_rank": [...]}}} (per-user values in frame order, for paired CIs against the model)."""
+    per_user: dict[str, dict] = {}
+    rows = baseline_rows(seqs, split, frame, ks, n_boot, seed, catalog, names, per_user=per_user)
+    ranks = baseline_rank_rows(frame, len(catalog), n_boot, seed) if exact_rank else {}
+    pu = {}
+    if "sasrec" in per_user:
+        pu["sasrec"] = {"user_ids": frame["user_id"].to_list(), **per_user["sasrec"]}
+        if "sasrec" in ranks:
+            pu["sasrec"]["exact_rank"] = frame[SASREC_RANK].to_list()
+    return {"baselines": rows, "ranks": ranks, "per_user": pu}
