@@ -14,7 +14,18 @@ import importlib
 import sys
 from typing import Callable, Sequence
 
-from gti.errors import one_line, user_error
+from gti.errors import GtiError, one_line, user_error
+
+
+def _top_k(text: str) -> int:
+    """argparse type of `gti recommend --k`: an integer in [1, gti.eval.recommend.MAX_K], so a bad
+    value fails before the run's model is loaded, naming --k."""
+    from gti.eval.recommend import MAX_K, check_k
+
+    try:
+        return check_k(int(text), "--k")
+    except (ValueError, GtiError):
+        raise argparse.ArgumentTypeError(f"must be an integer between 1 and {MAX_K}, got {text!r}") from None
 
 
 def _cfg(args):
@@ -89,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
     _add_pipeline_commands(sub, STAGE_NAMES)  # run, stage, doctor, config
     _add_data_commands(sub)  # data synth | inspect | dense
-    _add_trained_run_commands(sub)  # recommend, refresh
+    _add_trained_run_commands(sub)  # recommend, refresh, serve
     _add_compare_command(sub)
     _add_vocab_commands(sub)  # vocab ground
     _add_tune_command(sub)
@@ -162,7 +173,7 @@ def _add_trained_run_commands(sub) -> None:
     p = sub.add_parser("recommend", help="top-K items for a history, from a finished run")
     p.add_argument("--run-dir", required=True)
     p.add_argument("--history", required=True, help="comma-separated item ids, oldest first")
-    p.add_argument("--k", type=int, default=10)
+    p.add_argument("--k", type=_top_k, default=10, help="items to return (1 to 1000; default 10)")
     p.add_argument("--version", type=int, default=None,
                    help="refresh version k (default: the newest; 0: the run before any refresh)")
     p.set_defaults(func=_delegate("gti.run_artifacts", "cli_main"))
@@ -175,6 +186,24 @@ def _add_trained_run_commands(sub) -> None:
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="overrides of the run's config, e.g. refresh.ground_steps=20 data.items.format=csv")
     p.set_defaults(func=_delegate("gti.refresh", "cli_main"))
+    _add_serve_command(sub)
+
+
+def _add_serve_command(sub) -> None:
+    """`gti serve`: the run's recommender online (Ray Serve, gti/serve/)."""
+    p = sub.add_parser("serve", help="serve a finished run's recommendations over HTTP (Ray Serve)")
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--version", type=int, default=None,
+                   help="refresh version k (default: the newest; 0: the run before any refresh)")
+    p.add_argument("--host", default=None, help="address to bind (default serve.host: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="HTTP port (default serve.port: 8000)")
+    p.add_argument("--replicas", type=int, default=None, help="replicas (default serve.replicas: 1)")
+    p.add_argument("--config", "-c", default=None, help="YAML whose serve: section is used (not the run's)")
+    p.add_argument("--ray-address", default=None, help="join this Ray cluster (default: a local Ray on 127.0.0.1)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="allow the model's own code (never taken from the run folder)")
+    p.add_argument("overrides", nargs="*", metavar="serve.key=value", help="serve overrides, e.g. serve.max_k=50")
+    p.set_defaults(func=_delegate("gti.serve.deployment", "cli_main"))
 
 
 def _add_compare_command(sub) -> None:
@@ -199,7 +228,11 @@ def _add_vocab_commands(sub) -> None:
     s.add_argument("--model", required=True, help="HF model folder (safetensors, chat template) or smollm2-135m")
     s.add_argument("--tokens", required=True,
                    help='JSONL: {"token": "<tool_search>", "descriptions": ["..."]} per line (or a YAML list)')
-    s.add_argument("--out", required=True, help="output model folder")
+    s.add_argument("--out", required=True,
+                   help="output model folder: new, empty or an earlier gti export (replaced whole)")
+    s.add_argument("--force", action="store_true",
+                   help="replace --out even when it is a non-empty folder that is not a gti export "
+                        "(never the model folder, the current or home directory)")
     s.add_argument("--config", "-c", default=None, help="YAML: seed, init, ground, templates, ... (gti.vocab_ground)")
     s.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. ground.steps=50")
     s.set_defaults(func=_delegate("gti.vocab_ground", "cli_main"))
@@ -250,7 +283,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         os_err = next((e for e in (getattr(err, "cause", None), err) if isinstance(e, OSError)), None)
         if user is None and os_err is None:
             raise
-        print(f"gti: error: {one_line(str(user) if user is not None else os_error_line(os_err))}",
+        from gti.redact import redact_text  # a URI's credentials quoted in an error
+
+        print(f"gti: error: {redact_text(one_line(str(user) if user is not None else os_error_line(os_err)))}",
               file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -191,14 +191,16 @@ class LoadedRun:
     @classmethod
     def open(cls, run_dir: str | Path | None = None, *, model_dir: str | Path | None = None,
              sid_map_path: str | Path | None = None, sid_facts: dict | None = None,
-             cfg: C.RunConfig | None = None, device: Any = None, version: int | None = None) -> "LoadedRun":
+             cfg: C.RunConfig | None = None, device: Any = None, version: int | None = None,
+             trust_remote_code: bool | None = None) -> "LoadedRun":
         """Load a run from `run_dir`, or from an explicit model folder, SID map file, sid
         facts and config; the SID map is checked (`check_map`) before the model is loaded.
 
         With `run_dir`: version None = the newest `gti refresh` version if the run has one
         (its map, model and new items' titles), 0 = the run's own stages, k = refresh v<k>;
         `model_dir` then pairs another model with that map (accepted if the map descends
-        from the model's)."""
+        from the model's). `trust_remote_code` given replaces the config's (`gti serve` never
+        takes it from the run folder)."""
         stage, titles, map_hash = None, {}, None
         if run_dir is not None:
             run_dir = Path(run_dir).expanduser().resolve()
@@ -223,7 +225,10 @@ class LoadedRun:
             raise RunDirError("LoadedRun.open needs a run_dir, or model_dir, sid_map_path and sid_facts")
         model_dir = Path(model_dir)
         cls.check_map(model_dir, map_hash or sid_facts["sid_map_hash"], Path(sid_map_path), run_dir)
-        return cls._load(model_dir, Path(sid_map_path), sid_facts, cfg or C.RunConfig(), device,
+        cfg = cfg or C.RunConfig()
+        if trust_remote_code is not None:
+            cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"trust_remote_code": trust_remote_code})})
+        return cls._load(model_dir, Path(sid_map_path), sid_facts, cfg, device,
                          run_dir=run_dir, model_stage=stage, titles=titles)
 
     @classmethod

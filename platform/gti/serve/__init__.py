@@ -1,0 +1,7 @@
+"""`gti serve`: the recommender of a finished run behind HTTP (issue 28).
+
+`service` (one loaded run answering batches of histories in one constrained beam search),
+`reload` (which version is served, and swapping in a newer one), `app` (the FastAPI app:
+endpoints, request limits, the bearer token) and `deployment` (the Ray Serve shell, the only
+module here that imports ray).
+"""

@@ -1,0 +1,264 @@
+"""The HTTP face of `gti serve`: a FastAPI app over a `ServiceHolder`.
+
+What it is for: `create_app(holder, cfg, token_sha256, decode=None)` returns the app that Ray Serve
+wraps (`gti.serve.deployment`) and that the tests drive with FastAPI's TestClient:
+- `POST /recommend` {"history": [ids, oldest first], "k": 10, "exclude_history": true} ->
+  one answer of `gti.serve.service` (items best first with item_id, title, score, sid; the
+  version, model and map hash that answered);
+- `POST /recommend/batch` {"histories": [[ids], ...], "k", "exclude_history"} ->
+  {"results": [answer, ...]} (one decode, one version for all of them);
+- `GET /healthz` (process up), `GET /readyz` (a run is loaded; 503 before), `GET /info` (the
+  loaded run: version, map hash, catalog size, levels, decoder; the last reload; the limits);
+- `POST /admin/reload` {"version": k | null, "wait": false} -> 202 (200 with wait) and the
+  reload status (`gti.serve.reload`); 409 while one runs.
+Bad requests get a JSON {"error": message, "status": code} and never a traceback: 400
+malformed JSON or not an object, 413 body over `serve.max_body_bytes`, 422 a wrong field, an
+empty history, unknown ids (with `serve.unknown_items: error`), k < 1 or over `serve.max_k` or
+the catalog, too many histories; 401 a missing or wrong bearer token (needed by /admin/*
+always, by every endpoint with `serve.token_required`), 403 /admin/* when no token is set; 503
+while no run is loaded.
+
+`decode(queries) -> awaitable list of answers | RequestError`: how a replica decodes (Ray
+Serve: a `@serve.batch` method gathering concurrent requests); None = in this process, one
+request at a time.
+
+What it does NOT know: Ray, model loading (gti.serve.service), or where the token comes from
+(`read_token`: an environment variable or a file, never the config).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Mapping
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, ValidationError
+
+from gti.config_serve import ServeConfig
+from gti.errors import ConfigError
+from gti.serve.reload import ReloadBusy, ServiceHolder
+from gti.serve.service import Query, RequestError
+
+log = logging.getLogger("gti.serve")
+Decode = Callable[[list[Query]], Awaitable[list[Any]]]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class RecommendBody(_Body):
+    history: list[str]
+    k: StrictInt = 10
+    exclude_history: StrictBool | None = None
+
+
+class BatchBody(_Body):
+    histories: list[list[str]]
+    k: StrictInt = 10
+    exclude_history: StrictBool | None = None
+
+
+class ReloadBody(_Body):
+    version: StrictInt | None = None
+    wait: StrictBool = False
+
+
+def read_token(cfg: ServeConfig, env: Mapping[str, str] | None = None) -> str | None:
+    """The bearer token: $<token_env>, else the file named by $<token_env>_FILE, else None.
+    ConfigError when `token_required` is set and there is none, or the file cannot be read."""
+    env = os.environ if env is None else env
+    token = (env.get(cfg.token_env) or "").strip()
+    path = env.get(f"{cfg.token_env}_FILE")
+    if not token and path:
+        try:
+            token = Path(path).expanduser().read_text().strip()
+        except OSError as err:
+            raise ConfigError(f"${cfg.token_env}_FILE={path}: {err.strerror or err}") from None
+    if not token and cfg.token_required:
+        raise ConfigError(f"serve.token_required is true but no token is set: put it in ${cfg.token_env} "
+                          f"or in a file named by ${cfg.token_env}_FILE")
+    return token or None
+
+
+def token_digest(token: str | None) -> str | None:
+    """sha256 hex of the token (what the app and the replicas hold; None: no token)."""
+    return hashlib.sha256(token.encode()).hexdigest() if token else None
+
+
+async def read_json(request: Request, limit: int, required: bool = True) -> dict[str, Any]:
+    """The body as a JSON object; 413 over `limit` bytes, 400 malformed or not an object."""
+    too_big = RequestError(413, f"request body over {limit} bytes (serve.max_body_bytes)")
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise too_big
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise too_big
+    if not body.strip():
+        if required:
+            raise RequestError(400, "empty body: send a JSON object")
+        return {}
+    try:
+        data = json.loads(bytes(body))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise RequestError(400, f"malformed JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise RequestError(400, f"the body must be a JSON object, got {type(data).__name__}")
+    return data
+
+
+def parse(model: type[BaseModel], data: dict[str, Any]) -> Any:
+    """`data` as `model`; 422 naming each wrong field."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as err:
+        parts = [f"{'.'.join(str(x) for x in e['loc']) or 'body'}: {e['msg']}" for e in err.errors()[:5]]
+        raise RequestError(422, "; ".join(parts)) from None
+
+
+def _error(err: RequestError) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+
+def _local_decode(holder: ServiceHolder) -> Decode:
+    """Decode in this process, one request at a time (no Ray): the service taken once."""
+    lock = threading.Lock()
+
+    def run(queries: list[Query]) -> list[Any]:
+        with lock:
+            return _service(holder).answer(queries)
+
+    async def decode(queries: list[Query]) -> list[Any]:
+        return await asyncio.to_thread(run, queries)
+
+    return decode
+
+
+def _service(holder: ServiceHolder) -> Any:
+    svc = holder.current
+    if svc is None:
+        raise RequestError(503, "the model is still loading; retry shortly")
+    return svc
+
+
+def create_app(holder: ServiceHolder, cfg: ServeConfig, token_sha256: str | None,
+               decode: Decode | None = None) -> FastAPI:
+    """The app (see the module docstring); `token_sha256` = `token_digest(read_token(cfg))`:
+    the app holds only the token's hash."""
+    app = FastAPI(title="gti serve", docs_url=None, redoc_url=None, openapi_url=None)
+    decode = decode or _local_decode(holder)
+
+    def auth(request: Request, admin: bool = False) -> None:
+        if not (admin or cfg.token_required):
+            return
+        if token_sha256 is None:
+            raise RequestError(403, f"{request.url.path} needs a bearer token and none is set: put it in "
+                                    f"${cfg.token_env} (or a file named by ${cfg.token_env}_FILE) and restart")
+        got = request.headers.get("authorization", "")
+        scheme, _, value = got.partition(" ")
+        given = token_digest(value.strip()) or ""
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given, token_sha256):
+            raise RequestError(401, "missing or wrong bearer token (Authorization: Bearer <token>)")
+
+    @app.exception_handler(RequestError)
+    async def _request_error(_: Request, err: RequestError) -> JSONResponse:
+        return _error(err)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, err: Exception) -> JSONResponse:  # pragma: no cover - a bug, logged
+        log.error("gti serve: %s: %s", type(err).__name__, err)
+        return JSONResponse({"error": "internal error", "status": 500}, status_code=500)
+
+    _add_query_routes(app, holder, cfg, auth, decode)
+    _add_status_routes(app, holder, cfg, auth)
+    return app
+
+
+def _add_query_routes(app: FastAPI, holder: ServiceHolder, cfg: ServeConfig, auth, decode: Decode) -> None:
+    """POST /recommend and POST /recommend/batch."""
+
+    def excl(flag: bool | None) -> bool:
+        return cfg.exclude_history if flag is None else flag
+
+    def check_k(k: int) -> None:
+        if k > cfg.max_k:
+            raise RequestError(422, f"k={k} exceeds the limit of {cfg.max_k} (serve.max_k)")
+
+    @app.post("/recommend")
+    async def recommend(request: Request) -> JSONResponse:
+        auth(request)
+        body = parse(RecommendBody, await read_json(request, cfg.max_body_bytes))
+        check_k(body.k)
+        _service(holder)
+        res = (await decode([Query(tuple(body.history), body.k, excl(body.exclude_history), cfg.unknown_items)]))[0]
+        if isinstance(res, RequestError):
+            raise res
+        return JSONResponse(res)
+
+    @app.post("/recommend/batch")
+    async def recommend_batch(request: Request) -> JSONResponse:
+        auth(request)
+        body = parse(BatchBody, await read_json(request, cfg.max_body_bytes))
+        check_k(body.k)
+        if not body.histories:
+            raise RequestError(422, "histories is empty: give at least one history")
+        if len(body.histories) > cfg.max_batch_histories:
+            raise RequestError(422, f"{len(body.histories)} histories exceed the limit of "
+                                    f"{cfg.max_batch_histories} per request (serve.max_batch_histories)")
+        _service(holder)
+        queries = [Query(tuple(h), body.k, excl(body.exclude_history), cfg.unknown_items) for h in body.histories]
+        results = await decode(queries)
+        for i, res in enumerate(results):
+            if isinstance(res, RequestError):
+                raise RequestError(res.status, f"histories[{i}]: {res.message}", index=i, **res.extra)
+        ident = {key: results[0][key] for key in ("version", "model", "map_hash")}
+        return JSONResponse({"results": results, **ident})
+
+
+def _add_status_routes(app: FastAPI, holder: ServiceHolder, cfg: ServeConfig, auth) -> None:
+    """GET /healthz, /readyz, /info and POST /admin/reload."""
+
+    @app.get("/healthz")
+    async def healthz(request: Request) -> dict:
+        auth(request)
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz(request: Request) -> JSONResponse:
+        auth(request)
+        svc = _service(holder)
+        return JSONResponse({"status": "ready", **svc.identity})
+
+    @app.get("/info")
+    async def info(request: Request) -> JSONResponse:
+        auth(request)
+        svc = _service(holder)
+        limits = {key: getattr(cfg, key) for key in ("max_k", "max_body_bytes", "max_batch_histories",
+                                                     "unknown_items", "exclude_history", "max_batch_size",
+                                                     "batch_wait_timeout_s", "token_required")}
+        return JSONResponse({**svc.info(), "reload": holder.status(), "serve": limits})
+
+    @app.post("/admin/reload")
+    async def reload(request: Request) -> JSONResponse:
+        auth(request, admin=True)
+        body = parse(ReloadBody, await read_json(request, cfg.max_body_bytes, required=False))
+        try:
+            if body.wait:
+                status = await asyncio.to_thread(holder.reload, body.version, True)
+            else:
+                status = holder.reload(body.version)
+        except ReloadBusy as err:
+            raise RequestError(409, str(err)) from None
+        return JSONResponse(status, status_code=200 if body.wait else 202)

@@ -1,0 +1,133 @@
+"""Which version of a run is served, and swapping in a newer one between requests.
+
+What it is for: `ServiceHolder(load)` holds the `RecommenderService` that answers now
+(`current`; None until the first load finished: not ready). `reload(version=None)` (POST
+/admin/reload) loads a `gti refresh` version (None: the newest) in a background thread while
+the old one keeps answering, then replaces the reference in one assignment: a request (or a
+batch) takes `current` once and is answered wholly by that run, so no answer mixes a model and
+a map of different versions, and none fails because of the swap. Before loading, the new
+version's SID map must descend from the serving model's map (`gti.sid.lineage.check_model_map`
+on the serving model folder, the run's lineage folder; a map that only adds code tokens the
+serving model lacks still descends: the new version brings its own model with them). A map
+that does not descend (or a version that fails to load) is refused with ONE log line and the
+old version keeps serving. `status()` is what `/info` reports about reloads:
+{"state": "idle" | "loading" | "swapped" | "unchanged" | "refused" | "failed", "from", "to",
+"message"}.
+
+What it does NOT know: HTTP, batching, or Ray. `load(version)` is any callable returning a
+service for a version (`RecommenderService.load` with the replica's settings).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+from typing import Any, Callable
+
+from gti.errors import GtiError, one_line
+
+log = logging.getLogger("gti.serve")
+
+
+class ReloadBusy(GtiError):
+    """A reload is already in progress."""
+
+
+class ServiceHolder:
+    """The served `RecommenderService` and its reloads (see the module docstring)."""
+
+    def __init__(self, load: Callable[[int | None], Any], run_dir: str | Path,
+                 logger: Callable[[str], None] | None = None) -> None:
+        self._load, self.run_dir = load, Path(run_dir).expanduser().resolve()
+        self._log = logger or log.warning
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self.current: Any = None
+        self._status: dict[str, Any] = {"state": "idle", "from": None, "to": None, "message": ""}
+
+    def load_initial(self, version: int | None = None) -> Any:
+        """Load the first version (blocking); errors propagate (the service cannot start)."""
+        self.current = self._load(version)
+        return self.current
+
+    @property
+    def ready(self) -> bool:
+        return self.current is not None
+
+    def status(self) -> dict[str, Any]:
+        with self._lock:
+            return dict(self._status)
+
+    def reload(self, version: int | None = None, wait: bool = False) -> dict[str, Any]:
+        """Start loading `version` (None: the newest) in the background; with `wait`, return
+        only once it is swapped in or refused. ReloadBusy while one is in progress."""
+        with self._lock:
+            if self._thread is not None and self._thread.is_alive():
+                raise ReloadBusy(f"a reload to version {self._status['to']} is in progress")
+            frm = self.current.version if self.current is not None else None
+            self._status = {"state": "loading", "from": frm, "to": version, "message": ""}
+            self._thread = threading.Thread(target=self._run, args=(version,), name="gti-serve-reload", daemon=True)
+            self._thread.start()
+            thread = self._thread
+        if wait:
+            thread.join()
+        return self.status()
+
+    def _run(self, version: int | None) -> None:
+        try:
+            target = self._target(version)
+            self._set(to=target)
+            if self.current is not None and target == self.current.version:
+                self._set(state="unchanged", message=f"already serving version {target}")
+                return
+            self._check_descends(target)
+            new = self._load(target)
+        except GtiError as err:
+            state = "refused" if _is_lineage_error(err) else "failed"
+            msg = one_line(str(err))
+            self._log(f"gti serve: reload to version {self._status['to']} {state}, still serving version "
+                      f"{self.current.version if self.current is not None else None}: {msg}")
+            self._set(state=state, message=msg)
+            return
+        except Exception as err:  # noqa: BLE001 - a failed load never takes the old version down
+            msg = one_line(f"{type(err).__name__}: {err}")
+            self._log(f"gti serve: reload to version {self._status['to']} failed: {msg}")
+            self._set(state="failed", message=msg)
+            return
+        self.current = new  # one assignment: requests after it see the new run, earlier ones the old
+        self._set(state="swapped", message=f"now serving version {new.version} (map {new.map_hash})")
+
+    def _set(self, **kv: Any) -> None:
+        with self._lock:
+            self._status.update(kv)
+
+    def _target(self, version: int | None) -> int:
+        from gti.run_artifacts import chosen_version
+
+        chosen = chosen_version(self.run_dir, version)
+        return chosen.k if chosen is not None else 0
+
+    def _check_descends(self, target: int) -> None:
+        """UnrelatedSidMapError unless version `target`'s map descends from the map the serving
+        model was trained with (codes it adds are fine: the new version has its own model)."""
+        if self.current is None:
+            return
+        from gti.serve.service import map_hash_of
+        from gti.sid import lineage
+        from gti.sid.versions import MissingSidTokensError
+
+        map_path = None
+        if target:
+            map_path = next(v for v in lineage.versions(self.run_dir) if v.k == target).map_path
+        try:
+            lineage.check_model_map(self.current.run.model_dir, map_hash_of(self.run_dir, target),
+                                    map_path=map_path, lineage=lineage.lineage_dir(self.run_dir))
+        except MissingSidTokensError:
+            pass
+
+
+def _is_lineage_error(err: Exception) -> bool:
+    from gti.sid.versions import UnrelatedSidMapError
+
+    return isinstance(err, UnrelatedSidMapError)

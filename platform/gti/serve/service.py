@@ -1,0 +1,238 @@
+"""One loaded run answering recommendation requests, many histories in one decode.
+
+What it is for: `RecommenderService.load(run_dir, version)` holds ONE loaded run
+(`gti.run_artifacts.LoadedRun`: model, tokenizer, SID map, trie, titles; the map checked
+against the model there) with the version that answers (`version`: 0 = the run's own stages,
+k = `gti refresh` v<k>; `map_hash`). `answer(queries)` checks every query against this run's
+catalog (`prepare`: empty history, unknown ids, k, history longer than `max_history`), then
+decodes all valid ones in ONE batched `constrained_beam_search` per beam width (prefill once
+per request, the beams of a request share the trie mask), and returns per query either an
+answer dict or the `RequestError` for it. The prompt, beam width (max(k, eval.beam_width)) and
+scores are those of `gti recommend` (`gti.eval.recommend.top_k`), so an answer equals it for
+the same history (same top-K, scores within fp tolerance; batching left-pads prompts with
+position ids that count only real tokens). With `exclude_history` the search asks for k plus
+the distinct items of the history it uses (the newest `max_history`), drops those, and cuts to
+k (so the beams stay bounded by max_k + max_history).
+
+An answer: {"items": [{"item_id", "title", "score", "sid"}] best first (len <= k),
+"history_used": n items in the prompt, "history_given": n, "truncated": bool,
+"unknown_items": [ids dropped], "excluded": [ids left out], **identity} where identity is
+{"version": k, "model": "sft" | "refresh/v<k>", "map_hash": str}: model and map always come
+from the same loaded run, so one version names both.
+
+What it does NOT know: HTTP, tokens, reloading (gti.serve.reload), or Ray.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Sequence
+
+from gti.errors import GtiError
+from gti.eval.recommend import MAX_K
+
+UnknownPolicy = Literal["ignore", "error"]
+
+
+class RequestError(GtiError):
+    """A request the client must change: `status` (4xx) and a one-line message."""
+
+    def __init__(self, status: int, message: str, **extra: Any) -> None:
+        super().__init__(message)
+        self.status, self.message, self.extra = status, message, extra
+
+    def body(self) -> dict[str, Any]:
+        return {"error": self.message, "status": self.status, **self.extra}
+
+
+@dataclass(frozen=True)
+class Query:
+    """One history (item ids, oldest first), how many items, whether to leave the history's
+    own items out, and what to do with unknown ids (None: the service's policy)."""
+
+    history: tuple[str, ...]
+    k: int = 10
+    exclude_history: bool = True
+    unknown_items: UnknownPolicy | None = None
+
+
+@dataclass
+class Prepared:
+    """A query checked against the catalog: the known items used (newest `max_history`)."""
+
+    query: Query
+    used: list[str]
+    given: int
+    unknown: list[str] = field(default_factory=list)
+    truncated: bool = False
+    exclude: list[str] = field(default_factory=list)
+
+    @property
+    def k_decode(self) -> int:
+        return self.query.k + len(self.exclude)
+
+
+def _shown(ids: Sequence[str], n: int = 10) -> str:
+    return ", ".join(ids[:n]) + (f" (+{len(ids) - n} more)" if len(ids) > n else "")
+
+
+class RecommenderService:
+    """A loaded run and the version that answers (see the module docstring)."""
+
+    def __init__(self, run: Any, version: int, map_hash: str, *, unknown_items: UnknownPolicy = "ignore",
+                 max_k: int = MAX_K) -> None:
+        self.run, self.version, self.map_hash = run, int(version), str(map_hash)
+        self.unknown_items, self.max_k = unknown_items, min(int(max_k), MAX_K)
+
+    @classmethod
+    def load(cls, run_dir: str | Path, version: int | None = None, *, device: str | None = None,
+             trust_remote_code: bool = False, **policy: Any) -> "RecommenderService":
+        """Load `run_dir` at refresh version `version` (None: the newest, 0: the run's own
+        stages) with the existing loader; `trust_remote_code` never comes from the run folder."""
+        from gti.run_artifacts import LoadedRun, chosen_version
+
+        run_dir = Path(run_dir).expanduser().resolve()
+        chosen = chosen_version(run_dir, version) if run_dir.is_dir() else None
+        k = chosen.k if chosen is not None else 0
+        run = LoadedRun.open(run_dir, device=device, version=k, trust_remote_code=trust_remote_code)
+        return cls(run, k, map_hash_of(run_dir, k), **policy)
+
+    # ------------------------------------------------------------------ facts
+    @property
+    def identity(self) -> dict[str, Any]:
+        return {"version": self.version, "model": self.run.model_stage or str(self.run.model_dir),
+                "map_hash": self.map_hash}
+
+    @property
+    def catalog_size(self) -> int:
+        return len(self.run.item_ids)
+
+    def info(self) -> dict[str, Any]:
+        """What `GET /info` reports about the loaded run."""
+        run = self.run
+        return {**self.identity, "model_dir": str(run.model_dir), "run_dir": str(run.run_dir),
+                "catalog_size": self.catalog_size, "levels": run.levels,
+                "decoder": {"beam_width": run.beam_width, "constrained": True, "max_history": run.max_history,
+                            "max_len": run.cfg.sft.max_len, "max_k": self.max_k,
+                            "scores": "sum of the SID tokens' log-probs (full-vocabulary log-softmax)"}}
+
+    # ------------------------------------------------------------------ requests
+    def prepare(self, query: Query) -> Prepared:
+        """`query` checked against this catalog; RequestError (422) naming what is wrong."""
+        k = query.k
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise RequestError(422, f"k must be an integer >= 1, got {k!r}")
+        if k > self.max_k:
+            raise RequestError(422, f"k={k} exceeds the limit of {self.max_k} (serve.max_k)")
+        if k > self.catalog_size:
+            raise RequestError(422, f"k={k} exceeds the catalog size ({self.catalog_size} items)")
+        history = [str(h).strip() for h in query.history if str(h).strip()]
+        if not history:
+            raise RequestError(422, "history is empty: give at least one item id")
+        known_ids = self.run.sid_ids
+        unknown = [h for h in dict.fromkeys(history) if h not in known_ids]
+        if unknown and (query.unknown_items or self.unknown_items) == "error":
+            raise RequestError(422, f"unknown item id(s) in history: {_shown(unknown)}", unknown_items=unknown)
+        known = [h for h in history if h in known_ids]
+        if not known:
+            raise RequestError(422, f"no item of the history is in the catalog (unknown: {_shown(unknown)})",
+                               unknown_items=unknown)
+        limit = self.run.max_history
+        used = known[-limit:]
+        exclude = list(dict.fromkeys(used)) if query.exclude_history else []  # bounded: k + max_history beams
+        return Prepared(query=query, used=used, given=len(history), unknown=unknown,
+                        truncated=len(known) > limit, exclude=exclude)
+
+    def answer(self, queries: Sequence[Query]) -> list[dict[str, Any] | RequestError]:
+        """Per query an answer dict or its RequestError; the valid ones decoded together."""
+        out: list[dict[str, Any] | RequestError] = []
+        ready: list[tuple[int, Prepared]] = []
+        for i, q in enumerate(queries):
+            try:
+                ready.append((i, self.prepare(q)))
+                out.append({})
+            except RequestError as err:
+                out.append(err)
+        for i, answer in self._decode(ready):
+            out[i] = answer
+        return out
+
+    def recommend(self, histories: Sequence[Sequence[str]], k: int = 10,
+                  exclude_history: bool = True) -> list[dict[str, Any]]:
+        """Answers for `histories` (one decode); the first invalid one raises its RequestError."""
+        res = self.answer([Query(tuple(h), k, exclude_history) for h in histories])
+        for r in res:
+            if isinstance(r, RequestError):
+                raise r
+        return res  # type: ignore[return-value]
+
+    # ------------------------------------------------------------------ decoding
+    def _decode(self, ready: list[tuple[int, Prepared]]) -> list[tuple[int, dict[str, Any]]]:
+        """One `constrained_beam_search` per beam width max(k, eval.beam_width) (one call when
+        every k fits in the configured width, the usual case)."""
+        groups: dict[int, list[tuple[int, Prepared]]] = {}
+        for i, p in ready:
+            k_dec = min(p.k_decode, self.catalog_size)
+            groups.setdefault(max(k_dec, self.run.beam_width), []).append((i, p))
+        out = []
+        for width, group in groups.items():
+            out += self._search(width, group)
+        return out
+
+    def _search(self, width: int, group: list[tuple[int, Prepared]]) -> list[tuple[int, dict[str, Any]]]:
+        from gti.eval.decode import constrained_beam_search
+
+        run = self.run
+        prompts, kept = [], []
+        for _, p in group:
+            ids, n_kept = run.renderer.prompt(p.used)
+            prompts.append(ids)
+            kept.append(n_kept)
+        k_dec = min(max(p.k_decode for _, p in group), self.catalog_size, width)
+        res = constrained_beam_search(run.model, prompts, run.trie, beam_width=width, k=k_dec, levels=run.levels,
+                                      pad_id=run.pad_id, constrained=True, batch_users=len(prompts))
+        out = []
+        for u, (i, p) in enumerate(group):
+            items = self._items(res.items[u].tolist(), res.scores[u].tolist(), set(p.exclude), p.query.k)
+            out.append((i, {"items": items, "history_used": int(kept[u]), "history_given": p.given,
+                            "truncated": p.truncated or int(kept[u]) < len(p.used),
+                            "unknown_items": p.unknown, "excluded": [x for x in p.exclude], **self.identity}))
+        return out
+
+    def _items(self, rows: list[int], scores: list[float], exclude: set[str], k: int) -> list[dict[str, Any]]:
+        """Trie rows -> item dicts best first, without `exclude`, at most k."""
+        run, items = self.run, []
+        for row, score in zip(rows, scores):
+            if row < 0:
+                continue
+            item = run.item_ids[row]
+            if item in exclude:
+                continue
+            items.append({"item_id": item, "title": run.titles.get(item, ""), "score": float(score),
+                          "sid": run.sids[row]})
+            if len(items) == k:
+                break
+        return items
+
+
+def map_hash_of(run_dir: Path, version: int) -> str:
+    """The SID-map hash of `run_dir` at refresh version `version` (0: the sid stage's)."""
+    from gti.manifest import Manifest
+    from gti.sid import lineage
+
+    if version == 0:
+        return str(Manifest.read(run_dir / "sid").facts["sid_map_hash"])
+    return next(v for v in lineage.versions(run_dir) if v.k == version).version().hash
+
+
+def answer_batches(service: RecommenderService, batches: Sequence[Sequence[Query]]) -> list[list[Any]]:
+    """Several requests' queries (a request = a list of queries) answered in ONE `answer`
+    call of one service, then split back per request: what a replica's `@serve.batch` runs."""
+    flat = [q for batch in batches for q in batch]
+    res = service.answer(flat)
+    out, start = [], 0
+    for batch in batches:
+        out.append(res[start:start + len(batch)])
+        start += len(batch)
+    return out

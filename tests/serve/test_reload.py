@@ -1,0 +1,73 @@
+"""gti/serve/reload.py with stand-in services (no model): the first load, a swap, a reload
+already under way (ReloadBusy), a load that fails keeps the old version with one log line,
+and "unchanged" when the newest version is the one served. The lineage refusal on a real run
+is in test_app.py."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from gti.errors import DataError
+from gti.serve.reload import ReloadBusy, ServiceHolder
+
+
+def _fake(version):
+    return SimpleNamespace(version=version, map_hash=f"h{version}", run=SimpleNamespace(model_dir="unused"))
+
+
+@pytest.fixture
+def run_dir(serve_run):
+    return serve_run["run"]  # has v1: the newest version is 1
+
+
+def test_first_load_and_ready(run_dir):
+    h = ServiceHolder(_fake, run_dir)
+    assert not h.ready and h.current is None
+    assert h.load_initial(1).version == 1 and h.ready
+    assert h.status()["state"] == "idle"
+
+
+def test_unchanged_when_serving_the_newest(run_dir):
+    h = ServiceHolder(_fake, run_dir)
+    h.load_initial(1)
+    assert h.reload(wait=True)["state"] == "unchanged"
+
+
+def test_a_failed_load_keeps_the_old_version_with_one_log_line(run_dir, monkeypatch):
+    logs = []
+
+    def load(v):
+        if v == 1:
+            raise DataError("broken model folder")
+        return _fake(v)
+
+    h = ServiceHolder(load, run_dir, logger=logs.append)
+    h.load_initial(0)
+    monkeypatch.setattr(ServiceHolder, "_check_descends", lambda self, target: None)
+    st = h.reload(1, wait=True)
+    assert st["state"] == "failed" and "broken model folder" in st["message"]
+    assert h.current.version == 0 and len(logs) == 1 and "still serving version 0" in logs[0]
+
+
+def test_one_reload_at_a_time_then_swap(run_dir, monkeypatch):
+    gate = threading.Event()
+
+    def load(v):
+        if v == 1:
+            gate.wait(10)
+        return _fake(v)
+
+    h = ServiceHolder(load, run_dir)
+    h.load_initial(0)
+    monkeypatch.setattr(ServiceHolder, "_check_descends", lambda self, target: None)
+    assert h.reload(1)["state"] == "loading"
+    with pytest.raises(ReloadBusy, match="in progress"):
+        h.reload(1)
+    assert h.current.version == 0  # the old one serves while the new one loads
+    gate.set()
+    h._thread.join(10)
+    assert h.current.version == 1 and h.status() == {"state": "swapped", "from": 0, "to": 1,
+                                                      "message": "now serving version 1 (map h1)"}
