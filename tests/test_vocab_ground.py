@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from testkit import FailOnceFit, WorkerDied
 
 TOKENS = [
     {"token": "<tool_search>", "descriptions": ["search the web for pages", "find documents online"],
@@ -45,14 +46,59 @@ def tiny_model_folder(root: Path, tied: bool = False) -> Path:
 
 @pytest.fixture(scope="module")
 def grounded(tmp_path_factory, ray_start_4_cpus):
-    from gti.vocab_ground import VocabGroundConfig, ground_vocabulary
+    """The one `gti vocab ground` run of this file, through the CLI, serving every slow test.
+
+    It is run the way a killed run is finished: the first command's training call dies before
+    any step (a recording `fit` that raises once); the same command again completes it. The
+    resume itself (same storage path and run name -> the latest checkpoint) is the shared
+    loop's, proven for real in tests/train/test_loop.py; what this module owes the loop is the
+    same storage path, run name, loop config and rows on the second call, and a work dir that
+    survives the failure. Returns (base folder, result, stdout of the completing command,
+    recorded fit calls, work-dir entries after the failed command)."""
+    import contextlib
+    import io
+
+    import yaml
+
+    import gti.train.loop as loop
+    import gti.vocab_ground as vg
+    from gti.cli import main
 
     root = tmp_path_factory.mktemp("vocab")
     base = tiny_model_folder(root / "base")
-    logs: list[str] = []
-    res = ground_vocabulary(base, TOKENS, root / "out", config=VocabGroundConfig.model_validate(CONFIG),
-                            log=logs.append)
-    return base, res, logs
+    tokens = root / "tokens.jsonl"
+    tokens.write_text("".join(json.dumps(t) + "\n" for t in TOKENS))
+    cfg = root / "vocab.yaml"
+    cfg.write_text(yaml.safe_dump({**CONFIG, "init": {"method": "description"}}))
+    out = root / "out"
+    argv = ["vocab", "ground", "--model", str(base), "--tokens", str(tokens), "--out", str(out),
+            "--config", str(cfg)]
+    fit = FailOnceFit(loop.fit)
+    results = []
+    real_ground = vg.ground_vocabulary
+
+    def recording_ground(*a, **kw):
+        results.append(real_ground(*a, **kw))
+        return results[-1]
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(loop, "fit", fit)
+    mp.setattr(vg, "ground_vocabulary", recording_ground)
+    capture = []
+    try:
+        with pytest.raises(WorkerDied):
+            main(argv)
+        work = root / ".out.work"
+        after_failure = sorted(p.name for p in work.iterdir()) if work.is_dir() else []
+        out_after_failure = out.exists()
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            rc = main(argv)
+        capture.append(buf.getvalue())
+    finally:
+        mp.undo()
+    assert rc == 0, capture
+    return base, results[-1], capture[0], fit, (after_failure, out_after_failure)
 
 
 @pytest.mark.slow
@@ -61,7 +107,7 @@ def test_only_new_rows_change_bit_identical_old_rows(grounded):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    base_dir, res, _ = grounded
+    base_dir, res, *_ = grounded
     first, end = res.new_token_ids
     assert res.steps_done == 8 and res.val_split == "val"
     assert [v["step"] for v in res.val_exact_match] == [4, 8]
@@ -90,7 +136,7 @@ def test_only_new_rows_change_bit_identical_old_rows(grounded):
 def test_export_round_trips_through_auto_classes(grounded):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    _, res, _ = grounded
+    _, res, *_ = grounded
     tok = AutoTokenizer.from_pretrained(res.out_dir)
     model = AutoModelForCausalLM.from_pretrained(res.out_dir, use_safetensors=True)
     meta = json.loads((res.out_dir / "gti_meta.json").read_text())
@@ -117,7 +163,7 @@ def test_example_script_scores_descriptions(grounded, capsys):
     spec = importlib.util.spec_from_file_location("tool_tokens_eval", root / "evaluate.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    _, res, _ = grounded
+    _, res, *_ = grounded
     tokens = res.out_dir.parent / "tokens.jsonl"
     tokens.write_text("".join(json.dumps(t) + "\n" for t in TOKENS))
     figures = mod.main(["--model", str(res.out_dir), "--tokens", str(tokens), "--json"])
@@ -133,29 +179,17 @@ def test_example_script_scores_descriptions(grounded, capsys):
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_cli_vocab_ground_on_a_tiny_folder(tmp_path, ray_start_4_cpus, capsys):
-    import yaml
-
+def test_cli_vocab_ground_on_a_tiny_folder(grounded, tmp_path, capsys):
     from gti.cli import main
 
-    base = tiny_model_folder(tmp_path / "base", tied=True)
-    tokens = tmp_path / "tokens.jsonl"
-    tokens.write_text("".join(json.dumps({k: v for k, v in t.items() if k != "eval_descriptions"}) + "\n"
-                              for t in TOKENS))
-    cfg = tmp_path / "vocab.yaml"
-    cfg.write_text(yaml.safe_dump({**CONFIG, "init": {"method": "description"}}))
-    out = tmp_path / "out"
-    rc = main(["vocab", "ground", "--model", str(base), "--tokens", str(tokens), "--out", str(out),
-               "--config", str(cfg), "ground.steps=4"])
-    assert rc == 0
-    text = capsys.readouterr().out
-    assert "grounded 4 tokens" in text and "in-sample" in text
-    meta = json.loads((out / "gti_meta.json").read_text())
-    assert meta["steps_done"] == 4 and meta["init_method"] == "description"
-    assert not (tmp_path / ".out.work").exists()  # the default work dir is removed
-    # a token that already exists is one line naming it
-    rc = main(["vocab", "ground", "--model", str(out), "--tokens", str(tokens), "--out", str(tmp_path / "o2"),
-               "--config", str(cfg)])
+    _, res, text, _, _ = grounded
+    assert "grounded 4 tokens" in text and "exact match (held-out)" in text
+    meta = json.loads((res.out_dir / "gti_meta.json").read_text())
+    assert meta["steps_done"] == 8 and meta["init_method"] == "description"
+    assert not (res.out_dir.parent / ".out.work").exists()  # the default work dir is removed
+    # a token that already exists is one line naming it (refused before any training)
+    tokens = res.out_dir.parent / "tokens.jsonl"
+    rc = main(["vocab", "ground", "--model", str(res.out_dir), "--tokens", str(tokens), "--out", str(tmp_path / "o2")])
     assert rc == 2
     assert "'<tool_search>' is already in the tokenizer" in capsys.readouterr().err
 
@@ -187,39 +221,12 @@ def test_codebook_init_is_refused_before_training(tmp_path, capsys):
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_killed_run_resumes_from_its_checkpoint(grounded, tmp_path, monkeypatch):
-    """A grounding run that dies at step 6 raises and keeps its work dir; the same call again
-    resumes from the step-4 checkpoint and ends with the rows of the uninterrupted run."""
-    from safetensors.torch import load_file
-
-    import gti.train.loop as loop
-    from gti.vocab_ground import VocabGroundConfig, ground_vocabulary
-
-    _, ref, _ = grounded
-    real_fit = loop.fit
-    seen: dict[str, list[int]] = {}
-
-    def fit_failing_once(loop_config, *a, **kw):
-        loop_config = {**loop_config, "fail_at_step": 6, "fail_rank": 0,
-                       "fail_marker": str(tmp_path / "failed_once")}
-        try:
-            return real_fit(loop_config, *a, **kw)
-        finally:
-            progress = Path(kw["storage_path"]) / f"{kw['name']}.progress.jsonl"
-            seen["steps"] = [json.loads(l)["step"] for l in progress.read_text().splitlines()]
-
-    monkeypatch.setattr(loop, "fit", fit_failing_once)
-    base = tiny_model_folder(tmp_path / "base")
-    cfg = VocabGroundConfig.model_validate(CONFIG)
-    out = tmp_path / "out"
-    with pytest.raises(Exception):
-        ground_vocabulary(base, TOKENS, out, config=cfg, log=lambda m: None)
-    assert (tmp_path / "failed_once").exists() and (tmp_path / ".out.work" / "ray_train").is_dir()
-    assert not out.exists()
-    res = ground_vocabulary(base, TOKENS, out, config=cfg, log=lambda m: None)
-    assert seen["steps"] == list(range(1, 7)) + [5, 6, 7, 8]  # resumed after the step-4 checkpoint
-    assert res.steps_done == 8 and not (tmp_path / ".out.work").exists()
-    got, want = (load_file(str(d / "e_new_ground.safetensors")) for d in (out, ref.out_dir))
-    for k in ("e_new", "head_new"):
-        torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-6)
-    assert res.val_exact_match == ref.val_exact_match
+def test_killed_run_keeps_its_work_and_hands_the_loop_the_same_run(grounded):
+    """A run that dies in training raises, keeps its work dir (pairs, initial rows) and writes
+    no export; the same command again calls the loop with the same storage path, run name,
+    loop config and rows, which is what makes the loop resume it (tests/train/test_loop.py)."""
+    _, res, _, fit, (after_failure, out_after_failure) = grounded
+    assert {"pairs.parquet", "e_new_init.safetensors"} <= set(after_failure), after_failure
+    assert not out_after_failure
+    fit.assert_same_run()
+    assert res.steps_done == 8

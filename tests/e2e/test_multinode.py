@@ -8,8 +8,9 @@ The cluster is `cluster/local_cluster.sh` (a head plus two worker nodes, each a 
 worker per worker node. The `gti run` driver joins the cluster (RAY_ADDRESS from the script's
 env file) as a separate process, so killing it is a real driver failure. Which node each worker
 ran on is read back from Ray's actor table (class RayTrainWorker) after the run. The stages
-before grounding run first on a local Ray (they are not what the test is about, and three nodes
-on 2 cores made them the slowest part), into the same run folder.
+before grounding are the session's shared tiny ones (tests/conftest.py::tiny_upstream), linked
+into the run folder (they are not what the test is about, and three nodes on 2 cores made them
+the slowest part).
 
 The same test checks the script itself (it used to have a test of its own, which cost another
 cluster start): the nodes and their custom resources, token auth refusing a client without the
@@ -116,20 +117,15 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.fixture
-def upstream_done(tmp_path) -> Path:
-    """The run's stages before grounding, run before the cluster starts, on a local Ray: on the
-    3-node cluster they took ~5 of the test's 11 min (three raylets and their prestarted workers
-    on 2 cores), and they are not what the test is about. `ray_address` is not part of any
-    stage's fingerprint, and neither is the `ground` section (whose gti_worker resources a local
-    Ray lacks, so preflight would refuse them), so the cluster run finds them up to date."""
-    run_dir = tmp_path / "run"
-    cmd = [a for a in _gti_cmd(run_dir)[:-1] if a != "ray_address=auto" and not a.startswith("ground.")] + ["pairs"]
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tmp_path, timeout=900)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    assert (run_dir / "pairs" / "_manifest.json").is_file()
-    return run_dir
+def upstream_done(tiny_upstream, tmp_path) -> Path:
+    """The run's stages before grounding: the session's shared tiny ingest..pairs
+    (tests/conftest.py), hard-linked into this run folder. On the 3-node cluster they took ~5
+    of the test's 11 min and they are not what the test is about. `ray_address` is not part of
+    any stage's fingerprint, and neither is the `ground` section, so the cluster run finds them
+    up to date (asserted below)."""
+    from testkit import adopt_tiny_upstream
+
+    return adopt_tiny_upstream(tiny_upstream, tmp_path / "run")
 
 
 @pytest.fixture
@@ -144,6 +140,10 @@ def two_node_cluster(tmp_path):
     )
     started = run("start", "--workers", "2", "--cpus", "2", "--timeout", "150")
     pids = [int(p) for p in (d / "pids").read_text().split()] if (d / "pids").exists() else []
+    from gti import ledger
+
+    for pid in pids:  # a head and two worker nodes: three Ray nodes for the session's budget
+        ledger.note("ray", f"tests:local_cluster.sh node {pid}")
     try:
         assert started.returncode == 0, started.stderr[-3000:]
         assert len(pids) == 3 and all(_alive(p) for p in pids)
@@ -184,10 +184,8 @@ def test_grounding_across_two_nodes_with_driver_kill_and_resume(upstream_done, t
     no_token["RAY_AUTH_MODE"] = "disabled"
     refused = subprocess.run([sys.executable, "-c", PROBE], env=no_token, capture_output=True, text=True, timeout=120)
     assert refused.returncode != 0
-    # The upstream stages ran before the cluster (upstream_done), so the kill below lands in
-    # grounding. Train workers on the cluster before grounding (none expected) are not the
-    # grounding workers whose placement the test checks.
-    earlier = set(_probe(env)["train_workers"])
+    # The upstream stages are in place (upstream_done), so the kill below lands in grounding;
+    # the cluster is fresh, so every RayTrainWorker it has seen afterwards is a grounding worker.
     log1 = (tmp_path / "attempt1.log").open("w")
     first = subprocess.Popen(_gti_cmd(run_dir), env=env, stdout=log1, stderr=subprocess.STDOUT, cwd=tmp_path)
     partial = run_dir / ".ground.partial"
@@ -225,5 +223,5 @@ def test_grounding_across_two_nodes_with_driver_kill_and_resume(upstream_done, t
     assert len(worker_nodes) == 2
     # Both attempts started 2 workers; every worker ran on a worker node, and each attempt
     # spread its pair over both nodes (gti_worker: 1 each allows nothing else).
-    placed = [node for actor, node in info["train_workers"].items() if actor not in earlier]
+    placed = list(info["train_workers"].values())
     assert len(placed) >= 4 and set(placed) == worker_nodes

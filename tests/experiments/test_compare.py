@@ -441,10 +441,17 @@ def test_write_report_on_old_runs(tmp_path):
 # --------------------------------------------------------------------------- the real thing
 @pytest.mark.slow
 @pytest.mark.ray
-def test_compare_tiny_end_to_end(tmp_path, ray_start_4_cpus):
+def test_compare_tiny_end_to_end(tmp_path, tiny_upstream, ray_start_4_cpus):
     """2 arms x 1 seed of the real tiny pipeline, arms as parallel Ray tasks: on 4 CPUs each
-    arm holds 1 Train worker + 1 CPU of Ray Data headroom, so both run at once."""
-    cfg = config.load(ROOT / "jobs/configs/tiny.yaml", [f"run_dir={tmp_path / 'tiny'}"])
+    arm holds 1 Train worker + 1 CPU of Ray Data headroom, so both run at once. The shared
+    stages are the session's tiny ingest..pairs (found up to date in `<out>/shared`); that
+    compare runs and links them itself is checked by the fake-stage test above."""
+    from testkit import adopt_tiny_upstream
+
+    # sft.steps=0: the gti arm grounds (what the geometry rows below need) and trains no SFT,
+    # the mean arm gets the grounding steps as SFT steps (equal budget): 2 Train runs, not 3.
+    cfg = config.load(ROOT / "jobs/configs/tiny.yaml", [f"run_dir={tmp_path / 'tiny'}", "sft.steps=0"])
+    adopt_tiny_upstream(tiny_upstream, tmp_path / "cmp" / "shared")
     assert CMP.auto_parallel(cfg, {"CPU": 4.0}) == 2
     paths = CMP.compare(cfg, ["mean", "gti"], 1, tmp_path / "cmp")
     doc = json.loads(paths["json"].read_text())

@@ -1,13 +1,14 @@
 """`gti refresh` (gti/refresh/, its driver) and versioned SID maps in use (gti/sid/lineage.py, evaluate,
 recommend), on a tiny run: 300 items of the bundled data, 12 of them held out as "new"
-(`gti.data.holdout`), the tiny pipeline trained on the rest through sft.
+(`gti.data.holdout`), the tiny pipeline run on the rest through sft with 0 training steps (no
+refresh assertion depends on a trained parent: the refresh's own grounding and SFT train).
 
 - v1 = 6 new items (+ bad rows) and their interactions (+ bad rows), 6 grounding steps: old
   SIDs unchanged, new SIDs unique, parent hash, quarantine, the model's meta, the lineage;
-- the same refresh on a copy of the run, its grounding worker killed at step 5 (the driver's
-  call fails, as a killed driver would leave it), rerun: resumes after the step-4 checkpoint and
-  ends with the same map and model rows;
-- v2 = the other 6 items with 2 grounding + 2 SFT steps: chained versions, recommend's default;
+  made the way a killed refresh is finished: the first call's grounding dies before its first
+  step, the rerun keeps the finished steps and hands the shared loop the same run (storage
+  path, name, config, rows), which is what makes the loop resume it (tests/train/test_loop.py);
+- v2 = the other 6 items with 2 SFT steps (no grounding): chained versions, recommend's default;
 - evaluation's and recommend's check: a descendant map accepted, an unrelated one refused
   naming both hashes;
 - a full prefix group: one error line, exit 2; with `refresh.on_full_group=add_tokens` the last
@@ -30,6 +31,7 @@ import polars as pl
 import pyarrow.parquet as pq
 import pytest
 import torch
+from testkit import FailOnceFit, WorkerDied
 
 from gti import config as C
 
@@ -82,8 +84,7 @@ def base_run(data, tmp_path_factory, ray_start_4_cpus):
     cfg = C.load(CONFIGS / "tiny.yaml", [
         f"run_dir={run}", f"data.items.path={d / 'base_items.parquet'}",
         f"data.interactions.path={d / 'base_inter.parquet'}", "data.max_items=null",
-        "ground.steps=4", "ground.checkpoint_every=4", "ground.val_every=4",
-        "sft.steps=4", "sft.checkpoint_every=4", "sft.val_every=4",
+        "ground.steps=0", "sft.steps=0",  # untrained: the refresh trains, its parent need not
     ])
     pipeline.run(cfg, to_stage="sft", echo=lambda m: None)
     return run
@@ -97,12 +98,30 @@ def _copy(run: Path, dest: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def refreshed(base_run, data, tmp_path_factory):
+    """v1 on a copy of the base run. The first call's grounding dies before its first step
+    (`FailOnceFit`); the same call again finishes it. Returns (run, result); the recorded fit
+    and the work folder's state after the failure are in `killed_refresh` below."""
+    import gti.train.loop as loop
     from gti.refresh import refresh
 
     d, _, _ = data
     run = _copy(base_run, tmp_path_factory.mktemp("refresh_a") / "run")
-    res = refresh(run, d / "new1_items.parquet", d / "new1_inter.parquet", REFRESH, log=lambda m: None)
+    fit = FailOnceFit(loop.fit)
+    mp = pytest.MonkeyPatch()
+    mp.setattr(loop, "fit", fit)
+    try:
+        with pytest.raises(WorkerDied):
+            refresh(run, d / "new1_items.parquet", d / "new1_inter.parquet", REFRESH, log=lambda m: None)
+        partial = run / "refresh" / ".v1.partial"
+        _KILLED.update(fit=fit, steps=json.loads((partial / "_steps.json").read_text()),
+                       v1_after_failure=(run / "refresh" / "v1").exists())
+        res = refresh(run, d / "new1_items.parquet", d / "new1_inter.parquet", REFRESH, log=lambda m: None)
+    finally:
+        mp.undo()
     return run, res
+
+
+_KILLED: dict = {}
 
 
 def _map(path) -> dict[str, str]:
@@ -174,42 +193,16 @@ def test_bad_new_rows_are_quarantined_with_reasons(refreshed, data):
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_killed_refresh_resumes_with_the_same_result(refreshed, base_run, data, tmp_path, monkeypatch):
-    import gti.train.loop as loop
-    from gti.refresh import refresh
-
-    run_a, res_a = refreshed
-    d, _, _ = data
-    run = _copy(base_run, tmp_path / "run")
-    real_fit, seen = loop.fit, []
-
-    def fit_recording(loop_config, *a, **kw):
-        try:
-            return real_fit(loop_config, *a, **kw)
-        finally:
-            progress = Path(kw["storage_path"]) / f"{kw['name']}.progress.jsonl"
-            seen.append([json.loads(ln)["step"] for ln in progress.read_text().splitlines()])
-
-    monkeypatch.setattr(loop, "fit", fit_recording)
-    fault = {"fail_at_step": 5, "fail_rank": 0, "fail_marker": str(tmp_path / "failed_once")}
-    with pytest.raises(Exception):
-        refresh(run, d / "new1_items.parquet", d / "new1_inter.parquet", REFRESH, log=lambda m: None,
-                fault_injection=fault)
-    partial = run / "refresh" / ".v1.partial"
-    assert (tmp_path / "failed_once").exists() and (partial / "ray_train").is_dir()
-    assert not (run / "refresh" / "v1").exists()
-    done = json.loads((partial / "_steps.json").read_text())
-    assert set(done) == {"ingest", "embed", "assign", "tokens", "pairs"}  # finished steps are kept
-    res = refresh(run, d / "new1_items.parquet", d / "new1_inter.parquet", REFRESH, log=lambda m: None,
-                  fault_injection=fault)
-    assert seen[0] == [1, 2, 3, 4, 5] and seen[1] == [1, 2, 3, 4, 5, 5, 6]  # resumed after the step-4 checkpoint
-    assert res.new_hash == res_a.new_hash and res.facts["steps"]["ground"] == 6
-    from safetensors.torch import load_file
-
-    got, want = (load_file(str(r.model_dir / "model.safetensors")) for r in (res, res_a))
-    for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-6)
-    assert res.facts["ground"]["val_exact_match"] == res_a.facts["ground"]["val_exact_match"]
+def test_killed_refresh_keeps_finished_steps_and_hands_the_loop_the_same_run(refreshed):
+    """The refresh whose grounding died: no v1 published, every step before grounding recorded
+    as finished (a rerun skips them), and the rerun called the loop with the same storage path,
+    run name, loop config and rows, then published v1 with 6 grounding steps."""
+    run, res = refreshed
+    assert _KILLED["v1_after_failure"] is False
+    assert set(_KILLED["steps"]) == {"ingest", "embed", "assign", "tokens", "pairs"}
+    _KILLED["fit"].assert_same_run()
+    assert str(run / "refresh" / ".v1.partial") in _KILLED["fit"].calls[0]["storage_path"]
+    assert res.k == 1 and res.facts["steps"]["ground"] == 6
 
 
 @pytest.mark.slow
@@ -278,14 +271,16 @@ def test_second_refresh_chains_versions_and_runs_sft(refreshed, data):
 
     run, res1 = refreshed
     d, _, half = data
+    # SIDs + a refresh SFT only (v1 and the add_tokens test prove a refresh's grounding): one
+    # Train run instead of two.
     res2 = refresh(run, d / "new2_items.parquet", d / "new2_inter.parquet",
-                   ["refresh.ground_steps=2", "refresh.sft_steps=2", "ground.batch_size=4", "sft.batch_size=4",
-                    "ground.checkpoint_every=2", "sft.checkpoint_every=2"], log=lambda m: None)
+                   ["refresh.ground_steps=0", "refresh.sft_steps=2", "sft.batch_size=4",
+                    "sft.checkpoint_every=2"], log=lambda m: None)
     assert res2.k == 2 and res2.parent_hash == res1.new_hash
     m1, m2 = _map(res1.map_path), _map(res2.map_path)
     assert all(m2[i] == s for i, s in m1.items()) and set(m2) - set(m1) == half[1]
     assert len(set(m2.values())) == len(m2)
-    assert res2.facts["steps"] == {"ground": 2, "sft": 2} and res2.facts["sft"]["windows"] > 0
+    assert res2.facts["steps"] == {"ground": 0, "sft": 2} and res2.facts["sft"]["windows"] > 0
     assert lineage.check_model_map(run / "sft" / "model", res2.new_hash, map_path=res2.map_path) == 2
     assert read_version(res2.map_path).parent_hash == res1.new_hash
     assert load_recommender(run).model_stage == "refresh/v2"
@@ -503,3 +498,23 @@ def test_refresh_refuses_bad_arguments_with_one_line(fake_run, tmp_path):
     shutil.rmtree(fake_run.dir / "sid")
     with pytest.raises(RefreshError, match="stage 'sid' has not completed"):
         refresh(fake_run.dir, "items.csv")
+
+
+def test_a_published_version_is_never_replaced(make_job):
+    """`_publish` refuses a `v<k>` that has a manifest (a version another refresh published)
+    before touching the lineage, and keeps the work folder."""
+    from gti.refresh.driver import _publish
+    from gti.refresh.job import RefreshError
+
+    job = make_job()
+    published = job.work.parent / "v1"
+    published.mkdir(parents=True)
+    (published / "_manifest.json").write_text('{"stage": "refresh"}')
+
+    class Lineage:
+        def add(self, *a):
+            raise AssertionError("the lineage was touched")
+
+    with pytest.raises(RefreshError, match="already a published version"):
+        _publish(job, Lineage(), None)
+    assert job.work.is_dir() and (published / "_manifest.json").read_text() == '{"stage": "refresh"}'

@@ -77,15 +77,21 @@ def eval_cfg(run_dir, *overrides):
     return config.load(
         ROOT / "jobs" / "configs" / "tiny.yaml",
         [f"run_dir={run_dir}", "eval.max_users=12", "eval.beam_width=6", "eval.ks=[1,5]",
-         "eval.bootstrap=50", "eval.batch_users=5", "sft.max_len=160", *overrides],
+         "eval.bootstrap=50", "eval.batch_users=5", "sft.max_len=160",
+         "eval.baselines=[mostpop,markov,sasrec]", "eval.sasrec.epochs=2", *overrides],
     )
+
+
+# The one full evaluate run of this file serves the default checks and the exact-rank ones:
+# exact ranks on, and a generous cold threshold so that both splits have cold users to rank.
+EVAL_RUN = ("eval.exact_rank=true", "eval.cold_max_sft_targets=8")
 
 
 @pytest.fixture(scope="module")
 def eval_run(tmp_path_factory, ray_start_4_cpus):
     run_dir = tmp_path_factory.mktemp("eval") / "run"
     items = make_upstream(run_dir)
-    cfg = eval_cfg(run_dir)
+    cfg = eval_cfg(run_dir, *EVAL_RUN)
     m = pipeline.run_stage(pipeline.spec("evaluate"), cfg, run_dir)
     return run_dir, cfg, m, items
 
@@ -106,7 +112,7 @@ def test_evaluate_writes_metrics_recs_and_baselines(eval_run):
         for cell in table.values():
             lo, hi = cell["ci"]
             assert lo <= cell["value"] <= hi
-        for base in ("mostpop", "markov"):
+        for base in ("mostpop", "markov", "sasrec"):  # the reference rows, SASRec included
             assert sorted(metrics["baselines"][base][split]) == sorted(names)
         per = metrics["per_user"][split]
         assert len(per["user_ids"]) == 12
@@ -130,10 +136,9 @@ def test_evaluate_writes_metrics_recs_and_baselines(eval_run):
         hits = [float(t in lst) for t, lst in zip(part["target"], part["items"])]
         assert hits == metrics["per_user"][split]["recall@5"]
     assert m.facts["invalid_sid_rate"] == 0.0 and m.facts["sid_map_hash"] == HASH
-    # Exact ranks are off by default; the cold slice is always there.
-    assert metrics["ranks"] == {} and "exact_rank" not in metrics["per_user"]["valid"]
-    _check_cold_slice(metrics, seqs, cfg.eval.cold_max_sft_targets, names)
     assert m.facts["slices"] == metrics["slices"]
+    # Exact ranks are off by default (this run turns them on: the test below).
+    assert config.load(None).eval.exact_rank is False
 
 
 def _check_cold_slice(metrics, seqs, max_targets, names, exact_rank=False):
@@ -168,20 +173,10 @@ def _check_cold_slice(metrics, seqs, max_targets, names, exact_rank=False):
             assert block["ranks"] == {}
 
 
-@pytest.fixture(scope="module")
-def eval_rank_run(tmp_path_factory, ray_start_4_cpus):
-    run_dir = tmp_path_factory.mktemp("eval_rank") / "run"
-    make_upstream(run_dir)
-    # A generous cold threshold so that both splits have cold users to rank.
-    cfg = eval_cfg(run_dir, "eval.exact_rank=true", "eval.cold_max_sft_targets=8")
-    m = pipeline.run_stage(pipeline.spec("evaluate"), cfg, run_dir)
-    return run_dir, cfg, m
-
-
 @pytest.mark.slow
 @pytest.mark.ray
-def test_evaluate_exact_ranks_and_cold_slice(eval_rank_run):
-    run_dir, cfg, m = eval_rank_run
+def test_evaluate_exact_ranks_and_cold_slice(eval_run):
+    run_dir, cfg, m, _ = eval_run
     metrics = json.loads((run_dir / "evaluate" / "metrics.json").read_text())
     names = [f"{n}@{k}" for n in ("recall", "ndcg", "precision") for k in (1, 5)]
     assert metrics["config"]["exact_rank"] is True
@@ -214,7 +209,7 @@ def test_interrupted_evaluate_resumes_with_the_same_metrics(eval_run, tmp_path, 
     base_dir, cfg0, _, _ = eval_run
     run_dir = tmp_path / "run"
     make_upstream(run_dir)
-    cfg = eval_cfg(run_dir)
+    cfg = eval_cfg(run_dir, *EVAL_RUN)
 
     class DriverKilled(Exception):
         pass
@@ -227,6 +222,7 @@ def test_interrupted_evaluate_resumes_with_the_same_metrics(eval_run, tmp_path, 
             raise DriverKilled
 
     monkeypatch.setattr(E, "CHUNK_ROWS", 5)  # eval.batch_users=5: one batch per chunk
+    monkeypatch.setattr(E, "EXACT_RANK_CHUNK_ROWS", 5)  # (this run ranks exactly too)
     monkeypatch.setattr(E, "_on_chunk", kill_after_two)
     with pytest.raises(DriverKilled):
         pipeline.run_stage(pipeline.spec("evaluate"), cfg, run_dir)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import polars as pl
 import pyarrow.parquet as pq
@@ -11,6 +13,7 @@ from gti import pipeline
 from gti.manifest import Manifest
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _corpus(d):
@@ -56,9 +59,13 @@ def test_ray_stream_equals_local_stream(tmp_path, ray_start_4_cpus):
     assert fr["interactions_rows_in"] == fr["interactions_rows_ok"] + fr["interactions_rows_quarantined"]
 
 
-def test_ingest_and_embed_tiny(tiny_cfg, ray_start_4_cpus):
-    done = pipeline.run(tiny_cfg, to_stage="embed")
-    run_dir = tiny_cfg.resolved_run_dir()
+def test_ingest_and_embed_tiny(tiny_upstream):
+    """The session's shared tiny stages (tests/conftest.py), built by pipeline.run."""
+    from gti import config
+
+    run_dir = tiny_upstream
+    tiny_cfg = config.load(ROOT / "jobs" / "configs" / "tiny.yaml", [f"run_dir={run_dir}"])
+    done = {s: Manifest.read(run_dir / s) for s in ("ingest", "embed")}
     f = done["ingest"].facts
     # Accounting: every row is either ok or quarantined.
     assert f["items_rows_in"] == f["items_rows_ok"] + f["items_rows_quarantined"]

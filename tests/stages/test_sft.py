@@ -4,8 +4,9 @@ docs/ARCHITECTURE.md and run through gti.pipeline.run_stage:
 
 - 2 Ray Train workers with DeepSpeed ZeRO-2 on CPU lower the loss, the exported folder loads
   with plain transformers and carries sid_map_hash, e_new has the new-row shape;
-- a worker killed once mid-run (FailureConfig max_failures=1) resumes from the latest
-  checkpoint, finishes, and ends with the same weights as the uninterrupted run;
+- a run that dies in training keeps its partial dir, and the same stage again hands the
+  shared loop the same storage path, run name, loop config and rows (what makes the loop
+  resume it; the loop's resume itself is proven in tests/train/test_loop.py);
 - a stale SID map and impossible LoRA settings give one-line errors.
 """
 
@@ -18,6 +19,7 @@ import numpy as np
 import polars as pl
 import pytest
 import torch
+from testkit import FailOnceFit, WorkerDied
 
 from gti import config, pipeline
 from gti.manifest import Manifest
@@ -98,11 +100,26 @@ def sft_cfg(run_dir, *overrides):
 
 @pytest.fixture(scope="module")
 def sft_run(tmp_path_factory, ray_start_4_cpus):
+    """The stage, run the way a killed run is finished: the first attempt's training call dies
+    before any step (`FailOnceFit`), `run_stage` again completes it in the same partial dir.
+    Returns (run_dir, cfg, manifest, new-token range, the recorded fit, partial-dir entries
+    after the failure)."""
+    from gti.train import loop
+
     run_dir = tmp_path_factory.mktemp("sft") / "run"
     first, end = make_upstream(run_dir)
     cfg = sft_cfg(run_dir)
-    m = pipeline.run_stage(pipeline.spec("sft"), cfg, run_dir)
-    return run_dir, cfg, m, (first, end)
+    fit = FailOnceFit(loop.fit)
+    mp = pytest.MonkeyPatch()
+    mp.setattr(loop, "fit", fit)
+    try:
+        with pytest.raises(WorkerDied):
+            pipeline.run_stage(pipeline.spec("sft"), cfg, run_dir)
+        kept = sorted(p.name for p in (run_dir / ".sft.partial").iterdir())
+        m = pipeline.run_stage(pipeline.spec("sft"), cfg, run_dir)
+    finally:
+        mp.undo()
+    return run_dir, cfg, m, (first, end), fit, kept
 
 
 @pytest.mark.slow
@@ -111,7 +128,7 @@ def test_sft_two_workers_deepspeed_lowers_loss_and_exports(sft_run):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    run_dir, cfg, m, (first, end) = sft_run
+    run_dir, cfg, m, (first, end), _, _ = sft_run
     f = m.facts
     assert f["steps_done"] == 8 and f["num_workers"] == 2 and f["zero_stage"] == 2
     first_losses = [x["value"] for x in f["loss_history"][:2]]
@@ -147,37 +164,15 @@ def test_sft_two_workers_deepspeed_lowers_loss_and_exports(sft_run):
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_sft_worker_failure_resumes_from_checkpoint(sft_run, tmp_path):
-    """Worker 1 dies at step 6 (checkpoints every 4 steps); Ray Train restarts the group,
-    which resumes from the step-4 checkpoint (progress shows steps 1-6, then 5-8, never 1
-    again) and ends with the same weights as the uninterrupted run (same seed, same data
-    order, restored optimizer and scheduler state)."""
-    from safetensors.torch import load_file
-
-    from gti.stages import sft
-
-    ref_dir, _, ref, _ = sft_run
-    run_dir = tmp_path / "run"
-    make_upstream(run_dir)
-    cfg = sft_cfg(run_dir, "sft.max_failures=1")
-    s = pipeline.spec("sft")
-    fp, _ = pipeline.fingerprint(s, cfg, run_dir)
-    work = run_dir / ".sft.partial"
-    work.mkdir(parents=True)
-    ctx = pipeline.StageContext(spec=s, cfg=cfg, run_dir=run_dir, work_dir=work, fingerprint=fp)
-    marker = tmp_path / "died"
-    res = sft.run(ctx, fault_injection={"fail_at_step": 6, "fail_rank": 1, "fail_marker": str(marker)})
-    assert marker.exists(), "the fault was never injected"
-    assert res.facts["steps_done"] == 8
-    progress = (work / "ray_train" / "sft.progress.jsonl").read_text().splitlines()
-    steps = [json.loads(x)["step"] for x in progress]
-    assert steps == list(range(1, 7)) + list(range(5, 9)), steps
-    assert [x["step"] for x in res.facts["loss_history"]] == list(range(1, 9))
-    a = load_file(str(work / "e_new_sft.safetensors"))["e_new"]
-    b = load_file(str(ref_dir / "sft" / "e_new_sft.safetensors"))["e_new"]
-    # Same data order and restored optimizer state: equal up to float reduction order.
-    assert torch.allclose(a, b, atol=1e-5, rtol=1e-4), float((a - b).abs().max())
-    assert res.facts["final_loss"] == pytest.approx(ref.facts["final_loss"], rel=1e-4)
+def test_killed_sft_keeps_its_partial_dir_and_hands_the_loop_the_same_run(sft_run):
+    """The first attempt died in training: its partial dir (prepared data) was kept, and the
+    second attempt called the loop with the same storage path, run name, loop config and rows
+    (the loop then resumes from its latest checkpoint: tests/train/test_loop.py), and finished."""
+    run_dir, _, m, _, fit, kept = sft_run
+    assert "data" in kept, kept  # the prepared windows (sft.DATA_DIR) survive the failure
+    fit.assert_same_run()
+    assert str(run_dir / ".sft.partial") in fit.calls[0]["storage_path"]
+    assert m.facts["steps_done"] == 8 and not (run_dir / ".sft.partial").exists()
 
 
 @pytest.mark.slow

@@ -69,7 +69,7 @@ def _check_outputs(m, run_dir, n):
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_two_worker_rqvae_assigns_every_item(tmp_path, ray_start_4_cpus):
+def test_two_worker_rqvae_assigns_every_item(tmp_path, ray_start_4_cpus, capsys):
     # Revival every 2 steps exercises the in-epoch collective path on both workers.
     cfg = _cfg(tmp_path, "sid.num_workers=2", "sid.gates.min_utilisation=0.2", "sid.revive_every_steps=2")
     run_dir = cfg.resolved_run_dir()
@@ -77,6 +77,16 @@ def test_two_worker_rqvae_assigns_every_item(tmp_path, ray_start_4_cpus):
     write_embed_stage(run_dir, vecs)
     m = run_stage(spec("sid"), cfg, run_dir)
     _check_outputs(m, run_dir, len(vecs))
+    # Tracking: `tensorboard --logdir <run_dir>` has the RQ-VAE's curves (one point per epoch)
+    # and the stage's quality figures; the driver printed epoch progress.
+    from gti.tracking import read_scalars
+
+    tb = read_scalars(run_dir / "tensorboard" / "sid")
+    assert [s for s, _ in tb["train/loss"]] == [1, 2, 3]
+    assert {"train/recon_loss", "train/quant_loss", "train/utilisation/l0", "sid/recon_mse",
+            "sid/collision_rate_after", "sid/utilisation/l0"} <= set(tb)
+    out = capsys.readouterr()
+    assert "[sid] 3/3 epochs (100.0%)" in out.out + out.err
     hist = m.facts["train_history"]
     assert [h["epoch"] for h in hist] == [1, 2, 3]
     assert hist[-1]["items"] == len(vecs)  # both shards together saw the whole catalog

@@ -27,6 +27,7 @@ import socket
 import sys
 import time
 
+from gti import ledger
 from gti.errors import GtiError, one_line
 
 START_RETRY_WAIT_S = 5.0
@@ -116,6 +117,7 @@ def _start_local(num_cpus: int | None) -> None:
             env["worker_process_setup_hook"] = _quiet_state_api_warnings()
             ray.init(num_cpus=num_cpus, ignore_reinit_error=True, log_to_driver=True,
                      include_dashboard=False, runtime_env=env)
+            ledger.note("ray", f"local:{port}")
             return
         except Exception as err:  # noqa: BLE001 - any failure of a local start is reported the same way
             logs = _session_logs(started)

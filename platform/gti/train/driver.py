@@ -88,6 +88,7 @@ def run_trainer(
     from ray.data import ExecutionOptions
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    from gti import ledger
     from gti.errors import user_error
     from gti.progress import JsonlFollower
 
@@ -121,6 +122,7 @@ def run_trainer(
         **extra,
     )
     follow = JsonlFollower(path, progress, poll_s=2.0) if progress is not None else nullcontext()
+    ledger.note("train", spec.name)
     try:
         with follow:
             result = trainer.fit()

@@ -1,0 +1,96 @@
+"""The session budget of Ray Train runs (tests/run_budget.py, BUDGET in tests/conftest.py): a
+session whose tests start one Train run more than the budget fails, with the count and the
+test that started them; at the budget it passes. The inner sessions run in a subprocess with
+their own ledger, and their "Train runs" go through the real funnel
+(`gti.train.driver.run_trainer`) with Ray's TorchTrainer replaced by a stub, so no Ray starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+
+INNER_CONFTEST = """
+import sys
+sys.path.insert(0, {tests!r})
+import run_budget
+from run_budget import pytest_runtest_protocol, pytest_sessionfinish, pytest_terminal_summary
+
+run_budget.install({{"train": {budget}, "ray": 5}})
+"""
+
+INNER_TEST = """
+from types import SimpleNamespace
+
+
+class StubTrainer:
+    def __init__(self, *a, **kw):
+        pass
+
+    def fit(self):
+        import contextlib, tempfile
+        d = tempfile.mkdtemp()
+
+        class Ckpt:
+            @contextlib.contextmanager
+            def as_directory(self):
+                yield d
+
+        return SimpleNamespace(checkpoint=Ckpt(), metrics={{}}, path=d)
+
+
+def test_two_train_runs(tmp_path, monkeypatch):
+    import ray.train.torch
+    from gti.train.driver import TrainerSpec, run_trainer
+
+    monkeypatch.setattr(ray.train.torch, "TorchTrainer", StubTrainer)
+    for i in range(2):
+        spec = TrainerSpec(name=f"r{{i}}", storage_path=tmp_path, num_workers=1)
+        run_trainer(lambda c: None, {{}}, {{}}, spec, lambda d: "read")
+"""
+
+
+def _session(tmp_path: Path, budget: int) -> tuple[subprocess.CompletedProcess, dict]:
+    d = tmp_path / f"budget{budget}"
+    d.mkdir()
+    (d / "conftest.py").write_text(INNER_CONFTEST.format(tests=str(TESTS), budget=budget))
+    (d / "test_inner.py").write_text(INNER_TEST.format())
+    report = d / "ledger.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("GTI_RUN_LEDGER", "GTI_TEST_LEDGER_REPORT")}
+    env["GTI_TEST_LEDGER_REPORT"] = str(report)
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(d),
+                        "-c", os.devnull, str(d)], cwd=d, env=env, capture_output=True, text=True, timeout=300)
+    return p, json.loads(report.read_text()) if report.exists() else {}
+
+
+def test_one_train_run_over_the_budget_fails_the_session(tmp_path):
+    p, rep = _session(tmp_path, budget=1)
+    out = p.stdout + p.stderr
+    assert "1 passed" in out, out[-3000:]  # the test itself passed: the budget failed the session
+    assert p.returncode == 1, out[-3000:]
+    assert "OVER BUDGET: train: 2 started, budget 1" in out
+    assert rep["counts"] == {"train": 2, "ray": 0}
+    assert list(rep["per_test"].values()) == [{"train": 2, "ray": 0}]
+    assert [e["name"] for e in rep["entries"]] == ["r0", "r1"]
+
+
+def test_a_session_within_the_budget_passes_and_reports_its_count(tmp_path):
+    p, rep = _session(tmp_path, budget=2)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-3000:]
+    assert "train runs: 2 (budget 2)" in out and "OVER BUDGET" not in out
+    assert rep["over"] == []
+
+
+def test_verdict_names_each_kind_over_its_budget():
+    import run_budget
+
+    assert run_budget.verdict({"train": 3, "ray": 2}, {"train": 3, "ray": 1}) == [
+        "ray: 2 started, budget 1 (tests/conftest.py BUDGET)"]
+    assert run_budget.verdict({"train": 0, "ray": 0}, {"train": 0, "ray": 0}) == []
