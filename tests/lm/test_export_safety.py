@@ -71,13 +71,18 @@ def test_export_replaces_its_own_export_an_empty_folder_and_a_forced_one(tmp_pat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "forced", "out"]
 
 
+def _foreign_cwd_and_home(tmp_path, monkeypatch):
+    """A user's folders as the current and the home directory; returns (cwd, home)."""
+    cwd, home = _foreign(tmp_path / "cwd"), _foreign(tmp_path / "home")
+    monkeypatch.chdir(cwd)
+    monkeypatch.setenv("HOME", str(home))
+    return cwd, home
+
+
 def test_export_never_replaces_the_cwd_home_or_a_protected_input_even_forced(tmp_path, tiny_model_cfg,
                                                                             monkeypatch):
     model, tok = _tiny(tiny_model_cfg)
-    work = _foreign(tmp_path / "cwd")
-    home = _foreign(tmp_path / "home")
-    monkeypatch.chdir(work)
-    monkeypatch.setenv("HOME", str(home))
+    work, home = _foreign_cwd_and_home(tmp_path, monkeypatch)
     base = tmp_path / "base" / "model"
     base.mkdir(parents=True)
     for out, why in [(Path("."), "current directory"), (work.parent, "current directory"),
@@ -211,10 +216,7 @@ def test_cli_refuses_out_that_is_or_contains_cwd_home_model_or_tokens_even_force
     from gti import vocab_ground
 
     monkeypatch.setattr(vocab_ground, "_load_and_extend", lambda *a, **k: pytest.fail("model loaded"))
-    cwd = _foreign(tmp_path / "cwd")
-    home = _foreign(tmp_path / "home")
-    monkeypatch.chdir(cwd)
-    monkeypatch.setenv("HOME", str(home))
+    cwd, home = _foreign_cwd_and_home(tmp_path, monkeypatch)
     model = tmp_path / "models" / "base"
     model.mkdir(parents=True)
     (model / "config.json").write_text("{}")
