@@ -137,8 +137,19 @@ def test_evaluate_writes_metrics_recs_and_baselines(eval_run):
         assert hits == metrics["per_user"][split]["recall@5"]
     assert m.facts["invalid_sid_rate"] == 0.0 and m.facts["sid_map_hash"] == HASH
     assert m.facts["slices"] == metrics["slices"]
-    # Exact ranks are off by default (this run turns them on: the test below).
-    assert config.load(None).eval.exact_rank is False
+    # Exact ranks are off by default (this run turns them on: the test below). The stage's
+    # metrics of the same decoded rows with the default carry no ranks and equal top-K figures.
+    from gti.stages import evaluate as E
+
+    cfg_off = eval_cfg(run_dir, "eval.baselines=[mostpop,markov]")  # the decoded rows carry no SASRec lists
+    assert cfg_off.eval.exact_rank is False
+    ctx = pipeline.StageContext(spec=pipeline.spec("evaluate"), cfg=cfg_off, run_dir=run_dir,
+                                work_dir=run_dir / "evaluate", fingerprint="t")
+    decoded = recs.with_columns(pl.lit(5).alias("n_returned"), pl.lit(0).alias("n_invalid"))
+    off = E._metrics(ctx, E._read_inputs(ctx), decoded)
+    assert off["ranks"] == {} and "exact_rank" not in off["per_user"]["valid"]
+    assert off["splits"] == metrics["splits"] and off["baselines"]["markov"] == metrics["baselines"]["markov"]
+    assert all(off["slices"]["cold"][s]["ranks"] == {} for s in ("valid", "test"))
 
 
 def _check_cold_slice(metrics, seqs, max_targets, names, exact_rank=False):
