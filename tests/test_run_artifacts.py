@@ -152,3 +152,59 @@ def test_open_from_named_folders_equals_open_from_run_dir(tiny_run):
         LoadedRun.check_sid_map(a.model_dir, "not-this-map")
     with pytest.raises(RunDirError, match="needs a run_dir"):
         LoadedRun.open(model_dir=a.model_dir)
+
+
+def test_recommend_takes_trust_remote_code_from_the_flag_only(tmp_path, capsys, monkeypatch):
+    """`gti recommend` on a run whose config says `model.trust_remote_code: true`: the loaders
+    get False with one note, and True only with --trust-remote-code."""
+    import transformers
+
+    from gti import config as C
+    from gti import run_artifacts
+    from gti.cli import main
+
+    _write_run(tmp_path)
+    (tmp_path / "sft" / "config.yaml").write_text(C.dump(C.load(None, ["model.trust_remote_code=true"])))
+    seen: list[tuple[str, bool]] = []
+    for cls in (transformers.AutoTokenizer, transformers.AutoModelForCausalLM):
+        orig = cls.from_pretrained
+
+        def spy(path, *a, _orig=orig, _name=cls.__name__, **kw):
+            seen.append((_name, kw.get("trust_remote_code")))
+            kw["trust_remote_code"] = False  # the tiny model has no code of its own either way
+            return _orig(path, *a, **kw)
+
+        monkeypatch.setattr(cls, "from_pretrained", spy)
+    monkeypatch.setattr(run_artifacts, "_noted", set())
+    assert main(["recommend", "--run-dir", str(tmp_path), "--history", "it2", "--k", "2"]) == 0
+    assert seen == [("AutoTokenizer", False), ("AutoModelForCausalLM", False)]
+    err = [line for line in capsys.readouterr().err.splitlines() if "trust_remote_code" in line]
+    assert len(err) == 1 and "model.trust_remote_code: true is ignored" in err[0] and "--trust-remote-code" in err[0]
+    seen.clear()
+    assert main(["recommend", "--run-dir", str(tmp_path), "--history", "it2", "--k", "2", "--trust-remote-code"]) == 0
+    assert seen == [("AutoTokenizer", True), ("AutoModelForCausalLM", True)]
+
+
+def test_a_refresh_version_made_on_another_base_is_not_loaded(tmp_path, capsys, monkeypatch):
+    """The newest refresh/v<k> whose manifest records another base (the run retrained since) is
+    skipped with one note: `LoadedRun.open` loads the run's own model, never the old version."""
+    import pyarrow.parquet as pq
+
+    from gti import run_artifacts
+    from gti.sid.versions import make_version, write_map
+
+    _write_run(tmp_path)
+    base = run_artifacts.base_record(tmp_path)
+    assert base["model_stage"] == "sft" and base["sid_map_hash"] == f"hash{N_ITEMS}"
+    v1 = tmp_path / "refresh" / "v1"
+    (v1 / "sid").mkdir(parents=True)
+    t = pq.read_table(str(tmp_path / "sid" / "sid_map.parquet"))
+    write_map(v1 / "sid" / "sid_map.parquet", t, make_version(t, "cb", [CODEBOOK] * LEVELS, parent="old"))
+    Manifest(stage="refresh", fingerprint="v1", config={},
+             facts={"base": {**base, "model_fingerprint": "before-the-retrain"}}).write(v1)
+    monkeypatch.setattr(run_artifacts, "_noted", set())
+    run = LoadedRun.open(tmp_path)
+    assert run.model_stage == "sft" and run.model_dir == tmp_path / "sft" / "model"
+    err = [line for line in capsys.readouterr().err.splitlines() if "skipped" in line]
+    assert len(err) == 1 and f"{v1} is skipped: it was refreshed from another base" in err[0]
+    assert "before-the-retrain" in err[0]

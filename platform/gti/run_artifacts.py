@@ -19,6 +19,12 @@ the last level), and the model's tokenizer must hold every one of its tokens (el
 (exact hash). `recommend(run_dir, history, k)` and
 `cli_main` are `gti recommend` (decoding through `gti.eval.recommend.top_k`).
 
+Refresh versions belong to a base: each records the model stage output and SID map it was
+made on (`base_record`: the model stage's manifest fingerprint and creation time, the sid map
+hash); `current_versions` / `chosen_version` skip one made on another base (the run retrained
+since) with one line, so the newest version is never an old model on a new run.
+`trust_remote_code` is the caller's flag, never the run folder's config (`with_trust_remote_code`).
+
 Weights load from safetensors only; fp32 on CPU, bf16 on CUDA (or where `model.dtype` says).
 
 What it does NOT know: training, metrics, or Ray. It reads the run's files and config only.
@@ -69,6 +75,18 @@ def find_model_dir(run_dir: Path) -> tuple[str, Path]:
     )
 
 
+def with_trust_remote_code(cfg: C.RunConfig, flag: bool, where: str, note=None) -> C.RunConfig:
+    """`cfg` with `model.trust_remote_code` = the caller's `flag`: a run folder (often on shared
+    storage) never decides whether a model's own code runs; a `true` read from `where` while
+    the flag is off is ignored with one `note` line."""
+    if cfg.model.trust_remote_code and not flag:
+        (note or _note)(f"{where}: model.trust_remote_code: true is ignored (a run folder never enables a "
+                        "model's own code; pass --trust-remote-code to allow it)")
+    if cfg.model.trust_remote_code == flag:
+        return cfg
+    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"trust_remote_code": flag})})
+
+
 def run_config(run_dir: Path, stage: str) -> C.RunConfig:
     """The config the model stage ran with (its config.yaml), else the run's, else defaults."""
     for path in (run_dir / stage / "config.yaml", run_dir / "config.yaml"):
@@ -86,8 +104,9 @@ def catalog_titles(run_dir: Path, upto: "lineage.RunVersion | None" = None) -> d
         man = Manifest.read(ingest)
         if "items" in man.outputs:
             paths.append(man.output(ingest, "items"))
-    if upto is not None:
-        paths += [v.items_path for v in lineage.versions(run_dir) if v.k <= upto.k and v.items_path.is_file()]
+    if upto is not None:  # the versions `upto` builds on (made on the same base)
+        paths += [v.items_path for v in current_versions(run_dir, note=lambda line: None)
+                  if v.k <= upto.k and v.items_path.is_file()]
     out: dict[str, str] = {}
     for path in paths:
         items = pl.read_parquet(path, columns=["item_id", "title"])
@@ -120,17 +139,90 @@ def check_tokens(tokenizer, codec, model_dir: Path, sid_map_path: Path) -> None:
             f"(codebook sizes {codec.codebook_sizes}): {shown}; use the model of the refresh that added them")
 
 
-def chosen_version(run_dir: Path, version: int | None) -> "lineage.RunVersion | None":
-    """The refresh version a loaded run uses: None = the newest if any (else the run's own
-    stages), 0 = the run's own stages, k = `<run_dir>/refresh/v<k>/`."""
+# --------------------------------------------------------------------------- refresh bases
+BASE_FACT = "base"  # in a refresh version's manifest facts: the base it was made on
+_noted: set[str] = set()
+
+
+def _note(line: str) -> None:
+    """One stderr line per process and message (a server re-resolving versions says it once)."""
+    import sys
+
+    if line not in _noted:
+        _noted.add(line)
+        print(f"gti: note: {line}", file=sys.stderr, flush=True)
+
+
+def base_record(run_dir: Path) -> dict[str, Any]:
+    """What a refresh of `run_dir` builds on now: the model stage a refresh starts from (sft,
+    else ground), that stage's manifest fingerprint and creation time (a `gti run --force` with
+    an unchanged config keeps the fingerprint but retrains), and the sid stage's map hash."""
+    try:
+        stage, _ = find_model_dir(run_dir)
+    except RunDirError:
+        stage = None
+    man = Manifest.read(run_dir / stage) if stage and (run_dir / stage / MANIFEST_NAME).is_file() else None
+    sid = run_dir / "sid"
+    map_hash = Manifest.read(sid).facts.get("sid_map_hash") if (sid / MANIFEST_NAME).is_file() else None
+    return {"model_stage": stage, "model_fingerprint": man.fingerprint if man else None,
+            "model_created": man.created if man else None, "sid_map_hash": map_hash}
+
+
+def _describe(b: dict) -> str:
+    import datetime as dt
+
+    when = b.get("model_created")
+    when = dt.datetime.fromtimestamp(when).isoformat(timespec="seconds") if isinstance(when, (int, float)) else "?"
+    return f"{b.get('model_stage')} model {b.get('model_fingerprint')} of {when}, SID map {b.get('sid_map_hash')}"
+
+
+def stale_reason(v: "lineage.RunVersion", base: dict[str, Any]) -> str | None:
+    """Why version `v` does not belong to the run's current `base`, or None when it does. A
+    version written before gti recorded bases has nothing to compare and is kept."""
+    import json
+
+    try:
+        rec = (json.loads((v.dir / MANIFEST_NAME).read_text()).get("facts") or {}).get(BASE_FACT)
+    except (OSError, ValueError, AttributeError):
+        rec = None
+    if not isinstance(rec, dict) or all(rec.get(k) == base[k] for k in base):
+        return None
+    return (f"{v.dir} is skipped: it was refreshed from another base of this run ({_describe(rec)}; "
+            f"the run now has {_describe(base)})")
+
+
+def current_versions(run_dir: Path, note=_note) -> "list[lineage.RunVersion]":
+    """The finished refresh versions made on the run's current base, oldest first; each one
+    made on another base (the run retrained since) is skipped with one `note` line."""
+    vs = lineage.versions(run_dir)
+    if not vs:
+        return []
+    base = base_record(run_dir)
+    out = []
+    for v in vs:
+        why = stale_reason(v, base)
+        if why is None:
+            out.append(v)
+        else:
+            note(why)
+    return out
+
+
+def chosen_version(run_dir: Path, version: int | None, note=_note) -> "lineage.RunVersion | None":
+    """The refresh version a loaded run uses: None = the newest made on the run's current base
+    if any (else the run's own stages), 0 = the run's own stages, k = `<run_dir>/refresh/v<k>/`
+    (refused with one line when made on another base)."""
     if version == 0:
         return None
-    vs = lineage.versions(run_dir)
+    vs = current_versions(run_dir, note=lambda line: None if version is not None else note(line))
     if version is None:
         return vs[-1] if vs else None
     for v in vs:
         if v.k == version:
             return v
+    for v in lineage.versions(run_dir):
+        if v.k == version:
+            raise RunDirError(str(stale_reason(v, base_record(run_dir))).replace(" is skipped:", " cannot be used:"))
     raise RunDirError(f"{run_dir}: no finished refresh version {version} "
                       f"(have: {', '.join(f'v{v.k}' for v in vs) or 'none'})")
 
@@ -199,8 +291,9 @@ class LoadedRun:
         With `run_dir`: version None = the newest `gti refresh` version if the run has one
         (its map, model and new items' titles), 0 = the run's own stages, k = refresh v<k>;
         `model_dir` then pairs another model with that map (accepted if the map descends
-        from the model's). `trust_remote_code` given replaces the config's (`gti serve` never
-        takes it from the run folder)."""
+        from the model's). `trust_remote_code` is the caller's word: with `run_dir` the run
+        folder's config never decides it (None = off; a `true` there is ignored with one note);
+        with an explicit `cfg` (the caller's own config) a given value replaces the config's."""
         stage, titles, map_hash = None, {}, None
         if run_dir is not None:
             run_dir = Path(run_dir).expanduser().resolve()
@@ -219,14 +312,14 @@ class LoadedRun:
                 stage, found = f"{lineage.REFRESH_DIR}/v{chosen.k}", chosen.model_dir
                 sid_map_path, map_hash = chosen.map_path, chosen.version().hash
             model_dir = Path(model_dir).expanduser().resolve() if model_dir is not None else found
-            cfg = run_config(run_dir, stage)
+            cfg = with_trust_remote_code(run_config(run_dir, stage), bool(trust_remote_code), f"{run_dir} config")
             titles = catalog_titles(run_dir, chosen)
         if model_dir is None or sid_map_path is None or sid_facts is None:
             raise RunDirError("LoadedRun.open needs a run_dir, or model_dir, sid_map_path and sid_facts")
         model_dir = Path(model_dir)
         cls.check_map(model_dir, map_hash or sid_facts["sid_map_hash"], Path(sid_map_path), run_dir)
         cfg = cfg or C.RunConfig()
-        if trust_remote_code is not None:
+        if trust_remote_code is not None and run_dir is None:
             cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"trust_remote_code": trust_remote_code})})
         return cls._load(model_dir, Path(sid_map_path), sid_facts, cfg, device,
                          run_dir=run_dir, model_stage=stage, titles=titles)
@@ -297,7 +390,8 @@ def cli_main(args) -> int:
     from gti.eval.recommend import format_recommendations
 
     history = [h.strip() for h in str(args.history).split(",") if h.strip()]
-    run = LoadedRun.open(args.run_dir, version=getattr(args, "version", None))
+    run = LoadedRun.open(args.run_dir, version=getattr(args, "version", None),
+                         trust_remote_code=bool(getattr(args, "trust_remote_code", False)))
     recs = run.recommend(history, int(args.k))
     print(f"run {run.run_dir} (model: {run.model_stage}), history: {', '.join(history)}")
     print(format_recommendations(recs))

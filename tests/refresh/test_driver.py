@@ -518,3 +518,87 @@ def test_a_published_version_is_never_replaced(make_job):
     with pytest.raises(RefreshError, match="already a published version"):
         _publish(job, Lineage(), None)
     assert job.work.is_dir() and (published / "_manifest.json").read_text() == '{"stage": "refresh"}'
+
+
+def _fake_steps(n_items: int):
+    """`run_steps` stand-in: a new map of the parent's first `n_items` items (its version record
+    naming the parent) and the facts the driver reads; no model, no Ray."""
+    from gti.sid.versions import make_version, write_map
+
+    def run_steps(steps, job, fault_injection=None):
+        (job.work / "sid").mkdir(parents=True, exist_ok=True)
+        t = pq.read_table(str(job.parent.map_path)).slice(0, n_items)
+        write_map(job.work / "sid" / "sid_map.parquet", t,
+                  make_version(t, job.cb_hash, list(job.parent.codebook_sizes), parent=job.parent.hash))
+        return {"assign": {"assigned": [], "already_present": [], "prefix_changed": [], "needs_new_tokens": []},
+                "ground": {}, "sft": {}}
+
+    return run_steps
+
+
+def test_refresh_after_a_retrain_starts_from_the_new_base(fake_run, tmp_path, monkeypatch):
+    """Each version records its base; after the run retrains, the next refresh skips v1 with one
+    line, builds on the run itself and is numbered v2; recommend's default then takes v2 and
+    refuses v1 by name."""
+    from gti.manifest import Manifest
+    from gti.refresh import driver
+    from gti.run_artifacts import RunDirError, base_record, chosen_version
+
+    items = tmp_path / "items.csv"
+    items.write_text("item_id,title\nn1,A\n")
+    run, logs = fake_run.dir, []
+    monkeypatch.setattr(driver, "run_steps", _fake_steps(4))
+    r1 = driver.refresh(run, items, log=logs.append)
+    assert r1.k == 1 and r1.facts["base"] == base_record(run)
+    assert Manifest.read(r1.dir).facts["base"] == base_record(run)
+
+    Manifest(stage="sft", fingerprint="retrained", config={}, outputs={"model": "model"}).write(run / "sft")
+    monkeypatch.setattr(driver, "run_steps", _fake_steps(3))
+    logs.clear()
+    r2 = driver.refresh(run, items, log=logs.append)
+    assert r2.k == 2 and r2.facts["parent_version"] == 0 and r2.parent_hash == fake_run.map_hash
+    assert r2.facts["base"]["model_fingerprint"] == "retrained"
+    assert sum("v1 is skipped: it was refreshed from another base" in m for m in logs) == 1
+    assert (run / "refresh" / "v1" / "_manifest.json").is_file()  # never replaced
+
+    notes: list[str] = []
+    assert chosen_version(run, None, note=notes.append).k == 2 and len(notes) == 1
+    with pytest.raises(RunDirError, match=r"v1 cannot be used: it was refreshed from another base"):
+        chosen_version(run, 1)
+
+
+def test_new_items_at_a_uri_are_fingerprinted_like_ingest(tmp_path):
+    """`gti refresh --items <URI>`: the work folder's fingerprint stats the URI through its file
+    system (size, mtime) instead of needing a local path; a change of the file changes it."""
+    import fsspec
+
+    from gti.refresh.driver import _files_fingerprint
+
+    fs = fsspec.filesystem("memory")
+    uri = "memory://gti-refresh-test/new/items.csv"
+    fs.pipe(uri, b"item_id,title\nn1,A\n")
+    try:
+        opts = {"skip_instance_cache": "false"}  # any option: fsspec's file system, as for a private bucket
+        fp = _files_fingerprint(uri, "items", opts)
+        assert fp == _files_fingerprint(uri, "items", opts)
+        fs.pipe(uri, b"item_id,title\nn1,A\nn2,B\n")
+        assert _files_fingerprint(uri, "items", opts) != fp
+        assert _files_fingerprint("memory://gti-refresh-test/new/", "items", opts)  # a folder URI
+    finally:
+        fs.rm("memory://gti-refresh-test", recursive=True)
+
+
+def test_cli_passes_only_the_flag_as_trust_remote_code(monkeypatch, tmp_path):
+    from gti.cli import main
+    from gti.refresh import RefreshError, driver
+
+    got = []
+
+    def fake_refresh(run_dir, items, interactions, overrides, **kw):
+        got.append(kw["trust_remote_code"])
+        raise RefreshError("stop here")
+
+    monkeypatch.setattr(driver, "refresh", fake_refresh)
+    base = ["refresh", "--run-dir", str(tmp_path), "--items", "new.csv"]
+    assert main(base) == 2 and main(base + ["--trust-remote-code"]) == 2
+    assert got == [False, True]

@@ -81,3 +81,74 @@ def test_job_reads_the_assigned_items_and_result_paths(make_job, tmp_path):
     assert job.assigned() == ["n2", "n1"]
     r = RefreshResult(k=1, dir=tmp_path / "v1", parent_hash="p", new_hash="n", facts={})
     assert r.model_dir == tmp_path / "v1" / "model" and r.map_path == tmp_path / "v1" / "sid" / "sid_map.parquet"
+
+
+def test_trust_remote_code_comes_only_from_the_callers_flag(fake_run, monkeypatch):
+    """A run folder's `model.trust_remote_code: true` is ignored with one note; the tokenizer
+    (and every loader reading job.cfg.model) gets the caller's flag; an override is refused."""
+    import transformers
+
+    cfg_path = fake_run.dir / "config.yaml"
+    cfg_path.write_text(C.dump(C.load(None, [f"run_dir={fake_run.dir}", "embed.encoder=hash", "embed.dim=16",
+                                            "model.trust_remote_code=true"])))
+    notes: list[str] = []
+    cfg = load_run_config(fake_run.dir, "new.csv", None, note=notes.append)
+    assert cfg.model.trust_remote_code is False
+    assert len(notes) == 1 and str(cfg_path) in notes[0] and "trust_remote_code: true is ignored" in notes[0]
+    notes.clear()
+    assert load_run_config(fake_run.dir, "new.csv", None, (), True, note=notes.append).model.trust_remote_code
+    assert notes == []
+    with pytest.raises(C.ConfigError, match="model.trust_remote_code: not a refresh override; pass --trust-remote-code"):
+        load_run_config(fake_run.dir, "new.csv", None, ["model.trust_remote_code=true"])
+
+    seen = []
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
+                        lambda path, **kw: seen.append(kw["trust_remote_code"]) or
+                        type("Tok", (), {"pad_token_id": 0})())
+    job = Job(fake_run.dir, cfg, find_parent(fake_run.dir), fake_run.dir / "w", 1, {}, "cb", notes.append, False)
+    job.tokenizer()
+    assert seen == [False]
+
+
+def _version(run, k: int, base: dict | None) -> None:
+    """refresh/v<k> with a map of its own and a manifest recording `base` (None: none recorded,
+    as a version written by an older gti)."""
+    import pyarrow.parquet as pq
+
+    from gti.manifest import Manifest
+    from gti.sid.versions import make_version, write_map
+
+    table = pq.read_table(str(run / "sid" / "sid_map.parquet"))
+    v = run / "refresh" / f"v{k}"
+    (v / "sid").mkdir(parents=True)
+    t = table.slice(0, 5 - k)
+    write_map(v / "sid" / "sid_map.parquet", t, make_version(t, "cb", [4, 4, 2], note=f"v{k}"))
+    Manifest(stage="refresh", fingerprint=f"v{k}", config={},
+             facts={} if base is None else {"base": base}).write(v)
+
+
+def test_a_version_made_on_another_base_is_skipped_and_numbering_continues(fake_run):
+    """After the run retrains (its model stage's manifest changes), find_parent skips v1 with
+    one line naming it and builds on the run again; the next version is v2, never v1 again."""
+    from gti.manifest import Manifest
+    from gti.refresh.job import next_version
+    from gti.run_artifacts import base_record
+
+    run = fake_run.dir
+    _version(run, 1, base_record(run))
+    notes: list[str] = []
+    assert find_parent(run, note=notes.append).k == 1 and notes == []
+
+    Manifest(stage="sft", fingerprint="retrained", config={}, outputs={"model": "model"}).write(run / "sft")
+    p = find_parent(run, note=notes.append)
+    assert p.k == 0 and p.hash == fake_run.map_hash and p.model_dir == fake_run.model_dir
+    assert p.base == base_record(run) and p.base["model_fingerprint"] == "retrained"
+    assert p.pair_files == [run / "pairs" / "pairs.parquet"]  # nothing of v1 either
+    assert len(notes) == 1 and "\n" not in notes[0]
+    assert f"{run / 'refresh' / 'v1'} is skipped: it was refreshed from another base of this run" in notes[0]
+    assert "sft model None" in notes[0] and "sft model retrained" in notes[0]
+    assert next_version(run) == 2
+
+    _version(run, 2, None)  # written before bases were recorded: nothing to compare, kept
+    notes.clear()
+    assert find_parent(run, note=notes.append).k == 2 and len(notes) == 1

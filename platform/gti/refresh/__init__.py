@@ -55,7 +55,12 @@ run's (so evaluation and `gti recommend` accept it for the old model as well as 
    and evaluation spell the map with its version record's sizes
    (`gti.run_artifacts.map_codec`).
 
-Output: `<run>/refresh/v<k>/` (k = 1, 2, ...; layout in `gti.sid.lineage`). The work happens in
+Output: `<run>/refresh/v<k>/` (k = 1, 2, ..., after the highest published one; layout in
+`gti.sid.lineage`). Each version's manifest records the base it was made on (`facts.base`: the
+run's model stage, its manifest fingerprint and time, the sid map hash; see
+`gti.run_artifacts.base_record`): after `gti run --force` or a config change retrains the run,
+older versions are skipped with one line, and the next refresh starts from the new base.
+`model.trust_remote_code` comes from `--trust-remote-code` only, never from the run's config. The work happens in
 `<run>/refresh/.v<k>.partial/`; a rerun of the same command (same inputs and settings) reuses
 it: finished steps are skipped and grounding/SFT resume from their last Ray Train checkpoint.
 

@@ -30,7 +30,7 @@ from gti.manifest import MANIFEST_NAME, Manifest, atomic_write_bytes, atomic_wri
 from gti.refresh.ingest import ingest_step
 from gti.refresh.job import (
     FINGERPRINT_FILE, GROWN_MODEL, RAY_DIR, STEPS_FILE, Job, Parent, RefreshError, RefreshResult, find_parent,
-    load_run_config, log_default, read_manifest,
+    load_run_config, log_default, next_version, read_manifest,
 )
 from gti.refresh.sids import assign_step, embed_step, pairs_step
 from gti.refresh.tokens import tokens_step
@@ -63,21 +63,25 @@ class Steps:
         return {k: v["wall_s"] for k, v in self.done.items()}
 
 
-def _files_fingerprint(path: str | None, kind: str) -> str | None:
+def _files_fingerprint(path: str | None, kind: str, storage_options=None) -> str | None:
+    """The input files as ingest fingerprints them: local files by content, URIs (s3://, gs://,
+    ...) by size and mtime from their file system, with the source's storage_options."""
     if path is None:
         return None
-    from gti.data import adapters
-    from gti.manifest import file_fingerprint
+    from gti.stages.ingest import fingerprint_files
 
-    return stable_hash([f"{Path(f).name}:{file_fingerprint(f)}" for f in adapters.expand_paths(path, kind)])
+    return fingerprint_files(path, kind, storage_options)
 
 
 def fingerprint(cfg: C.RunConfig, parent: Parent, items: str, interactions: str | None) -> str:
     """What a work folder may be reused for: the parent map, the input files, the settings."""
     dumped = cfg.model_dump(mode="json")
+    d = cfg.data
     return stable_hash({
-        "parent": parent.hash, "items": _files_fingerprint(items, "items"),
-        "interactions": _files_fingerprint(interactions, "interactions"),
+        # base: a work folder begun before the run retrained is not reused.
+        "parent": parent.hash, "base": parent.base,
+        "items": _files_fingerprint(items, "items", d.items.storage_options),
+        "interactions": _files_fingerprint(interactions, "interactions", d.interactions.storage_options),
         "seed": cfg.seed, **{s: dumped[s] for s in CONFIG_SECTIONS},
     })
 
@@ -110,12 +114,13 @@ def open_work(work: Path, fp: str) -> None:
 
 def refresh(run_dir: str | Path, items: str | Path, interactions: str | Path | None = None,
             overrides: Sequence[str] = (), *, log: Callable[[str], None] = log_default,
-            fault_injection: dict | None = None) -> RefreshResult:
+            fault_injection: dict | None = None, trust_remote_code: bool = False) -> RefreshResult:
     """Refresh the run in `run_dir` with the new items (see the `gti.refresh` docstring).
 
     items / interactions: paths in any format `data.items.path` / `data.interactions.path` take
     (the run's column mapping and format apply; override them with `data.items.format=csv` etc.).
     overrides: key=value on the run's config (`refresh.*`, `ground.*`, `sft.*`, ...).
+    trust_remote_code: the caller's `--trust-remote-code` (the run folder's config never sets it).
     fault_injection (tests): {"fail_at_step", "fail_rank", "fail_marker"} for the grounding loop.
     Returns a RefreshResult; user mistakes raise GtiError subclasses (one line). Holds the run
     folder's writer lock (`gti.runlock`): a second refresh (or run) of the folder is refused.
@@ -126,24 +131,24 @@ def refresh(run_dir: str | Path, items: str | Path, interactions: str | Path | N
     if not run_dir.is_dir():
         raise RefreshError(f"run directory not found: {run_dir}")
     with RunLock(run_dir):
-        return _refresh_locked(run_dir, items, interactions, overrides, log, fault_injection)
+        return _refresh_locked(run_dir, items, interactions, overrides, log, fault_injection, trust_remote_code)
 
 
 def _refresh_locked(run_dir: Path, items, interactions, overrides: Sequence[str], log: Callable[[str], None],
-                    fault_injection: dict | None) -> RefreshResult:
+                    fault_injection: dict | None, trust_remote_code: bool = False) -> RefreshResult:
     from gti.sid import lineage
     from gti.sid import versions as V
 
     t_start = time.time()
     items_s, inter_s = str(items), None if interactions is None else str(interactions)
-    cfg = load_run_config(run_dir, items_s, inter_s, overrides)
+    cfg = load_run_config(run_dir, items_s, inter_s, overrides, trust_remote_code, note=log)
     if cfg.refresh.sft_steps > 0 and interactions is None:
         raise C.ConfigError("refresh.sft_steps > 0 needs --interactions (the SFT pass trains on them)")
-    parent = find_parent(run_dir)
+    parent = find_parent(run_dir, note=log)  # skips versions made on another base, one line each
     sid_man = read_manifest(run_dir, "sid")
     cb_hash = V.codebooks_hash(sid_man.output(run_dir / "sid", "codebooks"))
     lin = _lineage_with_base(run_dir, sid_man, cb_hash)
-    k = parent.k + 1
+    k = next_version(run_dir)  # after every published v<k>, skipped ones included
     work = lineage.refresh_root(run_dir) / f".v{k}.partial"
     fp = fingerprint(cfg, parent, items_s, inter_s)
     open_work(work, fp)
@@ -183,6 +188,7 @@ def _facts(job: Job, version, done: dict[str, dict], steps: Steps, t_start: floa
         "new_hash": version.hash,
         "parent_version": job.parent.k,
         "parent_model": str(job.parent.model_dir),
+        "base": job.parent.base,  # gti.run_artifacts.BASE_FACT: which base the version belongs to
         "assigned": f_assign["assigned"],
         "already_present": f_assign["already_present"],
         "prefix_changed": f_assign["prefix_changed"],
@@ -294,7 +300,8 @@ def export_step(job: Job) -> dict:
 
 def cli_main(args) -> int:
     """`gti refresh --run-dir R --items NEW [--interactions NEW] [key=value ...]`."""
-    res = refresh(args.run_dir, args.items, args.interactions, getattr(args, "overrides", None) or [])
+    res = refresh(args.run_dir, args.items, args.interactions, getattr(args, "overrides", None) or [],
+                  trust_remote_code=bool(getattr(args, "trust_remote_code", False)))
     f = res.facts
     added = f" (+{len(f['added_tokens'])} SID tokens)" if f.get("added_tokens") else ""
     print(f"refresh v{res.k}: {f['assigned']} new items assigned ({f['already_present']} already present), "

@@ -2,9 +2,9 @@
 
 What it is for: the steps of a refresh (`gti.refresh.ingest`, `.sids`, `.train`, `.driver`)
 share one `Job`: the run folder, the config the run's model was trained with plus the
-overrides (`load_run_config`), the version it builds on (`Parent`, from `find_parent`: the
-newest refresh, else the run; with its map's codebook sizes, which an earlier refresh may have
-grown), the work folder `<run>/refresh/.v<k>.partial/`, the run's `sid` facts and codebooks
+overrides (`load_run_config`; `model.trust_remote_code` only from the caller), the version it
+builds on (`Parent`, from `find_parent`: the newest refresh made on the run's current base, else
+the run; with its map's codebook sizes, which an earlier refresh may have grown, and that base), the work folder `<run>/refresh/.v<k>.partial/`, the run's `sid` facts and codebooks
 hash, and the log. After the assign step, `Job.map_facts()` is the `sid` facts with the new
 map's codebook sizes; after the tokens step, `Job.base_model_dir` is the model the training
 steps start from (`<work>/grown_model/` when codes were added, else the parent's) and
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -71,12 +71,18 @@ def read_manifest(run_dir: Path, stage: str) -> Manifest:
     return Manifest.read(run_dir / stage)
 
 
-def load_run_config(run_dir: Path, items: str, interactions: str | None,
-                    overrides: Sequence[str] = ()) -> C.RunConfig:
+def load_run_config(run_dir: Path, items: str, interactions: str | None, overrides: Sequence[str] = (),
+                    trust_remote_code: bool = False, note: Callable[[str], None] | None = None) -> C.RunConfig:
     """The config the run's model was trained with (`<run>/sft/config.yaml`, else ground's, else
-    `<run>/config.yaml`) + overrides, reading the new files."""
+    `<run>/config.yaml`) + overrides, reading the new files. `model.trust_remote_code` is the
+    caller's `trust_remote_code` (`--trust-remote-code`), never the run folder's: a `true`
+    there is ignored with one `note` line, and an override of it is refused."""
+    from gti.run_artifacts import with_trust_remote_code
+
     path = next((p for p in (run_dir / "sft" / "config.yaml", run_dir / "ground" / "config.yaml")
                  if p.is_file()), run_dir / "config.yaml")
+    if any(str(o).split("=", 1)[0].strip() == "model.trust_remote_code" for o in overrides):
+        raise C.ConfigError("model.trust_remote_code: not a refresh override; pass --trust-remote-code")
     raw = C.read_yaml(path) if path.is_file() else {}
     raw = C.apply_overrides(raw, list(overrides), str(path)) if overrides else raw
     data = raw.setdefault("data", {})
@@ -86,7 +92,7 @@ def load_run_config(run_dir: Path, items: str, interactions: str | None,
     data["max_items"] = None  # caps of the run's catalog read never cut the new items
     data["max_users"] = None
     raw["run_dir"] = str(run_dir)
-    return C.validate(raw, f"{path} (refresh)")
+    return with_trust_remote_code(C.validate(raw, f"{path} (refresh)"), trust_remote_code, str(path), note)
 
 
 @dataclass
@@ -100,20 +106,32 @@ class Parent:
     interactions_path: Path
     pair_files: list[Path]
     codebook_sizes: tuple[int, ...]  # of the parent's map (its version record, else the sid stage's)
+    # The run's current base (`gti.run_artifacts.base_record`: model stage output, SID map),
+    # recorded in the new version's manifest; a version made on another base is no parent.
+    base: dict = field(default_factory=dict)
 
 
-def find_parent(run_dir: Path) -> Parent:
-    """The newest version of `run_dir`, with every earlier refresh's new pairs and the newest
-    interactions; RefreshError when the run lacks a stage or a trained model."""
-    from gti.run_artifacts import RunDirError, find_model_dir
+def next_version(run_dir: Path) -> int:
+    """k of the next refresh: after the highest published `v<k>` (those made on an older base
+    included), so a version is never numbered over, nor replaced."""
     from gti.sid import lineage
+
+    return max((v.k for v in lineage.versions(run_dir)), default=0) + 1
+
+
+def find_parent(run_dir: Path, note: Callable[[str], None] | None = None) -> Parent:
+    """The newest version of `run_dir` made on its current base (one `note` line for each one
+    skipped: made on another base), with every earlier refresh's new pairs and the newest
+    interactions of those versions; RefreshError when the run lacks a stage or a trained model."""
+    from gti.run_artifacts import RunDirError, base_record, current_versions, find_model_dir
 
     sid = read_manifest(run_dir, "sid")
     pairs = read_manifest(run_dir, "pairs")
     ing = read_manifest(run_dir, "ingest")
     pair_files = [pairs.output(run_dir / "pairs", "pairs")]
     inter = ing.output(run_dir / "ingest", "interactions")
-    vs = lineage.versions(run_dir)
+    base = base_record(run_dir)
+    vs = current_versions(run_dir, **({"note": note} if note is not None else {}))
     for v in vs:
         if (v.dir / "pairs_new.parquet").is_file():
             pair_files.append(v.dir / "pairs_new.parquet")
@@ -121,13 +139,13 @@ def find_parent(run_dir: Path) -> Parent:
             inter = v.dir / "ingest" / "interactions.parquet"
     if vs:
         v, rec = vs[-1], vs[-1].version()
-        return Parent(v.k, v.map_path, rec.hash, v.model_dir, inter, pair_files, tuple(rec.codebook_sizes))
+        return Parent(v.k, v.map_path, rec.hash, v.model_dir, inter, pair_files, tuple(rec.codebook_sizes), base)
     try:
         _, model_dir = find_model_dir(run_dir)
     except RunDirError as err:
         raise RefreshError(str(err)) from None
     return Parent(0, sid.output(run_dir / "sid", "sid_map"), sid.fact("sid_map_hash"), model_dir, inter,
-                  pair_files, tuple(int(k) for k in sid.fact("codebook_sizes")))
+                  pair_files, tuple(int(k) for k in sid.fact("codebook_sizes")), base)
 
 
 @dataclass

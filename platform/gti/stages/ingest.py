@@ -80,7 +80,10 @@ CAP_KEYS = {cat.OUTSIDE_MAX_ITEMS: "data.max_items", cat.OUTSIDE_MAX_USERS: "dat
 
 
 # --------------------------------------------------------------------------- fingerprints
-def _fingerprint_files(path: str, kind: str, storage_options=None) -> str:
+def fingerprint_files(path: str, kind: str, storage_options=None) -> str:
+    """Fingerprint of the files `path` names: a local file by content (large ones by size and
+    mtime, `gti.manifest.file_fingerprint`), a URI by its size and mtime from the file system
+    (never downloaded; `gti refresh` fingerprints its new files the same way)."""
     from gti.data.sources import filesystem
 
     parts = []
@@ -103,8 +106,8 @@ def _fingerprint_files(path: str, kind: str, storage_options=None) -> str:
 def input_fingerprints(cfg) -> dict[str, str]:
     d = cfg.data
     return {
-        "items": _fingerprint_files(d.items.path, "items", d.items.storage_options),
-        "interactions": _fingerprint_files(d.interactions.path, "interactions", d.interactions.storage_options),
+        "items": fingerprint_files(d.items.path, "items", d.items.storage_options),
+        "interactions": fingerprint_files(d.interactions.path, "interactions", d.interactions.storage_options),
     }
 
 

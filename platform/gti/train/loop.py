@@ -36,7 +36,7 @@ step, before that step's checkpoint, with one line naming the section and the st
 Checkpoints (every `checkpoint_every` steps and at the last step): a temp dir holding `ds/`
 (DeepSpeed `save_checkpoint` with `exclude_frozen_parameters=True`: trainable weights, the
 ZeRO-partitioned optimizer state of each rank, the lr scheduler; not in the last one, after
-which nothing resumes), `gti_state.json` (step, data position, metric history, timing; rank 0)
+which nothing resumes; read back with `weights_only=True`, `gti.train.safe_checkpoint`), `gti_state.json` (step, data position, metric history, timing; rank 0)
 and, in the last one, `trainable.safetensors` (the task's trainable tensors, full fp32, from
 `hooks.trainable_state`). A worker group restarted after the last checkpoint returns at once. Each rank reports its own dir; Ray
 merges them into one checkpoint. On restart the latest one is loaded and training continues at
@@ -67,7 +67,7 @@ import torch
 
 from gti import config as C
 from gti.devices import resolve_precision, use_cpu_threads
-from gti.train import driver, nonfinite
+from gti.train import driver, nonfinite, safe_checkpoint
 from gti.train.shards import IGNORE_INDEX, PadCollate, ShardStream  # noqa: F401 - loop API
 from gti.train.deepspeed_config import build_ds_config, micro_batch
 from gti.train.driver import train_dataset_from_parquet  # noqa: F401 - the stages' data helper
@@ -191,8 +191,9 @@ def _resume(w: _Worker) -> tuple[dict[str, Any], dict[str, Any] | None]:
             # training is over, so there is nothing to resume.
             return saved, {"step": int(saved["step"]), "history": saved["history"],
                            "timing": saved.get("timing"), "precision": saved.get("precision")}
-        path, _ = w.engine.load_checkpoint(
-            os.path.join(d, DS_DIR), tag=CKPT_TAG, load_module_strict=False,
+        # Tensors only (weights_only=True + DeepSpeed's allow-list): never a pickle from run_dir.
+        path, _ = safe_checkpoint.load_checkpoint(
+            w.engine, os.path.join(d, DS_DIR), CKPT_TAG, load_module_strict=False,
             load_optimizer_states=True, load_lr_scheduler_states=True,
         )
         if path is None:
