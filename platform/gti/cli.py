@@ -71,10 +71,16 @@ def cmd_config(args) -> int:
     return 0
 
 
-def _delegate(module: str, func: str = "main") -> Callable[[argparse.Namespace], int]:
-    """Handler that imports `module` only when the subcommand runs (keeps `gti --help` fast)."""
+def _delegate(module: str, func: str = "main", preflight: str | None = None) -> Callable[[argparse.Namespace], int]:
+    """Handler that imports `module` only when the subcommand runs (keeps `gti --help` fast);
+    `preflight`: the function of gti.stages.doctor that checks the command's part first
+    (skipped with --no-preflight)."""
 
     def handler(args) -> int:
+        if preflight and not getattr(args, "no_preflight", False):
+            from gti.stages import doctor
+
+            getattr(doctor, preflight)(args)
         return int(getattr(importlib.import_module(module), func)(args) or 0)
 
     return handler
@@ -176,6 +182,8 @@ def _add_trained_run_commands(sub) -> None:
     p.add_argument("--k", type=_top_k, default=10, help="items to return (1 to 1000; default 10)")
     p.add_argument("--version", type=int, default=None,
                    help="refresh version k (default: the newest; 0: the run before any refresh)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="allow the model's own code (never taken from the run folder)")
     p.set_defaults(func=_delegate("gti.run_artifacts", "cli_main"))
 
     p = sub.add_parser("refresh", help="add new items to a trained run: SIDs from its frozen quantiser, "
@@ -185,8 +193,12 @@ def _add_trained_run_commands(sub) -> None:
     p.add_argument("--interactions", default=None, help="new interactions (optional; needed for refresh.sft_steps)")
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="overrides of the run's config, e.g. refresh.ground_steps=20 data.items.format=csv")
-    p.set_defaults(func=_delegate("gti.refresh", "cli_main"))
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="allow the model's own code (never taken from the run folder)")
+    p.add_argument("--no-preflight", action="store_true", help="skip the checks of gti doctor")
+    p.set_defaults(func=_delegate("gti.refresh", "cli_main", preflight="for_refresh"))
     _add_serve_command(sub)
+    _add_infer_command(sub)
 
 
 def _add_serve_command(sub) -> None:
@@ -203,7 +215,32 @@ def _add_serve_command(sub) -> None:
     p.add_argument("--trust-remote-code", action="store_true",
                    help="allow the model's own code (never taken from the run folder)")
     p.add_argument("overrides", nargs="*", metavar="serve.key=value", help="serve overrides, e.g. serve.max_k=50")
-    p.set_defaults(func=_delegate("gti.serve.deployment", "cli_main"))
+    p.add_argument("--no-preflight", action="store_true", help="skip the checks of gti doctor")
+    p.set_defaults(func=_delegate("gti.serve.deployment", "cli_main", preflight="for_serve"))
+
+
+def _add_infer_command(sub) -> None:
+    """`gti infer`: the run's recommendations for many users, offline (Ray Data, gti/serve/infer*.py)."""
+    p = sub.add_parser("infer", help="top-K items for every user (or a users file), written as resumable "
+                                     "parquet parts (Ray Data)")
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--users", required=True,
+                   help="'all' (the run's users, their whole history) or a parquet/CSV/TSV/JSONL file with "
+                        "user_id and optionally history (item ids oldest first; else the run's)")
+    p.add_argument("--k", type=_top_k, default=10, help="items per user (1 to 1000; default 10)")
+    p.add_argument("--out", required=True, help="output folder of parquet parts (rerun the same command to resume)")
+    p.add_argument("--version", type=int, default=None,
+                   help="refresh version k (default: the newest; 0: the run before any refresh)")
+    p.add_argument("--exclude-history", action="store_true", help="leave each user's history items out")
+    p.add_argument("--part-rows", type=int, default=None, help="users per part file (default 4096)")
+    p.add_argument("--batch-users", type=int, default=None, help="histories per decode (default eval.batch_users)")
+    p.add_argument("--concurrency", type=int, default=None, help="decoding actors (default eval.concurrency)")
+    p.add_argument("--num-gpus", type=float, default=None, help="GPUs per actor (default eval.num_gpus)")
+    p.add_argument("--ray-address", default=None, help="join this Ray cluster (default: the run's, else a local Ray)")
+    p.add_argument("--force", action="store_true", help="replace the parts of another gti infer job in --out")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="allow the model's own code (never taken from the run folder)")
+    p.set_defaults(func=_delegate("gti.serve.infer_ray", "cli_main"))
 
 
 def _add_compare_command(sub) -> None:
@@ -216,7 +253,8 @@ def _add_compare_command(sub) -> None:
     p.add_argument("--out", default=None, help="output folder (default: <run_dir>/compare)")
     p.add_argument("--report-only", action="store_true",
                    help="run nothing: report on the finished runs and stored records")
-    p.set_defaults(func=_delegate("gti.experiments.compare", "cli_main"))
+    p.add_argument("--no-preflight", action="store_true", help="skip the checks of gti doctor")
+    p.set_defaults(func=_delegate("gti.experiments.compare", "cli_main", preflight="for_compare"))
 
 
 def _add_vocab_commands(sub) -> None:
@@ -235,14 +273,16 @@ def _add_vocab_commands(sub) -> None:
                         "(never the model folder, the current or home directory)")
     s.add_argument("--config", "-c", default=None, help="YAML: seed, init, ground, templates, ... (gti.vocab_ground)")
     s.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. ground.steps=50")
-    s.set_defaults(func=_delegate("gti.vocab_ground", "cli_main"))
+    s.add_argument("--no-preflight", action="store_true", help="skip the checks of gti doctor")
+    s.set_defaults(func=_delegate("gti.vocab_ground", "cli_main", preflight="for_vocab_ground"))
 
 
 def _add_tune_command(sub) -> None:
     """`gti tune`: a Ray Tune sweep over the grounding stage."""
     p = sub.add_parser("tune", help="Ray Tune sweep over the grounding stage")
     _add_config_args(p)
-    p.set_defaults(func=_delegate("gti.experiments.tune", "cli_main"))
+    p.add_argument("--no-preflight", action="store_true", help="skip the checks of gti doctor")
+    p.set_defaults(func=_delegate("gti.experiments.tune", "cli_main", preflight="for_tune"))
 
 
 # Errors a user fixes on the machine (space, permissions), not in the config or the data.

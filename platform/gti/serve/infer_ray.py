@@ -1,0 +1,152 @@
+"""`gti infer`: offline batch inference of a finished run on a Ray Data actor pool (the Ray half).
+
+What it is for: `cli_main` is `gti infer --run-dir R --users all|FILE --k K --out OUT`. It plans
+the job (`gti.serve.infer.plan_job`), holds `RunLock(OUT)` (two jobs never write one output;
+the run folder is only read, without its lock), skips the parts a killed attempt finished, and
+decodes the rest on a pool of `PartDecoder` actors (`eval.concurrency` of the run's config, or
+`--concurrency`; `eval.num_gpus` GPUs each): each actor loads the run once
+(`RecommenderService.load`, the loader of `gti serve`), checks that it holds the planned map,
+and per dataset row (one part: its users and histories) decodes and writes the part file
+itself, so the rows never pass through the driver. The driver draws progress in users from the
+parts' small summaries and, at the end, marks the manifest complete.
+
+What it does NOT know: how parts are planned, written or checked (`gti.serve.infer`), or how a
+history is decoded (`gti.serve.service`).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+import pyarrow as pa
+import ray
+
+from gti.errors import ConfigError, GtiError
+from gti.serve import infer as I
+
+_on_part = None  # test hook: called with each part index the driver sees written (e.g. to interrupt)
+
+
+class PartDecoder:
+    """`map_batches` callable class: rows (part, user_id list, history list) -> one part file
+    written per row; returns (part, rows, errors, seconds) per row."""
+
+    def __init__(self, run_dir: str, version: int, map_hash: str, out: str, k: int, exclude_history: bool,
+                 batch_users: int, num_gpus: float = 0.0, cpu_threads: int | None = None,
+                 trust_remote_code: bool = False) -> None:
+        import torch
+
+        from gti.serve.service import RecommenderService
+
+        device = "cuda" if num_gpus > 0 and torch.cuda.is_available() else "cpu"
+        if device == "cpu":
+            from gti.devices import use_cpu_threads
+
+            use_cpu_threads(cpu_threads)
+        self.svc = RecommenderService.load(run_dir, version, device=device, trust_remote_code=trust_remote_code)
+        if self.svc.map_hash != map_hash:
+            raise GtiError(f"{run_dir} v{version}: the actor loaded SID map {self.svc.map_hash}, the job planned "
+                           f"{map_hash}; rerun gti infer")
+        self.out, self.k, self.exclude, self.batch_users = Path(out), k, exclude_history, batch_users
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        rows: dict[str, list] = {"part": [], "rows": [], "errors": [], "seconds": []}
+        for part, users, hists in zip(*(batch.column(c).to_pylist() for c in ("part", "user_id", "history"))):
+            t0 = time.perf_counter()
+            table = I.decode_part(self.svc, users, hists, k=self.k, exclude_history=self.exclude,
+                                  batch_users=self.batch_users)
+            I.write_part(self.out, part, table)
+            rows["part"].append(part)
+            rows["rows"].append(table.num_rows)
+            rows["errors"].append(table.num_rows - table.column("error").null_count)
+            rows["seconds"].append(time.perf_counter() - t0)
+        return pa.table(rows)
+
+
+def part_rows_table(job: I.InferJob, part: I.Part) -> pa.Table:
+    """One dataset row for `part`: part, user_id list<str>, history list<list<str>>."""
+    sl = job.users.slice(part.start, part.rows)
+    return sl.select(pl.col("user_id").implode(), pl.col("history").implode()).with_columns(
+        part=pl.lit(part.index, pl.Int64)).to_arrow()
+
+
+def _pool(job: I.InferJob, todo: list[I.Part], concurrency: int, num_gpus: float, trust_remote_code: bool):
+    """The Ray Dataset of the `todo` parts (one block each) mapped by a pool of `PartDecoder`s."""
+    return ray.data.from_arrow([part_rows_table(job, p) for p in todo]).map_batches(
+        PartDecoder,
+        fn_constructor_kwargs=dict(
+            run_dir=str(job.run_dir), version=job.version, map_hash=job.key["map_hash"], out=str(job.out),
+            k=job.key["k"], exclude_history=job.key["exclude_history"], batch_users=job.key["batch_users"],
+            num_gpus=num_gpus, cpu_threads=job.eval_cfg.cpu_threads, trust_remote_code=trust_remote_code),
+        batch_size=1,
+        batch_format="pyarrow",
+        compute=ray.data.ActorPoolStrategy(size=max(1, min(concurrency, len(todo)))),
+        num_gpus=num_gpus or None,
+    )
+
+
+def run_parts(job: I.InferJob, todo: list[I.Part], done_rows: int, *, concurrency: int, num_gpus: float,
+              trust_remote_code: bool = False, log=None) -> dict[str, Any]:
+    """Decode and write the `todo` parts; -> {decoded_users, error_rows, seconds, users_per_s}."""
+    from gti.progress import Progress
+
+    t0, n, errors = time.time(), 0, 0
+    bar = Progress(job.users.height, "infer", "users", initial=done_rows, log=log)
+    try:
+        ds = _pool(job, todo, concurrency, num_gpus, trust_remote_code)
+        for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+            for part, rows, errs in zip(*(batch.column(c).to_pylist() for c in ("part", "rows", "errors"))):
+                n, errors = n + rows, errors + errs
+                bar.update(rows)
+                if _on_part is not None:
+                    _on_part(part)
+    finally:
+        bar.close()
+    secs = time.time() - t0
+    return {"decoded_users": n, "error_rows": errors, "seconds": round(secs, 2),
+            "users_per_s": round(n / max(secs, 1e-9), 2)}
+
+
+def _ray_config(job: I.InferJob, address: str | None):
+    """The run's config (its ray_address and ray_num_cpus), `--ray-address` first."""
+    from gti.run_artifacts import run_config
+
+    cfg = run_config(job.run_dir, job.key["model"])
+    return cfg.model_copy(update={"ray_address": address}) if address else cfg
+
+
+def cli_main(args) -> int:
+    """`gti infer` (see the module docstring); prints one summary line."""
+    from gti.runlock import RunLock
+    from gti.stages._ray import ensure_ray
+
+    log = lambda m: print(f"gti infer: {m}", file=sys.stderr, flush=True)  # noqa: E731
+    job = I.plan_job(args.run_dir, args.users, args.out, k=int(args.k), version=args.version,
+                     exclude_history=bool(args.exclude_history), part_rows=args.part_rows,
+                     batch_users=args.batch_users)
+    ec = job.eval_cfg
+    concurrency = int(ec.concurrency if args.concurrency is None else args.concurrency)
+    if concurrency < 1:
+        raise ConfigError(f"--concurrency must be >= 1, got {concurrency}")
+    with RunLock(job.out, what="gti infer"):
+        resumed = I.prepare_out(job.out, job.key, force=bool(args.force)) is not None
+        done = I.finished_parts(job.out, job.users, job.parts)
+        todo = [p for p in job.parts if p.index not in done]
+        done_rows = sum(p.rows for p in job.parts if p.index in done)
+        if resumed and done:
+            log(f"resuming: {len(done)} of {len(job.parts)} part(s) ({done_rows:,} users) already written")
+        stats = {"decoded_users": 0, "error_rows": 0, "seconds": 0.0, "users_per_s": 0.0}
+        if todo:
+            ensure_ray(_ray_config(job, getattr(args, "ray_address", None)))
+            stats = run_parts(job, todo, done_rows, concurrency=concurrency,
+                              num_gpus=float(ec.num_gpus if args.num_gpus is None else args.num_gpus),
+                              trust_remote_code=bool(getattr(args, "trust_remote_code", False)), log=log)
+        I.finish_manifest(job.out, job.key, job.parts, {**stats, "resumed_parts": len(done)})
+    errs = f", {stats['error_rows']:,} without items (see the error column)" if stats["error_rows"] else ""
+    log(f"{job.users.height:,} users -> {job.out} ({len(job.parts)} part(s), {len(done)} resumed; "
+        f"{stats['users_per_s']:,} users/s); model {job.key['model']}, map {job.key['map_hash'][:12]}{errs}")
+    return 0

@@ -1,0 +1,134 @@
+"""gti/serve/infer_ray.py: `gti infer` through the CLI. Without Ray: the parser, one-line errors
+before Ray starts, an actor (`PartDecoder`) called in-process writing its parts, and a finished
+output that is not decoded again. Slow, on the session's local Ray: a job interrupted after its
+first part resumes to the same output as an uninterrupted run, skipping the parts it wrote."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import polars as pl
+import pytest
+
+from gti import cli
+from gti.errors import GtiError
+from gti.manifest import Manifest
+from gti.serve import infer as I
+from gti.serve import infer_ray as R
+
+USERS = {f"u{u}": [f"it{(5 * u + j) % 20}" for j in range(2 + u % 5)] for u in range(7)}
+
+
+@pytest.fixture(scope="module")
+def seq_run(serve_run, tmp_path_factory):
+    """A copy of the tiny run with ingest sequences of USERS (whole history: train + valid + test)."""
+    run = tmp_path_factory.mktemp("infer_ray") / "run"
+    shutil.copytree(serve_run["run"], run)
+    pl.DataFrame({"user_id": list(USERS), "train_items": [h[:-2] for h in USERS.values()],
+                  "valid_item": [h[-2] for h in USERS.values()], "test_item": [h[-1] for h in USERS.values()]}
+                 ).write_parquet(run / "ingest" / "sequences.parquet")
+    Manifest(stage="ingest", fingerprint="f", config={},
+             outputs={"items": "items.parquet", "sequences": "sequences.parquet"}).write(run / "ingest")
+    return run
+
+
+@pytest.fixture
+def no_ray(monkeypatch):
+    """Fails the test if `gti infer` starts or joins Ray."""
+    import gti.stages._ray as ray_start
+
+    def refuse(cfg):
+        raise AssertionError("gti infer started Ray")
+
+    monkeypatch.setattr(ray_start, "ensure_ray", refuse)
+
+
+def _infer(run, out, *extra) -> int:
+    return cli.main(["infer", "--run-dir", str(run), "--users", "all", "--k", "3", "--out", str(out),
+                     "--part-rows", "2", "--batch-users", "2", "--concurrency", "1", *extra])
+
+
+def test_the_parser_takes_the_issues_flags():
+    args = cli.build_parser().parse_args(["infer", "--run-dir", "r", "--users", "all", "--k", "7", "--out", "o.parquet",
+                                          "--version", "0", "--exclude-history"])
+    assert (args.users, args.k, args.out, args.version, args.exclude_history) == ("all", 7, "o.parquet", 0, True)
+    assert args.part_rows is None and args.concurrency is None and not args.force
+
+
+def test_bad_inputs_are_one_line_before_ray_starts(seq_run, tmp_path, capsys, no_ray):
+    (tmp_path / "u.csv").write_text("id\n1\n")
+    assert cli.main(["infer", "--run-dir", str(seq_run), "--users", str(tmp_path / "u.csv"), "--out",
+                     str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("gti: error: --users ") and "no 'user_id' column (it has: id)" in err
+    assert err.count("\n") == 1
+    assert _infer(seq_run, tmp_path / "o", "--k", "30") == 2
+    assert "--k 30 exceeds the catalog of version 1 (22 items)" in capsys.readouterr().err
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "a.txt").write_text("x")
+    assert _infer(seq_run, tmp_path / "mine") == 2
+    assert "not a gti infer output (a.txt)" in capsys.readouterr().err
+
+
+def test_the_actor_writes_its_parts_equal_to_the_decode(seq_run, services, tmp_path):
+    job = I.plan_job(seq_run, "all", tmp_path / "out", k=3, part_rows=2, batch_users=2)
+    I.prepare_out(job.out, job.key)
+    actor = R.PartDecoder(str(seq_run), 1, job.key["map_hash"], str(job.out), 3, False, 2)
+    import pyarrow as pa
+
+    summary = actor(pa.concat_tables([R.part_rows_table(job, p) for p in job.parts[:2]])).to_pylist()
+    assert [(s["part"], s["rows"], s["errors"]) for s in summary] == [(0, 2, 0), (1, 2, 0)]
+    got = I.read_output(job.out).to_pylist()
+    for row in got:
+        ref = services[1].run.recommend(USERS[row["user_id"]], 3)
+        assert row["item_ids"] == [r["item_id"] for r in ref]
+        np.testing.assert_allclose(row["scores"], [r["score"] for r in ref], rtol=1e-6, atol=1e-5)
+    with pytest.raises(GtiError, match="the actor loaded SID map .* the job planned deadbeef"):
+        R.PartDecoder(str(seq_run), 1, "deadbeef", str(job.out), 3, False, 2)
+
+
+def test_a_finished_output_is_not_decoded_again(seq_run, tmp_path, capsys, no_ray):
+    job = I.plan_job(seq_run, "all", tmp_path / "out", k=3, part_rows=2, batch_users=2)
+    I.prepare_out(job.out, job.key)
+    actor = R.PartDecoder(str(seq_run), 1, job.key["map_hash"], str(job.out), 3, False, 2)
+    import pyarrow as pa
+
+    actor(pa.concat_tables([R.part_rows_table(job, p) for p in job.parts]))
+    assert _infer(seq_run, job.out) == 0
+    assert "resuming: 4 of 4 part(s) (7 users) already written" in capsys.readouterr().err
+    man = I.read_manifest(job.out)
+    assert man["state"] == "complete" and man["resumed_parts"] == 4 and man["decoded_users"] == 0
+
+
+@pytest.mark.slow
+def test_interrupted_infer_resumes_to_the_same_output(seq_run, tmp_path, monkeypatch, capsys, ray_start_4_cpus):
+    """The CLI on Ray Data: an uninterrupted run, then a run stopped after its first part (Ctrl-C),
+    its later parts removed and a half-written temp left as a kill would, then resumed."""
+    assert _infer(seq_run, tmp_path / "ref") == 0
+    reference = I.read_output(tmp_path / "ref")
+    assert reference.column("user_id").to_pylist() == list(USERS)
+
+    def stop(part):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(R, "_on_part", stop)
+    out = tmp_path / "recs.parquet"
+    assert _infer(seq_run, out) == 130
+    assert I.read_manifest(out)["state"] == "running"
+    for late in ("part-00002.parquet", "part-00003.parquet"):  # as if the kill came before them
+        (out / late).unlink(missing_ok=True)
+    (out / ".part-00002.parquet.k1ll.tmp").write_bytes(b"PAR1 half")
+    kept = {p.name: p.stat().st_mtime_ns for p in out.glob("part-*.parquet")}
+    assert kept and len(kept) < 4
+    capsys.readouterr()
+    monkeypatch.setattr(R, "_on_part", None)
+    assert _infer(seq_run, out) == 0
+    assert f"resuming: {len(kept)} of 4 part(s)" in capsys.readouterr().err
+    assert {n: (out / n).stat().st_mtime_ns for n in kept} == kept  # skipped, not rewritten
+    got = I.read_output(out)
+    assert got.drop_columns(["scores"]).equals(reference.drop_columns(["scores"]))
+    for a, b in zip(got.column("scores").to_pylist(), reference.column("scores").to_pylist()):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    man = I.read_manifest(out)
+    assert man["state"] == "complete" and man["resumed_parts"] == len(kept) and not list(out.glob(".part-*.tmp"))
