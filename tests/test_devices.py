@@ -65,3 +65,14 @@ def test_use_cpu_threads_sets_torch_or_leaves_it():
         assert devices.use_cpu_threads(1) == 1 and torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_cpu_facts_reads_model_and_simd_flags(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: Test CPU 9000\nflags\t\t: fpu sse4_2 avx2 avx512_bf16 ht\n\n"
+                    "processor\t: 1\nmodel name\t: Other\nflags\t\t: amx_tile\n")
+    f = devices.cpu_facts(str(info))
+    assert f["cpu_model"] == "Test CPU 9000"
+    assert f["isa_flags"] == ["avx2", "avx512_bf16", "sse4_2"]  # first CPU only, SIMD flags only
+    assert f["cpu_count"] >= 1
+    assert devices.cpu_facts(str(tmp_path / "missing"))["isa_flags"] == []

@@ -7,7 +7,9 @@ uses: "auto" is bf16 where it is native and fp32 elsewhere, where emulated bf16 
 than fp32.
 
 `cpu_threads` / `use_cpu_threads` set torch's intra-op threads in a worker when the config asks
-(Ray leaves a worker as many threads as CPUs it reserved, 1 by default).
+(Ray leaves a worker as many threads as CPUs it reserved, 1 by default). `cpu_facts()` names
+this machine's CPU and the instruction sets that pick float kernels, for manifests (the same
+data and config can round differently on another ISA).
 
 What it does not know: configs, models, Ray. Pure torch queries; only `use_cpu_threads`
 changes anything (torch's thread count in this process).
@@ -16,6 +18,7 @@ changes anything (torch's thread count in this process).
 from __future__ import annotations
 
 import os
+import platform
 
 import torch
 
@@ -62,3 +65,27 @@ def use_cpu_threads(setting: int | None) -> int:
     if n is not None:
         torch.set_num_threads(n)
     return torch.get_num_threads()
+
+
+# /proc/cpuinfo flags that choose which float kernels MKL, oneDNN and faiss run.
+_ISA_PREFIXES = ("sse4", "avx", "amx", "fma", "f16c", "neon", "asimd", "sve")
+
+
+def cpu_facts(cpuinfo: str = "/proc/cpuinfo") -> dict:
+    """{"cpu_model": str, "isa_flags": sorted SIMD flags, "cpu_count": int} of this machine;
+    model and flags from `cpuinfo` (empty where it is not readable, e.g. not Linux)."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                key, _, val = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "Model") and val.strip():
+                    model = val.strip()
+                elif key in ("flags", "Features"):
+                    flags.update(w for w in val.split() if w.startswith(_ISA_PREFIXES))
+                elif not line.strip() and flags:
+                    break  # the first processor's block is enough
+    except OSError:
+        pass
+    return {"cpu_model": model, "isa_flags": sorted(flags), "cpu_count": os.cpu_count() or 0}

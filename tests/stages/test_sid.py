@@ -97,10 +97,10 @@ def test_two_worker_rqvae_assigns_every_item(tmp_path, ray_start_4_cpus, capsys)
     q = load_quantizer(run_dir / "sid")
     codes = q.encode(torch.from_numpy(vecs))
     assert codes.shape == (len(vecs), 2)
-    # The assignment precision is resolved once and saved with the quantiser.
-    from gti.sid.rqvae import resolve_encode_dtype
-
-    assert m.facts["encode_dtype"] == q.cfg.encode_dtype == resolve_encode_dtype("auto")
+    # The assignment precision (float32 by default) is saved with the quantiser; the facts say
+    # where the map was made.
+    assert m.facts["encode_dtype"] == q.cfg.encode_dtype == "float32"
+    assert m.facts["machine"]["fit_threads"] == 1 and "cpu_model" in m.facts["machine"]
 
 
 @pytest.mark.slow
@@ -137,3 +137,70 @@ def test_gate_failure_stops_the_stage(tmp_path, ray_start_4_cpus):
     with pytest.raises(GateError, match="min_utilisation=0.9"):
         run_stage(spec("sid"), cfg, run_dir)
     assert not (run_dir / "sid").exists()
+
+
+# --------------------------------------------------------------------------- reproducibility
+def _map_hash_without_ray(tmp_path, cfg, vecs, torch_threads: int, actors: int) -> str:
+    """The sid stage's map hash for `vecs`, through its own fit, assignment and resolution
+    functions, without Ray: the quantiser is fitted with `torch_threads` set outside the stage
+    (as a machine with that many cores would have), and the assignment batches of
+    `sid.assign_batch_size` rows are dealt round-robin to `actors` AssignBatch instances, as
+    Ray Data's actor pool does."""
+    from types import SimpleNamespace
+
+    from gti.sid.embeddings import AssignBatch, EmbeddingRows
+    from gti.sid.mapfile import sid_map_hash, sid_strings
+    from gti.sid.codec import SidCodec
+    from gti.sid.quantizer import CONFIG_NAME, WEIGHTS_NAME, save_quantizer
+    from gti.stages import sid as stage
+
+    run_dir = tmp_path / f"t{torch_threads}a{actors}"
+    write_embed_stage(run_dir, vecs)
+    emb = run_dir / "embed" / "embeddings.parquet"
+    ctx = SimpleNamespace(cfg=cfg, log=lambda msg: None, work_dir=run_dir)
+    before = torch.get_num_threads()
+    torch.set_num_threads(torch_threads)
+    try:
+        rows = EmbeddingRows(emb)
+        q, _, _, _, _ = stage._train(ctx, emb, rows, len(vecs), vecs.shape[1])
+        save_quantizer(q, run_dir)
+        pool = [AssignBatch((run_dir / WEIGHTS_NAME).read_bytes(), (run_dir / CONFIG_NAME).read_text())
+                for _ in range(actors)]
+        table, bs = pq.read_table(emb, columns=["embedding"]), cfg.sid.assign_batch_size
+        parts = [pool[i % actors](table.slice(s, bs))["codes"] for i, s in enumerate(range(0, len(vecs), bs))]
+        codes = torch.from_numpy(np.concatenate(parts)).long()
+        final, sizes, _ = stage._resolve(ctx, q, codes, rows)
+    finally:
+        torch.set_num_threads(before)
+    ids = pa.array([f"item{i}" for i in range(len(vecs))])
+    return sid_map_hash(ids, sid_strings(SidCodec(final.shape[1], sizes, cfg.sid.token_format), final))
+
+
+def test_same_map_hash_across_thread_and_worker_counts(tmp_path):
+    # Balanced residual k-means with collisions to resolve: every step that picks codes runs.
+    cfg = _cfg(tmp_path, "sid.method=rqkmeans", "sid.codebook_size=8", "sid.assign_batch_size=96",
+               "sid.gates.min_utilisation=0.0")
+    vecs = clustered(n=400, dim=16, k=30, seed=3)
+    hashes = {(t, a): _map_hash_without_ray(tmp_path, cfg, vecs, t, a) for t, a in ((1, 1), (2, 1), (1, 2), (2, 2))}
+    assert len(set(hashes.values())) == 1, hashes
+
+
+def test_fingerprint_holds_the_resolved_assign_dtype(tmp_path, monkeypatch):
+    from gti.pipeline import fingerprint
+    import gti.sid.rqvae as rqvae
+
+    def fp(native: bool, *over):
+        monkeypatch.setattr(rqvae, "native_bf16", lambda device="cpu": native)
+        cfg = _cfg(tmp_path, *over)
+        return fingerprint(spec("sid"), cfg, cfg.resolved_run_dir())
+
+    write_embed_stage(_cfg(tmp_path).resolved_run_dir(), clustered(n=20))
+    assert C.SidConfig().assign_dtype == "float32"  # the same codes on every machine by default
+    # auto: bf16 hardware resolves to bf16, other machines to float32, and the fingerprints say so.
+    on_bf16, elsewhere = fp(True, "sid.assign_dtype=auto"), fp(False, "sid.assign_dtype=auto")
+    assert on_bf16[0] != elsewhere[0]
+    assert on_bf16[1]["assign_dtype"] == "bfloat16" and elsewhere[1]["assign_dtype"] == "float32"
+    # An explicit value is the same everywhere.
+    assert fp(True, "sid.assign_dtype=float32") == fp(False, "sid.assign_dtype=float32")
+    # Residual k-means never runs the encoder MLP: no precision in its fingerprint.
+    assert "assign_dtype" not in fp(True, "sid.method=rqkmeans", "sid.assign_dtype=auto")[1]

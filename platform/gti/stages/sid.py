@@ -3,7 +3,8 @@
 What it is for: turning `embed`'s embeddings.parquet (item_id, embedding[dim]) into one unique
 SID per item and the artefacts later stages need:
 1. Checks: every embedding finite (DataError names the first bad item ids).
-2. Codebook initialisation on the driver: k-means on real residuals of a seeded sample of
+2. Codebook initialisation on the driver: k-means (`gti.sid.kmeans`, on faiss, with
+   `sid.fit_threads` threads whatever the machine has) on real residuals of a seeded sample of
    `sid.kmeans_sample` items, so every worker starts from the same codebooks.
 3. Training. `rqvae`: `gti.train.rqvae_task.train_rqvae` on `sid.num_workers` Ray Train
    workers through the one Train driver (`gti.train.driver`; DDP, gloo on CPU, nccl on GPU, fed
@@ -16,6 +17,9 @@ SID per item and the artefacts later stages need:
 5. Collisions (needs all codes at once; ints only, so millions fit): Sinkhorn spreading on the
    last level for colliding items (`sid.sinkhorn_last_level`), then `sid.dedup` (extra level or
    reassignment). Quality gates (`sid.gates`) fail the stage with one message and the stats.
+
+The fingerprint holds the resolved `sid.assign_dtype` (`input_fingerprints`); the facts hold
+`sid_map_hash` and the machine (CPU model, SIMD flags, threads).
 
 Outputs: sid_map.parquet (item_id, codes list<int32>, sid str; rows in embeddings order),
 codebooks.safetensors (level_l: [K, code_dim]), quantizer.safetensors + quantizer.json.
@@ -38,6 +42,7 @@ import torch
 
 from gti.train.driver import STORAGE_DIR
 from gti.contract import StageContext, StageResult
+from gti.devices import cpu_facts
 from gti.errors import DataError
 from gti.sid.codec import SidCodec
 from gti.sid.embeddings import (  # noqa: F401 - the stage's readers, also reachable from here
@@ -47,7 +52,7 @@ from gti.sid.embeddings import (  # noqa: F401 - the stage's readers, also reach
     check_embeddings,
     embedding_matrix,
 )
-from gti.sid.kmeans import sq_dists
+from gti.sid.kmeans import fixed_threads, sq_dists
 from gti.sid.mapfile import sid_map_hash, sid_strings  # noqa: F401
 from gti.sid.quality import check_gates, level_usage
 from gti.sid.quantizer import CONFIG_NAME, WEIGHTS_NAME, build_quantizer, codebooks_tensor, save_quantizer
@@ -69,6 +74,21 @@ def track_sid(ctx: StageContext, history: list[dict], facts: dict) -> None:
                                        "collision_rate_after", "sinkhorn_rounds", "utilisation",
                                        "perplexity", "assign_items_per_s")}
         tracker.scalars(metric_tags(final, prefix="sid"), len(history))
+
+
+def encode_dtype(s) -> str | None:
+    """The assignment precision `sid.assign_dtype` resolves to on this machine (rqvae), or None
+    (rqkmeans encodes in float32 always)."""
+    if s.method != "rqvae":
+        return None
+    return resolve_encode_dtype(s.assign_dtype, "cuda" if s.use_gpu else "cpu")
+
+
+def input_fingerprints(cfg) -> dict[str, str]:
+    """The resolved assignment precision: codes made in bf16 are never up to date for a config
+    that would make them in float32 here (`auto` resolves per machine)."""
+    dtype = encode_dtype(cfg.sid)
+    return {} if dtype is None else {"assign_dtype": dtype}
 
 
 # --------------------------------------------------------------------------- assignment
@@ -118,17 +138,23 @@ def _train(ctx: StageContext, emb_path: Path, rows_reader: EmbeddingRows, n_item
     q = build_quantizer(s, dim)
     t0 = time.time()
     history: list[dict] = []
+    # A fixed thread count: faiss's distances (and so near-tie assignments, which k-means then
+    # amplifies) depend on it, and the map must not depend on the machine's cores.
+    with fixed_threads(s.fit_threads):
+        if s.method == "rqvae":
+            inert = q.init_codebooks(sample, iters=s.kmeans_iters, generator=gen, tol=s.kmeans_tol)
+            ctx.log(f"k-means init on {len(sample_rows)} items: inertia per level {[round(v, 5) for v in inert]}")
+        else:
+            q.fit(sample, iters=s.kmeans_iters, generator=gen, log=ctx.log, tol=s.kmeans_tol,
+                  balance_tol=s.balance_tol)
     if s.method == "rqvae":
-        inert = q.init_codebooks(sample, iters=s.kmeans_iters, generator=gen)
-        ctx.log(f"k-means init on {len(sample_rows)} items: inertia per level {[round(v, 5) for v in inert]}")
         q, history = train_rqvae(s, cfg.seed, emb_path, q, n_items, ctx.work_dir / STORAGE_DIR, ctx.log)
-    else:
-        q.fit(sample, iters=s.kmeans_iters, generator=gen, log=ctx.log)
     train_s = time.time() - t0
     q.eval()
     if s.method == "rqvae":
-        # Saved with the quantiser, so every later re-encoding uses the same precision.
-        q.cfg.encode_dtype = resolve_encode_dtype(s.assign_dtype, "cuda" if s.use_gpu else "cpu")
+        # Saved with the quantiser, so every later re-encoding uses the same precision; the same
+        # value is in the fingerprint (input_fingerprints).
+        q.cfg.encode_dtype = encode_dtype(s)
         ctx.log(f"assignment encoder precision: {q.cfg.encode_dtype}")
     return q, history, sample_rows, sample, train_s
 
@@ -243,6 +269,8 @@ def run(ctx: StageContext) -> StageResult:
         "assign_s": round(assign_s, 3),
         "assign_items_per_s": round(n_items / max(assign_s, 1e-9), 1),
         "encode_dtype": getattr(q.cfg, "encode_dtype", "float32"),
+        # Where the map was made: another ISA can round (and so assign near ties) differently.
+        "machine": {**cpu_facts(), "torch_threads": torch.get_num_threads(), "fit_threads": s.fit_threads},
         "train_history": history,
     }
     track_sid(ctx, history, facts)

@@ -221,8 +221,11 @@ def train_rqvae(s, seed: int, emb_path: Path, init_model, n_items: int, storage:
         "shuffle_buffer": min(max(4 * per_worker, 1024), max(n_items, 1)),
     }
     # Deterministic name: a rerun with the same storage resumes (Train V2 has no restore).
+    # preserve_order: each worker's shard holds the same rows in the same order on every run,
+    # so the seeded local shuffle (and so the trained codebooks) is a function of data + seed.
     spec = driver.TrainerSpec(name=RUN_NAME, storage_path=storage, num_workers=s.num_workers,
-                              use_gpu=s.use_gpu, backend="nccl" if s.use_gpu else "gloo")
+                              use_gpu=s.use_gpu, backend="nccl" if s.use_gpu else "gloo",
+                              preserve_order=True)
     bar = Progress(s.epochs, "rqvae", "epochs", log=log, every_n=1)
 
     def on_epoch(m: dict) -> None:
