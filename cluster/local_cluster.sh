@@ -1,14 +1,22 @@
 #!/usr/bin/env bash
-# Run: cluster/local_cluster.sh start [--workers 2] [--cpus 2] [--dir /tmp/gti-cluster]
-#      source /tmp/gti-cluster/env      # RAY_ADDRESS, RAY_AUTH_MODE, RAY_AUTH_TOKEN_PATH, GTI_DASHBOARD
+# Run: cluster/local_cluster.sh start [--workers 2] [--cpus 2] [--dir DIR]
+#      source DIR/env      # RAY_ADDRESS, RAY_AUTH_MODE, RAY_AUTH_TOKEN_PATH, GTI_DASHBOARD, GTI_CLUSTER_DIR
 #      gti run --config jobs/configs/tiny.yaml ray_address=auto ground.num_workers=2 \
 #          'ground.resources_per_worker={CPU: 1, gti_worker: 1}'
-#      cluster/local_cluster.sh stop [--dir /tmp/gti-cluster]
+#      cluster/local_cluster.sh stop [--dir DIR]   # DIR: --dir, else $GTI_CLUSTER_DIR (set by DIR/env)
 #
 # A multi-node Ray cluster on one machine, for tests and for trying multi-node behaviour on a
 # laptop: a head and N worker nodes, each a `ray start --block` process. Every worker node
 # carries the custom resources `gti_worker: 1` and `gti_node_<i>: 1`, so a Train run that asks
 # for `gti_worker: 1` per worker is forced to put each worker on a different node.
+#
+# The cluster folder DIR holds the pids `stop` kills, the token and the `env` file you source,
+# so it must be yours alone: `start` without --dir (and without $GTI_CLUSTER_DIR) makes a fresh
+# private one (mktemp -d, mode 700) and prints it; a DIR you name is created with mode 700, and
+# an existing one that is a symlink, is not owned by you or lets group/others in (mode not
+# 700) is refused by every command before anything is read or written (a predictable
+# /tmp folder could be made first by another local user, who could then read the token, plant
+# the `env` file, or point `stop`'s kill and rm at their choice).
 #
 # Token authentication is on: a random token is written to <dir>/auth_token (mode 600) and
 # every node and client reads it through RAY_AUTH_TOKEN_PATH (nothing touches ~/.ray).
@@ -25,7 +33,7 @@ cmd="${1:-}"
 shift || true
 WORKERS=2
 CPUS=2
-DIR="${TMPDIR:-/tmp}/gti-cluster"
+DIR="${GTI_CLUSTER_DIR:-}"
 TIMEOUT=90
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -36,6 +44,43 @@ while [[ $# -gt 0 ]]; do
     *) echo "local_cluster.sh: unknown option $1" >&2; exit 2 ;;
   esac
 done
+
+# The folder must be this user's alone (see the top): refuse anything else before using it.
+private_dir() {
+  local d="$1" mode
+  if [[ -L "$d" ]]; then
+    echo "local_cluster.sh: refusing cluster folder $d: it is a symlink (give a real folder of yours)" >&2; exit 2
+  fi
+  if [[ ! -e "$d" ]]; then
+    mkdir -p "$(dirname "$d")"
+    mkdir -m 700 "$d"  # fails (and so does the script) if someone made it meanwhile
+    return 0
+  fi
+  if [[ ! -d "$d" ]]; then
+    echo "local_cluster.sh: refusing cluster folder $d: not a folder" >&2; exit 2
+  fi
+  if [[ ! -O "$d" ]]; then
+    echo "local_cluster.sh: refusing cluster folder $d: owned by $(ls -ld "$d" | awk '{print $3}'), not by you" >&2
+    exit 2
+  fi
+  mode="$(stat -c %a "$d" 2>/dev/null || stat -f %Lp "$d")"
+  if (( (8#$mode & 8#077) != 0 )); then
+    echo "local_cluster.sh: refusing cluster folder $d: mode $mode lets other users in (chmod 700 $d, or omit --dir for a fresh private one)" >&2
+    exit 2
+  fi
+}
+
+if [[ -z "$DIR" ]]; then
+  case "$cmd" in
+    start) DIR="$(mktemp -d "${TMPDIR:-/tmp}/gti-cluster.XXXXXX")" ;;  # mode 700, a name no one can guess
+    stop|status)
+      echo "local_cluster.sh: which cluster? pass --dir DIR (printed by start) or set GTI_CLUSTER_DIR (DIR/env sets it)" >&2
+      exit 2 ;;
+  esac
+elif [[ -e "$DIR" || -L "$DIR" || "$cmd" == start ]]; then
+  private_dir "$DIR"
+fi
+if [[ -d "$DIR" ]]; then DIR="$(cd "$DIR" && pwd -P)"; fi
 
 RAY_BIN="${RAY_BIN:-$(command -v ray || true)}"
 PYTHON="${PYTHON:-$(command -v python || command -v python3)}"
@@ -58,6 +103,7 @@ start() {
   if [[ -s "$PIDS" ]]; then
     echo "local_cluster.sh: $DIR already has a cluster (pids in $PIDS); stop it first" >&2; exit 2
   fi
+  echo "local_cluster.sh: cluster folder $DIR"
   mkdir -p "$DIR/logs"
   : > "$PIDS"
   # Short temp dir: Ray's socket paths must stay under the 107-byte AF_UNIX limit.
@@ -67,6 +113,11 @@ start() {
   "$PYTHON" -c 'import secrets; print(secrets.token_hex(32))' > "$DIR/auth_token"
   umask 022
   export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH="$DIR/auth_token" RAY_USAGE_STATS_ENABLED=0
+  # RAY_AUTH_TOKEN would win over the token file (e.g. inherited from a gti process that ran its
+  # own private local Ray, gti.stages._ray), and Ray's single-machine mode (=0 there; the
+  # default on macOS) would make the worker nodes refuse to start.
+  unset RAY_AUTH_TOKEN
+  export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1
 
   local port dash
   port="$(free_port)"; dash="$(free_port)"
@@ -96,6 +147,7 @@ export RAY_ADDRESS=127.0.0.1:$port
 export RAY_AUTH_MODE=token
 export RAY_AUTH_TOKEN_PATH=$DIR/auth_token
 export GTI_DASHBOARD=http://127.0.0.1:$dash
+export GTI_CLUSTER_DIR=$DIR
 EOF
   echo "local_cluster.sh: head + $WORKERS workers up; address 127.0.0.1:$port, dashboard http://127.0.0.1:$dash"
   echo "local_cluster.sh: source $DIR/env to use it; stop with: $0 stop --dir $DIR"

@@ -155,3 +155,17 @@ def test_gather_facts_reads_this_machine_in_seconds(tmp_path):
     assert time.time() - t0 < 30
     assert f.cluster["CPU"] >= 1 and f.disk_free > 0 and f.disk_path == str(tmp_path)
     assert f.deepspeed is not None and f.deepspeed["version"]
+
+
+def test_only_the_stages_a_command_runs_count():
+    """`gti serve` counts its replicas and nothing of the pipeline; the pipeline never counts
+    the serve section (a run config may carry one for later)."""
+    c = cfg("serve.num_gpus=1", "serve.replicas=3", "serve.threads=2", "sft.use_gpu=true")
+    assert [n[0] for n in preflight.stage_needs(c, ("serve",))] == ["serve"]
+    assert preflight.stage_needs(c, ("serve",))[0][2] == {"CPU": 6.0, "GPU": 3.0}
+    assert "serve" not in [n[0] for n in preflight.stage_needs(c)]
+    assert preflight.gpu_keys(c, ("serve",)) == ["serve.num_gpus"] and preflight.gpu_keys(c) == ["sft.use_gpu"]
+    auto = cfg("serve.min_replicas=0", "serve.max_replicas=8")  # the one replica a first request starts
+    assert preflight.stage_needs(auto, ("serve",))[0][2] == {"CPU": 1.0}
+    bad = only_error(preflight.checks(c, facts(torch_cuda="13.0", nccl=True), ("serve",)))
+    assert bad.detail.startswith("serve.replicas x serve.threads / serve.num_gpus: the serve stage needs 3 GPU")

@@ -1,8 +1,9 @@
 """Preflight: what a run needs, checked before any cluster resource is reserved.
 
-What it is for: `gti doctor` prints the table of these checks; `gti run` / `gti stage` run them
-first and stop on the first problem with one line naming the key to change, instead of waiting
-for ever for GPUs a cluster does not have. Checks, for the sections a run uses:
+What it is for: `gti doctor` prints the table of these checks; `gti run`, `stage`, `refresh`,
+`tune`, `compare`, `vocab ground` and `serve` run them first (for the stages each runs,
+`gti.stages.doctor`) and stop on the first problem with one line naming the key to change,
+instead of waiting for ever for GPUs a cluster does not have. Checks, for the sections used:
 - resources: each stage's GPUs/CPUs/custom resources (Train workers, actor pools) against what
   the cluster (or, with no `ray_address`, the local Ray `ray_num_cpus` would start) has;
 - torch build: `use_gpu` with a CPU-only torch is an error;
@@ -28,13 +29,14 @@ import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from gti import config as C
 from gti.errors import GtiError
 from gti.train.resources import workers_need
 
 OK, WARN, ERROR, SKIP = "ok", "warn", "error", "skip"
+PIPELINE = ("embed", "sid", "ground", "sft", "evaluate")  # the stages that ask Ray for resources
 GB = 1e9
 # Parameter counts of the named models (for the disk estimate); a folder is measured instead.
 _NAMED_PARAMS = {"smollm2-135m": 135e6, "tiny": 1e6}
@@ -148,36 +150,31 @@ def _train_sections(cfg: C.RunConfig) -> list[tuple[str, C.TrainConfig]]:
     return [(n, getattr(cfg, n)) for n in ("ground", "sft") if getattr(cfg, n).enabled and getattr(cfg, n).steps > 0]
 
 
-def stage_needs(cfg: C.RunConfig) -> list[tuple[str, str, dict[str, float]]]:
-    """(stage, the keys that size it, resources it holds at once) for each stage that asks Ray
-    for resources."""
-    out: list[tuple[str, str, dict[str, float]]] = []
-    e = cfg.embed
-    need = {"CPU": float(e.concurrency)}
-    if e.num_gpus:
-        need["GPU"] = e.num_gpus * e.concurrency
-    out.append(("embed", "embed.concurrency x embed.num_gpus", need))
-    s = cfg.sid
+def _pool(n: int, gpus: float, cpus: float = 1.0) -> dict[str, float]:
+    """What `n` actors (or tasks) of `cpus` CPUs and `gpus` GPUs each hold at once."""
+    return {"CPU": float(n * cpus), **({"GPU": n * gpus} if gpus else {})}
+
+
+def stage_needs(cfg: C.RunConfig, stages: Sequence[str] = PIPELINE) -> list[tuple[str, str, dict[str, float]]]:
+    """(stage, the keys that size it, resources it holds at once) for each of `stages` that asks
+    Ray for resources ("serve": the replicas of `gti serve`, the most that must start)."""
+    e, s, ev, sv = cfg.embed, cfg.sid, cfg.eval, cfg.serve
+    out = [("embed", "embed.concurrency x embed.num_gpus", _pool(e.concurrency, e.num_gpus))]
     if s.method == "rqvae":
-        need = {"CPU": float(s.num_workers)}
-        if s.use_gpu:
-            need["GPU"] = float(s.num_workers)
-        out.append(("sid", "sid.num_workers / sid.use_gpu", need))
-    for name, tc in _train_sections(cfg):
-        out.append((name, f"{name}.num_workers x {name}.resources_per_worker / {name}.use_gpu", workers_need(tc)))
-    ev = cfg.eval
-    need = {"CPU": float(ev.concurrency)}
-    if ev.num_gpus:
-        need["GPU"] = ev.num_gpus * ev.concurrency
-    out.append(("evaluate", "eval.concurrency x eval.num_gpus", need))
-    return out
+        out.append(("sid", "sid.num_workers / sid.use_gpu", _pool(s.num_workers, float(s.use_gpu))))
+    out += [(n, f"{n}.num_workers x {n}.resources_per_worker / {n}.use_gpu", workers_need(tc))
+            for n, tc in _train_sections(cfg)]
+    out.append(("evaluate", "eval.concurrency x eval.num_gpus", _pool(ev.concurrency, ev.num_gpus)))
+    replicas = max(1, sv.min_replicas or 0) if sv.autoscaling else sv.replicas
+    out.append(("serve", "serve.replicas x serve.threads / serve.num_gpus", _pool(replicas, sv.num_gpus, sv.threads)))
+    return [n for n in out if n[0] in stages]
 
 
-def gpu_keys(cfg: C.RunConfig) -> list[str]:
-    """The keys that ask for a GPU, e.g. ['ground.use_gpu', 'eval.num_gpus']."""
+def gpu_keys(cfg: C.RunConfig, stages: Sequence[str] = PIPELINE) -> list[str]:
+    """The keys of `stages` that ask for a GPU, e.g. ['ground.use_gpu', 'eval.num_gpus']."""
     keys = [f"{n}.use_gpu" for n in ("sid", "ground", "sft") if getattr(cfg, n).use_gpu]
-    keys += [f"{n}.num_gpus" for n, sec in (("embed", cfg.embed), ("eval", cfg.eval)) if sec.num_gpus > 0]
-    return keys
+    keys += [f"{n}.num_gpus" for n in ("embed", "eval", "serve") if getattr(cfg, n).num_gpus > 0]
+    return [k for k in keys if k.split(".")[0].replace("eval", "evaluate") in stages]
 
 
 def expected_output_bytes(cfg: C.RunConfig) -> float:
@@ -201,11 +198,12 @@ def expected_output_bytes(cfg: C.RunConfig) -> float:
 
 
 # --------------------------------------------------------------------------- checks
-def checks(cfg: C.RunConfig, facts: Facts) -> list[Check]:
-    """Every check, in table order. A problem's detail is one line naming the key to change."""
+def checks(cfg: C.RunConfig, facts: Facts, stages: Sequence[str] = PIPELINE) -> list[Check]:
+    """Every check, in table order. A problem's detail is one line naming the key to change.
+    `stages`: those the command runs (resources and GPUs count for them only)."""
     out: list[Check] = []
-    out += _check_resources(cfg, facts)
-    out.append(_check_torch_build(cfg, facts))
+    out += _check_resources(cfg, facts, stages)
+    out.append(_check_torch_build(cfg, facts, stages))
     out += _check_bf16(cfg, facts)
     out.append(_check_backend(cfg, facts))
     out.append(_check_deepspeed(cfg, facts))
@@ -221,13 +219,13 @@ def _fmt(v: float) -> str:
     return f"{v:g}"
 
 
-def _check_resources(cfg: C.RunConfig, facts: Facts) -> list[Check]:
+def _check_resources(cfg: C.RunConfig, facts: Facts, stages: Sequence[str]) -> list[Check]:
     if facts.cluster_error:
         return [Check("cluster", ERROR, facts.cluster_error)]
     have = ", ".join(f"{_fmt(v)} {k}" for k, v in sorted(facts.cluster.items())
                      if k in ("CPU", "GPU") or not k.startswith(("node:", "memory", "object_store", "accelerator_type")))
     out = [Check("cluster", OK, f"{facts.cluster_source}: {have or 'nothing'}")]
-    for stage, keys, need in stage_needs(cfg):
+    for stage, keys, need in stage_needs(cfg, stages):
         short = {k: (v, float(facts.cluster.get(k, 0.0))) for k, v in need.items()
                  if float(facts.cluster.get(k, 0.0)) < v}
         label = f"resources: {stage}"
@@ -236,7 +234,7 @@ def _check_resources(cfg: C.RunConfig, facts: Facts) -> list[Check]:
             continue
         res, (amount, avail) = sorted(short.items(), key=lambda kv: kv[0] != "GPU")[0]
         if res == "GPU":
-            key = next((k for k in gpu_keys(cfg) if k.split(".")[0] == ("eval" if stage == "evaluate" else stage)), None)
+            key = next(iter(gpu_keys(cfg, [stage])), None)
             fix = (f"set {key}: {'false' if key.endswith('use_gpu') else 0} or run on a cluster with GPUs" if key
                    else f"remove GPU from {stage}.resources_per_worker or run on a cluster with GPUs")
         else:
@@ -246,8 +244,8 @@ def _check_resources(cfg: C.RunConfig, facts: Facts) -> list[Check]:
     return out
 
 
-def _check_torch_build(cfg: C.RunConfig, facts: Facts) -> Check:
-    keys = gpu_keys(cfg)
+def _check_torch_build(cfg: C.RunConfig, facts: Facts, stages: Sequence[str]) -> Check:
+    keys = gpu_keys(cfg, stages)
     build = f"torch {facts.torch_version}" + (f" (CUDA {facts.torch_cuda})" if facts.torch_cuda else " (CPU-only build)")
     if not keys:
         return Check("torch build", OK, f"{build}; no GPU asked for")

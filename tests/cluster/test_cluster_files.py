@@ -175,7 +175,7 @@ def test_local_cluster_stop_waits_for_late_writers_in_the_temp_dir(tmp_path):
     import time
 
     d = tmp_path / "cluster"
-    d.mkdir()
+    d.mkdir(mode=0o700)  # the script refuses a cluster folder others can enter
     t = tmp_path / "raytmp"
     (t / "session").mkdir(parents=True)
     # A recorded pid that has already exited, as after SIGTERM.
@@ -209,7 +209,7 @@ def test_local_cluster_stop_ends_children_of_a_hung_ray_start(tmp_path):
     import time
 
     d = tmp_path / "cluster"
-    d.mkdir()
+    d.mkdir(mode=0o700)  # the script refuses a cluster folder others can enter
     # A stand-in for a hung `ray start`: ignores SIGTERM, and so does its child.
     hung = subprocess.Popen(["bash", "-c", "trap '' TERM; bash -c \"trap '' TERM; sleep 60\" & wait"],
                             start_new_session=True)
@@ -239,3 +239,87 @@ def test_local_cluster_stop_ends_children_of_a_hung_ray_start(tmp_path):
                 os.kill(pid, 9)
             except ProcessLookupError:
                 pass
+
+
+def _fake_tools(tmp_path: Path) -> dict[str, str]:
+    """RAY_BIN / PYTHON stand-ins so `start` runs without Ray: each "node" is a `sleep`
+    (recorded in calls.log), the wait for the nodes succeeds at once; free ports are real."""
+    import os
+    import sys
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    ray = bin_dir / "ray"
+    ray.write_text(f'#!/usr/bin/env bash\necho "$*" >> {tmp_path / "calls.log"}\nexec sleep 60\n')
+    py = bin_dir / "python"
+    py.write_text(f'#!/usr/bin/env bash\nif [[ "$1" == -c ]]; then exec {sys.executable} "$@"; fi\ncat > /dev/null\n')
+    for f in (ray, py):
+        f.chmod(0o755)
+    return {**os.environ, "RAY_BIN": str(ray), "PYTHON": str(py), "TMPDIR": str(tmp_path),
+            "GTI_STOP_GRACE_S": "2"}
+
+
+def _script(*args: str, env: dict[str, str]):
+    import subprocess
+
+    return subprocess.run(["bash", str(LOCAL_SH), *args], env=env, capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("case", ["group-readable", "world-writable", "foreign", "symlink"])
+def test_local_cluster_refuses_a_folder_that_is_not_private(tmp_path, case):
+    """A cluster folder another local user could have made first (or can enter) is refused by
+    every command, in one line, before anything is written into it or any node is started."""
+    import os
+
+    env = _fake_tools(tmp_path)
+    d = tmp_path / "cluster"
+    d.mkdir()
+    if case == "group-readable":
+        d.chmod(0o750)
+    elif case == "world-writable":
+        d.chmod(0o1777)
+    elif case == "foreign":
+        if os.geteuid() != 0:
+            pytest.skip("making a folder owned by another user needs root")
+        d.chmod(0o700)
+        os.chown(d, 65534, 65534)
+    else:
+        (tmp_path / "mine").mkdir(mode=0o700)
+        d.rmdir()
+        d.symlink_to(tmp_path / "mine")
+    (d / "pids").write_text("1\n") if case == "world-writable" else None  # a planted pid for stop
+    before = sorted(p.name for p in d.iterdir())
+    for args in (["start", "--workers", "1"], ["stop"], ["status"]):
+        r = _script(*args, "--dir", str(d), env={**env, "GTI_CLUSTER_DIR": ""})
+        err = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(err) == 1, (args, r.stdout, r.stderr)
+        assert err[0].startswith(f"local_cluster.sh: refusing cluster folder {d}: "), err
+        assert {"group-readable": "mode 750", "world-writable": "mode 1777", "foreign": "not by you",
+                "symlink": "symlink"}[case] in err[0]
+    assert sorted(p.name for p in d.iterdir()) == before  # nothing written (no token, no env file)
+    assert not (tmp_path / "calls.log").exists()  # no node started
+
+
+def test_local_cluster_defaults_to_a_fresh_private_folder_that_stop_finds(tmp_path):
+    """Without --dir, `start` makes a new mode-700 folder (a name no one can guess), prints it,
+    and its env file names it, so `stop` after `source DIR/env` ends exactly that cluster."""
+    env = _fake_tools(tmp_path)
+    env.pop("GTI_CLUSTER_DIR", None)
+    started = _script("start", "--workers", "1", env=env)
+    assert started.returncode == 0, started.stderr
+    line = next(ln for ln in started.stdout.splitlines() if ln.startswith("local_cluster.sh: cluster folder "))
+    d = Path(line.rsplit(" ", 1)[1])
+    assert d.parent == tmp_path.resolve() and d.name.startswith("gti-cluster.")
+    assert d.stat().st_mode & 0o777 == 0o700
+    assert (d / "auth_token").stat().st_mode & 0o077 == 0
+    exported = dict(ln.removeprefix("export ").split("=", 1) for ln in (d / "env").read_text().splitlines())
+    assert exported["GTI_CLUSTER_DIR"] == str(d) and exported["RAY_AUTH_TOKEN_PATH"] == str(d / "auth_token")
+    assert len((d / "pids").read_text().split()) == 2  # head + 1 worker, recorded for stop
+    again = _script("start", "--workers", "1", env=env)  # a second cluster: its own folder
+    other = Path(next(ln for ln in again.stdout.splitlines() if "cluster folder" in ln).rsplit(" ", 1)[1])
+    assert other != d
+    for folder in (d, other):
+        stopped = _script("stop", env={**env, "GTI_CLUSTER_DIR": str(folder)})
+        assert stopped.returncode == 0 and "local_cluster.sh: stopped" in stopped.stdout, stopped.stderr
+        assert not (folder / "auth_token").exists()
+    assert _script("stop", env=env).returncode == 2  # no folder named: refused, not guessed

@@ -12,6 +12,9 @@ before grounding are the session's shared tiny ones (tests/conftest.py::tiny_ups
 into the run folder (they are not what the test is about, and three nodes on 2 cores made them
 the slowest part).
 
+While the first driver trains, a second `gti run` on the same folder is refused in one line
+naming it (the run lock, issue 30), and the rerun after the kill takes the dead driver's lock.
+
 The same test checks the script itself (it used to have a test of its own, which cost another
 cluster start): the nodes and their custom resources, token auth refusing a client without the
 token, a private token file, the dashboard on 127.0.0.1, and a `stop` that ends exactly the
@@ -196,12 +199,20 @@ def test_grounding_across_two_nodes_with_driver_kill_and_resume(upstream_done, t
     while time.time() < deadline and first.poll() is None and len(_checkpoints(partial)) < 2:
         time.sleep(0.5)
     assert first.poll() is None, "the first attempt ended before any checkpoint: " + (tmp_path / "attempt1.log").read_text()[-3000:]
+    # Two writers, one folder (issue 30): a second `gti run` on the run folder while the first
+    # trains is refused at once, in one line naming the holder; the first's files are untouched.
+    rival = subprocess.run(_gti_cmd(run_dir), env=env, capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    line = rival.stderr.strip().splitlines()[-1] if rival.stderr.strip() else ""
+    assert rival.returncode == 2, rival.stdout[-2000:] + rival.stderr[-2000:]
+    assert line.startswith("gti: error: ") and f"pid {first.pid}" in line and "gti run" in line, rival.stderr[-2000:]
+    assert partial.is_dir() and first.poll() is None
     first.send_signal(signal.SIGKILL)
     first.wait()
     before = {p.relative_to(partial) for p in _checkpoints(partial)}
     assert before, "no checkpoint survived the killed driver"
     assert not (run_dir / "ground" / "_manifest.json").exists()
 
+    # The killed driver's lock is stale (its process is gone): the rerun takes it over.
     second = subprocess.run(_gti_cmd(run_dir), env=env, capture_output=True, text=True, cwd=tmp_path, timeout=900)
     logs = second.stdout + second.stderr
     assert second.returncode == 0, logs[-4000:]

@@ -32,6 +32,67 @@ def _base_cfg(tmp_path, *ov):
 
 
 # --------------------------------------------------------------------------- arm logic
+
+class _HungArmRay:
+    """Stands in for `ray` in `compare.execute`: the arm run of `hung` never finishes, the others
+    finish at once. A ray.wait without a timeout would block for ever: it fails the test."""
+
+    def __init__(self, monkeypatch, hung: str, cpus: float = 4.0) -> None:
+        import ray
+
+        from gti.stages import _ray
+
+        self.waits: list[float] = []
+        self.cancelled: list[tuple[str, bool]] = []
+        monkeypatch.setattr(_ray, "ensure_ray", lambda cfg: None)
+        monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": cpus})
+        monkeypatch.setattr(ray, "remote", lambda **opts: lambda fn: types.SimpleNamespace(
+            remote=lambda cfg_json, cwd: (cfg_json["report"]["label"], cfg_json["seed"])))
+        monkeypatch.setattr(ray, "get", lambda ref: {"skipped": False, "seconds": 1.0})
+        monkeypatch.setattr(ray, "cancel", lambda ref, force=False: self.cancelled.append((ref[0], force)))
+        self.hung = hung
+        monkeypatch.setattr(ray, "wait", self.wait)
+
+    def wait(self, refs, num_returns=1, timeout=None):
+        import time
+
+        assert timeout is not None and timeout >= 0, "ray.wait without a timeout would wait for ever"
+        self.waits.append(timeout)
+        ready = [r for r in refs if r[0] != self.hung][:num_returns]
+        if not ready:
+            time.sleep(timeout)
+        return ready, [r for r in refs if r not in ready]
+
+
+def test_a_hung_arm_run_is_cancelled_after_arm_timeout_s(tmp_path, monkeypatch):
+    """compare's ray.wait is bounded: an arm run still not finished compare.arm_timeout_s after
+    its submission is cancelled (force) and counted as failed in one line naming the key; the
+    others finish and are kept."""
+    fake = _HungArmRay(monkeypatch, hung="gti")
+    cfg = _base_cfg(tmp_path, "compare.parallel=true", "compare.max_parallel=2", "compare.arm_timeout_s=0.2")
+    runs = CMP.plan(cfg, ["mean", "gti", "random"], 1, tmp_path / "out")
+    kept, lines = [], []
+    failures = CMP.execute(runs, cfg, echo=lines.append, on_done=lambda r: kept.append(r.arm))
+    assert sorted(kept) == ["mean", "random"]
+    assert list(failures) == [("gti", cfg.seed)] and fake.cancelled == [("gti", True)]
+    assert failures[("gti", cfg.seed)].startswith("compare.arm_timeout_s: not finished 0.2s after its submission")
+    assert all(0 <= t <= CMP.WAIT_POLL_S for t in fake.waits)
+    assert any(ln.startswith("gti seed") and "FAILED: compare.arm_timeout_s" in ln for ln in lines)
+
+
+def test_arm_tasks_that_could_never_be_scheduled_are_refused(tmp_path, monkeypatch):
+    _HungArmRay(monkeypatch, hung="", cpus=2.0)
+    cfg = _base_cfg(tmp_path, "compare.parallel=true", "compare.max_parallel=2", "compare.arm_num_cpus=3")
+    with pytest.raises(CMP.CompareError, match=r"^compare.arm_num_cpus 3 exceeds the cluster's 2 CPUs$"):
+        CMP.execute(CMP.plan(cfg, ["mean", "gti"], 1, tmp_path / "out"), cfg, echo=lambda m: None)
+
+
+@pytest.mark.parametrize("value", ["0", "-5", str(400 * 86400)])
+def test_arm_timeout_s_is_bounded(tmp_path, value):
+    with pytest.raises(config.ConfigError, match="'compare.arm_timeout_s'"):
+        _base_cfg(tmp_path, f"compare.arm_timeout_s={value}")
+
+
 def test_arm_override_table_and_equal_budget(tmp_path):
     cfg = _base_cfg(tmp_path, "sft.multitask=true")  # base setting must not leak into arms
     got = {}

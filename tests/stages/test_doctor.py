@@ -93,3 +93,82 @@ def test_no_preflight_flag_skips_the_checks(tmp_path, monkeypatch):
     assert called == []
     assert cli.main(["run", "-c", str(CONFIGS / "tiny.yaml"), f"run_dir={tmp_path}"]) == 0
     assert len(called) == 1
+
+
+# --------------------------------------------------------------------------- the other commands
+@pytest.fixture
+def delegated(monkeypatch):
+    """Replaces each command's own entry point: the preflight runs for real, and a command it
+    lets through is only recorded (nothing starts Ray or trains)."""
+    import importlib
+
+    calls = []
+    for module in ("gti.refresh", "gti.experiments.tune", "gti.experiments.compare", "gti.vocab_ground",
+                   "gti.serve.deployment"):
+        monkeypatch.setattr(importlib.import_module(module), "cli_main",
+                            lambda args, m=module: calls.append(m) or 0)
+    return calls
+
+
+def _refused(capsys, argv, *wanted):
+    assert cli.main(argv) == 2, argv
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("gti: error")]
+    assert len(err) == 1 and err[0].startswith("gti: error: preflight: "), err
+    assert all(w in err[0] for w in wanted), err[0]
+    return err[0]
+
+
+def test_refresh_is_checked_as_it_trains(tmp_path, capsys, simulated, delegated):
+    """gti refresh: the run's workers and use_gpu at refresh.ground_steps / refresh.sft_steps."""
+    simulated({"CPU": 4.0, "GPU": 0.0})
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text((CONFIGS / "tiny.yaml").read_text())
+    base = ["refresh", "--run-dir", str(run), "--items", str(tmp_path / "new.csv")]
+    _refused(capsys, base + ["ground.num_workers=8"], "ground.num_workers", "needs 8 CPU but simulated cluster has 4")
+    assert delegated == []
+    assert cli.main(base + ["ground.num_workers=8", "refresh.ground_steps=0"]) == 0  # no grounding pass
+    assert cli.main(base + ["sft.num_workers=8", "refresh.sft_steps=5"]) == 0  # no SFT without --interactions
+    _refused(capsys, base + ["sft.num_workers=8", "refresh.sft_steps=5", "--interactions", str(tmp_path / "i.csv")],
+             "sft.num_workers", "the sft stage needs 8 CPU")
+    assert delegated == ["gti.refresh"] * 2
+
+
+def test_tune_is_checked_for_the_stages_its_trials_run(tmp_path, capsys, simulated, delegated):
+    simulated({"CPU": 4.0, "GPU": 0.0})
+    base = ["tune", "-c", str(CONFIGS / "tiny.yaml"), f"run_dir={tmp_path}"]
+    _refused(capsys, base + ["ground.use_gpu=true"], "ground.use_gpu", "needs 1 GPU but simulated cluster has 0")
+    assert cli.main(base + ["sft.num_workers=8"]) == 0  # a grounding sweep runs no SFT
+    _refused(capsys, base + ["sft.num_workers=8", "tune.objective=sft", "tune.metric=recall@10"], "sft.num_workers")
+    assert cli.main(base + ["ground.use_gpu=true", "--no-preflight"]) == 0
+    assert delegated == ["gti.experiments.tune"] * 2
+
+
+def test_compare_checks_every_arm_and_names_it(tmp_path, capsys, simulated, delegated):
+    simulated({"CPU": 4.0, "GPU": 0.0})
+    base = ["compare", "-c", str(CONFIGS / "tiny.yaml"), f"run_dir={tmp_path}", "ground.enabled=false",
+            "ground.num_workers=8"]
+    assert cli.main(base + ["--arms", "mean"]) == 0  # no arm grounds
+    _refused(capsys, base + ["--arms", "mean,gti"], "arm 'gti': ground.num_workers", "needs 8 CPU")
+    assert cli.main(base + ["--arms", "mean,gti", "--report-only"]) == 0  # runs nothing: not checked
+    assert delegated == ["gti.experiments.compare"] * 2
+
+
+def test_vocab_ground_is_checked(tmp_path, capsys, simulated, delegated):
+    simulated({"CPU": 4.0, "GPU": 0.0})
+    base = ["vocab", "ground", "--model", "tiny", "--tokens", str(tmp_path / "t.jsonl"), "--out", str(tmp_path / "o")]
+    _refused(capsys, base + ["ground.use_gpu=true"], "the ground stage needs 1 GPU",
+             "set ground.use_gpu: false or run on a cluster with GPUs")
+    assert cli.main(base) == 0
+    assert delegated == ["gti.vocab_ground"]
+
+
+def test_serve_is_checked_for_its_replicas(tmp_path, capsys, simulated, delegated):
+    simulated({"CPU": 4.0, "GPU": 0.0})
+    base = ["serve", "--run-dir", str(tmp_path)]
+    _refused(capsys, base + ["serve.num_gpus=1"], "serve.replicas x serve.threads / serve.num_gpus: the serve "
+             "stage needs 1 GPU but simulated cluster has 0", "set serve.num_gpus: 0")
+    _refused(capsys, base + ["--replicas", "3", "serve.threads=2"], "the serve stage needs 6 CPU",
+             "lower serve.replicas")
+    assert cli.main(base + ["--replicas", "2", "serve.threads=2"]) == 0
+    assert delegated == ["gti.serve.deployment"]

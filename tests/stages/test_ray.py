@@ -51,6 +51,12 @@ def no_wait(monkeypatch, tmp_path):
     monkeypatch.delenv(LOCAL_RAY_ENV, raising=False)  # restored at teardown: nothing leaks
     monkeypatch.delenv("RAY_GCS_SERVER_PORT", raising=False)
     monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    # The session's real Ray may be up in this process: its cached auth must not be re-read
+    # from the private environment a fake start sets (and undone below).
+    reloads = []
+    monkeypatch.setattr(_ray, "_reload_auth", lambda: reloads.append(os.environ.get("RAY_AUTH_TOKEN")))
+    yield reloads
+    _ray._undo_private()
 
 
 def test_local_start_is_retried_once(monkeypatch, no_wait, capsys):
@@ -77,6 +83,34 @@ def test_local_start_is_retried_once(monkeypatch, no_wait, capsys):
     fake.up = False  # "ray.shutdown()": a second ensure_ray starts locally again
     _ray.ensure_ray(RunConfig(ray_num_cpus=3))
     assert "address" not in fake.calls[-1] and fake.calls[-1]["num_cpus"] == 3
+
+
+def test_a_local_start_is_private_and_joining_a_cluster_undoes_it(monkeypatch, no_wait):
+    """The local Ray gets loopback-only addresses and a fresh token of its own (tokens differ
+    from one start to the next); a later join in the same process gets the user's own auth
+    settings back, so the cluster sees the user's token, not the local Ray's."""
+    from ray._private import ray_constants
+
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", "/elsewhere/token")
+    monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+    was_cluster = ray_constants.ENABLE_RAY_CLUSTER
+    monkeypatch.setattr(_ray.ledger, "note", lambda *a: None)  # fake starts: no Ray for the test budget
+    fake = _FakeRay(monkeypatch, fail=0)
+    _ray.ensure_ray(RunConfig(ray_num_cpus=1))
+    first = os.environ["RAY_AUTH_TOKEN"]
+    assert os.environ["RAY_AUTH_MODE"] == "token" and "RAY_AUTH_TOKEN_PATH" not in os.environ
+    assert len(first) == 64 and no_wait == [first]  # Ray's cached auth re-read with this token
+    assert os.environ[_ray.LOOPBACK_ENV] == "0" and ray_constants.ENABLE_RAY_CLUSTER is False
+    fake.up = False
+    _ray.ensure_ray(RunConfig(ray_num_cpus=1))
+    assert os.environ["RAY_AUTH_TOKEN"] != first
+    fake.up = False
+    _ray.ensure_ray(RunConfig(ray_address="ray://10.1.2.3:10001"))
+    assert fake.calls[-1]["address"] == "ray://10.1.2.3:10001"
+    assert os.environ["RAY_AUTH_MODE"] == "disabled" and os.environ["RAY_AUTH_TOKEN_PATH"] == "/elsewhere/token"
+    assert "RAY_AUTH_TOKEN" not in os.environ and _ray.LOOPBACK_ENV not in os.environ
+    assert ray_constants.ENABLE_RAY_CLUSTER == was_cluster and no_wait[-1] is None
 
 
 def test_second_failure_is_one_line_naming_the_logs(monkeypatch, no_wait, tmp_path):
@@ -129,28 +163,66 @@ def test_state_api_warning_is_filtered_and_nothing_else(caplog):
 
 
 PROBE = """
-import os, sys
-import ray
+import os, socket, subprocess, sys
+import psutil, ray
 from gti.config import RunConfig
 from gti.stages._ray import ensure_ray
 ensure_ray(RunConfig(ray_num_cpus=1))
 gcs = ray.get_runtime_context().gcs_address
 seen = ray.get(ray.remote(lambda: os.environ.get("RAY_ADDRESS")).remote())
-print("PINNED", gcs, os.environ.get("RAY_ADDRESS"), seen)
+print("PINNED", gcs, os.environ.get("RAY_ADDRESS"), seen, flush=True)
+listening = set()
+for p in psutil.Process().children(recursive=True):  # GCS, raylet, agents, workers
+    try:
+        listening |= {c.laddr.ip for c in p.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+    except psutil.Error:
+        pass
+print("LISTEN", " ".join(sorted(listening)), flush=True)
+CLIENT = ("import ray, sys; ray.init(address=sys.argv[1], log_to_driver=False); "
+          "print(ray.get(ray.remote(lambda: 'JOINED').remote()))")
+home = os.path.join(os.getcwd(), "home")
+os.makedirs(os.path.join(home, ".ray"), exist_ok=True)
+with open(os.path.join(home, ".ray", "auth_token"), "w") as f:  # a token of the user's other Rays
+    f.write("f" * 64)
+for name, auth in (("none", {}), ("default", {"RAY_AUTH_MODE": "token"}),
+                   ("run", {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": os.environ["RAY_AUTH_TOKEN"]})):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH") and k != "RAY_ADDRESS"}
+    env.update(auth, HOME=home, RAY_gcs_server_port_wait_time_s="3")  # a refused client retries 3 s, not 20
+    out = subprocess.run([sys.executable, "-c", CLIENT, gcs], env=env, capture_output=True, text=True, timeout=120)
+    print("CLIENT", name, "JOINED" in out.stdout, "InvalidAuthToken" in out.stderr, flush=True)
+ip = ray._private.services.node_ip_address_from_perspective()
+try:
+    socket.create_connection((ip, int(gcs.rsplit(":", 1)[1])), timeout=5).close()
+    print("OTHER_ADDRESS", ip, "connected")
+except OSError:
+    print("OTHER_ADDRESS", ip, "refused")
 ray.shutdown()
 """
 
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_a_local_ray_is_pinned_for_its_workers(tmp_path):
+def test_a_local_ray_is_pinned_for_its_workers_and_private(tmp_path):
     """A fresh process (its own Ray, beside any other on the host): a task sees the address of
-    the Ray that started it, the same as the driver's RAY_ADDRESS."""
+    the Ray that started it, the same as the driver's RAY_ADDRESS. That Ray is the run's alone:
+    every port listens on 127.0.0.1 only (the node's other address refuses the connection), and
+    a client without the run's token is refused (no token; the user's ~/.ray/auth_token, which
+    Ray's own default would share), while one given the run's token joins (so it is the token
+    that is refused, not the client)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT / "platform")}
     env.pop("RAY_ADDRESS", None)
     out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=300,
                          cwd=tmp_path)
-    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("PINNED")), None)
-    assert line is not None, out.stderr[-3000:]
-    _, gcs, driver, worker = line.split()
-    assert gcs == driver == worker
+    lines = {ln.split()[0]: ln.split()[1:] for ln in out.stdout.splitlines() if ln.split()}
+    lines.update({f"CLIENT {ln.split()[1]}": ln.split()[2:] for ln in out.stdout.splitlines()
+                  if ln.startswith("CLIENT ")})
+    assert "OTHER_ADDRESS" in lines, out.stdout[-2000:] + out.stderr[-3000:]
+    gcs, driver, worker = lines["PINNED"]
+    assert gcs == driver == worker and gcs.startswith("127.0.0.1:")
+    assert lines["LISTEN"] and set(lines["LISTEN"]) <= {"127.0.0.1", "::ffff:127.0.0.1", "::1"}, lines["LISTEN"]
+    assert lines["CLIENT none"] == ["False", "True"]  # refused: InvalidAuthToken
+    assert lines["CLIENT default"] == ["False", "True"]
+    assert lines["CLIENT run"] == ["True", "False"]
+    ip, result = lines["OTHER_ADDRESS"]
+    if not ip.startswith("127."):  # a machine with only a loopback interface has no other address
+        assert result == "refused"

@@ -39,9 +39,10 @@ x seed pipeline is a Ray task (`num_cpus=compare.arm_num_cpus`, default 0: the t
 its stages, whose Ray Data tasks and Train workers request their own resources).
 `compare.max_parallel` caps concurrent runs; None sizes it from the cluster: CPUs (and GPUs when
 training uses them) divided by what one run holds at a time (its Train workers plus a CPU of
-headroom for its Ray Data tasks). Otherwise runs go one after
-another in this process. On a multi-node cluster `--out` must be on storage every node sees
-(as `run_dir` must be for any multi-node run): an arm task may land on any node.
+headroom for its Ray Data tasks). An arm task not finished `compare.arm_timeout_s` after its
+submission is cancelled and counted as failed. Otherwise runs go one after another in this
+process. On a multi-node cluster `--out` must be on storage every node sees (as `run_dir` must
+be for any multi-node run): an arm task may land on any node.
 
 Records (resuming on another machine or in a later session): as each arm run finishes, its
 report record (metrics with per-user values, diagnostics, curves, timing, config) is written to
@@ -74,16 +75,8 @@ from gti import config as C
 from gti import pipeline
 from gti.errors import GtiError
 from gti.experiments.records import (  # noqa: F401 - the record API, also reachable from here
-    NON_SEMANTIC_KEYS,
-    RECORD_FORMAT,
-    config_diff,
-    load_record,
-    read_record,
-    record_path,
-    records_dir,
-    run_facts,
-    shared_identity,
-    write_record,
+    NON_SEMANTIC_KEYS, RECORD_FORMAT, config_diff, load_record, read_record, record_path, records_dir, run_facts,
+    shared_identity, write_record,
 )
 from gti.experiments.shared import SHARED_STAGES, ArmRun, CompareError, adopt_shared, slug
 from gti.manifest import atomic_write_json
@@ -101,6 +94,7 @@ ARMS: dict[str, dict[str, Any]] = {
     "codebook": {"init.method": "codebook", "ground.enabled": False, "sft.multitask": False},
 }
 ARM_STAGES = [s for s in pipeline.STAGE_NAMES if s not in SHARED_STAGES]
+WAIT_POLL_S = 60.0  # longest single ray.wait while arm runs are in flight (deadlines are checked between)
 
 
 def _echo(msg: str) -> None:
@@ -255,17 +249,33 @@ def execute(
 
     import ray
 
+    have = float(ray.cluster_resources().get("CPU", 0.0))
+    if cfg.compare.arm_num_cpus > have:  # the arm tasks could never be scheduled
+        raise CompareError(f"compare.arm_num_cpus {cfg.compare.arm_num_cpus:g} exceeds the cluster's {have:g} CPUs")
     echo(f"running {len(runs)} arm runs, up to {width} at once (Ray tasks)")
     task = ray.remote(num_cpus=cfg.compare.arm_num_cpus, max_retries=0)(run_arm)
     pending: dict[Any, ArmRun] = {}
+    deadline: dict[Any, float] = {}  # ref -> when it is cancelled (compare.arm_timeout_s after submission)
     queue = list(runs)
     while queue or pending:
         while queue and len(pending) < width:
             r = queue.pop(0)
             echo(f"{r.arm} seed {r.seed}: submitted ({r.run_dir})")
-            pending[task.remote(r.cfg.model_dump(mode="json"), os.getcwd())] = r
-        done, _ = ray.wait(list(pending), num_returns=1)
+            ref = task.remote(r.cfg.model_dump(mode="json"), os.getcwd())
+            pending[ref], deadline[ref] = r, time.monotonic() + cfg.compare.arm_timeout_s
+        wait_s = max(0.0, min(min(deadline.values()) - time.monotonic(), WAIT_POLL_S))
+        done, _ = ray.wait(list(pending), num_returns=1, timeout=wait_s)
+        if not done:
+            for ref in [ref for ref, t in deadline.items() if t <= time.monotonic()]:
+                r = pending.pop(ref)
+                del deadline[ref]
+                ray.cancel(ref, force=True)  # its worker (and the Train run it drives) goes with it
+                failures[(r.arm, r.seed)] = (f"compare.arm_timeout_s: not finished {cfg.compare.arm_timeout_s:g}s "
+                                             "after its submission, cancelled (raise it for longer arm runs)")
+                echo(f"{r.arm} seed {r.seed}: FAILED: {failures[(r.arm, r.seed)]}")
+            continue
         r = pending.pop(done[0])
+        del deadline[done[0]]
         try:
             info = ray.get(done[0])
             echo(f"{r.arm} seed {r.seed}: {'up to date' if info['skipped'] else 'done in %.0fs' % info['seconds']}")
@@ -412,6 +422,20 @@ def _compare(cfg: C.RunConfig, arms: list[str], n_seeds, out: Path, echo: Callab
         where = f"; report over the others: {paths['html']}" if paths else ""
         raise CompareError(f"{len(failures)} of {len(runs)} arm runs failed ({names}){where}")
     return paths
+
+
+def preflight(args) -> None:
+    """`gti compare`'s preflight (gti.stages.doctor): every arm's own config (an arm may turn on
+    grounding that the base config has off), a problem's line naming its arm. Nothing for
+    --report-only, which runs nothing."""
+    if getattr(args, "report_only", False):
+        return
+    from gti.stages import doctor
+
+    cfg = C.load(args.config, list(getattr(args, "overrides", None) or []))
+    out = Path(args.out).expanduser() if getattr(args, "out", None) else cfg.resolved_run_dir() / "compare"
+    doctor.preflight_each({f"arm '{a}'": arm_config(cfg, a, cfg.seed, out / "runs" / slug(a))
+                           for a in parse_arms(args.arms)})
 
 
 def cli_main(args) -> int:

@@ -14,6 +14,13 @@ per-operator progress bars when stdout is not a terminal, so logs stay readable 
   "Found multiple active Ray instances". A local Ray runs without the dashboard, so Ray Train's
   once-a-second state query from its PlacementGroupCleaner cannot succeed; its warning line is
   filtered in the workers (`_quiet_state_api_warnings`).
+- A local Ray is private to the run (`_make_private`): every port on 127.0.0.1 only (Ray's
+  single-machine mode, the one it uses on macOS and Windows) and token authentication with a
+  fresh token of this Ray alone, held in the environment of this process and of the processes
+  Ray starts, so no other machine can reach it and no other local user can join it (Ray's own
+  default token, ~/.ray/auth_token, is shared by every Ray of the user and written with the
+  user's umask, often readable by others).
+  Joining a cluster (`ray_address`) changes nothing of the kind: the cluster's own auth holds.
 
 What it does not know: what the stages run on Ray.
 """
@@ -23,6 +30,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import secrets
 import socket
 import sys
 import time
@@ -47,6 +55,7 @@ def ensure_ray(cfg) -> None:
 
     address = cfg.requested_ray_address()
     if address:
+        _undo_private()
         _join(address)
         os.environ.pop(LOCAL_RAY_ENV, None)
     else:
@@ -97,7 +106,7 @@ def _join(address: str) -> None:
 
 def _free_port() -> int:
     with socket.socket() as s:
-        s.bind(("", 0))
+        s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
@@ -106,6 +115,7 @@ def _start_local(num_cpus: int | None) -> None:
     the workers start and can be pinned in their environment. Retried once."""
     import ray
 
+    _make_private()
     for attempt in (1, 2):
         started = time.time()
         port = _free_port()
@@ -136,6 +146,56 @@ def _start_local(num_cpus: int | None) -> None:
                 os.environ.pop("RAY_GCS_SERVER_PORT", None)
             else:
                 os.environ["RAY_GCS_SERVER_PORT"] = old_port
+
+
+# Ray's single-machine mode (ray_constants.ENABLE_RAY_CLUSTER false): every address 127.0.0.1.
+LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+_PRIVATE_VARS = (LOOPBACK_ENV, "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+_saved: dict | None = None  # what _make_private replaced, for _undo_private
+
+
+def _make_private() -> None:
+    """The environment of a private local Ray, for this process and the processes Ray starts
+    (GCS, raylet, workers inherit it): loopback only, token auth with a fresh per-run token."""
+    global _saved
+    from ray._private import ray_constants
+
+    if _saved is None:
+        _saved = {"env": {k: os.environ.get(k) for k in _PRIVATE_VARS},
+                  "cluster": ray_constants.ENABLE_RAY_CLUSTER}
+    os.environ[LOOPBACK_ENV] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False  # read at call time by ray's node-address lookup
+    os.environ["RAY_AUTH_MODE"] = "token"
+    os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)  # first of Ray's token sources
+    os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
+    _reload_auth()
+
+
+def _undo_private() -> None:
+    """Back to the user's own settings before joining a cluster, in a process that started a
+    private local Ray earlier (its token would be sent to the cluster and refused)."""
+    global _saved
+    if _saved is None:
+        return
+    from ray._private import ray_constants
+
+    for k, v in _saved["env"].items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    ray_constants.ENABLE_RAY_CLUSTER = _saved["cluster"]
+    _saved = None
+    _reload_auth()
+
+
+def _reload_auth() -> None:
+    """Ray caches its auth mode (RayConfig) and token (C++ loader) per process: re-read both
+    from the environment, as Ray's own `ray get-auth-token --generate` does."""
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
 
 
 def _quiet_state_api_warnings():
