@@ -35,3 +35,14 @@ def test_run_config_holds_them_and_gti_config_re_exports_them():
     assert isinstance(cfg.sft.lora, T.LoraConfig) and cfg.sft.lora.r == 4
     with pytest.raises(C.ConfigError, match="unknown key 'sft.lora.rank'"):
         C.load(None, ["sft.lora.rank=4"])
+
+
+@pytest.mark.parametrize("section", ["ground", "sft"])
+@pytest.mark.parametrize("value", [-1, T.MAX_TRAIN_FAILURES + 1])
+def test_max_failures_is_bounded(section, value):
+    """Ray's -1 (restart the worker group for ever) or a huge count would loop for ever on a
+    failure that recurs: refused at validation, naming the key."""
+    with pytest.raises(C.ConfigError) as e:
+        C.load(None, [f"{section}.max_failures={value}"])
+    assert f"'{section}.max_failures'" in str(e.value) and "\n" not in str(e.value)
+    assert C.load(None, [f"{section}.max_failures={T.MAX_TRAIN_FAILURES}"])  # the bound itself is fine

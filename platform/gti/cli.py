@@ -63,8 +63,14 @@ def cmd_stage(args) -> int:
 def cmd_config(args) -> int:
     from gti import config
 
+    if args.explain and args.action != "show":
+        raise config.ConfigError("--explain goes with 'gti config show'")
     cfg = _cfg(args)
-    if args.action == "show":
+    if args.action == "show" and args.explain:
+        from gti.config_explain import explain
+
+        print(explain(cfg), end="")
+    elif args.action == "show":
         print(config.dump(cfg), end="")
     else:
         print(f"{args.config or '<defaults>'}: OK")
@@ -73,14 +79,13 @@ def cmd_config(args) -> int:
 
 def _delegate(module: str, func: str = "main", preflight: str | None = None) -> Callable[[argparse.Namespace], int]:
     """Handler that imports `module` only when the subcommand runs (keeps `gti --help` fast);
-    `preflight`: the function of gti.stages.doctor that checks the command's part first
-    (skipped with --no-preflight)."""
+    `preflight` ("module:function", e.g. of gti.stages.doctor): the checks of the command's part,
+    run first unless --no-preflight."""
 
     def handler(args) -> int:
         if preflight and not getattr(args, "no_preflight", False):
-            from gti.stages import doctor
-
-            getattr(doctor, preflight)(args)
+            where, name = preflight.split(":")
+            getattr(importlib.import_module(where), name)(args)
         return int(getattr(importlib.import_module(module), func)(args) or 0)
 
     return handler
@@ -136,6 +141,8 @@ def _add_pipeline_commands(sub, stage_names: Sequence[str]) -> None:
     p = sub.add_parser("config", help="show or validate a resolved config")
     p.add_argument("action", choices=["show", "validate"])
     _add_config_args(p, required=False)
+    p.add_argument("--explain", action="store_true",
+                   help="show: every resolved key with its value, its default and its meaning")
     p.set_defaults(func=cmd_config)
 
 
@@ -196,7 +203,7 @@ def _add_trained_run_commands(sub) -> None:
     p.add_argument("--trust-remote-code", action="store_true",
                    help="allow the model's own code (never taken from the run folder)")
     p.add_argument("--no-preflight", action="store_true", help="skip the checks of gti doctor")
-    p.set_defaults(func=_delegate("gti.refresh", "cli_main", preflight="for_refresh"))
+    p.set_defaults(func=_delegate("gti.refresh", "cli_main", preflight="gti.stages.doctor:for_refresh"))
     _add_serve_command(sub)
     _add_infer_command(sub)
 
@@ -216,7 +223,7 @@ def _add_serve_command(sub) -> None:
                    help="allow the model's own code (never taken from the run folder)")
     p.add_argument("overrides", nargs="*", metavar="serve.key=value", help="serve overrides, e.g. serve.max_k=50")
     p.add_argument("--no-preflight", action="store_true", help="skip the checks of gti doctor")
-    p.set_defaults(func=_delegate("gti.serve.deployment", "cli_main", preflight="for_serve"))
+    p.set_defaults(func=_delegate("gti.serve.deployment", "cli_main", preflight="gti.stages.doctor:for_serve"))
 
 
 def _add_infer_command(sub) -> None:
@@ -254,7 +261,7 @@ def _add_compare_command(sub) -> None:
     p.add_argument("--report-only", action="store_true",
                    help="run nothing: report on the finished runs and stored records")
     p.add_argument("--no-preflight", action="store_true", help="skip the checks of gti doctor")
-    p.set_defaults(func=_delegate("gti.experiments.compare", "cli_main", preflight="for_compare"))
+    p.set_defaults(func=_delegate("gti.experiments.compare", "cli_main", preflight="gti.experiments.compare:preflight"))
 
 
 def _add_vocab_commands(sub) -> None:
@@ -274,7 +281,7 @@ def _add_vocab_commands(sub) -> None:
     s.add_argument("--config", "-c", default=None, help="YAML: seed, init, ground, templates, ... (gti.vocab_ground)")
     s.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. ground.steps=50")
     s.add_argument("--no-preflight", action="store_true", help="skip the checks of gti doctor")
-    s.set_defaults(func=_delegate("gti.vocab_ground", "cli_main", preflight="for_vocab_ground"))
+    s.set_defaults(func=_delegate("gti.vocab_ground", "cli_main", preflight="gti.stages.doctor:for_vocab_ground"))
 
 
 def _add_tune_command(sub) -> None:
@@ -282,7 +289,7 @@ def _add_tune_command(sub) -> None:
     p = sub.add_parser("tune", help="Ray Tune sweep over the grounding stage")
     _add_config_args(p)
     p.add_argument("--no-preflight", action="store_true", help="skip the checks of gti doctor")
-    p.set_defaults(func=_delegate("gti.experiments.tune", "cli_main", preflight="for_tune"))
+    p.set_defaults(func=_delegate("gti.experiments.tune", "cli_main", preflight="gti.stages.doctor:for_tune"))
 
 
 # Errors a user fixes on the machine (space, permissions), not in the config or the data.

@@ -3,10 +3,14 @@
 What it is for: one validated object (`RunConfig`) that every stage reads. Unknown keys are
 rejected with the key and the file named; `key=value` overrides are applied to the raw mapping
 and the whole config is validated again, so an override can never produce a state that a YAML
-file could not. The training sections (`TrainConfig`, `GroundConfig`, `SftConfig`,
-`LoraConfig`) live in `gti.config_train`, the schema-free file machinery (strict base model,
-YAML reading, overrides, redaction, error lines) in `gti.config_io`; both are re-exported here,
-so `gti.config` stays the one import.
+file could not. Every field says what it means where it is declared (`Field(description=...)`;
+`gti config show --explain` prints them, `gti.config_explain`). The sections of this module:
+data, embed, sid, model, init, pairs, and the run itself. The others live beside it and are
+held here by `RunConfig`: training (`TrainConfig`, `GroundConfig`, `SftConfig`, `LoraConfig`)
+in `gti.config_train`, evaluation and report in `gti.config_eval`, serving in
+`gti.config_serve`, compare / tune / tracking / refresh in `gti.config_commands`; the
+schema-free file machinery (strict base model, YAML reading, overrides, redaction, error lines,
+the shared bounded types) in `gti.config_io`. `gti.config` stays the one import.
 
 What it does not know: how stages run, where outputs go (that is `pipeline`/`manifest`), or
 anything about Ray. It never imports ray or torch.
@@ -16,10 +20,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator
 
 from gti.config_io import (  # noqa: F401 - re-exported: C.redact, C.REDACTED, C.read_yaml, ...
     REDACTED,
@@ -27,135 +31,188 @@ from gti.config_io import (  # noqa: F401 - re-exported: C.redact, C.REDACTED, C
     read_yaml,
     redact,
 )
+from gti.config_io import PositiveInt, Seed
 from gti.config_io import StrictModel as _Strict
 from gti.config_io import format_error as _format_error
 from gti.config_io import parse_scalar as _parse_scalar  # noqa: F401 - re-exported
 from gti.config_train import GroundConfig, LoraConfig, SftConfig, TrainConfig  # noqa: F401 - re-exported
 from gti.config_eval import BASELINES, BASELINES_HELP, BaselineNames, SasrecConfig  # noqa: F401 - re-exported
+from gti.config_eval import EvalConfig, ReportConfig
+from gti.config_commands import CompareConfig, RefreshConfig, TrackingConfig, TuneConfig
 from gti.config_serve import ServeConfig  # noqa: F401 - re-exported (the serve: section)
 from gti.errors import ConfigError, GtiError  # noqa: F401 - ConfigError re-exported
 from gti.names import DEFAULT_GROUNDING_TEMPLATES, INIT_METHODS
 
-# Bounds that would otherwise fail hours into a run (a negative seed in the first Ray Data
-# shuffle, a zero-width encoder layer in the sid stage, a codebook of millions of tokens in the
-# vocabulary): checked when the config is validated, naming the key.
-SEED_MAX = 2**32 - 1  # numpy's and Ray Data's seeds are uint32
+# A codebook of millions of tokens would fail hours into a run, in the vocabulary: checked when
+# the config is validated, naming the key (the shared bounds, Seed and PositiveInt: gti.config_io).
 MAX_CODEBOOK_SIZE = 65536  # codes per level: each one is a new token of the LM's vocabulary
-Seed = Annotated[int, Field(ge=0, le=SEED_MAX)]
-PositiveInt = Annotated[int, Field(gt=0)]
 
 
 # --------------------------------------------------------------------------- data
 class ItemColumns(_Strict):
     """Maps the user's column names to ours."""
 
-    id: str = "item_id"
-    title: str | None = "title"
-    description: str | None = "description"
-    category: str | None = "category"
-    # Extra attribute columns used for pseudo-text when title and description are missing.
-    attributes: list[str] = Field(default_factory=lambda: ["brand"])
+    id: str = Field("item_id", description="column of the item id")
+    title: str | None = Field("title", description="column of the item title (None: the data has none)")
+    description: str | None = Field(
+        "description", description="column of the item description (None: the data has none)")
+    category: str | None = Field("category", description="column of the item category (None: the data has none)")
+    attributes: list[str] = Field(
+        default_factory=lambda: ["brand"],
+        description="extra attribute columns, used for pseudo-text when title and description are missing")
 
 
 class InteractionColumns(_Strict):
-    user: str = "user_id"
-    item: str = "item_id"
-    # None means "file order is chronological order".
-    ts: str | None = "ts"
+    """Maps the user's interaction column names to ours."""
+
+    user: str = Field("user_id", description="column of the user id")
+    item: str = Field("item_id", description="column of the item id (the items' id values)")
+    ts: str | None = Field("ts", description="column of the timestamp (None: file order is chronological order)")
+
+
+_PATH_HELP = ("a local path, glob, directory or any URI pyarrow/fsspec understands, or bundled:<name> for a "
+              "data set shipped inside the package")
+_FORMAT_HELP = "reader of the files (auto: from the file extension; u.item/u.data are movielens)"
+_STORAGE_HELP = "fsspec/pyarrow filesystem options (e.g. credentials for s3://); redacted in manifests"
 
 
 class ItemsSource(_Strict):
-    # A local path, glob, directory or any URI pyarrow/fsspec understands, or
-    # "bundled:<name>" for a data set shipped inside the package.
-    path: str = "bundled:amazon-scientific"
-    format: Literal["auto", "parquet", "csv", "jsonl", "json", "amazon", "amazon2023", "movielens"] = "auto"
-    columns: ItemColumns = Field(default_factory=ItemColumns)
-    # fsspec/pyarrow filesystem options (e.g. credentials for s3://); redacted in manifests.
-    storage_options: dict[str, str] = Field(default_factory=dict)
+    """Where the item catalog comes from."""
+
+    path: str = Field("bundled:amazon-scientific", description=_PATH_HELP)
+    format: Literal["auto", "parquet", "csv", "jsonl", "json", "amazon", "amazon2023", "movielens"] = Field(
+        "auto", description=_FORMAT_HELP)
+    columns: ItemColumns = Field(default_factory=ItemColumns, description="the item file's column names")
+    storage_options: dict[str, str] = Field(default_factory=dict, description=_STORAGE_HELP)
 
 
 class InteractionsSource(_Strict):
-    path: str = "bundled:amazon-scientific"
-    format: Literal["auto", "parquet", "csv", "jsonl", "json", "amazon2023", "movielens"] = "auto"
-    columns: InteractionColumns = Field(default_factory=InteractionColumns)
-    storage_options: dict[str, str] = Field(default_factory=dict)
+    """Where the user-item interactions come from."""
+
+    path: str = Field("bundled:amazon-scientific", description=_PATH_HELP)
+    format: Literal["auto", "parquet", "csv", "jsonl", "json", "amazon2023", "movielens"] = Field(
+        "auto", description=_FORMAT_HELP)
+    columns: InteractionColumns = Field(
+        default_factory=InteractionColumns, description="the interaction file's column names")
+    storage_options: dict[str, str] = Field(default_factory=dict, description=_STORAGE_HELP)
 
 
 class DataConfig(_Strict):
-    items: ItemsSource = Field(default_factory=ItemsSource)
-    interactions: InteractionsSource = Field(default_factory=InteractionsSource)
-    max_text_chars: int = Field(2000, gt=0)
-    min_seq_len: int = Field(3, ge=1)
-    max_history: int = Field(20, ge=1)
-    # Use only the first N items/users (after validation); None = all. Handy for quick runs.
-    max_items: int | None = Field(None, gt=0)
-    max_users: int | None = Field(None, gt=0)
-    # Ray Data read/processing parallelism; None lets Ray decide.
-    parallelism: int | None = Field(None, gt=0)
-    # An input file that cannot be read (damaged page, truncated gzip, zero bytes, ragged CSV
-    # row): "error" stops the stage with one line naming it; "skip" leaves the whole file out
-    # and records it with its reason in the ingest manifest (facts.skipped_files).
-    on_unreadable_file: Literal["error", "skip"] = "error"
+    """The ingest stage: sources, text limits, caps and sequence lengths."""
+
+    items: ItemsSource = Field(default_factory=ItemsSource, description="the item catalog")
+    interactions: InteractionsSource = Field(default_factory=InteractionsSource, description="the interactions")
+    max_text_chars: int = Field(
+        2000, gt=0, description="characters kept per text field; longer text is cut and the row flagged truncated")
+    min_seq_len: int = Field(
+        3, ge=1, description="users with fewer valid interactions are dropped (3 at least: leave-one-out needs "
+        "train, valid and test items)")
+    max_history: int = Field(
+        20, ge=1, description="most recent items in a user's history prompt (SFT windows and evaluation)")
+    max_items: int | None = Field(
+        None, gt=0, description="use only the first N valid items (None: all); handy for quick runs")
+    max_users: int | None = Field(
+        None, gt=0, description="use only the first N users (in file order) with enough interactions (None: all)")
+    parallelism: int | None = Field(
+        None, gt=0, description="Ray Data read/processing parallelism (None: Ray decides)")
+    on_unreadable_file: Literal["error", "skip"] = Field(
+        "error", description="a file that cannot be read (damaged page, truncated gzip, zero bytes, ragged CSV "
+        "row): error stops the stage with one line naming it; skip leaves the whole file out and records it in "
+        "the ingest manifest (facts.skipped_files)")
 
 
 # --------------------------------------------------------------------------- embed
 class EmbedConfig(_Strict):
-    # "minilm" | "hash" | "lm" | a local HF encoder folder path
-    encoder: str = "minilm"
-    # Model folder for encoder == "lm" (None = the run's LM, model.name).
-    lm_path: str | None = None
+    """The embed stage: item text -> content embedding, in a Ray Data actor pool."""
+
+    encoder: str = Field(
+        "minilm", description="minilm (all-MiniLM-L6-v2, bundled), hash (model-free feature hashing of words), "
+        "lm (mean-pooled causal LM) or a local HF encoder folder")
+    lm_path: str | None = Field(None, description="model folder for encoder lm (None: the run's LM, model.name)")
     dim: int = Field(384, gt=0, description="output size for the hash encoder")
-    max_tokens: int = Field(256, gt=0)
-    batch_size: int = Field(256, gt=0)
+    max_tokens: int = Field(256, gt=0, description="tokens of item text the encoder sees; longer text is cut")
+    batch_size: int = Field(256, gt=0, description="items per encoder call")
     concurrency: int = Field(1, ge=1, description="actors in the embedding pool")
-    num_gpus: float = Field(0.0, ge=0)
-    # Text fields joined into the text that is embedded.
+    num_gpus: float = Field(0.0, ge=0, description="GPUs per embedding actor (0: encode on CPU)")
     fields: list[Literal["title", "description", "category", "attributes"]] = Field(
-        default_factory=lambda: ["title", "category", "attributes", "description"]
+        default_factory=lambda: ["title", "category", "attributes", "description"],
+        description="text fields joined, in this order, into the text that is embedded",
     )
 
 
 # --------------------------------------------------------------------------- sid
 class SidGates(_Strict):
-    min_utilisation: float = Field(0.05, ge=0, le=1, description="per level, fraction of codes used")
-    max_collision_rate: float = Field(0.0, ge=0, le=1, description="after de-duplication")
+    """Quality gates: the sid stage fails (GateError, one line) when its codes miss one."""
+
+    min_utilisation: float = Field(
+        0.05, ge=0, le=1, description="per quantiser level, the least fraction of codes used")
+    max_collision_rate: float = Field(
+        0.0, ge=0, le=1, description="the most items sharing a SID after de-duplication (a fraction)")
 
 
 class SidConfig(_Strict):
-    method: Literal["rqvae", "rqkmeans"] = "rqvae"
-    levels: int = Field(4, ge=1, le=26)
-    codebook_size: int = Field(256, ge=2, le=MAX_CODEBOOK_SIZE)
-    code_dim: int = Field(32, gt=0)
-    encoder_dims: list[PositiveInt] = Field(default_factory=lambda: [512, 256])
-    dropout: float = Field(0.1, ge=0, lt=1)
-    epochs: int = Field(50, ge=1)
-    batch_size: int = Field(1024, gt=0)
-    lr: float = Field(1e-3, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    commitment_beta: float = Field(0.25, ge=0)
-    rotation_trick: bool = False
-    diversity_weight: float = Field(0.0, ge=0)
-    kmeans_iters: int = Field(25, ge=1)
+    """The sid stage: item embeddings -> semantic IDs (L codes per item, one token each)."""
+
+    method: Literal["rqvae", "rqkmeans"] = Field(
+        "rqvae", description="rqvae (residual-quantisation VAE, trained on Ray Train) or rqkmeans (residual k-means)")
+    levels: int = Field(
+        4, ge=1, le=26, description="code levels per item (one token each; de-duplication may add one)")
+    codebook_size: int = Field(256, ge=2, le=MAX_CODEBOOK_SIZE, description="codes per level (new tokens per level)")
+    code_dim: int = Field(32, gt=0, description="rqvae: size of the latent the codebooks quantise")
+    encoder_dims: list[PositiveInt] = Field(
+        default_factory=lambda: [512, 256], description="rqvae: hidden layer sizes of the encoder MLP (the decoder "
+        "mirrors it)")
+    dropout: float = Field(0.1, ge=0, lt=1, description="rqvae: dropout in the encoder/decoder MLPs")
+    epochs: int = Field(50, ge=1, description="rqvae: training epochs over all items")
+    batch_size: int = Field(1024, gt=0, description="rqvae: global batch (items per step, split over workers)")
+    lr: float = Field(1e-3, gt=0, description="rqvae: learning rate")
+    weight_decay: float = Field(0.0, ge=0, description="rqvae: optimizer weight decay")
+    commitment_beta: float = Field(
+        0.25, ge=0, description="rqvae: weight of the commitment loss (keeps the encoder near its codes)")
+    rotation_trick: bool = Field(
+        False, description="rqvae: pass gradients through the quantiser by the rotation trick (false: "
+        "straight-through)")
+    diversity_weight: float = Field(
+        0.0, ge=0, description="rqvae: weight of the term pushing the batch's soft code usage towards uniform "
+        "(0: off)")
+    kmeans_iters: int = Field(
+        25, ge=1, description="most k-means iterations (codebook init for rqvae, fitting for rqkmeans)")
+    kmeans_tol: float = Field(
+        1e-4, ge=0, description="k-means stops after an iteration that lowers the inertia by no more than this "
+        "share of the previous one (0: run all kmeans_iters)")
+    balance_tol: float = Field(
+        1e-2, gt=0, description="balanced k-means: a Sinkhorn assignment stops once every code's (log) mass is "
+        "within this of N/K (at most sinkhorn_iters steps, warm-started from the previous iteration's prices)")
+    fit_threads: int = Field(
+        1, ge=1, description="torch and faiss threads for the driver's k-means (codebook init, rqkmeans fit): "
+        "fixed, so that the SID map does not depend on the machine's core count (faiss's distances do)")
     dead_code_threshold: int = Field(
         0, ge=0, description="codes used <= this many times in an epoch are re-seeded"
     )
     balanced: bool = Field(True, description="rqkmeans: balanced cluster sizes")
-    sinkhorn_last_level: bool = True
+    sinkhorn_last_level: bool = Field(
+        True, description="spread colliding items over the last level's codes by Sinkhorn before de-duplication")
     train_sinkhorn_epsilon: float = Field(
         0.05, ge=0,
         description="rqvae: the last level trains on Sinkhorn-balanced codes at this epsilon "
         "(relative to the median distance gap; 0 = greedy codes, as at inference)",
     )
-    sinkhorn_epsilon: float = Field(0.003, gt=0)
-    sinkhorn_iters: int = Field(50, ge=1)
-    dedup: Literal["extra_level", "reassign"] = "extra_level"
-    num_workers: int = Field(1, ge=1)
-    use_gpu: bool = False
-    assign_batch_size: int = Field(4096, gt=0)
+    sinkhorn_epsilon: float = Field(
+        0.003, gt=0, description="entropy of the Sinkhorn balancing (collision spreading; rqkmeans balanced "
+        "steps), relative to the median distance gap: smaller is closer to hard assignment")
+    sinkhorn_iters: int = Field(50, ge=1, description="Sinkhorn iterations per balancing")
+    dedup: Literal["extra_level", "reassign"] = Field(
+        "extra_level", description="SIDs still shared: extra_level appends a level numbering each group's "
+        "members; reassign moves them to the nearest free last-level code (extra level where none is free)")
+    num_workers: int = Field(1, ge=1, description="rqvae: Ray Train workers")
+    use_gpu: bool = Field(
+        False, description="rqvae training and the assignment on GPU (one per Train worker / assignment actor)")
+    assign_batch_size: int = Field(4096, gt=0, description="items per call of an assignment actor")
     assign_concurrency: int = Field(1, ge=1, description="actors in the SID assignment pool")
     assign_dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        "auto", description="rqvae: precision of the encoder MLP at assignment; auto = bfloat16 "
-        "where bf16 is native (CUDA, CPUs with AVX512-BF16/AMX), else float32",
+        "float32", description="rqvae: precision of the encoder MLP at assignment; auto = bfloat16 "
+        "where bf16 is native (CUDA, CPUs with AVX512-BF16/AMX), else float32. float32 by default: auto "
+        "gives other codes on other machines. The resolved value enters the stage fingerprint",
     )
     kmeans_sample: int = Field(
         65536, gt=0, description="items sampled for codebook k-means init / rqkmeans fitting"
@@ -176,9 +233,9 @@ class SidConfig(_Strict):
     revive_every_steps: int = Field(
         0, ge=0, description="re-seed dead codes every N optimizer steps (0: once per epoch)"
     )
-    # Token string format; {level} is a letter a, b, c, ...; {code} the code index.
-    token_format: str = "<{level}_{code}>"
-    gates: SidGates = Field(default_factory=SidGates)
+    token_format: str = Field(
+        "<{level}_{code}>", description="SID token string; {level} is a letter a, b, c, ...; {code} the code index")
+    gates: SidGates = Field(default_factory=SidGates, description="quality gates of the codes")
 
     @field_validator("token_format")
     @classmethod
@@ -190,37 +247,54 @@ class SidConfig(_Strict):
 
 # --------------------------------------------------------------------------- model / vocab
 class ModelConfig(_Strict):
-    # "smollm2-135m" (offline PyPI package), "tiny" (random tiny Llama built from config, for
-    # tests), a local HF folder, or a hub id where a network exists.
-    name: str = "smollm2-135m"
-    trust_remote_code: bool = False
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    """The language model whose vocabulary the SID tokens extend."""
+
+    name: str = Field(
+        "smollm2-135m", description="smollm2-135m (offline PyPI package), tiny (random tiny Llama built from this "
+        "config, for tests), a local HF folder, or a hub id where a network exists")
+    trust_remote_code: bool = Field(False, description="let transformers run the model folder's own code")
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="dtype of the loaded weights (bfloat16 needs zero_stage >= 1 to keep fp32 masters)")
     sid_markers: bool = Field(False, description="add <sid_start>/<sid_end> tokens")
-    # Only for name == "tiny".
-    tiny_hidden: int = Field(64, gt=0)
-    tiny_layers: int = Field(2, gt=0)
-    tiny_heads: int = Field(4, gt=0)
-    tiny_tied: bool = True
-    tiny_pad_vocab_to: int | None = Field(None, description="pad embedding past the tokenizer")
+    tiny_hidden: int = Field(64, gt=0, description="name tiny only: hidden size")
+    tiny_layers: int = Field(2, gt=0, description="name tiny only: transformer layers")
+    tiny_heads: int = Field(4, gt=0, description="name tiny only: attention heads")
+    tiny_tied: bool = Field(True, description="name tiny only: tie input embeddings and output head")
+    tiny_pad_vocab_to: int | None = Field(
+        None, description="name tiny only: pad the embedding matrix past the tokenizer to this many rows (None: no "
+        "padding), as checkpoints like Qwen3 are")
 
 
 class InitConfig(_Strict):
-    method: Literal[INIT_METHODS] = "mean"  # type: ignore[valid-type]
+    """How the new SID-token rows of the embedding matrix start (gti.lm.init)."""
+
+    method: Literal[INIT_METHODS] = Field(  # type: ignore[valid-type]
+        "mean", description="mean (vocabulary mean), mean_noise (mean + scaled noise), random (random directions "
+        "at the mean norm), description (mean embedding of the texts of items carrying the code), codebook "
+        "(RQ-VAE code vectors mapped into the LM space)")
     noise_std: float = Field(0.02, ge=0, description="mean_noise: std relative to vocab std")
 
 
 # --------------------------------------------------------------------------- pairs
 class PairsConfig(_Strict):
-    system_prompt: str = "You are a helpful assistant."
-    templates: dict[str, str] = Field(default_factory=lambda: dict(DEFAULT_GROUNDING_TEMPLATES))
+    """The pairs stage: text <-> SID grounding pairs rendered with the chat template."""
+
+    system_prompt: str = Field(
+        "You are a helpful assistant.", description="system prompt of every chat-rendered pair and SFT prompt")
+    templates: dict[str, str] = Field(
+        default_factory=lambda: dict(DEFAULT_GROUNDING_TEMPLATES),
+        description="grounding task name -> question template ({title}, {description}, {sid}); the tasks "
+        "listed are the tasks rendered")
     max_len: int = Field(128, gt=8, description="tokens per rendered pair; longer text is cut")
-    max_desc_chars: int = Field(300, gt=0)
-    # Items kept out of grounding (cold-start studies): ids, or a path to a file of ids.
-    exclude_items: list[str] = Field(default_factory=list)
-    val_fraction: float = Field(0.02, ge=0, lt=1)
-    # Which rows of a validation item are held out: "text2sid" (its text->SID rows; its
-    # SID->text rows still train, so validation measures the reverse binding) or "item" (all).
-    val_holdout: Literal["text2sid", "item"] = "text2sid"
+    max_desc_chars: int = Field(300, gt=0, description="characters of an item's description used in its pairs")
+    exclude_items: list[str] = Field(
+        default_factory=list, description="items kept out of grounding (cold-start studies): ids, or one path to a "
+        "file of ids")
+    val_fraction: float = Field(
+        0.02, ge=0, lt=1, description="share of items held out for grounding validation (chosen by a seeded hash)")
+    val_holdout: Literal["text2sid", "item"] = Field(
+        "text2sid", description="rows of a validation item held out: text2sid (its text->SID rows; its SID->text "
+        "rows still train) or item (all its rows)")
 
     @field_validator("templates")
     @classmethod
@@ -233,168 +307,33 @@ class PairsConfig(_Strict):
         return v
 
 
-# --------------------------------------------------------------------------- eval
-class EvalConfig(_Strict):
-    beam_width: int = Field(20, ge=1)
-    ks: list[PositiveInt] = Field(default_factory=lambda: [5, 10, 20], min_length=1)
-    splits: list[Literal["valid", "test"]] = Field(default_factory=lambda: ["valid", "test"])
-    max_users: int | None = Field(None, gt=0, description="evaluate a sample of users")
-    sample_seed: Seed | None = Field(
-        None, description="seed of that sample (None: the run's seed; fix it to evaluate the same "
-        "users in every seed of a comparison)",
-    )
-    batch_users: int = Field(8, ge=1)
-    concurrency: int = Field(1, ge=1)
-    num_gpus: float = Field(0.0, ge=0)
-    bootstrap: int = Field(1000, ge=0)
-    constrained: bool = True
-    # torch threads per CPU decoding actor; None keeps Ray's setting (1 by default).
-    cpu_threads: int | None = Field(None, ge=1)
-    # Exact rank of the true next item among ALL catalog items (MRR, mean percentile rank with
-    # bootstrap CIs; gti.eval.rank), beside the beam-search top-K metrics. Costs one prefill
-    # plus one token per distinct SID prefix per user.
-    exact_rank: bool = False
-    # Cold-item slice: every metric is also reported for the users whose target item is the
-    # target of at most this many SFT training windows (counted on train items only).
-    cold_max_sft_targets: int = Field(1, ge=0)
-    baselines: BaselineNames = Field(default_factory=lambda: list(BASELINES), description=BASELINES_HELP)
-    sasrec: SasrecConfig = Field(default_factory=SasrecConfig, description="the sasrec reference row")
-
-    @model_validator(mode="after")
-    def _k_le_beam(self) -> "EvalConfig":
-        bad = [k for k in self.ks if k > self.beam_width]
-        if bad:
-            raise ValueError(f"ks {bad} exceed beam_width {self.beam_width}")
-        return self
-
-
-class ReportConfig(_Strict):
-    max_heatmap_tokens: int = Field(256, gt=0)
-    # Name of this run in reports (None: derived from init method / grounding / multitask).
-    label: str | None = None
-    text_sample: int = Field(512, ge=0, description="old vocabulary rows for SID-text cosine")
-    rsa_max_codes_per_level: int = Field(1024, ge=2)
-    bootstrap: int = Field(1000, ge=0, description="resamples for report CIs")
-    baseline_arm: str = "mean"
-
-
-class CompareConfig(_Strict):
-    """`gti compare`: arms x seeds over shared SIDs (see gti/experiments/compare.py)."""
-
-    # Arms without grounding get ground.steps added to sft.steps (equal total step budget).
-    equal_budget: bool = True
-    # Run arm x seed pipelines as concurrent Ray tasks (False: one after another in-process).
-    parallel: bool = True
-    # Concurrent arm runs; None = cluster CPUs (GPUs) / what one arm's Train workers need.
-    max_parallel: int | None = Field(None, ge=1)
-    # CPUs reserved by each arm's driver task; its stages request their own Ray resources.
-    arm_num_cpus: float = Field(0.0, ge=0)
-    # Where each finished arm run's report record is kept (None: <out>/records). A record
-    # stands for its run on another machine or in a later session (run folders are large and
-    # local): compare skips a run whose record matches its config and the shared SIDs/data.
-    records_dir: str | None = None
-
-
-# --------------------------------------------------------------------------- tune
-class TuneConfig(_Strict):
-    # Search space: {param: {type: loguniform|uniform|randint|choice|grid, low, high, values}}
-    # (grid: every value runs, times num_samples; the others are sampled num_samples times)
-    search_space: dict[str, dict[str, Any]] = Field(
-        default_factory=lambda: {
-            "ground.lr": {"type": "loguniform", "low": 1e-4, "high": 1e-2},
-            "ground.steps": {"type": "choice", "values": [100, 200, 400]},
-        }
-    )
-    num_samples: int = Field(4, ge=1)
-    objective: Literal["grounding", "sft"] = "grounding"
-    metric: str = "val_exact_match"
-    mode: Literal["max", "min"] = "max"
-    grace_period: int = Field(1, ge=1)
-    reduction_factor: int = Field(2, ge=2)
-    max_concurrent_trials: int | None = Field(None, ge=1)
-
-
-# --------------------------------------------------------------------------- tracking
-class TrackingConfig(_Strict):
-    """Where training and evaluation metrics go (gti/tracking.py). Not part of any stage's
-    fingerprint: turning a sink on or off never reruns a stage."""
-
-    # Event files under <run_dir>/tensorboard/<stage>/ (`tensorboard --logdir <run_dir>`).
-    tensorboard: bool = True
-    # Also log to MLflow (needs `pip install mlflow`; not installed by default).
-    mlflow: bool = False
-    # None: a local file store at <run_dir>/mlruns (no network).
-    mlflow_uri: str | None = None
-    mlflow_experiment: str = Field("gti", min_length=1)
-
-
-# --------------------------------------------------------------------------- refresh
-REFRESH_LR_SCALE = 0.1  # refresh.ground_lr's default, as a share of ground.lr (see ground_lr)
-
-
-class RefreshConfig(_Strict):
-    """`gti refresh` (gti/refresh/): new items onto a trained run without retraining it.
-    Not part of any stage's fingerprint (a refresh writes its own versions under
-    <run_dir>/refresh/)."""
-
-    # A new item whose prefix group already uses every code of the de-duplication level (or
-    # whose SID is taken and no last-level code is free, without one) needs a token the
-    # vocabulary lacks. Such items are always listed in needs_new_tokens.json. "error": the
-    # refresh stops with one line. "add_tokens": the last level grows by as many codes as the
-    # fullest group needs (gti.sid.map_edits.add_last_level_codes; old SIDs unchanged), the
-    # new code tokens are appended to the tokenizer and the model (rows start at the mean of
-    # their level's rows, the grounding pass trains them with the other SID rows), and the
-    # new map version records the grown codebook sizes. The parent's model then refuses the
-    # grown map (its vocabulary lacks the added tokens).
-    on_full_group: Literal["error", "add_tokens"] = "error"
-    # Old grounding pairs replayed per new-item pair in the grounding pass (0: new pairs only).
-    replay_ratio: float = Field(1.0, ge=0)
-    # Grounding steps on the new items' pairs (+ replay), continuing from the run's model;
-    # 0 = assign SIDs only (the model is exported unchanged with the new map version).
-    ground_steps: int = Field(50, ge=0)
-    # None: REFRESH_LR_SCALE x ground.lr. A refresh continues from rows already trained (and
-    # tuned by SFT to recommend), not from the mean: at the first grounding's lr its 100 steps
-    # moved every old SID row by 35-68% of its norm and old-target Recall@10 fell .10 -> .02;
-    # at a tenth of it the old targets kept .10 and the new ones gained as much (.02 -> .16)
-    # (bench/RESULTS.md "New items").
-    ground_lr: float | None = Field(None, gt=0, description="None: REFRESH_LR_SCALE x ground.lr")
-    # Optional short SFT on the new interactions (0 = off; needs --interactions).
-    sft_steps: int = Field(0, ge=0)
-    sft_lr: float | None = Field(None, gt=0, description="None: sft.lr")
-    # Windows of untouched users replayed per touched-user window in the refresh SFT (0: the
-    # touched users' windows only).
-    sft_replay_ratio: float = Field(0.0, ge=0)
-
-    def ground_lr_from(self, ground_lr: float) -> float:
-        """The refresh's grounding lr, given the run's `ground.lr`."""
-        return self.ground_lr if self.ground_lr is not None else REFRESH_LR_SCALE * ground_lr
-
-
 # --------------------------------------------------------------------------- run
 LOCAL_RAY_ENV = "GTI_LOCAL_RAY"  # "<pid>:<gcs address>" of the local Ray this process started
 
 
 class RunConfig(_Strict):
-    run_dir: str = "runs/demo"
-    seed: Seed = 0
-    # Ray address: None starts/joins a local Ray; "auto" joins a running cluster.
-    ray_address: str | None = None
-    ray_num_cpus: int | None = Field(None, ge=1)
-    data: DataConfig = Field(default_factory=DataConfig)
-    embed: EmbedConfig = Field(default_factory=EmbedConfig)
-    sid: SidConfig = Field(default_factory=SidConfig)
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    init: InitConfig = Field(default_factory=InitConfig)
-    pairs: PairsConfig = Field(default_factory=PairsConfig)
-    ground: GroundConfig = Field(default_factory=GroundConfig)
-    sft: SftConfig = Field(default_factory=SftConfig)
-    eval: EvalConfig = Field(default_factory=EvalConfig)
-    report: ReportConfig = Field(default_factory=ReportConfig)
-    tune: TuneConfig = Field(default_factory=TuneConfig)
-    compare: CompareConfig = Field(default_factory=CompareConfig)
-    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
-    refresh: RefreshConfig = Field(default_factory=RefreshConfig)
-    serve: ServeConfig = Field(default_factory=ServeConfig)
+    """One run: where it lives, its seed, its Ray, and every section."""
+
+    run_dir: str = Field("runs/demo", description="folder of the run's stages, manifests and reports")
+    seed: Seed = Field(0, description="seed of every sample, shuffle and initialisation of the run")
+    ray_address: str | None = Field(
+        None, description="Ray to join (None: $RAY_ADDRESS, else start a local Ray; auto: a running cluster)")
+    ray_num_cpus: int | None = Field(None, ge=1, description="CPUs of a local Ray this run starts (None: all)")
+    data: DataConfig = Field(default_factory=DataConfig, description="ingest: sources, text limits, caps")
+    embed: EmbedConfig = Field(default_factory=EmbedConfig, description="embed: item text -> content embedding")
+    sid: SidConfig = Field(default_factory=SidConfig, description="sid: embeddings -> semantic IDs")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="the language model")
+    init: InitConfig = Field(default_factory=InitConfig, description="initial rows of the new SID tokens")
+    pairs: PairsConfig = Field(default_factory=PairsConfig, description="pairs: text <-> SID grounding pairs")
+    ground: GroundConfig = Field(default_factory=GroundConfig, description="ground: training of the SID rows")
+    sft: SftConfig = Field(default_factory=SftConfig, description="sft: next-item recommendation fine-tuning")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="evaluate: top-K metrics by beam search")
+    report: ReportConfig = Field(default_factory=ReportConfig, description="report: plots and CIs")
+    tune: TuneConfig = Field(default_factory=TuneConfig, description="gti tune: the sweep")
+    compare: CompareConfig = Field(default_factory=CompareConfig, description="gti compare: arms x seeds")
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="metric sinks (TensorBoard, MLflow)")
+    refresh: RefreshConfig = Field(default_factory=RefreshConfig, description="gti refresh: new items onto a run")
+    serve: ServeConfig = Field(default_factory=ServeConfig, description="gti serve: the online service")
 
     def resolved_run_dir(self) -> Path:
         return Path(self.run_dir).expanduser().resolve()

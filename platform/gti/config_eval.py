@@ -1,10 +1,14 @@
-"""Config of the evaluation's reference rows: the `eval.baselines` names and `eval.sasrec`.
+"""The evaluation and report sections of the run config: `eval:` (with its reference rows,
+`eval.baselines` and `eval.sasrec`) and `report:`.
 
-What it is for: the typed, validated settings of the SASRec reference row (`gti.eval.sasrec`),
-kept out of `gti.config` (which re-exports them) so that module stays small. Unknown keys are
-rejected like every other section (`gti.config_io.StrictModel`).
+What it is for: `EvalConfig` (beam search, K values, splits, user sample, bootstrap, exact
+ranks, the cold-item slice), `SasrecConfig` (the SASRec reference row, `gti.eval.sasrec`) and
+`ReportConfig` (the report stage's plots and CIs), kept out of `gti.config` (which holds them
+in `RunConfig`) so that module stays small. Unknown keys are rejected like every other section
+(`gti.config_io.StrictModel`).
 
-What it does not know: how the rows are computed (`gti.eval.reference`), Ray, torch.
+What it does not know: how metrics or rows are computed (`gti.eval`, `gti.stages.evaluate`),
+Ray, torch.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field, model_validator
 
+from gti.config_io import PositiveInt, Seed
 from gti.config_io import StrictModel as _Strict
 
 BASELINES = ("mostpop", "markov", "sasrec")
@@ -63,3 +68,58 @@ class SasrecConfig(_Strict):
         if self.dim % self.heads:
             raise ValueError(f"dim {self.dim} is not divisible by heads {self.heads}")
         return self
+
+
+class EvalConfig(_Strict):
+    """The evaluate stage: leave-one-out top-K metrics by constrained beam search."""
+
+    beam_width: int = Field(20, ge=1, description="beams kept per user in the SID beam search (>= every K)")
+    ks: list[PositiveInt] = Field(
+        default_factory=lambda: [5, 10, 20], min_length=1, description="cut-offs K of Recall/NDCG/Precision@K")
+    splits: list[Literal["valid", "test"]] = Field(
+        default_factory=lambda: ["valid", "test"], description="leave-one-out splits evaluated")
+    max_users: int | None = Field(None, gt=0, description="evaluate a seeded sample of this many users (None: all)")
+    sample_seed: Seed | None = Field(
+        None, description="seed of that sample (None: the run's seed; fix it to evaluate the same "
+        "users in every seed of a comparison)",
+    )
+    batch_users: int = Field(8, ge=1, description="users decoded per batch (per actor call)")
+    concurrency: int = Field(1, ge=1, description="decoding actors in the Ray Data pool")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs per decoding actor (0: decode on CPU)")
+    bootstrap: int = Field(1000, ge=0, description="bootstrap resamples over users for metric CIs (0: none)")
+    constrained: bool = Field(
+        True, description="restrict beam search to SIDs in the catalog's trie (false: the invalid-SID rate shows "
+        "what the model makes up)")
+    cpu_threads: int | None = Field(
+        None, ge=1, description="torch threads per CPU decoding actor (None: Ray's setting, 1 by default)")
+    exact_rank: bool = Field(
+        False, description="also the exact rank of the true item among ALL catalog items (MRR, mean percentile "
+        "rank with CIs; gti.eval.rank): one prefill plus one token per distinct SID prefix per user")
+    cold_max_sft_targets: int = Field(
+        1, ge=0, description="cold-item slice: metrics also for users whose target is the target of at most this "
+        "many SFT training windows (counted on train items only)")
+    baselines: BaselineNames = Field(default_factory=lambda: list(BASELINES), description=BASELINES_HELP)
+    sasrec: SasrecConfig = Field(default_factory=SasrecConfig, description="the sasrec reference row")
+
+    @model_validator(mode="after")
+    def _k_le_beam(self) -> "EvalConfig":
+        bad = [k for k in self.ks if k > self.beam_width]
+        if bad:
+            raise ValueError(f"ks {bad} exceed beam_width {self.beam_width}")
+        return self
+
+
+class ReportConfig(_Strict):
+    """The report stage (and `gti compare`'s report): plots, labels and CIs."""
+
+    max_heatmap_tokens: int = Field(
+        256, gt=0, description="SID tokens shown in a cosine heatmap (an evenly spaced subset per level)")
+    label: str | None = Field(
+        None, description="name of this run in reports (None: derived from init method / grounding / multitask)")
+    text_sample: int = Field(512, ge=0, description="old vocabulary rows for SID-text cosine")
+    rsa_max_codes_per_level: int = Field(
+        1024, ge=2, description="codes per level kept (evenly spaced) in the RSA between RQ-VAE code vectors and "
+        "learned SID rows")
+    bootstrap: int = Field(1000, ge=0, description="resamples for report CIs")
+    baseline_arm: str = Field("mean", description="arm the relative lifts of the comparison tables are measured "
+                              "against (an arm name: mean = mean init without grounding; gti, gti+<method>, ...)")

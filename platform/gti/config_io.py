@@ -6,7 +6,8 @@ ConfigError); `apply_overrides` (`a.b.c=value` onto a raw mapping, values parsed
 would by `parse_scalar`); `format_error` (a pydantic ValidationError -> one line naming the key
 and the file); `redact` (secret-looking keys masked, and credentials inside URIs, before
 anything reaches a manifest or log; the rules are `gti.redact`'s).
-`gti.config` builds the run config from these; `gti.vocab_ground` builds its own.
+`Seed` and `PositiveInt`, the bounded types several sections share. `gti.config` builds the
+run config from these; `gti.vocab_ground` builds its own.
 
 What it does NOT know: any config section or its defaults (`gti.config`, `gti.config_train`),
 how stages run, or anything about Ray. It never imports ray or torch.
@@ -17,13 +18,20 @@ from __future__ import annotations
 import copy
 import re
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gti.errors import ConfigError
 from gti.redact import REDACTED, is_secret_key, redact_text  # noqa: F401 - re-exported (C.REDACTED, ...)
+
+
+# Bounds that would otherwise fail hours into a run (a negative seed in the first Ray Data
+# shuffle, a zero-width layer or a zero K): checked when the config is validated, naming the key.
+SEED_MAX = 2**32 - 1  # numpy's and Ray Data's seeds are uint32
+Seed = Annotated[int, Field(ge=0, le=SEED_MAX)]
+PositiveInt = Annotated[int, Field(gt=0)]
 
 
 class StrictModel(BaseModel):

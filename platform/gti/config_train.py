@@ -18,76 +18,89 @@ from pydantic import Field
 
 from gti.config_io import StrictModel
 
+MAX_TRAIN_FAILURES = 100  # the most restarts `ground/sft.max_failures` may ask for
+
 
 class TrainConfig(StrictModel):
     """Shared by grounding and SFT: optimiser, schedule, parallelism, checkpoints."""
 
-    enabled: bool = True
-    lr: float = Field(1e-3, gt=0)
-    steps: int = Field(100, ge=0)
+    enabled: bool = Field(True, description="train this stage (false, or steps 0: export the model unchanged)")
+    lr: float = Field(1e-3, gt=0, description="peak learning rate (AdamW)")
+    steps: int = Field(100, ge=0, description="optimizer steps")
     batch_size: int = Field(8, gt=0, description="global batch (sequences per optimizer step)")
-    grad_accum: int = Field(1, ge=1)
-    warmup_steps: int = Field(0, ge=0)
-    weight_decay: float = Field(0.0, ge=0)
-    schedule: Literal["constant", "cosine", "linear"] = "constant"
-    max_grad_norm: float = Field(1.0, gt=0)
-    adam_betas: tuple[float, float] = (0.9, 0.999)
-    adam_eps: float = Field(1e-8, gt=0)
-    num_workers: int = Field(1, ge=1)
-    use_gpu: bool = False
-    # Ray resources per Train worker (ScalingConfig.resources_per_worker), e.g. {CPU: 8, GPU: 1},
-    # or {CPU: 1, gti_worker: 1} with cluster/local_cluster.sh to force one worker per node.
-    # None = Ray Train's default (1 CPU, plus 1 GPU when use_gpu).
-    resources_per_worker: dict[str, float] | None = None
-    zero_stage: Literal[0, 1, 2, 3] = 2
-    # "auto": bf16 autocast where bf16 is native (CUDA, CPUs with AVX512-BF16/AMX), else fp32
-    # (gti.devices.resolve_precision; the resolved value goes into the stage manifest). Master
-    # weights and optimizer state stay fp32 unless model.dtype is bfloat16.
-    precision: Literal["auto", "fp32", "bf16"] = "auto"
-    # Micro-batches of similar-length rows (gti.train.batching), so padding costs little.
-    group_by_length: bool = True
-    # Attention kernel while training: "auto" = eager on CPU (its backward is ~1.35x faster than
-    # SDPA's flash kernel for SmolLM2 rows of ~65 tokens on 2 cores; bench/RESULTS.md), the
-    # model's own choice on GPU.
-    attn_implementation: Literal["auto", "sdpa", "eager"] = "auto"
-    # torch intra-op threads per CPU training worker; None keeps Ray's setting (= the CPUs the
-    # worker reserved, 1 by default). Set it to the node's cores for a single worker on a laptop.
-    cpu_threads: int | None = Field(None, ge=1)
-    checkpoint_every: int = Field(50, ge=1)
-    val_every: int = Field(50, ge=1)
-    val_samples: int = Field(64, ge=1)
-    max_failures: int = Field(0, ge=-1)
-    log_every: int = Field(1, ge=1)
+    grad_accum: int = Field(1, ge=1, description="micro-batches accumulated per optimizer step")
+    warmup_steps: int = Field(0, ge=0, description="steps of linear warmup to lr")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    schedule: Literal["constant", "cosine", "linear"] = Field(
+        "constant", description="lr after warmup: constant, or cosine / linear decay over the steps")
+    max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping by global norm")
+    adam_betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas (each in [0, 1))")
+    adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
+    num_workers: int = Field(1, ge=1, description="Ray Train workers (data-parallel)")
+    use_gpu: bool = Field(False, description="one GPU per worker")
+    resources_per_worker: dict[str, float] | None = Field(
+        None, description="Ray resources per Train worker, e.g. {CPU: 8, GPU: 1}, or {CPU: 1, gti_worker: 1} with "
+        "cluster/local_cluster.sh for one worker per node (None: Ray Train's default, 1 CPU plus 1 GPU when "
+        "use_gpu)")
+    zero_stage: Literal[0, 1, 2, 3] = Field(2, description="DeepSpeed ZeRO stage (0: plain data parallel)")
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="bf16 = autocast; auto: bf16 where native (CUDA, CPUs with AVX512-BF16/AMX), else fp32 "
+        "(resolved value in the stage manifest); master weights and optimizer state stay fp32 unless "
+        "model.dtype is bfloat16")
+    group_by_length: bool = Field(
+        True, description="micro-batches of similar-length rows (gti.train.batching), so padding costs little")
+    attn_implementation: Literal["auto", "sdpa", "eager"] = Field(
+        "auto", description="attention kernel while training; auto: eager on CPU (its backward was faster for short "
+        "rows; bench/RESULTS.md), the model's own choice on GPU")
+    cpu_threads: int | None = Field(
+        None, ge=1, description="torch intra-op threads per CPU training worker (None: Ray's setting, the CPUs the "
+        "worker reserved, 1 by default); set it to the node's cores for a single worker on a laptop")
+    checkpoint_every: int = Field(50, ge=1, description="steps between checkpoints (and one at the last step)")
+    val_every: int = Field(50, ge=1, description="steps between validations (and one at the last step)")
+    val_samples: int = Field(
+        64, ge=1, description="grounding: held-out text->SID pairs validated (seeded sample); SFT uses sft.val_users")
+    max_failures: int = Field(
+        0, ge=0, le=MAX_TRAIN_FAILURES, description="worker-group restarts after a worker failure (Ray Train "
+        "FailureConfig); bounded, as retrying for ever would loop on a failure that recurs")
+    log_every: int = Field(1, ge=1, description="steps between metric reports")
 
 
 class GroundConfig(TrainConfig):
-    lr: float = Field(1e-3, gt=0)
-    steps: int = Field(200, ge=0)
+    """`ground:`: training of the new SID rows on the grounding pairs."""
+
+    lr: float = Field(1e-3, gt=0, description="peak learning rate (AdamW)")
+    steps: int = Field(200, ge=0, description="optimizer steps")
 
 
 class LoraConfig(StrictModel):
-    enabled: bool = False
-    r: int = Field(8, gt=0)
-    alpha: int = Field(32, gt=0)
-    dropout: float = Field(0.05, ge=0, lt=1)
-    quantize_4bit: bool = False
+    """`sft.lora:`: peft adapters on every linear layer of the backbone (embeddings and head
+    stay fully trainable)."""
+
+    enabled: bool = Field(False, description="train LoRA adapters instead of the full backbone")
+    r: int = Field(8, gt=0, description="adapter rank")
+    alpha: int = Field(32, gt=0, description="adapter scale numerator (scale = alpha / r)")
+    dropout: float = Field(0.05, ge=0, lt=1, description="dropout on the adapter input")
+    quantize_4bit: bool = Field(False, description="QLoRA: 4-bit base weights (needs bitsandbytes, a GPU and enabled)")
 
 
 class SftConfig(TrainConfig):
-    lr: float = Field(3e-4, gt=0)
-    steps: int = Field(200, ge=0)
-    schedule: Literal["constant", "cosine", "linear"] = "cosine"
-    weight_decay: float = Field(0.01, ge=0)
-    max_len: int = Field(160, gt=8)
-    # LC-Rec style multitask mix: weight of grounding-pair tasks relative to the sequence task.
-    multitask: bool = False
-    multitask_weight: float = Field(0.5, ge=0)
-    lora: LoraConfig = Field(default_factory=LoraConfig)
-    val_users: int = Field(64, ge=1)
-    # Also the exact-rank MRR of the validation users at every validation (gti.eval.rank: one
-    # prefill plus one token per distinct SID prefix per user); val_loss is always computed.
-    val_mrr: bool = False
-    # "chat": the chat template, system prompt and a retrieval template around the history
-    # (the paper's form). "compact": the history's SID tokens alone, then the answer; no chat
-    # scaffolding (see gti.lm.templates.render_rec_prompt). Used by SFT, evaluate and recommend.
-    prompt_style: Literal["chat", "compact"] = "chat"
+    """`sft:`: fine-tuning to recommend the next item's SID from a user's history."""
+
+    lr: float = Field(3e-4, gt=0, description="peak learning rate (AdamW)")
+    steps: int = Field(200, ge=0, description="optimizer steps")
+    schedule: Literal["constant", "cosine", "linear"] = Field(
+        "cosine", description="lr after warmup: constant, or cosine / linear decay over the steps")
+    weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay")
+    max_len: int = Field(160, gt=8, description="tokens per rendered prompt + answer; longer histories are cut")
+    multitask: bool = Field(False, description="LC-Rec style: mix grounding pairs into the SFT rows")
+    multitask_weight: float = Field(
+        0.5, ge=0, description="grounding-pair rows added per sequence row when multitask is on")
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA / QLoRA adapters")
+    val_users: int = Field(64, ge=1, description="validation users (seeded sample) scored at every validation")
+    val_mrr: bool = Field(
+        False, description="also the exact-rank MRR of the validation users at every validation (gti.eval.rank: "
+        "one prefill plus one token per distinct SID prefix per user); val_loss is always computed")
+    prompt_style: Literal["chat", "compact"] = Field(
+        "chat", description="chat: chat template, system prompt and a retrieval template around the history (the "
+        "paper's form); compact: the history's SID tokens alone, then the answer (gti.lm.templates."
+        "render_rec_prompt); used by SFT, evaluate and recommend")

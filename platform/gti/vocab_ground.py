@@ -69,20 +69,27 @@ WORK_MARKER = ".gti-vocab-work"  # in the default work dir: gti made it, so gti 
 
 # --------------------------------------------------------------------------- config
 class VocabModelConfig(StrictModel):
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    trust_remote_code: bool = False
+    """The model folder's loading options (the folder itself is `--model`)."""
+
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="dtype the weights are loaded and trained in")
+    trust_remote_code: bool = Field(False, description="let transformers run the model folder's own code; "
+                                                       "keep off unless you wrote that code")
 
 
 class VocabGroundConfig(StrictModel):
-    seed: C.Seed = 0
-    ray_address: str | None = None
-    ray_num_cpus: int | None = Field(None, ge=1)
-    model: VocabModelConfig = Field(default_factory=VocabModelConfig)
-    init: C.InitConfig = Field(default_factory=C.InitConfig)
-    ground: C.GroundConfig = Field(default_factory=C.GroundConfig)
-    templates: dict[str, str] = Field(default_factory=lambda: dict(DEFAULT_TEMPLATES))
-    system_prompt: str = "You are a helpful assistant."
-    max_len: int = Field(128, gt=8)
+    """`gti vocab ground --config`: grounding new tokens of any vocabulary (tool calls, ...)."""
+
+    seed: C.Seed = Field(0, description="seed of the new rows' initialisation, pair order and training")
+    ray_address: str | None = Field(None, description="Ray cluster to join ('auto' or host:port); None = a local Ray")
+    ray_num_cpus: int | None = Field(None, ge=1, description="CPUs of the local Ray it starts; None = all")
+    model: VocabModelConfig = Field(default_factory=VocabModelConfig, description="how the model folder is loaded")
+    init: C.InitConfig = Field(default_factory=C.InitConfig, description="initialisation of the new rows")
+    ground: C.GroundConfig = Field(default_factory=C.GroundConfig,
+                                   description="the grounding run (steps, lr, batch, workers)")
+    templates: dict[str, str] = Field(default_factory=lambda: dict(DEFAULT_TEMPLATES),
+                                      description="task name -> prompt template pairing a description with its token")
+    system_prompt: str = Field("You are a helpful assistant.", description="system message of every pair's chat")
+    max_len: int = Field(128, gt=8, description="tokens per pair; longer pairs are cut (and counted in a warning)")
 
     def run_config(self, model_path: str | Path) -> C.RunConfig:
         """The RunConfig the grounding workers read (model.name = the resolved folder)."""
