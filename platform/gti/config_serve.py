@@ -50,6 +50,9 @@ class ServeConfig(StrictModel):
     token_env: str = Field(
         "GTI_SERVE_TOKEN", min_length=1,
         description="name of the environment variable holding the bearer token (<name>_FILE: a file holding it)")
+    reload_poll_s: float = Field(
+        2.0, ge=0, description="how often each replica looks for a newly published refresh version (0: never)")
+    max_search_results: int = Field(50, ge=1, le=MAX_K_LIMIT, description="largest limit of GET /items")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="where replicas decode (auto: cuda if present)")
 
     @model_validator(mode="after")

@@ -4,6 +4,8 @@ items (real map hash), ingest titles, the sft model, a config with data.max_hist
 one `gti refresh` version v1 (the same 20 items plus 2 new ones, its record naming the base
 map as parent, its model the base model with its gti_meta.json naming the new map).
 
+`publishable` is a copy of it with `publish(k, extra_ids)`, which writes a good v<k> (parent:
+the newest version, plus the extra items), as `gti refresh` would publish it.
 `add_bad_version(run)` adds v2, whose map changes the SID of an old item (it names v1 as its
 parent, but does not descend from it)."""
 
@@ -135,6 +137,33 @@ def bad_run(serve_run, tmp_path) -> dict:
     shutil.copytree(serve_run["run"], info["run"])
     add_bad_version(info)
     return info
+
+
+@pytest.fixture
+def publishable(serve_run, tmp_path) -> dict:
+    """A copy of the tiny run and `publish(k, extra_ids)` (see the module docstring)."""
+    return copy_publishable(serve_run, tmp_path / "run")
+
+
+def copy_publishable(serve_run: dict, run: Path) -> dict:
+    from gti.sid import lineage
+
+    info = dict(serve_run, run=run)
+    shutil.copytree(serve_run["run"], info["run"])
+    ids = serve_run["item_ids"] + NEW_ITEMS
+
+    def publish(k: int, extra: list[str]) -> str:
+        parent = lineage.versions(info["run"])[-1].version()
+        return write_version(info["run"], k, ids + extra, serve_run["codes"][:len(ids) + len(extra)], parent)
+
+    info["publish"] = publish
+    return info
+
+
+@pytest.fixture(scope="session")
+def publishable_factory():
+    """`copy_publishable(serve_run, run)` for fixtures of a wider scope than `publishable`."""
+    return copy_publishable
 
 
 @pytest.fixture(scope="session")

@@ -204,3 +204,21 @@ def test_non_descendant_map_is_refused_and_the_old_one_keeps_serving(bad_run, se
     assert r.json()["state"] == "refused" and holder.current.version == 1 and len(logs) == 2
     r = c.post("/admin/reload", json={"version": 7, "wait": True}, headers=AUTH)
     assert r.json()["state"] == "failed" and "no finished refresh version 7" in r.json()["message"]
+
+
+def test_call_asgi_answers_as_the_http_client_does(client):
+    """What a replica does with a request the ingress forwards: the same status and body."""
+    import asyncio
+
+    from gti.serve.app import call_asgi
+
+    body = json.dumps({"history": ["it3", "it1"], "k": 4}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    status, out_headers, content = asyncio.run(call_asgi(client.app, "POST", "/recommend", b"", headers, body))
+    ref = client.post("/recommend", content=body, headers={"Content-Type": "application/json"})
+    assert status == 200 and json.loads(content)["items"] == ref.json()["items"]
+    assert (b"content-type", b"application/json") in out_headers
+    status, _, content = asyncio.run(call_asgi(client.app, "GET", "/items", b"q=it2&limit=1", [], b""))
+    assert status == 200 and [x["item_id"] for x in json.loads(content)["items"]] == ["it2"]
+    status, _, content = asyncio.run(call_asgi(client.app, "POST", "/recommend", b"", headers, b"{"))
+    assert status == 400 and "malformed JSON" in json.loads(content)["error"]

@@ -1,7 +1,9 @@
 """gti/serve/deployment.py without starting Ray: the Serve options from the serve: section
 (fixed replicas or autoscaling bounds, CPUs = threads), where `gti serve` takes its settings
-(defaults < --config < serve.* overrides < flags; other overrides refused), and the
-deployment's shape (FastAPI ingress, a batch method)."""
+(defaults < --config < serve.* overrides < flags; other overrides refused), the deployment's
+shape (an ingress forwarding to the model replicas, a batch method), the ingress answering 503
++ Retry-After when the replica dies mid-request, and jobs/serve.yaml (a valid Serve config whose
+import path builds the application)."""
 
 from __future__ import annotations
 
@@ -45,9 +47,63 @@ def test_serve_config_precedence(tmp_path):
 
 
 def test_deployment_shape():
-    assert D.GtiRecommender.name == "gti-recommender"
+    assert (D.GtiRecommender.name, D.GtiIngress.name) == ("gti-recommender", "gti-ingress")
     cls = D.GtiRecommender.func_or_class
-    assert hasattr(cls, "__serve_build_asgi_app__") and hasattr(cls, "_batched")
+    assert hasattr(cls, "forward") and hasattr(cls, "_batched")
+    opts = D.ingress_options(ServeConfig(replicas=3, max_batch_size=8))
+    assert opts["ray_actor_options"] == {"num_cpus": 0} and opts["num_replicas"] == 3
+    assert opts["max_ongoing_requests"] == 64
+
+
+def _request(body: bytes, path: str = "/recommend"):
+    from starlette.requests import Request
+
+    chunks = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive():
+        return chunks.pop(0) if chunks else {"type": "http.disconnect"}
+
+    scope = {"type": "http", "method": "POST", "path": path, "query_string": b"k=1",
+             "headers": [(b"content-type", b"application/json")]}
+    return Request(scope, receive)
+
+
+class _Model:
+    """A stand-in for the model handle: `forward.remote(...)` awaits `result` (or raises it)."""
+
+    def __init__(self, result):
+        self.calls, outer = [], self
+
+        class _Forward:
+            def remote(self, *args):
+                outer.calls.append(args)
+
+                async def answer():
+                    if isinstance(result, BaseException):
+                        raise result
+                    return result
+                return answer()
+        self.forward = _Forward()
+
+
+def test_ingress_forwards_and_a_dead_replica_is_a_retryable_503():
+    import asyncio
+    import json
+
+    from ray.exceptions import ActorDiedError, ActorUnavailableError
+
+    ingress_cls = D.GtiIngress.func_or_class
+    model = _Model((200, [(b"content-type", b"application/json"), (b"content-length", b"2")], b"{}"))
+    resp = asyncio.run(ingress_cls(model, 64)(_request(b'{"history": ["a"]}')))
+    assert resp.status_code == 200 and resp.body == b"{}"
+    assert model.calls[0][:3] == ("POST", "/recommend", b"k=1") and model.calls[0][4] == b'{"history": ["a"]}'
+    # A body over the limit is cut after limit+1 bytes: the replica's app answers 413 on it.
+    asyncio.run(ingress_cls(model, 64)(_request(b"x" * 500)))
+    assert len(model.calls[1][4]) == 65
+    for died in (ActorDiedError(), ActorUnavailableError("unreachable", None)):
+        resp = asyncio.run(ingress_cls(_Model(died), 64)(_request(b"{}")))
+        assert resp.status_code == 503 and resp.headers["retry-after"] == "1"
+        assert json.loads(resp.body) == {"error": D.RETRY_MESSAGE, "status": 503}
 
 
 def test_gti_serve_parser():
@@ -94,9 +150,11 @@ def test_cli_main_wires_the_app_without_starting_ray(serve_run, monkeypatch, cap
     assert seen["ray"] is None and seen["start"] == {"http_options": {"host": "127.0.0.1", "port": 8123}}
     app, kw = seen["run"]
     assert kw == {"name": "gti", "route_prefix": "/", "blocking": True} and seen["shutdown"]
-    bound = app._bound_deployment
+    ingress = app._bound_deployment
+    assert ingress.name == "gti-ingress" and ingress.init_args[1] == ServeConfig().max_body_bytes
+    bound = ingress.init_args[0]._bound_deployment
     args = bound.init_args
-    assert bound.num_replicas == 2
+    assert bound.name == "gti-recommender" and bound.num_replicas == 2
     assert args[0] == run and args[1] is None and args[2]["max_k"] == 5 and args[2]["replicas"] == 2
     assert args[3] == __import__("hashlib").sha256(b"tok").hexdigest() and args[4] is False
     assert "http://127.0.0.1:8123/" in capsys.readouterr().err
@@ -104,3 +162,27 @@ def test_cli_main_wires_the_app_without_starting_ray(serve_run, monkeypatch, cap
     assert main(["serve", "--run-dir", run, "--version", "9"]) == 2
     assert "no finished refresh version 9" in capsys.readouterr().err
     assert main(["serve", "--run-dir", run + "-missing"]) == 2
+
+
+def test_jobs_serve_yaml_is_a_serve_config_whose_import_path_builds_the_app(serve_run, tmp_path, monkeypatch):
+    import importlib
+    from pathlib import Path
+
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    path = Path(__file__).resolve().parents[2] / "jobs" / "serve.yaml"
+    conf = ServeDeploySchema.model_validate(yaml.safe_load(path.read_text()))
+    app_conf = conf.applications[0]
+    assert conf.http_options.host == "127.0.0.1" and app_conf.route_prefix == "/"
+    module, attr = app_conf.import_path.split(":")
+    builder = getattr(importlib.import_module(module), attr)
+    assert builder is D.app_builder
+    monkeypatch.setenv("GTI_SERVE_TOKEN", "tok")
+    args = {**app_conf.args, "run_dir": str(serve_run["run"]), "overrides": ["serve.replicas=2"]}
+    bound = builder(args)._bound_deployment.init_args[0]._bound_deployment
+    assert bound.num_replicas == 2 and bound.init_args[0] == str(serve_run["run"]) and bound.init_args[1] is None
+    with pytest.raises(ConfigError, match="unknown: \\['port'\\]"):
+        builder({**args, "port": 1})
+    with pytest.raises(Exception, match="run directory not found"):
+        builder({**args, "run_dir": str(tmp_path / "missing")})

@@ -48,6 +48,18 @@ def test_many_requests_are_one_decode(services, monkeypatch):
     out = answer_batches(services[0], batches)
     assert calls == [(3, 3)]  # three requests, one search, one prefill batch
     assert [len(b) for b in out] == [1, 2] and [len(a["items"]) for b in out for a in b] == [3, 5, 2]
+    assert {a["batch_requests"] for b in out for a in b} == {2}  # two requests shared the decode
+
+
+def test_search_by_title_or_id(services):
+    svc = services[1]
+    hits = svc.search("title of it1", 5)
+    # "it1" then "it10".."it13" (titles starting with the text, catalog order), cut at 5
+    assert [h["item_id"] for h in hits] == ["it1", "it10", "it11", "it12", "it13"]
+    assert set(hits[0]) == {"item_id", "title", "sid"} and hits[0]["title"] == "Title of it1"
+    assert [h["item_id"] for h in svc.search("NEW", 10)] == ["new0", "new1"]  # case-insensitive, by id
+    assert svc.search("no such thing", 10) == [] and len(svc.search("", 3)) == 3
+    assert [h["item_id"] for h in svc.search("IT13", 2)] == ["it13"]  # the item with that id first
 
 
 def test_exclude_history_drops_the_history_items(services):

@@ -1,14 +1,19 @@
 """The HTTP face of `gti serve`: a FastAPI app over a `ServiceHolder`.
 
-What it is for: `create_app(holder, cfg, token_sha256, decode=None)` returns the app that Ray Serve
-wraps (`gti.serve.deployment`) and that the tests drive with FastAPI's TestClient:
+What it is for: `create_app(holder, cfg, token_sha256, decode=None, stats=None)` returns the app
+that each Ray Serve replica runs (`gti.serve.deployment`, through `call_asgi`) and that the tests
+drive with FastAPI's TestClient:
+- `GET /` -> the page of `gti.serve.page` (static; it sends the token the user types);
+- `GET /items?q=text&limit=20` -> {"items": [{item_id, title, sid}], "q", "limit", version...}:
+  catalog items whose title or id contains the text (limit 1..`serve.max_search_results`);
 - `POST /recommend` {"history": [ids, oldest first], "k": 10, "exclude_history": true} ->
   one answer of `gti.serve.service` (items best first with item_id, title, score, sid; the
   version, model and map hash that answered);
 - `POST /recommend/batch` {"histories": [[ids], ...], "k", "exclude_history"} ->
   {"results": [answer, ...]} (one decode, one version for all of them);
 - `GET /healthz` (process up), `GET /readyz` (a run is loaded; 503 before), `GET /info` (the
-  loaded run: version, map hash, catalog size, levels, decoder; the last reload; the limits);
+  loaded run: version, map hash, catalog size, levels, decoder; the last reload; the limits;
+  `stats()`, e.g. the replica's batching counts);
 - `POST /admin/reload` {"version": k | null, "wait": false} -> 202 (200 with wait) and the
   reload status (`gti.serve.reload`); 409 while one runs.
 Bad requests get a JSON {"error": message, "status": code} and never a traceback: 400
@@ -24,6 +29,8 @@ request at a time.
 
 What it does NOT know: Ray, model loading (gti.serve.service), or where the token comes from
 (`read_token`: an environment variable or a file, never the config).
+`call_asgi(app, ...)` runs one HTTP request through the app in this process (what a replica
+does with a request the ingress forwards).
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable, Mapping
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, ValidationError
 
 from gti.config_serve import ServeConfig
@@ -154,7 +161,7 @@ def _service(holder: ServiceHolder) -> Any:
 
 
 def create_app(holder: ServiceHolder, cfg: ServeConfig, token_sha256: str | None,
-               decode: Decode | None = None) -> FastAPI:
+               decode: Decode | None = None, stats: Callable[[], dict] | None = None) -> FastAPI:
     """The app (see the module docstring); `token_sha256` = `token_digest(read_token(cfg))`:
     the app holds only the token's hash."""
     app = FastAPI(title="gti serve", docs_url=None, redoc_url=None, openapi_url=None)
@@ -182,8 +189,67 @@ def create_app(holder: ServiceHolder, cfg: ServeConfig, token_sha256: str | None
         return JSONResponse({"error": "internal error", "status": 500}, status_code=500)
 
     _add_query_routes(app, holder, cfg, auth, decode)
-    _add_status_routes(app, holder, cfg, auth)
+    _add_status_routes(app, holder, cfg, auth, stats)
+    _add_page_routes(app, holder, cfg, auth)
     return app
+
+
+def _add_page_routes(app: FastAPI, holder: ServiceHolder, cfg: ServeConfig, auth) -> None:
+    """GET / (the page: no auth, it holds no data) and GET /items (catalog search)."""
+    from gti.serve.page import PAGE
+
+    @app.get("/")
+    async def page() -> HTMLResponse:
+        return HTMLResponse(PAGE)
+
+    @app.get("/items")
+    async def items(request: Request) -> JSONResponse:
+        auth(request)
+        extra = sorted(set(request.query_params) - {"q", "limit"})
+        if extra:
+            raise RequestError(422, f"unknown query parameter(s): {', '.join(extra)} (GET /items takes q and limit)")
+        q = request.query_params.get("q", "")
+        if len(q) > 200:
+            raise RequestError(422, f"q is {len(q)} characters long; at most 200")
+        raw = request.query_params.get("limit", "20")
+        if not raw.isdigit() or not 1 <= int(raw) <= cfg.max_search_results:
+            raise RequestError(422, f"limit must be an integer from 1 to {cfg.max_search_results} "
+                                    f"(serve.max_search_results), got {raw!r}")
+        svc = _service(holder)  # once: the hits and the version named come from the same run
+        hits = await asyncio.to_thread(svc.search, q, int(raw))
+        return JSONResponse({"items": hits, "q": q, "limit": int(raw), **svc.identity})
+
+
+async def call_asgi(app: Any, method: str, path: str, query: bytes, headers: list[tuple[bytes, bytes]],
+                    body: bytes) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    """One HTTP request through the ASGI `app` in this process -> (status, headers, body)."""
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
+             "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": query,
+             "root_path": "", "headers": headers, "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 80)}
+    done, sent = asyncio.Event(), False
+    out: dict[str, Any] = {"status": 500, "headers": [], "body": bytearray()}
+
+    async def receive() -> dict[str, Any]:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await done.wait()  # the client stays connected until the response is complete
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            out["status"], out["headers"] = message["status"], list(message.get("headers", []))
+        elif message["type"] == "http.response.body":
+            out["body"] += message.get("body", b"")
+            if not message.get("more_body", False):
+                done.set()
+
+    try:
+        await app(scope, receive, send)
+    finally:
+        done.set()
+    return out["status"], out["headers"], bytes(out["body"])
 
 
 def _add_query_routes(app: FastAPI, holder: ServiceHolder, cfg: ServeConfig, auth, decode: Decode) -> None:
@@ -227,7 +293,8 @@ def _add_query_routes(app: FastAPI, holder: ServiceHolder, cfg: ServeConfig, aut
         return JSONResponse({"results": results, **ident})
 
 
-def _add_status_routes(app: FastAPI, holder: ServiceHolder, cfg: ServeConfig, auth) -> None:
+def _add_status_routes(app: FastAPI, holder: ServiceHolder, cfg: ServeConfig, auth,
+                       stats: Callable[[], dict] | None) -> None:
     """GET /healthz, /readyz, /info and POST /admin/reload."""
 
     @app.get("/healthz")
@@ -247,8 +314,10 @@ def _add_status_routes(app: FastAPI, holder: ServiceHolder, cfg: ServeConfig, au
         svc = _service(holder)
         limits = {key: getattr(cfg, key) for key in ("max_k", "max_body_bytes", "max_batch_histories",
                                                      "unknown_items", "exclude_history", "max_batch_size",
-                                                     "batch_wait_timeout_s", "token_required")}
-        return JSONResponse({**svc.info(), "reload": holder.status(), "serve": limits})
+                                                     "batch_wait_timeout_s", "token_required",
+                                                     "reload_poll_s", "max_search_results")}
+        extra = {"replica": stats()} if stats is not None else {}
+        return JSONResponse({**svc.info(), "reload": holder.status(), "serve": limits, **extra})
 
     @app.post("/admin/reload")
     async def reload(request: Request) -> JSONResponse:

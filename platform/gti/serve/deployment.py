@@ -1,13 +1,17 @@
 """The Ray Serve shell of `gti serve`: replicas holding the loaded run, requests batched.
 
 What it is for: `GtiRecommender`, a Serve deployment whose replicas each load the run once
-(`gti.serve.reload.ServiceHolder` over `gti.serve.service.RecommenderService`) and serve the
-FastAPI app of `gti.serve.app` (`@serve.ingress()` with `__serve_build_asgi_app__`: the same
-app the tests drive, built per replica around its holder). Concurrent requests of a replica
-are gathered by `@serve.batch` (`serve.max_batch_size`, `serve.batch_wait_timeout_s`) into one
-`answer_batches` call: one constrained beam search for all of them, all answered by the same
-loaded version. `deployment_options(cfg)` maps the `serve:` section to Serve's options
-(replicas or autoscaling bounds, CPUs = torch threads, GPUs per replica).
+(`gti.serve.reload.ServiceHolder` over `gti.serve.service.RecommenderService`, polling the run
+folder for versions `gti refresh` publishes, every `serve.reload_poll_s`) and run the FastAPI
+app of `gti.serve.app` (the same app the tests drive, built per replica around its holder);
+`GtiIngress` in front takes the HTTP requests and forwards each to a replica (`forward`), so a
+replica that dies mid-request answers 503 + Retry-After while the others keep answering (Serve's
+own proxy would answer 500). Concurrent requests of a replica are gathered by `@serve.batch`
+(`serve.max_batch_size`, `serve.batch_wait_timeout_s`) into one `answer_batches` call: one
+constrained beam search for all of them, all answered by the same loaded version.
+`deployment_options(cfg)` maps the `serve:` section to Serve's options (replicas or autoscaling
+bounds, CPUs = torch threads, GPUs per replica). `app_builder(args)` is the import path of a
+Serve config (jobs/serve.yaml: `serve run` / `serve deploy`).
 
 `cli_main` is `gti serve --run-dir R [--version k] [--host 127.0.0.1] [--port 8000]
 [--replicas N] [--config FILE] [serve.key=value ...]`: the serve settings come from the
@@ -23,6 +27,7 @@ What it does NOT know: how requests are checked or decoded (gti.serve.app, gti.s
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import sys
 from pathlib import Path
@@ -33,6 +38,7 @@ from ray import serve
 from gti.config_serve import ServeConfig
 
 APP_NAME = "gti"
+log = logging.getLogger("gti.serve")
 
 
 def deployment_options(cfg: ServeConfig) -> dict[str, Any]:
@@ -50,20 +56,23 @@ def deployment_options(cfg: ServeConfig) -> dict[str, Any]:
     return opts
 
 
+RETRY_MESSAGE = "the replica answering this request went away (Serve restarts it); retry the request"
+
+
 @serve.deployment(name="gti-recommender")
-@serve.ingress()
 class GtiRecommender:
-    """One replica: the loaded run, its reloads and the batched decode."""
+    """One replica: the loaded run, its reloads (POST /admin/reload, and a poll of the run
+    folder for versions `gti refresh` publishes), the app, and the batched decode."""
 
     def __init__(self, run_dir: str, version: int | None, serve_cfg: dict, token_sha256: str | None,
                  trust_remote_code: bool = False) -> None:
         import torch
 
+        from gti.serve.app import create_app
         from gti.serve.reload import ServiceHolder
         from gti.serve.service import RecommenderService
 
         self.cfg = cfg = ServeConfig.model_validate(serve_cfg)
-        self.token_sha256 = token_sha256
         torch.set_num_threads(cfg.threads)
         device = None if cfg.device == "auto" else cfg.device
 
@@ -73,13 +82,23 @@ class GtiRecommender:
 
         self.holder = ServiceHolder(load, run_dir)
         self.holder.load_initial(version)
+        self.holder.watch(cfg.reload_poll_s)
         self._batched.set_max_batch_size(cfg.max_batch_size)
         self._batched.set_batch_wait_timeout_s(cfg.batch_wait_timeout_s)
+        # the replica's actor name (namespace "serve"): which replica answered /info
+        self._stats = {"id": serve.get_replica_context().replica_id.to_full_id_str(),
+                       "decodes": 0, "requests": 0, "largest_batch": 0}
+        self.app = create_app(self.holder, cfg, token_sha256, decode=self._batched, stats=self.stats)
 
-    def __serve_build_asgi_app__(self):
-        from gti.serve.app import create_app
+    def stats(self) -> dict[str, Any]:
+        """This replica's batching so far (GET /info "replica"): decodes < requests = gathered."""
+        return dict(self._stats)
 
-        return create_app(self.holder, self.cfg, self.token_sha256, decode=self._batched)
+    async def forward(self, method: str, path: str, query: bytes, headers: list, body: bytes) -> tuple:
+        """One HTTP request the ingress forwards, answered by this replica's app."""
+        from gti.serve.app import call_asgi
+
+        return await call_asgi(self.app, method, path, query, headers, body)
 
     @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.01)
     async def _batched(self, requests: list[list[Any]]) -> list[list[Any]]:
@@ -90,17 +109,90 @@ class GtiRecommender:
         if svc is None:
             err = RequestError(503, "the model is still loading; retry shortly")
             return [[err] * len(r) for r in requests]
+        st = self._stats
+        st["decodes"], st["requests"] = st["decodes"] + 1, st["requests"] + len(requests)
+        st["largest_batch"] = max(st["largest_batch"], len(requests))
         return await asyncio.to_thread(answer_batches, svc, requests)
+
+    def __del__(self) -> None:
+        holder = getattr(self, "holder", None)
+        if holder is not None:
+            holder.close()
+
+
+@serve.deployment(name="gti-ingress")
+class GtiIngress:
+    """The HTTP entry: forwards each request to a `GtiRecommender` replica. It exists so that a
+    replica dying mid-request answers 503 with Retry-After (Serve's proxy answers 500 then)."""
+
+    def __init__(self, model: Any, max_body_bytes: int) -> None:
+        self.model, self.max_body_bytes = model, int(max_body_bytes)
+
+    async def __call__(self, request: Any) -> Any:
+        from ray.exceptions import RayActorError, RayTaskError
+        from starlette.responses import JSONResponse, Response
+
+        body = bytearray()
+        async for chunk in request.stream():  # the replica's app answers 413 past the limit
+            body += chunk
+            if len(body) > self.max_body_bytes:
+                break
+        scope, body = request.scope, bytes(body[:self.max_body_bytes + 1])
+        try:
+            status, headers, content = await self.model.forward.remote(
+                scope["method"], scope["path"], scope.get("query_string", b""), list(scope["headers"]), body)
+        except RayActorError:
+            return JSONResponse({"error": RETRY_MESSAGE, "status": 503}, status_code=503, headers={"Retry-After": "1"})
+        except RayTaskError as err:  # a bug in the replica: one line, no traceback to the client
+            log.error("gti serve: replica error: %s", str(err).splitlines()[0] if str(err) else type(err).__name__)
+            return JSONResponse({"error": "internal error", "status": 500}, status_code=500)
+        return Response(content, status_code=status, headers={k.decode("latin-1"): v.decode("latin-1")
+                                                              for k, v in headers if k.lower() != b"content-length"})
+
+
+def ingress_options(cfg: ServeConfig) -> dict[str, Any]:
+    """The ingress: no CPU of its own, as many replicas as the model (or the same bounds)."""
+    opts = deployment_options(cfg)
+    opts["ray_actor_options"] = {"num_cpus": 0}
+    opts["max_ongoing_requests"] = 4 * opts["max_ongoing_requests"]
+    return opts
 
 
 def build_app(run_dir: str | Path, version: int | None, cfg: ServeConfig, token_sha256: str | None,
               trust_remote_code: bool = False):
-    """The bound Serve application (what `serve.run` and a Serve config's import path take)."""
-    return GtiRecommender.options(**deployment_options(cfg)).bind(
+    """The bound Serve application (what `serve.run` and a Serve config's import path take):
+    the ingress over the model replicas."""
+    model = GtiRecommender.options(**deployment_options(cfg)).bind(
         str(Path(run_dir).expanduser().resolve()), version, cfg.model_dump(mode="json"), token_sha256,
         trust_remote_code)
+    return GtiIngress.options(**ingress_options(cfg)).bind(model, cfg.max_body_bytes)
 
 
+APP_ARGS = {"run_dir", "version", "config", "overrides", "trust_remote_code"}
+
+
+def app_builder(args: dict[str, Any]):
+    """The import path of a Serve config (jobs/serve.yaml): `args` = {run_dir, version
+    (null: the newest), config (a gti config file: its serve: section), overrides (serve.*),
+    trust_remote_code}; the token from $GTI_SERVE_TOKEN (or _FILE) where the app is built."""
+    from argparse import Namespace
+
+    from gti.errors import ConfigError
+    from gti.run_artifacts import RunDirError, chosen_version
+    from gti.serve.app import read_token, token_digest
+
+    args = dict(args or {})
+    unknown = sorted(set(args) - APP_ARGS)
+    if unknown or not args.get("run_dir"):
+        raise ConfigError(f"gti serve app args: run_dir is required; known keys {sorted(APP_ARGS)}"
+                          + (f", unknown: {unknown}" if unknown else ""))
+    version = args.get("version")
+    cfg = serve_config(Namespace(config=args.get("config"), overrides=list(args.get("overrides") or [])))
+    run_dir = Path(str(args["run_dir"])).expanduser().resolve()
+    if not run_dir.is_dir():
+        raise RunDirError(f"run directory not found: {run_dir}")
+    chosen_version(run_dir, version)  # a missing version fails here, in one line
+    return build_app(run_dir, version, cfg, token_digest(read_token(cfg)), bool(args.get("trust_remote_code")))
 def serve_config(args) -> ServeConfig:
     """The `serve:` section from defaults, `--config`, `serve.*` overrides, then the flags."""
     from gti import config as C

@@ -10,9 +10,12 @@ version's SID map must descend from the serving model's map (`gti.sid.lineage.ch
 on the serving model folder, the run's lineage folder; a map that only adds code tokens the
 serving model lacks still descends: the new version brings its own model with them). A map
 that does not descend (or a version that fails to load) is refused with ONE log line and the
-old version keeps serving. `status()` is what `/info` reports about reloads:
-{"state": "idle" | "loading" | "swapped" | "unchanged" | "refused" | "failed", "from", "to",
-"message"}.
+old version keeps serving. `watch(interval_s)` follows `gti refresh` publishes: a daemon thread
+calls `poll()` every interval, which starts a reload when the newest finished version differs
+from the newest one it saw before (a refused or failed one is not retried until a newer one is
+published; a version pinned by /admin/reload stays until the next publish). `status()` is
+what `/info` reports about reloads: {"state": "idle" | "loading" | "swapped" | "unchanged" |
+"refused" | "failed", "from", "to", "message"}.
 
 What it does NOT know: HTTP, batching, or Ray. `load(version)` is any callable returning a
 service for a version (`RecommenderService.load` with the replica's settings).
@@ -44,12 +47,50 @@ class ServiceHolder:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self.current: Any = None
+        self._seen: int | None = None  # the newest published version seen by poll()
+        self._stop = threading.Event()
         self._status: dict[str, Any] = {"state": "idle", "from": None, "to": None, "message": ""}
 
     def load_initial(self, version: int | None = None) -> Any:
         """Load the first version (blocking); errors propagate (the service cannot start)."""
+        try:  # what is published now: poll() acts on what comes after
+            self._seen = self._target(None, quiet=True)
+        except Exception:  # noqa: BLE001 - the load below says what is wrong with the folder
+            self._seen = None
         self.current = self._load(version)
         return self.current
+
+    def poll(self) -> bool:
+        """One look at the run folder: start a reload (not waiting) when a version newer than
+        the last one seen is published; True when it started one."""
+        try:
+            newest = self._target(None, quiet=True)
+        except Exception as err:  # noqa: BLE001 - a half-written folder: look again next time
+            log.debug("gti serve: poll: %s", err)
+            return False
+        if newest == self._seen:
+            return False
+        try:
+            self.reload(newest)
+        except ReloadBusy:
+            return False  # look again after the reload under way
+        self._seen = newest
+        return True
+
+    def watch(self, interval_s: float) -> threading.Thread | None:
+        """Poll every `interval_s` seconds in a daemon thread until `close()` (0: no thread)."""
+        if interval_s <= 0:
+            return None
+
+        def loop() -> None:
+            while not self._stop.wait(interval_s):
+                self.poll()
+        thread = threading.Thread(target=loop, name="gti-serve-watch", daemon=True)
+        thread.start()
+        return thread
+
+    def close(self) -> None:
+        self._stop.set()
 
     @property
     def ready(self) -> bool:
@@ -102,10 +143,11 @@ class ServiceHolder:
         with self._lock:
             self._status.update(kv)
 
-    def _target(self, version: int | None) -> int:
+    def _target(self, version: int | None, quiet: bool = False) -> int:
         from gti.run_artifacts import chosen_version
 
-        chosen = chosen_version(self.run_dir, version)
+        # quiet: a poll every few seconds must not repeat the line about a skipped stale version
+        chosen = chosen_version(self.run_dir, version, **({"note": lambda line: None} if quiet else {}))
         return chosen.k if chosen is not None else 0
 
     def _check_descends(self, target: int) -> None:

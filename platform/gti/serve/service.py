@@ -84,6 +84,7 @@ class RecommenderService:
                  max_k: int = MAX_K) -> None:
         self.run, self.version, self.map_hash = run, int(version), str(map_hash)
         self.unknown_items, self.max_k = unknown_items, min(int(max_k), MAX_K)
+        self._index: list[tuple[str, str]] | None = None
 
     @classmethod
     def load(cls, run_dir: str | Path, version: int | None = None, *, device: str | None = None,
@@ -116,6 +117,19 @@ class RecommenderService:
                 "decoder": {"beam_width": run.beam_width, "constrained": True, "max_history": run.max_history,
                             "max_len": run.cfg.sft.max_len, "max_k": self.max_k,
                             "scores": "sum of the SID tokens' log-probs (full-vocabulary log-softmax)"}}
+
+    def search(self, text: str, limit: int) -> list[dict[str, Any]]:
+        """Up to `limit` catalog items whose title or id contains `text` (case-insensitive):
+        the item with that id first, then titles starting with it, then catalog order."""
+        needle = text.strip().lower()
+        if self._index is None:  # built once per loaded run: titles do not change under it
+            run = self.run
+            self._index = [(i.lower(), f"{run.titles.get(i, '')}\n{i}".lower()) for i in run.item_ids]
+        hits = [(item != needle, not key.startswith(needle), row)
+                for row, (item, key) in enumerate(self._index) if needle in key]
+        run = self.run
+        return [{"item_id": run.item_ids[row], "title": run.titles.get(run.item_ids[row], ""), "sid": run.sids[row]}
+                for *_, row in sorted(hits)[:limit]]
 
     # ------------------------------------------------------------------ requests
     def prepare(self, query: Query) -> Prepared:
@@ -228,9 +242,13 @@ def map_hash_of(run_dir: Path, version: int) -> str:
 
 def answer_batches(service: RecommenderService, batches: Sequence[Sequence[Query]]) -> list[list[Any]]:
     """Several requests' queries (a request = a list of queries) answered in ONE `answer`
-    call of one service, then split back per request: what a replica's `@serve.batch` runs."""
+    call of one service, then split back per request: what a replica's `@serve.batch` runs.
+    Each answer says how many requests shared its decode (`batch_requests`)."""
     flat = [q for batch in batches for q in batch]
     res = service.answer(flat)
+    for r in res:
+        if isinstance(r, dict):
+            r["batch_requests"] = len(batches)
     out, start = [], 0
     for batch in batches:
         out.append(res[start:start + len(batch)])

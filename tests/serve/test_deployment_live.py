@@ -1,0 +1,158 @@
+"""`gti serve` for real: ONE Ray Serve application (the ingress and 2 model replicas of
+gti/serve/deployment.py) on the tiny run of conftest.py (a copy, so that a version can be
+published while it serves), on the session's Ray, checked through HTTP on 127.0.0.1: every
+endpoint and the page, equality with `gti recommend` (LoadedRun), a few 4xx, the token on
+/admin, concurrent requests gathered into fewer decodes by `@serve.batch`, a version published
+while requests are in flight (picked up by the replicas' poll: none fails, the answers switch
+version), and a replica killed mid-request (its requests get 503 + Retry-After, the other
+replica keeps answering). No Ray Train run."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+pytest.importorskip("ray.serve")
+httpx = pytest.importorskip("httpx")
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+TOKEN = "live-token"
+HIST = ["it3", "new0", "it1"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def live(ray_start_4_cpus, serve_run, publishable_factory, tmp_path_factory):
+    from ray import serve
+
+    from gti.config_serve import ServeConfig
+    from gti.serve.app import token_digest
+    from gti.serve.deployment import build_app
+
+    info = publishable_factory(serve_run, tmp_path_factory.mktemp("live") / "run")
+    port = _free_port()
+    # A wait long enough that concurrent requests meet in one batch (and a kill lands while
+    # they wait), short enough for the sequential checks.
+    cfg = ServeConfig(port=port, replicas=2, threads=1, max_batch_size=16, batch_wait_timeout_s=0.4,
+                      reload_poll_s=0.5, max_k=15)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(info["run"], None, cfg, token_digest(TOKEN)), name="gti-live", route_prefix="/")
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
+        yield {**info, "client": client}
+    serve.shutdown()
+
+
+def _rec(client, history=HIST, k=5, **kw):
+    return client.post("/recommend", json={"history": history, "k": k, **kw})
+
+
+def test_endpoints_answer_as_gti_recommend(live):
+    from gti.run_artifacts import LoadedRun
+
+    c = live["client"]
+    assert c.get("/").text.startswith("<!doctype html>")
+    assert c.get("/healthz").json() == {"status": "ok"}
+    assert c.get("/readyz").json()["version"] == 1
+    info = c.get("/info").json()
+    assert (info["version"], info["catalog_size"], info["map_hash"]) == (1, 22, live["v1_hash"])
+    assert info["replica"]["id"].startswith("SERVE_REPLICA::gti-live#gti-recommender#")
+    assert c.get("/items", params={"q": "title of it1", "limit": 2}).json()["items"][0]["item_id"] == "it1"
+    body = _rec(c, exclude_history=False).json()
+    ref = LoadedRun.open(live["run"]).recommend(HIST, 5)  # `gti recommend --run-dir R`
+    assert [x["item_id"] for x in body["items"]] == [x["item_id"] for x in ref]
+    np.testing.assert_allclose([x["score"] for x in body["items"]], [x["score"] for x in ref], atol=1e-4)
+    batch = c.post("/recommend/batch", json={"histories": [HIST, ["it2"]], "k": 5, "exclude_history": False})
+    assert [x["item_id"] for x in batch.json()["results"][0]["items"]] == [x["item_id"] for x in ref]
+
+
+def test_bad_requests_and_the_token(live):
+    c = live["client"]
+    for resp, status, message in [
+        (c.post("/recommend", content=b'{"history": [', headers={"Content-Type": "application/json"}),
+         400, "malformed JSON"),
+        (_rec(c, k=0), 422, "k must be an integer >= 1"),
+        (_rec(c, history=[]), 422, "history is empty"),
+        (c.post("/recommend", json={"history": ["it1"] * 12000}), 413, "over 65536 bytes"),
+        (c.get("/items", params={"limit": 0}), 422, "limit must be an integer"),
+        (c.post("/admin/reload", json={"wait": True}), 401, "bearer token"),
+    ]:
+        assert resp.status_code == status and message in resp.json()["error"], resp.text
+    ok = c.post("/admin/reload", json={"wait": True}, headers={"Authorization": f"Bearer {TOKEN}"})
+    assert ok.status_code == 200 and ok.json()["state"] == "unchanged"
+
+
+def test_concurrent_requests_share_one_decode(live):
+    c, n = live["client"], 12
+    with ThreadPoolExecutor(n) as pool:
+        answers = list(pool.map(lambda i: _rec(c, history=[f"it{i}"], k=3), range(n)))
+    assert all(a.status_code == 200 for a in answers)
+    sizes = [a.json()["batch_requests"] for a in answers]
+    decodes = sum(1 / s for s in sizes)  # a decode of b requests answers b of them
+    assert max(sizes) > 1 and decodes < n, sizes
+    # The replicas' own counts (GET /info "replica", whichever replica answers) agree: fewer
+    # decodes than requests, and a replica's largest batch is one of this test's.
+    stats = {}
+    for _ in range(20):
+        st = c.get("/info").json()["replica"]
+        stats[st["id"]] = st
+    assert sum(st["decodes"] for st in stats.values()) < sum(st["requests"] for st in stats.values())
+    assert all(st["largest_batch"] in sizes for st in stats.values() if st["largest_batch"] > 1)
+
+
+def test_a_published_version_is_picked_up_while_requests_are_in_flight(live):
+    c, seen, stop = live["client"], [], threading.Event()
+
+    def load() -> None:
+        while not stop.is_set():
+            r = _rec(c, history=["it2"], k=3)
+            seen.append((r.status_code, r.json().get("version"), r.json().get("map_hash")))
+
+    workers = [threading.Thread(target=load) for _ in range(4)]
+    for w in workers:
+        w.start()
+    time.sleep(1.0)
+    v2_hash = live["publish"](2, ["new2"])  # as `gti refresh` publishes refresh/v2
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and [v for _, v, _ in seen[-12:]] != [2] * 12:
+        time.sleep(0.3)
+    stop.set()
+    for w in workers:
+        w.join(30)
+    assert {s for s, _, _ in seen} == {200}  # no request lost to the swap
+    assert set((v, h) for _, v, h in seen) <= {(1, live["v1_hash"]), (2, v2_hash)}
+    assert [v for _, v, _ in seen[-12:]] == [2] * 12 and seen[0][1] == 1
+    assert _rec(c, history=["new2"], k=3).json()["unknown_items"] == []  # the new item is known
+    assert c.get("/info").json()["reload"] | {"message": ""} == {"state": "swapped", "from": 1, "to": 2,
+                                                                 "message": ""}
+
+
+def test_a_replica_dying_mid_request_is_a_retryable_503(live):
+    import ray
+
+    c = live["client"]
+    for _attempt in range(3):  # the kill must land while requests wait in its batch
+        names = {c.get("/info").json()["replica"]["id"] for _ in range(10)}
+        victim = ray.get_actor(sorted(names)[0], namespace="serve")
+        with ThreadPoolExecutor(8) as pool:
+            futures = [pool.submit(_rec, c, [f"it{i}"], 3) for i in range(8)]
+            time.sleep(0.2)
+            ray.kill(victim, no_restart=True)
+            answers = [f.result() for f in futures]
+        codes = [a.status_code for a in answers]
+        assert set(codes) <= {200, 503}, codes
+        if 503 in codes:
+            break
+    failed = [a for a in answers if a.status_code == 503]
+    assert failed and all(a.headers["retry-after"] == "1" and "retry" in a.json()["error"] for a in failed)
+    # The other replica keeps answering (Serve restarts the dead one).
+    assert all(_rec(c, history=["it4"], k=3).status_code == 200 for _ in range(4))
