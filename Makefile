@@ -46,20 +46,25 @@ demo: $(STAMP)
 # Tests marked `bench` (bench scripts run end to end, minutes each) run in `make bench`.
 # The slow run writes every test's duration, a junit XML and the Ray Train run / Ray instance
 # counts (held to the budget in tests/conftest.py) under runs/ci/ (printed by .ci/run).
+# Both halves run on $(TEST_WORKERS) pytest-xdist workers, a whole test file per worker at a time
+# (tests/conftest.py: LONGEST_FIRST); on the 2-core machine one worker left a third of the
+# cores idle while Ray Train workers started (bench/RESULTS.md "Test suite").
+TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+
 test: test-unit test-slow
 
 test-unit: $(STAMP)
-	$(PY) -m pytest -q -m "not slow and not bench"
+	$(PY) -m pytest -q $(XDIST) -m "not slow and not bench"
 
 test-slow: $(STAMP)
 	mkdir -p runs/ci
 	set -o pipefail; GTI_TEST_LEDGER_REPORT=runs/ci/slow-ledger.json \
-	  $(PY) -m pytest -q -m "slow and not bench" --durations=0 --durations-min=1.0 \
+	  $(PY) -m pytest -q $(XDIST) -m "slow and not bench" --durations=0 --durations-min=1.0 \
 	  --junitxml=runs/ci/slow-junit.xml | tee runs/ci/slow-tests.log; \
 	  rc=$$?; awk '/slowest durations/{p=1} p' runs/ci/slow-tests.log > runs/ci/slow-durations.txt; exit $$rc
 
-test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow"
+test-fast: test-unit
 
 bench: $(STAMP)
 	$(PIP) install -q -e ".[test,bench]"

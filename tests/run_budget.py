@@ -30,14 +30,21 @@ _STATE: dict = {}
 def install(budget: dict[str, int]) -> None:
     """Point $GTI_RUN_LEDGER at a fresh file for this session (before any Ray starts, so every
     worker inherits it) and remember the budget. An outer ledger (a caller auditing the whole
-    run) is kept: this session then counts only the lines it adds."""
+    run) is kept: this session then counts only the lines it adds.
+
+    Under pytest-xdist each worker process counts into a file of its own (two workers' tests run
+    at the same time, so lines in one shared file could not be told apart) and, when it ends,
+    hands its lines to the controller's ledger tagged with the test that started them; the
+    controller counts, reports and holds the budget for the whole suite."""
     path, own = os.environ.get(ledger.ENV), False
-    if not path:
+    parent = path if os.environ.get("PYTEST_XDIST_WORKER") else None
+    if not path or parent:
         fd, path = tempfile.mkstemp(prefix="gti-test-ledger-", suffix=".jsonl")
         os.close(fd)
         os.environ[ledger.ENV] = path
         own = True
-    _STATE.update(budget=dict(budget), path=path, own=own, start=len(ledger.read(path)), per_test={})
+    _STATE.update(budget=dict(budget), path=path, own=own, parent=parent, start=len(ledger.read(path)),
+                  per_test={}, spans=[])
 
 
 def runtest_wrapper(item):
@@ -48,9 +55,10 @@ def runtest_wrapper(item):
         return
     before = len(ledger.read(_STATE["path"]))
     yield
-    added = ledger.read(_STATE["path"])[before:]
-    if added:
-        _STATE["per_test"][item.nodeid] = ledger.counts(added)
+    entries = ledger.read(_STATE["path"])
+    if len(entries) > before:
+        _STATE["per_test"][item.nodeid] = ledger.counts(entries[before:])
+        _STATE["spans"].append((item.nodeid, before, len(entries)))
 
 
 def verdict(counts: dict[str, int], budget: dict[str, int]) -> list[str]:
@@ -59,15 +67,41 @@ def verdict(counts: dict[str, int], budget: dict[str, int]) -> list[str]:
             for kind, limit in budget.items() if counts.get(kind, 0) > limit]
 
 
+def _hand_to_controller() -> None:
+    """An xdist worker's end: append its lines to the controller's ledger, each tagged with
+    the test it is attributed to."""
+    entries = ledger.read(_STATE["path"])
+    tags = {i: nodeid for nodeid, lo, hi in _STATE["spans"] for i in range(lo, hi)}
+    with open(_STATE["parent"], "a", encoding="utf-8") as f:
+        for i, e in enumerate(entries[_STATE["start"]:], start=_STATE["start"]):
+            f.write(json.dumps({**e, "tag": tags[i]} if i in tags else e) + "\n")
+
+
+def _per_test(entries: list[dict]) -> dict[str, dict[str, int]]:
+    """This process's own attribution plus the xdist workers' (their lines carry a tag)."""
+    per_test = dict(_STATE["per_test"])
+    tagged: dict[str, list[dict]] = {}
+    for e in entries:
+        if "tag" in e:
+            tagged.setdefault(e["tag"], []).append(e)
+    per_test.update({nodeid: ledger.counts(es) for nodeid, es in tagged.items()})
+    return per_test
+
+
 def finish(session, terminalreporter=None) -> None:
-    """Count, report and fail the session when over budget."""
+    """Count, report and fail the session when over budget (in an xdist worker: hand the lines
+    over; the controller holds the budget)."""
     if not _STATE:
+        return
+    if _STATE["parent"]:
+        _hand_to_controller()
+        Path(_STATE["path"]).unlink(missing_ok=True)
         return
     entries = ledger.read(_STATE["path"])[_STATE["start"]:]
     counts = ledger.counts(entries)
     over = verdict(counts, _STATE["budget"])
     report = {"counts": counts, "budget": _STATE["budget"], "over": over,
-              "per_test": _STATE["per_test"], "entries": entries}
+              "per_test": _per_test(entries), "entries": entries}
     out = os.environ.get("GTI_TEST_LEDGER_REPORT")
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)

@@ -56,16 +56,18 @@ def test_two_train_runs(tmp_path, monkeypatch):
 """
 
 
-def _session(tmp_path: Path, budget: int) -> tuple[subprocess.CompletedProcess, dict]:
+def _session(tmp_path: Path, budget: int, files: int = 1,
+             args: tuple[str, ...] = ()) -> tuple[subprocess.CompletedProcess, dict]:
     d = tmp_path / f"budget{budget}"
     d.mkdir()
     (d / "conftest.py").write_text(INNER_CONFTEST.format(tests=str(TESTS), budget=budget))
-    (d / "test_inner.py").write_text(INNER_TEST.format())
+    for k in range(files):
+        (d / f"test_inner{k or ''}.py").write_text(INNER_TEST.format())
     report = d / "ledger.json"
     env = {k: v for k, v in os.environ.items() if k not in ("GTI_RUN_LEDGER", "GTI_TEST_LEDGER_REPORT")}
     env["GTI_TEST_LEDGER_REPORT"] = str(report)
     p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(d),
-                        "-c", os.devnull, str(d)], cwd=d, env=env, capture_output=True, text=True, timeout=300)
+                        "-c", os.devnull, *args, str(d)], cwd=d, env=env, capture_output=True, text=True, timeout=300)
     return p, json.loads(report.read_text()) if report.exists() else {}
 
 
@@ -78,6 +80,21 @@ def test_one_train_run_over_the_budget_fails_the_session(tmp_path):
     assert rep["counts"] == {"train": 2, "ray": 0}
     assert list(rep["per_test"].values()) == [{"train": 2, "ray": 0}]
     assert [e["name"] for e in rep["entries"]] == ["r0", "r1"]
+
+
+def test_xdist_workers_hand_their_runs_to_the_controller_which_holds_the_budget(tmp_path):
+    """`make test` runs the suite on two pytest-xdist workers, each counting into a ledger of
+    its own; the controller must see both workers' runs (2 + 2 here, over a budget of 3)."""
+    p, rep = _session(tmp_path, budget=3, files=2, args=("-n", "2", "--dist", "loadfile"))
+    out = p.stdout + p.stderr
+    assert "2 passed" in out, out[-3000:]
+    assert p.returncode == 1, out[-3000:]
+    assert "OVER BUDGET: train: 4 started, budget 3" in out
+    assert rep["counts"] == {"train": 4, "ray": 0}
+    assert rep["per_test"] == {"test_inner.py::test_two_train_runs": {"train": 2, "ray": 0},
+                               "test_inner1.py::test_two_train_runs": {"train": 2, "ray": 0}}
+    assert sorted(e["tag"] for e in rep["entries"]) == ["test_inner.py::test_two_train_runs"] * 2 + [
+        "test_inner1.py::test_two_train_runs"] * 2
 
 
 def test_verdict_names_each_kind_over_its_budget():

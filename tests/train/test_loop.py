@@ -162,11 +162,38 @@ def test_restart_with_same_name_resumes_from_checkpoint(uninterrupted, grounding
     for k in ("e_new", "head_new"):
         torch.testing.assert_close(res.state_dict[k], ref.state_dict[k], rtol=0, atol=1e-6)
     assert res.history["val"] == ref.history["val"]
-    # A driver killed after training but before export: the re-created run trains nothing more
-    # and hands back the same final rows from its last checkpoint.
-    again = _fit(grounding_problem, storage, "resume", fail, max_failures=0)
-    assert _progress_steps(storage, "resume") == steps
-    assert again.steps_done == STEPS and torch.equal(again.state_dict["e_new"], res.state_dict["e_new"])
+    # A finished run re-created (a driver killed after training, before export) is the loop's
+    # `_resume` handing back the final checkpoint: test_a_final_checkpoint_is_handed_back_untrained.
+
+
+def test_a_final_checkpoint_is_handed_back_untrained(tmp_path, monkeypatch):
+    """The latest checkpoint is the final one (a driver killed after training, before export,
+    re-creates the run): the worker trains nothing more and returns the saved history; the
+    engine is never touched (None here). One step short, it loads DeepSpeed's state instead
+    (recorded here, absent: the one-line error)."""
+    import json
+    from contextlib import contextmanager
+    from types import SimpleNamespace
+
+    from gti.train import driver, loop
+
+    saved = {"step": 4, "epoch": 0, "offset": 8, "history": {"loss": [[4, 1.5]], "val": {}, "tokens_per_s": []},
+             "timing": {"loop_s": 1.0}, "precision": "fp32"}
+    (tmp_path / loop.STATE_FILE).write_text(json.dumps(saved))
+
+    @contextmanager
+    def latest():
+        yield tmp_path
+
+    monkeypatch.setattr(driver, "latest_checkpoint", latest)
+    state, done = loop._resume(SimpleNamespace(engine=None, tc=GroundConfig(steps=4)))
+    assert state == saved
+    assert done == {"step": 4, "history": saved["history"], "timing": {"loop_s": 1.0}, "precision": "fp32"}
+    loads = []
+    monkeypatch.setattr(loop.safe_checkpoint, "load_checkpoint", lambda engine, d, tag, **kw: loads.append(d) or (None, None))
+    with pytest.raises(RuntimeError, match="no DeepSpeed state"):
+        loop._resume(SimpleNamespace(engine=None, tc=GroundConfig(steps=5)))
+    assert loads == [str(tmp_path / loop.DS_DIR)]
 
 
 @pytest.mark.slow
