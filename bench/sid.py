@@ -394,7 +394,7 @@ def main() -> None:
             results["synthetic"]["ours_rqvae"]["assign_items_per_s_fp32"]
             / results["synthetic"]["peer_rqvae"]["assign_items_per_s"], 3),
         # Our balanced residual k-means fit time over faiss's plain one (same sample, cap of 25
-        # iterations; ours stops earlier on sid.kmeans_tol). Target <= 1.5 (issue 33).
+        # iterations). Target <= 1.5 (issue 33).
         "fit_over_faiss": round(m["ours_rqkmeans"]["train_s"] / max(m["faiss_rqkmeans"]["train_s"], 1e-9), 3),
         "same_map_across_threads": same_map_across_threads(sets["minilm"][0]),
         "results": results,

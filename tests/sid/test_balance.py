@@ -46,17 +46,3 @@ def test_prices_learned_on_a_sample_balance_the_whole_set():
     assert counts.min() > 0.6 * share and counts.max() < 1.4 * share
     # On the rows they were learned on, prices reproduce sinkhorn_assign exactly.
     assert torch.equal(priced_assign(cost[:2000], scale, v, 0.003), sinkhorn_assign(cost[:2000], 0.003, 200))
-
-
-def test_candidate_sinkhorn_balances_and_warm_starts():
-    from gti.sid.balance import candidate_sinkhorn, normalise_cost
-
-    g = torch.Generator().manual_seed(0)
-    cost = normalise_cost(torch.rand(400, 8, generator=g) + torch.linspace(0, 0.5, 8))  # code 0 preferred
-    logits, idx = -cost / 0.1, torch.arange(8).expand(400, 8)  # every code a candidate
-    v, steps = candidate_sinkhorn(logits, idx, 8, iters=500, tol=1e-3)
-    assert 1 < steps < 500
-    codes = idx.gather(1, (logits + v[idx]).argmax(1, keepdim=True)).squeeze(1)
-    assert torch.bincount(codes, minlength=8).max() <= 80  # 50 each when exactly balanced
-    # From converged prices, one step confirms convergence.
-    assert candidate_sinkhorn(logits, idx, 8, iters=500, tol=1e-3, v0=v)[1] == 1

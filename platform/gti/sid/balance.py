@@ -8,10 +8,6 @@ assignment step.
 The cost is first shifted per row and scaled by its median gap (`normalise_cost`), so
 `epsilon` is relative to the typical gap between a point's best code and the others. Working with log-potentials keeps
 exp(-cost/epsilon) from underflowing in float32, where the textbook form needs float64.
-`candidate_sinkhorn` is the form balanced k-means iterates: each point only sees its m nearest
-codes (m << K: an m/K share of the work per step), it warm-starts from the previous Lloyd
-iteration's prices and stops on a tolerance, so a step costs a few ms instead of a dense
-N x K logsumexp, and most Lloyd iterations need one or two steps.
 
 What it does not know: where the cost comes from (codebooks, residuals), SIDs, Ray.
 """
@@ -103,38 +99,3 @@ def sinkhorn_assign(cost: torch.Tensor, epsilon: float = 0.003, iters: int = 50)
     """
     scale, v = sinkhorn_prices(cost, epsilon, iters)
     return priced_assign(cost, scale, v, epsilon)
-
-
-def candidate_sinkhorn(
-    logits: torch.Tensor, idx: torch.Tensor, k: int, iters: int, tol: float, v0: torch.Tensor | None = None
-) -> tuple[torch.Tensor, int]:
-    """Log-domain Sinkhorn over each point's candidate codes only; returns (v [k], steps).
-
-    logits [N, m]: -cost/epsilon of point i for its candidate code idx [N, m] (long, < k),
-    already normalised; the plan is log Q_ij = logits_ij + u_i + v_idx_ij. v0 [k] warm-starts
-    the column potentials (the previous Lloyd iteration's prices: codes keep their identity,
-    so they stay nearly right). Stops after the first step whose column log-masses are all
-    within `tol` of uniform, or after `iters` steps. A code that is no point's candidate keeps
-    its v0 (it gets no point; the k-means re-seeds it). Every reduction here runs in a fixed
-    order (row logsumexp, scatter max, bincount), so the result does not depend on the thread
-    count.
-    """
-    n = logits.shape[0]
-    log_r, log_c = -math.log(n), -math.log(k)
-    flat = idx.reshape(-1)
-    present = torch.bincount(flat, minlength=k) > 0
-    v = torch.zeros(k, dtype=logits.dtype, device=logits.device) if v0 is None else v0.clone()
-    steps = 0
-    for steps in range(1, iters + 1):
-        u = log_r - torch.logsumexp(logits + v[idx], dim=1)
-        w = (logits + u.unsqueeze(1)).reshape(-1)
-        top = torch.full((k,), -torch.inf, dtype=w.dtype, device=w.device).scatter_reduce(
-            0, flat, w, "amax", include_self=True)
-        mass = torch.bincount(flat, weights=torch.exp(w - top[flat]), minlength=k)
-        col = torch.where(present, top + torch.log(mass.clamp(min=1e-30)), torch.zeros_like(top))
-        err = float(((v + col - log_c) * present).abs().max())
-        v = torch.where(present, log_c - col, v)
-        if err < tol:
-            break
-    return v, steps
-

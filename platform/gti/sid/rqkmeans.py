@@ -67,23 +67,19 @@ class ResidualKMeans(nn.Module):
 
     @torch.no_grad()
     def fit(self, x: torch.Tensor, iters: int = 25, generator: torch.Generator | None = None,
-            log=None, tol: float = 1e-4, balance_tol: float = 1e-2) -> list[float]:
-        """Fit on x [N, D]; returns the mean squared residual after each level.
-
-        iters / tol: Lloyd's cap and stopping tolerance per level; balance_tol: the Sinkhorn
-        tolerance of balanced assignments (`gti.sid.kmeans.kmeans`)."""
+            log=None) -> list[float]:
+        """Fit on x [N, D]; returns the mean squared residual after each level."""
         res = x.float()
         inertias = []
         for lv in range(self.levels):
             km = kmeans(res, self.cfg.codebook_size, iters=iters, generator=generator,
                         balanced=self.cfg.balanced, sinkhorn_epsilon=self.cfg.sinkhorn_epsilon,
-                        sinkhorn_iters=self.cfg.sinkhorn_iters, tol=tol, sinkhorn_tol=balance_tol)
+                        sinkhorn_iters=self.cfg.sinkhorn_iters)
             self.codebooks[lv] = km.centroids
             res = res - km.centroids[km.assign]
             inertias.append(km.inertia)
             if log is not None:
-                log(f"rqkmeans level {lv}: inertia {km.inertia:.4g} after {km.iters} iterations"
-                    + (f", {km.sinkhorn_steps} Sinkhorn steps" if self.cfg.balanced else ""))
+                log(f"rqkmeans level {lv}: inertia {km.inertia:.4g} after {km.iters} iterations")
         return inertias
 
     def _greedy(self, x: torch.Tensor, stop_before_last: bool = False):

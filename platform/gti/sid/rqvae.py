@@ -273,19 +273,18 @@ class RQVAE(nn.Module):
     # ------------------------------------------------------------------ initialisation / revival
     @torch.no_grad()
     def init_codebooks(
-        self, x: torch.Tensor, iters: int = 25, generator: torch.Generator | None = None, tol: float = 1e-4
+        self, x: torch.Tensor, iters: int = 25, generator: torch.Generator | None = None
     ) -> list[float]:
         """k-means on the real residuals of sample x [N, D], level by level.
 
         Level 0 clusters the encoder outputs; level l clusters what levels < l leave over.
-        Returns the k-means inertia per level. Deterministic for a given generator state (and
-        thread count: see `gti.sid.kmeans.fixed_threads`); iters / tol: Lloyd's cap and tolerance.
+        Returns the k-means inertia per level. Deterministic for a given generator state.
         """
         z = self._enc_eval(x)
         res = z
         inertias = []
         for lv in range(self.levels):
-            km = kmeans(res, self.cfg.codebook_size, iters=iters, generator=generator, tol=tol)
+            km = kmeans(res, self.cfg.codebook_size, iters=iters, generator=generator)
             self.codebooks.data[lv] = km.centroids
             res = res - km.centroids[km.assign]
             inertias.append(km.inertia)
