@@ -12,8 +12,8 @@ before grounding are the session's shared tiny ones (tests/conftest.py::tiny_ups
 into the run folder (they are not what the test is about, and three nodes on 2 cores made them
 the slowest part).
 
-While the first driver trains, a second `gti run` on the same folder is refused in one line
-naming it (the run lock, issue 30), and the rerun after the kill takes the dead driver's lock.
+The rerun after the kill takes the dead driver's lock, and while it runs a second `gti run` on
+the same folder is refused in one line naming it (the run lock, issue 30).
 
 The same test checks the script itself (it used to have a test of its own, which cost another
 cluster start): the nodes and their custom resources, token auth refusing a client without the
@@ -119,6 +119,25 @@ def _alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
+def _rival_is_refused(run_dir: Path, holder: subprocess.Popen, env: dict[str, str], cwd: Path) -> None:
+    """Two writers, one folder (issue 30): once `holder` (a `gti run`) holds the run folder's
+    lock, a second `gti run` on it is refused at once, in one line naming the holder's pid."""
+    lock = run_dir / ".gti.lock"
+    deadline = time.time() + 300
+    while time.time() < deadline and holder.poll() is None:
+        try:
+            if json.loads(lock.read_text())["pid"] == holder.pid:
+                break
+        except (OSError, ValueError, KeyError):  # not written yet, or the dead driver's
+            pass
+        time.sleep(0.2)
+    assert holder.poll() is None, "the rerun ended before it held the lock"
+    rival = subprocess.run(_gti_cmd(run_dir), env=env, capture_output=True, text=True, cwd=cwd, timeout=120)
+    line = rival.stderr.strip().splitlines()[-1] if rival.stderr.strip() else ""
+    assert rival.returncode == 2, rival.stdout[-2000:] + rival.stderr[-2000:]
+    assert line.startswith("gti: error: ") and f"pid {holder.pid}" in line and "gti run" in line, rival.stderr[-2000:]
+
+
 @pytest.fixture
 def upstream_done(tiny_upstream, tmp_path) -> Path:
     """The run's stages before grounding: the session's shared tiny ingest..pairs
@@ -199,13 +218,6 @@ def test_grounding_across_two_nodes_with_driver_kill_and_resume(upstream_done, t
     while time.time() < deadline and first.poll() is None and len(_checkpoints(partial)) < 2:
         time.sleep(0.5)
     assert first.poll() is None, "the first attempt ended before any checkpoint: " + (tmp_path / "attempt1.log").read_text()[-3000:]
-    # Two writers, one folder (issue 30): a second `gti run` on the run folder while the first
-    # trains is refused at once, in one line naming the holder; the first's files are untouched.
-    rival = subprocess.run(_gti_cmd(run_dir), env=env, capture_output=True, text=True, cwd=tmp_path, timeout=120)
-    line = rival.stderr.strip().splitlines()[-1] if rival.stderr.strip() else ""
-    assert rival.returncode == 2, rival.stdout[-2000:] + rival.stderr[-2000:]
-    assert line.startswith("gti: error: ") and f"pid {first.pid}" in line and "gti run" in line, rival.stderr[-2000:]
-    assert partial.is_dir() and first.poll() is None
     first.send_signal(signal.SIGKILL)
     first.wait()
     before = {p.relative_to(partial) for p in _checkpoints(partial)}
@@ -213,8 +225,12 @@ def test_grounding_across_two_nodes_with_driver_kill_and_resume(upstream_done, t
     assert not (run_dir / "ground" / "_manifest.json").exists()
 
     # The killed driver's lock is stale (its process is gone): the rerun takes it over.
-    second = subprocess.run(_gti_cmd(run_dir), env=env, capture_output=True, text=True, cwd=tmp_path, timeout=900)
-    logs = second.stdout + second.stderr
+    log2 = tmp_path / "attempt2.log"
+    with log2.open("w") as f:
+        second = subprocess.Popen(_gti_cmd(run_dir), env=env, stdout=f, stderr=subprocess.STDOUT, cwd=tmp_path)
+        _rival_is_refused(run_dir, second, env, tmp_path)
+        second.wait(timeout=900)
+    logs = log2.read_text()
     assert second.returncode == 0, logs[-4000:]
     # Upstream stages were not redone; grounding finished from where it stopped.
     for stage in ("ingest", "embed", "sid", "pairs"):
