@@ -47,7 +47,33 @@ def cmd_run(args) -> int:
 
     cfg = _cfg(args)
     _preflight(cfg, args)
-    pipeline.run(cfg, from_stage=args.from_stage, to_stage=args.to_stage, force=args.force)
+    done = pipeline.run(cfg, from_stage=args.from_stage, to_stage=args.to_stage, force=args.force)
+    if "evaluate" in done:  # the evaluation is complete: the one screen a new user reads
+        try:
+            print(_summary(cfg.resolved_run_dir(), cfg.run_dir, args.config), flush=True)
+        except GtiError as err:  # the run itself succeeded: a summary it cannot read is a note
+            print(f"gti: note: {one_line(str(err))}", file=sys.stderr)
+    return 0
+
+
+def _summary(run_dir, shown: str, config: str | None) -> str:
+    """`gti.diagnostics.summary`'s text for a run folder (GtiError when it cannot be read)."""
+    from pathlib import Path
+
+    from gti.diagnostics.summary import format_summary, read_run
+    from gti.pipeline import STAGE_NAMES
+
+    if not (Path(run_dir) / "evaluate" / "_manifest.json").is_file():
+        raise GtiError(f"{shown}: no finished evaluate stage (evaluate/_manifest.json missing); gti run makes one")
+    try:
+        return format_summary(read_run(run_dir, STAGE_NAMES, shown=shown, config=config))
+    except (OSError, ValueError) as err:
+        raise GtiError(f"{shown}: no summary: {one_line(str(err))}") from None
+
+
+def cmd_summary(args) -> int:
+    """`gti summary --run-dir R`: what `gti run` prints at the end, for a finished run."""
+    print(_summary(args.run_dir, args.run_dir, args.config))
     return 0
 
 
@@ -111,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
     _add_pipeline_commands(sub, STAGE_NAMES)  # run, stage, doctor, config
     _add_data_commands(sub)  # data synth | inspect | dense
-    _add_trained_run_commands(sub)  # recommend, refresh, serve
+    _add_trained_run_commands(sub)  # recommend, summary, refresh, serve, infer
     _add_compare_command(sub)
     _add_vocab_commands(sub)  # vocab ground
     _add_tune_command(sub)
@@ -182,7 +208,8 @@ def _add_data_commands(sub) -> None:
 
 
 def _add_trained_run_commands(sub) -> None:
-    """`gti recommend` and `gti refresh`: commands on a finished run's folder."""
+    """`gti recommend`, `gti summary`, `gti refresh`, `gti serve`, `gti infer`: commands on a
+    finished run's folder."""
     p = sub.add_parser("recommend", help="top-K items for a history, from a finished run")
     p.add_argument("--run-dir", required=True)
     p.add_argument("--history", required=True, help="comma-separated item ids, oldest first")
@@ -192,6 +219,12 @@ def _add_trained_run_commands(sub) -> None:
     p.add_argument("--trust-remote-code", action="store_true",
                    help="allow the model's own code (never taken from the run folder)")
     p.set_defaults(func=_delegate("gti.run_artifacts", "cli_main"))
+
+    p = sub.add_parser("summary", help="what gti run prints at the end: the model beside SASRec, Markov-1 "
+                                       "and MostPop, a sample user, the time per stage, the next commands")
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--config", "-c", default=None, help="the run's config, named in the commands it suggests")
+    p.set_defaults(func=cmd_summary)
 
     p = sub.add_parser("refresh", help="add new items to a trained run: SIDs from its frozen quantiser, "
                                        "a short grounding pass, a new SID-map version")

@@ -97,6 +97,17 @@ class InteractionsSource(_Strict):
     storage_options: dict[str, str] = Field(default_factory=dict, description=_STORAGE_HELP)
 
 
+class DenseSubset(_Strict):
+    """A dense subset of the data, built by ingest (`gti.data.dense`, as `gti data dense` does)."""
+
+    top_items: int | None = Field(
+        None, gt=0, description="keep only the N items with the most valid interactions (ties: catalog order) "
+        "and the users active on them; the rest are quarantined as outside_dense (None: no subset, all data)")
+    min_user_len: int = Field(
+        5, ge=1, description="with top_items: keep users with at least this many interactions on those items "
+        "(cut repeatedly until it holds; data.min_seq_len still applies after)")
+
+
 class DataConfig(_Strict):
     """The ingest stage: sources, text limits, caps and sequence lengths."""
 
@@ -113,6 +124,9 @@ class DataConfig(_Strict):
         None, gt=0, description="use only the first N valid items (None: all); handy for quick runs")
     max_users: int | None = Field(
         None, gt=0, description="use only the first N users (in file order) with enough interactions (None: all)")
+    dense: DenseSubset = Field(
+        default_factory=DenseSubset, description="a dense subset (top items and their active users) built "
+        "by ingest from these keys, for small training budgets; off unless dense.top_items is set")
     parallelism: int | None = Field(
         None, gt=0, description="Ray Data read/processing parallelism (None: Ray decides)")
     on_unreadable_file: Literal["error", "skip"] = Field(
@@ -177,15 +191,9 @@ class SidConfig(_Strict):
         "(0: off)")
     kmeans_iters: int = Field(
         25, ge=1, description="most k-means iterations (codebook init for rqvae, fitting for rqkmeans)")
-    kmeans_tol: float = Field(
-        1e-4, ge=0, description="k-means stops after an iteration that lowers the inertia by no more than this "
-        "share of the previous one (0: run all kmeans_iters)")
-    balance_tol: float = Field(
-        1e-2, gt=0, description="balanced k-means: a Sinkhorn assignment stops once every code's (log) mass is "
-        "within this of N/K (at most sinkhorn_iters steps, warm-started from the previous iteration's prices)")
     fit_threads: int = Field(
-        1, ge=1, description="torch and faiss threads for the driver's k-means (codebook init, rqkmeans fit): "
-        "fixed, so that the SID map does not depend on the machine's core count (faiss's distances do)")
+        1, ge=1, description="torch threads for the driver's k-means (codebook init, rqkmeans fit): fixed, so "
+        "that the SID map does not depend on the machine's core count")
     dead_code_threshold: int = Field(
         0, ge=0, description="codes used <= this many times in an epoch are re-seeded"
     )

@@ -87,11 +87,17 @@ def test_embed_ranges_write_parts_reuse_them_and_join_in_order(tmp_path):
     parts.mkdir()
     fn = embed.EmbedRange(cfg.embed.model_dump(), cfg.model.model_dump(), 0, "cpu", str(items), str(parts))
     # Ranges may finish in any order; the join is by range index.
-    assert fn({"part": [1], "row_groups": [[2]]}) == {"part": [1], "rows": [2], "dim": [16]}
-    assert fn({"part": [0], "row_groups": [[0, 1]]})["rows"] == [8]
+    first = fn({"part": [1], "row_groups": [[2]]})
+    assert {k: first[k] for k in ("part", "rows", "dim")} == {"part": [1], "rows": [2], "dim": [16]}
+    # Each call says where its seconds went (the stage's timing facts); the encoder's loading
+    # comes with the actor's first call only.
+    assert first["load_s"][0] > 0 and first["encode_s"][0] > 0 and first["write_s"][0] > 0
+    second = fn({"part": [0], "row_groups": [[0, 1]]})
+    assert second["rows"] == [8] and second["load_s"] == [0.0] and second["read_s"][0] > 0
     mtime = (parts / "part-00000.parquet").stat().st_mtime_ns
-    fn({"part": [0], "row_groups": [[0, 1]]})  # already there: reused, not rewritten
+    reused = fn({"part": [0], "row_groups": [[0, 1]]})  # already there: reused, not rewritten
     assert (parts / "part-00000.parquet").stat().st_mtime_ns == mtime
+    assert reused["rows"] == [8] and reused["encode_s"] == [0.0]
     out = tmp_path / "emb.parquet"
     n = embed._concat_parts([parts / "part-00000.parquet", parts / "part-00001.parquet"], items, out, 16)
     got = pq.read_table(out)

@@ -106,6 +106,7 @@ def test_evaluate_writes_metrics_recs_and_baselines(eval_run):
     assert set(metrics["splits"]) == {"valid", "test"}
     assert metrics["n_users"] == {"valid": 12, "test": 12}
     assert metrics["invalid_sid_rate"] == 0.0
+    assert {"read_s", "decode_s", "reference_s", "metrics_s", "write_s", "total_s"} <= set(m.facts["timing"])
     for split in ("valid", "test"):
         table = metrics["splits"][split]
         assert sorted(table) == sorted(names)

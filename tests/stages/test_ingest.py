@@ -50,6 +50,7 @@ def test_ray_stream_equals_local_stream(tmp_path, ray_start_4_cpus):
                                     work_dir=work, fingerprint="t")
         results[name] = (ingest.ingest(ctx, stream).facts, work)
     (fl, wl), (fr, wr) = results["local"], results["ray"]
+    fl.pop("timing"), fr.pop("timing")  # wall seconds differ from run to run
     assert fl == fr
     for f in ["items", "items_quarantine", "interactions", "interactions_quarantine", "sequences"]:
         assert pq.read_table(wl / f"{f}.parquet").equals(pq.read_table(wr / f"{f}.parquet")), f
@@ -97,6 +98,9 @@ def test_ingest_and_embed_tiny(tiny_upstream):
     # Embed: one L2-normalised vector per item, in items.parquet order.
     e = done["embed"].facts
     assert (e["dim"], e["encoder"], e["n_items"]) == (32, "hash", 300)
+    assert {"ray_start_s", "pool_s", "concat_s", "encoder_load_s", "read_s", "encode_s", "write_s",
+            "total_s", "encode_items_per_s"} <= set(e["timing"])
+    assert {"items_s", "interactions_s", "ray_start_s", "total_s"} <= set(f["timing"]) and f["dense"] is None
     emb = pq.read_table(run_dir / "embed" / "embeddings.parquet")
     assert str(emb.schema.field("embedding").type) == "fixed_size_list<element: float>[32]"
     assert emb.column("item_id").to_pylist() == items.column("item_id").to_pylist()
@@ -127,3 +131,29 @@ def test_errors_inside_ray_tasks_are_one_line(tmp_path, ray_start_4_cpus):
     with pytest.raises(DataError) as e:
         ingest.ingest(ctx, ingest.ray_stream)
     assert str(e.value) == (f"{items}: missing column 'item_id' (data.items.columns; the file has: sku, title)")
+
+
+def test_the_dense_subset_through_the_stage(tmp_path, ray_start_4_cpus):
+    """`data.dense` through the pipeline (Ray Data reads): the same outputs as the in-process
+    path, the cut and the timing in the manifest, and a changed subset re-runs the stage."""
+    from gti import config
+    from gti.data.catalog import OUTSIDE_DENSE
+    from gti.stages import ingest
+
+    keys = [f"run_dir={tmp_path / 'run'}", "data.dense.top_items=300", "data.dense.min_user_len=4"]
+    m = pipeline.run(config.load(None, keys), to_stage="ingest")["ingest"]
+    f = m.facts
+    out = tmp_path / "run" / "ingest"
+    assert f["n_items"] == f["dense"]["items_after"] == pq.read_metadata(out / "items.parquet").num_rows
+    assert f["items_quarantine_reasons"][OUTSIDE_DENSE] == f["dense"]["items_before"] - f["dense"]["items_after"]
+    assert f["interactions_rows_in"] == f["interactions_rows_ok"] + f["interactions_rows_quarantined"]
+    assert {"items_s", "interactions_s", "dense_items_s", "ray_start_s", "total_s"} <= set(f["timing"])
+    local = tmp_path / "local"
+    local.mkdir()
+    ctx = pipeline.StageContext(spec=pipeline.spec("ingest"), cfg=config.load(None, keys), run_dir=tmp_path,
+                                work_dir=local, fingerprint="t")
+    ingest.ingest(ctx, ingest.local_stream)
+    for name in ["items", "items_quarantine", "interactions", "interactions_quarantine", "sequences"]:
+        assert pq.read_table(local / f"{name}.parquet").equals(pq.read_table(out / f"{name}.parquet")), name
+    again = pipeline.run(config.load(None, keys + ["data.dense.min_user_len=5"]), to_stage="ingest")["ingest"]
+    assert again.fingerprint != m.fingerprint and again.facts["dense"]["min_user_len"] == 5

@@ -107,6 +107,8 @@ def test_pairs_stage_end_to_end(tmp_path, ray_start_4_cpus):
     assert f["n_pairs"] == df.height == 6 * (N_ITEMS - 1)
     assert f["tasks"] == {t: N_ITEMS - 1 for t in C.DEFAULT_GROUNDING_TEMPLATES}
     assert f["sid_map_hash"] == "h123"
+    assert {"ray_start_s", "tokenizer_s", "render_write_s", "total_s"} <= set(f["timing"])
+    assert f["timing"]["items_per_s"] > 0
     assert f["description_source"] == {"description": 18, "pseudo": 5, "title": 0}  # items 0, 5, .., 20
     # the saved tokenizer has the SID tokens at the manifest's ids
     tok = AutoTokenizer.from_pretrained(run / "pairs" / "tokenizer")

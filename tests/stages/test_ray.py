@@ -1,5 +1,6 @@
 """gti.stages._ray.ensure_ray: a local start retried once then one line naming the logs; the run
-pins its own Ray (workers and driver get its address); Ray Train's state-API warning filtered."""
+pins its own Ray (workers and driver get its address); Ray Train's state-API warning filtered;
+a local Ray's Train poll interval shortened unless the user set it."""
 
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ class _FakeRay:
         monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "10.1.2.3")
 
     def init(self, **kwargs):
-        self.calls.append({**kwargs, "gcs_port_env": os.environ.get("RAY_GCS_SERVER_PORT")})
+        self.calls.append({**kwargs, "gcs_port_env": os.environ.get("RAY_GCS_SERVER_PORT"),
+                           "train_poll_env": os.environ.get(_ray.TRAIN_POLL_ENV)})
         if len(self.calls) <= self.fail:
             raise Exception("The current node timed out during startup. This could happen because ...\nmore")
         self.up = True
@@ -111,6 +113,25 @@ def test_a_local_start_is_private_and_joining_a_cluster_undoes_it(monkeypatch, n
     assert os.environ["RAY_AUTH_MODE"] == "disabled" and os.environ["RAY_AUTH_TOKEN_PATH"] == "/elsewhere/token"
     assert "RAY_AUTH_TOKEN" not in os.environ and _ray.LOOPBACK_ENV not in os.environ
     assert ray_constants.ENABLE_RAY_CLUSTER == was_cluster and no_wait[-1] is None
+
+
+def test_a_local_start_shortens_ray_trains_poll_unless_the_user_set_it(monkeypatch, no_wait):
+    """Ray Train's controller poll (ray.train.report waits for it) is 0.5 s for a local Ray: set
+    before ray.init, so the processes Ray starts inherit it. A value the user set is kept, and
+    joining a cluster leaves the user's setting (none here) as it was."""
+    monkeypatch.setattr(_ray.ledger, "note", lambda *a: None)  # fake starts: no Ray for the test budget
+    monkeypatch.delenv(_ray.TRAIN_POLL_ENV, raising=False)
+    fake = _FakeRay(monkeypatch, fail=0)
+    _ray.ensure_ray(RunConfig(ray_num_cpus=1))
+    assert fake.calls[-1]["train_poll_env"] == os.environ[_ray.TRAIN_POLL_ENV] == "0.5"
+    fake.up = False
+    _ray.ensure_ray(RunConfig(ray_address="ray://10.1.2.3:10001"))
+    assert fake.calls[-1]["train_poll_env"] is None and _ray.TRAIN_POLL_ENV not in os.environ
+    monkeypatch.setenv(_ray.TRAIN_POLL_ENV, "3")
+    for cfg in (RunConfig(ray_num_cpus=1), RunConfig(ray_address="ray://10.1.2.3:10001")):
+        fake.up = False
+        _ray.ensure_ray(cfg)
+        assert fake.calls[-1]["train_poll_env"] == os.environ[_ray.TRAIN_POLL_ENV] == "3"
 
 
 def test_second_failure_is_one_line_naming_the_logs(monkeypatch, no_wait, tmp_path):

@@ -101,6 +101,9 @@ def test_two_worker_rqvae_assigns_every_item(tmp_path, ray_start_4_cpus, capsys)
     # where the map was made.
     assert m.facts["encode_dtype"] == q.cfg.encode_dtype == "float32"
     assert m.facts["machine"]["fit_threads"] == 1 and "cpu_model" in m.facts["machine"]
+    # Where the stage's wall time went (facts.timing, gti.timing).
+    assert {"check_s", "ray_start_s", "sample_read_s", "kmeans_s", "rqvae_train_s", "assign_s", "resolve_s",
+            "write_s", "total_s"} <= set(m.facts["timing"])
 
 
 @pytest.mark.slow

@@ -50,6 +50,7 @@ INVALID_TS = "invalid_ts"
 UNKNOWN_ITEM = "unknown_item"
 OUTSIDE_MAX_ITEMS = "outside_max_items"
 OUTSIDE_MAX_USERS = "outside_max_users"
+OUTSIDE_DENSE = "outside_dense"  # not in the data.dense subset (gti.data.dense)
 SHORT_SEQUENCE = "short_sequence"
 MALFORMED_RECORD = "malformed_record"
 

@@ -9,17 +9,28 @@ after the first cut, so the subset is "the top-N items and their active users").
 `items.parquet` and `interactions.parquet` (same columns as the input) and `dense.json` with
 the parameters and counts, ready for `data.items.path` / `data.interactions.path`.
 
-What it does not know: validation or the rest of ingest (the output goes through ingest like
-any catalog), Ray, or models. Pure polars.
+In the pipeline (`data.dense` in the run config, so no manual step): the ingest stage calls
+`cut_interactions` on the validated interactions (the same `dense_subset`, so the subset equals
+`gti data dense` + ingest on clean data) and `quarantine_items` on its items.parquet; every row
+left out goes to the quarantine files with reason `outside_dense`, so ingest's accounting
+(rows in = ok + quarantined) still holds, and the parameters are in the ingest fingerprint.
+
+What it does not know: validation or the rest of ingest, Ray, or models. Pure polars/pyarrow.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import polars as pl
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
+from gti.data import catalog as cat
 from gti.errors import DataError
 
 
@@ -49,6 +60,60 @@ def dense_subset(items: pl.DataFrame, interactions: pl.DataFrame, n_items: int, 
         inter = inter.filter(pl.col(user_col).is_in(users))
     kept_items = inter[item_col].cast(pl.Utf8).unique()
     return items.filter(pl.col(item_col).cast(pl.Utf8).is_in(kept_items)), inter
+
+
+@dataclass
+class DenseCut:
+    """What `cut_interactions` keeps and leaves out."""
+
+    interactions: pl.DataFrame  # kept rows, input order
+    dropped: pl.DataFrame  # the other rows, input order, + reason (outside_dense) and detail
+    items: list[str]  # ids of the subset's items, catalog order
+    facts: dict[str, Any]  # parameters and counts before / after (the ingest facts' "dense")
+
+
+def cut_interactions(item_ids: list[str], inter: pl.DataFrame, top_items: int, min_user_len: int) -> DenseCut:
+    """`dense_subset` on validated interactions (user_id, item_id, any other columns) given the
+    catalog's ids in catalog order. A dropped row's detail is `item_id` when its item is not in
+    the subset, else `user_id` (its user has too few interactions on the subset's items)."""
+    rows = inter.with_row_index("_row")
+    sub_items, kept = dense_subset(pl.DataFrame({"item_id": item_ids}), rows, top_items, min_user_len)
+    keep_ids = sub_items["item_id"]
+    dropped = rows.filter(~pl.col("_row").is_in(kept["_row"])).with_columns(
+        pl.lit(cat.OUTSIDE_DENSE).alias("reason"),
+        pl.when(pl.col("item_id").is_in(keep_ids)).then(pl.lit("user_id"))
+        .otherwise(pl.lit("item_id")).alias("detail"),
+    )
+    facts = {"top_items": top_items, "min_user_len": min_user_len,
+             "items_before": len(item_ids), "items_after": sub_items.height,
+             "users_before": int(inter["user_id"].n_unique()), "users_after": int(kept["user_id"].n_unique()),
+             "interactions_before": inter.height, "interactions_after": kept.height}
+    return DenseCut(kept.drop("_row"), dropped.drop("_row"), keep_ids.to_list(), facts)
+
+
+def quarantine_items(out: Path, keep: list[str], row_group: int = 65_536) -> int:
+    """Move the rows of `out`/items.parquet whose id is not in `keep` to the end of
+    `out`/items_quarantine.parquet (reason outside_dense, detail item_id, raw: the item's text
+    fields as JSON; source_file / source_row empty, as items.parquet does not carry them).
+    Both files are rewritten whole: a dense subset is for catalogs a training budget can cover.
+    Returns the number of rows moved."""
+    items = pq.read_table(out / "items.parquet")
+    mask = pc.is_in(items.column("item_id"), value_set=pa.array(keep, pa.string()))
+    moved = items.filter(pc.invert(mask))
+    n = moved.num_rows
+    if n == 0:
+        return 0
+    quarantine = pq.read_table(out / "items_quarantine.parquet")
+    text = moved.select(["item_id", "title", "description", "category", "attributes_text"]).to_pylist()
+    rows = pa.table({
+        "source_file": pa.nulls(n, pa.string()), "source_row": pa.nulls(n, pa.int64()),
+        "item_id": moved.column("item_id"), "reason": pa.array([cat.OUTSIDE_DENSE] * n, pa.string()),
+        "detail": pa.array(["item_id"] * n, pa.string()), "raw": pa.array([cat.raw_json(r) for r in text]),
+    })
+    pq.write_table(items.filter(mask), out / "items.parquet", row_group_size=row_group)
+    pq.write_table(pa.concat_tables([quarantine, rows.select(quarantine.schema.names).cast(quarantine.schema)]),
+                   out / "items_quarantine.parquet")
+    return n
 
 
 def cli_main(args) -> int:

@@ -15,6 +15,11 @@ then joins the parts in range order into embeddings.parquet, checking ids agains
 items.parquet row by row, which makes the order deterministic by construction. Parts written
 before a crash are reused on the rerun.
 
+facts.timing: wall seconds of the Ray start, the actor pool (`pool_s`: actor start-up, encoder
+loading and embedding, streamed) and the join of the parts (`concat_s`), plus the actors' own
+seconds summed over actors (`encoder_load_s`, `read_s`, `encode_s`, `write_s`) and
+`encode_items_per_s`, the encoder's rate alone (items / encode_s), to set beside `items_per_s`.
+
 What it does not know: how the encoders work (`gti.embed.encoders`), or what the vectors are
 used for downstream.
 """
@@ -32,6 +37,7 @@ import pyarrow.parquet as pq
 
 from gti.errors import DataError
 from gti.contract import StageContext, StageResult
+from gti.timing import Timer, rate
 
 _TEXT_COLUMNS = ["item_id", "title", "description", "category", "attributes_text"]
 
@@ -104,34 +110,56 @@ class EmbedRange(EmbedBatch):
 
     def __init__(self, embed_cfg: dict, model_cfg: dict, seed: int, device: str, items_path: str,
                  parts_dir: str) -> None:
+        t0 = time.perf_counter()
         super().__init__(embed_cfg, model_cfg, seed, device)
+        self.load_s = time.perf_counter() - t0  # reported with this actor's first call
         self.items_path = items_path
         self.parts_dir = Path(parts_dir)
 
     def __call__(self, batch: dict) -> dict:  # type: ignore[override]
-        out = {"part": [], "rows": [], "dim": []}
+        out: dict[str, list] = {"part": [], "rows": [], "dim": [], "load_s": [], "read_s": [], "encode_s": [],
+                                "write_s": []}
         for idx, groups in zip(batch["part"], batch["row_groups"]):
             final = self.parts_dir / f"part-{int(idx):05d}.parquet"
-            if not final.is_file():
-                tmp = final.with_name(f".{final.name}.tmp")
-                pf = pq.ParquetFile(self.items_path)
-                writer = None
-                try:
-                    for rb in pf.iter_batches(batch_size=self.cfg.batch_size, row_groups=[int(g) for g in groups],
-                                              columns=_TEXT_COLUMNS):
-                        table = super().__call__(pa.Table.from_batches([rb]))
-                        if writer is None:
-                            writer = pq.ParquetWriter(tmp, table.schema)
-                        writer.write_table(table)
-                finally:
-                    if writer is not None:
-                        writer.close()
-                os.replace(tmp, final)
+            secs = self._embed_part(final, [int(g) for g in groups]) if not final.is_file() else (0.0, 0.0, 0.0)
             md = pq.ParquetFile(final).metadata
             out["part"].append(int(idx))
             out["rows"].append(md.num_rows)
             out["dim"].append(pq.ParquetFile(final).schema_arrow.field("embedding").type.list_size)
+            out["load_s"].append(self.load_s)
+            self.load_s = 0.0
+            for name, v in zip(("read_s", "encode_s", "write_s"), secs):
+                out[name].append(v)
         return out
+
+    def _embed_part(self, final: Path, groups: list[int]) -> tuple[float, float, float]:
+        """Embed row groups `groups` of items.parquet into `final` (temp file + rename);
+        -> seconds spent reading, encoding and writing."""
+        tmp = final.with_name(f".{final.name}.tmp")
+        pf = pq.ParquetFile(self.items_path)
+        writer = None
+        read_s = encode_s = write_s = 0.0
+        try:
+            batches = pf.iter_batches(batch_size=self.cfg.batch_size, row_groups=groups, columns=_TEXT_COLUMNS)
+            while True:
+                t0 = time.perf_counter()
+                rb = next(batches, None)
+                t1 = time.perf_counter()
+                read_s += t1 - t0
+                if rb is None:
+                    break
+                table = super().__call__(pa.Table.from_batches([rb]))
+                t2 = time.perf_counter()
+                encode_s += t2 - t1
+                if writer is None:
+                    writer = pq.ParquetWriter(tmp, table.schema)
+                writer.write_table(table)
+                write_s += time.perf_counter() - t2
+        finally:
+            if writer is not None:
+                writer.close()
+        os.replace(tmp, final)
+        return read_s, encode_s, write_s
 
 
 def plan_ranges(items_path: Path, rows_per_part: int) -> list[list[int]]:
@@ -172,7 +200,9 @@ def _concat_parts(parts: list[Path], items_path: Path, out: Path, dim: int) -> i
 def run(ctx: StageContext) -> StageResult:
     from gti.stages._ray import ensure_ray
 
-    ensure_ray(ctx.cfg)
+    timer = Timer()
+    with timer.phase("ray_start"):  # a no-op after an earlier stage of the same `gti run` started it
+        ensure_ray(ctx.cfg)
     import ray
 
     cfg = ctx.cfg
@@ -203,16 +233,39 @@ def run(ctx: StageContext) -> StageResult:
         compute=ray.data.ActorPoolStrategy(size=cfg.embed.concurrency),
         num_gpus=cfg.embed.num_gpus or None,
     )
+    with timer.phase("pool"):
+        done, dims = _stream(ctx, ds, n_items, timer)
+    elapsed = timer.seconds["pool"]
+    if done != n_items or len(dims) != 1:
+        raise DataError(f"embed: wrote {done} embeddings (dims {sorted(dims)}) for {n_items} items in {items_path}")
+    dim = dims.pop()
+    parts = [parts_dir / f"part-{i:05d}.parquet" for i in range(len(ranges))]
+    out = ctx.work_dir / "embeddings.parquet"
+    with timer.phase("concat"):
+        written = _concat_parts(parts, items_path, out, dim)
+    shutil.rmtree(parts_dir)
+    ctx.log(f"{written:,} items in {elapsed:.1f}s ({done / max(elapsed, 1e-9):,.0f} items/s), dim={dim}")
+    return StageResult(
+        outputs={"embeddings": "embeddings.parquet"},
+        facts={"dim": int(dim), "encoder": cfg.embed.encoder, "n_items": written,
+               "fields": list(cfg.embed.fields), "items_per_s": round(done / max(elapsed, 1e-9), 1),
+               "timing": {**timer.facts(), "encode_items_per_s": rate(done, timer.seconds.get("encode", 0.0))}},
+    )
+
+
+def _stream(ctx: StageContext, ds, n_items: int, timer: Timer) -> tuple[int, set[int]]:
+    """Run the actor pool; -> (items embedded, dims seen). The actors' seconds go to `timer`."""
     from gti.progress import Progress
 
     done, dims = 0, set()
-    t0 = time.time()
     bar = Progress(n_items, "embed", "items", log=ctx.log)
     try:
         for res in ds.iter_rows():
             done += int(res["rows"])
             dims.add(int(res["dim"]))
             bar.update(int(res["rows"]))
+            for name in ("load", "read", "encode", "write"):
+                timer.add("encoder_load" if name == "load" else name, float(res[f"{name}_s"]))
         bar.close()
     except Exception as err:
         cause = getattr(err, "cause", None)
@@ -220,17 +273,4 @@ def run(ctx: StageContext) -> StageResult:
             # Ray appends retry notes to the message; ours is the first line.
             raise DataError(str(cause).splitlines()[0]) from None
         raise
-    elapsed = time.time() - t0
-    if done != n_items or len(dims) != 1:
-        raise DataError(f"embed: wrote {done} embeddings (dims {sorted(dims)}) for {n_items} items in {items_path}")
-    dim = dims.pop()
-    parts = [parts_dir / f"part-{i:05d}.parquet" for i in range(len(ranges))]
-    out = ctx.work_dir / "embeddings.parquet"
-    written = _concat_parts(parts, items_path, out, dim)
-    shutil.rmtree(parts_dir)
-    ctx.log(f"{written:,} items in {elapsed:.1f}s ({done / max(elapsed, 1e-9):,.0f} items/s), dim={dim}")
-    return StageResult(
-        outputs={"embeddings": "embeddings.parquet"},
-        facts={"dim": int(dim), "encoder": cfg.embed.encoder, "n_items": written,
-               "fields": list(cfg.embed.fields), "items_per_s": round(done / max(elapsed, 1e-9), 1)},
-    )
+    return done, dims

@@ -28,13 +28,14 @@ over the catalog's SID trie, and score them against the held-out item.
   (`sft_data.sft_target_counts`, counted on training items only, never valid/test), under
   slices.cold.<split>, with the definition under slices.cold.definition.
 - Resume: decoded rows are kept in the work dir in chunks (`chunk_rows`; `gti.stages._chunks`),
-  each written atomically as it
-  completes. A rerun after an interrupted attempt (same fingerprint, so the same work dir)
-  decodes only the prompts after the last whole chunk, in the same batches, so its metrics
-  equal an uninterrupted run's.
+  each written atomically as it completes. A rerun after an interrupted attempt (same
+  fingerprint, so the same work dir) decodes only the prompts after the last whole chunk, in
+  the same batches, so its metrics equal an uninterrupted run's.
 - Outputs: metrics.json (layout in docs/ARCHITECTURE.md, with per-user values for paired
   bootstrap CIs in the report), recs.parquet (user_id, split, target, items list<str> best
-  first, scores list<float32>), and a table printed at the end.
+  first, scores list<float32>), and a table printed at the end. facts.timing: wall seconds of
+  reading the inputs, decoding (actors' start-up included), the reference models (SASRec's
+  training and scoring), the metrics (bootstraps) and the writes.
 
 What it does not know: how the model was trained, how beams are searched (`gti.eval.decode`),
 or how metrics are defined (`gti.eval.metrics`).
@@ -65,6 +66,7 @@ from gti.eval.reference import (  # noqa: F401 - re-exported: the stage's pure t
     split_train_sequences,
 )
 from gti.stages._chunks import ChunkedOutput
+from gti.timing import Timer
 from gti.train import sft_data
 
 METRICS_FILE = "metrics.json"
@@ -96,8 +98,7 @@ class Recommender:
             use_cpu_threads(self.ec.cpu_threads)
         run = LoadedRun.open(model_dir=model_dir, sid_map_path=sid_map_path, sid_facts=sid_facts,
                              cfg=cfg, device=self.device)
-        self.model, self.tokenizer, self.pad_id = run.model, run.tokenizer, run.pad_id
-        self.item_ids = run.item_ids
+        self.model, self.tokenizer, self.pad_id, self.item_ids = run.model, run.tokenizer, run.pad_id, run.item_ids
         self.row_of = {item: r for r, item in enumerate(self.item_ids)}
         # [N, L] SID token ids, row i = item_ids[i]; the trie's rows and score_catalog's columns.
         self.mat, self.levels, self.trie, self.renderer = run.sid_matrix, run.levels, run.trie, run.renderer
@@ -113,14 +114,12 @@ class Recommender:
             levels=self.levels, pad_id=self.pad_id, constrained=self.ec.constrained,
             batch_users=self.ec.batch_users,
         )
-        rows = res.items.tolist()
-        scores = res.scores.float().tolist()
+        rows, scores = res.items.tolist(), res.scores.float().tolist()
         items = [[self.item_ids[r] for r in row if r >= 0] for row in rows]
         scores = [[s for r, s in zip(row, sc) if r >= 0] for row, sc in zip(rows, scores)]
         # Invalid beams per user are not in DecodeResult; the batch totals go on the first row.
         n = len(rows)
-        n_ret = [0] * n
-        n_inv = [0] * n
+        n_ret, n_inv = [0] * n, [0] * n
         if n:
             n_ret[0], n_inv[0] = res.n_returned, res.n_invalid
         ranks = self.exact_ranks(prompts, cols["target"]) if self.ec.exact_rank else [None] * n
@@ -250,15 +249,20 @@ def format_ranks(split: str, ranks: dict[str, Any], label: str = "") -> str:
 
 # --------------------------------------------------------------------------- stage entry
 def run(ctx: StageContext) -> StageResult:
-    ec = ctx.cfg.eval
+    ec, timer = ctx.cfg.eval, Timer()
     ks = list(ec.ks)
-    inp = _read_inputs(ctx)
-    recs, decode_facts = _decode(ctx, inp)
-    inp.frames, reference_facts = reference_frames(  # SASRec: trained once, on the SFT windows
-        inp.frames, inp.seqs, inp.catalog, ec.baselines, ctx.cfg.data.max_history, ec.sasrec.model_dump(),
-        ctx.cfg.seed, max(ks), ec.exact_rank, ctx.log)
-    out = _metrics(ctx, inp, recs)
-    _write_outputs(ctx, out, recs)
+    with timer.phase("read"):
+        inp = _read_inputs(ctx)
+    with timer.phase("decode"):
+        recs, decode_facts = _decode(ctx, inp)
+    with timer.phase("reference"):  # SASRec: trained once, on the SFT windows
+        inp.frames, reference_facts = reference_frames(
+            inp.frames, inp.seqs, inp.catalog, ec.baselines, ctx.cfg.data.max_history, ec.sasrec.model_dump(),
+            ctx.cfg.seed, max(ks), ec.exact_rank, ctx.log)
+    with timer.phase("metrics"):
+        out = _metrics(ctx, inp, recs)
+    with timer.phase("write"):
+        _write_outputs(ctx, out, recs)
     for line in format_table(out, ks).splitlines():
         ctx.log(line)
     return StageResult(
@@ -274,6 +278,7 @@ def run(ctx: StageContext) -> StageResult:
             "n_users": out["n_users"],
             **decode_facts,  # users_per_s, resumed_prompts
             "sid_map_hash": inp.sid_facts["sid_map_hash"],
+            "timing": timer.facts(),
         },
     )
 
@@ -299,8 +304,7 @@ def _read_inputs(ctx: StageContext) -> _Inputs:
 
     cfg, ec = ctx.cfg, ctx.cfg.eval
     sid_facts = ctx.manifest("sid").facts
-    model_dir = ctx.input("sft", "model")
-    sid_map_path = ctx.input("sid", "sid_map")
+    model_dir, sid_map_path = ctx.input("sft", "model"), ctx.input("sid", "sid_map")
     # Refuse a stale SID map before starting anything (a descendant of the model's is accepted).
     LoadedRun.check_map(model_dir, sid_facts["sid_map_hash"], sid_map_path)
     catalog = pl.read_parquet(sid_map_path, columns=["item_id"])["item_id"].to_list()

@@ -18,7 +18,11 @@ Accounting: every input row ends in exactly one of the ok output or a quarantine
 read and not counted, and interactions naming other items are quarantined as
 `outside_max_items` (they cannot be told apart from unknown items without reading the rest).
 When a cap or filter (`data.max_items`, `data.max_users`, `data.min_seq_len`) removes most of
-the interactions, one WARNING line names the key to change (facts.warnings).
+the interactions, one WARNING line names the key to change (facts.warnings). A dense subset
+(`data.dense.top_items`, `gti.data.dense`) is cut from the valid interactions before the
+sequences are built; the rows it leaves out (interactions, then items) are quarantined as
+`outside_dense` and the counts before/after are under facts.dense. facts.timing: wall seconds
+of the items pass, the interactions pass (with sequences and the dense cut) and a Ray start.
 
 Damaged files: every file's header is checked against the column mapping (items and
 interactions) before any row is read. A file that cannot be read (`UnreadableFileError`, found
@@ -55,6 +59,7 @@ import pyarrow.parquet as pq
 
 from gti.data import adapters
 from gti.data import catalog as cat
+from gti.data.dense import DenseCut, cut_interactions, quarantine_items
 from gti.data.idset import IdSet
 from gti.data.sequences import build_sequences
 from gti.data.batches import (
@@ -64,6 +69,7 @@ from gti.errors import DataError, UnreadableFileError, user_error
 from gti.manifest import file_fingerprint
 from gti.contract import StageContext, StageResult
 from gti.redact import redact_text
+from gti.timing import Timer
 
 ITEMS_OUT_SCHEMA = pa.schema([cat.ITEM_BATCH_SCHEMA.field(c) for c in cat.ITEMS_OUT_COLUMNS])
 ITEMS_Q_SCHEMA = pa.schema([cat.ITEM_BATCH_SCHEMA.field(c) for c in cat.QUARANTINE_COLUMNS])
@@ -288,10 +294,13 @@ def _interactions_pass(ctx: StageContext, out: Path, kept_ids: IdSet, items_limi
             )
         df = pl.from_arrow(pa.concat_tables(kept_parts))
         kept_parts.clear()
-        res = build_sequences(df, d.min_seq_len, d.max_users)
-        if res.dropped.height:
-            dropped = res.dropped.with_columns(
-                pl.lit("user_id").alias("detail"),
+        cut = _dense_cut(ctx, out, df)
+        res = build_sequences(df if cut is None else cut.interactions, d.min_seq_len, d.max_users)
+        dropped = res.dropped.with_columns(pl.lit("user_id").alias("detail"))
+        if cut is not None:  # the dense cut's rows first: they left before the sequence filters
+            dropped = pl.concat([cut.dropped.select(dropped.columns), dropped])
+        if dropped.height:
+            dropped = dropped.with_columns(
                 pl.struct("user_id", "item_id", "ts").map_elements(
                     lambda s: json.dumps({k: None if v is None else str(v) for k, v in s.items()}),
                     return_dtype=pl.String,
@@ -299,7 +308,7 @@ def _interactions_pass(ctx: StageContext, out: Path, kept_ids: IdSet, items_limi
             ).select(cat.INTERACTIONS_QUARANTINE_COLUMNS)
             w_q.write_table(dropped.to_arrow().cast(INTER_Q_SCHEMA))
             quarantined += dropped.height
-            reasons.update(res.dropped.get_column("reason").to_list())
+            reasons.update(dropped.get_column("reason").to_list())
     finally:
         w_q.close()
     if res.sequences.height == 0:
@@ -314,8 +323,22 @@ def _interactions_pass(ctx: StageContext, out: Path, kept_ids: IdSet, items_limi
     return dict(
         rows_in=rows_in, ok=res.interactions.height, quarantined=quarantined, reasons=dict(reasons),
         n_users=res.sequences.height, min_seq_len=res.min_seq_len,
-        n_items_interacted=res.interactions.get_column("item_id").n_unique(),
+        n_items_interacted=res.interactions.get_column("item_id").n_unique(), dense=cut,
     )
+
+
+def _dense_cut(ctx: StageContext, out: Path, df: pl.DataFrame) -> DenseCut | None:
+    """`data.dense`'s subset of the valid interactions `df` (None when data.dense.top_items is
+    unset); the catalog order that breaks ties is items.parquet's, written by the items pass."""
+    dense = ctx.cfg.data.dense
+    if dense.top_items is None:
+        return None
+    ids = pl.read_parquet(out / "items.parquet", columns=["item_id"])["item_id"].to_list()
+    cut = cut_interactions(ids, df, dense.top_items, dense.min_user_len)
+    f = cut.facts
+    ctx.log(f"data.dense: kept {f['items_after']:,} of {f['items_before']:,} items, {f['users_after']:,} of "
+            f"{f['users_before']:,} users, {f['interactions_after']:,} of {f['interactions_before']:,} interactions")
+    return cut
 
 
 def cap_warnings(cfg, rows_in: int, reasons: dict[str, int], share: float = 0.5) -> list[str]:
@@ -338,12 +361,15 @@ def run(ctx: StageContext) -> StageResult:
 
     # Both sources' files and headers are checked before Ray starts and any row is read.
     sources = _sources(ctx)
-    ensure_ray(ctx.cfg)
+    t0 = time.perf_counter()
+    ensure_ray(ctx.cfg)  # a no-op after an earlier stage of the same `gti run` started it
     import ray
 
     # Input order matters: "first kept" for duplicates and ties in sequences follow file order.
     ray.data.DataContext.get_current().execution_options.preserve_order = True
-    return ingest(ctx, ray_stream, sources)
+    res = ingest(ctx, ray_stream, sources)
+    res.facts["timing"]["ray_start_s"] = round(time.perf_counter() - t0 - res.facts["timing"]["total_s"], 3)
+    return res
 
 
 def _sources(ctx: StageContext) -> dict[str, Source]:
@@ -354,12 +380,20 @@ def ingest(ctx: StageContext, stream=local_stream, sources: dict[str, Source] | 
     """The stage body; `stream` yields validated batches in input order (`ray_stream` in the
     pipeline, `local_stream` in-process)."""
     out = ctx.work_dir
-    t0 = time.time()
+    timer = Timer()
     sources = sources or _sources(ctx)  # files and headers of both, before any row is read
-    items, kept_ids = ingest_items(ctx, out, stream, sources["items"])
-    ctx.log(f"items: {items.ok:,} ok, {items.quarantined:,} quarantined in {time.time() - t0:.1f}s")
-    inter = _ingest_interactions(ctx, out, kept_ids, items.limit_reached, stream, sources["interactions"])
+    with timer.phase("items"):
+        items, kept_ids = ingest_items(ctx, out, stream, sources["items"])
+    ctx.log(f"items: {items.ok:,} ok, {items.quarantined:,} quarantined in {timer.seconds['items']:.1f}s")
+    with timer.phase("interactions"):
+        inter = _ingest_interactions(ctx, out, kept_ids, items.limit_reached, stream, sources["interactions"])
     ctx.log(f"interactions: {inter['ok']:,} ok, {inter['quarantined']:,} quarantined; {inter['n_users']:,} users")
+    cut = inter.pop("dense")
+    if cut is not None:  # items outside the subset leave items.parquet for its quarantine
+        with timer.phase("dense_items"):
+            moved = quarantine_items(out, cut.items, ROW_GROUP)
+        items.ok, items.quarantined = items.ok - moved, items.quarantined + moved
+        items.reasons[cat.OUTSIDE_DENSE] += moved
     all_reasons = Counter(items.reasons) + Counter(inter["reasons"])
     warnings = cap_warnings(ctx.cfg, inter["rows_in"], inter["reasons"])
     for w in warnings:
@@ -386,6 +420,8 @@ def ingest(ctx: StageContext, stream=local_stream, sources: dict[str, Source] | 
         "max_history": ctx.cfg.data.max_history,
         "skipped_files": skipped,
         "warnings": warnings,
+        "dense": None if cut is None else cut.facts,
+        "timing": timer.facts(),
     }
     if any(skipped.values()):
         facts["skipped_files_rows_in"] = (

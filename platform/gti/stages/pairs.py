@@ -30,13 +30,16 @@ with `item` all its rows are "val". `pairs.exclude_items` (ids, or one path to a
 parquet with an item_id column, or text with one id per line) keeps items out entirely, for
 cold-start studies.
 
+facts.timing: wall seconds of the Ray start, the tokenizer (load, extend, save) and the
+rendering streamed into pairs.parquet (`render_write_s`: actor start-up, the id-order check,
+rendering and writing), with `items_per_s` of that phase.
+
 What it does NOT know: model weights (only the tokenizer), initialisation, or training.
 """
 
 from __future__ import annotations
 
 import hashlib
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,6 +51,7 @@ import pyarrow.parquet as pq
 from gti.data.descriptions import description_text
 from gti.errors import DataError, user_error
 from gti.contract import StageContext, StageResult
+from gti.timing import Timer, rate
 
 TOKENIZER_DIR = "tokenizer"
 PAIRS_FILE = "pairs.parquet"
@@ -208,13 +212,16 @@ def extend_and_save_tokenizer(cfg, codec, out_dir: Path) -> tuple[Any, dict[str,
 def run(ctx: StageContext) -> StageResult:
     from gti.stages._ray import ensure_ray
 
-    ensure_ray(ctx.cfg)
+    timer = Timer()
+    with timer.phase("ray_start"):  # a no-op after an earlier stage of the same `gti run` started it
+        ensure_ray(ctx.cfg)
     from gti.sid.codec import SidCodec
 
     cfg, pc = ctx.cfg, ctx.cfg.pairs
     sid_facts = ctx.manifest("sid").facts
     codec = SidCodec.from_facts(sid_facts)
-    tok, tok_facts = extend_and_save_tokenizer(cfg, codec, ctx.work_dir / TOKENIZER_DIR)
+    with timer.phase("tokenizer"):
+        tok, tok_facts = extend_and_save_tokenizer(cfg, codec, ctx.work_dir / TOKENIZER_DIR)
     first, end = tok_facts["new_token_ids"]
     table = codec.code_to_token_id_table(tok).numpy()
     wrap = tuple(tok_facts["sid_markers"]) if tok_facts["sid_markers"] else None
@@ -226,13 +233,13 @@ def run(ctx: StageContext) -> StageResult:
         f"excluding {len(exclude):,} ids; max_len={pc.max_len}"
     )
 
-    joined = _items_with_codes(ctx, n_items)
-    ds = _render(ctx, joined, tok, table, wrap, exclude, n_items)
-    t0 = time.time()
-    counts = _write_pairs(ctx, ds, n_items)
+    with timer.phase("render_write"):  # the datasets are lazy: everything runs in _write_pairs
+        joined = _items_with_codes(ctx, n_items)
+        ds = _render(ctx, joined, tok, table, wrap, exclude, n_items)
+        counts = _write_pairs(ctx, ds, n_items)
     counts.check(n_items, exclude)
     ctx.log(
-        f"{counts.n_rows:,} pairs from {len(counts.items_seen):,} items in {time.time() - t0:.1f}s; "
+        f"{counts.n_rows:,} pairs from {len(counts.items_seen):,} items in {timer.seconds['render_write']:.1f}s; "
         f"val items {len(counts.val_items):,}; truncated {counts.truncated:,}; "
         f"descriptions from pseudo-text {counts.desc_src['pseudo']:,}, from title {counts.desc_src['title']:,}"
     )
@@ -243,6 +250,7 @@ def run(ctx: StageContext) -> StageResult:
             "sid_map_hash": sid_facts["sid_map_hash"],
             "max_len": pc.max_len,
             **tok_facts,
+            "timing": {**timer.facts(), "items_per_s": rate(n_items, timer.seconds["render_write"])},
         },
     )
 

@@ -3,8 +3,8 @@
 What it is for: turning `embed`'s embeddings.parquet (item_id, embedding[dim]) into one unique
 SID per item and the artefacts later stages need:
 1. Checks: every embedding finite (DataError names the first bad item ids).
-2. Codebook initialisation on the driver: k-means (`gti.sid.kmeans`, on faiss, with
-   `sid.fit_threads` threads whatever the machine has) on real residuals of a seeded sample of
+2. Codebook initialisation on the driver: k-means (`gti.sid.kmeans`, with `sid.fit_threads`
+   torch threads whatever the machine has) on real residuals of a seeded sample of
    `sid.kmeans_sample` items, so every worker starts from the same codebooks.
 3. Training. `rqvae`: `gti.train.rqvae_task.train_rqvae` on `sid.num_workers` Ray Train
    workers through the one Train driver (`gti.train.driver`; DDP, gloo on CPU, nccl on GPU, fed
@@ -19,7 +19,9 @@ SID per item and the artefacts later stages need:
    reassignment). Quality gates (`sid.gates`) fail the stage with one message and the stats.
 
 The fingerprint holds the resolved `sid.assign_dtype` (`input_fingerprints`); the facts hold
-`sid_map_hash` and the machine (CPU model, SIMD flags, threads).
+`sid_map_hash` and the machine (CPU model, SIMD flags, threads). facts.timing: wall seconds of
+the embedding check, the Ray start, the sample read, the k-means (init or fit), the RQ-VAE
+training on Ray Train, the assignment, the collision resolution and the writes.
 
 Outputs: sid_map.parquet (item_id, codes list<int32>, sid str; rows in embeddings order),
 codebooks.safetensors (level_l: [K, code_dim]), quantizer.safetensors + quantizer.json.
@@ -58,6 +60,7 @@ from gti.sid.quality import check_gates, level_usage
 from gti.sid.quantizer import CONFIG_NAME, WEIGHTS_NAME, build_quantizer, codebooks_tensor, save_quantizer
 from gti.sid.resolve import collision_rate, dedup_extra_level, dedup_reassign, sinkhorn_resolve
 from gti.sid.rqvae import resolve_encode_dtype
+from gti.timing import Timer
 from gti.train.rqvae_task import train_rqvae
 
 
@@ -126,29 +129,33 @@ def assign_all(ctx: StageContext, emb_path: Path, qdir: Path, n_items: int) -> n
 
 
 # --------------------------------------------------------------------------- stage
-def _train(ctx: StageContext, emb_path: Path, rows_reader: EmbeddingRows, n_items: int, dim: int):
+def _train(ctx: StageContext, emb_path: Path, rows_reader: EmbeddingRows, n_items: int, dim: int,
+           timer: Timer | None = None):
     """The quantiser, trained (RQ-VAE on Ray Train) or fitted (residual k-means) from a seeded
-    sample; returns (quantiser in eval mode, history, sample rows, sample, seconds)."""
+    sample; returns (quantiser in eval mode, history, sample rows, sample, seconds). `timer`
+    gets the phases sample_read, kmeans and rqvae_train."""
     cfg, s = ctx.cfg, ctx.cfg.sid
+    timer = timer or Timer()
     rng = np.random.default_rng(cfg.seed)
     sample_rows = np.sort(rng.choice(n_items, size=min(n_items, s.kmeans_sample), replace=False))
-    sample = rows_reader.read(sample_rows)
+    with timer.phase("sample_read"):
+        sample = rows_reader.read(sample_rows)
     gen = torch.Generator().manual_seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     q = build_quantizer(s, dim)
     t0 = time.time()
     history: list[dict] = []
-    # A fixed thread count: faiss's distances (and so near-tie assignments, which k-means then
+    # A fixed thread count: reductions (and so near-tie assignments, which k-means then
     # amplifies) depend on it, and the map must not depend on the machine's cores.
-    with fixed_threads(s.fit_threads):
+    with fixed_threads(s.fit_threads), timer.phase("kmeans"):
         if s.method == "rqvae":
-            inert = q.init_codebooks(sample, iters=s.kmeans_iters, generator=gen, tol=s.kmeans_tol)
+            inert = q.init_codebooks(sample, iters=s.kmeans_iters, generator=gen)
             ctx.log(f"k-means init on {len(sample_rows)} items: inertia per level {[round(v, 5) for v in inert]}")
         else:
-            q.fit(sample, iters=s.kmeans_iters, generator=gen, log=ctx.log, tol=s.kmeans_tol,
-                  balance_tol=s.balance_tol)
+            q.fit(sample, iters=s.kmeans_iters, generator=gen, log=ctx.log)
     if s.method == "rqvae":
-        q, history = train_rqvae(s, cfg.seed, emb_path, q, n_items, ctx.work_dir / STORAGE_DIR, ctx.log)
+        with timer.phase("rqvae_train"):  # Ray Train start-up, epochs, reports and checkpoints
+            q, history = train_rqvae(s, cfg.seed, emb_path, q, n_items, ctx.work_dir / STORAGE_DIR, ctx.log)
     train_s = time.time() - t0
     q.eval()
     if s.method == "rqvae":
@@ -227,30 +234,36 @@ def run(ctx: StageContext) -> StageResult:
     from gti.stages._ray import ensure_ray
 
     cfg, s = ctx.cfg, ctx.cfg.sid
+    timer = Timer()
     emb_path = ctx.input("embed", "embeddings")
-    n_items, dim = check_embeddings(emb_path)
+    with timer.phase("check"):
+        n_items, dim = check_embeddings(emb_path)
     ctx.log(f"{n_items} items, dim {dim}, method {s.method}, {s.levels} levels x {s.codebook_size} codes")
     if n_items < 2:
         raise DataError(f"{emb_path}: sid needs at least 2 items, got {n_items}")
-    ensure_ray(cfg)
+    with timer.phase("ray_start"):  # a no-op after an earlier stage of the same `gti run` started it
+        ensure_ray(cfg)
 
     # Only the ids are read whole (tens of bytes per item); embeddings are read by row group.
     item_ids = pq.read_table(str(emb_path), columns=["item_id"]).column("item_id").combine_chunks().cast(pa.string())
     rows_reader = EmbeddingRows(emb_path)
-    q, history, sample_rows, sample, train_s = _train(ctx, emb_path, rows_reader, n_items, dim)
+    q, history, sample_rows, sample, train_s = _train(ctx, emb_path, rows_reader, n_items, dim, timer)
     qdir = ctx.work_dir
-    save_quantizer(q, qdir)
-    save_file(codebooks_tensor(q), str(ctx.work_dir / "codebooks.safetensors"))
+    with timer.phase("write"):
+        save_quantizer(q, qdir)
+        save_file(codebooks_tensor(q), str(ctx.work_dir / "codebooks.safetensors"))
 
-    t1 = time.time()
-    codes = torch.from_numpy(assign_all(ctx, emb_path, qdir, n_items)).long()
-    assign_s = time.time() - t1
+    with timer.phase("assign"):
+        codes = torch.from_numpy(assign_all(ctx, emb_path, qdir, n_items)).long()
+    assign_s = timer.seconds["assign"]
     with torch.no_grad():
         recon = float(((q.decode_codes(codes[sample_rows]) - sample) ** 2).mean())
     del sample
-    final, sizes, resolved = _resolve(ctx, q, codes, rows_reader)
+    with timer.phase("resolve"):
+        final, sizes, resolved = _resolve(ctx, q, codes, rows_reader)
     codec = SidCodec(final.shape[1], sizes, s.token_format)
-    sids = _write_map(ctx.work_dir / "sid_map.parquet", item_ids, codec, final)
+    with timer.phase("write"):
+        sids = _write_map(ctx.work_dir / "sid_map.parquet", item_ids, codec, final)
     facts = {
         "method": s.method,
         "levels": int(final.shape[1]),
@@ -272,6 +285,7 @@ def run(ctx: StageContext) -> StageResult:
         # Where the map was made: another ISA can round (and so assign near ties) differently.
         "machine": {**cpu_facts(), "torch_threads": torch.get_num_threads(), "fit_threads": s.fit_threads},
         "train_history": history,
+        "timing": timer.facts(),
     }
     track_sid(ctx, history, facts)
     return StageResult(

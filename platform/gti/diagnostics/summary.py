@@ -1,0 +1,272 @@
+"""The summary `gti run` prints once a run's evaluation is complete (and `gti summary` reprints).
+
+What it is for: one screen that a new user reads at the end of `make demo`:
+- one table: the trained model beside SASRec, Markov-1 and MostPop (the rows of
+  `eval.baselines` present) on the same test users: Recall@5, Recall@10, NDCG@10 and MRR, each
+  with its bootstrap CI, from the evaluate stage's metrics.json (columns at other K when
+  `eval.ks` lacks 5 or 10; MRR only where metrics.json has exact ranks: the model and SASRec
+  with `eval.exact_rank`, a '-' elsewhere, said under the table);
+- one real test user: the end of their history, their true next item and the model's top
+  items, with titles (the first test user of recs.parquet, the evaluate stage's deterministic
+  sample: not chosen for looking good), and where the true item ranked;
+- the wall time of every stage (`duration_s` of each stage manifest; a stage skipped as up to
+  date shows the time of the run that made it);
+- the next commands: the report, `gti recommend` (with that user's history), `gti serve`,
+  `gti infer`.
+`read_run(run_dir, stages)` reads the run folder into a `RunSummary`; `format_summary(s)` is
+the text (pure).
+
+What it does not know: how the numbers were made (`gti.stages.evaluate`), Ray, the config
+(the caller passes the stage order and, optionally, the config path for the commands).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import polars as pl
+
+MODEL_ROW = "gti (SFT model)"
+ROW_NAMES = {"sasrec": "SASRec", "markov": "Markov-1", "mostpop": "MostPop"}
+SAMPLE_HISTORY = 3  # history items shown for the sample user (and passed to gti recommend)
+SAMPLE_RECS = 5  # the model's top items shown for the sample user
+TITLE_CHARS = 60
+MANIFEST = "_manifest.json"
+
+
+@dataclass
+class Sample:
+    """One test user of the evaluation: ids with titles, oldest history item first."""
+
+    user_id: str
+    split: str
+    history: list[tuple[str, str]]  # the last SAMPLE_HISTORY items before the target
+    n_history: int  # all the user's items before the target
+    target: tuple[str, str]
+    recs: list[tuple[str, str]]  # the model's top items, best first
+    k: int  # how many items the model returned (the top-K the metrics used)
+    list_rank: int | None = None  # the target's place in those k (1 = first), None when absent
+    exact_rank: float | None = None  # the target's rank over the catalog (eval.exact_rank)
+
+
+@dataclass
+class RunSummary:
+    """What `format_summary` prints; `run_dir` as the user spelled it (for the commands)."""
+
+    run_dir: str
+    metrics: dict[str, Any]
+    durations: dict[str, float] = field(default_factory=dict)  # stage -> seconds, stage order
+    sample: Sample | None = None
+    report: str | None = None  # report.html when the report stage has written it
+    config: str | None = None  # the config path, for the commands that need one
+
+
+# --------------------------------------------------------------------------- reading
+def _manifest(stage_dir: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((stage_dir / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _output(run_dir: Path, stage: str, name: str, default: str) -> Path:
+    """A stage output's path, by the name its manifest gives it (default: the contract's file)."""
+    m = _manifest(run_dir / stage) or {}
+    return run_dir / stage / (m.get("outputs") or {}).get(name, default)
+
+
+def read_run(run_dir: str | Path, stages: Sequence[str], shown: str | None = None,
+             config: str | None = None) -> RunSummary:
+    """The summary of the run in `run_dir` (its evaluate stage complete: OSError/ValueError when
+    metrics.json is missing or unreadable). `stages`: the pipeline's stage names in order;
+    `shown`: how to print the run folder in the commands (default: `run_dir` as given)."""
+    root = Path(run_dir)
+    metrics = json.loads(_output(root, "evaluate", "metrics", "metrics.json").read_text())
+    durations = {}
+    for stage in stages:
+        m = _manifest(root / stage)
+        if m is not None and m.get("duration_s") is not None:
+            durations[stage] = float(m["duration_s"])
+    report = root / "report" / "report.html"
+    return RunSummary(
+        run_dir=shown or str(run_dir), metrics=metrics, durations=durations,
+        sample=read_sample(root, metrics), report=str(report) if report.is_file() else None, config=config)
+
+
+def summary_split(metrics: dict[str, Any]) -> str | None:
+    """The split the summary shows: test when evaluated, else the first one."""
+    splits = list(metrics.get("splits") or {})
+    return "test" if "test" in splits else (splits[0] if splits else None)
+
+
+def read_sample(run_dir: Path, metrics: dict[str, Any]) -> Sample | None:
+    """The first user of the summary split in recs.parquet, with titles from ingest's
+    items.parquet and history from its sequences.parquet; None when a file is missing."""
+    split = summary_split(metrics)
+    try:
+        recs = pl.read_parquet(_output(run_dir, "evaluate", "recommendations", "recs.parquet"))
+        recs = recs.filter(pl.col("split") == split).head(1)
+        if recs.height == 0:
+            return None
+        row = recs.row(0, named=True)
+        seqs = pl.read_parquet(_output(run_dir, "ingest", "sequences", "sequences.parquet"))
+        user = seqs.filter(pl.col("user_id") == row["user_id"])
+        items_path = _output(run_dir, "ingest", "items", "items.parquet")
+        history = []
+        if user.height:
+            u = user.row(0, named=True)
+            history = list(u["train_items"]) + ([u["valid_item"]] if split == "test" else [])
+        wanted = set(history[-SAMPLE_HISTORY:]) | {row["target"]} | set(row["items"][:SAMPLE_RECS])
+        titles = dict(pl.read_parquet(items_path, columns=["item_id", "title"])
+                      .filter(pl.col("item_id").is_in(list(wanted))).iter_rows())
+    except (OSError, ValueError, pl.exceptions.PolarsError):
+        return None
+
+    def titled(item: str) -> tuple[str, str]:
+        return item, titles.get(item) or ""
+
+    return Sample(
+        user_id=str(row["user_id"]), split=str(split), history=[titled(i) for i in history[-SAMPLE_HISTORY:]],
+        n_history=len(history), target=titled(row["target"]), recs=[titled(i) for i in row["items"][:SAMPLE_RECS]],
+        k=len(row["items"]), list_rank=row["items"].index(row["target"]) + 1 if row["target"] in row["items"] else None,
+        exact_rank=_exact_rank(metrics, str(split), str(row["user_id"])))
+
+
+def _exact_rank(metrics: dict[str, Any], split: str, user: str) -> float | None:
+    per_user = (metrics.get("per_user") or {}).get(split) or {}
+    ranks, users = per_user.get("exact_rank"), per_user.get("user_ids") or []
+    if not ranks or user not in users:
+        return None
+    return ranks[users.index(user)]
+
+
+# --------------------------------------------------------------------------- formatting
+def summary_columns(ks: Sequence[int]) -> list[str]:
+    """Recall@5, Recall@10 and NDCG@10 where `eval.ks` has them, else the largest K's."""
+    recall = [k for k in (5, 10) if k in ks] or [max(ks)]
+    return [f"recall@{k}" for k in recall] + [f"ndcg@{10 if 10 in ks else max(ks)}"]
+
+
+def _cell(entry: Any) -> str:
+    if not isinstance(entry, dict) or "value" not in entry:
+        return "-"
+    lo, hi = (entry.get("ci") or [None, None])[:2]
+    ci = f" [{lo:.3f}, {hi:.3f}]" if lo is not None and hi is not None else ""
+    return f"{entry['value']:.3f}{ci}"
+
+
+def table_rows(metrics: dict[str, Any], split: str) -> list[tuple[str, list[str]]]:
+    """(row name, cells) for the model, then SASRec, Markov-1, MostPop (and any other baseline
+    present), cells in the order of `summary_columns` then MRR."""
+    cols = summary_columns(list((metrics.get("config") or {}).get("ks") or _ks(metrics, split)))
+    baselines = metrics.get("baselines") or {}
+    rows = [(MODEL_ROW, [_cell((metrics["splits"].get(split) or {}).get(c)) for c in cols]
+             + [_cell(((metrics.get("ranks") or {}).get(split) or {}).get("mrr"))])]
+    order = [b for b in ROW_NAMES if b in baselines] + [b for b in baselines if b not in ROW_NAMES]
+    for name in order:
+        table = baselines[name].get(split) or {}
+        mrr = ((metrics.get("baseline_ranks") or {}).get(name) or {}).get(split) or {}
+        rows.append((ROW_NAMES.get(name, name), [_cell(table.get(c)) for c in cols] + [_cell(mrr.get("mrr"))]))
+    return rows
+
+
+def _ks(metrics: dict[str, Any], split: str) -> list[int]:
+    """The K values of a split's metric names (metrics.json without a config block)."""
+    names = (metrics.get("splits") or {}).get(split) or {}
+    return sorted({int(n.split("@")[1]) for n in names if "@" in n}) or [10]
+
+
+def format_table(metrics: dict[str, Any], split: str) -> str:
+    ks = list((metrics.get("config") or {}).get("ks") or _ks(metrics, split))
+    header = [c.replace("recall", "Recall").replace("ndcg", "NDCG") for c in summary_columns(ks)] + ["MRR"]
+    rows = table_rows(metrics, split)
+    name_w = max(len(n) for n, _ in rows)
+    widths = [max(len(h), *(len(cells[i]) for _, cells in rows)) for i, h in enumerate(header)]
+    lines = ["  ".join([" " * name_w] + [h.rjust(w) for h, w in zip(header, widths)])]
+    lines += ["  ".join([n.ljust(name_w)] + [c.rjust(w) for c, w in zip(cells, widths)]) for n, cells in rows]
+    return "\n".join(lines)
+
+
+def _mrr_note(metrics: dict[str, Any], split: str) -> str:
+    ranks = (metrics.get("ranks") or {}).get(split)
+    if not ranks:
+        return "MRR: '-', not measured (eval.exact_rank: true ranks every catalog item for the model and SASRec)"
+    n = ranks.get("n_items")
+    return (f"MRR: from the true item's exact rank among all {f'{n:,} ' if n else ''}catalog items; '-': a row "
+            "that ranks only its top K (MostPop, Markov-1)")
+
+
+def _title(item: tuple[str, str], id_width: int = 0) -> str:
+    item_id, title = item
+    title = title if len(title) <= TITLE_CHARS else title[: TITLE_CHARS - 3] + "..."
+    return f"{item_id.ljust(id_width)}  {title or '(no title)'}"
+
+
+def format_sample(s: Sample) -> list[str]:
+    width = max(len(i) for i, _ in [*s.history, s.target, *s.recs])  # titles start in one column
+    lines = [f"A {s.split} user ({s.user_id}, {s.n_history} items before the one to predict):"]
+    if s.history:
+        lines.append(f"  history, last {len(s.history)} (oldest first):")
+        lines += [f"       {_title(h, width)}" for h in s.history]
+    lines.append(f"  true next item:   {_title(s.target, width)}")
+    lines.append(f"  the model's top {len(s.recs)}:")
+    lines += [f"    {i + 1:>2}. {_title(r, width)}" + ("   <- the true next item" if i + 1 == s.list_rank else "")
+              for i, r in enumerate(s.recs)]
+    if s.list_rank is not None and s.list_rank > len(s.recs):
+        lines.append(f"  (the true item is number {s.list_rank} of the model's top {s.k})")
+    elif s.list_rank is None:
+        where = f"; its exact rank over the catalog: {s.exact_rank:g}" if s.exact_rank is not None else ""
+        lines.append(f"  (the true item is not in the model's top {s.k}{where})")
+    return lines
+
+
+def format_durations(durations: dict[str, float]) -> str:
+    total = sum(durations.values())
+    parts = [f"{stage} {_secs(sec)}" for stage, sec in durations.items()]
+    return "Wall time per stage: " + ", ".join(parts) + f"; total {_secs(total)}"
+
+
+def _secs(sec: float) -> str:
+    return f"{sec:.1f} s" if sec < 120 else f"{sec / 60:.1f} min"
+
+
+def next_commands(s: RunSummary) -> list[tuple[str, str]]:
+    """(command, what it does) for the next steps."""
+    run = shlex.quote(s.run_dir)
+    if s.report:
+        report = (f"open {shlex.quote(s.report)}", "the report: plots, CIs, SID and embedding geometry")
+    else:
+        cfg = shlex.quote(s.config) if s.config else "<config>"
+        report = (f"gti stage report --config {cfg}", f"writes the report, {s.run_dir}/report/report.html")
+    history = ",".join(i for i, _ in s.sample.history) if s.sample and s.sample.history else "<id>,<id>,<id>"
+    return [
+        report,
+        (f"gti recommend --run-dir {run} --history {shlex.quote(history)} --k 10",
+         "top 10 for any history (item ids, oldest first)"),
+        (f"gti serve --run-dir {run}", "the recommender over HTTP (Ray Serve), with a search page"),
+        (f"gti infer --run-dir {run} --users all --k 10 --out {shlex.quote(s.run_dir + '/infer')}",
+         "top 10 for every user, offline (Ray Data)"),
+    ]
+
+
+def format_summary(s: RunSummary) -> str:
+    """The whole summary as text (no trailing newline)."""
+    m = s.metrics
+    split = summary_split(m)
+    if split is None:
+        return f"Run {s.run_dir}: its metrics.json has no split"
+    n_users = (m.get("n_users") or {}).get(split)
+    lines = [f"Run {s.run_dir}: {split} split, {n_users if n_users is not None else '?'} users, the same users "
+             "in every row; [95% bootstrap CI]", "", format_table(m, split), _mrr_note(m, split)]
+    if s.sample is not None:
+        lines += [""] + format_sample(s.sample)
+    if s.durations:
+        lines += ["", format_durations(s.durations)]
+    cmds = next_commands(s)
+    width = max(len(c) for c, _ in cmds)
+    lines += ["", "Next:"] + [f"  {c.ljust(width)}  # {what}" for c, what in cmds]
+    return "\n".join(lines)
