@@ -187,3 +187,20 @@ def test_diagnose_stores_replicates_only_when_asked():
     assert "effective_rank_boot" not in d  # biased by repeated rows: seeds give its CI
     d0 = G.diagnose(E, [4, 4], code_vectors=codes, n_boot=0)
     assert "pearson_boot" not in d0["rsa"]["overall"]
+
+
+def test_row_shift_hand_case_and_unmoved_rows():
+    before = np.ones((4, 3))  # mean init: all rows equal, effective rank 1
+    after = before.copy()
+    after[0] += [3.0, 4.0, 0.0]  # moved 5
+    after[1] += [0.0, 0.0, 1.0]  # moved 1
+    old = np.full((2, 3), 2.0)  # norm 2 * sqrt(3)
+    r = G.row_shift(before, torch.tensor(after), old)
+    assert r["moved_mean"] == pytest.approx(1.5) and r["moved_max"] == pytest.approx(5.0)
+    assert r["moved_rel"] == pytest.approx(1.5 / (2 * math.sqrt(3)))
+    assert r["effective_rank_before"] == pytest.approx(1.0) and r["effective_rank_after"] > 1.5
+    still = G.row_shift(before, before)
+    assert still["moved_mean"] == 0.0 and still["moved_rel"] is None
+    assert still["effective_rank_after"] == pytest.approx(still["effective_rank_before"])
+    with pytest.raises(ValueError, match="same"):
+        G.row_shift(before, after[:3])

@@ -176,3 +176,18 @@ def test_an_unreadable_metrics_file_is_one_line(tmp_path, capsys, broken):
     (run / "evaluate" / "metrics.json").write_text(broken)
     assert cli.main(["summary", "--run-dir", str(run)]) == 2
     assert "no summary" in capsys.readouterr().err
+
+
+def test_what_grounding_did_is_one_line_and_absent_facts_print_nothing(tmp_path):
+    run = _run(tmp_path)
+    text = S.format_summary(S.read_run(run, STAGES))
+    assert "Grounding:" not in text  # a ground manifest without the rows fact (older runs)
+    facts = {"grounded": True, "steps_done": 40, "new_token_ids": [100, 206], "init_method": "mean",
+             "rows": {"moved_mean": 0.4213, "moved_max": 0.9, "moved_rel": 0.8512,
+                      "effective_rank_before": 1.0, "effective_rank_after": 59.71}}
+    (run / "ground" / "_manifest.json").write_text(json.dumps({"stage": "ground", "duration_s": 410.0, "facts": facts}))
+    text = S.format_summary(S.read_run(run, STAGES))
+    assert ("Grounding: 40 steps moved the 106 new rows 0.421 on average (0.85x an old row's norm); "
+            "their effective rank 1.0 -> 59.7 (1.0 = all rows equal)") in text.splitlines()
+    off = dict(facts, grounded=False, rows=dict(facts["rows"], moved_mean=0.0, effective_rank_after=1.0))
+    assert S.format_grounding(off) == "Grounding: off (mean init only); new rows' effective rank 1.0 -> 1.0"

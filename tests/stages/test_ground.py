@@ -110,6 +110,7 @@ def test_plain_init_arm_extends_initialises_and_exports(upstream):
     assert init.shape == (end - first, 32) and torch.equal(init, ground)
     # description arm: rows differ by code (items carrying different codes have different text)
     assert not torch.allclose(init[0], init[1])
+    assert f["rows"]["moved_mean"] == 0.0  # not grounded: nothing moved
     _check_export(run, cfg, f, init)
 
 
@@ -134,4 +135,8 @@ def test_grounding_stage_two_workers_zero2(upstream):
     init = load_file(str(run / "ground" / "e_new_init.safetensors"))["e_new"]
     ground = load_file(str(run / "ground" / "e_new_ground.safetensors"))["e_new"]
     assert not torch.equal(init, ground)
+    # The rows fact the end-of-run summary prints: the distance grounding moved the rows.
+    dist = (ground.double() - init.double()).norm(dim=1)
+    assert f["rows"]["moved_mean"] == pytest.approx(float(dist.mean()), rel=1e-6) and f["rows"]["moved_mean"] > 0
+    assert f["rows"]["moved_rel"] > 0
     _check_export(run, cfg, f, ground)

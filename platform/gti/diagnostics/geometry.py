@@ -7,6 +7,8 @@ at initialisation, after grounding and after SFT:
   rank (Roy & Vetterli 2007) -- exp of the Shannon entropy of the singular values normalised to
   sum one. Identity [n, n] -> n, any rank-1 matrix -> 1, mean initialisation (all rows equal)
   -> 1.
+- `row_shift(before, after, old)`: how far training moved the new rows (mean and max L2
+  distance, relative to an old row's norm) and their effective rank before and after.
 - `mean_pairwise_cosine(A)`, `mean_cross_cosine(A, B)`: mean cosine among the rows of A
   (pairs i < j), and between rows of A and rows of B (e.g. new rows vs a sample of old text
   rows).
@@ -70,6 +72,28 @@ def effective_rank(E: Any = None, *, s: Any = None) -> float:
     p = sv / total
     p = p[p > 0]
     return float(math.exp(-float(np.sum(p * np.log(p)))))
+
+
+def row_shift(before: Any, after: Any, old: Any | None = None) -> dict[str, float | None]:
+    """How far training moved the new rows: `before`, `after` [V_new, d] (same rows, same
+    order), `old` [V_old, d] the model's existing rows (for scale), or None.
+
+    {"moved_mean": mean_i ||after_i - before_i||, "moved_max": max_i of the same,
+     "moved_rel": moved_mean / mean_j ||old_j|| (None without `old`): 1.0 means the rows moved,
+     on average, as far as an old row is long,
+     "effective_rank_before", "effective_rank_after"}. The grounding stage records it, so a
+    grounding that did nothing shows moved_mean 0 and an unchanged effective rank."""
+    b, a = as_array(before), as_array(after)
+    if b.shape != a.shape or b.ndim != 2:
+        raise ValueError(f"row_shift: before {b.shape} and after {a.shape} must be the same [n, d] shape")
+    dist = np.linalg.norm(a - b, axis=1) if b.size else np.zeros(0)
+    moved = float(dist.mean()) if dist.size else 0.0
+    rel = None
+    if old is not None:
+        scale = float(np.linalg.norm(as_array(old), axis=1).mean())
+        rel = moved / scale if scale > 0 else None
+    return {"moved_mean": moved, "moved_max": float(dist.max()) if dist.size else 0.0, "moved_rel": rel,
+            "effective_rank_before": effective_rank(b), "effective_rank_after": effective_rank(a)}
 
 
 def spectrum_summary(E: Any) -> dict[str, Any]:

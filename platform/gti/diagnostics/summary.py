@@ -9,6 +9,8 @@ What it is for: one screen that a new user reads at the end of `make demo`:
 - one real test user: the end of their history, their true next item and the model's top
   items, with titles (the first test user of recs.parquet, the evaluate stage's deterministic
   sample: not chosen for looking good), and where the true item ranked;
+- what grounding did: how far its steps moved the new rows and their effective rank before and
+  after (the ground stage's `rows` fact, `gti.diagnostics.geometry.row_shift`);
 - the wall time of every stage (`duration_s` of each stage manifest; a stage skipped as up to
   date shows the time of the run that made it);
 - the next commands: the report, `gti recommend` (with that user's history), `gti serve`,
@@ -63,6 +65,7 @@ class RunSummary:
     sample: Sample | None = None
     report: str | None = None  # report.html when the report stage has written it
     config: str | None = None  # the config path, for the commands that need one
+    grounding: dict[str, Any] | None = None  # the ground stage's facts (steps_done, rows, ...)
 
 
 # --------------------------------------------------------------------------- reading
@@ -92,9 +95,11 @@ def read_run(run_dir: str | Path, stages: Sequence[str], shown: str | None = Non
         if m is not None and m.get("duration_s") is not None:
             durations[stage] = float(m["duration_s"])
     report = root / "report" / "report.html"
+    ground = _manifest(root / "ground")
     return RunSummary(
         run_dir=shown or str(run_dir), metrics=metrics, durations=durations,
-        sample=read_sample(root, metrics), report=str(report) if report.is_file() else None, config=config)
+        sample=read_sample(root, metrics), report=str(report) if report.is_file() else None, config=config,
+        grounding=(ground or {}).get("facts"))
 
 
 def summary_split(metrics: dict[str, Any]) -> str | None:
@@ -224,6 +229,21 @@ def format_sample(s: Sample) -> list[str]:
     return lines
 
 
+def format_grounding(facts: dict[str, Any]) -> str | None:
+    """One line on the work grounding did (None when the facts predate the `rows` fact)."""
+    rows = facts.get("rows")
+    if not rows:
+        return None
+    lo, hi = facts.get("new_token_ids", [0, 0])
+    rel = rows.get("moved_rel")
+    scale = f" ({rel:.2f}x an old row's norm)" if rel is not None else ""
+    rank = f"effective rank {rows['effective_rank_before']:.1f} -> {rows['effective_rank_after']:.1f}"
+    if not facts.get("grounded"):
+        return f"Grounding: off ({facts.get('init_method', '?')} init only); new rows' {rank}"
+    return (f"Grounding: {facts.get('steps_done', '?')} steps moved the {hi - lo} new rows {rows['moved_mean']:.3g} "
+            f"on average{scale}; their {rank} (1.0 = all rows equal)")
+
+
 def format_durations(durations: dict[str, float]) -> str:
     total = sum(durations.values())
     parts = [f"{stage} {_secs(sec)}" for stage, sec in durations.items()]
@@ -264,6 +284,9 @@ def format_summary(s: RunSummary) -> str:
              "in every row; [95% bootstrap CI]", "", format_table(m, split), _mrr_note(m, split)]
     if s.sample is not None:
         lines += [""] + format_sample(s.sample)
+    grounding = format_grounding(s.grounding) if s.grounding else None
+    if grounding:
+        lines += ["", grounding]
     if s.durations:
         lines += ["", format_durations(s.durations)]
     cmds = next_commands(s)

@@ -198,6 +198,11 @@ def run(ctx: StageContext, run_name: str | None = None, callbacks: list | None =
         facts.update(train_facts)
     else:
         ctx.log("ground.enabled is false or ground.steps is 0: exporting the initialised rows")
+    facts["rows"] = _row_shift(model, init, final, n_real)
+    if grounded:
+        r = facts["rows"]
+        ctx.log(f"new rows moved {r['moved_mean']:.3g} on average ({r['moved_rel']:.2f}x an old row's norm); "
+                f"effective rank {r['effective_rank_before']:.1f} -> {r['effective_rank_after']:.1f}")
 
     meta = {
         "stage": "ground",
@@ -217,6 +222,15 @@ def run(ctx: StageContext, run_name: str | None = None, callbacks: list | None =
         outputs={"model": MODEL_DIR, "init_embeddings": INIT_FILE, "ground_embeddings": GROUND_FILE},
         facts=facts,
     )
+
+
+def _row_shift(model, init: dict[str, torch.Tensor], final: dict[str, torch.Tensor], n_real: int) -> dict[str, Any]:
+    """`geometry.row_shift` of the new input rows (the work grounding did: the summary prints
+    it), scaled by the model's old input rows [:n_real]."""
+    from gti.diagnostics.geometry import row_shift
+
+    old = model.get_input_embeddings().weight[:n_real]
+    return row_shift(init["e_new"], final["e_new"], old)
 
 
 def _ground(ctx: StageContext, init, first, end, first_sid, end_sid, codec, tokenizer,
