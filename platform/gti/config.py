@@ -241,6 +241,17 @@ class SidConfig(_Strict):
     revive_every_steps: int = Field(
         0, ge=0, description="re-seed dead codes every N optimizer steps (0: once per epoch)"
     )
+    checkpoint_every_s: float = Field(
+        30.0, ge=0, description="rqvae: seconds between epoch checkpoints (the last epoch always checkpoints; 0: "
+        "every epoch). A checkpoint costs more than a whole epoch on a small catalog; a killed run redoes at "
+        "most this much training")
+    epoch_cache_mb: int = Field(
+        512, ge=0, description="rqvae: when a Train worker's shard of the embeddings (rows x dim float32) "
+        "fits in this many MB, the worker reads it once into memory and every epoch trains on a full "
+        "shuffle of it seeded by (seed, epoch, worker rank): re-reading the shard through Ray Data each "
+        "epoch costs far more than the epoch's compute on catalogs of this size (bench/RESULTS.md, issue "
+        "29 item 2). 0: stream the shard through Ray Data every epoch with a seeded local shuffle buffer "
+        "(the batches of the runs from before this option, bit for bit)")
     token_format: str = Field(
         "<{level}_{code}>", description="SID token string; {level} is a letter a, b, c, ...; {code} the code index")
     gates: SidGates = Field(default_factory=SidGates, description="quality gates of the codes")

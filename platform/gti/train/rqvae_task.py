@@ -5,10 +5,19 @@ the RQ-VAE on `sid.num_workers` Ray Train workers through the one driver
 (`gti.train.driver.run_trainer`: TorchTrainer, RunConfig, checkpoints, failure handling,
 progress) and returns (trained model, epoch history). `sid_train_loop` is the worker: DDP
 (gloo on CPU, nccl on GPU) over shards of the embeddings; per epoch the workers all-reduce
-code usage, re-seed dead codes (rank 0's choice is broadcast), report metrics and a checkpoint
-(the quantiser, its AdamW state and the epoch history), so a rerun after a killed driver
-resumes from the last epoch. Every worker starts from the same k-means codebooks (the stage
+code usage, re-seed dead codes (rank 0's choice is broadcast) and report metrics; a checkpoint
+(the quantiser, its AdamW state and the epoch history) follows the last epoch and, before it,
+every `sid.checkpoint_every_s` seconds (`checkpoint_due`), so a rerun after a killed driver
+resumes from the last checkpointed epoch. Every worker starts from the same k-means codebooks (the stage
 fits them on the driver) and the shuffle is seeded, so a run is deterministic for a seed.
+
+Epoch batches come one of two ways, chosen on the driver (`sid.epoch_cache_mb`): a worker
+whose shard fits reads it once into one tensor and cuts every epoch from a seeded permutation
+of it (`cached_epoch_batches`, pure), because re-reading a small shard through Ray Data each
+epoch costs far more than the epoch's compute; otherwise (or at 0) it streams the shard every
+epoch with Ray Data's seeded local shuffle, as before. Either way an epoch is ceil(shard rows /
+batch_size) steps, and Ray Train's shards are equal-sized, so every DDP worker runs the same
+number of steps (the collectives in `_revive` rely on it).
 
 What it does not know: how embeddings were made, how codes are assigned or de-duplicated (the
 `sid` stage), or Ray's API (only `gti.train.driver` calls it).
@@ -20,8 +29,9 @@ import json
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
+import numpy as np
 import torch
 
 from gti.sid.quantizer import load_quantizer, save_quantizer
@@ -30,6 +40,33 @@ from gti.train import driver
 STATE_FILE = "train_state.json"
 OPTIM_FILE = "optimizer.safetensors"
 RUN_NAME = "rqvae"
+CACHE_READ_BATCH = 4096  # rows per Ray Data batch when a worker reads its shard into the cache
+CACHE_ITEMSIZE = 4  # bytes per cached value: the loop trains on float32 whatever the file holds
+
+
+# --------------------------------------------------------------------------- epoch cache (pure)
+def epoch_cache_fits(rows: int, dim: int, cache_mb: float, itemsize: int = CACHE_ITEMSIZE) -> bool:
+    """Whether a worker's shard of `rows` x `dim` values (`itemsize` bytes each) fits in
+    `cache_mb` MB (MiB). 0 MB never fits: the streaming path."""
+    return cache_mb > 0 and rows * dim * itemsize <= cache_mb * 2**20
+
+
+def epoch_cache_seed(seed: int, epoch: int, rank: int) -> int:
+    """The permutation seed of one worker's epoch: a function of (run seed, epoch, rank) only,
+    never of Ray's scheduling, so a resumed run cuts the same batches as an uninterrupted one."""
+    return int(np.random.SeedSequence([seed, epoch, rank]).generate_state(1)[0])
+
+
+def cached_epoch_batches(x: torch.Tensor, batch_size: int, seed: int, epoch: int,
+                         rank: int) -> Iterator[torch.Tensor]:
+    """One epoch over the cached rows `x` [N, D]: a full shuffle (seeded by `epoch_cache_seed`)
+    cut into `batch_size` rows a batch, the last one short when N is not a multiple, as the
+    streaming path's `iter_torch_batches` (drop_last off) does: ceil(N / batch_size) batches,
+    every row exactly once."""
+    gen = torch.Generator().manual_seed(epoch_cache_seed(seed, epoch, rank))
+    perm = torch.randperm(x.shape[0], generator=gen).to(x.device)
+    for i in range(0, x.shape[0], batch_size):
+        yield x[perm[i:i + batch_size]]
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -67,12 +104,26 @@ def _restore(model, opt) -> tuple[int, list[dict]]:
         return int(st["epoch"]), list(st["history"])
 
 
-def _save(core, opt, device, epoch: int, history: list[dict], metrics: dict, config: dict) -> None:
-    """Rank 0: the epoch's progress line and checkpoint (quantiser, optimizer, history)."""
+def checkpoint_due(epoch: int, epochs: int, since_last_s: float, every_s: float) -> bool:
+    """Whether the worker checkpoints after `epoch` (0-based) of `epochs`: always after the last
+    one (the driver reads the model from it), otherwise once `every_s` seconds have passed since
+    the last checkpoint (0: every epoch). On a small catalog an epoch takes well under a second
+    and a checkpoint (write + Ray Train's registration) longer than that (bench/RESULTS.md,
+    issue 29 item 2); a resumed run redoes at most `every_s` seconds of epochs."""
+    return epoch == epochs - 1 or since_last_s >= every_s
+
+
+def _save(core, opt, device, epoch: int, history: list[dict], metrics: dict, config: dict,
+          checkpoint: bool = True) -> None:
+    """Rank 0: the epoch's progress line and, when `checkpoint`, its checkpoint (quantiser,
+    optimizer, history); otherwise only the metrics are reported."""
     if config.get("progress_file"):
         # The driver follows this file for the epoch progress line (gti.progress).
         with open(config["progress_file"], "a") as fh:
             fh.write(json.dumps({**metrics, "wall_time": time.time()}) + "\n")
+    if not checkpoint:
+        driver.report(metrics)
+        return
     with tempfile.TemporaryDirectory() as d:
         save_quantizer(core.cpu() if device.type != "cpu" else core, d)
         core.to(device)
@@ -82,22 +133,37 @@ def _save(core, opt, device, epoch: int, history: list[dict], metrics: dict, con
 
 
 # --------------------------------------------------------------------------- the worker loop
-def _run_epoch(ddp, core, opt, shard, config, epoch, world, device, window, step):
-    """One pass over the shard: (code counts [L, K], loss sums [5], last residuals, revived
-    per level, step)."""
+def _read_shard(shard, device) -> torch.Tensor:
+    """This worker's whole shard as one float32 tensor [rows, dim] on `device`, in the shard's
+    order (order-preserving, so the same rows in the same order on every run and restart)."""
+    parts = [b["embedding"].float()
+             for b in shard.iter_torch_batches(batch_size=CACHE_READ_BATCH, device=device)]
+    return torch.cat(parts) if parts else torch.empty((0, 0), device=device)
+
+
+def _epoch_batches(shard, cached, config, epoch, rank, device) -> Iterator[torch.Tensor]:
+    """The epoch's input batches: from the in-memory `cached` rows, or (None) streamed from the
+    Ray Data shard with the seeded local shuffle exactly as before the cache existed."""
+    if cached is not None:
+        return cached_epoch_batches(cached, config["batch_size"], config["seed"], epoch, rank)
+    return (batch["embedding"].float() for batch in shard.iter_torch_batches(
+        batch_size=config["batch_size"],
+        local_shuffle_buffer_size=config["shuffle_buffer"],
+        local_shuffle_seed=config["seed"] * 100003 + epoch,
+        device=device,
+    ))
+
+
+def _run_epoch(ddp, core, opt, batches, config, world, device, window, step):
+    """One pass over the epoch's `batches`: (code counts [L, K], loss sums [5], last residuals,
+    revived per level, step)."""
     levels, k = core.cfg.levels, core.cfg.codebook_size
     every = int(config.get("revive_every_steps", 0))
     counts = torch.zeros(levels, k, dtype=torch.float64, device=device)
     sums = torch.zeros(5, dtype=torch.float64, device=device)  # loss, recon, quant, div, n
     last_res = None
     revived = [0] * levels
-    for batch in shard.iter_torch_batches(
-        batch_size=config["batch_size"],
-        local_shuffle_buffer_size=config["shuffle_buffer"],
-        local_shuffle_seed=config["seed"] * 100003 + epoch,
-        device=device,
-    ):
-        x = batch["embedding"].float()
+    for x in batches:
         out = ddp(x)
         opt.zero_grad(set_to_none=True)
         out.loss.backward()
@@ -128,7 +194,8 @@ def sid_train_loop(config: dict) -> None:
 
     config: model (RQVAEConfig dict), init_state (state dict with k-means codebooks), epochs,
     batch_size (per worker), lr, weight_decay, dead_code_threshold, seed, shuffle_buffer,
-    revive_every_steps, progress_file.
+    revive_every_steps, epoch_cache (read the shard once and shuffle it in memory),
+    checkpoint_every_s (`checkpoint_due`), progress_file.
     """
     import torch.distributed as dist
 
@@ -148,11 +215,16 @@ def sid_train_loop(config: dict) -> None:
     every, step = int(config.get("revive_every_steps", 0)), 0
     # Usage since the last revival when reviving every `every` steps (spans epochs).
     window = torch.zeros(levels, k, dtype=torch.float64, device=device)
+    cached = None  # the shard in memory; rebuilt from the shard by a restarted (resumed) worker
+    last_ckpt = time.time()
     for epoch in range(start_epoch, config["epochs"]):
         t0 = time.time()
         core.train()
+        if config.get("epoch_cache") and cached is None:
+            cached = _read_shard(shard, device)
+        batches = _epoch_batches(shard, cached, config, epoch, rank, device)
         counts, sums, last_res, revived, step = _run_epoch(
-            ddp, core, opt, shard, config, epoch, world, device, window, step)
+            ddp, core, opt, batches, config, world, device, window, step)
         if world > 1:
             dist.all_reduce(counts)
             dist.all_reduce(sums)
@@ -173,7 +245,9 @@ def sid_train_loop(config: dict) -> None:
         }
         history.append(metrics)
         if rank == 0:
-            _save(core, opt, device, epoch, history, metrics, config)
+            due = checkpoint_due(epoch, config["epochs"], time.time() - last_ckpt, config.get("checkpoint_every_s", 0))
+            _save(core, opt, device, epoch, history, metrics, config, checkpoint=due)
+            last_ckpt = time.time() if due else last_ckpt
         else:
             driver.report(metrics)
 
@@ -219,7 +293,13 @@ def train_rqvae(s, seed: int, emb_path: Path, init_model, n_items: int, storage:
         "revive_every_steps": s.revive_every_steps,
         "seed": seed,
         "shuffle_buffer": min(max(4 * per_worker, 1024), max(n_items, 1)),
+        "checkpoint_every_s": s.checkpoint_every_s,
+        # Decided here, once for all workers: Ray Train splits the data into equal shards (at
+        # most ceil(n / workers) rows each), so every worker takes the same path.
+        "epoch_cache": epoch_cache_fits(-(-n_items // s.num_workers), init_model.cfg.in_dim, s.epoch_cache_mb),
     }
+    if config["epoch_cache"]:
+        log(f"rqvae: each worker reads its shard once into memory (sid.epoch_cache_mb={s.epoch_cache_mb})")
     # Deterministic name: a rerun with the same storage resumes (Train V2 has no restore).
     # preserve_order: each worker's shard holds the same rows in the same order on every run,
     # so the seeded local shuffle (and so the trained codebooks) is a function of data + seed.
