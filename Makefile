@@ -37,9 +37,9 @@ $(STAMP): pyproject.toml Makefile
 install: $(STAMP)
 
 demo: $(STAMP)
+	# Ends with the summary: the model beside SASRec, Markov-1 and MostPop, a real test user's
+	# recommendations, what grounding did, the wall time per stage and the next commands.
 	$(VENV)/bin/gti run --config $(DEMO_CONFIG)
-	# A sample recommendation from the finished run (history: three 3D-printing items).
-	$(VENV)/bin/gti recommend --run-dir runs/demo --history 0,1,2 --k 5
 
 # The whole suite, as two pytest processes: the fast unit loop, then the slow tests (real
 # DeepSpeed engines, Ray clusters, end-to-end runs), each starting from a clean interpreter.

@@ -1,30 +1,37 @@
-"""Grounding on a simulated 2-node cluster: the two Ray Train workers land on different nodes,
-checkpoints go to one shared storage path, and a run whose driver is killed mid-grounding
-resumes from its checkpoint when the same command is run again.
+"""The tiny pipeline as a Ray job on a simulated 2-node cluster, the way production runs go.
 
-The cluster is `cluster/local_cluster.sh` (a head plus two worker nodes, each a `ray start
---block` process with `gti_worker: 1`; token auth on; stopped by pid). Asking for
-`resources_per_worker: {CPU: 1, gti_worker: 1}` with two workers can only be satisfied by one
-worker per worker node. The `gti run` driver joins the cluster (RAY_ADDRESS from the script's
-env file) as a separate process, so killing it is a real driver failure. Which node each worker
-ran on is read back from Ray's actor table (class RayTrainWorker) after the run. The stages
-before grounding are the session's shared tiny ones (tests/conftest.py::tiny_upstream), linked
-into the run folder (they are not what the test is about, and three nodes on 2 cores made them
-the slowest part).
+One cluster, one test (a job test and a two-node test used to start a Ray head each; issue 27):
+- the cluster is `cluster/local_cluster.sh` (a head plus two worker nodes, each a `ray start
+  --block` process with `gti_worker: 1`; token auth on with a private token file; dashboard on
+  127.0.0.1; stopped by pid, and `stop` ends exactly the processes it started);
+- the job goes in through `jobs/submit.py` (the Job Submission SDK, working_dir = the
+  repository, runtime env = jobs/runtime_env.yaml); a client without the token is refused, and
+  the job's entrypoint finds the venv's `gti` and imports the submitted package (py_modules);
+- the job's grounding asks for `resources_per_worker: {CPU: 1, gti_worker: 1}` with two
+  workers, which only one worker per worker node satisfies (SFT's one worker asks for a
+  worker node too); which node each Train worker ran on is read back from Ray's actor table;
+- the job's driver (`gti run`, its pid from the run lock) is SIGKILLed once grounding wrote its
+  second checkpoint: a real driver failure. The same job submitted again takes the dead
+  driver's lock, resumes the same Train run from its checkpoint (the TensorBoard curve does not
+  restart at step 1), and runs SFT, evaluate and report; while it runs a second `gti run` on
+  the folder is refused in one line naming it (the run lock, issue 30);
+- ingest..pairs are the session's shared tiny ones (tests/conftest.py::tiny_upstream), linked
+  into the run folder: the job finds them up to date (asserted). What is checked after the
+  job: every stage's manifest and outputs, the TensorBoard curves of ground/SFT/evaluate, the
+  progress lines in the job's log.
 
-The rerun after the kill takes the dead driver's lock, and while it runs a second `gti run` on
-the same folder is refused in one line naming it (the run lock, issue 30).
-
-The same test checks the script itself (it used to have a test of its own, which cost another
-cluster start): the nodes and their custom resources, token auth refusing a client without the
-token, a private token file, the dashboard on 127.0.0.1, and a `stop` that ends exactly the
-processes it started.
+Why the job finds `gti`: the cluster is started with this venv's bin first on PATH, so the
+job's entrypoint shell resolves `gti` (and `python`) to the venv, as on a cluster whose nodes
+installed the project; runtime_env's `py_modules` then puts the submitted platform/gti first
+on PYTHONPATH. The submitting clients run in subprocesses so that their token settings cannot
+mix with any Ray state of the pytest process.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -37,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "cluster" / "local_cluster.sh"
 VENV_BIN = Path(sys.executable).parent
 STEPS = 8
+PROBE_GTI = "import gti, shutil; print('GTI_FILE', gti.__file__); print('GTI_BIN', shutil.which('gti'))"
 
 PROBE = """
 import json, ray
@@ -59,13 +67,33 @@ def _env_from(file: Path) -> dict[str, str]:
     return env
 
 
-def _gti_cmd(run_dir: Path) -> list[str]:
+def _gti_cmd(run_dir: Path, to: str = "report") -> list[str]:
+    """The job's `gti run`: the tiny pipeline with grounding on both worker nodes and SFT on one."""
     return [
-        str(VENV_BIN / "gti"), "run", "--config", str(ROOT / "jobs" / "configs" / "tiny.yaml"),
-        f"run_dir={run_dir}", "ray_address=auto", "ground.num_workers=2",
-        "ground.resources_per_worker={CPU: 1, gti_worker: 1}", f"ground.steps={STEPS}",
-        "ground.checkpoint_every=2", "ground.val_every=3", "--to", "ground",
+        "gti", "run", "--config", "jobs/configs/tiny.yaml", f"run_dir={run_dir}", "ray_address=auto",
+        "ground.num_workers=2", "ground.resources_per_worker={CPU: 1, gti_worker: 1}", f"ground.steps={STEPS}",
+        "ground.checkpoint_every=2", "ground.val_every=3", "sft.resources_per_worker={CPU: 1, gti_worker: 1}",
+        "--to", to,
     ]
+
+
+def _submit(env: dict[str, str], run_dir: Path, log: Path) -> subprocess.Popen:
+    """`python jobs/submit.py ... -- bash -c '<probe of gti>; gti run ...'`, waiting for the job
+    (its exit status: 0 only for SUCCEEDED; stdout: the job's log)."""
+    entry = f"python -c {shlex.quote(PROBE_GTI)} && {shlex.join(_gti_cmd(run_dir))}"
+    cmd = [sys.executable, "jobs/submit.py", "--address", env["GTI_DASHBOARD"], "--connect-timeout", "90",
+           "--working-dir", ".", "--runtime-env", "jobs/runtime_env.yaml", "--timeout", "900", "--",
+           "bash", "-c", entry]
+    with log.open("w") as f:
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+
+
+def _lock_pid(run_dir: Path) -> int | None:
+    """The pid in the run folder's lock (the `gti run` holding it), None before it is written."""
+    try:
+        return int(json.loads((run_dir / ".gti.lock").read_text())["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _probe(env: dict[str, str]) -> dict:
@@ -119,23 +147,22 @@ def _alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def _rival_is_refused(run_dir: Path, holder: subprocess.Popen, env: dict[str, str], cwd: Path) -> None:
-    """Two writers, one folder (issue 30): once `holder` (a `gti run`) holds the run folder's
-    lock, a second `gti run` on it is refused at once, in one line naming the holder's pid."""
-    lock = run_dir / ".gti.lock"
+def _rival_is_refused(run_dir: Path, job: subprocess.Popen, dead: int, env: dict[str, str]) -> None:
+    """Two writers, one folder (issue 30): once the resubmitted job's `gti run` holds the run
+    folder's lock (a live pid other than the killed driver `dead`), a second `gti run` on it is
+    refused at once, in one line naming that pid."""
     deadline = time.time() + 300
-    while time.time() < deadline and holder.poll() is None:
-        try:
-            if json.loads(lock.read_text())["pid"] == holder.pid:
-                break
-        except (OSError, ValueError, KeyError):  # not written yet, or the dead driver's
-            pass
+    holder = None
+    while time.time() < deadline and job.poll() is None:
+        holder = _lock_pid(run_dir)
+        if holder not in (None, dead) and _alive(holder):
+            break
         time.sleep(0.2)
-    assert holder.poll() is None, "the rerun ended before it held the lock"
-    rival = subprocess.run(_gti_cmd(run_dir), env=env, capture_output=True, text=True, cwd=cwd, timeout=120)
+    assert job.poll() is None and holder not in (None, dead), "the resubmitted job ended before it held the lock"
+    rival = subprocess.run(_gti_cmd(run_dir, to="ground"), env=env, capture_output=True, text=True, cwd=ROOT, timeout=120)
     line = rival.stderr.strip().splitlines()[-1] if rival.stderr.strip() else ""
     assert rival.returncode == 2, rival.stdout[-2000:] + rival.stderr[-2000:]
-    assert line.startswith("gti: error: ") and f"pid {holder.pid}" in line and "gti run" in line, rival.stderr[-2000:]
+    assert line.startswith("gti: error: ") and f"pid {holder}" in line and "gti run" in line, rival.stderr[-2000:]
 
 
 @pytest.fixture
@@ -189,11 +216,10 @@ def two_node_cluster(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.ray
-# Three Ray nodes on a 2-core machine: 11 min on an idle one with the upstream stages on the
-# cluster, over the suite's 480 s default (a CI run timed out); its subprocesses carry their own
-# limits.
+# Three Ray nodes on a 2-core machine: a job through grounding (killed and resubmitted), SFT,
+# evaluate and report, over the suite's 480 s default; its subprocesses carry their own limits.
 @pytest.mark.timeout(1200)
-def test_grounding_across_two_nodes_with_driver_kill_and_resume(upstream_done, two_node_cluster, tmp_path):
+def test_pipeline_job_on_two_nodes_survives_a_killed_driver(upstream_done, two_node_cluster, tmp_path):
     env = two_node_cluster
     run_dir = upstream_done  # one path every node of this cluster sees: the shared storage
     # The cluster: a head and two worker nodes with the custom resources placement relies on.
@@ -201,42 +227,55 @@ def test_grounding_across_two_nodes_with_driver_kill_and_resume(upstream_done, t
     assert len(info["nodes"]) == 3
     assert sorted(r for res in info["nodes"].values() for r in res if r.startswith("gti_node_")) == [
         "gti_node_1", "gti_node_2"]
-    # Without the token the cluster refuses a client: authentication is really on.
+    # Without the token the cluster refuses a client (Ray's API and the job API): auth is on.
     no_token = {k: v for k, v in env.items() if not k.startswith("RAY_AUTH")}
     no_token["RAY_AUTH_MODE"] = "disabled"
     refused = subprocess.run([sys.executable, "-c", PROBE], env=no_token, capture_output=True, text=True, timeout=120)
     assert refused.returncode != 0
-    # The upstream stages are in place (upstream_done), so the kill below lands in grounding;
-    # the cluster is fresh, so every RayTrainWorker it has seen afterwards is a grounding worker.
-    log1 = (tmp_path / "attempt1.log").open("w")
-    first = subprocess.Popen(_gti_cmd(run_dir), env=env, stdout=log1, stderr=subprocess.STDOUT, cwd=tmp_path)
+    refused = subprocess.run(
+        [sys.executable, "jobs/submit.py", "--address", env["GTI_DASHBOARD"], "--connect-timeout", "90",
+         "--no-wait", "--", "true"], cwd=ROOT, env=no_token, capture_output=True, text=True, timeout=180)
+    assert refused.returncode != 0 and "refused the client" in refused.stderr, refused.stderr[-2000:]
+
+    # Job 1: killed (SIGKILL to its `gti run`) once grounding has written its second checkpoint:
+    # by then Ray Train has registered the first one (a checkpoint directory can exist a moment
+    # before Ray Train V2 records it, and a kill in that window restarts from the previous one).
+    first = _submit(env, run_dir, tmp_path / "job1.log")
     partial = run_dir / ".ground.partial"
     deadline = time.time() + 600
-    # Kill the driver once grounding has written its second checkpoint: by then Ray Train has
-    # registered the first one (a checkpoint directory can exist a moment before Ray Train V2
-    # records it, and a kill in that window restarts from the previous registered one).
     while time.time() < deadline and first.poll() is None and len(_checkpoints(partial)) < 2:
         time.sleep(0.5)
-    assert first.poll() is None, "the first attempt ended before any checkpoint: " + (tmp_path / "attempt1.log").read_text()[-3000:]
-    first.send_signal(signal.SIGKILL)
-    first.wait()
+    driver = _lock_pid(run_dir)
+    assert first.poll() is None and driver, "job 1 ended before any checkpoint: " + (tmp_path / "job1.log").read_text()[-3000:]
+    os.kill(driver, signal.SIGKILL)
+    assert first.wait(timeout=180) == 1  # the job ends FAILED
+    log1 = (tmp_path / "job1.log").read_text()
+    assert "FAILED" in log1, log1[-3000:]
+    # The entrypoint found the venv's `gti` and imported the submitted package, not the installed one.
+    lines = dict(l.split(" ", 1) for l in log1.splitlines() if l.startswith("GTI_"))
+    assert "py_modules_files" in lines["GTI_FILE"], lines
+    assert Path(lines["GTI_BIN"]).parent == VENV_BIN, lines
     before = {p.relative_to(partial) for p in _checkpoints(partial)}
     assert before, "no checkpoint survived the killed driver"
     assert not (run_dir / "ground" / "_manifest.json").exists()
 
-    # The killed driver's lock is stale (its process is gone): the rerun takes it over.
-    log2 = tmp_path / "attempt2.log"
-    with log2.open("w") as f:
-        second = subprocess.Popen(_gti_cmd(run_dir), env=env, stdout=f, stderr=subprocess.STDOUT, cwd=tmp_path)
-        _rival_is_refused(run_dir, second, env, tmp_path)
-        second.wait(timeout=900)
-    logs = log2.read_text()
-    assert second.returncode == 0, logs[-4000:]
-    # Upstream stages were not redone; grounding finished from where it stopped.
-    for stage in ("ingest", "embed", "sid", "pairs"):
-        assert f"{stage}: up to date" in logs
-    manifest = json.loads((run_dir / "ground" / "_manifest.json").read_text())
-    assert manifest["facts"]["steps_done"] == STEPS
+    # Job 2, the same job again: takes the dead driver's lock, resumes, runs to the report.
+    second = _submit(env, run_dir, tmp_path / "job2.log")
+    _rival_is_refused(run_dir, second, driver, env)
+    rc = second.wait(timeout=1000)
+    logs = (tmp_path / "job2.log").read_text()
+    assert rc == 0 and "SUCCEEDED" in logs, logs[-4000:]
+    for stage in ("ingest", "embed", "sid", "pairs"):  # linked from the shared upstream, not redone
+        assert f"{stage}: up to date" in logs, stage
+    from gti.pipeline import STAGE_NAMES
+
+    for stage in STAGE_NAMES:
+        manifest = json.loads((run_dir / stage / "_manifest.json").read_text())
+        assert manifest["stage"] == stage
+        for rel in manifest["outputs"].values():
+            assert (run_dir / stage / rel).exists(), f"{stage}: output {rel} missing"
+    assert f"{STAGE_NAMES[-1]}: done" in logs
+    assert json.loads((run_dir / "ground" / "_manifest.json").read_text())["facts"]["steps_done"] == STEPS
     # The rerun resumed the same Train run (same storage path and name) from its checkpoint:
     # the ground stage's TensorBoard curve holds the killed attempt's steps, then the steps
     # after the checkpointed one; a restart from scratch would record step 1 a second time.
@@ -244,11 +283,35 @@ def test_grounding_across_two_nodes_with_driver_kill_and_resume(upstream_done, t
     assert steps.count(1) == 1 and steps[-1] == STEPS, steps
     restarts = [i for i in range(1, len(steps)) if steps[i] <= steps[i - 1]]
     assert all(steps[i] > 1 for i in restarts), steps
+    _check_tracking(run_dir, logs)
 
     info = _probe(env)
     worker_nodes = {n for n, res in info["nodes"].items() if "gti_worker" in res}
     assert len(worker_nodes) == 2
-    # Both attempts started 2 workers; every worker ran on a worker node, and each attempt
-    # spread its pair over both nodes (gti_worker: 1 each allows nothing else).
+    # Both grounding attempts started 2 workers and SFT one; every worker ran on a worker node,
+    # and each grounding attempt spread its pair over both nodes (gti_worker: 1 allows nothing else).
     placed = list(info["train_workers"].values())
-    assert len(placed) >= 4 and set(placed) == worker_nodes
+    assert len(placed) >= 5 and set(placed) == worker_nodes
+
+
+def _check_tracking(run_dir: Path, logs: str) -> None:
+    """After the pipeline, `tensorboard --logdir <run_dir>` has every training stage's curves and
+    the evaluation's metrics, and the driver printed step progress with rate and ETA."""
+    from gti import config
+    from gti.tracking import read_scalars
+
+    cfg = config.load(ROOT / "jobs" / "configs" / "tiny.yaml", [f"run_dir={run_dir}"])
+    tb = run_dir / "tensorboard"
+    assert sorted(p.name for p in tb.iterdir()) == ["evaluate", "ground", "sft"]
+    ground = read_scalars(tb / "ground")
+    assert {"train/lr", "train/grad_norm_new_rows", "train/tokens_per_s", "val/exact_match"} <= set(ground)
+    assert [s for s, _ in ground["val/exact_match"]][-1] == STEPS
+    sft = read_scalars(tb / "sft")
+    assert [s for s, _ in sft["train/loss"]] == list(range(1, cfg.sft.steps + 1))
+    assert {"train/lr", "train/grad_norm", "train/tokens_per_s", "val/loss"} <= set(sft)
+    ev = read_scalars(tb / "evaluate")
+    metrics = json.loads((run_dir / "evaluate" / "metrics.json").read_text())
+    assert ev["eval/test/recall_at_5"] == [(cfg.sft.steps, pytest.approx(metrics["splits"]["test"]["recall@5"]["value"]))]
+    assert "eval/valid/mostpop/recall_at_5" in ev and "eval/test/markov/ndcg_at_5" in ev
+    assert f"[ground] {STEPS}/{STEPS} steps (100.0%)" in logs
+    assert "[evaluate] " in logs and "prompts (100.0%)" in logs

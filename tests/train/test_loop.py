@@ -77,6 +77,7 @@ def test_manual_grad_norm_matches_torch():
 # Each Ray Train run costs ~10 s of worker start-up on 2 cores; the step count is kept short.
 STEPS, CKPT, LR = 20, 5, 5e-2
 FAIL_AT = 12  # between the checkpoints at 10 and 15: the restart replays steps 11-12
+FAIL_AGAIN = 17  # between 15 and 20: the retried worker group replays steps 16-17
 def _loop_setup(problem: dict, **ground_kw):
     from gti.config import GroundConfig, RunConfig
     from gti.train import ground_task
@@ -141,10 +142,15 @@ def test_grounding_two_workers_zero2_learns(uninterrupted, grounding_problem):
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_restart_with_same_name_resumes_from_checkpoint(uninterrupted, grounding_problem, tmp_path):
-    """A run that dies at step FAIL_AT (no retries) raises; re-creating the trainer with the
-    same storage path and name continues from the checkpoint before it and ends with the same
-    new rows as the uninterrupted run."""
+def test_restart_resumes_and_a_worker_failure_is_retried_to_the_same_rows(uninterrupted, grounding_problem, tmp_path):
+    """Both recoveries of the shared loop, on one run name (two Train runs instead of three):
+    1. the run dies at step FAIL_AT (rank 0, no retries) and raises; re-creating the trainer
+       with the same storage path and name (a driver rerun) continues from the checkpoint
+       before it;
+    2. in that second run worker rank 1 kills its own process at step FAIL_AGAIN
+       (FailureConfig(max_failures=1)): Ray Train restarts the group from the latest
+       checkpoint.
+    The run ends with the same new rows and validation as the uninterrupted run."""
     import torch
 
     ref, _ = uninterrupted
@@ -153,10 +159,13 @@ def test_restart_with_same_name_resumes_from_checkpoint(uninterrupted, grounding
     with pytest.raises(Exception):
         _fit(grounding_problem, storage, "resume", fail, max_failures=0)
     assert (tmp_path / "failed_once").exists()
-    res = _fit(grounding_problem, storage, "resume", fail, max_failures=0)
+    again = {"fail_at_step": FAIL_AGAIN, "fail_rank": 1, "fail_marker": str(tmp_path / "failed_again")}
+    res = _fit(grounding_problem, storage, "resume", again, max_failures=1)
+    assert (tmp_path / "failed_again").exists()
     steps = _progress_steps(storage, "resume")
-    resumed_from = FAIL_AT // CKPT * CKPT
-    assert steps == list(range(1, FAIL_AT + 1)) + list(range(resumed_from + 1, STEPS + 1))
+    resumed_from, retried_from = FAIL_AT // CKPT * CKPT, FAIL_AGAIN // CKPT * CKPT
+    assert steps == (list(range(1, FAIL_AT + 1)) + list(range(resumed_from + 1, FAIL_AGAIN + 1))
+                     + list(range(retried_from + 1, STEPS + 1)))
     assert res.steps_done == STEPS
     assert [s for s, _ in res.history["loss"]] == list(range(1, STEPS + 1))
     for k in ("e_new", "head_new"):
@@ -194,26 +203,6 @@ def test_a_final_checkpoint_is_handed_back_untrained(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="no DeepSpeed state"):
         loop._resume(SimpleNamespace(engine=None, tc=GroundConfig(steps=5)))
     assert loads == [str(tmp_path / loop.DS_DIR)]
-
-
-@pytest.mark.slow
-@pytest.mark.ray
-def test_worker_failure_is_retried_and_result_matches(uninterrupted, grounding_problem, tmp_path):
-    """FailureConfig(max_failures=1): worker rank 1 kills its own process once at step FAIL_AT;
-    Ray Train restarts the group from the latest checkpoint and the final new rows equal the
-    uninterrupted run's."""
-    import torch
-
-    ref, _ = uninterrupted
-    storage = tmp_path / "ray_train"
-    fail = {"fail_at_step": FAIL_AT, "fail_rank": 1, "fail_marker": str(tmp_path / "failed_once")}
-    res = _fit(grounding_problem, storage, "failover", fail, max_failures=1)
-    assert (tmp_path / "failed_once").exists()
-    resumed_from = FAIL_AT // CKPT * CKPT
-    assert _progress_steps(storage, "failover") == (
-        list(range(1, FAIL_AT + 1)) + list(range(resumed_from + 1, STEPS + 1)))
-    for k in ("e_new", "head_new"):
-        torch.testing.assert_close(res.state_dict[k], ref.state_dict[k], rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("stage", [1, 2])
