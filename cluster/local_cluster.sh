@@ -133,7 +133,11 @@ start() {
   local i
   for ((i = 1; i <= WORKERS; i++)); do
     # shellcheck disable=SC2046
-    "$RAY_BIN" start --block --address="127.0.0.1:$port" --num-cpus="$CPUS" \
+    # Each node its own temp dir, as on separate machines: nodes sharing one session folder
+    # share its runtime_resources/, where one node's runtime-env agent deleted and re-extracted a
+    # job's working_dir under the running driver of another (its cwd gone, torch's MKL then
+    # failed to load: tests/e2e/test_multinode.py).
+    "$RAY_BIN" start --block --address="127.0.0.1:$port" --num-cpus="$CPUS" --temp-dir="$tmp/node_$i" \
       --resources="{\"gti_worker\": 1, \"gti_node_$i\": 1}" --disable-usage-stats $(node_ports) \
       > "$DIR/logs/worker_$i.log" 2>&1 &
     echo "$!" >> "$PIDS"

@@ -323,3 +323,28 @@ def test_local_cluster_defaults_to_a_fresh_private_folder_that_stop_finds(tmp_pa
         assert stopped.returncode == 0 and "local_cluster.sh: stopped" in stopped.stdout, stopped.stderr
         assert not (folder / "auth_token").exists()
     assert _script("stop", env=env).returncode == 2  # no folder named: refused, not guessed
+
+
+def test_local_cluster_gives_every_node_its_own_temp_dir(tmp_path):
+    """Each worker node gets a temp dir of its own under the head's (one `stop` removes them
+    all): nodes sharing one session folder share its runtime_resources/, and one node's
+    runtime-env agent then deleted a job's working_dir under another node's running driver
+    (tests/e2e/test_multinode.py failed on it)."""
+    import re
+
+    env = _fake_tools(tmp_path)
+    d = tmp_path / "cl"
+    started = _script("start", "--workers", "2", "--dir", str(d), env=env)
+    assert started.returncode == 0, started.stderr
+    import time
+
+    deadline = time.time() + 20  # the stand-in nodes start in the background: wait for all three
+    while len((tmp_path / "calls.log").read_text().splitlines()) < 3 and time.time() < deadline:
+        time.sleep(0.1)
+    calls = (tmp_path / "calls.log").read_text().splitlines()
+    dirs = {("head" if "--head" in c else "worker", re.search(r"--temp-dir=(\S+)", c).group(1)) for c in calls}
+    head = (d / "temp_dir").read_text().strip()
+    workers = [x for kind, x in dirs if kind == "worker"]
+    assert len(calls) == 3 and ("head", head) in dirs
+    assert len(set(workers)) == 2 and all(Path(x).parent == Path(head) for x in workers), dirs
+    assert _script("stop", "--dir", str(d), env=env).returncode == 0
