@@ -217,24 +217,25 @@ def sasrec_record(ref: dict, facts: dict, cfg, n_users: int) -> dict:
 
 
 # --------------------------------------------------------------------------- rows and pairs
+def _aligned(per_user, users: list[str]) -> dict[str, np.ndarray]:
+    """{metric: values in `users` order} for every metric `per_user(metric)` has ({user: value})."""
+    out = {}
+    for m in M:
+        pu = per_user(m)
+        if pu is not None:
+            out[m] = np.array([pu[u] for u in users])
+    return out
+
+
 def values(rec: RunRecord, users: list[str]) -> dict[str, np.ndarray]:
     """{metric: per-user values in `users` order} as the report reads them (exact ranks -> 1/rank
     and (rank-1)/(N-1))."""
-    out = {}
-    for m in M:
-        pu = _per_user(rec, "test", m)
-        if pu is not None:
-            out[m] = np.array([pu[u] for u in users])
-    return out
+    return _aligned(lambda m: _per_user(rec, "test", m), users)
 
 
 def pooled(recs: list[RunRecord], users: list[str]) -> dict[str, np.ndarray]:
-    out = {}
-    for m in M:
-        pu = _user_means(recs, "test", m)
-        if pu is not None:
-            out[m] = np.array([pu[u] for u in users])
-    return out
+    """The same, each user's value averaged over the runs in `recs` (seeds pooled per user)."""
+    return _aligned(lambda m: _user_means(recs, "test", m), users)
 
 
 def cell(v: np.ndarray, n_boot: int, seed: int) -> dict:

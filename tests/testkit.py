@@ -5,6 +5,8 @@ the conftest a second time).
 `adopt_tiny_upstream(upstream, run_dir)` puts the session's shared tiny stages (the
 `tiny_upstream` fixture of tests/conftest.py) into a run folder.
 
+`load_bench(name)` imports bench/<name>.py as a module (bench/ is not a package).
+
 `FailOnceFit` stands in for `gti.train.loop.fit`: it records every call (loop config, the
 training rows in order, the train config, storage path and run name) and raises on the first,
 as a run killed before its first step would end; later calls go to the real `fit`. A module
@@ -16,8 +18,20 @@ is proven for real in tests/train/test_loop.py and tests/e2e/test_multinode.py),
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Callable
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def load_bench(name: str) -> ModuleType:
+    """bench/<name>.py imported as module `bench_<name>`."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def adopt_tiny_upstream(upstream: Path, run_dir: Path) -> Path:

@@ -4,7 +4,6 @@ bench/proof_summary.py reading its output and rebuilding the report from it."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -12,15 +11,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from testkit import load_bench
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _record(arm: str, seed: int, recall: list[float], ranks: list[float], users=("a", "b", "c", "d")):
@@ -34,7 +29,7 @@ def _record(arm: str, seed: int, recall: list[float], ranks: list[float], users=
 def test_rows_and_pairs_pair_each_record_and_each_pooled_arm_with_sasrec():
     """A record's row is the mean of its per-user values; the pooled row averages each user over
     the arm's seeds; a paired difference is mean(arm - SASRec) over the same users, whose CI holds it."""
-    ps = _load("proof_sasrec")
+    ps = load_bench("proof_sasrec")
     users = ["a", "b", "c", "d"]
     recs = [({}, _record("gti", 0, [1, 0, 1, 0], [1, 2, 1, 5])), ({}, _record("gti", 1, [1, 1, 0, 0], [1, 1, 3, 11])),
             ({}, _record("mean", 0, [0, 0, 0, 1], [6, 6, 6, 1]))]
@@ -53,7 +48,7 @@ def test_rows_and_pairs_pair_each_record_and_each_pooled_arm_with_sasrec():
 
 
 def test_records_with_other_test_users_are_refused():
-    ps = _load("proof_sasrec")
+    ps = load_bench("proof_sasrec")
     recs = [({}, _record("gti", 0, [1, 0, 1, 0], [1, 2, 1, 5])),
             ({}, _record("mean", 0, [1, 0, 1, 0], [1, 2, 1, 5], users=("a", "b", "d", "c")))]
     with pytest.raises(SystemExit, match="other test users"):

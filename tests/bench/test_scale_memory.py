@@ -4,7 +4,6 @@ sampler of bench/ingest_embed.py, and (slow) one tiny end-to-end run."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import subprocess
 import sys
@@ -12,20 +11,16 @@ import time
 from pathlib import Path
 
 import pytest
+from testkit import load_bench
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")
 def sm():
-    return _load("scale_memory")
+    return load_bench("scale_memory")
 
 
 def test_parse_echo_splits_ran_and_skipped(sm):
@@ -77,7 +72,7 @@ def test_summarise_ratios_and_bytes_per_item(sm):
 def test_tree_memory_sees_children_and_splits_the_driver():
     import psutil
 
-    ie = _load("ingest_embed")
+    ie = load_bench("ingest_embed")
     child = subprocess.Popen([sys.executable, "-c",
                               "import time; b = bytearray(64 << 20); b[::4096] = b'x' * len(b[::4096]); "
                               "time.sleep(30)"])

@@ -3,22 +3,20 @@ comparison, the latency percentiles) and (bench) the --quick run end to end on t
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from testkit import load_bench
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
+
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_serve", ROOT / "bench" / "serve.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("serve")
 
 
 def test_a_switch_is_one_change_of_version_never_back():
