@@ -199,10 +199,9 @@ def run(ctx: StageContext, run_name: str | None = None, callbacks: list | None =
     else:
         ctx.log("ground.enabled is false or ground.steps is 0: exporting the initialised rows")
     facts["rows"] = _row_shift(model, init, final, n_real)
-    if grounded:
-        r = facts["rows"]
-        ctx.log(f"new rows moved {r['moved_mean']:.3g} on average ({r['moved_rel']:.2f}x an old row's norm); "
-                f"effective rank {r['effective_rank_before']:.1f} -> {r['effective_rank_after']:.1f}")
+    from gti.diagnostics.summary import format_grounding
+
+    ctx.log(format_grounding(facts))  # the line the end-of-run summary prints
 
     meta = {
         "stage": "ground",
