@@ -338,6 +338,11 @@ class RunConfig(_Strict):
     ray_address: str | None = Field(
         None, description="Ray to join (None: $RAY_ADDRESS, else start a local Ray; auto: a running cluster)")
     ray_num_cpus: int | None = Field(None, ge=1, description="CPUs of a local Ray this run starts (None: all)")
+    local_max_items: int = Field(
+        20_000, ge=0, description="catalogs of at most this many items get their SIDs assigned and their pairs "
+        "rendered in the driver process, larger ones on Ray Data actor pools (whose start-up costs more than the "
+        "work below this size; ingest likewise reads a source of one read task in the driver); the outputs are "
+        "the same either way, so it is in no stage's fingerprint (0: always Ray Data)")
     data: DataConfig = Field(default_factory=DataConfig, description="ingest: sources, text limits, caps")
     embed: EmbedConfig = Field(default_factory=EmbedConfig, description="embed: item text -> content embedding")
     sid: SidConfig = Field(default_factory=SidConfig, description="sid: embeddings -> semantic IDs")

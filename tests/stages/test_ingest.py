@@ -113,6 +113,36 @@ def test_ingest_and_embed_tiny(tiny_upstream):
     assert again["embed"].created == done["embed"].created
 
 
+def test_small_catalogs_run_in_process_with_the_same_outputs(tiny_upstream, tmp_path):
+    """The session's tiny upstream (300 items, one read task per source) was ingested and
+    embedded in this process (`local_max_items`); the same stages on Ray Data
+    (`local_max_items=0`: read tasks, the embedding actor pool) write the same tables."""
+    from gti import config
+
+    logs: list[str] = []
+    cfg = config.load(ROOT / "jobs" / "configs" / "tiny.yaml", [f"run_dir={tmp_path / 'run'}", "local_max_items=0"])
+    ray_run = pipeline.run(cfg, to_stage="embed", echo=logs.append)
+    assert not any("local_max_items" in m for m in logs), logs  # nothing ran in process
+    for stage, name in [("ingest", "items"), ("ingest", "items_quarantine"), ("ingest", "interactions"),
+                        ("ingest", "interactions_quarantine"), ("ingest", "sequences"), ("embed", "embeddings")]:
+        assert pq.read_table(tmp_path / "run" / stage / f"{name}.parquet").equals(
+            pq.read_table(tiny_upstream / stage / f"{name}.parquet")), (stage, name)
+    assert ray_run["embed"].fingerprint == Manifest.read(tiny_upstream / "embed").fingerprint
+
+
+def test_one_read_task_is_read_in_process(monkeypatch):
+    """Ingest's stream for a run with local_max_items > 0: one read task is read here (Ray
+    Data is never asked), more go to `ray_stream`."""
+    from gti.stages import ingest
+
+    calls = []
+    monkeypatch.setattr(ingest, "local_stream", lambda tasks, *a: calls.append(("local", len(tasks))) or iter([1]))
+    monkeypatch.setattr(ingest, "ray_stream", lambda tasks, *a: calls.append(("ray", len(tasks))) or iter([2]))
+    assert list(ingest._small_local_stream(["t"], "items", None, 10, 2)) == [1]
+    assert list(ingest._small_local_stream(["t", "u"], "items", None, 10, 2)) == [2]
+    assert calls == [("local", 1), ("ray", 2)]
+
+
 def test_errors_inside_ray_tasks_are_one_line(tmp_path, ray_start_4_cpus):
     """A file-level problem found inside a Ray Data task reaches the user as the same one-line
     DataError as in-process (no Ray traceback)."""
@@ -140,7 +170,8 @@ def test_the_dense_subset_through_the_stage(tmp_path, ray_start_4_cpus):
     from gti.data.catalog import OUTSIDE_DENSE
     from gti.stages import ingest
 
-    keys = [f"run_dir={tmp_path / 'run'}", "data.dense.top_items=300", "data.dense.min_user_len=4"]
+    keys = [f"run_dir={tmp_path / 'run'}", "data.dense.top_items=300", "data.dense.min_user_len=4",
+            "local_max_items=0"]  # Ray Data reads, also for this one-file source
     m = pipeline.run(config.load(None, keys), to_stage="ingest")["ingest"]
     f = m.facts
     out = tmp_path / "run" / "ingest"

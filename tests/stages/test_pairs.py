@@ -97,7 +97,10 @@ def test_pairs_stage_end_to_end(tmp_path, ray_start_4_cpus):
 
     from gti.sid.codec import SidCodec
 
-    cfg, run, codes = _fixture_run(tmp_path, ["pairs.exclude_items=[it003, nope]"])
+    # local_max_items=0: Ray Data's join/zip and actor pool even for this small catalog; the
+    # in-process path for small catalogs must give the same file (checked at the end).
+    over = ["pairs.exclude_items=[it003, nope]", "local_max_items=0"]
+    cfg, run, codes = _fixture_run(tmp_path, over)
     m = _run_stage(cfg, run)
     f = m.facts
     df = pl.read_parquet(run / "pairs" / "pairs.parquet")
@@ -142,11 +145,18 @@ def test_pairs_stage_end_to_end(tmp_path, ray_start_4_cpus):
     assert df["input_ids"].to_list() == [e["input_ids"] for e in expect]
     assert df["labels"].to_list() == [e["labels"] for e in expect]
     # The row-aligned path (sid_map in catalog order: zip, no shuffle) gives the same rows.
-    cfg2, run2, _ = _fixture_run(tmp_path / "aligned", ["pairs.exclude_items=[it003, nope]"], aligned=True)
+    cfg2, run2, _ = _fixture_run(tmp_path / "aligned", over, aligned=True)
     assert P.same_id_order(run2 / "ingest" / "items.parquet", run2 / "sid" / "sid_map.parquet")
     _run_stage(cfg2, run2)
     df2 = pl.read_parquet(run2 / "pairs" / "pairs.parquet")
     assert df2.sort("item_id", maintain_order=True).equals(df)
+    # A catalog of at most local_max_items items is rendered in this process: the same rows and
+    # facts, for the join and the zip.
+    for aligned, ray_df in ((False, df), (True, df2)):
+        cfg3, run3, _ = _fixture_run(tmp_path / f"local{aligned}", over[:1], aligned=aligned)
+        m3 = _run_stage(cfg3, run3)
+        assert pl.read_parquet(run3 / "pairs" / "pairs.parquet").equals(ray_df)
+        assert {k: v for k, v in m3.facts.items() if k != "timing"} == {k: v for k, v in f.items() if k != "timing"}
 
 
 def test_item_without_sid_is_named(tmp_path):

@@ -109,14 +109,25 @@ def test_two_worker_rqvae_assigns_every_item(tmp_path, ray_start_4_cpus, capsys)
 @pytest.mark.slow
 @pytest.mark.ray
 def test_rqkmeans_reassign(tmp_path, ray_start_4_cpus):
+    # local_max_items=0: the assignment on Ray Data's actor pool, even for 200 items.
     cfg = _cfg(tmp_path, "sid.method=rqkmeans", "sid.dedup=reassign", "sid.codebook_size=16",
-               "sid.sinkhorn_last_level=false")
+               "sid.sinkhorn_last_level=false", "local_max_items=0")
     run_dir = cfg.resolved_run_dir()
     vecs = clustered(n=200)
     write_embed_stage(run_dir, vecs)
     m = run_stage(spec("sid"), cfg, run_dir)
     t = _check_outputs(m, run_dir, 200)
     assert m.facts["levels"] in (2, 3)
+    # A catalog of at most local_max_items items is assigned in this process: the same codes.
+    from types import SimpleNamespace
+
+    from gti.stages import sid as S
+
+    emb = run_dir / "embed" / "embeddings.parquet"
+    codes = {n: S.assign_all(SimpleNamespace(cfg=cfg.model_copy(update={"local_max_items": n}), log=lambda m: None),
+                             emb, run_dir / "sid", 200) for n in (0, 200)}
+    assert codes[0].shape == (200, 2)
+    np.testing.assert_array_equal(codes[0], codes[200])
 
 
 def test_nan_embedding_names_the_item(tmp_path):

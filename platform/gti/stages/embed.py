@@ -3,7 +3,8 @@
 What it is for: reading `ingest`'s items.parquet, embedding each item's text (fields from
 `embed.fields`, see `gti.embed.encoders.item_text`) with the configured encoder in a
 `map_batches` callable class over an actor pool (`embed.concurrency` actors,
-`embed.batch_size` items per call, `embed.num_gpus` per actor), and writing
+`embed.batch_size` items per call, `embed.num_gpus` per actor; a catalog of at most
+`local_max_items` items for one CPU actor: the same class in this process), and writing
 embeddings.parquet: item_id, embedding fixed_size_list<float32>[dim], rows in the same order
 as items.parquet.
 
@@ -219,22 +220,27 @@ def run(ctx: StageContext) -> StageResult:
         f"encoder={cfg.embed.encoder} items={n_items:,} parts={len(ranges)} batch={cfg.embed.batch_size} "
         f"actors={cfg.embed.concurrency} gpus/actor={cfg.embed.num_gpus}"
     )
-    ds = ray.data.from_items(
-        [{"part": i, "row_groups": r} for i, r in enumerate(ranges)], override_num_blocks=len(ranges)
-    )
-    ds = ds.map_batches(
-        EmbedRange,
-        fn_constructor_kwargs=dict(
-            embed_cfg=cfg.embed.model_dump(), model_cfg=cfg.model.model_dump(), seed=cfg.seed,
-            device=device, items_path=str(items_path), parts_dir=str(parts_dir),
-        ),
-        batch_size=1,
-        batch_format="numpy",
-        compute=ray.data.ActorPoolStrategy(size=cfg.embed.concurrency),
-        num_gpus=cfg.embed.num_gpus or None,
-    )
+    kwargs = dict(embed_cfg=cfg.embed.model_dump(), model_cfg=cfg.model.model_dump(), seed=cfg.seed,
+                  device=device, items_path=str(items_path), parts_dir=str(parts_dir))
+    if n_items <= cfg.local_max_items and cfg.embed.concurrency == 1 and not cfg.embed.num_gpus:
+        # One CPU actor would do all of it: the same class here, without its start-up
+        # (bench/RESULTS.md, "Small catalogs without Ray Data").
+        ctx.log(f"{n_items:,} items <= local_max_items ({cfg.local_max_items:,}): embedded in this process")
+        results = _local_results(kwargs, ranges)
+    else:
+        ds = ray.data.from_items(
+            [{"part": i, "row_groups": r} for i, r in enumerate(ranges)], override_num_blocks=len(ranges)
+        )
+        results = ds.map_batches(
+            EmbedRange,
+            fn_constructor_kwargs=kwargs,
+            batch_size=1,
+            batch_format="numpy",
+            compute=ray.data.ActorPoolStrategy(size=cfg.embed.concurrency),
+            num_gpus=cfg.embed.num_gpus or None,
+        ).iter_rows()
     with timer.phase("pool"):
-        done, dims = _stream(ctx, ds, n_items, timer)
+        done, dims = _stream(ctx, results, n_items, timer)
     elapsed = timer.seconds["pool"]
     if done != n_items or len(dims) != 1:
         raise DataError(f"embed: wrote {done} embeddings (dims {sorted(dims)}) for {n_items} items in {items_path}")
@@ -253,14 +259,27 @@ def run(ctx: StageContext) -> StageResult:
     )
 
 
-def _stream(ctx: StageContext, ds, n_items: int, timer: Timer) -> tuple[int, set[int]]:
-    """Run the actor pool; -> (items embedded, dims seen). The actors' seconds go to `timer`."""
+def _local_results(kwargs: dict, ranges: list[list[int]]):
+    """`EmbedRange`'s result rows for every range, computed in this process with one torch
+    thread, as in a one-CPU actor (the vectors must not depend on where they were made)."""
+    from gti.sid.kmeans import fixed_threads
+
+    with fixed_threads(1):
+        embed = EmbedRange(**kwargs)
+        for i, r in enumerate(ranges):
+            out = embed({"part": [i], "row_groups": [r]})
+            yield {k: v[0] for k, v in out.items()}
+
+
+def _stream(ctx: StageContext, results, n_items: int, timer: Timer) -> tuple[int, set[int]]:
+    """Run the pool (or the local ranges): `results` yields one row per part; -> (items
+    embedded, dims seen). The actors' seconds go to `timer`."""
     from gti.progress import Progress
 
     done, dims = 0, set()
     bar = Progress(n_items, "embed", "items", log=ctx.log)
     try:
-        for res in ds.iter_rows():
+        for res in results:
             done += int(res["rows"])
             dims.add(int(res["dim"]))
             bar.update(int(res["rows"]))

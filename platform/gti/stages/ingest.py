@@ -151,6 +151,16 @@ def ray_stream(tasks: list[adapters.ReadTask], kind: str, columns, max_text_char
         raise
 
 
+def _small_local_stream(tasks: list[adapters.ReadTask], kind: str, columns, max_text_chars: int, parallelism):
+    """A source of one read task (one small file) has nothing for Ray Data to run in parallel,
+    and a task's start-up is most of its time (bench/RESULTS.md, "Small catalogs without Ray
+    Data"): it is read in this process, the same batches. More tasks: `ray_stream`."""
+    if len(tasks) <= 1:
+        yield from local_stream(tasks, kind, columns, max_text_chars, parallelism)
+    else:
+        yield from ray_stream(tasks, kind, columns, max_text_chars, parallelism)
+
+
 # --------------------------------------------------------------------------- items
 class ItemCounts:
     """What the items pass counted (the ingest facts' items_* numbers) and the kept ids."""
@@ -367,7 +377,7 @@ def run(ctx: StageContext) -> StageResult:
 
     # Input order matters: "first kept" for duplicates and ties in sequences follow file order.
     ray.data.DataContext.get_current().execution_options.preserve_order = True
-    res = ingest(ctx, ray_stream, sources)
+    res = ingest(ctx, ray_stream if ctx.cfg.local_max_items == 0 else _small_local_stream, sources)
     res.facts["timing"]["ray_start_s"] = round(time.perf_counter() - t0 - res.facts["timing"]["total_s"], 3)
     return res
 

@@ -11,7 +11,8 @@ What it is for:
    both id columns) a row-aligned `zip` (no shuffle; output in catalog order); otherwise a LEFT
    hash join on item_id (an item without a SID is a DataError naming it) sorted by item_id so
    the output order never depends on scheduling. Then `map_batches` with a callable class over
-   an actor pool renders each item's
+   an actor pool renders each item's (a catalog of at most `local_max_items` items: the same
+   join and the same callable in this process, no Ray Data)
    tasks through `gti.lm.templates.PairRenderer` (chat template, SID ids from the codec's table,
    answer-only labels, text cut to `pairs.max_len`, never the SID). The driver streams the
    blocks into one pairs.parquet.
@@ -56,6 +57,7 @@ from gti.timing import Timer, rate
 TOKENIZER_DIR = "tokenizer"
 PAIRS_FILE = "pairs.parquet"
 _ITEM_COLUMNS = ["item_id", "title", "description", "category", "attributes_text"]
+_RENDER_BATCH = 1024  # items per rendered block
 _TOKEN_COLUMNS = ("input_ids", "labels", "prompt_ids", "answer_ids")
 PAIRS_SCHEMA = pa.schema(
     [("item_id", pa.string()), ("task", pa.string()), ("split", pa.string())]
@@ -234,9 +236,17 @@ def run(ctx: StageContext) -> StageResult:
     )
 
     with timer.phase("render_write"):  # the datasets are lazy: everything runs in _write_pairs
-        joined = _items_with_codes(ctx, n_items)
-        ds = _render(ctx, joined, tok, table, wrap, exclude, n_items)
-        counts = _write_pairs(ctx, ds, n_items)
+        if n_items <= cfg.local_max_items:
+            # A small catalog renders in this process (~0.4 s for 300 items): an actor pool's
+            # start-up alone costs 10-20 s (bench/RESULTS.md, "Small catalogs without Ray Data").
+            ctx.log(f"{n_items:,} items <= local_max_items ({cfg.local_max_items:,}): rendered in this process")
+            blocks = map(RenderPairs(tok, table, pc.model_dump(), cfg.seed, wrap, exclude),
+                         _local_items_with_codes(ctx))
+        else:
+            joined = _items_with_codes(ctx, n_items)
+            blocks = _render(ctx, joined, tok, table, wrap, exclude, n_items).iter_batches(
+                batch_size=None, batch_format="pyarrow")
+        counts = _write_pairs(ctx, blocks, n_items)
     counts.check(n_items, exclude)
     ctx.log(
         f"{counts.n_rows:,} pairs from {len(counts.items_seen):,} items in {timer.seconds['render_write']:.1f}s; "
@@ -280,6 +290,24 @@ def _items_with_codes(ctx: StageContext, n_items: int):
     return joined
 
 
+def _local_items_with_codes(ctx: StageContext, batch_rows: int = _RENDER_BATCH):
+    """The same rows as `_items_with_codes` without Ray: pyarrow tables of <= batch_rows items
+    with their codes, in catalog order (row-aligned) or sorted by item_id (a left join)."""
+    items_path, sid_path = ctx.input("ingest", "items"), ctx.input("sid", "sid_map")
+    items = pq.read_table(items_path, columns=_ITEM_COLUMNS)
+    if same_id_order(items_path, sid_path):
+        joined = items.append_column("codes", pq.read_table(sid_path, columns=["codes"]).column("codes"))
+    else:
+        sids = pq.read_table(sid_path, columns=["item_id", "codes"])
+        # Arrow joins no list columns: join a row index, then take the codes (null: no SID).
+        rows = pa.table({"item_id": sids.column("item_id"), "_row": pa.array(range(sids.num_rows), pa.int64())})
+        joined = items.join(rows, keys="item_id", join_type="left outer").sort_by("item_id")
+        codes = sids.column("codes").take(joined.column("_row"))
+        joined = joined.drop_columns(["_row"]).append_column("codes", codes)
+    for start in range(0, joined.num_rows, batch_rows):
+        yield joined.slice(start, batch_rows)
+
+
 def _render(ctx: StageContext, joined, tok, table: np.ndarray, wrap: tuple[int, int] | None,
             exclude: set[str], n_items: int):
     """`joined` rendered into pairs rows by a pool of `RenderPairs` actors."""
@@ -289,7 +317,7 @@ def _render(ctx: StageContext, joined, tok, table: np.ndarray, wrap: tuple[int, 
         RenderPairs,
         fn_constructor_kwargs=dict(tokenizer=tok, code_table=table, pairs_cfg=ctx.cfg.pairs.model_dump(),
                                    seed=ctx.cfg.seed, sid_wrap=wrap, exclude=exclude),
-        batch_size=1024,
+        batch_size=_RENDER_BATCH,
         batch_format="pyarrow",
         # One actor per ~50k items (each holds a tokenizer), at most 4.
         compute=ray.data.ActorPoolStrategy(size=max(1, min(4, -(-n_items // 50_000)))),
@@ -343,16 +371,16 @@ class _PairCounts:
         }
 
 
-def _write_pairs(ctx: StageContext, ds, n_items: int) -> _PairCounts:
-    """Stream the rendered blocks into pairs.parquet (counting them); a user error raised in an
-    actor is re-raised as itself."""
+def _write_pairs(ctx: StageContext, blocks, n_items: int) -> _PairCounts:
+    """Stream the rendered blocks (pyarrow tables) into pairs.parquet, counting them; a user
+    error raised in an actor is re-raised as itself."""
     counts = _PairCounts(tasks={t: 0 for t in ctx.cfg.pairs.templates})
     from gti.progress import Progress
 
     bar = Progress(n_items, "pairs", "items", log=ctx.log)
     writer = pq.ParquetWriter(ctx.work_dir / PAIRS_FILE, PAIRS_SCHEMA)
     try:
-        for block in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+        for block in blocks:
             if block.num_rows == 0:
                 continue
             counts.add(block)

@@ -14,6 +14,7 @@ SID per item and the artefacts later stages need:
    sample, on the driver (no gradient training to distribute).
 4. Assignment: Ray Data batch inference (`map_batches` with `gti.sid.embeddings.AssignBatch`,
    an actor pool of `sid.assign_concurrency`) over the whole catalog, streaming; only the int codes come back.
+   A catalog of at most `local_max_items` items is assigned in this process (same batches).
 5. Collisions (needs all codes at once; ints only, so millions fit): Sinkhorn spreading on the
    last level for colliding items (`sid.sinkhorn_last_level`), then `sid.dedup` (extra level or
    reassignment). Quality gates (`sid.gates`) fail the stage with one message and the stats.
@@ -96,29 +97,43 @@ def input_fingerprints(cfg) -> dict[str, str]:
 
 # --------------------------------------------------------------------------- assignment
 def assign_all(ctx: StageContext, emb_path: Path, qdir: Path, n_items: int) -> np.ndarray:
-    """Greedy codes int32 [N, L] for every row of emb_path, in file order."""
+    """Greedy codes int32 [N, L] for every row of emb_path, in file order: the saved quantiser
+    (`AssignBatch`) over batches of `sid.assign_batch_size` rows, on a Ray Data actor pool, or
+    in this process for a catalog of at most `local_max_items` items."""
+    s = ctx.cfg.sid
+    kwargs = {"weights": (qdir / WEIGHTS_NAME).read_bytes(), "meta": (qdir / CONFIG_NAME).read_text(),
+              "device": "cuda" if s.use_gpu else "cpu"}
+    if n_items <= ctx.cfg.local_max_items:
+        # The pool's start-up is most of a small catalog's assignment (bench/RESULTS.md, "Small
+        # catalogs without Ray Data"). One thread, as in a one-CPU actor: a near tie must not
+        # depend on where the codes were computed.
+        ctx.log(f"{n_items:,} items <= local_max_items ({ctx.cfg.local_max_items:,}): assigned in this process")
+        assign = AssignBatch(**kwargs)
+        batches = pq.ParquetFile(emb_path).iter_batches(batch_size=s.assign_batch_size, columns=["embedding"])
+        with fixed_threads(1):
+            return _collect_codes(ctx, (assign(pa.Table.from_batches([b])) for b in batches), n_items)
     import ray
 
-    s = ctx.cfg.sid
     ray.data.DataContext.get_current().execution_options.preserve_order = True
     ds = ray.data.read_parquet(str(emb_path), columns=["embedding"])
     out = ds.map_batches(
         AssignBatch,
-        fn_constructor_kwargs={
-            "weights": (qdir / WEIGHTS_NAME).read_bytes(),
-            "meta": (qdir / CONFIG_NAME).read_text(),
-            "device": "cuda" if s.use_gpu else "cpu",
-        },
+        fn_constructor_kwargs=kwargs,
         batch_size=s.assign_batch_size,
         batch_format="pyarrow",
         compute=ray.data.ActorPoolStrategy(size=s.assign_concurrency),
         num_gpus=1 if s.use_gpu else 0,
     )
+    return _collect_codes(ctx, out.iter_batches(batch_size=None, batch_format="numpy"), n_items)
+
+
+def _collect_codes(ctx: StageContext, batches, n_items: int) -> np.ndarray:
+    """The `codes` of each batch ({"codes": int [B, L]}), concatenated: int32 [n_items, L]."""
     from gti.progress import Progress
 
     parts, t0 = [], time.time()
     with Progress(n_items, "assign", "items", log=ctx.log) as bar:
-        for b in out.iter_batches(batch_size=None, batch_format="numpy"):
+        for b in batches:
             parts.append(np.asarray(b["codes"], dtype=np.int32))
             bar.update(len(parts[-1]))
     codes = np.concatenate(parts) if parts else np.zeros((0, 0), np.int32)
