@@ -91,7 +91,9 @@ EVAL_RUN = ("eval.exact_rank=true", "eval.cold_max_sft_targets=8")
 def eval_run(tmp_path_factory, ray_start_4_cpus):
     run_dir = tmp_path_factory.mktemp("eval") / "run"
     items = make_upstream(run_dir)
-    cfg = eval_cfg(run_dir, *EVAL_RUN)
+    # local_max_items=0: decoded by the Ray Data actor pool, as a large catalog would be; the
+    # resume test below decodes in this process (a small catalog) and must get the same files.
+    cfg = eval_cfg(run_dir, *EVAL_RUN, "local_max_items=0")
     m = pipeline.run_stage(pipeline.spec("evaluate"), cfg, run_dir)
     return run_dir, cfg, m, items
 
@@ -215,7 +217,8 @@ def test_evaluate_exact_ranks_and_cold_slice(eval_run):
 def test_interrupted_evaluate_resumes_with_the_same_metrics(eval_run, tmp_path, monkeypatch):
     """The driver dies after 2 chunks of 5 prompts (of 24); the rerun decodes only the rest and
     its metrics.json and recs.parquet equal the uninterrupted run's (eval_run: same upstream,
-    same config, one big chunk)."""
+    same config, one big chunk). This run decodes in this process (a catalog under
+    local_max_items), eval_run on Ray Data's actor pool: the same top-K either way."""
     from gti.stages import evaluate as E
 
     base_dir, cfg0, _, _ = eval_run

@@ -65,6 +65,7 @@ from gti.eval.reference import (  # noqa: F401 - re-exported: the stage's pure t
     reference_frames,
     split_train_sequences,
 )
+from gti.eval.tables import format_ranks, format_table
 from gti.stages._chunks import ChunkedOutput
 from gti.timing import Timer
 from gti.train import sft_data
@@ -204,49 +205,6 @@ def slice_metrics(part: pl.DataFrame, frame: pl.DataFrame, seqs: pl.DataFrame, s
     return out
 
 
-def format_table(metrics: dict[str, Any], ks: list[int]) -> str:
-    """A plain-text table: one row per (split, model), one column per metric@k; then the same
-    rows on the cold-item slice (`{split}/sft[cold]`, ...) when metrics has one."""
-    from gti.eval import metrics as M
-
-    rows: dict[str, dict] = {}
-    for split, vals in metrics["splits"].items():
-        rows[f"{split}/sft"] = vals
-        for b in metrics["baselines"]:
-            rows[f"{split}/{b}"] = metrics["baselines"][b][split]
-    cold = metrics.get("slices", {}).get("cold", {})
-    for split in metrics["splits"]:
-        block = cold.get(split)
-        if not block or not block.get("n_users"):
-            continue
-        rows[f"{split}/sft[cold]"] = block["model"]
-        for b, vals in block["baselines"].items():
-            rows[f"{split}/{b}[cold]"] = vals
-    cols = [f"{m}@{k}" for m in M.METRICS for k in ks]
-    text = M.format_table(rows, cols) + (
-        f"\ninvalid SID rate: {metrics['invalid_sid_rate']:.4f}   users: "
-        + ", ".join(f"{s}={n}" for s, n in metrics["n_users"].items())
-    )
-    if cold:
-        d = cold.get("definition", {})
-        text += (
-            f"\ncold users (target of <= {d.get('max_sft_targets')} SFT windows, "
-            f"{d.get('n_cold_items')} cold items): "
-            + ", ".join(f"{s}={cold[s]['n_users']}" for s in metrics["splits"] if s in cold)
-        )
-    return text
-
-
-def format_ranks(split: str, ranks: dict[str, Any], label: str = "") -> str:
-    """One log line of rank metrics (`gti.eval.rank.rank_metrics`)."""
-    mrr, pct = ranks["mrr"], ranks["mean_percentile_rank"]
-    return (
-        f"{split}{label}: MRR {mrr['value']:.4f} [{mrr['ci'][0]:.4f}, {mrr['ci'][1]:.4f}], "
-        f"mean percentile rank {pct['value']:.4f} [{pct['ci'][0]:.4f}, {pct['ci'][1]:.4f}], "
-        f"median rank {ranks['median_rank']:g} of {ranks['n_items']} items ({ranks['n_users']} users)"
-    )
-
-
 # --------------------------------------------------------------------------- stage entry
 def run(ctx: StageContext) -> StageResult:
     ec, timer = ctx.cfg.eval, Timer()
@@ -346,13 +304,13 @@ def _decode(ctx: StageContext, inp: _Inputs) -> tuple[pl.DataFrame, dict[str, An
     if resumed:
         ctx.log(f"resuming: {resumed:,} of {rows.height:,} prompts already decoded by an interrupted attempt")
     todo = rows.slice(resumed)
-    ds = _recommender_pool(ctx, inp, todo)
+    blocks = _recommendation_blocks(ctx, inp, todo) if todo.height else []
     from gti.progress import Progress
 
     bar = Progress(todo.height, "decode", "prompts", log=ctx.log)  # a resumed run decodes only the rest
     t0 = time.time()
     parts = decoded  # parts.append writes each whole chunk; iterating gives them all
-    for block in ds.iter_batches(batch_size=None, batch_format="pyarrow") if todo.height else []:
+    for block in blocks:
         block = block if isinstance(block, pa.Table) else pa.Table.from_batches([block])
         parts.append(block)
         bar.update(block.num_rows)
@@ -366,26 +324,40 @@ def _decode(ctx: StageContext, inp: _Inputs) -> tuple[pl.DataFrame, dict[str, An
     return recs, {"users_per_s": round(todo.height / max(elapsed, 1e-9), 3), "resumed_prompts": resumed}
 
 
-def _recommender_pool(ctx: StageContext, inp: _Inputs, todo: pl.DataFrame):
-    """The Ray Dataset of `todo` decoded by a pool of `Recommender` actors, in order."""
+def _recommendation_blocks(ctx: StageContext, inp: _Inputs, todo: pl.DataFrame):
+    """`todo` decoded by `Recommender`, `eval.batch_users` prompts a call, in order (pyarrow
+    tables): on a Ray Data actor pool, or in this process for a catalog of at most
+    `local_max_items` items and one CPU actor (the same batches and threads: the same top-K)."""
+    cfg, ec = ctx.cfg, ctx.cfg.eval
+    kwargs = dict(model_dir=str(inp.model_dir), sid_map_path=str(inp.sid_map_path), sid_facts=inp.sid_facts,
+                  run_config=cfg.model_dump(mode="json"))
+    if len(inp.catalog) <= cfg.local_max_items and ec.concurrency == 1 and not ec.num_gpus:
+        ctx.log(f"{len(inp.catalog):,} items <= local_max_items: decoded in this process")
+        return _local_blocks(kwargs, todo.to_arrow(), ec.batch_users)
     import ray
 
     from gti.stages._ray import ensure_ray
 
-    cfg, ec = ctx.cfg, ctx.cfg.eval
     ensure_ray(cfg)
     ray.data.DataContext.get_current().execution_options.preserve_order = True
     return ray.data.from_arrow(todo.to_arrow()).map_batches(
-        Recommender,
-        fn_constructor_kwargs=dict(
-            model_dir=str(inp.model_dir), sid_map_path=str(inp.sid_map_path), sid_facts=inp.sid_facts,
-            run_config=cfg.model_dump(mode="json"),
-        ),
-        batch_size=ec.batch_users,
-        batch_format="pyarrow",
-        compute=ray.data.ActorPoolStrategy(size=ec.concurrency),
-        num_gpus=ec.num_gpus or None,
-    )
+        Recommender, fn_constructor_kwargs=kwargs, batch_size=ec.batch_users, batch_format="pyarrow",
+        compute=ray.data.ActorPoolStrategy(size=ec.concurrency), num_gpus=ec.num_gpus or None,
+    ).iter_batches(batch_size=None, batch_format="pyarrow")
+
+
+def _local_blocks(kwargs: dict, table: pa.Table, batch: int):
+    """`Recommender(**kwargs)` over `table` here; torch threads as in a one-CPU actor (1, or
+    eval.cpu_threads), restored afterwards."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rec = Recommender(**kwargs)
+        yield from (rec(table.slice(start, batch)) for start in range(0, table.num_rows, batch))
+    finally:
+        torch.set_num_threads(before)
 
 
 def _metrics(ctx: StageContext, inp: _Inputs, recs: pl.DataFrame) -> dict[str, Any]:
