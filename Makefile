@@ -66,9 +66,10 @@ test-slow: $(STAMP)
 
 test-fast: test-unit
 
+# Every bench script (bench/<topic>/*.py; bench/common.py is their shared module, not a script).
 bench: $(STAMP)
 	$(PIP) install -q -e ".[test,bench]"
-	for b in bench/*.py; do $(PY) $$b --quick || exit 1; done
+	for b in bench/*/*.py; do $(PY) $$b --quick || exit 1; done
 	$(PY) -m pytest -q -m bench
 
 clean:

@@ -5,15 +5,22 @@ the conftest a second time).
 `adopt_tiny_upstream(upstream, run_dir)` puts the session's shared tiny stages (the
 `tiny_upstream` fixture of tests/conftest.py) into a run folder.
 
-`load_bench(name)` imports bench/<name>.py as a module (bench/ is not a package).
+`load_bench("<topic>/<script>")` imports bench/<topic>/<script>.py as a module (bench/ is not a
+package; `load_bench("common")` is the scripts' shared module).
 
-`FailOnceFit` stands in for `gti.train.loop.fit`: it records every call (loop config, the
-training rows in order, the train config, storage path and run name) and raises on the first,
+`FailOnceFit` stands in for `gti.train.loop.fit`: it records every call (the typed worker
+config, the training rows in order, the train config, storage path and run name) and raises on the first,
 as a run killed before its first step would end; later calls go to the real `fit`. A module
 that trains through the shared loop resumes a killed run only by calling `fit` again with the
 same storage path, run name, config and rows (the loop's own resume, worker and driver killed,
 is proven for real in tests/train/test_loop.py and tests/e2e/test_multinode.py), so
 `assert_same_run` is that module's whole resume contract, checked without a second Train run.
+
+Without Ray at all (unit tests of the runners and their callers): `FailOnceFit(finished_fit)`
+returns, on its second call, what `fit` returns for a finished run (`finished_fit`: the task's
+tensors, a short falling history), and `fake_data(monkeypatch)` puts pyarrow readers in place
+of the driver's two Ray Data readers (`RowsDataset`: the rows in order, `take_all` as
+`dataset_rows` reads them); `no_ray(monkeypatch)` makes `ensure_ray` a recorded no-op.
 """
 
 from __future__ import annotations
@@ -26,9 +33,11 @@ from typing import Any, Callable
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
-def load_bench(name: str) -> ModuleType:
-    """bench/<name>.py imported as module `bench_<name>`."""
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+def load_bench(script: str) -> ModuleType:
+    """bench/<script>.py (e.g. "serve/serve") imported as module `bench_<file stem>`; the script
+    puts bench/ on sys.path itself for its `import common`."""
+    path = BENCH / f"{script}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_{path.stem}", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -58,12 +67,12 @@ class FailOnceFit:
         self.real = real
         self.calls: list[dict] = []
 
-    def __call__(self, loop_config, train_ds, train_cfg, **kw):
-        self.calls.append({"loop_config": loop_config, "rows": dataset_rows(train_ds), "train_cfg": train_cfg,
+    def __call__(self, config, train_ds, train_cfg, **kw):
+        self.calls.append({"config": config, "rows": dataset_rows(train_ds), "train_cfg": train_cfg,
                            "storage_path": str(kw["storage_path"]), "name": kw["name"]})
         if len(self.calls) == 1:
             raise WorkerDied("training worker died before its first step (test)")
-        return self.real(loop_config, train_ds, train_cfg, **kw)
+        return self.real(config, train_ds, train_cfg, **kw)
 
     def assert_same_run(self) -> None:
         """The second call hands the loop exactly the run the first one started."""
@@ -72,7 +81,90 @@ class FailOnceFit:
         assert a["storage_path"] == b["storage_path"], (a["storage_path"], b["storage_path"])
         assert a["name"] == b["name"], (a["name"], b["name"])
         assert a["train_cfg"] == b["train_cfg"]
-        assert a["loop_config"] == b["loop_config"], sorted(
-            k for k in set(a["loop_config"]) | set(b["loop_config"])
-            if a["loop_config"].get(k) != b["loop_config"].get(k))
+        assert_same_config(a["config"], b["config"])
         assert len(a["rows"]) > 0 and a["rows"] == b["rows"]
+
+
+def assert_same_config(a, b) -> None:
+    """Two typed worker configs (`gti.train.worker_config.WorkerConfig`) are equal; the message
+    names the fields that differ."""
+    from dataclasses import fields
+
+    from gti.train.worker_config import WorkerConfig
+
+    assert isinstance(a, WorkerConfig) and isinstance(b, WorkerConfig), (type(a), type(b))
+    assert a == b, sorted(f.name for f in fields(a) if getattr(a, f.name) != getattr(b, f.name))
+
+
+# --------------------------------------------------------------------------- no Ray (unit tests)
+class RowsDataset:
+    """Stands in for a Ray Dataset: the rows ({column: list}), in training order."""
+
+    def __init__(self, rows: list[dict]) -> None:
+        self.rows = rows
+
+    def take_all(self) -> list[dict]:
+        return list(self.rows)
+
+
+def fake_data(monkeypatch) -> list[tuple]:
+    """`gti.train.driver`'s Ray Data readers replaced by pyarrow ones (RowsDataset). The pairs
+    reader keeps the "train" rows in a seeded order, as the real one shuffles them with its
+    seed. Returns the calls: ("pairs", path, seed) / ("parquet", path, columns, materialize)."""
+    import numpy as np
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    from gti.train import driver
+
+    calls: list[tuple] = []
+
+    def train_pairs(path, seed, split="train"):
+        calls.append(("pairs", str(path), seed))
+        t = pq.read_table(str(path), columns=["split", "input_ids", "labels"])
+        rows = t.filter(pc.equal(t["split"], split)).select(["input_ids", "labels"]).to_pylist()
+        return RowsDataset([rows[i] for i in np.random.default_rng(seed).permutation(len(rows))])
+
+    def read(path, columns, materialize=False):
+        calls.append(("parquet", str(path), list(columns), materialize))
+        return RowsDataset(pq.read_table(str(path), columns=list(columns)).to_pylist())
+
+    monkeypatch.setattr(driver, "train_dataset_from_parquet", train_pairs)
+    monkeypatch.setattr(driver, "read_parquet_dataset", read)
+    return calls
+
+
+def no_ray(monkeypatch) -> list:
+    """`gti.stages._ray.ensure_ray` as a no-op that records its calls (the callers import it
+    inside their functions, so the module attribute is what they get)."""
+    import gti.stages._ray as ray_helper
+
+    calls: list = []
+    monkeypatch.setattr(ray_helper, "ensure_ray", lambda cfg: calls.append(cfg))
+    return calls
+
+
+def finished_fit(config, train_ds, train_cfg, **kw):
+    """What `gti.train.loop.fit` returns for a finished run, without Ray: the task's trained
+    tensors (grounding: the initial rows + 1; SFT: every parameter of the start model, + 0.01),
+    a history of `train_cfg.steps` steps whose loss falls, one validation point at the end."""
+    from safetensors.torch import load_file
+
+    from gti import config as C
+    from gti.train.loop import FitResult
+
+    if config.task == "ground":
+        state = {k: v + 1.0 for k, v in load_file(config.ground.init_path).items()}
+        metric = "val_exact_match"
+    else:
+        from gti.train.sft_task import load_causal_lm
+
+        model = load_causal_lm(config.sft.model_dir, C.validate(config.run_config))
+        state = {n: p.detach().float() + 0.01 for n, p in model.named_parameters()}
+        metric = "val_recall@10"
+    steps = int(train_cfg.steps)
+    history = {"loss": [[s, 3.0 - 0.1 * s] for s in range(1, steps + 1)],
+               "val": {metric: [[steps, 0.5]]} if config.val is not None else {},
+               "tokens_per_s": [[s, 100.0 * s] for s in range(1, steps + 1)]}
+    return FitResult(state_dict=state, history=history, steps_done=steps, metrics={"step": steps},
+                     path=str(Path(kw["storage_path"]) / kw["name"]), timing={"loop_s": 1.0}, precision="fp32")

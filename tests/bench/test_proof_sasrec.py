@@ -1,6 +1,6 @@
-"""bench/proof_sasrec.py: the paired rows on toy records, and (bench) its quick mode end to end on
+"""bench/proof/proof_sasrec.py: the paired rows on toy records, and (bench) its quick mode end to end on
 the proof configuration's data, built from the bundled set in process (no Ray), with
-bench/proof_summary.py reading its output and rebuilding the report from it."""
+bench/proof/proof_summary.py reading its output and rebuilding the report from it."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def _record(arm: str, seed: int, recall: list[float], ranks: list[float], users=
 def test_rows_and_pairs_pair_each_record_and_each_pooled_arm_with_sasrec():
     """A record's row is the mean of its per-user values; the pooled row averages each user over
     the arm's seeds; a paired difference is mean(arm - SASRec) over the same users, whose CI holds it."""
-    ps = load_bench("proof_sasrec")
+    ps = load_bench("proof/proof_sasrec")
     users = ["a", "b", "c", "d"]
     recs = [({}, _record("gti", 0, [1, 0, 1, 0], [1, 2, 1, 5])), ({}, _record("gti", 1, [1, 1, 0, 0], [1, 1, 3, 11])),
             ({}, _record("mean", 0, [0, 0, 0, 1], [6, 6, 6, 1]))]
@@ -48,7 +48,7 @@ def test_rows_and_pairs_pair_each_record_and_each_pooled_arm_with_sasrec():
 
 
 def test_records_with_other_test_users_are_refused():
-    ps = load_bench("proof_sasrec")
+    ps = load_bench("proof/proof_sasrec")
     recs = [({}, _record("gti", 0, [1, 0, 1, 0], [1, 2, 1, 5])),
             ({}, _record("mean", 0, [1, 0, 1, 0], [1, 2, 1, 5], users=("a", "b", "d", "c")))]
     with pytest.raises(SystemExit, match="other test users"):
@@ -64,7 +64,7 @@ def test_proof_sasrec_quick(tmp_path):
     aligned with its users, every record and pooled arm is paired with it; proof_summary reads
     it and rebuilds the report with SASRec as its last arm."""
     out = tmp_path / "sasrec.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "proof_sasrec.py"), "--quick", "--work",
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "proof" / "proof_sasrec.py"), "--quick", "--work",
                            str(tmp_path / "w"), "--out", str(out)], capture_output=True, text=True, timeout=550,
                           cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
@@ -79,7 +79,7 @@ def test_proof_sasrec_quick(tmp_path):
         assert all(p[m]["ci"][0] <= p[m]["diff"] <= p[m]["ci"][1] for m in p)
     assert "| **SASRec** |" in proc.stdout
     rep = tmp_path / "report"
-    summ = subprocess.run([sys.executable, str(ROOT / "bench" / "proof_summary.py"), "--sasrec", str(out),
+    summ = subprocess.run([sys.executable, str(ROOT / "bench" / "proof" / "proof_summary.py"), "--sasrec", str(out),
                            "--report", str(rep)], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert summ.returncode == 0, summ.stderr[-3000:]
     assert "vs sasrec:" in summ.stdout and "paired differences vs SASRec" in summ.stdout

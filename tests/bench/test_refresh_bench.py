@@ -1,4 +1,4 @@
-"""bench/refresh.py --quick end to end (tiny model, 300 items, 12 new): the three arms run and
+"""bench/refresh/refresh.py --quick end to end (tiny model, 300 items, 12 new): the three arms run and
 the last line is one JSON object with their figures and wall times."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from testkit import load_bench
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -20,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_refresh_bench_quick(tmp_path):
     """In two parts, as the full mode runs across sessions: `--arms retrain` first, then the
     rest, which reads the retrain arm from the records instead of training it again."""
-    cmd = [sys.executable, str(ROOT / "bench" / "refresh.py"), "--quick", "--work", str(tmp_path / "w"),
+    cmd = [sys.executable, str(ROOT / "bench" / "refresh" / "refresh.py"), "--quick", "--work", str(tmp_path / "w"),
            "--records", str(tmp_path / "rec")]
     part = subprocess.run(cmd + ["--arms", "retrain"], capture_output=True, text=True, timeout=700, cwd=ROOT)
     assert part.returncode == 0, part.stderr[-3000:]
@@ -80,12 +81,7 @@ def test_baseline_scores_on_a_toy_catalog():
 
 
 def _bench():
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        import refresh as bench
-    finally:
-        sys.path.pop(0)
-    return bench
+    return load_bench("refresh/refresh")
 
 
 def test_a_resumed_bench_reuses_copies_refreshes_and_scores(tmp_path):

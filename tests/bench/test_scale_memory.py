@@ -1,5 +1,5 @@
-"""bench/scale_memory.py: the pure parts (echo parsing, overrides, ratios), the shared memory
-sampler of bench/ingest_embed.py, and (slow) one tiny end-to-end run."""
+"""bench/scale_memory/scale_memory.py: the pure parts (echo parsing, overrides, ratios), the
+memory sampler of the shared bench/common.py, and (slow) one tiny end-to-end run."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def sm():
-    return load_bench("scale_memory")
+    return load_bench("scale_memory/scale_memory")
 
 
 def test_parse_echo_splits_ran_and_skipped(sm):
@@ -72,17 +72,17 @@ def test_summarise_ratios_and_bytes_per_item(sm):
 def test_tree_memory_sees_children_and_splits_the_driver():
     import psutil
 
-    ie = load_bench("ingest_embed")
+    mem = load_bench("common")
     child = subprocess.Popen([sys.executable, "-c",
                               "import time; b = bytearray(64 << 20); b[::4096] = b'x' * len(b[::4096]); "
                               "time.sleep(30)"])
     try:
         time.sleep(1.5)
-        parent = ie._tree_memory(psutil.Process())
+        parent = mem.tree_memory(psutil.Process())
         parts = parent["tree_anon"] + parent["tree_file"] + parent["tree_shmem"]
         assert parts == pytest.approx(parent["tree"], rel=0.05)
         assert parent["tree_anon"] >= 60 << 20  # the tree includes the child's touched 64 MB
-        sampler = ie.MemorySampler(child.pid, interval=0.05)
+        sampler = mem.MemorySampler(child.pid, interval=0.05)
         time.sleep(0.5)
         sampler.stop()
         assert sampler.samples >= 2
@@ -100,7 +100,7 @@ def test_tree_memory_sees_children_and_splits_the_driver():
 def test_quick_run_prints_per_stage_figures(tmp_path):
     """A tiny run (2k/4k items): every stage in its own subprocess, earlier stages skipped."""
     out = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "scale_memory.py"), "--quick", "--sizes", "2000,4000",
+        [sys.executable, str(ROOT / "bench" / "scale_memory" / "scale_memory.py"), "--quick", "--sizes", "2000,4000",
          "--kmeans-sample", "1024", "--workdir", str(tmp_path)],
         capture_output=True, text=True, timeout=460,
     )

@@ -1,4 +1,4 @@
-"""bench/serve.py: its pure parts (how a version switch is read from the answers, the top-K
+"""bench/serve/serve.py: its pure parts (how a version switch is read from the answers, the top-K
 comparison, the latency percentiles) and (bench) the --quick run end to end on the tiny run."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _bench():
-    return load_bench("serve")
+    return load_bench("serve/serve")
 
 
 def test_a_switch_is_one_change_of_version_never_back():
@@ -51,7 +51,8 @@ def test_percentiles_are_in_milliseconds():
 def test_serve_bench_quick(tmp_path):
     """The tiny run built in tmp_path, every arm, the reload and infer vs evaluate; the last
     line is one JSON object with the issue's keys."""
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "serve.py"), "--quick", "--work", str(tmp_path)],
+    script = ROOT / "bench" / "serve" / "serve.py"
+    proc = subprocess.run([sys.executable, str(script), "--quick", "--work", str(tmp_path)],
                           capture_output=True, text=True, timeout=1450, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -12,7 +12,7 @@ Two walks, of different sizes and seeds, so the settings are not tuned to one wa
 - 37 items, random init, no grounding (the plain gate);
 - 100 items, mean init with the grounding stage in front: with mean init every SID row starts
   as the same vector, and grounding is what separates them before SFT.
-bench/learnability.py runs the gate over more sizes and seeds (figures in bench/RESULTS.md).
+bench/learnability/learnability.py runs the gate over more sizes and seeds (figures in bench/RESULTS.md).
 """
 
 from __future__ import annotations

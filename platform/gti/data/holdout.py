@@ -1,4 +1,4 @@
-"""Held-out "new" items for refresh experiments (`bench/refresh.py`, tests of `gti refresh`).
+"""Held-out "new" items for refresh experiments (`bench/refresh/refresh.py`, tests of `gti refresh`).
 
 What it is for: `holdout_new_items(items, interactions, n_new, seed)` picks `n_new` items that
 are some user's last interaction (so test users with a new target exist), and splits the data

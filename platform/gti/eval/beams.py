@@ -6,7 +6,7 @@ plus every final beam and the invalid-SID counts), `TrieLike` (what a decoder ne
 prompt batching used by every decoder and scorer (`as_prompt_lists`, `left_pad` with position
 ids counting only real tokens, `chunks`, `model_device`), and `topk_agreement`, which compares
 two results user by user with near-ties treated as equal (our search against the transformers
-peer in tests and bench/decode.py).
+peer in tests and bench/decode/decode.py).
 
 What it does NOT know: how beams are searched (`gti.eval.decode`), transformers `generate`
 (`gti.eval.generate`), how prompts are rendered (`gti.lm.templates`), how the trie is built

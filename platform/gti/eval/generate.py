@@ -6,7 +6,7 @@ section 6); exported models carry it, so `generate` on them scores beams as our 
 `generate_with_prefix_fn` is the peer method: `generate` + `prefix_allowed_tokens_fn` over the
 catalog trie (`make_prefix_allowed_tokens_fn`), as LC-Rec and MiniOneRec do; it returns a
 `DecodeResult` comparable with `gti.eval.decode.constrained_beam_search` and is kept as the
-reference our search is compared with in tests and bench/decode.py.
+reference our search is compared with in tests and bench/decode/decode.py.
 
 What it does NOT know: our batched KV-cache search (`gti.eval.decode`), how prompts are
 rendered (`gti.lm.templates`), how the trie is built (`gti.sid.trie`), metrics, or Ray.

@@ -8,7 +8,7 @@ last line is one JSON object with every row and `all_pass` (model Recall@10 >= 0
 walk). Extra `key=value` overrides go to every run (e.g. `init.method=mean ground.enabled=true`
 for the grounded gate, or `sft.prompt_style=chat` to measure the chat prompt).
 
-Usage: python bench/learnability.py [--quick] [--sizes 30,60,100] [--seeds 1,2] [key=value ...]
+Usage: python bench/learnability/learnability.py [--quick] [--sizes 30,60,100] [--seeds 1,2] [key=value ...]
 One Ray-heavy run at a time: do not run it beside the test suite on a 2-core machine.
 """
 
@@ -22,11 +22,12 @@ import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the shared module
+import common  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-CONFIG = ROOT / "jobs" / "configs" / "learnability.yaml"
+common.hf_offline(tokenizers=False)
+
+CONFIG = common.CONFIGS / "learnability.yaml"
 
 
 def one(n_items: int, seed: int, overrides: list[str], work: Path) -> dict:

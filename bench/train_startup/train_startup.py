@@ -14,8 +14,8 @@ Variants (interleaved: A B C D E, A B C D E, ... `--rounds` times):
 - `no_prestart`: no_runtime_env + `RAY_prestart_worker_first_driver=0`;
 - `one_worker`: no_runtime_env with 1 Train worker instead of 2.
 
-    python bench/train_startup.py            # 2 rounds x 2 runs per trial
-    python bench/train_startup.py --quick    # 1 round x 2 runs
+    python bench/train_startup/train_startup.py            # 2 rounds x 2 runs per trial
+    python bench/train_startup/train_startup.py --quick    # 1 round x 2 runs
 
 Prints one line per trial and a last JSON line: per variant the median seconds of the first
 run and of the later runs in a trial, and each variant's ratio to `runtime_env`

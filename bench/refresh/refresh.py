@@ -29,12 +29,12 @@ Modes:
 - `--quick` (a smoke test, a few minutes): `jobs/configs/tiny.yaml` (tiny random Llama, hash
   embeddings) on 300 bundled items, 12 of them new. Its figures say nothing about quality.
 
-Usage: python bench/refresh.py [--quick] [--n-new N] [--users N] [--work DIR] [--records DIR]
-                                [--baseline-records DIR]
-                                [--arms refresh,assign_only,retrain] [key=value ...]
+Usage: python bench/refresh/refresh.py [--quick] [--n-new N] [--users N] [--work DIR] [--records DIR]
+                                        [--baseline-records DIR]
+                                        [--arms refresh,assign_only,retrain] [key=value ...]
 With `--work DIR` the bench resumes: the same command again continues the runs from their
 stages and checkpoints, reuses finished refreshes and the scores already written.
-With `--records DIR` (the full mode: `bench/refresh-smollm2/`, committed) every finished part
+With `--records DIR` (the full mode: `bench/refresh/smollm2/`, committed) every finished part
 is kept there as a small JSON file: the scored users and the MostPop/Markov rows
 (`slices.json`), each arm's scores per slice and its wall time. A later session on a fresh
 machine, whose work folder is gone, skips what is recorded and trains only what is not: the
@@ -70,11 +70,12 @@ from pathlib import Path
 ARMS = ("refresh", "assign_only", "retrain")
 SLICES = ("new_target", "old_target")
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the shared module
+import common  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = ROOT / "jobs" / "configs"
+common.hf_offline(tokenizers=False)
+
+CONFIGS = common.CONFIGS
 QUICK = {"config": CONFIGS / "tiny.yaml", "n_new": 12, "ks": [1, 5], "users": 40, "records": None,
          "overrides": ["data.max_items=null", "ground.steps=6", "sft.steps=6", "refresh.ground_steps=6",
                        "ground.batch_size=4"]}
@@ -84,13 +85,12 @@ QUICK = {"config": CONFIGS / "tiny.yaml", "n_new": 12, "ks": [1, 5], "users": 40
 # items land in a prefix group whose last-level codes are all taken, so the refresh adds tokens
 # (`refresh.on_full_group=add_tokens`; the default refuses with one line).
 FULL = {"config": CONFIGS / "proof-smollm2.yaml", "n_new": 50, "ks": [1, 10], "users": 100,
-        "records": ROOT / "bench" / "refresh-smollm2",
+        "records": Path(__file__).resolve().parent / "smollm2",
         "overrides": ["refresh.ground_steps=100", "refresh.on_full_group=add_tokens", "eval.beam_width=20",
                       "sft.val_mrr=false"]}
 
 
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+log = common.log
 
 
 def write_data(work: Path, quick: bool, n_new: int, seed: int):
@@ -313,10 +313,10 @@ def _paired_values(a: dict, b: dict):
     if not pa or not pb:
         return None
     ia, ib = {u: i for i, u in enumerate(pa["user"])}, {u: i for i, u in enumerate(pb["user"])}
-    common = sorted(set(ia) & set(ib))
-    return common, {("mrr" if m == "rr" else m): (np.array([pa[m][ia[u]] for u in common], dtype=np.float64),
-                                                    np.array([pb[m][ib[u]] for u in common], dtype=np.float64))
-                    for m in pa if m != "user" and m in pb}
+    both = sorted(set(ia) & set(ib))
+    return both, {("mrr" if m == "rr" else m): (np.array([pa[m][ia[u]] for u in both], dtype=np.float64),
+                                                  np.array([pb[m][ib[u]] for u in both], dtype=np.float64))
+                  for m in pa if m != "user" and m in pb}
 
 
 def paired_diff(a: dict, b: dict, n_boot: int = 1000, seed: int = 0) -> dict:
@@ -328,10 +328,10 @@ def paired_diff(a: dict, b: dict, n_boot: int = 1000, seed: int = 0) -> dict:
     pv = _paired_values(a, b)
     if pv is None:
         return {}
-    common, vals = pv
-    out: dict = {"n_users": len(common)}
+    both, vals = pv
+    out: dict = {"n_users": len(both)}
     for m, (x, y) in vals.items():
-        out[m] = {"value": float((x - y).mean()) if common else 0.0,
+        out[m] = {"value": float((x - y).mean()) if both else 0.0,
                   "ci": list(paired_bootstrap_ci(x, y, n_boot=n_boot, seed=seed))}
     return out
 
@@ -523,11 +523,11 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--work", default=None, help="work folder (default: a temp dir, removed)")
     ap.add_argument("--records", default=None,
-                    help="folder of finished parts, kept across sessions (full mode: bench/refresh-smollm2)")
+                    help="folder of finished parts, kept across sessions (full mode: bench/refresh/smollm2)")
     ap.add_argument("--arms", default=",".join(ARMS), help="arms this part computes (the others are read "
                     "from the records when there)")
     ap.add_argument("--baseline-records", default=None,
-                    help="records folder a variant shares (e.g. bench/refresh-smollm2): its users, references "
+                    help="records folder a variant shares (e.g. bench/refresh/smollm2): its users, references "
                     "and the arms not in --arms are copied into --records when missing there, so the variant's "
                     "refresh pairs with them")
     args, overrides = ap.parse_known_args(argv)

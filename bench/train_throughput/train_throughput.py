@@ -20,7 +20,7 @@ Also printed: `loss_match` (step-1 losses of the two loss paths on one fp32 batc
 backward/optimizer seconds) / (stage wall seconds) of a finished SFT stage (its manifest's
 `timing.compute_s` and `duration_s`; run e.g. `gti run --config jobs/configs/demo.yaml`).
 
-Usage: python bench/train_throughput.py [--quick] [--rounds 3] [--steps 3] [--batch 8]
+Usage: python bench/train_throughput/train_throughput.py [--quick] [--rounds 3] [--steps 3] [--batch 8]
           [--stage-manifest runs/demo/sft/_manifest.json]
 The last line printed is one JSON object with the figures.
 """
@@ -35,38 +35,30 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the shared module
+import common  # noqa: E402
+
+common.hf_offline()
 
 import numpy as np  # noqa: E402
 import polars as pl  # noqa: E402
 import torch  # noqa: E402
 
-from gti.config import ModelConfig  # noqa: E402
 from gti.devices import resolve_precision  # noqa: E402
 from gti.lm import templates, vocab  # noqa: E402
-from gti.sid.codec import SidCodec  # noqa: E402
 from gti.train import sft_data  # noqa: E402
 from gti.train.batching import length_grouped_batches, padded_tokens  # noqa: E402
 from gti.train.shards import PadCollate  # noqa: E402
 from gti.train.loss import labelled_loss  # noqa: E402
 
-BUNDLED = Path(__file__).resolve().parents[1] / "platform" / "gti" / "data" / "bundled" / "amazon-scientific"
 LEVELS, CODEBOOK = 3, 64
 
 
 def load(seed: int):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from gti.lm.models import resolve_model_path
-
-    path = resolve_model_path(ModelConfig(name="smollm2-135m"))
-    tok = AutoTokenizer.from_pretrained(str(path))
-    model = AutoModelForCausalLM.from_pretrained(str(path), use_safetensors=True, dtype=torch.float32)
-    codec = SidCodec(LEVELS, CODEBOOK)
-    first, end = vocab.extend_tokenizer(tok, codec.tokens())
-    items = pl.read_parquet(BUNDLED / "items.parquet")
+    path = common.smollm2_path()
+    tok, codec, first, end = common.sid_tokenizer(path, LEVELS, CODEBOOK)
+    model = common.load_lm(path)
+    items = common.bundled_items()
     rng = np.random.default_rng(seed)
     flat = rng.choice(CODEBOOK ** LEVELS, items.height, replace=False)
     codes = np.stack([(flat // CODEBOOK ** (LEVELS - 1 - j)) % CODEBOOK for j in range(LEVELS)], 1)
@@ -77,12 +69,8 @@ def load(seed: int):
 def fresh_model(path, first: int, end: int, task: str, seed: int):
     """SmolLM2 + noise-initialised SID rows: all parameters trainable (sft) or split new rows
     only (ground)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(path), use_safetensors=True, dtype=torch.float32)
-    old = model.get_input_embeddings().weight.detach()[:first]
-    g = torch.Generator().manual_seed(seed)
-    rows = old.mean(0) + torch.randn(end - first, old.shape[1], generator=g) * old.std(0)
+    model = common.load_lm(path)
+    rows = common.noise_rows(model.get_input_embeddings().weight.detach()[:first], end - first, seed)
     vocab.attach_new_rows(model, first, end - first, rows)
     if task == "ground":
         vocab.freeze_backbone(model)
@@ -95,14 +83,13 @@ def fresh_model(path, first: int, end: int, task: str, seed: int):
 
 
 def sft_rows(tok, items, sid, style: str, n: int, seed: int) -> list[dict]:
-    inter = pl.read_parquet(BUNDLED / "interactions.parquet").sort(["user_id", "ts"])
-    seqs = inter.group_by("user_id", maintain_order=True).agg(pl.col("item_id"))
+    seqs = common.bundled_sequences()
     seqs = seqs.select("user_id", train_items=pl.col("item_id").list.slice(0, pl.col("item_id").list.len() - 2),
                        valid_item=pl.col("item_id").list.get(-2), test_item=pl.col("item_id").list.get(-1))
     w = sft_data.training_windows(seqs, 10, seed=seed)
     w = w[np.random.default_rng(seed).permutation(w.height)[:n]]
     sid_ids = dict(zip(items["item_id"].to_list(), sid))
-    r = templates.make_renderer(tok, sid_ids, "You are a helpful assistant.", 256, prompt_style=style)
+    r = templates.make_renderer(tok, sid_ids, common.SYSTEM, 256, prompt_style=style)
     out = r.render_windows(w.select("history", "target", "template").to_dict(as_series=False))
     return [{"input_ids": a, "labels": b} for a, b in zip(out["input_ids"], out["labels"])]
 
@@ -110,7 +97,7 @@ def sft_rows(tok, items, sid, style: str, n: int, seed: int) -> list[dict]:
 def ground_rows(tok, items, sid, n: int, seed: int) -> list[dict]:
     from gti.config import DEFAULT_GROUNDING_TEMPLATES
 
-    pr = templates.PairRenderer(tok, dict(DEFAULT_GROUNDING_TEMPLATES), "You are a helpful assistant.", 128)
+    pr = templates.PairRenderer(tok, dict(DEFAULT_GROUNDING_TEMPLATES), common.SYSTEM, 128)
     idx = np.random.default_rng(seed).permutation(items.height)[: max(1, n // 6 + 1)]
     sub = items[idx]
     desc = [(d or "")[:300] for d in sub["description"].to_list()]
@@ -242,11 +229,11 @@ def main(argv: list[str] | None = None) -> int:
     match, hf_loss, our_loss = loss_match(path, first, end, chat, pad_id, args.loss_tol)
     log(f"loss match: hf {hf_loss:.7f} labelled {our_loss:.7f} -> {match}")
 
-    common = dict(micro=args.batch, rounds=args.rounds, steps=args.steps, precision=precision,
+    same = dict(micro=args.batch, rounds=args.rounds, steps=args.steps, precision=precision,
                   pad_id=pad_id, seed=args.seed, log=log)
-    sft, sft_tok = run_task("sft", path, first, end, chat, chat, **common)
-    comp, comp_tok = run_task("sft-compact", path, first, end, chat, compact, **common)
-    gr, gr_tok = run_task("ground", path, first, end, pairs, pairs, **common)
+    sft, sft_tok = run_task("sft", path, first, end, chat, chat, **same)
+    comp, comp_tok = run_task("sft-compact", path, first, end, chat, compact, **same)
+    gr, gr_tok = run_task("ground", path, first, end, pairs, pairs, **same)
     lengths = [len(r["input_ids"]) for r in chat]
     out = {
         "sft_speedup": round(sft["gti"] / sft["plain"], 2),

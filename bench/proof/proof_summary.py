@@ -6,7 +6,7 @@ much of the histories the proof config's `data.max_history` keeps (when its dens
 data dense --items 1000 --min-user-len 5 --out data/dense-1000`, is on disk). No run, no Ray;
 seconds.
 
-SASRec: when bench/proof-smollm2/sasrec.json exists (bench/proof_sasrec.py: SASRec on the same
+SASRec: when bench/proof/smollm2/sasrec.json exists (bench/proof/proof_sasrec.py: SASRec on the same
 data and test users), its "record" joins the records as the arm `sasrec`: the metrics tables
 get its row (the records' own rows stay as without it) and a "vs sasrec" table the paired lifts
 of each arm against it; its absolute paired differences (arm - SASRec) are printed as that
@@ -21,8 +21,8 @@ report.html (the per-arm SID heat maps were drawn from the run folders). The rep
 its resamples from one stream, so with SASRec added the other arms' CIs move by bootstrap noise
 (at most .0044 on this report); values and lifts do not move.
 
-Usage: python bench/proof_summary.py [RECORDS_DIR] [--data DIR] [--sasrec FILE] [--report DIR]
-(default bench/proof-smollm2/records, data/dense-1000 and <RECORDS_DIR>/../sasrec.json;
+Usage: python bench/proof/proof_summary.py [RECORDS_DIR] [--data DIR] [--sasrec FILE] [--report DIR]
+(default bench/proof/smollm2/records, data/dense-1000 and <RECORDS_DIR>/../sasrec.json;
 `--quick` is accepted and changes nothing: `make bench` passes it to every bench script)
 """
 import argparse
@@ -30,7 +30,11 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the shared module
+import common  # noqa: E402
+
+ROOT = common.ROOT
+RECORDS = Path(__file__).resolve().parent / "smollm2" / "records"
 sys.path.insert(0, str(ROOT / "platform"))
 from gti.diagnostics.report import RunRecord  # noqa: E402
 from gti.diagnostics.tables import diagnostics_table, metrics_table  # noqa: E402
@@ -58,7 +62,7 @@ def read_records(rdir: Path):
 
 
 def read_sasrec(path: Path):
-    """(SASRec's run record, its facts) from bench/proof_sasrec.py's output; None when absent.
+    """(SASRec's run record, its facts) from bench/proof/proof_sasrec.py's output; None when absent.
     Its train time stays out of the record's timing: the wall-time table is for ground + SFT."""
     if not path.is_file():
         return None
@@ -72,7 +76,7 @@ def read_sasrec(path: Path):
 
 def print_sasrec_pairs(doc) -> None:
     print(f"\npaired differences vs SASRec (arm - SASRec, {doc['n_users']} users, paired user bootstrap, "
-          f"{doc['bootstrap']} resamples; bench/proof_sasrec.py):")
+          f"{doc['bootstrap']} resamples; bench/proof/proof_sasrec.py):")
     for label, p in doc["paired"].items():
         print(f"  {label:32s} " + " ".join(f"{m}={p[m]['diff']:+.3f} [{p[m]['ci'][0]:+.3f}, {p[m]['ci'][1]:+.3f}]"
                                           for m in M if m in p))
@@ -106,8 +110,8 @@ def write_report(rdir: Path, sas, out: Path) -> dict:
         facts.append(sas[1])
     page = (src / "report.html").read_text()
     imgs = {html.unescape(a): b for a, b in re.findall(r'<img alt="([^"]*)" src="data:image/png;base64,([^"]*)"', page)}
-    cfg = C.load(str(ROOT / "jobs" / "configs" / "proof-smollm2.yaml"), [])
-    title = old["title"].split(" + SASRec")[0] + (" + SASRec reference (bench/proof_sasrec.py)" if sas else "")
+    cfg = C.load(str(common.CONFIGS / "proof-smollm2.yaml"), [])
+    title = old["title"].split(" + SASRec")[0] + (" + SASRec reference (bench/proof/proof_sasrec.py)" if sas else "")
     with tempfile.TemporaryDirectory() as tmp:
         plots = {}
         for cap, name in old["plots"].items():
@@ -188,9 +192,10 @@ def print_history_coverage(data: Path, lengths=(5, 10, 20)) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("records", nargs="?", default=str(ROOT / "bench" / "proof-smollm2" / "records"))
+    ap.add_argument("records", nargs="?", default=str(RECORDS))
     ap.add_argument("--data", default=str(ROOT / "data" / "dense-1000"))
-    ap.add_argument("--sasrec", default=None, help="bench/proof_sasrec.py's output (default <RECORDS>/../sasrec.json)")
+    ap.add_argument("--sasrec", default=None,
+                    help="bench/proof/proof_sasrec.py's output (default <RECORDS>/../sasrec.json)")
     ap.add_argument("--report", default=None, help="rebuild the report (html/json/csv) with SASRec in this folder")
     ap.add_argument("--quick", action="store_true", help="accepted for `make bench`; changes nothing")
     args = ap.parse_args(argv)

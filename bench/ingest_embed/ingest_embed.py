@@ -13,7 +13,7 @@ Measures, side by side in one run:
 The interactions are kept small and fixed (2,000 synthetic users) so the catalog dominates;
 sequence building is a one-process polars step whose memory grows with the interaction count.
 
-Usage: python bench/ingest_embed.py [--quick]. The last line printed is one JSON object.
+Usage: python bench/ingest_embed/ingest_embed.py [--quick]. The last line printed is one JSON object.
 """
 
 from __future__ import annotations
@@ -24,108 +24,13 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the shared module
+import common  # noqa: E402
+
 USERS = 2000
-
-
-_KEYS = ("tree", "tree_anon", "tree_file", "tree_shmem", "driver", "driver_anon", "driver_file", "driver_shmem")
-
-
-def _kb_fields(path: str, wanted: tuple[str, ...]) -> dict[str, int]:
-    """`Name:   123 kB` lines of a /proc file -> {Name: bytes} for the wanted names."""
-    out: dict[str, int] = {}
-    with open(path) as f:
-        for line in f:
-            name, _, rest = line.partition(":")
-            if name in wanted:
-                out[name] = int(rest.split()[0]) * 1024
-    return out
-
-
-def _tree_memory(proc) -> dict[str, int]:
-    """Memory of a process tree in bytes (the one sampler every bench script shares).
-
-    tree*: sums over the process and all its descendants of PSS (proportional set size, so the
-    shared Ray object store is not counted once per process), split into anonymous, file-backed
-    (page cache of mapped files: reclaimable) and shared-memory (the /dev/shm object store)
-    parts from /proc/<pid>/smaps_rollup. driver*: the process's own RSS and its RssAnon /
-    RssFile / RssShmem split from /proc/<pid>/status. Where /proc lacks these (not Linux), the
-    totals fall back to psutil's PSS or RSS and the splits read 0.
-    """
-    import psutil
-
-    res = dict.fromkeys(_KEYS, 0)
-    try:
-        procs = [proc] + proc.children(recursive=True)
-    except psutil.Error:
-        return res
-    for p in procs:
-        try:
-            try:
-                m = _kb_fields(f"/proc/{p.pid}/smaps_rollup", ("Pss", "Pss_Anon", "Pss_File", "Pss_Shmem"))
-            except OSError:
-                m = {}
-            if "Pss" in m:
-                res["tree"] += m["Pss"]
-                res["tree_anon"] += m.get("Pss_Anon", 0)
-                res["tree_file"] += m.get("Pss_File", 0)
-                res["tree_shmem"] += m.get("Pss_Shmem", 0)
-            else:
-                try:
-                    mem = p.memory_full_info()
-                    res["tree"] += getattr(mem, "pss", None) or mem.rss
-                except (psutil.AccessDenied, AttributeError):
-                    res["tree"] += p.memory_info().rss
-            if p.pid == proc.pid:
-                res["driver"] = p.memory_info().rss
-                try:
-                    st = _kb_fields(f"/proc/{p.pid}/status", ("RssAnon", "RssFile", "RssShmem"))
-                except OSError:
-                    st = {}
-                res["driver_anon"] = st.get("RssAnon", 0)
-                res["driver_file"] = st.get("RssFile", 0)
-                res["driver_shmem"] = st.get("RssShmem", 0)
-        except (psutil.Error, OSError):
-            continue
-    return res
-
-
-class MemorySampler:
-    """Samples `_tree_memory(psutil.Process(pid))` every `interval` s on a thread until
-    `stop()`. `peak[key]` is each figure's own maximum; `at_peak["tree"]` / `at_peak["driver"]`
-    hold the whole sample taken when the tree total / driver RSS peaked (so the anon/file
-    split of that moment)."""
-
-    def __init__(self, pid: int, interval: float = 0.25) -> None:
-        import psutil
-
-        self.proc = psutil.Process(pid)
-        self.interval = interval
-        self.peak = dict.fromkeys(_KEYS, 0)
-        self.at_peak: dict[str, dict[str, int]] = {"tree": dict(self.peak), "driver": dict(self.peak)}
-        self.samples = 0
-        self._stop = threading.Event()
-        self._th = threading.Thread(target=self._loop, daemon=True)
-        self._th.start()
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            m = _tree_memory(self.proc)
-            self.samples += 1
-            for k in ("tree", "driver"):
-                if m[k] > self.peak[k]:
-                    self.at_peak[k] = m
-            for k, v in m.items():
-                self.peak[k] = max(self.peak[k], v)
-            self._stop.wait(self.interval)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._th.join()
 
 
 def _run_size(n_items: int, workdir: Path, batch_size: int, attempts: int = 3) -> dict:
@@ -157,7 +62,7 @@ def _run_once(n_items: int, workdir: Path, batch_size: int) -> dict:
     env.pop("RAY_ADDRESS", None)
     errlog = open(workdir / f"worker_{n_items}.log", "w+")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=errlog, env=env, text=True)
-    sampler = MemorySampler(proc.pid)
+    sampler = common.MemorySampler(proc.pid)
     out, _ = proc.communicate()
     sampler.stop()
     peak = sampler.peak

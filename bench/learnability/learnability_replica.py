@@ -9,7 +9,7 @@ forced exact-answer accuracy on a fresh batch reaches 0.9 (`null` if never withi
 Settings vary one factor at a time: SID-row init (mean / random), prompt form (chat /
 compact), depth, batch, lr. The gate's settings (jobs/configs/learnability.yaml) come from here.
 
-Usage: python bench/learnability_replica.py [--quick] [--steps 600] [--seeds 0]
+Usage: python bench/learnability/learnability_replica.py [--quick] [--steps 600] [--seeds 0]
 The last line printed is one JSON object with the figures.
 """
 
@@ -21,15 +21,19 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
-import numpy as np
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the shared module
+import common  # noqa: E402
 
-from gti.config import ModelConfig
-from gti.lm import models, templates, vocab
-from gti.lm.init import init_rows
-from gti.sid.codec import SidCodec
-from gti.train import sft_data
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from gti.config import ModelConfig  # noqa: E402
+from gti.lm import models, templates, vocab  # noqa: E402
+from gti.lm.init import init_rows  # noqa: E402
+from gti.sid.codec import SidCodec  # noqa: E402
+from gti.train import sft_data  # noqa: E402
 
 SETTINGS = {
     # name: overrides of BASE
@@ -63,7 +67,7 @@ def run(n, init, style, lr, batch, hidden, layers, heads, hist, steps, seed, lev
     succ = np.empty(n, int)
     succ[perm] = np.roll(perm, -1)
     rend = templates.make_renderer(tok, {str(i): sid[i].numpy() for i in range(n)},
-                                  "You are a helpful assistant.", 400, prompt_style=style)
+                                  common.SYSTEM, 400, prompt_style=style)
 
     def make_batch(bs):
         ids, labs = [], []

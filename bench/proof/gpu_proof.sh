@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Run: bash bench/gpu_proof.sh [OUT]
+# Run: bash bench/proof/gpu_proof.sh [OUT]
 # The issue-14 comparison (mean vs gti, SmolLM2-135M, the dense amazon-scientific subset of
 # jobs/configs/proof-smollm2.yaml) at a larger budget on ONE GPU, meant to finish within ~10
 # minutes: bf16 autocast (precision auto), batch 64, 4x the SFT examples of the CPU run, 1 seed.
 # Prepared for a session that is lent a GPU; it has NOT been run yet (no GPU in the session that
 # wrote it), so its timing is an estimate. Figures go to OUT/report.{html,json,csv}.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${1:-runs/proof-gpu}
 GTI=${GTI:-.venv/bin/gti}
 python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device: this script needs a GPU build of torch and a GPU')"

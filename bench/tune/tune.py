@@ -1,8 +1,8 @@
 """Benchmark: a 4-trial Ray Tune sweep over the grounding stage (ASHA early stopping, trials side
 by side) against running the same 4 settings one after another without Tune.
 
-    python bench/tune.py --quick      # tiny model, tiny step counts (< 60 s on 2 cores goal)
-    python bench/tune.py              # the demo grounding (SmolLM2-135M), small step counts
+    python bench/tune/tune.py --quick      # tiny model, tiny step counts (< 60 s on 2 cores goal)
+    python bench/tune/tune.py              # the demo grounding (SmolLM2-135M), small step counts
 
 Both arms run exactly the same grounding code (`gti.stages.ground.run`) on the same upstream
 stages (built once, timed separately and excluded) with the same sampled settings: the Tune arm
@@ -25,17 +25,18 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the shared module
+import common  # noqa: E402
+
+ROOT = common.ROOT
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+common.hf_offline()
 
 
 def overrides(quick: bool, out: Path) -> tuple[Path, list[str]]:
     steps = [4, 8] if quick else [8, 16]
-    common = [
+    shared = [
         f"run_dir={out / 'run'}",
         "ray_num_cpus=4",
         "tune.num_samples=4",
@@ -50,8 +51,8 @@ def overrides(quick: bool, out: Path) -> tuple[Path, list[str]]:
         "ground.num_workers=1",
     ]
     if quick:
-        return ROOT / "jobs" / "configs" / "tiny.yaml", common + ["data.max_items=120", "ground.batch_size=2"]
-    return ROOT / "jobs" / "configs" / "demo.yaml", common + ["ground.batch_size=4", "data.max_items=500"]
+        return common.CONFIGS / "tiny.yaml", shared + ["data.max_items=120", "ground.batch_size=2"]
+    return common.CONFIGS / "demo.yaml", shared + ["ground.batch_size=4", "data.max_items=500"]
 
 
 def run_sequential(cfg, base_raw: dict, trials: list[dict], out: Path) -> float:

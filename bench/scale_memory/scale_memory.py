@@ -20,8 +20,9 @@ holds the catalog (about large/small = 5x); the driver's bytes per item is the s
 The interactions are small and fixed (2,000 synthetic users), so the catalog dominates.
 Data and run dirs go to a temporary dir (deleted at the end; --workdir DIR keeps them).
 
-Usage: python bench/scale_memory.py [--quick] [--sizes 1000000,5000000] [--stages ingest,embed,sid]
-       [--workdir DIR]  (--stages sid --workdir DIR: rerun only sid on DIR's up-to-date data)
+Usage: python bench/scale_memory/scale_memory.py [--quick] [--sizes 1000000,5000000]
+       [--stages ingest,embed,sid] [--workdir DIR]
+       (--stages sid --workdir DIR: rerun only sid on DIR's up-to-date data)
 The last line printed is one JSON object.
 """
 
@@ -37,8 +38,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ingest_embed import MemorySampler  # noqa: E402  (the one shared memory sampler)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the shared module
+import common  # noqa: E402
 
 STAGES = ("ingest", "embed", "sid")
 USERS = 2000
@@ -114,7 +115,7 @@ def _run_stage(stage: str, n_items: int, data: Path, run_dir: Path, args, attemp
         with open(log_path, "w+") as errlog:
             t0 = time.time()
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=errlog, env=env, text=True)
-            sampler = MemorySampler(proc.pid)
+            sampler = common.MemorySampler(proc.pid)
             out, _ = proc.communicate()
             sampler.stop()
             process_s = time.time() - t0

