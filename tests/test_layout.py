@@ -149,3 +149,19 @@ def test_no_module_over_450_lines_and_no_function_over_80():
                 if n > MAX_FUNCTION_LINES:
                     long_functions.append(f"{rel}:{node.lineno} {node.name}: {n} lines")
     assert not big_modules and not long_functions, big_modules + long_functions
+
+
+def test_training_runs_go_through_the_runners_not_the_training_stages():
+    """One runner per training task (issue 31, item 1): `gti refresh` and `gti vocab ground`
+    train through `gti.train.ground_run` / `gti.train.sft_run`, never through the `ground` or
+    `sft` stage modules; and gti/train/ sits below the stages, importing none of them (a caller
+    hands its runner the Ray start)."""
+    def training_stage(mod: str) -> bool:
+        return mod in ("gti.stages.ground", "gti.stages.sft") or mod.startswith(("gti.stages.ground.",
+                                                                                "gti.stages.sft."))
+
+    def any_stage(mod: str) -> bool:
+        return mod == "gti.stages" or mod.startswith("gti.stages.")
+
+    offenders = _offenders(_files("refresh", "vocab_ground.py"), training_stage) + _offenders(_files("train"), any_stage)
+    assert not offenders, offenders

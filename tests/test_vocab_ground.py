@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from testkit import FailOnceFit, WorkerDied
+from testkit import FailOnceFit, WorkerDied, fake_data, finished_fit, no_ray
 
 TOKENS = [
     {"token": "<tool_search>", "descriptions": ["search the web for pages", "find documents online"],
@@ -230,3 +230,39 @@ def test_killed_run_keeps_its_work_and_hands_the_loop_the_same_run(grounded):
     assert not out_after_failure
     fit.assert_same_run()
     assert res.steps_done == 8
+
+
+def test_a_killed_run_is_finished_by_the_same_call_with_the_same_run_without_ray(tmp_path, monkeypatch):
+    """Fast twin of the test above (no Ray: `fit` faked, testkit): the first call dies in
+    training and keeps its work dir; the same call again hands the grounding runner's `fit` the
+    same storage path, run name, typed worker config and rows, and exports its rows."""
+    from safetensors.torch import load_file
+
+    import gti.train.loop as loop
+    import gti.vocab_ground as vg
+    from gti.train.worker_config import GroundRows
+
+    fit = FailOnceFit(finished_fit)
+    monkeypatch.setattr(loop, "fit", fit)
+    data, rays = fake_data(monkeypatch), no_ray(monkeypatch)
+    base = tiny_model_folder(tmp_path / "base")
+    cfg = vg.VocabGroundConfig.model_validate(CONFIG)
+    out, work = tmp_path / "out", (tmp_path / ".out.work").resolve()
+    with pytest.raises(WorkerDied):
+        vg.ground_vocabulary(base, TOKENS, out, config=cfg, log=lambda m: None)
+    assert (work / "pairs.parquet").is_file() and not out.exists()
+    res = vg.ground_vocabulary(base, TOKENS, out, config=cfg, log=lambda m: None)
+
+    fit.assert_same_run()
+    call = fit.calls[0]
+    assert (call["storage_path"], call["name"]) == (str(work / "ray_train"), "vocab_ground")
+    first, end = res.new_token_ids
+    c = call["config"]
+    assert c.task == "ground" and c.ground == GroundRows(str(work / "e_new_init.safetensors"), first, end - first)
+    assert (c.val.levels, c.val.new_start, c.val.new_end) == (1, first, end)
+    assert len(rays) == 2 and data == [("pairs", str(work / "pairs.parquet"), 0)] * 2
+    assert res.steps_done == 8 and res.val_split == "val" and res.n_train_pairs == 16
+    assert res.first_loss == pytest.approx(2.9) and res.val_exact_match == [{"step": 8, "value": 0.5}]
+    rows = {k: load_file(str(out / f"e_new_{k}.safetensors")) for k in ("init", "ground")}
+    assert torch.equal(rows["ground"]["e_new"], rows["init"]["e_new"] + 1.0)
+    assert not work.exists()  # the default work dir goes once the model is exported

@@ -8,9 +8,9 @@ calls, knowledge-graph nodes, product codes). `ground_vocabulary(model, tokens, 
    with answer-only labels (`gti.lm.newvocab.render_pairs`, i.e. gti's `PairRenderer`);
 3. initialises the new rows with any `init.method` but `codebook` (`gti.lm.newvocab.initial_rows`
    over `gti.lm.init.init_rows`);
-4. grounds ONLY the new rows on Ray Train + DeepSpeed (`gti.train.loop.fit` with the grounding
-   task: backbone and old rows frozen in a different tensor from the trainable `new_rows`, so
-   they stay bit-identical under AdamW with weight decay, ZeRO-3 included); validation is the
+4. grounds ONLY the new rows on Ray Train + DeepSpeed (`gti.train.ground_run.run_grounding`,
+   the grounding task: backbone and old rows frozen in a different tensor from the trainable
+   `new_rows`, so they stay bit-identical under AdamW with weight decay, ZeRO-3 included); validation is the
    exact match of constrained greedy description -> token (on `eval_descriptions` when the
    tokens file has them, else on the training descriptions);
 5. exports a standard HF folder (`gti.lm.vocab.export_model`: safetensors, extended tokenizer,
@@ -36,8 +36,9 @@ Settings: `VocabGroundConfig` (YAML for `gti vocab ground --config`): `seed`, `r
 (the run configs' grounding section: steps, lr, batch_size, weight_decay, num_workers,
 zero_stage, precision, ...), `templates` ({desc2token, token2desc}), `system_prompt`, `max_len`.
 
-Ray: only through `gti.stages._ray.ensure_ray` and `gti.train.loop.fit` (this module is a
-driver, like a stage; the pure parts are in `gti.lm.newvocab`).
+Ray: only through `gti.stages._ray.ensure_ray` and `gti.train.ground_run.run_grounding` (the
+`ground` stage's runner; this module is a driver, like a stage; the pure parts are in
+`gti.lm.newvocab`).
 """
 
 from __future__ import annotations
@@ -188,8 +189,7 @@ def _ground_locked(model, tokens, out_dir: Path, config, templates, work: Path, 
     final, res_facts = init, {"steps_done": 0}
     val_split = "val" if any(t.eval_descriptions for t in toks) else "train"
     if grounded:
-        final, res_facts = _fit(cfg, ext.run_cfg, work, pairs, ext.ids, ext.tok, ext.first, ext.end, n_train,
-                                val_split, log)
+        final, res_facts = _fit(cfg, ext.run_cfg, work, pairs, ext.ids, ext.tok, ext.first, ext.end, val_split, log)
     else:
         log("ground.enabled is false or ground.steps is 0: exporting the initialised rows")
 
@@ -357,8 +357,10 @@ def _export(ext: _Extended, cfg: VocabGroundConfig, init: dict[str, Any], final:
 
 
 def _fit(cfg: VocabGroundConfig, run_cfg: C.RunConfig, work: Path, pairs: dict, ids: dict[str, int], tok,
-         first: int, end: int, n_train: int, val_split: str, log) -> tuple[dict, dict[str, Any]]:
-    """The grounding run on Ray Train (the grounding hooks, `gti.train.ground_task.HOOKS`)."""
+         first: int, end: int, val_split: str, log) -> tuple[dict, dict[str, Any]]:
+    """The grounding run (`gti.train.ground_run.run_grounding`, the `ground` stage's runner),
+    validated by constrained greedy description -> token over the new tokens (a one-level
+    trie); -> (trained rows, {steps_done, first_loss, final_loss, val_exact_match})."""
     import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -367,16 +369,10 @@ def _fit(cfg: VocabGroundConfig, run_cfg: C.RunConfig, work: Path, pairs: dict, 
 
     from gti.lm import newvocab
     from gti.stages._ray import ensure_ray
-    from gti.train.deepspeed_config import micro_batch
-    from gti.train import ground_task
-    from gti.train.loop import fit, train_dataset_from_parquet
+    from gti.train.ground_run import GroundingInputs, run_grounding
+    from gti.train.worker_config import GroundRows, ValSet
 
     g = cfg.ground
-    micro = micro_batch(g, g.num_workers)  # ConfigError naming the key before Ray starts
-    if n_train < g.num_workers * micro:
-        raise DataError(f"tokens: {n_train} training pairs cannot fill one micro-batch of {micro} on each of "
-                        f"{g.num_workers} workers (ground.batch_size / ground.num_workers)")
-    # Validation: constrained greedy description -> token over the new tokens (a one-level trie).
     prompts, targets = newvocab.description_prompts(pairs, ids, val_split)
     rng = np.random.default_rng(cfg.seed)
     keep = np.sort(rng.choice(len(prompts), size=min(g.val_samples, len(prompts)), replace=False))
@@ -384,34 +380,16 @@ def _fit(cfg: VocabGroundConfig, run_cfg: C.RunConfig, work: Path, pairs: dict, 
                    work / VAL_FILE)
     order = sorted(ids.values())
     save_file({"sid_token_ids": torch.tensor(order, dtype=torch.long).reshape(-1, 1)}, str(work / SIDS_FILE))
-    pad_id = int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
-    loop_config = {
-        "task": "ground",
-        "hooks": ground_task.HOOKS,
-        "run_config": run_cfg.model_dump(mode="json"),
-        "pad_id": pad_id,
-        "ground": {"init_path": str(work / INIT_FILE), "first_new_id": first, "n_new": end - first},
-        "val": None if len(keep) == 0 else {
-            "path": str(work / VAL_FILE), "sids_path": str(work / SIDS_FILE), "new_start": first,
-            "new_end": end, "levels": 1, "pad_id": pad_id,
-        },
-    }
-    log(f"grounding {g.steps} steps x {g.batch_size} pairs on {g.num_workers} worker(s), ZeRO-{g.zero_stage}, "
-        f"lr {g.lr:g}, weight decay {g.weight_decay:g}; {n_train} train pairs, {len(keep)} "
-        f"{'held-out' if val_split == 'val' else 'in-sample'} val prompts")
-    ensure_ray(run_cfg)
-    ds = train_dataset_from_parquet(work / PAIRS_FILE, seed=cfg.seed)
-    res = fit(loop_config, ds, g, storage_path=work / RAY_DIR, name=RUN_NAME, log=log,
-              progress_every=max(g.log_every, -(-g.steps // 20)))
-    loss = res.history.get("loss", [])
-    facts = {
-        "steps_done": res.steps_done,
-        "first_loss": loss[0][1] if loss else None,
-        "final_loss": loss[-1][1] if loss else None,
-        "val_exact_match": [{"step": int(s), "value": float(v)}
-                            for s, v in res.history.get("val", {}).get("val_exact_match", [])],
-    }
-    return res.state_dict, facts
+    inputs = GroundingInputs(
+        run_cfg=run_cfg, pairs_path=work / PAIRS_FILE, rows=GroundRows(str(work / INIT_FILE), first, end - first),
+        pad_id=int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id),
+        val=ValSet(str(work / VAL_FILE), str(work / SIDS_FILE), first, end, levels=1) if len(keep) else None,
+        where="tokens", noun="training pairs",
+        note=f"weight decay {g.weight_decay:g}; {'held-out' if val_split == 'val' else 'in-sample'} validation",
+    )
+    res = run_grounding(inputs, storage_path=work / RAY_DIR, name=RUN_NAME, start_ray=lambda: ensure_ray(run_cfg),
+                        log=log)
+    return res.state_dict, {k: res.facts[k] for k in ("steps_done", "first_loss", "final_loss", "val_exact_match")}
 
 
 # --------------------------------------------------------------------------- CLI

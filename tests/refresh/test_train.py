@@ -1,7 +1,8 @@
-"""gti.refresh.train, the parts that need no model or Ray: the validation split on the new items
-(held out when there is one, else in-sample), the steps' off switches, and the micro-batch
-check that fails before any model is loaded. Grounding and SFT themselves run in the slow
-refresh tests (tests/refresh/test_driver.py)."""
+"""gti.refresh.train without Ray: the validation split on the new items (held out when there
+is one, else in-sample), the steps' off switches, the micro-batch check that fails before any
+model is loaded, the replayed SFT windows, and both steps on a tiny model with the runners'
+`fit` faked (testkit): a rerun hands the loop the same run. Grounding and SFT themselves run in
+the slow refresh tests (tests/refresh/test_driver.py)."""
 
 from __future__ import annotations
 
@@ -76,3 +77,89 @@ def test_refresh_sft_replays_a_share_of_untouched_users_windows():
     assert facts["replay_windows"] == 4 and w.height == 7
     with pytest.raises(DataError, match="no touched user has 2 or more training items"):
         select_windows(_seqs(), pl.Series("user_id", ["o3"]), 20, 1.0, seed=0)
+
+
+# --------------------------------------------------------------------------- both steps, no Ray
+def _trainable_job(fake_run, make_job):
+    """A job whose parent model is a real tiny model (the fake run's is a stub): its tokenizer
+    extended with the run's 10 SID tokens, which the pairs manifest names, plus what the earlier
+    steps leave in the work folder: the new map with its version record, the pairs and the new
+    items' pairs, the merged sequences and the touched users."""
+    import polars as pl
+    import torch
+
+    from gti import config as C
+    from gti.lm import models, vocab
+    from gti.manifest import Manifest
+    from gti.sid.codec import SidCodec
+    from gti.sid.versions import make_version, write_map
+    from gti.stages.pairs import PAIRS_SCHEMA
+
+    sizes = [int(k) for k in Manifest.read(fake_run.dir / "sid").facts["codebook_sizes"]]  # 4, 4, 2
+    model, tok = models.build_tiny(C.ModelConfig(name="tiny", tiny_hidden=32, tiny_layers=1, tiny_heads=2))
+    codec = SidCodec(3, sizes)
+    first, end = vocab.extend_tokenizer(tok, codec.tokens())
+    model.resize_token_embeddings(end, mean_resizing=False)
+    vocab.export_model(model, tok, fake_run.model_dir,
+                       {"sid_map_hash": fake_run.map_hash, "new_token_ids": [first, end]})
+    pm = Manifest.read(fake_run.dir / "pairs")
+    Manifest(stage="pairs", fingerprint="test", config={}, outputs=pm.outputs,
+             facts={**pm.facts, "new_token_ids": [first, end]}).write(fake_run.dir / "pairs")
+    job = make_job("unused.csv", None, "refresh.ground_steps=2", "ground.batch_size=2", "ground.num_workers=1",
+                   "ground.val_samples=2", "refresh.sft_steps=2", "sft.batch_size=2", "sft.num_workers=1")
+    (job.work / "sid").mkdir()
+    t = pq.read_table(str(job.parent.map_path))
+    write_map(job.work / "sid" / "sid_map.parquet", t, make_version(t, "cbhash", sizes, parent=job.parent.hash))
+    sids = codec.token_ids(torch.tensor(t.column("codes").to_pylist()), tok).tolist()
+    rows = []
+    for i, item in enumerate(t.column("item_id").to_pylist()):
+        prompt = tok.encode(f"thing {i}")
+        rows.append({"item_id": item, "task": "title2sid", "split": "val" if i == 4 else "train",
+                     "input_ids": prompt + sids[i], "labels": [-100] * len(prompt) + sids[i], "prompt_ids": prompt,
+                     "answer_ids": sids[i]})
+    pq.write_table(pa.Table.from_pylist(rows, schema=PAIRS_SCHEMA), str(job.work / "pairs.parquet"))
+    pq.write_table(pa.Table.from_pylist(rows[3:], schema=PAIRS_SCHEMA), str(job.work / "pairs_new.parquet"))
+    (job.work / "ingest").mkdir()
+    pl.DataFrame({"user_id": ["t1", "t2", "o1"], "train_items": [["a0", "a1", "a2"], ["a1", "a3"], ["a2", "a4"]],
+                  "valid_item": ["a3"] * 3, "test_item": ["a4"] * 3}).write_parquet(
+        job.work / "ingest" / "sequences.parquet")
+    pl.DataFrame({"user_id": ["t1", "t2"]}).write_parquet(job.work / "ingest" / "touched_users.parquet")
+    return job, first, end
+
+
+def test_both_steps_hand_the_runners_the_same_run_when_rerun(fake_run, make_job, monkeypatch):
+    """No Ray (`fit` faked, testkit): a grounding (then an SFT) that dies in training, run
+    again, hands the runner's `fit` the same storage path, run name, typed worker config and
+    rows (what makes the loop resume it), and the steps report the same keys as ever."""
+    from testkit import FailOnceFit, WorkerDied, fake_data, finished_fit, no_ray
+
+    from gti.refresh.job import GROUND_RUN, SFT_RUN
+    from gti.train import loop
+    from gti.train.worker_config import GroundRows, SftStart
+
+    job, first, end = _trainable_job(fake_run, make_job)
+    data, rays = fake_data(monkeypatch), no_ray(monkeypatch)
+    done = {}
+    for step, run in (("ground", lambda: ground_step(job, None)), ("sft", lambda: sft_step(job))):
+        fit = FailOnceFit(finished_fit)
+        monkeypatch.setattr(loop, "fit", fit)
+        with pytest.raises(WorkerDied):
+            run()
+        done[step] = run()
+        fit.assert_same_run()
+        done[step + "_call"] = fit.calls[0]
+    g, s = done["ground_call"], done["sft_call"]
+    assert (g["storage_path"], g["name"]) == (str(job.work / "ray_train"), GROUND_RUN)
+    assert g["config"].ground == GroundRows(str(job.work / "e_new_start.safetensors"), first, end - first)
+    assert (g["config"].val.path, g["config"].val.levels) == (str(job.work / "val_prompts.parquet"), 3)
+    assert (s["storage_path"], s["name"]) == (str((job.work / "ray_train").resolve()), SFT_RUN)
+    assert s["config"].sft == SftStart(str(job.work / "ground_model")) and s["config"].val is None
+    assert [c[0] for c in data] == ["pairs", "pairs", "parquet", "parquet"] and len(rays) == 4
+    assert set(done["ground"]) == {"grounded", "steps_done", "lr", "first_loss", "final_loss", "val_exact_match",
+                                   "val_in_sample", "val_prompts", "train_pairs"}
+    assert done["ground"]["steps_done"] == 2 and done["ground"]["train_pairs"] == 4
+    assert (done["ground"]["val_prompts"], done["ground"]["val_in_sample"]) == (1, False)
+    assert set(done["sft"]) == {"steps_done", "lr", "windows", "users", "touched_users", "touched_windows",
+                                "replay_windows", "first_loss", "final_loss"}
+    assert done["sft"]["steps_done"] == 2 and done["sft"]["first_loss"] == pytest.approx(2.9)
+    assert (job.work / "ground_model" / "config.json").is_file() and (job.work / "sft_model" / "config.json").is_file()

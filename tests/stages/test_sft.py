@@ -295,6 +295,7 @@ def test_validation_loss_and_mrr_match_direct_computation(tmp_path):
     from gti.lm import models, vocab
     from gti.sid.codec import SidCodec
     from gti.train.sft_task import _val_loss_and_mrr
+    from gti.train.worker_config import ValSet
 
     model, tok = models.build_tiny(config.ModelConfig(name="tiny"), seed=0)
     codec = SidCodec(2, [4, 4])
@@ -310,9 +311,10 @@ def test_validation_loss_and_mrr_match_direct_computation(tmp_path):
     prompts = [tok.encode("beaker flask"), tok.encode("glass"), tok.encode("tape label battery")]
     targets = torch.tensor([3, 7, 10])
     counted = torch.tensor([True, True, False])
-    v = {"sids_path": str(tmp_path / "sids.safetensors"), "pad_id": tok.pad_token_id, "batch_users": 2, "mrr": True}
+    v = ValSet(path="unused", sids_path=str(tmp_path / "sids.safetensors"), new_start=first, new_end=end, levels=2,
+               batch_users=2, mrr=True)
     with torch.no_grad():
-        out = _val_loss_and_mrr(model, prompts, targets, counted, v)
+        out = _val_loss_and_mrr(model, prompts, targets, counted, v, tok.pad_token_id)
         total, n = 0.0, 0
         mrr = 0.0
         for p, t in zip(prompts[:2], targets[:2].tolist()):
@@ -333,11 +335,71 @@ def test_sft_model_is_loaded_in_model_dtype(tmp_path, dtype):
     """model.dtype is honoured by the SFT worker's model (it used to load fp32 whatever it said)."""
     from gti.lm import models, vocab
     from gti.train.sft_task import build_sft_model
+    from gti.train.worker_config import SftStart, WorkerConfig
 
     model, tok = models.build_tiny(config.ModelConfig(name="tiny"), seed=0)
     vocab.export_model(model, tok, tmp_path / "m", {"sid_map_hash": HASH})
     cfg = config.load(ROOT / "jobs" / "configs" / "tiny.yaml", [f"model.dtype={dtype}"])
-    built = build_sft_model({"sft": {"model_dir": str(tmp_path / "m")}}, cfg)
+    built = build_sft_model(WorkerConfig.build("sft", cfg, 0, sft=SftStart(str(tmp_path / "m"))), cfg)
     want = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     assert {p.dtype for p in built.parameters()} == {want}
     assert all(p.requires_grad for p in built.parameters())
+
+
+SFT_FACTS = {"steps_done", "final_loss", "first_loss", "loss_history", "val_recall@10", "val_history", "sid_map_hash",
+             "new_token_ids", "trainable_params", "lora", "zero_stage", "precision", "precision_setting", "timing",
+             "prompt_style", "num_workers", "n_windows", "n_train_rows", "truncated_examples", "tasks", "multitask",
+             "val_users", "mean_tokens"}
+
+
+def test_a_killed_sft_is_finished_in_its_partial_dir_with_the_same_run_without_ray(tmp_path, monkeypatch):
+    """Fast twin of the test above (no Ray: `fit` faked, the windows rendered in-process by
+    the stage's own `RenderWindows`, testkit): the SFT runner's `fit` gets the same storage
+    path, run name, typed worker config and rows on the second attempt, and the stage records
+    the runner's facts with the same keys as ever."""
+    from safetensors.torch import load_file
+    from testkit import fake_data, finished_fit, no_ray
+
+    from gti.stages import sft
+    from gti.train import loop
+    from gti.train.worker_config import SftStart
+
+    def render_here(ctx, windows, sid_ids):  # what the RenderWindows actors do, in this process
+        items = list(sid_ids)
+        r = sft.RenderWindows(str(ctx.input("pairs", "tokenizer")), items, np.stack([sid_ids[i] for i in items]),
+                              ctx.cfg.pairs.system_prompt, ctx.cfg.sft.max_len, False, ctx.cfg.sft.prompt_style)
+        out = pl.from_arrow(r(windows.select("history", "target", "template").to_arrow()))
+        return out, int((out["history_kept"] < out["history_len"]).sum())
+
+    run_dir = tmp_path / "run"
+    first, end = make_upstream(run_dir, n_users=12)
+    cfg = sft_cfg(run_dir, "sft.num_workers=1", "sft.steps=3")
+    fit = FailOnceFit(finished_fit)
+    monkeypatch.setattr(loop, "fit", fit)
+    monkeypatch.setattr(sft, "_render_windows", render_here)
+    data, rays = fake_data(monkeypatch), no_ray(monkeypatch)
+    with pytest.raises(WorkerDied):
+        pipeline.run_stage(pipeline.spec("sft"), cfg, run_dir)
+    work = run_dir / ".sft.partial"
+    assert (work / "data" / "sft_train.parquet").is_file()
+    m = pipeline.run_stage(pipeline.spec("sft"), cfg, run_dir)
+
+    fit.assert_same_run()
+    call = fit.calls[0]
+    assert (call["storage_path"], call["name"]) == (str((work / "ray_train").resolve()), "sft")
+    c = call["config"]
+    assert c.task == "sft" and c.sft == SftStart(str(run_dir / "ground" / "model"))
+    assert (c.val.k, c.val.beam_width, c.val.mrr, c.val.levels, c.val.new_start, c.val.new_end) == (10, 10, True, 2,
+                                                                                                     first, end)
+    train_file = str((work / "data" / "sft_train.parquet").resolve())
+    assert data == [("parquet", train_file, ["input_ids", "labels"], True)] * 2
+    assert len(rays) == 4  # per attempt: the stage's own start (Ray Data renders) and the runner's
+    f = m.facts
+    assert set(f) == SFT_FACTS
+    assert f["steps_done"] == 3 and f["first_loss"] == pytest.approx(2.9) and f["precision"] == "fp32"
+    assert f["val_recall@10"] == [{"step": 3, "value": 0.5}] and f["trainable_params"] > 0
+    from transformers import AutoModelForCausalLM
+
+    ground = AutoModelForCausalLM.from_pretrained(run_dir / "ground" / "model", use_safetensors=True)
+    e_new = load_file(str(run_dir / "sft" / "e_new_sft.safetensors"))["e_new"]
+    torch.testing.assert_close(e_new, ground.get_input_embeddings().weight[first:end].detach() + 0.01)

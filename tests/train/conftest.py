@@ -24,7 +24,7 @@ def make_grounding_problem(root: Path, n_items: int = 24, sizes=(6, 6), seed: in
     """Write init rows, pairs (train = every item's title->SID pair; val = the same pairs, so
     exact match measures what grounding learned), val prompts and catalog SIDs under `root`.
 
-    Returns the pieces a test needs to build the loop config.
+    Returns the pieces a test needs to build the worker config (`WorkerConfig.build`).
     """
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -35,6 +35,7 @@ def make_grounding_problem(root: Path, n_items: int = 24, sizes=(6, 6), seed: in
     from gti.lm import init as lm_init
     from gti.lm import models, vocab
     from gti.sid.codec import SidCodec
+    from gti.train.worker_config import GroundRows, ValSet
 
     root.mkdir(parents=True, exist_ok=True)
     mcfg = ModelConfig(name="tiny", tiny_hidden=64, tiny_layers=2, tiny_heads=2, tiny_tied=False)
@@ -76,11 +77,8 @@ def make_grounding_problem(root: Path, n_items: int = 24, sizes=(6, 6), seed: in
         "first": first,
         "end": end,
         "n_items": n_items,
-        "ground": {"init_path": str(root / "init.safetensors"), "first_new_id": first, "n_new": end - first},
-        "val": {
-            "path": str(root / "val.parquet"), "sids_path": str(root / "sids.safetensors"),
-            "new_start": first, "new_end": end, "levels": len(sizes), "pad_id": tok.pad_token_id,
-        },
+        "ground": GroundRows(str(root / "init.safetensors"), first, end - first),
+        "val": ValSet(str(root / "val.parquet"), str(root / "sids.safetensors"), first, end, len(sizes)),
     }
 
 

@@ -7,6 +7,7 @@ import torch
 
 from gti import config as C
 from gti.train.ground_task import HOOKS, build_ground_model, export_grounded, ground_trainable_state
+from gti.train.worker_config import GroundRows, WorkerConfig
 
 
 def test_only_new_rows_train_and_export_merges_them(tmp_path):
@@ -20,8 +21,8 @@ def test_only_new_rows_train_and_export_merges_them(tmp_path):
     d = base.get_input_embeddings().weight.shape[1]
     init = {"e_new": torch.randn(end - first, d, generator=torch.Generator().manual_seed(0))}
     save_file(init, str(tmp_path / "init.safetensors"))
-    model = build_ground_model({"ground": {"init_path": str(tmp_path / "init.safetensors"),
-                                           "first_new_id": first, "n_new": end - first}}, cfg)
+    config = WorkerConfig.build("ground", cfg, 0, ground=GroundRows(str(tmp_path / "init.safetensors"), first, end - first))
+    model = build_ground_model(config, cfg)
     trainable = [p for p in model.parameters() if p.requires_grad]
     assert sum(p.numel() for p in trainable) == init["e_new"].numel()
     state = ground_trainable_state(model)

@@ -78,32 +78,26 @@ def test_manual_grad_norm_matches_torch():
 STEPS, CKPT, LR = 20, 5, 5e-2
 FAIL_AT = 12  # between the checkpoints at 10 and 15: the restart replays steps 11-12
 FAIL_AGAIN = 17  # between 15 and 20: the retried worker group replays steps 16-17
-def _loop_setup(problem: dict, **ground_kw):
+def _loop_setup(problem: dict, fault=None, **ground_kw):
     from gti.config import GroundConfig, RunConfig
-    from gti.train import ground_task
+    from gti.train.worker_config import WorkerConfig
 
     g = dict(steps=STEPS, batch_size=8, num_workers=2, lr=LR, zero_stage=2, checkpoint_every=CKPT,
              val_every=STEPS // 2, log_every=1)
     g.update(ground_kw)
     run_cfg = RunConfig(model=problem["model_cfg"], ground=GroundConfig(**g))
-    loop_config = {
-        "task": "ground",
-        "hooks": ground_task.HOOKS,
-        "run_config": run_cfg.model_dump(mode="json"),
-        "pad_id": problem["pad_id"],
-        "ground": problem["ground"],
-        "val": problem["val"],
-    }
-    return run_cfg, loop_config
+    config = WorkerConfig.build("ground", run_cfg, problem["pad_id"], ground=problem["ground"], val=problem["val"],
+                                fault=fault)
+    return run_cfg, config
 
 
-def _fit(problem, storage, name, loop_extra=None, **ground_kw):
-    from gti.train.loop import fit, train_dataset_from_parquet
+def _fit(problem, storage, name, fault=None, **ground_kw):
+    from gti.train.driver import train_dataset_from_parquet
+    from gti.train.loop import fit
 
-    run_cfg, loop_config = _loop_setup(problem, **ground_kw)
-    loop_config.update(loop_extra or {})
+    run_cfg, config = _loop_setup(problem, fault, **ground_kw)
     ds = train_dataset_from_parquet(problem["pairs"], seed=run_cfg.seed)
-    return fit(loop_config, ds, run_cfg.ground, storage_path=storage, name=name, log=lambda m: None)
+    return fit(config, ds, run_cfg.ground, storage_path=storage, name=name, log=lambda m: None)
 
 
 def _progress_steps(storage: Path, name: str) -> list[int]:
@@ -136,7 +130,7 @@ def test_grounding_two_workers_zero2_learns(uninterrupted, grounding_problem):
     assert res.metrics["grad_norm_new_rows"] > 0
     assert res.metrics["tokens_per_s"] > 0
     e_new = res.state_dict["e_new"]
-    assert e_new.shape == (grounding_problem["ground"]["n_new"], 64)
+    assert e_new.shape == (grounding_problem["ground"].n_new, 64)
     assert res.state_dict["head_new"].shape == e_new.shape  # untied head: its own new rows
 
 
@@ -155,11 +149,13 @@ def test_restart_resumes_and_a_worker_failure_is_retried_to_the_same_rows(uninte
 
     ref, _ = uninterrupted
     storage = tmp_path / "ray_train"
-    fail = {"fail_at_step": FAIL_AT, "fail_rank": 0, "fail_marker": str(tmp_path / "failed_once")}
+    from gti.train.worker_config import FaultInjection
+
+    fail = FaultInjection(fail_at_step=FAIL_AT, fail_rank=0, fail_marker=str(tmp_path / "failed_once"))
     with pytest.raises(Exception):
         _fit(grounding_problem, storage, "resume", fail, max_failures=0)
     assert (tmp_path / "failed_once").exists()
-    again = {"fail_at_step": FAIL_AGAIN, "fail_rank": 1, "fail_marker": str(tmp_path / "failed_again")}
+    again = FaultInjection(fail_at_step=FAIL_AGAIN, fail_rank=1, fail_marker=str(tmp_path / "failed_again"))
     res = _fit(grounding_problem, storage, "resume", again, max_failures=1)
     assert (tmp_path / "failed_again").exists()
     steps = _progress_steps(storage, "resume")

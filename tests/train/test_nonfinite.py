@@ -56,15 +56,21 @@ def test_user_error_finds_it_inside_a_ray_train_failure():
 
 
 def test_a_restarted_worker_group_of_the_same_fit_fails_at_once(tmp_path):
-    config = {"task": "sft", "progress_file": str(tmp_path / "sft.progress.jsonl"), "fit_id": "fit-1"}
+    from dataclasses import replace
+
+    from gti.config import RunConfig
+    from gti.train.worker_config import SftStart, WorkerConfig
+
+    config = replace(WorkerConfig.build("sft", RunConfig(), 0, sft=SftStart(str(tmp_path))),
+                     progress_file=str(tmp_path / "sft.progress.jsonl"), fit_id="fit-1")
     nonfinite.raise_if_marked(config)  # nothing recorded yet
     with pytest.raises(NonFiniteError):
         nonfinite.check_step(config, 0, 4, math.nan, 1.0)
     assert nonfinite.marker_path(config) == tmp_path / "sft.nonfinite.json"
     with pytest.raises(NonFiniteError, match="step 4: loss is nan"):
         nonfinite.raise_if_marked(config)
-    nonfinite.raise_if_marked({**config, "fit_id": "fit-2"})  # a later fit (a rerun) trains afresh
-    other_rank = {**config, "progress_file": str(tmp_path / "x.progress.jsonl")}
+    nonfinite.raise_if_marked(replace(config, fit_id="fit-2"))  # a later fit (a rerun) trains afresh
+    other_rank = replace(config, progress_file=str(tmp_path / "x.progress.jsonl"))
     with pytest.raises(NonFiniteError):
         nonfinite.check_step(other_rank, 1, 4, math.nan, 1.0)
     assert not nonfinite.marker_path(other_rank).exists()  # only rank 0 writes it
@@ -77,18 +83,20 @@ NAN_AT = 3
 def test_nan_loss_stops_the_loop_at_its_step_before_any_checkpoint_of_it(single_process_dist_env,
                                                                          grounding_problem, tmp_path,
                                                                          monkeypatch):
+    from dataclasses import replace
+
     import pyarrow.parquet as pq
 
     from gti.config import GroundConfig, RunConfig
-    from gti.train import driver, ground_task, loop
+    from gti.train import driver, loop
+    from gti.train.worker_config import WorkerConfig
 
     p = grounding_problem
     run_cfg = RunConfig(model=p["model_cfg"], ground=GroundConfig(
         steps=6, batch_size=4, num_workers=1, zero_stage=2, lr=1e-2, checkpoint_every=2, val_every=100,
         log_every=1))
-    config = {"task": "ground", "hooks": ground_task.HOOKS, "run_config": run_cfg.model_dump(mode="json"),
-              "pad_id": p["pad_id"], "ground": p["ground"], "val": p["val"],
-              "progress_file": str(tmp_path / "g.progress.jsonl"), "fit_id": "one-fit"}
+    config = replace(WorkerConfig.build("ground", run_cfg, p["pad_id"], ground=p["ground"], val=p["val"]),
+                     progress_file=str(tmp_path / "g.progress.jsonl"), fit_id="one-fit")
     rows = [r for r in pq.read_table(p["pairs"]).to_pylist() if r["split"] == "train"]
 
     class Stream:  # the worker's shard, without Ray Data

@@ -68,13 +68,14 @@ Modules: `job` (the `Job` every step gets: run, config, parent version, work fol
 `RefreshError`, `RefreshResult`, `load_run_config`), `ingest`, `sids`, `tokens`, `train` (the steps) and
 `driver` (`refresh`, `cli_main`, the export step, resuming and publishing a version).
 
-Ray: only through `gti.stages._ray.ensure_ray` and `gti.train.loop.fit` (this package is a
-driver, like `gti.vocab_ground`). It reads with the ingest stage's public API: the readers of
-`gti.data.batches` (`Source`, `local_stream`, `iterate`, `raise_file_error`,
-`fill_interaction_raw`) and `gti.stages.ingest` (`ingest_items`, the output schemas such as
-`INTER_Q_SCHEMA`). From other stage modules it reuses `gti.stages.pairs` (`RenderPairs`,
-`PAIRS_SCHEMA`) and `gti.stages.ground` (`write_val_set`, `VAL_TASKS`); the SFT hooks and
-`rebuild_trained` come from `gti.train.sft_task`.
+Ray: only through `gti.stages._ray.ensure_ray` and the training runners
+`gti.train.ground_run.run_grounding` / `gti.train.sft_run.run_sft` (the ones the `ground` and
+`sft` stages use; this package is a driver, like `gti.vocab_ground`). It reads with the ingest
+stage's public API: the readers of `gti.data.batches` (`Source`, `local_stream`, `iterate`,
+`raise_file_error`, `fill_interaction_raw`) and `gti.stages.ingest` (`ingest_items`, the output
+schemas such as `INTER_Q_SCHEMA`). From other stage modules it reuses `gti.stages.pairs`
+(`RenderPairs`, `PAIRS_SCHEMA`); the validation set (`write_val_set`, `VAL_TASKS`) comes from
+`gti.train.ground_run`, `rebuild_trained` from `gti.train.sft_task`.
 
 What it does not know: how the run's stages were run (it reads their manifests and outputs).
 """

@@ -35,6 +35,7 @@ from gti.refresh.job import (
 from gti.refresh.sids import assign_step, embed_step, pairs_step
 from gti.refresh.tokens import tokens_step
 from gti.refresh.train import ground_step, sft_step
+from gti.train.worker_config import FaultInjection
 
 # In the fingerprint and the manifest: every section a step reads (model: the dtype the parent is
 # loaded in; sid: assignment settings; init: how added code tokens start).
@@ -114,14 +115,14 @@ def open_work(work: Path, fp: str) -> None:
 
 def refresh(run_dir: str | Path, items: str | Path, interactions: str | Path | None = None,
             overrides: Sequence[str] = (), *, log: Callable[[str], None] = log_default,
-            fault_injection: dict | None = None, trust_remote_code: bool = False) -> RefreshResult:
+            fault_injection: FaultInjection | None = None, trust_remote_code: bool = False) -> RefreshResult:
     """Refresh the run in `run_dir` with the new items (see the `gti.refresh` docstring).
 
     items / interactions: paths in any format `data.items.path` / `data.interactions.path` take
     (the run's column mapping and format apply; override them with `data.items.format=csv` etc.).
     overrides: key=value on the run's config (`refresh.*`, `ground.*`, `sft.*`, ...).
     trust_remote_code: the caller's `--trust-remote-code` (the run folder's config never sets it).
-    fault_injection (tests): {"fail_at_step", "fail_rank", "fail_marker"} for the grounding loop.
+    fault_injection (tests): a `gti.train.worker_config.FaultInjection` for the grounding loop.
     Returns a RefreshResult; user mistakes raise GtiError subclasses (one line). Holds the run
     folder's writer lock (`gti.runlock`): a second refresh (or run) of the folder is refused.
     """
@@ -135,7 +136,7 @@ def refresh(run_dir: str | Path, items: str | Path, interactions: str | Path | N
 
 
 def _refresh_locked(run_dir: Path, items, interactions, overrides: Sequence[str], log: Callable[[str], None],
-                    fault_injection: dict | None, trust_remote_code: bool = False) -> RefreshResult:
+                    fault_injection: FaultInjection | None, trust_remote_code: bool = False) -> RefreshResult:
     from gti.sid import lineage
     from gti.sid import versions as V
 
@@ -166,7 +167,7 @@ def _refresh_locked(run_dir: Path, items, interactions, overrides: Sequence[str]
     return RefreshResult(k=k, dir=final, parent_hash=parent.hash, new_hash=version.hash, facts=facts)
 
 
-def run_steps(steps: Steps, job: Job, fault_injection: dict | None = None) -> dict[str, dict]:
+def run_steps(steps: Steps, job: Job, fault_injection: FaultInjection | None = None) -> dict[str, dict]:
     """{step name: its facts}, in order; a step an interrupted attempt finished is reused."""
     return {
         "ingest": steps.run("ingest", lambda: ingest_step(job)),

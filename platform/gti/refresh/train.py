@@ -2,18 +2,18 @@
 
 What it is for:
 - `ground_step(job, fault_injection)`: `refresh.ground_steps` steps of the grounding task on
-  Ray Train + DeepSpeed (`gti.train.loop.fit` with `gti.train.ground_task.HOOKS`: backbone and
-  every non-SID row frozen, only the SID rows train) on `<work>/pairs.parquet`, continuing from
-  `job.base_model_dir` (the parent's model, or `<work>/grown_model/` when the tokens step
-  appended code tokens); its starting rows are that model's SID rows `job.token_range()`,
-  which cover the added tokens too, so they train with the others. Validation: constrained
-  text->SID exact match on the new items (`val_source`: held-out pairs when the split has
-  them, else in-sample; the SID answer tokens are found by id, as the new map's codec spells
-  them). -> `<work>/ground_model/`.
-- `sft_step(job)`: `refresh.sft_steps` steps of the SFT task (`gti.train.sft_task`) on the
-  training windows of the users the new interactions touch (+ `refresh.sft_replay_ratio` x as
-  many windows of other users, `select_windows`), from the grounded model (else
-  `job.base_model_dir`). -> `<work>/sft_model/`.
+  Ray Train + DeepSpeed (`gti.train.ground_run.run_grounding`, the `ground` stage's runner:
+  backbone and every non-SID row frozen, only the SID rows train) on `<work>/pairs.parquet`,
+  continuing from `job.base_model_dir` (the parent's model, or `<work>/grown_model/` when the
+  tokens step appended code tokens); its starting rows are that model's SID rows
+  `job.token_range()`, which cover the added tokens too, so they train with the others.
+  Validation: constrained text->SID exact match on the new items (`val_source`: held-out pairs
+  when the split has them, else in-sample; the SID answer tokens are found by id, as the new
+  map's codec spells them). -> `<work>/ground_model/`.
+- `sft_step(job)`: `refresh.sft_steps` steps of the SFT task (`gti.train.sft_run.run_sft`, the
+  `sft` stage's runner) on the training windows of the users the new interactions touch
+  (+ `refresh.sft_replay_ratio` x as many windows of other users, `select_windows`), from the
+  grounded model (else `job.base_model_dir`). -> `<work>/sft_model/`.
 Both resume from their last Ray Train checkpoint under `<work>/ray_train/` when rerun.
 
 What it does not know: how the new items were read or given SIDs (it reads the step files),
@@ -22,15 +22,17 @@ the version folder's layout beyond the work folder.
 
 from __future__ import annotations
 
-import math
-from types import SimpleNamespace
-
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from gti.errors import DataError
 from gti.refresh.job import GROUND_RUN, RAY_DIR, SFT_RUN, Job
+from gti.train.worker_config import FaultInjection
+
+START_FILE = "e_new_start.safetensors"  # the base model's SID rows, where grounding starts
+VAL_FILE = "val_prompts.parquet"
+SIDS_FILE = "catalog_sids.safetensors"
 
 
 def _start_rows(model, first: int, end: int) -> dict:
@@ -46,7 +48,7 @@ def _start_rows(model, first: int, end: int) -> dict:
 def val_source(new: pa.Table) -> tuple[pa.Table, bool]:
     """(the new pairs with the validation split to use, in_sample): their held-out text->SID
     pairs, else (few new items, none held out) their training text->SID pairs, in-sample."""
-    from gti.stages.ground import VAL_TASKS
+    from gti.train.ground_run import VAL_TASKS
 
     is_t2s = pc.is_in(new.column("task"), pa.array(list(VAL_TASKS)))
     held = pc.and_(is_t2s, pc.equal(new.column("split"), "val"))
@@ -65,51 +67,32 @@ def _write_validation(job: Job, gcfg, codec, first: int, end: int, tok) -> tuple
     import torch
     from safetensors.torch import save_file
 
-    from gti.stages.ground import write_val_set
+    from gti.train.ground_run import write_val_set
 
     new, in_sample = val_source(pq.read_table(str(job.work / "pairs_new.parquet")))
     pq.write_table(new, str(job.work / "val_source.parquet"))
-    shim = SimpleNamespace(cfg=gcfg, input=lambda stage, name: job.work / "val_source.parquet")
     table = codec.code_to_token_id_table(tok)
     sid_ids = frozenset(int(i) for i in table[table >= 0].tolist())
-    n_val = write_val_set(shim, job.work, first, end, codec.levels, sid_ids=sid_ids)
+    n_val = write_val_set(job.work / "val_source.parquet", job.work / VAL_FILE, seed=gcfg.seed,
+                          n_samples=gcfg.ground.val_samples, first_sid=first, end_sid=end, levels=codec.levels,
+                          sid_ids=sid_ids)
     smap = pq.read_table(str(job.work / "sid" / "sid_map.parquet"), columns=["codes"])
     codes = torch.tensor(smap.column("codes").to_pylist(), dtype=torch.long)
-    save_file({"sid_token_ids": codec.token_ids(codes, tok).contiguous()}, str(job.work / "catalog_sids.safetensors"))
+    save_file({"sid_token_ids": codec.token_ids(codes, tok).contiguous()}, str(job.work / SIDS_FILE))
     return n_val, in_sample
 
 
-def _loss_ends(res) -> dict:
-    loss = res.history.get("loss", [])
-    return {"first_loss": loss[0][1] if loss else None, "final_loss": loss[-1][1] if loss else None}
-
-
-def _ground_loop_config(job: Job, gcfg, codec, first: int, end: int, pad_id: int, n_val: int,
-                        fault_injection: dict | None) -> dict:
-    from gti.train import ground_task
-
-    w = job.work
-    return {
-        "task": "ground", "hooks": ground_task.HOOKS, "run_config": gcfg.model_dump(mode="json"), "pad_id": pad_id,
-        "ground": {"init_path": str(w / "e_new_start.safetensors"), "first_new_id": first, "n_new": end - first},
-        "val": None if n_val == 0 else {
-            "path": str(w / "val_prompts.parquet"), "sids_path": str(w / "catalog_sids.safetensors"),
-            "new_start": first, "new_end": end, "levels": codec.levels, "pad_id": pad_id},
-        **(fault_injection or {}),
-    }
-
-
-def ground_step(job: Job, fault_injection: dict | None) -> dict:
+def ground_step(job: Job, fault_injection: FaultInjection | None) -> dict:
     """Step 5 (see the module docstring); fault_injection (tests) goes to the training loop."""
     from safetensors.torch import save_file
 
     from gti.lm import models, vocab
     from gti.sid.codec import SidCodec
     from gti.stages._ray import ensure_ray
-    from gti.train.deepspeed_config import micro_batch
-    from gti.train.loop import fit, train_dataset_from_parquet
+    from gti.train.ground_run import GroundingInputs, check_pairs, run_grounding
+    from gti.train.worker_config import GroundRows, ValSet
 
-    cfg, rc = job.cfg, job.cfg.refresh
+    cfg, rc, w = job.cfg, job.cfg.refresh, job.work
     base = job.base_model_dir
     if rc.ground_steps == 0:
         grown = base != job.parent.model_dir
@@ -119,34 +102,29 @@ def ground_step(job: Job, fault_injection: dict | None) -> dict:
     first, end = job.token_range()
     g = cfg.ground.model_copy(update={"steps": rc.ground_steps, "lr": rc.ground_lr_from(cfg.ground.lr)})
     gcfg = cfg.model_copy(update={"ground": g, "model": cfg.model.model_copy(update={"name": str(base)})})
-    micro = micro_batch(g, g.num_workers)
-    pairs_path = job.work / "pairs.parquet"
-    n_train = int(pc.sum(pc.equal(pq.read_table(str(pairs_path), columns=["split"]).column("split"), "train")).as_py() or 0)
-    if n_train < g.num_workers * micro:
-        raise DataError(f"{pairs_path}: {n_train} train pairs cannot fill one micro-batch of {micro} on each of "
-                        f"{g.num_workers} workers (ground.batch_size / ground.num_workers)")
+    check_pairs(w / "pairs.parquet", g)  # too few pairs fail here, before the model is loaded
     codec = SidCodec.from_facts(job.map_facts())
     tok = job.tokenizer()
     model, _ = models.load_model_and_tokenizer(cfg.model, path=base)
     start = _start_rows(model, first, end)
-    save_file({k: v.contiguous() for k, v in start.items()}, str(job.work / "e_new_start.safetensors"))
+    save_file({k: v.contiguous() for k, v in start.items()}, str(w / START_FILE))
     n_val, in_sample = _write_validation(job, gcfg, codec, first, end, tok)
-    loop_config = _ground_loop_config(job, gcfg, codec, first, end, int(tok.pad_token_id), n_val, fault_injection)
-    job.log(f"ground: {g.steps} steps x {g.batch_size} pairs on {g.num_workers} worker(s), lr {g.lr:g}, "
-            f"from {base}; SID rows [{first}, {end}); {n_train} train pairs, {n_val} "
-            f"{'in-sample' if in_sample else 'held-out'} val prompts")
-    ensure_ray(cfg)
-    ds = train_dataset_from_parquet(pairs_path, seed=cfg.seed)
-    res = fit(loop_config, ds, g, storage_path=job.work / RAY_DIR, name=GROUND_RUN,
-              log=lambda m: job.log(f"ground: {m}"), progress_every=max(g.log_every, math.ceil(g.steps / 20)))
+    inputs = GroundingInputs(
+        run_cfg=gcfg, pairs_path=w / "pairs.parquet", rows=GroundRows(str(w / START_FILE), first, end - first),
+        pad_id=int(tok.pad_token_id), fault=fault_injection,
+        val=ValSet(str(w / VAL_FILE), str(w / SIDS_FILE), first, end, codec.levels) if n_val else None,
+        note=f"from {base}; SID rows [{first}, {end}); {'in-sample' if in_sample else 'held-out'} validation",
+    )
+    res = run_grounding(inputs, storage_path=w / RAY_DIR, name=GROUND_RUN, start_ray=lambda: ensure_ray(cfg),
+                        log=lambda m: job.log(f"ground: {m}"))
     vocab.attach_new_rows(model, first, end - first, start["e_new"], start.get("head_new"))
     vocab.load_new_rows_state_dict(model, res.state_dict)
-    vocab.export_model(model, tok, job.work / "ground_model", dict(vocab.read_meta(base)))
+    vocab.export_model(model, tok, w / "ground_model", dict(vocab.read_meta(base)))
+    f = res.facts
     return {
-        "grounded": True, "steps_done": res.steps_done, "lr": g.lr, **_loss_ends(res),
-        "val_exact_match": [{"step": int(s), "value": float(v)}
-                            for s, v in res.history.get("val", {}).get("val_exact_match", [])],
-        "val_in_sample": in_sample, "val_prompts": n_val, "train_pairs": n_train,
+        "grounded": True, "steps_done": f["steps_done"], "lr": g.lr, "first_loss": f["first_loss"],
+        "final_loss": f["final_loss"], "val_exact_match": f["val_exact_match"],
+        "val_in_sample": in_sample, "val_prompts": n_val, "train_pairs": f["train_pairs"],
     }
 
 
@@ -201,8 +179,7 @@ def sft_step(job: Job) -> dict:
 
     from gti.lm import vocab
     from gti.stages._ray import ensure_ray
-    from gti.train.loop import fit
-    from gti.train.sft_task import HOOKS as SFT_HOOKS
+    from gti.train.sft_run import SftInputs, run_sft
     from gti.train.sft_task import rebuild_trained
 
     cfg, rc = job.cfg, job.cfg.refresh
@@ -218,18 +195,14 @@ def sft_step(job: Job) -> dict:
     frame[order].write_parquet(train_path)
     s = cfg.sft.model_copy(update={"steps": rc.sft_steps, **({"lr": rc.sft_lr} if rc.sft_lr else {})})
     scfg = cfg.model_copy(update={"sft": s})
-    loop_config = {"task": "sft", "run_config": scfg.model_dump(mode="json"), "pad_id": int(tok.pad_token_id),
-                   "hooks": SFT_HOOKS, "sft": {"model_dir": str(start)}, "val": None}
     job.log(f"sft: {s.steps} steps x batch {s.batch_size} on {facts['touched_windows']} windows of "
             f"{facts['touched_users']} touched users + {facts['replay_windows']} replayed windows of other "
             f"users, from {start}")
-    ensure_ray(cfg)
-    import ray
-
-    ds = ray.data.read_parquet(str(train_path), columns=["input_ids", "labels"]).materialize()
-    res = fit(loop_config, ds, s, storage_path=(job.work / RAY_DIR).resolve(), name=SFT_RUN,
-              log=lambda m: job.log(f"sft: {m}"), progress_every=max(1, s.log_every))
+    res = run_sft(SftInputs(run_cfg=scfg, train_path=train_path, model_dir=start, pad_id=int(tok.pad_token_id)),
+                  storage_path=(job.work / RAY_DIR).resolve(), name=SFT_RUN, start_ray=lambda: ensure_ray(cfg),
+                  log=lambda m: job.log(f"sft: {m}"))
     model = rebuild_trained(start, scfg, res.state_dict)
     vocab.export_model(model, tok, job.work / "sft_model", dict(vocab.read_meta(start)))
-    return {"steps_done": res.steps_done, "lr": s.lr, "windows": frame.height, "users": facts["touched_users"],
-            **facts, **_loss_ends(res)}
+    f = res.facts
+    return {"steps_done": f["steps_done"], "lr": s.lr, "windows": frame.height, "users": facts["touched_users"],
+            **facts, "first_loss": f["first_loss"], "final_loss": f["final_loss"]}

@@ -9,31 +9,31 @@ What it does, in order:
 2. Computes the initial rows with `gti.lm.init.init_rows` from the REAL old rows (input matrix;
    and output matrix for an untied head): `description` reads item text from `ingest` and codes
    from `sid`; `codebook` reads `sid/codebooks.safetensors`. Writes `e_new_init.safetensors`.
-3. If `ground.enabled` and `ground.steps > 0`: `gti.train.loop.fit` runs the shared loop on
-   `ground.num_workers` workers with the grounding hooks (`gti.train.ground_task`: backbone and old rows
-   frozen, only the new rows in the DeepSpeed optimizer), fed by Ray Data shards of the train
-   pairs; validation is constrained greedy text->SID exact match on `ground.val_samples`
-   held-out title2sid/desc2sid pairs. Ray Train storage is `work_dir/ray_train`, run name
-   `ground` (or the caller's `run_name`), so a rerun after a killed driver resumes from the last
-   checkpoint (the pipeline keeps the partial work dir when the fingerprint is unchanged).
+3. If `ground.enabled` and `ground.steps > 0`: `gti.train.ground_run.run_grounding` (the
+   grounding runner `gti refresh` and `gti vocab ground` use too) runs the shared loop on
+   `ground.num_workers` workers with the grounding hooks (`gti.train.ground_task`: backbone
+   and old rows frozen, only the new rows in the DeepSpeed optimizer), fed by Ray Data shards
+   of the train pairs; validation is constrained greedy text->SID exact match on
+   `ground.val_samples` held-out title2sid/desc2sid pairs (`gti.train.ground_run.write_val_set`).
+   Ray Train storage is `work_dir/ray_train`, run name `ground` (or the caller's `run_name`), so
+   a rerun after a killed driver resumes from the last checkpoint (the pipeline keeps the
+   partial work dir when the fingerprint is unchanged).
    Otherwise (the plain init arm) the initial rows are exported as they are, steps_done 0.
 4. Exports `model/`: a standard HF folder (new rows merged back, extended tokenizer,
    `gti_meta.json` with sid_map_hash and the new-token id range) and `e_new_ground.safetensors`.
 
 Progress: `ctx.log` lines every ~5% of the steps (loss, lr, tokens/s, validation).
 
-What it does NOT know: how pairs are rendered, how the loop trains (gti.train.loop), SFT.
+What it does NOT know: how pairs are rendered, how the runner and the loop train
+(gti.train.ground_run, gti.train.loop), SFT.
 """
 
 from __future__ import annotations
 
-import math
 import shutil
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
@@ -49,7 +49,6 @@ GROUND_FILE = "e_new_ground.safetensors"
 RAY_DIR = STORAGE_DIR  # gti.train.driver.STORAGE_DIR
 VAL_FILE = "val_prompts.parquet"
 SIDS_FILE = "catalog_sids.safetensors"
-VAL_TASKS = ("title2sid", "desc2sid")
 
 
 # --------------------------------------------------------------------------- helpers
@@ -107,42 +106,6 @@ def initial_rows(ctx: StageContext, model, tokenizer, n_real: int, n_new: int) -
             generator=torch.Generator().manual_seed(cfg.seed + 1), **kw,
         )
     return out
-
-
-def write_val_set(ctx: StageContext, out_dir: Path, first_sid: int, end_sid: int, levels: int,
-                  sid_ids: frozenset[int] | None = None) -> int:
-    """Sample `ground.val_samples` held-out text->SID pairs (seeded) into `val_prompts.parquet`:
-    prompt = chat prompt + the answer tokens before the SID (e.g. <sid_start>), target = the
-    L SID token ids. The SID tokens are the ids in [first_sid, end_sid), or the set `sid_ids`
-    when given (`gti refresh` after added codes: not one contiguous range). Returns the number
-    of rows (0 = no validation)."""
-    import pyarrow as pa
-
-    path = ctx.input("pairs", "pairs")
-    t = pq.read_table(path, columns=["task", "split", "prompt_ids", "answer_ids"])
-    mask = pc.and_(pc.equal(t["split"], "val"), pc.is_in(t["task"], pa.array(list(VAL_TASKS))))
-    t = t.filter(mask)
-    if t.num_rows == 0:
-        return 0
-    rng = np.random.default_rng(ctx.cfg.seed)
-    n = min(ctx.cfg.ground.val_samples, t.num_rows)
-    rows = np.sort(rng.choice(t.num_rows, size=n, replace=False))
-    t = t.take(pa.array(rows))
-    prompts, targets = [], []
-    for i, (p, a) in enumerate(zip(t["prompt_ids"].to_pylist(), t["answer_ids"].to_pylist())):
-        where = [j for j, x in enumerate(a) if (x in sid_ids if sid_ids is not None else first_sid <= x < end_sid)]
-        if len(where) < levels or where[:levels] != list(range(where[0], where[0] + levels)):
-            raise DataError(f"{path}: val pair {int(rows[i])} has no run of {levels} SID tokens in its answer")
-        s = where[0]
-        prompts.append(list(p) + list(a[:s]))
-        targets.append(list(a[s: s + levels]))
-    pq.write_table(pa.table({"prompt": prompts, "target": targets}), out_dir / VAL_FILE)
-    return n
-
-
-def _count_train_pairs(path: Path) -> int:
-    t = pq.read_table(path, columns=["split"])
-    return int(pc.sum(pc.equal(t["split"], "train")).as_py() or 0)
 
 
 # --------------------------------------------------------------------------- the stage
@@ -234,68 +197,27 @@ def _row_shift(model, init: dict[str, torch.Tensor], final: dict[str, torch.Tens
 
 def _ground(ctx: StageContext, init, first, end, first_sid, end_sid, codec, tokenizer,
             run_name: str, callbacks) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The grounding run (`gti.train.ground_run.run_grounding`) on the pairs stage's pairs,
+    validated on held-out text->SID pairs against the catalog's SIDs."""
     from safetensors.torch import save_file
 
     from gti.stages._ray import ensure_ray
-    from gti.train.deepspeed_config import micro_batch
-    from gti.train import ground_task
-    from gti.train.loop import fit, train_dataset_from_parquet
-
-    cfg, g, work = ctx.cfg, ctx.cfg.ground, ctx.work_dir
-    micro = micro_batch(g, g.num_workers)  # ConfigError naming the key before Ray starts
-    pairs_path = ctx.input("pairs", "pairs")
-    n_train = _count_train_pairs(pairs_path)
-    if n_train < g.num_workers * micro:
-        raise DataError(
-            f"{pairs_path}: {n_train} train pairs cannot fill one micro-batch of {micro} on each of "
-            f"{g.num_workers} workers (ground.batch_size / ground.num_workers)"
-        )
-    _, codes = _item_codes(ctx, codec.levels)
-    sid_ids = codec.token_ids(codes, tokenizer)
-    save_file({"sid_token_ids": sid_ids.contiguous()}, str(work / SIDS_FILE))
-    n_val = write_val_set(ctx, work, first_sid, end_sid, codec.levels)
-    pad_id = int(tokenizer.pad_token_id)
-    loop_config = {
-        "task": "ground",
-        "hooks": ground_task.HOOKS,
-        "run_config": cfg.model_dump(mode="json"),
-        "pad_id": pad_id,
-        "ground": {"init_path": str(work / INIT_FILE), "first_new_id": first, "n_new": end - first},
-        "val": None if n_val == 0 else {
-            "path": str(work / VAL_FILE), "sids_path": str(work / SIDS_FILE), "new_start": first,
-            "new_end": end, "levels": codec.levels, "pad_id": pad_id,
-        },
-    }
-    ctx.log(
-        f"grounding {g.steps} steps x {g.batch_size} pairs on {g.num_workers} worker(s), ZeRO-{g.zero_stage}, "
-        f"{g.precision}, lr {g.lr:g}; {n_train:,} train pairs, {n_val} val prompts"
-    )
-    ensure_ray(cfg)
-    ds = train_dataset_from_parquet(pairs_path, seed=cfg.seed)
     from gti.tracking import open_tracker
+    from gti.train.ground_run import GroundingInputs, run_grounding, write_val_set
+    from gti.train.worker_config import GroundRows, ValSet
 
+    cfg, work = ctx.cfg, ctx.work_dir
+    _, codes = _item_codes(ctx, codec.levels)
+    save_file({"sid_token_ids": codec.token_ids(codes, tokenizer).contiguous()}, str(work / SIDS_FILE))
+    n_val = write_val_set(ctx.input("pairs", "pairs"), work / VAL_FILE, seed=cfg.seed, n_samples=cfg.ground.val_samples,
+                          first_sid=first_sid, end_sid=end_sid, levels=codec.levels)
+    inputs = GroundingInputs(
+        run_cfg=cfg, pairs_path=ctx.input("pairs", "pairs"), pad_id=int(tokenizer.pad_token_id),
+        rows=GroundRows(str(work / INIT_FILE), first, end - first),
+        val=ValSet(str(work / VAL_FILE), str(work / SIDS_FILE), first, end, codec.levels) if n_val else None,
+    )
     # A Tune trial (run_name from the trial) writes beside the others: tensorboard/tune/<name>/.
-    with open_tracker(ctx, "ground" if run_name == "ground" else f"tune/{run_name}") as tracker:
-        res = fit(
-            loop_config, ds, g, storage_path=work / RAY_DIR, name=run_name, log=ctx.log,
-            progress_every=max(g.log_every, math.ceil(g.steps / 20)), callbacks=callbacks,
-            on_metrics=tracker.report,
-        )
-    hist = res.history
-    loss = hist.get("loss", [])
-    tps = [v for _, v in hist.get("tokens_per_s", [])]
-    facts = {
-        "steps_done": res.steps_done,
-        "final_loss": loss[-1][1] if loss else None,
-        "first_loss": loss[0][1] if loss else None,
-        "val_exact_match": [{"step": int(s), "value": float(v)} for s, v in hist.get("val", {}).get("val_exact_match", [])],
-        "tokens_per_s_median": float(np.median(tps)) if tps else None,
-        "train_pairs": n_train,
-        "val_prompts": n_val,
-        "num_workers": g.num_workers,
-        "zero_stage": g.zero_stage,
-        "precision": res.precision or g.precision,
-        "precision_setting": g.precision,
-        "timing": res.timing,
-    }
-    return res.state_dict, facts
+    res = run_grounding(inputs, storage_path=work / RAY_DIR, name=run_name, start_ray=lambda: ensure_ray(cfg),
+                        log=ctx.log, callbacks=callbacks,
+                        tracker=lambda: open_tracker(ctx, "ground" if run_name == "ground" else f"tune/{run_name}"))
+    return res.state_dict, res.facts

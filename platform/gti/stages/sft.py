@@ -11,8 +11,9 @@ Flow:
    grounding pairs, shuffles with the seed, and writes `data/sft_train.parquet` inside the
    stage's work dir (a rerun after a killed driver reuses it). Validation prompts for
    `sft.val_users` sampled validation users go to `data/val.parquet`.
-2. Training: `gti.train.loop.fit` (the shared loop) with the SFT task's hooks
-   (`gti.train.sft_task.HOOKS`: model, trainable tensors, validation):
+2. Training: `gti.train.sft_run.run_sft` (the SFT runner `gti refresh` uses too: the shared
+   loop with the SFT task's hooks, `gti.train.sft_task.HOOKS`: model, trainable tensors,
+   validation) on the rows of `data/sft_train.parquet` in file order:
    DeepSpeed ZeRO (`sft.zero_stage`, default 2; 3 supported), `sft.precision` (auto, bf16 or fp32; bf16 = autocast),
    gradient accumulation, warmup + cosine schedule, checkpoints under `ray_train/` through
    `ray.train.report` (a restarted worker group or a rerun driver resumes from the latest one;
@@ -51,8 +52,10 @@ from gti.errors import DataError, GtiError
 from gti.manifest import atomic_write_json
 from gti.contract import StageContext, StageResult
 from gti.lm import templates
-from gti.train import sft_data, sft_task
+from gti.train import sft_data
+from gti.train.sft_run import SftInputs, history_facts, run_sft
 from gti.train.sft_task import VAL_K, VAL_METRIC, check_lora_supported, load_causal_lm, rebuild_trained
+from gti.train.worker_config import FaultInjection, ValSet
 
 TASK = "sft"
 DATA_DIR = "data"
@@ -217,33 +220,10 @@ def _write_val_prompts(ctx: StageContext, seqs: pl.DataFrame, tokenizer, sid_ids
     return val_w.height
 
 
-# --------------------------------------------------------------------------- training
-def _fit(ctx: StageContext, loop_config: dict, train_path: Path):
-    """Ray Train run through the shared driver helper `gti.train.loop.fit` (resume by name and
-    storage path, FailureConfig, order-preserving shards, progress lines through ctx.log)."""
-    import ray
-
-    from gti.train import loop
-
-    sc = ctx.cfg.sft
-    # The rows are already shuffled with the seed (sft_data.multitask_mix); keep that order.
-    # Materialised before the worker group reserves its CPUs: the streaming split then needs no
-    # read task while the workers hold their slots (on a full cluster, with Tune trials or
-    # compare arms side by side, a pending read would otherwise wait for ever).
-    ds = ray.data.read_parquet(str(train_path), columns=["input_ids", "labels"]).materialize()
-    from gti.tracking import open_tracker
-
-    with open_tracker(ctx) as tracker:
-        return loop.fit(
-            loop_config, ds, sc, storage_path=(ctx.work_dir / STORAGE_DIR).resolve(), name=TASK,
-            log=ctx.log, progress_every=max(1, sc.log_every), on_metrics=tracker.report,
-        )
-
-
 # --------------------------------------------------------------------------- stage entry
-def run(ctx: StageContext, fault_injection: dict | None = None) -> StageResult:
-    """Run the stage. `fault_injection` (tests only): {"fail_at_step", "fail_rank",
-    "fail_marker"}, passed to the worker loop, which kills that worker once."""
+def run(ctx: StageContext, fault_injection: FaultInjection | None = None) -> StageResult:
+    """Run the stage. `fault_injection` (tests only) goes to the worker loop, which kills that
+    worker once."""
     from gti.run_artifacts import check_sid_map_hash
 
     cfg, sc = ctx.cfg, ctx.cfg.sft
@@ -285,15 +265,13 @@ class _SidTables:
 
 @dataclass
 class _Trained:
-    """The model to export and what training reported (the defaults: no SFT ran)."""
+    """The model to export, the data statistics and the training facts (`run_sft`'s; the
+    defaults: no SFT ran)."""
 
     model: Any
     stats: dict[str, Any] = field(default_factory=dict)
-    n_trainable: int = 0
-    history: dict[str, Any] = field(default_factory=lambda: {"loss": [], "val": {}})
-    steps_done: int = 0
-    precision: str | None = None
-    timing: dict[str, Any] | None = None
+    facts: dict[str, Any] = field(default_factory=lambda: {
+        **history_facts({"loss": [], "val": {}}, 0), "trainable_params": 0, "precision": None, "timing": None})
 
 
 def _tokenizer(ctx: StageContext):
@@ -318,52 +296,41 @@ def _sid_tables(ctx: StageContext, sid_facts: dict[str, Any], tokenizer) -> _Sid
 
 
 def _train(ctx: StageContext, tokenizer, pad_id: int, ground_dir: Path, sids: _SidTables,
-           fault_injection: dict | None) -> _Trained:
-    """Prepare the data, train on Ray Train and rebuild the trained model on the driver."""
+           fault_injection: FaultInjection | None) -> _Trained:
+    """Prepare the data, train with the SFT runner (`gti.train.sft_run.run_sft`) and rebuild
+    the trained model on the driver."""
     from safetensors.torch import save_file
 
     from gti.stages._ray import ensure_ray
+    from gti.tracking import open_tracker
 
     cfg, sc = ctx.cfg, ctx.cfg.sft
     ensure_ray(cfg)
     stats = _prepare_data(ctx, tokenizer, sids.sid_ids, {"item_ids": sids.item_ids})
     data_dir = (ctx.work_dir / DATA_DIR).resolve()
     save_file({"sid_token_ids": sids.matrix.contiguous()}, str(data_dir / SIDS_FILE))
-    loop_config = _loop_config(cfg, int(pad_id), ground_dir, data_dir, sids)
-    if fault_injection:
-        loop_config.update(fault_injection)
+    inputs = SftInputs(run_cfg=cfg, train_path=data_dir / TRAIN_FILE, model_dir=ground_dir, pad_id=int(pad_id),
+                       val=_val_set(cfg, data_dir, sids), fault=fault_injection)
     ctx.log(
         f"SFT: {stats['n_train_rows']:,} rows {stats['tasks']}, {sc.steps} steps x batch {sc.batch_size} "
         f"(accum {sc.grad_accum}) on {sc.num_workers} worker(s), ZeRO-{sc.zero_stage} {sc.precision}, "
         f"{'LoRA r=%d' % sc.lora.r if sc.lora.enabled else 'all parameters'}"
     )
     t0 = time.time()
-    result = _fit(ctx, loop_config, data_dir / TRAIN_FILE)
+    res = run_sft(inputs, storage_path=(ctx.work_dir / STORAGE_DIR).resolve(), name=TASK,
+                  start_ray=lambda: ensure_ray(cfg), log=ctx.log, tracker=lambda: open_tracker(ctx))
     ctx.log(f"training done in {time.time() - t0:.1f}s")
-    return _Trained(
-        model=rebuild_trained(ground_dir, cfg, result.state_dict), stats=stats,
-        n_trainable=int(sum(t.numel() for t in result.state_dict.values())),
-        history=result.history, steps_done=int(result.steps_done),
-        precision=result.precision or sc.precision, timing=result.timing,
-    )
+    return _Trained(model=rebuild_trained(ground_dir, cfg, res.state_dict), stats=stats, facts=res.facts)
 
 
-def _loop_config(cfg, pad_id: int, ground_dir: Path, data_dir: Path, sids: _SidTables) -> dict[str, Any]:
-    """The worker loop's config: the SFT hooks, the grounded model, the validation set-up."""
+def _val_set(cfg, data_dir: Path, sids: _SidTables) -> ValSet:
+    """The validation users' prompts (data/val.parquet) decoded against the catalog's trie."""
     k = min(VAL_K, len(sids.item_ids))
-    return {
-        "task": TASK,
-        "run_config": cfg.model_dump(mode="json"),
-        "pad_id": pad_id,
-        "hooks": sft_task.HOOKS,
-        "sft": {"model_dir": str(ground_dir)},
-        "val": {
-            "path": str(data_dir / VAL_FILE), "sids_path": str(data_dir / SIDS_FILE),
-            "new_start": int(sids.matrix.min()), "new_end": int(sids.matrix.max()) + 1,
-            "levels": int(sids.matrix.shape[1]), "pad_id": pad_id, "k": k,
-            "beam_width": max(k, cfg.eval.beam_width), "batch_users": cfg.eval.batch_users, "mrr": cfg.sft.val_mrr,
-        },
-    }
+    return ValSet(
+        path=str(data_dir / VAL_FILE), sids_path=str(data_dir / SIDS_FILE),
+        new_start=int(sids.matrix.min()), new_end=int(sids.matrix.max()) + 1, levels=int(sids.matrix.shape[1]),
+        k=k, beam_width=max(k, cfg.eval.beam_width), batch_users=cfg.eval.batch_users, mrr=cfg.sft.val_mrr,
+    )
 
 
 def _export(ctx: StageContext, model, tokenizer, ground_dir: Path, sid_map_hash: str, new_ids: list[int]) -> None:
@@ -381,24 +348,23 @@ def _export(ctx: StageContext, model, tokenizer, ground_dir: Path, sid_map_hash:
 
 
 def _facts(sc, trained: _Trained, sid_map_hash: str, new_ids: list[int]) -> dict[str, Any]:
-    losses, history = trained.history["loss"], trained.history
+    t = trained.facts
     return {
-        "steps_done": trained.steps_done,
-        "final_loss": float(losses[-1][1]) if losses else None,
-        "first_loss": float(losses[0][1]) if losses else None,
-        "loss_history": [{"step": int(s), "value": float(v)} for s, v in losses],
-        VAL_METRIC: [{"step": int(s), "value": float(v)} for s, v in history["val"].get(VAL_METRIC, [])],
+        "steps_done": t["steps_done"],
+        "final_loss": t["final_loss"],
+        "first_loss": t["first_loss"],
+        "loss_history": t["loss_history"],
+        VAL_METRIC: t[VAL_METRIC],
         # Every validation metric's curve (val_recall@10, val_loss, val_mrr with sft.val_mrr).
-        "val_history": {k: [{"step": int(st), "value": float(x)} for st, x in pts]
-                        for k, pts in history["val"].items()},
+        "val_history": t["val_history"],
         "sid_map_hash": sid_map_hash,
         "new_token_ids": list(new_ids),
-        "trainable_params": trained.n_trainable,
+        "trainable_params": t["trainable_params"],
         "lora": sc.lora.model_dump() if sc.lora.enabled else None,
         "zero_stage": sc.zero_stage,
-        "precision": trained.precision,
+        "precision": t["precision"],
         "precision_setting": sc.precision,
-        "timing": trained.timing,
+        "timing": t["timing"],
         "prompt_style": sc.prompt_style,
         "num_workers": sc.num_workers,
         **trained.stats,

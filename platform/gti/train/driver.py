@@ -5,7 +5,9 @@ builds a `TorchTrainer`: its ScalingConfig (workers, GPUs, resources per worker)
 (run name and storage path, so a run re-created with both resumes from its latest checkpoint:
 Ray Train V2 has no `Trainer.restore`), FailureConfig (worker failures retried from the latest
 checkpoint), CheckpointConfig (two kept), the workers' environment and the progress file rank
-0 appends to (followed on the driver, one JSON line per step or epoch, `gti.progress`). A
+0 appends to (followed on the driver, one JSON line per step or epoch, `gti.progress`). It is
+also the one place a typed worker config (`gti.train.worker_config.WorkerConfig`) becomes the
+dict Ray Train takes as `train_loop_config` (`_train_loop_config`). A
 `GtiError` raised in a worker comes back as itself (`gti.errors.user_error`), so the CLI prints
 its one line. It returns the final checkpoint's contents through the caller's `read` function.
 
@@ -13,13 +15,15 @@ Worker side (called inside `worker_fn`): `worker_rank_world()`, `latest_checkpoi
 directory or None), `report(metrics, checkpoint_dir=None)`, `dataset_shard()`,
 `torch_device()`, `prepare_ddp(model)`. The training loops (`gti.train.loop` for grounding and
 SFT, `gti.train.rqvae_task` for the RQ-VAE) use these, so no other module under `gti/train/`
-imports Ray. `train_dataset_from_parquet` is the Ray Data side of the grounding pairs.
+imports Ray. `train_dataset_from_parquet` is the Ray Data side of the grounding pairs,
+`read_parquet_dataset` of the SFT rows (the runners `gti.train.ground_run` / `sft_run` call them).
 
 What it does not know: what a worker trains, what a checkpoint holds, or which stage called it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,16 +77,28 @@ def registered_checkpoint_step(progress_file: str | Path) -> int | None:
         return None
 
 
+def _train_loop_config(loop_config: Any, progress_file: Path) -> dict[str, Any]:
+    """Ray Train's `train_loop_config` (a dict) with `progress_file` set. A dataclass (the
+    shared loop's `gti.train.worker_config.WorkerConfig`) becomes the dict of its top-level
+    fields, which its worker entry rebuilds (`from_loop_dict`); a dict (the RQ-VAE's) is copied."""
+    if dataclasses.is_dataclass(loop_config):
+        typed = dataclasses.replace(loop_config, progress_file=str(progress_file))
+        return {f.name: getattr(typed, f.name) for f in dataclasses.fields(typed)}
+    return {**loop_config, "progress_file": str(progress_file)}
+
+
 def run_trainer(
-    worker_fn: Callable[[dict], Any], loop_config: dict, datasets: dict[str, Any], spec: TrainerSpec,
+    worker_fn: Callable[[Any], Any], loop_config: Any, datasets: dict[str, Any], spec: TrainerSpec,
     read: Callable[[Path], Any], *, progress: Callable[[dict], None] | None = None,
 ) -> tuple[Any, dict[str, Any], str]:
     """Run `worker_fn(loop_config)` on `spec.num_workers` workers; returns (`read(final
     checkpoint dir)`, the last reported metrics, the run's path).
 
-    `loop_config["progress_file"]` is set to `<storage_path>/<name>.progress.jsonl`; with
-    `progress`, every JSON line a worker appends there is handed to it on the driver while the
-    run goes. RuntimeError when the run ends without a checkpoint.
+    `loop_config` is a dict or a dataclass with a `progress_file` field (the one boundary where
+    a typed config becomes Ray's dict: `_train_loop_config`). Its progress file is set to
+    `<storage_path>/<name>.progress.jsonl`; with `progress`, every JSON line a worker appends
+    there is handed to it on the driver while the run goes. RuntimeError when the run ends
+    without a checkpoint.
     """
     import ray.train
     from ray.data import ExecutionOptions
@@ -105,7 +121,7 @@ def run_trainer(
         run_kw["worker_runtime_env"] = {"env_vars": dict(spec.env)}
     trainer = TorchTrainer(
         worker_fn,
-        train_loop_config={**loop_config, "progress_file": str(path)},
+        train_loop_config=_train_loop_config(loop_config, path),
         scaling_config=ray.train.ScalingConfig(
             num_workers=spec.num_workers, use_gpu=spec.use_gpu,
             resources_per_worker=spec.resources_per_worker,

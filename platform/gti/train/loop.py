@@ -1,22 +1,21 @@
 """The training loop shared by grounding and SFT (DeepSpeed, on Ray Train workers).
 
 What it is for: `train_loop_per_worker(config)` is the function each Ray Train worker runs
-(`fit` starts them through `gti.train.driver.run_trainer`, the one Ray Train driver). It builds the model through a task's hooks, wraps it in the DeepSpeed
-engine (ZeRO stage, precision, AdamW and batch arithmetic from `gti.train.deepspeed_config`;
-torch.distributed is already initialised by Ray Train with gloo on CPU / nccl on GPU, and
-`deepspeed.initialize` wraps that process group instead of creating a new one), streams
-micro-batches from the worker's dataset shard (`gti.train.shards.ShardStream`), steps to `steps`, reports per-step
-metrics, checkpoints through `ray.train.report`, resumes from `ray.train.get_checkpoint()`, and
-every `val_every` steps runs the task's validation.
+(`fit` starts them through `gti.train.driver.run_trainer`, the one Ray Train driver; the
+task runners `gti.train.ground_run` / `gti.train.sft_run` call `fit`). It builds the model
+through a task's hooks, wraps it in the DeepSpeed engine (ZeRO stage, precision, AdamW and
+batch arithmetic from `gti.train.deepspeed_config`; torch.distributed is already initialised
+by Ray Train with gloo on CPU / nccl on GPU, and `deepspeed.initialize` wraps that process
+group instead of creating a new one), streams micro-batches from the worker's dataset shard
+(`gti.train.shards.ShardStream`), steps to `steps`, reports per-step metrics, checkpoints
+through `ray.train.report`, resumes from `ray.train.get_checkpoint()`, and every `val_every`
+steps runs the task's validation.
 
-`config` (one dict, Ray examples style; everything in it must pickle):
-- "task": "ground" | "sft"; "section": config section with the TrainConfig (default = task);
-- "run_config": `RunConfig.model_dump(mode="json")` of the run (validated again in the worker);
-- "pad_id": int, the token used to right-pad batches (masked out of attention and loss);
-- "hooks": the task's `TaskHooks` (`gti.train.ground_task.HOOKS`, `gti.train.sft_task.HOOKS`);
-- "progress_file": optional path; rank 0 appends one JSON line of metrics per step to it;
-- task-specific keys read by the hooks ("ground": {...}, "val": {...} for grounding).
-The loop itself holds no task-specific code: everything a task decides goes through its hooks.
+`config` is one `gti.train.worker_config.WorkerConfig` (its fields document the shapes: task
+and hooks, the run's config, pad_id, the task's input, the validation set, fault injection,
+the progress file); Ray Train hands it over as the dict `run_trainer` made of it, rebuilt
+here by `from_loop_dict`. The loop itself holds no task-specific code: everything a task
+decides goes through its hooks.
 
 Dataset rows: {"input_ids": list[int], "labels": list[int]} (labels -100 outside the answer),
 padded per micro-batch to the longest row ([B, T] input_ids / labels / attention_mask).
@@ -53,6 +52,7 @@ final checkpoint), or Ray's API (only `gti.train.driver` calls it).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -70,10 +70,10 @@ from gti.devices import resolve_precision, use_cpu_threads
 from gti.train import driver, nonfinite, safe_checkpoint
 from gti.train.shards import IGNORE_INDEX, PadCollate, ShardStream  # noqa: F401 - loop API
 from gti.train.deepspeed_config import build_ds_config, micro_batch
-from gti.train.driver import train_dataset_from_parquet  # noqa: F401 - the stages' data helper
 from gti.train.loss import make_forward, set_training_attention
 from gti.train.schedule import LrMultiplier
 from gti.train.task import TaskHooks
+from gti.train.worker_config import WorkerConfig, from_loop_dict
 
 CKPT_TAG = "ckpt"
 DS_DIR = "ds"
@@ -107,7 +107,7 @@ def _all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     return t.cpu().tolist()
 
 
-def _run_validation(hooks: TaskHooks, engine, config: dict, rank: int, world: int) -> dict[str, float]:
+def _run_validation(hooks: TaskHooks, engine, config: WorkerConfig, rank: int, world: int) -> dict[str, float]:
     module = engine.module
     was_training = module.training
     module.eval()
@@ -121,16 +121,6 @@ def _run_validation(hooks: TaskHooks, engine, config: dict, rank: int, world: in
         return {}
     flat = _all_reduce_sum([float(v) for n in names for v in raw[n]], engine.device)
     return {n: (flat[2 * i] / flat[2 * i + 1] if flat[2 * i + 1] > 0 else 0.0) for i, n in enumerate(names)}
-
-
-def _hooks(config: dict) -> TaskHooks:
-    hooks = config.get("hooks")
-    if not isinstance(hooks, TaskHooks):
-        raise C.ConfigError(
-            f"training task '{config.get('task')}': the worker config has no TaskHooks under 'hooks' "
-            "(gti.train.ground_task.HOOKS or gti.train.sft_task.HOOKS)"
-        )
-    return hooks
 
 
 @dataclass
@@ -148,15 +138,14 @@ class _Worker:
     precision: str
 
 
-def _setup(config: dict) -> tuple[_Worker, C.RunConfig]:
+def _setup(config: WorkerConfig) -> tuple[_Worker, C.RunConfig]:
     """Model through the task's hooks, attention and precision, the DeepSpeed engine."""
     import deepspeed
 
     rank, world = driver.worker_rank_world()
-    task = config["task"]
-    hooks = _hooks(config)
-    cfg = C.validate(config["run_config"], f"<{task} worker config>")
-    tc: C.TrainConfig = getattr(cfg, config.get("section", task))
+    task, hooks = config.task, config.hooks
+    cfg = C.validate(config.run_config, f"<{task} worker config>")
+    tc: C.TrainConfig = getattr(cfg, task)
     torch.manual_seed(cfg.seed)
     if not tc.use_gpu:
         use_cpu_threads(tc.cpu_threads)
@@ -219,7 +208,7 @@ def _train_step(w: _Worker, batches, timing: dict[str, float]) -> tuple[float, f
         loss_sum += float(loss.detach())
         tokens += int(b["attention_mask"].sum())
     # Time in forward/backward/optimizer vs in fetching data; the rest of a stage's wall
-    # time (reports, validation, checkpoints, start-up) is overhead (bench/train_throughput).
+    # time (reports, validation, checkpoints, start-up) is overhead (bench/train_throughput/train_throughput.py).
     timing["data_s"] += data_s
     timing["compute_s"] += time.perf_counter() - t0 - data_s
     gn = engine.get_global_grad_norm()
@@ -250,12 +239,14 @@ def _checkpoint(w: _Worker, state: dict[str, Any], metrics: dict[str, Any], fina
 
 
 # --------------------------------------------------------------------------- the loop
-def train_loop_per_worker(config: dict) -> dict[str, Any]:
-    """Ray Train worker entry point; see the module docstring for `config`.
+def train_loop_per_worker(config: WorkerConfig | dict) -> dict[str, Any]:
+    """Ray Train worker entry point; `config` is a WorkerConfig or the dict `run_trainer` made
+    of one (see the module docstring).
 
     Returns (rank 0's value becomes `Result.return_value`): {"step", "history"} with history
     {"loss": [[step, loss]], "val": {metric: [[step, value]]}, "tokens_per_s": [[step, v]]}.
     """
+    config = from_loop_dict(config)
     nonfinite.raise_if_marked(config)
     w, cfg = _setup(config)
     tc, engine = w.tc, w.engine
@@ -263,13 +254,13 @@ def train_loop_per_worker(config: dict) -> dict[str, Any]:
     if done is not None:
         return done
     stream = ShardStream(
-        driver.dataset_shard("train"), micro_batch(tc, w.world), PadCollate(config["pad_id"]), cfg.seed,
+        driver.dataset_shard("train"), micro_batch(tc, w.world), PadCollate(config.pad_id), cfg.seed,
         epoch=state["epoch"], offset=state["offset"], group_by_length=tc.group_by_length,
     )
     batches = iter(stream)
     history = state["history"]
     last_val = {k: v[-1][1] for k, v in history["val"].items() if v}
-    progress = Path(config["progress_file"]) if w.rank == 0 and config.get("progress_file") else None
+    progress = Path(config.progress_file) if w.rank == 0 and config.progress_file else None
     step = int(state["step"])
     engine.train()
     loop_t0 = time.perf_counter()
@@ -312,26 +303,27 @@ def train_loop_per_worker(config: dict) -> dict[str, Any]:
             tr = time.perf_counter()
             driver.report(metrics)
             timing["report_s"] = timing.get("report_s", 0.0) + time.perf_counter() - tr
-        if config.get("fail_at_step") == step:
+        if config.fault is not None and config.fault.fail_at_step == step:
             _maybe_fail(config, w.rank, step // tc.checkpoint_every * tc.checkpoint_every)
     return {"step": step, "history": history, "timing": timing, "precision": w.precision}
 
 
-def _maybe_fail(config: dict, rank: int, ckpt_step: int) -> None:
-    """Fault injection for the reliability tests: rank `fail_rank` kills its own process once
-    (guarded by the marker file `fail_marker`, created just before dying).
+def _maybe_fail(config: WorkerConfig, rank: int, ckpt_step: int) -> None:
+    """Fault injection for the reliability tests (`config.fault`): rank `fail_rank` kills its
+    own process once (guarded by the marker file `fail_marker`, created just before dying).
 
     It first waits (up to `fail_wait_s`, default 120 s) until the controller has registered
     the checkpoint of `ckpt_step` (the last one before this step): a checkpoint still queued
     when the worker dies is lost, so without the wait the resume point would depend on the
     controller's 2-s poll and the machine's load, and the tests could not name it."""
-    if rank != config.get("fail_rank", 0):
+    fault = config.fault
+    if rank != fault.fail_rank:
         return
-    marker = Path(config["fail_marker"])
+    marker = Path(fault.fail_marker)
     if marker.exists():
         return
-    deadline = time.monotonic() + float(config.get("fail_wait_s", 120))
-    pf = config.get("progress_file")
+    deadline = time.monotonic() + float(fault.fail_wait_s)
+    pf = config.progress_file
     while ckpt_step > 0 and pf and time.monotonic() < deadline:
         got = driver.registered_checkpoint_step(pf)
         if got is not None and got >= ckpt_step:
@@ -393,7 +385,7 @@ def _read_final(d: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
 
 
 def fit(
-    loop_config: dict,
+    config: WorkerConfig,
     train_ds: Any,
     train_cfg: C.TrainConfig,
     *,
@@ -404,8 +396,9 @@ def fit(
     callbacks: list | None = None,
     on_metrics: Callable[[dict], None] | None = None,
 ) -> FitResult:
-    """Run `train_loop_per_worker` on `train_cfg.num_workers` Ray Train workers (through
-    `gti.train.driver.run_trainer`) and return the final trainable tensors.
+    """Run `train_loop_per_worker(config)` on `train_cfg.num_workers` Ray Train workers (through
+    `gti.train.driver.run_trainer`) and return the final trainable tensors. `train_ds` is a Ray
+    Dataset of rows {"input_ids": list[int], "labels": list[int]}, in the order to train.
 
     Resume: a run re-created with the same `storage_path` and `name` starts from its latest
     checkpoint, so `name` must be deterministic and `storage_path` must survive a killed driver
@@ -430,11 +423,11 @@ def fit(
     )
     # One id per fit call: restarted worker groups of this call see a NaN stop of an earlier
     # attempt (`gti.train.nonfinite.raise_if_marked`); a later call trains afresh.
-    loop_config = {**loop_config, "fit_id": uuid.uuid4().hex}
+    config = dataclasses.replace(config, fit_id=uuid.uuid4().hex)
     tail = _ProgressTail(log, progress_every, train_cfg.steps, on_metrics)
     with tail:
         (st, sd), metrics, path = driver.run_trainer(
-            train_loop_per_worker, loop_config, {"train": train_ds}, spec, _read_final, progress=tail.record,
+            train_loop_per_worker, config, {"train": train_ds}, spec, _read_final, progress=tail.record,
         )
     if int(st["step"]) != train_cfg.steps:
         raise RuntimeError(f"latest checkpoint of {name} is at step {st['step']}, expected {train_cfg.steps}")

@@ -20,7 +20,12 @@ import json
 import math
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 from gti.errors import NonFiniteError
+
+if TYPE_CHECKING:
+    from gti.train.worker_config import WorkerConfig
 
 
 def check_finite(section: str, step: int, loss: float, grad_norm: float | None, bad_ranks: float = 0.0) -> None:
@@ -40,44 +45,44 @@ def check_finite(section: str, step: int, loss: float, grad_norm: float | None, 
             f"set {section}.max_grad_norm, or check the data; nothing of this run was exported)")
 
 
-def check_step(config: dict, rank: int, step: int, loss: float, grad_norm: float | None,
+def check_step(config: "WorkerConfig", rank: int, step: int, loss: float, grad_norm: float | None,
                bad_ranks: float = 0.0) -> None:
     """`check_finite` for the loop's step, recording a stop for restarted workers (`mark`)."""
     try:
-        check_finite(config.get("section", config.get("task", "train")), step, loss,
+        check_finite(config.task, step, loss,
                      None if grad_norm is None else float(grad_norm), bad_ranks)
     except NonFiniteError as err:
         mark(config, rank, str(err))
         raise
 
 
-def marker_path(config: dict) -> Path | None:
+def marker_path(config: "WorkerConfig") -> Path | None:
     """`<storage>/<name>.nonfinite.json` beside the run's progress file (None without one)."""
-    pf = config.get("progress_file")
+    pf = config.progress_file
     return Path(pf).with_name(Path(pf).name.replace(".progress.jsonl", "") + ".nonfinite.json") if pf else None
 
 
-def mark(config: dict, rank: int, message: str) -> None:
+def mark(config: "WorkerConfig", rank: int, message: str) -> None:
     """Rank 0 records the NonFiniteError of this `fit` call, so that a worker group Ray Train
     restarts (train.max_failures) fails at once with the same line instead of replaying the
     steps since the last checkpoint into the same NaN."""
     marker = marker_path(config)
-    if rank == 0 and marker is not None and config.get("fit_id"):
+    if rank == 0 and marker is not None and config.fit_id:
         try:
-            marker.write_text(json.dumps({"fit_id": config["fit_id"], "message": message}))
+            marker.write_text(json.dumps({"fit_id": config.fit_id, "message": message}))
         except OSError:
             pass
 
 
-def raise_if_marked(config: dict) -> None:
+def raise_if_marked(config: "WorkerConfig") -> None:
     """NonFiniteError when an earlier attempt of this same `fit` call stopped on a NaN/inf
     (a later `fit`, e.g. a rerun of the stage, has another fit_id and trains afresh)."""
     marker = marker_path(config)
-    if marker is None or not config.get("fit_id") or not marker.is_file():
+    if marker is None or not config.fit_id or not marker.is_file():
         return
     try:
         saved = json.loads(marker.read_text())
     except (OSError, ValueError):
         return
-    if saved.get("fit_id") == config["fit_id"]:
+    if saved.get("fit_id") == config.fit_id:
         raise NonFiniteError(str(saved.get("message")))

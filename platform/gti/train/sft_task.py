@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow.parquet as pq
 import torch
@@ -23,6 +23,9 @@ import torch
 from gti import config as C
 from gti.errors import DataError
 from gti.train.task import TaskHooks, full_fp32_cpu, load_trie, rank_share
+
+if TYPE_CHECKING:
+    from gti.train.worker_config import ValSet, WorkerConfig
 
 VAL_K = 10
 VAL_METRIC = f"val_recall@{VAL_K}"
@@ -90,14 +93,15 @@ def wrap_lora(model: torch.nn.Module, lora: C.LoraConfig, quantized: bool = Fals
     return model
 
 
-def build_sft_model(config: dict, cfg: C.RunConfig) -> torch.nn.Module:
-    """Loop hook: the grounded model with every parameter trainable (or LoRA + embeddings)."""
+def build_sft_model(config: "WorkerConfig", cfg: C.RunConfig) -> torch.nn.Module:
+    """Loop hook: the grounded model of `config.sft.model_dir` with every parameter trainable
+    (or LoRA + embeddings)."""
     sc = cfg.sft
     check_lora_supported(sc)
     q4 = sc.lora.enabled and sc.lora.quantize_4bit
     if q4 and not torch.cuda.is_available():
         raise C.ConfigError("sft.lora.quantize_4bit (QLoRA) needs a GPU in every training worker")
-    model = load_causal_lm(config["sft"]["model_dir"], cfg, quantize_4bit=q4)
+    model = load_causal_lm(config.sft.model_dir, cfg, quantize_4bit=q4)
     if sc.lora.enabled:
         return wrap_lora(model, sc.lora, quantized=q4)
     for p in model.parameters():
@@ -111,19 +115,21 @@ def sft_trainable_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: full_fp32_cpu(p) for name, p in module.named_parameters() if p.requires_grad}
 
 
-def validate_sft(module: torch.nn.Module, config: dict, rank: int, world: int) -> dict[str, tuple[float, float]]:
+def validate_sft(module: torch.nn.Module, config: "WorkerConfig", rank: int,
+                 world: int) -> dict[str, tuple[float, float]]:
     """Loop hook: Recall@10 of constrained beam search on the validation users.
 
-    config["val"]: {"path": parquet (prompt list<int>, target_row int: trie row of the valid
-    item), "sids_path", "new_start", "new_end", "levels", "pad_id", "beam_width", "k"}.
+    config.val (a `ValSet`): `path` a parquet (prompt list<int>, target_row int: trie row of the
+    valid item), `sids_path`, `new_start`/`new_end`, `levels`, `beam_width`, `k`, `batch_users`,
+    `mrr`; prompts padded with config.pad_id.
     Each rank takes an equal share (the last ones wrap around and are not counted), so all ranks
     run the same number of forward passes (ZeRO-3 needs that)."""
-    v = config.get("val")
-    if not v:
+    v = config.val
+    if v is None:
         return {}
     from gti.eval.decode import constrained_beam_search
 
-    table = pq.read_table(v["path"])
+    table = pq.read_table(v.path)
     n = table.num_rows
     if n == 0:
         return {}
@@ -131,21 +137,21 @@ def validate_sft(module: torch.nn.Module, config: dict, rank: int, world: int) -
     prompts = table.column("prompt").to_pylist()
     targets = torch.tensor(table.column("target_row").to_pylist(), dtype=torch.long)[rows]
     res = constrained_beam_search(
-        module, [prompts[i] for i in rows], load_trie(v["sids_path"], int(v["new_start"]), int(v["new_end"])),
-        beam_width=int(v["beam_width"]), k=int(v["k"]), levels=int(v["levels"]),
-        pad_id=int(v["pad_id"]), batch_users=int(v.get("batch_users", 8)),
+        module, [prompts[i] for i in rows], load_trie(v.sids_path, int(v.new_start), int(v.new_end)),
+        beam_width=int(v.beam_width), k=int(v.k), levels=int(v.levels),
+        pad_id=int(config.pad_id), batch_users=int(v.batch_users),
     )
     hit = (res.items.cpu() == targets.unsqueeze(1)).any(dim=1) & counted
     out = {VAL_METRIC: (float(hit.sum()), float(counted.sum()))}
-    out.update(_val_loss_and_mrr(module, [prompts[i] for i in rows], targets, counted, v))
+    out.update(_val_loss_and_mrr(module, [prompts[i] for i in rows], targets, counted, v, int(config.pad_id)))
     return out
 
 
 def _val_loss_and_mrr(module, prompts: list[list[int]], targets: torch.Tensor, counted: torch.Tensor,
-                      v: dict) -> dict[str, tuple[float, float]]:
+                      v: "ValSet", pad_id: int) -> dict[str, tuple[float, float]]:
     """Learning-curve metrics on the validation users (they move long before Recall@10 leaves
     the floor): `val_loss`, the teacher-forced loss of the target's SID tokens per token, and,
-    with v["mrr"], `val_mrr`, the mean reciprocal exact rank of the target among all catalog
+    with v.mrr, `val_mrr`, the mean reciprocal exact rank of the target among all catalog
     SIDs (`gti.eval.rank`). Rows not `counted` (rank padding) contribute nothing."""
     from gti.eval.rank import exact_ranks, score_catalog
     from gti.lm.templates import IGNORE
@@ -154,25 +160,25 @@ def _val_loss_and_mrr(module, prompts: list[list[int]], targets: torch.Tensor, c
     from gti.train.shards import PadCollate
     from gti.train.loss import labelled_loss
 
-    sids = load_file(v["sids_path"])["sid_token_ids"]  # [N_items, L]
+    sids = load_file(v.sids_path)["sid_token_ids"]  # [N_items, L]
     device = next(module.parameters()).device
     out: dict[str, tuple[float, float]] = {}
     loss_sum, n_tok = 0.0, 0
-    bs = int(v.get("batch_users", 8))
+    bs = int(v.batch_users)
     for lo in range(0, len(prompts), bs):
         ids, labels = [], []
         for p, t, c in zip(prompts[lo: lo + bs], targets[lo: lo + bs].tolist(), counted[lo: lo + bs].tolist()):
             ans = sids[t].tolist()
             ids.append(list(p) + ans)
             labels.append([IGNORE] * len(p) + (ans if c else [IGNORE] * len(ans)))
-        b = {k: x.to(device) for k, x in PadCollate(int(v["pad_id"]))({"input_ids": ids, "labels": labels}).items()}
+        b = {k: x.to(device) for k, x in PadCollate(pad_id)({"input_ids": ids, "labels": labels}).items()}
         n = int((b["labels"][:, 1:] != IGNORE).sum())
         if n:
             loss_sum += float(labelled_loss(module, b["input_ids"], b["attention_mask"], b["labels"])) * n
             n_tok += n
     out["val_loss"] = (loss_sum, float(n_tok))
-    if v.get("mrr"):
-        scores = score_catalog(module, prompts, sids.cpu(), pad_id=int(v["pad_id"]), batch_users=bs)
+    if v.mrr:
+        scores = score_catalog(module, prompts, sids.cpu(), pad_id=pad_id, batch_users=bs)
         ranks = exact_ranks(scores, targets)
         out["val_mrr"] = (float((1.0 / ranks)[counted].sum()), float(counted.sum()))
     return out

@@ -3,7 +3,7 @@ tasks' hooks share.
 
 What it is for: `TaskHooks` (build the model, hand back its trainable tensors, validate),
 which each task defines in its own module (`gti.train.ground_task`, `gti.train.sft_task`) and
-passes to `gti.train.loop` in the worker config; and the helpers both tasks' hooks use:
+`gti.train.worker_config.WorkerConfig.build` puts into the worker config; and the helpers both tasks' hooks use:
 `full_fp32_cpu` (a parameter's full fp32 copy, ZeRO-aware), `rank_share` (equal validation
 shares per rank) and `load_trie` (the catalog's SID trie, cached per worker).
 
@@ -24,7 +24,8 @@ import torch
 class TaskHooks:
     """What differs between tasks. All callables must be module-level (they are pickled).
 
-    build_model(config, run_cfg) -> nn.Module with requires_grad True exactly on the trainables.
+    build_model(config, run_cfg) -> nn.Module with requires_grad True exactly on the trainables
+        (config: the `WorkerConfig`; run_cfg: the RunConfig the worker validated).
     trainable_state(module) -> {name: CPU float32 tensor}; called on EVERY rank (it may gather
         ZeRO-3 partitions); rank 0's result is written to `trainable.safetensors`.
     validate(module, config, rank, world) -> {metric: (numerator, denominator)}; called on every
@@ -32,9 +33,9 @@ class TaskHooks:
         of forward passes per rank, which ZeRO-3 needs); the loop sums both over ranks.
     """
 
-    build_model: Callable[[dict, Any], torch.nn.Module]
+    build_model: Callable[[Any, Any], torch.nn.Module]
     trainable_state: Callable[[torch.nn.Module], dict[str, torch.Tensor]]
-    validate: Callable[[torch.nn.Module, dict, int, int], dict[str, tuple[float, float]]] | None = None
+    validate: Callable[[torch.nn.Module, Any, int, int], dict[str, tuple[float, float]]] | None = None
     grad_norm_key: str = "grad_norm"
 
 
