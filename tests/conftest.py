@@ -29,7 +29,7 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
 # instance ~3-5 s. Set from the measured suite (bench/RESULTS.md "Test suite", issue 27): 24
 # Train runs (39 before); Ray: one session Ray per xdist worker, two gti commands' own and the
 # three nodes of the cluster that runs the Ray-job test (tests/e2e/test_multinode.py). A new test
-# reuses what exists (the session's Ray, the shared tiny upstream in tests/stages/conftest.py,
+# reuses what exists (the session's Ray, the shared tiny upstream in tests/conftest.py,
 # one CLI run serving several assertions) or raises these here, where a reviewer sees it.
 BUDGET = {"train": 24, "ray": 7}
 

@@ -251,7 +251,7 @@ def _check_torch_build(cfg: C.RunConfig, facts: Facts, stages: Sequence[str]) ->
         return Check("torch build", OK, f"{build}; no GPU asked for")
     if facts.torch_cuda is None:
         msg = (f"{keys[0]} asks for a GPU but this Python has {build}; install the CUDA build of the "
-               f"same torch version (README 'Installing on a GPU machine') or set {keys[0]}: "
+               f"same torch version (docs/install.md 'On a GPU machine') or set {keys[0]}: "
                f"{'false' if keys[0].endswith('use_gpu') else 0}")
         if facts.remote:
             return Check("torch build", WARN, msg + " (checked on this machine only: the cluster's GPU nodes need it)")

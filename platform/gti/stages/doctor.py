@@ -44,7 +44,7 @@ def read_cluster(cfg: C.RunConfig) -> tuple[dict[str, float] | None, str, str | 
         ensure_ray(cfg)  # joins as a driver, exactly as the stages will
     except Exception as err:  # noqa: BLE001 - one line naming the key
         first = (str(err).strip() or type(err).__name__).splitlines()[0]
-        hint = ("; set RAY_AUTH_MODE=token and the cluster's token (README 'How the auth token reaches clients')"
+        hint = ("; set RAY_AUTH_MODE=token and the cluster's token (docs/scaling.md 'How the auth token reaches clients')"
                 if "authentication" in first.lower() or "token" in first.lower() else "")
         return {}, f"cluster at {address}", f"ray_address {address}: cannot join the cluster: {first}{hint}", True
     return dict(ray.cluster_resources()), f"cluster at {address}", None, True
