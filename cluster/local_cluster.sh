@@ -114,7 +114,7 @@ start() {
   umask 022
   export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH="$DIR/auth_token" RAY_USAGE_STATS_ENABLED=0
   # RAY_AUTH_TOKEN would win over the token file (e.g. inherited from a gti process that ran its
-  # own private local Ray, gti.stages._ray), and Ray's single-machine mode (=0 there; the
+  # own private local Ray, gti.ray_start), and Ray's single-machine mode (=0 there; the
   # default on macOS) would make the worker nodes refuse to start.
   unset RAY_AUTH_TOKEN
   export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1

@@ -125,7 +125,7 @@ def pytest_runtest_makereport(item, call):
 
 
 def _init_ray_4_cpus() -> None:
-    """Started like gti's own local Ray (gti.stages._ray): one retry when the start times out,
+    """Started like gti's own local Ray (gti.ray_start): one retry when the start times out,
     which Ray's raylet can do on a loaded machine."""
     import time
 

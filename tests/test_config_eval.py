@@ -1,6 +1,6 @@
 """The evaluation's reference-row config (gti/config_eval.py, re-exported by gti.config):
 `eval.baselines` defaults to MostPop, Markov and SASRec, names are checked, and `eval.sasrec`
-rejects settings SASRec cannot run."""
+rejects settings SASRec cannot run; the exact-rank and cold-slice keys' defaults and bounds."""
 
 from __future__ import annotations
 
@@ -28,3 +28,12 @@ def test_unknown_or_repeated_names_and_bad_sasrec_settings_fail_naming_the_key()
         C.load(None, ["eval.sasrec.epochs=0"])
     with pytest.raises(C.ConfigError, match="eval.sasrec.nope"):
         C.load(None, ["eval.sasrec.nope=1"])
+
+
+def test_exact_rank_and_cold_slice_defaults_and_overrides():
+    ec = C.load(None).eval
+    assert ec.exact_rank is False and ec.cold_max_sft_targets == 1
+    ec = C.load(None, ["eval.exact_rank=true", "eval.cold_max_sft_targets=0"]).eval
+    assert ec.exact_rank is True and ec.cold_max_sft_targets == 0
+    with pytest.raises(C.ConfigError, match="eval.cold_max_sft_targets"):
+        C.load(None, ["eval.cold_max_sft_targets=-1"])

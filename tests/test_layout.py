@@ -39,6 +39,10 @@ TRAIN_RAY_MODULE = "train/driver.py"
 SERVE_RAY_MODULE = "serve/deployment.py"
 # The one module of `gti infer` that talks to Ray (the Ray Data actor pool); gti/serve/infer.py is pure.
 INFER_RAY_MODULE = "serve/infer_ray.py"
+# Every module that may import ray (a folder: all its modules): the stages and the experiments
+# (the Ray shell), the three above, starting or joining Ray, and `gti doctor` reading a cluster.
+RAY_MODULES = ("stages/", "experiments/", TRAIN_RAY_MODULE, SERVE_RAY_MODULE, INFER_RAY_MODULE, "ray_start.py",
+               "doctor.py")
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:
@@ -74,30 +78,54 @@ def test_pure_modules_never_import_ray():
     """Pure building blocks and the bottom modules never import ray; under gti/train/ only the
     Train driver does, under gti/serve/ only the Serve deployment and gti infer's actor pool
     (gti/stages, gti/experiments, gti/train/driver.py, gti/serve/deployment.py and
-    gti/serve/infer_ray.py are the Ray shell)."""
+    gti/serve/infer_ray.py are the Ray shell; gti/ray_start.py starts Ray for all of them)."""
     bottom = ["config.py", "config_io.py", "config_train.py", "manifest.py", "pipeline.py", "cli.py", "errors.py",
               "contract.py", "names.py", "files.py", "run_artifacts.py", "progress.py", "tracking.py", "preflight.py",
               "devices.py", "config_serve.py", "config_eval.py", "config_commands.py", "config_explain.py",
-              "runlock.py", "ledger.py", "redact.py"]
+              "runlock.py", "ledger.py", "redact.py", "chunked_output.py"]
     train = [f for f in _files("train") if f.relative_to(PKG).as_posix() != TRAIN_RAY_MODULE]
     serve = [f for f in _files("serve") if f.relative_to(PKG).as_posix() not in (SERVE_RAY_MODULE, INFER_RAY_MODULE)]
     offenders = _offenders(_files(*PURE, *bottom) + train + serve, _is_ray)
     assert not offenders, offenders
 
 
+def test_only_the_listed_modules_import_ray():
+    """Issue 31, item 3: ray is imported by the modules `RAY_MODULES` lists and by no other
+    (starting or joining Ray is `gti.ray_start.ensure_ray`, which the others call)."""
+    def listed(f: Path) -> bool:
+        rel = f.relative_to(PKG).as_posix()
+        return any(rel == m or (m.endswith("/") and rel.startswith(m)) for m in RAY_MODULES)
+
+    offenders = _offenders([f for f in sorted(PKG.rglob("*.py")) if not listed(f)], _is_ray)
+    assert not offenders, offenders
+
+
+def _is_stage(mod: str) -> bool:
+    return mod == "gti.stages" or mod.startswith("gti.stages.")
+
+
 def test_a_stage_imports_no_other_stage_and_never_the_pipeline():
-    """What two stages share lives in a block below them; `gti.stages._*` modules are the
-    stages' shared Ray infrastructure, not stages."""
-    stages = [f for f in _files("stages") if not f.name.startswith("_")]
+    """What two stages share lives in a block below them (`gti.ray_start`, `gti.chunked_output`,
+    `gti.data.schemas`, ...), never in a stage module."""
+    stages = [f for f in _files("stages") if f.name != "__init__.py"]
 
     def bad(mod: str) -> bool:
-        if mod in ("gti.pipeline", "gti.experiments") or mod.startswith(("gti.pipeline.", "gti.experiments.")):
-            return True
-        if mod.startswith("gti.stages."):
-            return not mod.split(".")[2].startswith("_")
-        return False
+        return (mod in ("gti.pipeline", "gti.experiments") or mod.startswith(("gti.pipeline.", "gti.experiments."))
+                or _is_stage(mod))
 
     offenders = _offenders(stages, bad)
+    assert not offenders, offenders
+
+
+def test_stage_modules_are_only_stages():
+    """Issue 31, item 3: the pipeline runs the stage modules (by name, `gti.pipeline.STAGES`) and
+    no module outside gti/stages/ imports one; above all the commands beside the pipeline,
+    gti/refresh/ and gti/vocab_ground.py, reuse the blocks below the stages (the Ray helper
+    included: it is `gti.ray_start`, not a stage module)."""
+    drivers = _offenders(_files("refresh", "vocab_ground.py"), _is_stage)
+    assert not drivers, drivers
+    outside = [f for f in sorted(PKG.rglob("*.py")) if f.relative_to(PKG).parts[0] != "stages"]
+    offenders = _offenders(outside, _is_stage)
     assert not offenders, offenders
 
 
@@ -116,7 +144,7 @@ def test_eval_does_not_import_train():
 
 def test_every_package_module_has_a_test_module_of_the_same_name():
     """tests/ mirrors platform/gti/: gti/x/y.py is tested in tests/x/test_y.py (a leading
-    underscore dropped: gti/stages/_ray.py -> tests/stages/test_ray.py)."""
+    underscore dropped: a gti/x/_y.py would be tested in tests/x/test_y.py)."""
     missing = []
     for f in sorted(PKG.rglob("*.py")):
         if f.name in ("__init__.py", "__main__.py"):
@@ -160,8 +188,5 @@ def test_training_runs_go_through_the_runners_not_the_training_stages():
         return mod in ("gti.stages.ground", "gti.stages.sft") or mod.startswith(("gti.stages.ground.",
                                                                                 "gti.stages.sft."))
 
-    def any_stage(mod: str) -> bool:
-        return mod == "gti.stages" or mod.startswith("gti.stages.")
-
-    offenders = _offenders(_files("refresh", "vocab_ground.py"), training_stage) + _offenders(_files("train"), any_stage)
+    offenders = _offenders(_files("refresh", "vocab_ground.py"), training_stage) + _offenders(_files("train"), _is_stage)
     assert not offenders, offenders

@@ -135,9 +135,9 @@ def fake_data(monkeypatch) -> list[tuple]:
 
 
 def no_ray(monkeypatch) -> list:
-    """`gti.stages._ray.ensure_ray` as a no-op that records its calls (the callers import it
+    """`gti.ray_start.ensure_ray` as a no-op that records its calls (the callers import it
     inside their functions, so the module attribute is what they get)."""
-    import gti.stages._ray as ray_helper
+    import gti.ray_start as ray_helper
 
     calls: list = []
     monkeypatch.setattr(ray_helper, "ensure_ray", lambda cfg: calls.append(cfg))

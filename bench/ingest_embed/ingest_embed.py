@@ -79,7 +79,7 @@ def _run_once(n_items: int, workdir: Path, batch_size: int) -> dict:
 def _worker(args) -> None:
     """Inside the subprocess: run ingest -> embed on the synthetic data and report timings."""
     from gti import config, pipeline
-    from gti.stages._ray import ensure_ray
+    from gti.ray_start import ensure_ray
 
     cfg = config.load(None, [
         f"run_dir={args.run_dir}", "ray_num_cpus=2",

@@ -16,10 +16,10 @@ What it does:
    (`gti.experiments.records.table_hash`) are checked against the records' "shared" hashes,
    and the evaluate stage's user sample of these sequences against the records' users.
 2. Test users: the records' per_user.test.user_ids (the same list in every record, checked);
-   the split frame by the evaluate stage's `split_frame` (history: the last data.max_history
-   items before the target); the catalog in the SID map's row order, which is items.parquet's
-   (the embed stage keeps it, the sid stage keeps embed's), or the sid map itself beside
-   `--run-dir`.
+   the split frame by the evaluate stage's `split_frame` (`gti.eval.slices`; history: the last
+   data.max_history items before the target); the catalog in the SID map's row order, which is
+   items.parquet's (the embed stage keeps it, the sid stage keeps embed's), or the sid map
+   itself beside `--run-dir`.
 3. SASRec: `gti.eval.reference.fit_reference_models` with the config's eval.sasrec (the proof
    config sets none: today's defaults) and seed, scored with exact ranks by
    `add_reference_columns`, its rows and MostPop's and Markov's by `reference_block`
@@ -131,10 +131,10 @@ def load_data(d: Path):
     """(sequences, catalog, where the catalog order came from) of an ingest folder."""
     import polars as pl
 
-    from gti.train import sft_data
+    from gti.data.sequences import check_sequences
 
     seqs = pl.read_parquet(d / "sequences.parquet")
-    sft_data.check_sequences(seqs, str(d / "sequences.parquet"))
+    check_sequences(seqs, str(d / "sequences.parquet"))
     sid_map = d.parent / "sid" / "sid_map.parquet"
     src = sid_map if sid_map.is_file() else d / "items.parquet"
     return seqs, pl.read_parquet(src, columns=["item_id"])["item_id"].to_list(), str(src)
@@ -144,7 +144,7 @@ def data_identity(d: Path, recs, seqs, cfg, users: list[str]) -> dict:
     """The ingest tables' hashes against the records' "shared" ones, and whether the evaluate
     stage's user sample (eval.max_users, eval.sample_seed) of these sequences is the records'."""
     from gti.experiments.records import table_hash
-    from gti.stages.evaluate import eval_users
+    from gti.eval.slices import eval_users
 
     out = {}
     for name in ("items", "sequences"):
@@ -164,7 +164,7 @@ def reference(seqs, catalog: list[str], users: list[str], cfg, epochs: int | Non
     `reference_frames` does, then `reference_block` for sasrec, mostpop and markov.
     -> (reference_block's dict, SASRec's facts)."""
     from gti.eval.reference import add_reference_columns, fit_reference_models, reference_block
-    from gti.stages.evaluate import split_frame
+    from gti.eval.slices import split_frame
 
     ec, ks = cfg.eval, list(cfg.eval.ks)
     frame = split_frame(seqs, "test", users, cfg.data.max_history)
@@ -190,7 +190,7 @@ def baseline_check(seqs, catalog: list[str], users: list[str], recs, cfg) -> dic
     """MostPop and Markov on all the records' users with each record's seed and bootstrap count
     (the evaluate stage's settings for that run) against the record's own figures, value and CI."""
     from gti.eval.reference import baseline_rows
-    from gti.stages.evaluate import split_frame
+    from gti.eval.slices import split_frame
 
     frame = split_frame(seqs, "test", users, cfg.data.max_history)
     ks, out, cache = list(cfg.eval.ks), {}, {}

@@ -167,12 +167,13 @@ def print_metrics(recs, facts, sas=None) -> None:
 def print_history_coverage(data: Path, lengths=(5, 10, 20)) -> None:
     """Share of SFT windows, of history items and of test users that a history cap cuts, from
     the pipeline's own leave-one-out split and windows (gti.data.sequences,
-    gti.train.sft_data) taken uncapped."""
+    gti.train.sft_data, gti.eval.slices) taken uncapped."""
     import numpy as np
     import polars as pl
 
     from gti.data.sequences import build_sequences
-    from gti.train.sft_data import eval_windows, training_windows
+    from gti.eval.slices import eval_windows
+    from gti.train.sft_data import training_windows
 
     path = data / "interactions.parquet"
     if not path.is_file():

@@ -69,6 +69,7 @@ from pathlib import Path
 
 ARMS = ("refresh", "assign_only", "retrain")
 SLICES = ("new_target", "old_target")
+UNCAPPED = 10**9  # a history length no user reaches: the scored histories are kept whole
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the shared module
 import common  # noqa: E402
@@ -453,20 +454,32 @@ def make_slices(seq_path: Path, new_ids: list[str], catalog: list[str], n_users:
     import polars as pl
 
     from gti.data.holdout import new_target_users
+    from gti.eval.slices import eval_windows
 
     seqs = pl.read_parquet(seq_path)
     new_u = new_target_users(seqs, new_ids).head(n_users)
     old_u = seqs.filter(~pl.col("test_item").is_in(new_ids)).sample(n=min(new_u.height, seqs.height - new_u.height),
                                                                    seed=seed)
     out: dict = {"inputs_hash": inputs, "baselines": {}}
-    train_seqs = [list(t) for t in seqs["train_items"].to_list()]
+    train_seqs = training_sequences(seqs)
     for name, df in (("new_target", new_u), ("old_target", old_u)):
-        hist = [list(t) + [v] for t, v in zip(df["train_items"].to_list(), df["valid_item"].to_list())]
-        out[name] = {"histories": hist, "targets": df["test_item"].to_list()}
+        # The evaluate stage's test prompts (history = train items + the valid item), uncapped:
+        # `score` cuts each history to its model's data.max_history.
+        frame = eval_windows(df, "test", UNCAPPED)
+        hist = frame["history"].to_list()
+        out[name] = {"histories": hist, "targets": frame["target"].to_list()}
         # Reference rows on the same users, fitted on the training sequences (old and new
         # interactions, the targets held out as for the model).
         out["baselines"][name] = baseline_scores(train_seqs, catalog, hist, out[name]["targets"], ks)
     return out
+
+
+def training_sequences(seqs) -> list[list[str]]:
+    """Every user's training items, what the baselines learn from: the models' SFT windows saw
+    no other items (the evaluate stage fits its baselines on the same for the valid split)."""
+    from gti.eval.reference import split_train_sequences
+
+    return split_train_sequences(seqs, "valid")
 
 
 def new_item_prior(seq_path: Path, new_ids: list[str], slices: dict, ks: list[int]) -> dict:
@@ -477,7 +490,7 @@ def new_item_prior(seq_path: Path, new_ids: list[str], slices: dict, ks: list[in
     import polars as pl
 
     seqs = pl.read_parquet(seq_path)
-    train_seqs = [list(t) for t in seqs["train_items"].to_list()]
+    train_seqs = training_sequences(seqs)
     return {sl: without_per_user(baseline_scores(train_seqs, list(new_ids), slices[sl]["histories"],
                                                  slices[sl]["targets"], ks)["mostpop"]) for sl in SLICES}
 

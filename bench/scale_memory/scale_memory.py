@@ -79,7 +79,7 @@ def parse_echo(lines: list[str]) -> tuple[list[str], list[str]]:
 def _worker(args) -> None:
     """Inside the subprocess: run the pipeline up to args.stage (earlier stages skipped)."""
     from gti import config, pipeline
-    from gti.stages._ray import ensure_ray
+    from gti.ray_start import ensure_ray
 
     cfg = config.load(None, stage_overrides(args))
     ensure_ray(cfg)  # Ray start-up is not part of the stage timing

@@ -116,7 +116,7 @@ def windows(run_dir: Path, n: int | None = None):
 
     from gti.manifest import Manifest
     from gti.run_artifacts import run_config
-    from gti.train.sft_data import eval_windows
+    from gti.eval.slices import eval_windows
 
     seqs = pl.read_parquet(Manifest.read(run_dir / "ingest").output(run_dir / "ingest", "sequences"))
     frame = eval_windows(seqs, "test", run_config(run_dir, "sft").data.max_history)
@@ -306,17 +306,19 @@ def reload_under_load(run_dir: Path, port: int, hist: list, threads: int, client
 
 # --------------------------------------------------------------------------- infer vs evaluate
 def evaluate_decode(run_dir: Path, frame) -> tuple[float, dict]:
-    """The evaluate stage's decode (its pool of `Recommender` actors) on `frame` -> (s, {user: items})."""
+    """The evaluate stage's decode (`Recommender` over `frame`: its actor pool, or in the driver
+    for a catalog under `local_max_items`, as the stage chooses) -> (s, {user: items})."""
     from gti.manifest import Manifest
     from gti.run_artifacts import run_config
-    from gti.stages.evaluate import _recommender_pool
+    from gti.stages.evaluate import _recommendation_blocks
 
     sid = Manifest.read(run_dir / "sid")
     inp = SimpleNamespace(model_dir=Manifest.read(run_dir / "sft").output(run_dir / "sft", "model"),
-                          sid_map_path=sid.output(run_dir / "sid", "sid_map"), sid_facts=sid.facts)
+                          sid_map_path=sid.output(run_dir / "sid", "sid_map"), sid_facts=sid.facts,
+                          catalog=range(int(sid.facts["n_items"])))
     t0, got = time.perf_counter(), {}
-    ds = _recommender_pool(SimpleNamespace(cfg=run_config(run_dir, "sft")), inp, frame)
-    for block in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+    ctx = SimpleNamespace(cfg=run_config(run_dir, "sft"), log=log)
+    for block in _recommendation_blocks(ctx, inp, frame):
         got.update(zip(block.column("user_id").to_pylist(), block.column("items").to_pylist()))
     return time.perf_counter() - t0, got
 

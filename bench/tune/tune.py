@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     from gti import config as C
     from gti import pipeline
     from gti.experiments import tune as T
-    from gti.stages._ray import ensure_ray
+    from gti.ray_start import ensure_ray
 
     path, ov = overrides(args.quick, out)
     raw = C.apply_overrides(C.read_yaml(path), ov)

@@ -37,7 +37,7 @@ def _cfg(args):
 def _preflight(cfg, args) -> None:
     """`gti doctor`'s checks before any resource is reserved (gti/preflight.py)."""
     if not args.no_preflight:
-        from gti.stages.doctor import preflight_or_raise
+        from gti.doctor import preflight_or_raise
 
         preflight_or_raise(cfg)
 
@@ -105,7 +105,7 @@ def cmd_config(args) -> int:
 
 def _delegate(module: str, func: str = "main", preflight: str | None = None) -> Callable[[argparse.Namespace], int]:
     """Handler that imports `module` only when the subcommand runs (keeps `gti --help` fast);
-    `preflight` ("module:function", e.g. of gti.stages.doctor): the checks of the command's part,
+    `preflight` ("module:function", e.g. of gti.doctor): the checks of the command's part,
     run first unless --no-preflight."""
 
     def handler(args) -> int:
@@ -162,7 +162,7 @@ def _add_pipeline_commands(sub, stage_names: Sequence[str]) -> None:
 
     p = sub.add_parser("doctor", help="check GPUs, torch, bf16, DeepSpeed, model, disk and Ray auth for a config")
     _add_config_args(p, required=False)
-    p.set_defaults(func=_delegate("gti.stages.doctor", "cli_main"))
+    p.set_defaults(func=_delegate("gti.doctor", "cli_main"))
 
     p = sub.add_parser("config", help="show or validate a resolved config")
     p.add_argument("action", choices=["show", "validate"])
@@ -236,7 +236,7 @@ def _add_trained_run_commands(sub) -> None:
     p.add_argument("--trust-remote-code", action="store_true",
                    help="allow the model's own code (never taken from the run folder)")
     p.add_argument("--no-preflight", action="store_true", help="skip the checks of gti doctor")
-    p.set_defaults(func=_delegate("gti.refresh", "cli_main", preflight="gti.stages.doctor:for_refresh"))
+    p.set_defaults(func=_delegate("gti.refresh", "cli_main", preflight="gti.doctor:for_refresh"))
     _add_serve_command(sub)
     _add_infer_command(sub)
 
@@ -256,7 +256,7 @@ def _add_serve_command(sub) -> None:
                    help="allow the model's own code (never taken from the run folder)")
     p.add_argument("overrides", nargs="*", metavar="serve.key=value", help="serve overrides, e.g. serve.max_k=50")
     p.add_argument("--no-preflight", action="store_true", help="skip the checks of gti doctor")
-    p.set_defaults(func=_delegate("gti.serve.deployment", "cli_main", preflight="gti.stages.doctor:for_serve"))
+    p.set_defaults(func=_delegate("gti.serve.deployment", "cli_main", preflight="gti.doctor:for_serve"))
 
 
 def _add_infer_command(sub) -> None:
@@ -314,7 +314,7 @@ def _add_vocab_commands(sub) -> None:
     s.add_argument("--config", "-c", default=None, help="YAML: seed, init, ground, templates, ... (gti.vocab_ground)")
     s.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. ground.steps=50")
     s.add_argument("--no-preflight", action="store_true", help="skip the checks of gti doctor")
-    s.set_defaults(func=_delegate("gti.vocab_ground", "cli_main", preflight="gti.stages.doctor:for_vocab_ground"))
+    s.set_defaults(func=_delegate("gti.vocab_ground", "cli_main", preflight="gti.doctor:for_vocab_ground"))
 
 
 def _add_tune_command(sub) -> None:
@@ -322,7 +322,7 @@ def _add_tune_command(sub) -> None:
     p = sub.add_parser("tune", help="Ray Tune sweep over the grounding stage")
     _add_config_args(p)
     p.add_argument("--no-preflight", action="store_true", help="skip the checks of gti doctor")
-    p.set_defaults(func=_delegate("gti.experiments.tune", "cli_main", preflight="gti.stages.doctor:for_tune"))
+    p.set_defaults(func=_delegate("gti.experiments.tune", "cli_main", preflight="gti.doctor:for_tune"))
 
 
 # Errors a user fixes on the machine (space, permissions), not in the config or the data.

@@ -364,7 +364,7 @@ class RunConfig(_Strict):
 
     def requested_ray_address(self, env: Any = None) -> str | None:
         """The Ray a run joins: `ray_address`, else $RAY_ADDRESS, except where $RAY_ADDRESS is
-        this very process's own local Ray (pinned by gti.stages._ray.ensure_ray, marked in
+        this very process's own local Ray (pinned by gti.ray_start.ensure_ray, marked in
         $GTI_LOCAL_RAY as "<pid>:<address>"): after a ray.shutdown() that Ray is gone, and
         the next start must make a new one. Child processes see another pid and join it."""
         env = os.environ if env is None else env

@@ -2,7 +2,7 @@
 
 What it is for: `gti doctor` prints the table of these checks; `gti run`, `stage`, `refresh`,
 `tune`, `compare`, `vocab ground` and `serve` run them first (for the stages each runs,
-`gti.stages.doctor`) and stop on the first problem with one line naming the key to change,
+`gti.doctor`) and stop on the first problem with one line naming the key to change,
 instead of waiting for ever for GPUs a cluster does not have. Checks, for the sections used:
 - resources: each stage's GPUs/CPUs/custom resources (Train workers, actor pools) against what
   the cluster (or, with no `ray_address`, the local Ray `ray_num_cpus` would start) has;
@@ -18,7 +18,7 @@ instead of waiting for ever for GPUs a cluster does not have. Checks, for the se
 `checks(cfg, facts)` is pure: everything it knows about the machine and cluster is in
 `Facts`, which `gather_facts` fills from this process (tests pass their own, e.g. a cluster with
 no GPUs). What it does not know: Ray. The cluster's resources are passed in (read by
-`gti.stages.doctor`, which may connect to Ray without reserving anything).
+`gti.doctor`, which may connect to Ray without reserving anything).
 """
 
 from __future__ import annotations

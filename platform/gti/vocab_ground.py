@@ -36,7 +36,7 @@ Settings: `VocabGroundConfig` (YAML for `gti vocab ground --config`): `seed`, `r
 (the run configs' grounding section: steps, lr, batch_size, weight_decay, num_workers,
 zero_stage, precision, ...), `templates` ({desc2token, token2desc}), `system_prompt`, `max_len`.
 
-Ray: only through `gti.stages._ray.ensure_ray` and `gti.train.ground_run.run_grounding` (the
+Ray: only through `gti.ray_start.ensure_ray` and `gti.train.ground_run.run_grounding` (the
 `ground` stage's runner; this module is a driver, like a stage; the pure parts are in
 `gti.lm.newvocab`).
 """
@@ -300,7 +300,7 @@ def _write_pairs(ext: _Extended, toks: list[NewToken], cfg: VocabGroundConfig, w
     import pyarrow.parquet as pq
 
     from gti.lm import newvocab
-    from gti.stages.pairs import PAIRS_SCHEMA
+    from gti.data.schemas import PAIRS_SCHEMA
 
     pairs = newvocab.render_pairs(ext.tok, toks, [ext.ids[t.token] for t in toks], cfg.templates,
                                   cfg.system_prompt, cfg.max_len)
@@ -368,7 +368,7 @@ def _fit(cfg: VocabGroundConfig, run_cfg: C.RunConfig, work: Path, pairs: dict, 
     from safetensors.torch import save_file
 
     from gti.lm import newvocab
-    from gti.stages._ray import ensure_ray
+    from gti.ray_start import ensure_ray
     from gti.train.ground_run import GroundingInputs, run_grounding
     from gti.train.worker_config import GroundRows, ValSet
 

@@ -83,7 +83,7 @@ def test_cut_interactions_keeps_dense_subsets_rows_and_tags_the_rest():
 
 
 def test_quarantine_items_moves_the_other_items_with_their_text(tmp_path):
-    from gti.stages.ingest import ITEMS_OUT_SCHEMA, ITEMS_Q_SCHEMA
+    from gti.data.schemas import ITEMS_OUT_SCHEMA, ITEMS_Q_SCHEMA
 
     rows = {"item_id": ["a", "b", "c"], "title": ["A", "B", "C"], "description": [None, "bee", None],
             "category": ["x", "y", "z"], "attributes_text": ["", "", ""], "text_is_pseudo": [False] * 3}

@@ -1,11 +1,14 @@
-"""gti.data.sequences: chronological order, tie-breaking, leave-one-out, drops."""
+"""gti.data.sequences: chronological order, tie-breaking, leave-one-out, drops; the check of a
+sequences table's columns."""
 
 from __future__ import annotations
 
 import polars as pl
+import pytest
 
 from gti.data.catalog import OUTSIDE_MAX_USERS, SHORT_SEQUENCE
-from gti.data.sequences import build_sequences
+from gti.data.sequences import build_sequences, check_sequences
+from gti.errors import DataError
 
 
 def _df(rows):
@@ -58,3 +61,10 @@ def test_min_seq_len_and_max_users():
     assert dict(zip(reasons["reason"], reasons["len"])) == {OUTSIDE_MAX_USERS: 8, SHORT_SEQUENCE: 1}
     # min_seq_len below 3 is raised to 3: leave-one-out needs a training item.
     assert build_sequences(_df(rows), min_seq_len=1).min_seq_len == 3
+
+
+def test_check_sequences_names_the_missing_columns_and_the_file():
+    ok = pl.DataFrame({"user_id": ["a"], "train_items": [["1"]], "valid_item": ["2"], "test_item": ["3"]})
+    check_sequences(ok)
+    with pytest.raises(DataError, match=r"s\.parquet: missing column\(s\) \['valid_item', 'test_item'\]"):
+        check_sequences(ok.drop("valid_item", "test_item"), "s.parquet")

@@ -14,6 +14,8 @@ import pytest
 
 from gti import config as C
 from gti.eval import reference as R
+from gti.eval import slices as S
+from gti.eval.tables import format_table
 from gti.stages import evaluate as E
 from gti.train import sft_data
 
@@ -40,7 +42,7 @@ def _seqs() -> pl.DataFrame:
 
 def test_baseline_rows_need_the_sasrec_columns():
     seqs = _seqs()
-    frame = sft_data.eval_windows(seqs, "test", 5)
+    frame = S.eval_windows(seqs, "test", 5)
     with pytest.raises(R.DataError, match="sasrec"):
         R.baseline_rows(seqs, "test", frame, KS, 0, 0, CATALOG, ["mostpop", "sasrec"])
     with pytest.raises(R.ConfigError, match="gru4rec"):
@@ -64,12 +66,12 @@ def _decoded(frame: pl.DataFrame) -> pl.DataFrame:
 def test_stage_metrics_have_the_sasrec_row(exact_rank):
     cfg = C.load(None, SMALL + [f"eval.exact_rank={str(exact_rank).lower()}"])
     seqs = _seqs()
-    users = E.eval_users(seqs, None, 0)
-    frames = {s: E.split_frame(seqs, s, users, 5) for s in ("valid", "test")}
+    users = S.eval_users(seqs, None, 0)
+    frames = {s: S.split_frame(seqs, s, users, 5) for s in ("valid", "test")}
     counts = sft_data.sft_target_counts(seqs)
     inp = E._Inputs(model_dir=None, sid_map_path=None, sid_facts={}, catalog=CATALOG, seqs=seqs, frames=frames,
                     rows=pl.concat(list(frames.values())), sft_counts=counts,
-                    n_cold=E.n_cold_items(CATALOG, counts, 1))
+                    n_cold=S.n_cold_items(CATALOG, counts, 1))
     logs: list[str] = []
     ctx = SimpleNamespace(cfg=cfg, log=logs.append)
     ec = cfg.eval
@@ -89,7 +91,7 @@ def test_stage_metrics_have_the_sasrec_row(exact_rank):
         assert np.mean(pu["recall@5"]) == pytest.approx(out["baselines"]["sasrec"][split]["recall@5"]["value"])
     # The cold slice gets the row too (its frames carry SASRec's lists).
     assert "sasrec" in out["slices"]["cold"]["test"]["baselines"]
-    text = E.format_table(out, KS)
+    text = format_table(out, KS)
     for row in ("test/sft", "test/mostpop", "test/markov", "test/sasrec", "valid/sasrec"):
         assert any(line.split()[0] == row for line in text.splitlines()), text
     if exact_rank:

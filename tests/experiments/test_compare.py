@@ -40,11 +40,11 @@ class _HungArmRay:
     def __init__(self, monkeypatch, hung: str, cpus: float = 4.0) -> None:
         import ray
 
-        from gti.stages import _ray
+        from gti import ray_start
 
         self.waits: list[float] = []
         self.cancelled: list[tuple[str, bool]] = []
-        monkeypatch.setattr(_ray, "ensure_ray", lambda cfg: None)
+        monkeypatch.setattr(ray_start, "ensure_ray", lambda cfg: None)
         monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": cpus})
         monkeypatch.setattr(ray, "remote", lambda **opts: lambda fn: types.SimpleNamespace(
             remote=lambda cfg_json, cwd: (cfg_json["report"]["label"], cfg_json["seed"])))

@@ -60,8 +60,7 @@ def write_run(run: Path) -> FakeRun:
     from gti.sid.quantizer import codebooks_tensor, save_quantizer
     from gti.sid.map_edits import map_table
     from gti.sid.versions import map_hash
-    from gti.stages.ingest import INTER_OUT_SCHEMA
-    from gti.stages.pairs import PAIRS_SCHEMA
+    from gti.data.schemas import INTER_OUT_SCHEMA, PAIRS_SCHEMA
 
     cfg = C.load(None, [f"run_dir={run}", "embed.encoder=hash", "embed.dim=16", "seed=7"])
     run.mkdir(parents=True)

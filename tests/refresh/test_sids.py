@@ -113,7 +113,7 @@ def test_last_level_costs_are_widened_to_a_grown_level():
 
 
 def _new_pairs_table():
-    from gti.stages.pairs import PAIRS_SCHEMA
+    from gti.data.schemas import PAIRS_SCHEMA
 
     n = 4
     return pa.table({"item_id": ["n1"] * n, "task": ["title2sid"] * n, "split": ["train", "train", "train", "val"],

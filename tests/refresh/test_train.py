@@ -15,7 +15,7 @@ from gti.refresh.train import ground_step, select_windows, sft_step, val_source
 
 
 def _pairs(tasks, splits):
-    from gti.stages.pairs import PAIRS_SCHEMA
+    from gti.data.schemas import PAIRS_SCHEMA
 
     n = len(tasks)
     return pa.table({"item_id": [f"n{i}" for i in range(n)], "task": tasks, "split": splits,
@@ -93,7 +93,7 @@ def _trainable_job(fake_run, make_job):
     from gti.manifest import Manifest
     from gti.sid.codec import SidCodec
     from gti.sid.versions import make_version, write_map
-    from gti.stages.pairs import PAIRS_SCHEMA
+    from gti.data.schemas import PAIRS_SCHEMA
 
     sizes = [int(k) for k in Manifest.read(fake_run.dir / "sid").facts["codebook_sizes"]]  # 4, 4, 2
     model, tok = models.build_tiny(C.ModelConfig(name="tiny", tiny_hidden=32, tiny_layers=1, tiny_heads=2))

@@ -36,7 +36,7 @@ def seq_run(serve_run, tmp_path_factory):
 @pytest.fixture
 def no_ray(monkeypatch):
     """Fails the test if `gti infer` starts or joins Ray."""
-    import gti.stages._ray as ray_start
+    import gti.ray_start as ray_start
 
     def refuse(cfg):
         raise AssertionError("gti infer started Ray")

@@ -1,5 +1,6 @@
-"""Stage `pairs` (gti/stages/pairs.py): pure helpers, then the stage on a local Ray over a
-small hand-made run directory (ingest + sid manifests)."""
+"""Stage `pairs` (gti/stages/pairs.py): its own helpers (id order, exclusions), then the stage on
+a local Ray over a small hand-made run directory (ingest + sid manifests). The renderer it maps
+over the catalog: tests/lm/test_pairs.py."""
 
 from __future__ import annotations
 
@@ -10,27 +11,13 @@ import pyarrow.parquet as pq
 import pytest
 
 from gti import config as C
+from gti.data.descriptions import description_text
+from gti.lm.pairs import is_val_item
 from gti.manifest import Manifest
 from gti.stages import pairs as P
 
 N_ITEMS = 24
 LEVELS, K = 2, 4
-
-
-def test_val_items_are_seeded_and_order_free():
-    ids = [str(i) for i in range(4000)]
-    a = {i for i in ids if P.is_val_item(i, 0, 0.1)}
-    assert a == {i for i in reversed(ids) if P.is_val_item(i, 0, 0.1)}
-    assert 300 < len(a) < 500
-    assert a != {i for i in ids if P.is_val_item(i, 1, 0.1)}
-    assert not any(P.is_val_item(i, 0, 0.0) for i in ids)
-
-
-def test_description_fallbacks():
-    assert P.description_text("T", "Real desc", "Cat", "brand: X", 100) == ("Real desc", "description")
-    assert P.description_text("T", "", "Lab > Glass", "brand: X", 100) == ("Lab > Glass. brand: X", "pseudo")
-    assert P.description_text("T", " ", "", "", 100) == ("T", "title")
-    assert P.description_text("T", "abcdef", "", "", 3) == ("abc", "description")
 
 
 def test_same_id_order(tmp_path):
@@ -128,7 +115,7 @@ def test_pairs_stage_end_to_end(tmp_path, ray_start_4_cpus):
     val = df.filter(pl.col("split") == "val")
     assert val.height > 0 and set(val["task"]) <= {"title2sid", "desc2sid", "titledesc2sid"}
     val_items = set(val["item_id"])
-    assert val_items == {i for i in codes if i != "it003" and P.is_val_item(i, cfg.seed, 0.25)}
+    assert val_items == {i for i in codes if i != "it003" and is_val_item(i, cfg.seed, 0.25)}
     assert f["n_val_items"] == len(val_items)
     # Deterministic: the file equals a direct rendering of the items in id order (so it cannot
     # depend on Ray's scheduling), tasks in template order.
@@ -137,7 +124,7 @@ def test_pairs_stage_end_to_end(tmp_path, ray_start_4_cpus):
     assert df["item_id"].to_list() == sorted(df["item_id"].to_list())
     items = pl.read_parquet(run / "ingest" / "items.parquet").filter(pl.col("item_id") != "it003").sort("item_id")
     r = PairRenderer(tok, cfg.pairs.templates, cfg.pairs.system_prompt, cfg.pairs.max_len)
-    descs = [P.description_text(t, d, c, a, cfg.pairs.max_desc_chars)[0]
+    descs = [description_text(t, d, c, a, cfg.pairs.max_desc_chars)[0]
              for t, d, c, a in items.select("title", "description", "category", "attributes_text").iter_rows()]
     sids = [codec.token_ids(np.array([codes[i]]), tok)[0].tolist() for i in items["item_id"]]
     expect = [row for rows in r.render_batch(items["title"].to_list(), descs, sids) for row in rows]
@@ -157,28 +144,3 @@ def test_pairs_stage_end_to_end(tmp_path, ray_start_4_cpus):
         m3 = _run_stage(cfg3, run3)
         assert pl.read_parquet(run3 / "pairs" / "pairs.parquet").equals(ray_df)
         assert {k: v for k, v in m3.facts.items() if k != "timing"} == {k: v for k, v in f.items() if k != "timing"}
-
-
-def test_item_without_sid_is_named(tmp_path):
-    from gti.errors import DataError, user_error
-    from gti.lm.models import build_tiny_tokenizer
-    from gti.lm.vocab import extend_tokenizer
-    from gti.sid.codec import SidCodec
-
-    tok = build_tiny_tokenizer()
-    codec = SidCodec(LEVELS, [K, K])
-    extend_tokenizer(tok, codec.tokens())
-    fn = P.RenderPairs(tok, codec.code_to_token_id_table(tok).numpy(), C.PairsConfig().model_dump(), 0, None, set())
-    batch = pa.table({"item_id": ["a", "it007"], "title": ["T", "U"], "description": ["", ""],
-                      "category": ["", ""], "attributes_text": ["", ""],
-                      "codes": pa.array([[1, 2], None], type=pa.list_(pa.int32()))})
-    with pytest.raises(DataError, match="it007"):
-        fn(batch)
-    bad = batch.slice(0, 1).set_column(5, "codes", pa.array([[1, 9]], type=pa.list_(pa.int32())))
-    with pytest.raises(DataError, match="item_id 'a' has codes"):
-        fn(bad)
-    ok = fn(batch.slice(0, 1))
-    assert ok.num_rows == 6 and set(ok.column("split").to_pylist()) == {"train"}
-    # Ray Data keeps a worker's DataError only as traceback text; the stage recovers it.
-    wrapped = RuntimeError("UDF failed\nTraceback ...\ngti.errors.DataError: pairs: item_id 'it007' has no SID")
-    assert str(user_error(wrapped)) == "pairs: item_id 'it007' has no SID"

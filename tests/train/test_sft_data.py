@@ -79,18 +79,6 @@ def test_training_window_counts():
     assert one and not set(one) & set(w["user_id"])
 
 
-def test_eval_windows_valid_and_test():
-    seqs = pl.DataFrame(
-        {"user_id": ["a"], "train_items": [["1", "2", "3", "4"]], "valid_item": ["5"], "test_item": ["6"]}
-    )
-    v = S.eval_windows(seqs, "valid", max_history=3)
-    t = S.eval_windows(seqs, "test", max_history=3)
-    assert v.row(0, named=True) == {"user_id": "a", "split": "valid", "history": ["2", "3", "4"], "target": "5"}
-    assert t.row(0, named=True) == {"user_id": "a", "split": "test", "history": ["3", "4", "5"], "target": "6"}
-    with pytest.raises(ConfigError, match="split"):
-        S.eval_windows(seqs, "train", 3)
-
-
 def test_missing_sequence_column_is_named():
     with pytest.raises(DataError, match="valid_item"):
         S.training_windows(pl.DataFrame({"user_id": ["a"], "train_items": [["1"]]}), 3)
@@ -194,15 +182,6 @@ def test_multitask_proportions_and_determinism():
     # weight 0 keeps only the sequence rows (shuffled)
     plain, st3 = S.multitask_mix(seq_rows, pairs, weight=0.0, seed=0, max_len=100)
     assert st3.n_pairs_used == 0 and plain.height == seq_rows.height
-
-
-def test_sample_users_deterministic():
-    users = [f"u{i}" for i in range(100)]
-    a = S.sample_users(users, 10, seed=0)
-    assert a == S.sample_users(users, 10, seed=0)
-    assert len(set(a)) == 10 and a != S.sample_users(users, 10, seed=1)
-    assert S.sample_users(users, None, 0) == users
-    assert S.sample_users(users, 1000, 0) == users
 
 
 def _tiny_tok(markers: bool):

@@ -71,7 +71,7 @@ __all__ = [
     "_records_to_batches", "error_reason",
 ]
 
-error_reason = _reason  # the public name, for callers outside gti.data (gti.data.batches, ingest)
+error_reason = _reason  # the public name, for callers outside gti.data (gti.data.batches, gti.input_files)
 
 
 def iter_task(task: ReadTask, kind: str, columns, batch_rows: int = 8192) -> Iterator[tuple[RawBatch, int]]:

@@ -17,6 +17,9 @@ Decisions:
   valid/test item of the same user; what the split guarantees is positional: the held-out
   interactions are the user's last two, never inside `train_items`.
 
+`check_sequences(seqs, source)` is the check every reader of sequences.parquet runs first (SFT
+windows, evaluation prompts): each column of `gti.data.schemas.SEQ_SCHEMA` is there.
+
 What it does not know: files, Ray, or item validity (unknown items are removed before).
 """
 
@@ -27,8 +30,18 @@ from dataclasses import dataclass
 import polars as pl
 
 from gti.data.catalog import OUTSIDE_MAX_USERS, SHORT_SEQUENCE
+from gti.data.schemas import SEQ_SCHEMA
+from gti.errors import DataError
 
 MIN_LEAVE_ONE_OUT = 3
+_SEQ_COLUMNS = tuple(SEQ_SCHEMA.names)  # user_id, train_items, valid_item, test_item
+
+
+def check_sequences(seqs: pl.DataFrame, source: str = "sequences.parquet") -> None:
+    """Raise DataError naming the first missing column of an ingest sequences table."""
+    missing = [c for c in _SEQ_COLUMNS if c not in seqs.columns]
+    if missing:
+        raise DataError(f"{source}: missing column(s) {missing}; expected {list(_SEQ_COLUMNS)}")
 
 
 @dataclass

@@ -229,7 +229,7 @@ def execute(
     failures: dict[tuple[str, int], str] = {}
     width = 1
     if cfg.compare.parallel and len(runs) > 1:
-        from gti.stages._ray import ensure_ray
+        from gti.ray_start import ensure_ray
 
         ensure_ray(cfg)
         import ray
@@ -425,12 +425,12 @@ def _compare(cfg: C.RunConfig, arms: list[str], n_seeds, out: Path, echo: Callab
 
 
 def preflight(args) -> None:
-    """`gti compare`'s preflight (gti.stages.doctor): every arm's own config (an arm may turn on
+    """`gti compare`'s preflight (gti.doctor): every arm's own config (an arm may turn on
     grounding that the base config has off), a problem's line naming its arm. Nothing for
     --report-only, which runs nothing."""
     if getattr(args, "report_only", False):
         return
-    from gti.stages import doctor
+    from gti import doctor
 
     cfg = C.load(args.config, list(getattr(args, "overrides", None) or []))
     out = Path(args.out).expanduser() if getattr(args, "out", None) else cfg.resolved_run_dir() / "compare"

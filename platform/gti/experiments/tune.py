@@ -211,7 +211,7 @@ def _sweep_locked(cfg: C.RunConfig, raw: dict[str, Any] | None, echo) -> dict[st
     import ray
     from ray import tune
 
-    from gti.stages._ray import ensure_ray
+    from gti.ray_start import ensure_ray
 
     run_dir = cfg.resolved_run_dir()
     base_raw = dict(raw if raw is not None else cfg.model_dump(mode="json"))

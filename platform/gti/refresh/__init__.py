@@ -8,7 +8,7 @@ run's (so evaluation and `gti recommend` accept it for the old model as well as 
 
 1. ingest (`gti.refresh.ingest`): the new items (and optional new interactions) are read and
    validated with the ingest stage's own readers and row checks (`gti.data.batches`,
-   `gti.stages.ingest.ingest_items`: same formats, same column mapping `data.items.*` /
+   `gti.data.items.ingest_items`: same formats, same column mapping `data.items.*` /
    `data.interactions.*`, overridable with key=value). Bad rows go to
    `ingest/items_quarantine.parquet` / `interactions_quarantine.parquet` with their reason,
    file and row; an interaction naming an item that is neither in the run's map nor new is
@@ -34,12 +34,13 @@ run's (so evaluation and `gti recommend` accept it for the old model as well as 
    and untied head) the mean of the last level's existing rows (where mean initialisation
    would put it) -> `<work>/grown_model/`, whose `gti_meta.json` `new_token_ids` covers them.
    Every later step starts from it.
-5. pairs: the new items' grounding pairs (the pairs stage's renderer, same templates, the new
-   map's codec and that model's tokenizer), plus `refresh.replay_ratio` x as many old training
-   pairs (seeded sample of the run's pairs and earlier refreshes' new pairs).
+5. pairs: the new items' grounding pairs (the pairs stage's renderer `gti.lm.pairs.RenderPairs`,
+   same templates, the new map's codec and that model's tokenizer), plus
+   `refresh.replay_ratio` x as many old training pairs (seeded sample of the run's pairs and
+   earlier refreshes' new pairs).
 6. ground (`gti.refresh.train`, as 7): `refresh.ground_steps` steps of the grounding task on Ray Train + DeepSpeed
-   (`gti.train.loop.fit`, the grounding hooks: backbone and every non-SID row frozen, only the
-   SID rows train, the added ones included), continuing from the parent's model (the latest
+   (`gti.train.ground_run.run_grounding`, the grounding task: backbone and every non-SID row
+   frozen, only the SID rows train, the added ones included), continuing from the parent's model (the latest
    refresh's, else `<run>/sft/model`, else `<run>/ground/model`; with the added tokens when
    step 4 made them). Validation: constrained text->SID exact match on the new items
    (held-out pairs when the split has them, else in-sample). With `refresh.ground_steps: 0`
@@ -68,14 +69,15 @@ Modules: `job` (the `Job` every step gets: run, config, parent version, work fol
 `RefreshError`, `RefreshResult`, `load_run_config`), `ingest`, `sids`, `tokens`, `train` (the steps) and
 `driver` (`refresh`, `cli_main`, the export step, resuming and publishing a version).
 
-Ray: only through `gti.stages._ray.ensure_ray` and the training runners
+Ray: only through `gti.ray_start.ensure_ray` and the training runners
 `gti.train.ground_run.run_grounding` / `gti.train.sft_run.run_sft` (the ones the `ground` and
-`sft` stages use; this package is a driver, like `gti.vocab_ground`). It reads with the ingest
-stage's public API: the readers of `gti.data.batches` (`Source`, `local_stream`, `iterate`,
-`raise_file_error`, `fill_interaction_raw`) and `gti.stages.ingest` (`ingest_items`, the output
-schemas such as `INTER_Q_SCHEMA`). From other stage modules it reuses `gti.stages.pairs`
-(`RenderPairs`, `PAIRS_SCHEMA`); the validation set (`write_val_set`, `VAL_TASKS`) comes from
-`gti.train.ground_run`, `rebuild_trained` from `gti.train.sft_task`.
+`sft` stages use; this package is a driver, like `gti.vocab_ground`). It imports no stage
+module: it reads with what the ingest stage reads with, the readers of `gti.data.batches`
+(`Source`, `local_stream`, `iterate`, `raise_file_error`, `fill_interaction_raw`) and the items
+pass `gti.data.items.ingest_items`; the output schemas (`INTER_Q_SCHEMA`, `PAIRS_SCHEMA`, ...)
+are `gti.data.schemas`', the input files' fingerprint `gti.input_files.fingerprint_files`, the pair
+renderer `gti.lm.pairs.RenderPairs`; the validation set (`write_val_set`, `VAL_TASKS`) comes
+from `gti.train.ground_run`, `rebuild_trained` from `gti.train.sft_task`.
 
 What it does not know: how the run's stages were run (it reads their manifests and outputs).
 """

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from gti import config as C
+from gti.input_files import fingerprint_files
 from gti.manifest import MANIFEST_NAME, Manifest, atomic_write_bytes, atomic_write_json, stable_hash
 from gti.refresh.ingest import ingest_step
 from gti.refresh.job import (
@@ -69,8 +70,6 @@ def _files_fingerprint(path: str | None, kind: str, storage_options=None) -> str
     ...) by size and mtime from their file system, with the source's storage_options."""
     if path is None:
         return None
-    from gti.stages.ingest import fingerprint_files
-
     return fingerprint_files(path, kind, storage_options)
 
 

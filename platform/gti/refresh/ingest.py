@@ -1,7 +1,7 @@
 """Step 1 of `gti refresh`: the new items and new interactions, read and validated as ingest does.
 
 What it is for: `ingest_step(job)` writes `<work>/ingest/`: items.parquet and
-items_quarantine.parquet (the ingest stage's items pass, `gti.stages.ingest.ingest_items`, on
+items_quarantine.parquet (the ingest stage's items pass, `gti.data.items.ingest_items`, on
 the in-process stream of `gti.data.batches`); with `--interactions`, also
 interactions_quarantine.parquet (row check failures; `unknown_item` for an item neither in the
 parent's map nor new; users left without enough history), interactions.parquet and
@@ -28,12 +28,13 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from gti.data import catalog as cat
-from gti.data.idset import IdSet
-from gti.data.sequences import build_sequences
 from gti.data.batches import Source, fill_interaction_raw, iterate, local_stream, raise_file_error
+from gti.data.idset import IdSet
+from gti.data.items import ingest_items
+from gti.data.schemas import INTER_OUT_SCHEMA, INTER_Q_SCHEMA, SEQ_SCHEMA
+from gti.data.sequences import build_sequences
 from gti.errors import DataError
 from gti.refresh.job import Job
-from gti.stages.ingest import INTER_OUT_SCHEMA, INTER_Q_SCHEMA, SEQ_SCHEMA, ingest_items
 
 
 def ingest_step(job: Job) -> dict:

@@ -13,8 +13,8 @@ What it is for:
   RefreshError line, with `add_tokens` `gti.sid.map_edits.add_last_level_codes` puts them on
   added last-level codes and the version records the grown sizes (the tokens step,
   `gti.refresh.tokens`, then adds the tokens to the model).
-- `pairs_step(job)`: the new items' grounding pairs (the pairs stage's `RenderPairs`, same
-  templates, the tokenizer of `job.base_model_dir`, the new map's codec) -> `pairs_new.parquet`,
+- `pairs_step(job)`: the new items' grounding pairs (the pairs stage's renderer
+  `gti.lm.pairs.RenderPairs`, same templates, the tokenizer of `job.base_model_dir`, the new map's codec) -> `pairs_new.parquet`,
   plus `refresh.replay_ratio` x as many old
   training pairs (a seeded sample of the run's and earlier refreshes' pairs) -> `pairs.parquet`.
 
@@ -155,8 +155,9 @@ def _new_pairs(job: Job, assigned: set[str]):
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
+    from gti.data.schemas import PAIRS_SCHEMA
+    from gti.lm.pairs import RenderPairs
     from gti.sid.codec import SidCodec
-    from gti.stages.pairs import PAIRS_SCHEMA, RenderPairs
 
     pf = Manifest.read(job.run_dir / "pairs").facts
     tok = job.tokenizer()
@@ -182,7 +183,7 @@ def pairs_step(job: Job) -> dict:
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    from gti.stages.pairs import PAIRS_SCHEMA
+    from gti.data.schemas import PAIRS_SCHEMA
 
     cfg = job.cfg
     assigned = set(job.assigned())

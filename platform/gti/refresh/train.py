@@ -88,7 +88,7 @@ def ground_step(job: Job, fault_injection: FaultInjection | None) -> dict:
 
     from gti.lm import models, vocab
     from gti.sid.codec import SidCodec
-    from gti.stages._ray import ensure_ray
+    from gti.ray_start import ensure_ray
     from gti.train.ground_run import GroundingInputs, check_pairs, run_grounding
     from gti.train.worker_config import GroundRows, ValSet
 
@@ -178,7 +178,7 @@ def sft_step(job: Job) -> dict:
     import numpy as np
 
     from gti.lm import vocab
-    from gti.stages._ray import ensure_ray
+    from gti.ray_start import ensure_ray
     from gti.train.sft_run import SftInputs, run_sft
     from gti.train.sft_task import rebuild_trained
 

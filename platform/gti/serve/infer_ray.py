@@ -122,7 +122,7 @@ def _ray_config(job: I.InferJob, address: str | None):
 def cli_main(args) -> int:
     """`gti infer` (see the module docstring); prints one summary line."""
     from gti.runlock import RunLock
-    from gti.stages._ray import ensure_ray
+    from gti.ray_start import ensure_ray
 
     log = lambda m: print(f"gti infer: {m}", file=sys.stderr, flush=True)  # noqa: E731
     job = I.plan_job(args.run_dir, args.users, args.out, k=int(args.k), version=args.version,

@@ -25,7 +25,7 @@ What it is for (issue 15, "catalogs change"):
 - `map_table(ids, codes, codec)`: a map table from full codes.
 
 A SID map is a pyarrow table `item_id` str, `codes` list<int32>, `sid` str (the `sid` stage's
-sid_map.parquet). Versions of a map and their lineage are `gti.sid.versions`. What it does not
+sid_map.parquet; `gti.data.schemas.SID_MAP_SCHEMA`). Versions of a map and their lineage are `gti.sid.versions`. What it does not
 know: embeddings, quantiser weights, version records, models, Ray.
 """
 
@@ -39,17 +39,16 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
+from gti.data.schemas import SID_MAP_SCHEMA
 from gti.errors import DataError
 from gti.sid.codec import SidCodec
-
-MAP_SCHEMA = pa.schema([("item_id", pa.string()), ("codes", pa.list_(pa.int32())), ("sid", pa.string())])
 
 
 def map_table(item_ids: Sequence[str], codes: Sequence[Sequence[int]] | np.ndarray, codec: SidCodec) -> pa.Table:
     """A SID-map table from ids and full codes [N, L] (SID strings spelled by `codec`)."""
     rows = [list(map(int, c)) for c in np.asarray(codes, dtype=np.int64).reshape(len(item_ids), codec.levels)]
     return pa.table({"item_id": [str(i) for i in item_ids], "codes": rows,
-                     "sid": [codec.to_string(r) for r in rows]}, schema=MAP_SCHEMA)
+                     "sid": [codec.to_string(r) for r in rows]}, schema=SID_MAP_SCHEMA)
 
 
 def codes_matrix(table: pa.Table) -> np.ndarray:
@@ -233,7 +232,7 @@ def assign_new_items(
         out.assigned.append(iid)
     if new_ids:
         add = map_table(new_ids, np.asarray(new_codes, dtype=np.int64), codec)
-        base = existing_map.select(["item_id", "codes", "sid"]).cast(MAP_SCHEMA)
+        base = existing_map.select(["item_id", "codes", "sid"]).cast(SID_MAP_SCHEMA)
         out.table = pa.concat_tables([base, add])
     return out
 
@@ -299,7 +298,7 @@ def add_last_level_codes(assignment: Assignment, codebook_sizes: Sequence[int],
         codes.append(list(key) + [code])
     grown = sizes[:-1] + [max(k_old, max(c[-1] for c in codes) + 1)]
     add = map_table(ids, np.asarray(codes, dtype=np.int64), SidCodec(len(grown), grown, token_format))
-    base = assignment.table.select(["item_id", "codes", "sid"]).cast(MAP_SCHEMA)
+    base = assignment.table.select(["item_id", "codes", "sid"]).cast(SID_MAP_SCHEMA)
     placed = Assignment(table=pa.concat_tables([base, add]), assigned=list(assignment.assigned) + ids,
                         already_present=list(assignment.already_present),
                         prefix_changed=list(assignment.prefix_changed))

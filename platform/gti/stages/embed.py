@@ -199,7 +199,7 @@ def _concat_parts(parts: list[Path], items_path: Path, out: Path, dim: int) -> i
 
 
 def run(ctx: StageContext) -> StageResult:
-    from gti.stages._ray import ensure_ray
+    from gti.ray_start import ensure_ray
 
     timer = Timer()
     with timer.phase("ray_start"):  # a no-op after an earlier stage of the same `gti run` started it

@@ -26,8 +26,9 @@ over the catalog's SID trie, and score them against the held-out item.
 - Cold-item slice: every metric (model, baselines, ranks) is also reported for the users whose
   target is the target of at most `eval.cold_max_sft_targets` SFT training windows
   (`sft_data.sft_target_counts`, counted on training items only, never valid/test), under
-  slices.cold.<split>, with the definition under slices.cold.definition.
-- Resume: decoded rows are kept in the work dir in chunks (`chunk_rows`; `gti.stages._chunks`),
+  slices.cold.<split>, with the definition under slices.cold.definition. The user sample,
+  the split frames, the cold slice and its metrics are `gti.eval.slices`.
+- Resume: decoded rows are kept in the work dir in chunks (`chunk_rows`; `gti.chunked_output`),
   each written atomically as it completes. A rerun after an interrupted attempt (same
   fingerprint, so the same work dir) decodes only the prompts after the last whole chunk, in
   the same batches, so its metrics equal an uninterrupted run's.
@@ -53,26 +54,20 @@ import polars as pl
 import pyarrow as pa
 
 from gti import config as C
-from gti.errors import DataError
-from gti.manifest import atomic_write_json
+from gti.chunked_output import ChunkedOutput
 from gti.contract import StageContext, StageResult
-from gti.eval.reference import (  # noqa: F401 - re-exported: the stage's pure table helpers
-    DEFAULT_BASELINES,
-    baseline_rank_rows,
-    baseline_rows,
-    metric_block,
-    reference_block,
-    reference_frames,
-    split_train_sequences,
-)
+from gti.data.sequences import check_sequences
+from gti.errors import DataError
+from gti.eval.reference import metric_block, reference_block, reference_frames
+from gti.eval.slices import cold_users, eval_users, n_cold_items, slice_metrics, split_frame
 from gti.eval.tables import format_ranks, format_table
-from gti.stages._chunks import ChunkedOutput
+from gti.manifest import atomic_write_json
 from gti.timing import Timer
 from gti.train import sft_data
 
 METRICS_FILE = "metrics.json"
 RECS_FILE = "recs.parquet"
-DECODED_DIR = "decoded"  # resumable chunks of decoded rows (gti.stages._chunks), in the work dir
+DECODED_DIR = "decoded"  # resumable chunks of decoded rows (gti.chunked_output), in the work dir
 CHUNK_ROWS = 256  # prompts per chunk, rounded to a multiple of eval.batch_users
 EXACT_RANK_CHUNK_ROWS = 32  # exact ranks cost seconds a prompt on a CPU: a kill loses minutes, not 1/4 h
 _on_chunk = None  # test hook: called with each chunk index written (e.g. to interrupt the stage)
@@ -151,60 +146,6 @@ class Recommender:
         return exact_ranks(scores, rows).tolist()
 
 
-# --------------------------------------------------------------------------- helpers
-def eval_users(seqs: pl.DataFrame, max_users: int | None, seed: int) -> list[str]:
-    """The deterministic user sample shared by every split (all users when max_users is None)."""
-    return sft_data.sample_users(seqs["user_id"].to_list(), max_users, seed)
-
-
-def split_frame(seqs: pl.DataFrame, split: str, users: list[str], max_history: int) -> pl.DataFrame:
-    w = sft_data.eval_windows(seqs, split, max_history)
-    return w.filter(pl.col("user_id").is_in(users))
-
-
-def cold_users(frame: pl.DataFrame, counts: dict[str, int], max_targets: int) -> list[bool]:
-    """Per row of a split frame: is its target cold, i.e. the target of at most `max_targets`
-    SFT training windows (`counts` from `sft_data.sft_target_counts`; absent = 0)?"""
-    return [counts.get(t, 0) <= max_targets for t in frame["target"].to_list()]
-
-
-def n_cold_items(catalog: list[str], counts: dict[str, int], max_targets: int) -> int:
-    """Catalog items that are cold under the same definition as `cold_users`."""
-    return sum(counts.get(item, 0) <= max_targets for item in catalog)
-
-
-def slice_metrics(part: pl.DataFrame, frame: pl.DataFrame, seqs: pl.DataFrame, split: str,
-                  ks: list[int], n_boot: int, seed: int, catalog: list[str],
-                  exact_rank: bool, names: tuple[str, ...] | list[str] = DEFAULT_BASELINES) -> dict[str, Any]:
-    """Every metric of one split on a slice of its users.
-
-    part: the slice's decoded rows (items, target, exact_rank); frame: the same users' split
-    frame (history, target; sasrec columns when `names` has sasrec) for the baselines.
-    -> {"n_users", "model": metric@k table, "baselines": {name: table}, "ranks": rank_metrics
-    or {}} (+ "baseline_ranks" {"sasrec": rank_metrics} when the frame has SASRec's exact
-    ranks); empty blocks for 0 users.
-    """
-    if part.height != frame.height:
-        raise DataError(f"evaluate: slice of {part.height} decoded rows but {frame.height} prompts")
-    if part.height == 0:
-        return {"n_users": 0, "model": {}, "baselines": {b: {} for b in names}, "ranks": {}}
-    model, _ = metric_block(part["items"].to_list(), part["target"].to_list(), ks, n_boot, seed)
-    ranks = {}
-    if exact_rank:
-        from gti.eval.rank import rank_metrics
-
-        ranks = rank_metrics(part["exact_rank"].to_numpy(), len(catalog), n_boot, seed)
-    out = {
-        "n_users": part.height,
-        "model": model,
-        "baselines": baseline_rows(seqs, split, frame, ks, n_boot, seed, catalog, names),
-        "ranks": ranks,
-    }
-    if exact_rank and (b_ranks := baseline_rank_rows(frame, len(catalog), n_boot, seed)):
-        out["baseline_ranks"] = b_ranks
-    return out
-
-
 # --------------------------------------------------------------------------- stage entry
 def run(ctx: StageContext) -> StageResult:
     ec, timer = ctx.cfg.eval, Timer()
@@ -270,7 +211,7 @@ def _read_inputs(ctx: StageContext) -> _Inputs:
         raise C.ConfigError(f"eval.ks {ec.ks}: K={max(ec.ks)} exceeds the catalog of {len(catalog)} items")
     seq_path = ctx.input("ingest", "sequences")
     seqs = pl.read_parquet(seq_path)
-    sft_data.check_sequences(seqs, str(seq_path))
+    check_sequences(seqs, str(seq_path))
     # A fixed sample seed (eval.sample_seed) keeps the same users across the seeds of a
     # comparison, so per-user metrics pair up; None samples with the run's seed.
     users = eval_users(seqs, ec.max_users, cfg.seed if ec.sample_seed is None else ec.sample_seed)
@@ -336,7 +277,7 @@ def _recommendation_blocks(ctx: StageContext, inp: _Inputs, todo: pl.DataFrame):
         return _local_blocks(kwargs, todo.to_arrow(), ec.batch_users)
     import ray
 
-    from gti.stages._ray import ensure_ray
+    from gti.ray_start import ensure_ray
 
     ensure_ray(cfg)
     ray.data.DataContext.get_current().execution_options.preserve_order = True

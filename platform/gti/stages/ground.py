@@ -201,7 +201,7 @@ def _ground(ctx: StageContext, init, first, end, first_sid, end_sid, codec, toke
     validated on held-out text->SID pairs against the catalog's SIDs."""
     from safetensors.torch import save_file
 
-    from gti.stages._ray import ensure_ray
+    from gti.ray_start import ensure_ray
     from gti.tracking import open_tracker
     from gti.train.ground_run import GroundingInputs, run_grounding, write_val_set
     from gti.train.worker_config import GroundRows, ValSet

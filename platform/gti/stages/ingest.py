@@ -32,12 +32,12 @@ without it (one restart per damaged file found mid-read), so no row of a skipped
 any output or count. Skipped files are listed with their reason under facts.skipped_files;
 their rows are in no `*_rows_in` (unknown: the files could not be read).
 
-Shared with `gti refresh` (which validates new items the same way, in process): the reading
-half lives in `gti.data.batches` (`Source`, `local_stream`, `iterate`, `raise_file_error`,
-`fill_item_raw` / `fill_interaction_raw`); this module's public `ingest_items(ctx, out, stream,
-source)` is the items pass (duplicates first kept, `data.max_items`, items.parquet and its
-quarantine, `ItemCounts`), and the output schemas (`ITEMS_OUT_SCHEMA`, `INTER_Q_SCHEMA`,
-`INTER_OUT_SCHEMA`, `SEQ_SCHEMA`, ...) are the contract files'.
+Shared with `gti refresh` (which validates new items the same way, in process), below this
+module: the reading half in `gti.data.batches` (`Source`, `local_stream`, `iterate`,
+`raise_file_error`, `fill_item_raw` / `fill_interaction_raw`), the items pass in
+`gti.data.items` (`ingest_items`: duplicates first kept, `data.max_items`, items.parquet and
+its quarantine, `ItemCounts`), the output schemas in `gti.data.schemas` and the input files'
+fingerprint in `gti.input_files`.
 
 What it does not know: embeddings or anything downstream.
 """
@@ -45,70 +45,36 @@ What it does not know: embeddings or anything downstream.
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
-import numpy as np
 import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from gti.contract import StageContext, StageResult
 from gti.data import adapters
 from gti.data import catalog as cat
+from gti.data.batches import Source, fill_interaction_raw, iterate, local_stream, raise_file_error, validated_batches
 from gti.data.dense import DenseCut, cut_interactions, quarantine_items
 from gti.data.idset import IdSet
+from gti.data.items import ROW_GROUP, ingest_items
+from gti.data.schemas import INTER_OUT_SCHEMA, INTER_Q_SCHEMA, SEQ_SCHEMA
 from gti.data.sequences import build_sequences
-from gti.data.batches import (
-    Source, fill_interaction_raw, fill_item_raw, iterate, local_stream, raise_file_error, validated_batches,
-)
-from gti.errors import DataError, UnreadableFileError, user_error
-from gti.manifest import file_fingerprint
-from gti.contract import StageContext, StageResult
+from gti.errors import DataError, user_error
+from gti.input_files import fingerprint_files
 from gti.redact import redact_text
 from gti.timing import Timer
 
-ITEMS_OUT_SCHEMA = pa.schema([cat.ITEM_BATCH_SCHEMA.field(c) for c in cat.ITEMS_OUT_COLUMNS])
-ITEMS_Q_SCHEMA = pa.schema([cat.ITEM_BATCH_SCHEMA.field(c) for c in cat.QUARANTINE_COLUMNS])
-INTER_OUT_SCHEMA = pa.schema([("user_id", pa.string()), ("item_id", pa.string()), ("ts", pa.int64())])
-INTER_Q_SCHEMA = pa.schema([cat.INTERACTION_BATCH_SCHEMA.field(c) for c in cat.INTERACTIONS_QUARANTINE_COLUMNS])
-SEQ_SCHEMA = pa.schema(
-    [("user_id", pa.string()), ("train_items", pa.list_(pa.string())),
-     ("valid_item", pa.string()), ("test_item", pa.string())]
-)
-ROW_GROUP = 65_536
 # Caps and filters that can silently remove most of a data set: quarantine reason -> config key.
 CAP_KEYS = {cat.OUTSIDE_MAX_ITEMS: "data.max_items", cat.OUTSIDE_MAX_USERS: "data.max_users",
             cat.SHORT_SEQUENCE: "data.min_seq_len"}
 
 
 # --------------------------------------------------------------------------- fingerprints
-def fingerprint_files(path: str, kind: str, storage_options=None) -> str:
-    """Fingerprint of the files `path` names: a local file by content (large ones by size and
-    mtime, `gti.manifest.file_fingerprint`), a URI by its size and mtime from the file system
-    (never downloaded; `gti refresh` fingerprints its new files the same way)."""
-    from gti.data.sources import filesystem
-
-    parts = []
-    for f in adapters.expand_paths(path, kind, storage_options):
-        if "://" in f and not f.startswith("file://"):
-            try:
-                fs, p = filesystem(f, storage_options)
-                info = fs.get_file_info(p)
-            except (*adapters.READ_ERRORS, ValueError) as err:
-                raise UnreadableFileError(f, f"cannot stat: {adapters.error_reason(err)}") from None
-            # The URI without a presigned query (its signature changes with every signing).
-            parts.append(f"{f.split('?', 1)[0]}:{info.size}:{info.mtime_ns}")
-        else:
-            parts.append(f"{os.path.basename(f)}:{file_fingerprint(f)}")
-    from gti.manifest import stable_hash
-
-    return stable_hash(parts)
-
-
 def input_fingerprints(cfg) -> dict[str, str]:
     d = cfg.data
     return {
@@ -159,95 +125,6 @@ def _small_local_stream(tasks: list[adapters.ReadTask], kind: str, columns, max_
         yield from local_stream(tasks, kind, columns, max_text_chars, parallelism)
     else:
         yield from ray_stream(tasks, kind, columns, max_text_chars, parallelism)
-
-
-# --------------------------------------------------------------------------- items
-class ItemCounts:
-    """What the items pass counted (the ingest facts' items_* numbers) and the kept ids."""
-
-    def __init__(self) -> None:
-        self.rows_in = self.ok = self.quarantined = self.truncated = self.pseudo = 0
-        self.reasons: Counter[str] = Counter()
-        self.seen = IdSet()  # kept ids: duplicates and the unknown-item check (~30 B/id)
-        self.limit_reached = False
-
-
-def ingest_items(ctx: StageContext, out: Path, stream, source: Source | None = None) -> tuple[ItemCounts, IdSet]:
-    """The items pass: `stream` (`local_stream`, `ray_stream`) over `source` (default: planned
-    from `ctx.cfg.data`) writes `out`/items.parquet and items_quarantine.parquet (duplicates:
-    first kept; `data.max_items` ends the catalog). Returns (counts, the kept ids); DataError
-    when no item is valid. `ctx`: anything with `.cfg` (a RunConfig) and `.log(msg)`."""
-    d = ctx.cfg.data
-    source = source or Source(d, "items", ctx.log)
-    missing = source.missing_columns
-    if missing:
-        ctx.log(f"items: optional columns not in the input, treated as empty: {missing}")
-    ctx.log(f"items: {len(source.files)} file(s), {len(source.tasks)} read task(s) from {redact_text(d.items.path)}")
-    st = source.passes(lambda tasks: _items_pass(ctx, out, stream, tasks, source.skip))
-    st.missing_columns = missing  # type: ignore[attr-defined]
-    if st.ok == 0:
-        detail = ", ".join(f"{k}: {v}" for k, v in st.reasons.most_common()) or "no rows"
-        raise DataError(f"data.items.path {redact_text(d.items.path)}: no valid items "
-                        f"({st.rows_in} rows read; {detail})")
-    return st, st.seen
-
-
-def _items_pass(ctx: StageContext, out: Path, stream, tasks, skip: bool) -> ItemCounts:
-    d = ctx.cfg.data
-    st = ItemCounts()
-    n_kept = 0
-    w_ok = pq.ParquetWriter(out / "items.parquet", ITEMS_OUT_SCHEMA)
-    w_q = pq.ParquetWriter(out / "items_quarantine.parquet", ITEMS_Q_SCHEMA)
-    t0, last_log = time.time(), time.time()
-    try:
-        for batch in iterate(stream, tasks, "items", d.items.columns, d.max_text_chars, d.parallelism):
-            raise_file_error(batch, skip)
-            valid = pc.is_null(batch.column("reason")).to_numpy(zero_copy_only=False)
-            new = st.seen.first_new(batch.column("item_id"), valid)
-            n_used = batch.num_rows
-            if d.max_items is not None:
-                kept_at = np.nonzero(new)[0]
-                room = d.max_items - n_kept
-                if kept_at.size >= room:  # the N-th kept item ends the catalog
-                    st.limit_reached = True
-                    n_used = int(kept_at[room - 1]) + 1
-                    new[n_used:] = False
-            keep = new.tolist()
-            n_kept += int(new.sum())
-            reasons = batch.column("reason").to_pylist()
-            for i in np.nonzero(valid & ~new)[0]:
-                reasons[i] = cat.DUPLICATE_ID
-            if n_used < batch.num_rows:
-                batch, keep, reasons = batch.slice(0, n_used), keep[:n_used], reasons[:n_used]
-            batch = batch.set_column(batch.schema.get_field_index("reason"), "reason",
-                                     pa.array(reasons, pa.string()))
-            dup = pa.array([r == cat.DUPLICATE_ID for r in reasons])
-            batch = batch.set_column(batch.schema.get_field_index("detail"), "detail",
-                                     pc.if_else(dup, pa.scalar("id", pa.string()), batch.column("detail")))
-            mask = pa.array(keep, pa.bool_())
-            ok = batch.filter(mask)
-            bad = batch.filter(pc.invert(mask))
-            if bad.num_rows:
-                bad = fill_item_raw(bad)
-                w_q.write_table(bad.select(cat.QUARANTINE_COLUMNS).cast(ITEMS_Q_SCHEMA))
-            if ok.num_rows:
-                st.seen.add(ok.column("item_id"))
-                w_ok.write_table(ok.select(cat.ITEMS_OUT_COLUMNS).cast(ITEMS_OUT_SCHEMA), row_group_size=ROW_GROUP)
-            st.rows_in += batch.num_rows
-            st.ok += ok.num_rows
-            st.quarantined += bad.num_rows
-            st.truncated += pc.sum(ok.column("truncated")).as_py() or 0
-            st.pseudo += pc.sum(ok.column("text_is_pseudo")).as_py() or 0
-            st.reasons.update(r for r in reasons if r)
-            if time.time() - last_log > 10:
-                last_log = time.time()
-                ctx.log(f"items: {st.rows_in:,} rows read, {st.ok:,} ok ({st.rows_in / (last_log - t0):,.0f} rows/s)")
-            if st.limit_reached:
-                break
-    finally:
-        w_ok.close()
-        w_q.close()
-    return st
 
 
 # --------------------------------------------------------------------------- interactions
@@ -367,7 +244,7 @@ def cap_warnings(cfg, rows_in: int, reasons: dict[str, int], share: float = 0.5)
 
 # --------------------------------------------------------------------------- stage
 def run(ctx: StageContext) -> StageResult:
-    from gti.stages._ray import ensure_ray
+    from gti.ray_start import ensure_ray
 
     # Both sources' files and headers are checked before Ray starts and any row is read.
     sources = _sources(ctx)

@@ -10,12 +10,12 @@ What it is for:
    order (the normal case: sid_map follows embeddings, which follow items; checked by streaming
    both id columns) a row-aligned `zip` (no shuffle; output in catalog order); otherwise a LEFT
    hash join on item_id (an item without a SID is a DataError naming it) sorted by item_id so
-   the output order never depends on scheduling. Then `map_batches` with a callable class over
-   an actor pool renders each item's (a catalog of at most `local_max_items` items: the same
-   join and the same callable in this process, no Ray Data)
-   tasks through `gti.lm.templates.PairRenderer` (chat template, SID ids from the codec's table,
-   answer-only labels, text cut to `pairs.max_len`, never the SID). The driver streams the
-   blocks into one pairs.parquet.
+   the output order never depends on scheduling. Then `map_batches` with the renderer
+   `gti.lm.pairs.RenderPairs` over an actor pool renders each item's tasks (a catalog of at
+   most `local_max_items` items: the same join and the same renderer in this process, no Ray
+   Data) through `gti.lm.templates.PairRenderer` (chat template, SID ids from the codec's
+   table, answer-only labels, text cut to `pairs.max_len`, never the SID). The driver streams
+   the blocks into one pairs.parquet (`gti.data.schemas.PAIRS_SCHEMA`).
 
 Text: `title` (ingestion already put a pseudo-title on items that had neither title nor
 description); `description`, cut to `pairs.max_desc_chars`; an item without one gets a
@@ -24,7 +24,8 @@ title when it has neither (counted in the facts, never silent). Only catalog tex
 user data reaches the pairs.
 
 Splits: an item is a validation item when a seeded hash of its id falls below
-`pairs.val_fraction` (deterministic, independent of order and of the other items). With
+`pairs.val_fraction` (`gti.lm.pairs.is_val_item`: deterministic, independent of order and of
+the other items). With
 `pairs.val_holdout=text2sid` (default) its text->SID rows are "val" and its SID->text rows stay
 "train" (validation then measures whether the model can write the SID it has learned to read);
 with `item` all its rows are "val". `pairs.exclude_items` (ids, or one path to a file of ids:
@@ -40,7 +41,6 @@ What it does NOT know: model weights (only the tokenizer), initialisation, or tr
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,31 +49,18 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from gti.data.descriptions import description_text
-from gti.errors import DataError, user_error
 from gti.contract import StageContext, StageResult
+from gti.data.schemas import PAIRS_SCHEMA
+from gti.errors import DataError, user_error
+from gti.lm.pairs import ITEM_COLUMNS, RenderPairs
 from gti.timing import Timer, rate
 
 TOKENIZER_DIR = "tokenizer"
 PAIRS_FILE = "pairs.parquet"
-_ITEM_COLUMNS = ["item_id", "title", "description", "category", "attributes_text"]
 _RENDER_BATCH = 1024  # items per rendered block
-_TOKEN_COLUMNS = ("input_ids", "labels", "prompt_ids", "answer_ids")
-PAIRS_SCHEMA = pa.schema(
-    [("item_id", pa.string()), ("task", pa.string()), ("split", pa.string())]
-    + [(c, pa.list_(pa.int32())) for c in _TOKEN_COLUMNS]
-)
 
 
 # --------------------------------------------------------------------------- pure helpers
-def is_val_item(item_id: str, seed: int, fraction: float) -> bool:
-    """Seeded, order-independent choice of validation items (blake2b of seed and id)."""
-    if fraction <= 0:
-        return False
-    h = hashlib.blake2b(f"{seed}\x00{item_id}".encode(), digest_size=8).digest()
-    return int.from_bytes(h, "big") / 2.0**64 < fraction
-
-
 def same_id_order(items_path: str | Path, sid_path: str | Path, batch_rows: int = 65_536) -> bool:
     """True when both parquet files list the same item ids in the same order (streamed,
     bounded memory: compares the item_id columns batch by batch)."""
@@ -127,67 +114,6 @@ def input_fingerprints(cfg) -> dict[str, str]:
     return out
 
 
-# --------------------------------------------------------------------------- Ray Data worker
-class RenderPairs:
-    """Callable class for `map_batches`: one PairRenderer per actor; a pyarrow batch of items
-    (joined with their codes) -> pairs rows (+ a `truncated` flag and the description source,
-    which the driver counts and drops)."""
-
-    def __init__(self, tokenizer, code_table: np.ndarray, pairs_cfg: dict, seed: int,
-                 sid_wrap: tuple[int, int] | None, exclude: set[str]) -> None:
-        from gti.config import PairsConfig
-        from gti.lm.templates import TASKS, PairRenderer
-
-        self.cfg = PairsConfig(**pairs_cfg)
-        self.renderer = PairRenderer(tokenizer, self.cfg.templates, self.cfg.system_prompt,
-                                     self.cfg.max_len, sid_wrap=sid_wrap)
-        self.direction = {t: TASKS[t][0] for t in self.renderer.tasks}
-        self.table = np.asarray(code_table)  # [L, Kmax] tokenizer id of (level, code)
-        self.seed = seed
-        self.exclude = exclude
-
-    def __call__(self, batch: pa.Table) -> pa.Table:
-        cols = {c: batch.column(c).to_pylist() for c in [*_ITEM_COLUMNS, "codes"]}
-        keep = [i for i, it in enumerate(cols["item_id"]) if it not in self.exclude]
-        missing = [cols["item_id"][i] for i in keep if cols["codes"][i] is None]
-        if missing:
-            raise DataError(f"pairs: item_id '{missing[0]}' has no SID in sid_map.parquet ({len(missing)} such items in a batch)")
-        titles, descs, srcs, sids = [], [], [], []
-        levels = np.arange(self.table.shape[0])
-        for i in keep:
-            t = (cols["title"][i] or "").strip()
-            d, src = description_text(t, cols["description"][i] or "", cols["category"][i] or "",
-                                      cols["attributes_text"][i] or "", self.cfg.max_desc_chars)
-            titles.append(t)
-            descs.append(d)
-            srcs.append(src)
-            codes = np.asarray(cols["codes"][i], dtype=np.int64)
-            if codes.shape[0] != self.table.shape[0] or (codes < 0).any() or (codes >= self.table.shape[1]).any():
-                raise DataError(f"pairs: item_id '{cols['item_id'][i]}' has codes {codes.tolist()} "
-                                f"that do not fit the {self.table.shape[0]}-level codec")
-            ids = self.table[levels, codes]
-            if (ids < 0).any():
-                raise DataError(f"pairs: item_id '{cols['item_id'][i]}' has a code outside its codebook")
-            sids.append(ids.tolist())
-        rendered = self.renderer.render_batch(titles, descs, sids)
-        out: dict[str, list[Any]] = {k: [] for k in ("item_id", "task", "split", *_TOKEN_COLUMNS,
-                                                     "truncated", "desc_source")}
-        for j, i in enumerate(keep):
-            item = cols["item_id"][i]
-            val = is_val_item(item, self.seed, self.cfg.val_fraction)
-            for row in rendered[j]:
-                held = val and (self.cfg.val_holdout == "item" or self.direction[row["task"]] == "text2sid")
-                out["item_id"].append(item)
-                out["task"].append(row["task"])
-                out["split"].append("val" if held else "train")
-                for c in _TOKEN_COLUMNS:
-                    out[c].append(row[c])
-                out["truncated"].append(row["truncated"])
-                out["desc_source"].append(srcs[j])
-        schema = PAIRS_SCHEMA.append(pa.field("truncated", pa.bool_())).append(pa.field("desc_source", pa.string()))
-        return pa.table(out, schema=schema)
-
-
 # --------------------------------------------------------------------------- stage
 def extend_and_save_tokenizer(cfg, codec, out_dir: Path) -> tuple[Any, dict[str, Any]]:
     """Base tokenizer + SID tokens (+ markers), saved to `out_dir`; returns it and facts."""
@@ -212,7 +138,7 @@ def extend_and_save_tokenizer(cfg, codec, out_dir: Path) -> tuple[Any, dict[str,
 
 
 def run(ctx: StageContext) -> StageResult:
-    from gti.stages._ray import ensure_ray
+    from gti.ray_start import ensure_ray
 
     timer = Timer()
     with timer.phase("ray_start"):  # a no-op after an earlier stage of the same `gti run` started it
@@ -273,7 +199,7 @@ def _items_with_codes(ctx: StageContext, n_items: int):
     ctx_data = ray.data.DataContext.get_current()
     ctx_data.execution_options.preserve_order = True
     items_path, sid_path = ctx.input("ingest", "items"), ctx.input("sid", "sid_map")
-    items = ray.data.read_parquet(str(items_path), columns=_ITEM_COLUMNS)
+    items = ray.data.read_parquet(str(items_path), columns=ITEM_COLUMNS)
     if same_id_order(items_path, sid_path):
         # The usual case (sid_map rows follow embeddings, which follow items): a row-aligned
         # zip, no shuffle; output in catalog order.
@@ -294,7 +220,7 @@ def _local_items_with_codes(ctx: StageContext, batch_rows: int = _RENDER_BATCH):
     """The same rows as `_items_with_codes` without Ray: pyarrow tables of <= batch_rows items
     with their codes, in catalog order (row-aligned) or sorted by item_id (a left join)."""
     items_path, sid_path = ctx.input("ingest", "items"), ctx.input("sid", "sid_map")
-    items = pq.read_table(items_path, columns=_ITEM_COLUMNS)
+    items = pq.read_table(items_path, columns=ITEM_COLUMNS)
     if same_id_order(items_path, sid_path):
         joined = items.append_column("codes", pq.read_table(sid_path, columns=["codes"]).column("codes"))
     else:

@@ -51,6 +51,8 @@ from gti.train.driver import STORAGE_DIR
 from gti.errors import DataError, GtiError
 from gti.manifest import atomic_write_json
 from gti.contract import StageContext, StageResult
+from gti.data.sequences import check_sequences
+from gti.eval.slices import eval_windows, sample_users
 from gti.lm import templates
 from gti.train import sft_data
 from gti.train.sft_run import SftInputs, history_facts, run_sft
@@ -147,7 +149,7 @@ def _training_windows(ctx: StageContext, sid_ids: dict[str, np.ndarray]) -> tupl
     cfg = ctx.cfg
     seq_path = ctx.input("ingest", "sequences")
     seqs = pl.read_parquet(seq_path)
-    sft_data.check_sequences(seqs, str(seq_path))
+    check_sequences(seqs, str(seq_path))
     windows = sft_data.training_windows(seqs, cfg.data.max_history, seed=cfg.seed)
     sft_data.check_items_known(windows, sid_ids, str(seq_path))
     if windows.height == 0:
@@ -204,8 +206,8 @@ def _write_val_prompts(ctx: StageContext, seqs: pl.DataFrame, tokenizer, sid_ids
     """Prompts of a deterministic sample of validation users, with the trie row of each one's
     valid item as target, to `path`; -> the number of users."""
     cfg, sc = ctx.cfg, ctx.cfg.sft
-    val_w = sft_data.eval_windows(seqs, "valid", cfg.data.max_history)
-    users = sft_data.sample_users(val_w["user_id"].to_list(), sc.val_users, cfg.seed)
+    val_w = eval_windows(seqs, "valid", cfg.data.max_history)
+    users = sample_users(val_w["user_id"].to_list(), sc.val_users, cfg.seed)
     val_w = val_w.filter(pl.col("user_id").is_in(users))
     renderer = templates.make_renderer(
         tokenizer, sid_ids, cfg.pairs.system_prompt, sc.max_len, prompt_style=sc.prompt_style
@@ -301,7 +303,7 @@ def _train(ctx: StageContext, tokenizer, pad_id: int, ground_dir: Path, sids: _S
     the trained model on the driver."""
     from safetensors.torch import save_file
 
-    from gti.stages._ray import ensure_ray
+    from gti.ray_start import ensure_ray
     from gti.tracking import open_tracker
 
     cfg, sc = ctx.cfg, ctx.cfg.sft

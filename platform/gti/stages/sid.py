@@ -246,7 +246,7 @@ def _write_map(path: Path, item_ids: pa.Array, codec: SidCodec, final: torch.Ten
 def run(ctx: StageContext) -> StageResult:
     from safetensors.torch import save_file
 
-    from gti.stages._ray import ensure_ray
+    from gti.ray_start import ensure_ray
 
     cfg, s = ctx.cfg, ctx.cfg.sid
     timer = Timer()

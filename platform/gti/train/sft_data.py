@@ -8,8 +8,7 @@ outside the answer, `prompt_ids`, `answer_ids`, all list<int32>, plus `task`).
 - Training examples are sliding windows over each user's TRAINING items only: for every
   position i >= 1 the target is train_items[i] and the history train_items[max(0, i-H):i]. The
   valid and test items therefore never appear as a target or inside a training history.
-- Evaluation prompts: split "valid" uses history = train_items (last H), target valid_item;
-  split "test" uses history = train_items + [valid_item] (last H), target test_item.
+- Evaluation prompts (SFT's validation, the evaluate stage) are `gti.eval.slices.eval_windows`.
 - Each training window gets one of the three retrieval templates, drawn by a seeded generator
   over the window order, so the mix is deterministic and independent of how rows are batched.
 - SID token ids come from the SID codec (one row of L ids per item), never from re-tokenising
@@ -28,25 +27,17 @@ never calls the tokenizer itself (rendering is `gti.lm.templates`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 import polars as pl
 
+from gti.data.sequences import check_sequences
 from gti.errors import ConfigError
 from gti.errors import DataError
 from gti.lm.templates import IGNORE, REC_TEMPLATES, ROW_COLUMNS, SEQ_TASK  # noqa: F401 - defined once there
-_SEQ_COLUMNS = ("user_id", "train_items", "valid_item", "test_item")
 
 
 # --------------------------------------------------------------------------- windows
-def check_sequences(seqs: pl.DataFrame, source: str = "sequences.parquet") -> None:
-    """Raise DataError naming the first missing column of an ingest sequences table."""
-    missing = [c for c in _SEQ_COLUMNS if c not in seqs.columns]
-    if missing:
-        raise DataError(f"{source}: missing column(s) {missing}; expected {list(_SEQ_COLUMNS)}")
-
-
 def training_windows(
     seqs: pl.DataFrame, max_history: int, seed: int = 0, n_templates: int = len(REC_TEMPLATES)
 ) -> pl.DataFrame:
@@ -93,36 +84,6 @@ def sft_target_counts(seqs: pl.DataFrame) -> dict[str, int]:
     )
     counts = targets.group_by("target").len()
     return dict(zip(counts["target"].to_list(), counts["len"].to_list()))
-
-
-def eval_windows(seqs: pl.DataFrame, split: str, max_history: int) -> pl.DataFrame:
-    """Evaluation prompts for one split: user_id, split, history list<str>, target str.
-
-    valid: history = last `max_history` of train_items, target = valid_item.
-    test:  history = last `max_history` of train_items + [valid_item], target = test_item.
-    """
-    check_sequences(seqs)
-    if split == "valid":
-        hist, target = pl.col("train_items"), pl.col("valid_item")
-    elif split == "test":
-        hist, target = pl.concat_list(pl.col("train_items"), pl.col("valid_item")), pl.col("test_item")
-    else:
-        raise ConfigError(f"eval split must be 'valid' or 'test', got '{split}'")
-    return seqs.select(
-        "user_id",
-        split=pl.lit(split),
-        history=hist.list.tail(max_history),
-        target=target,
-    )
-
-
-def sample_users(user_ids: Sequence[str], n: int | None, seed: int) -> list[str]:
-    """A deterministic sample of `n` users (all, in input order, when n is None or too big)."""
-    users = list(user_ids)
-    if n is None or n >= len(users):
-        return users
-    idx = np.sort(np.random.default_rng([seed, 0xE7A1]).choice(len(users), size=n, replace=False))
-    return [users[i] for i in idx]
 
 
 # --------------------------------------------------------------------------- SID ids

@@ -1,4 +1,4 @@
-"""gti.stages._chunks.ChunkedOutput: ordered output rows in atomic chunks, resumed after an
+"""gti.chunked_output.ChunkedOutput: ordered output rows in atomic chunks, resumed after an
 interrupted attempt from the chunks that match the expected rows."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from gti.stages._chunks import ChunkedOutput
+from gti.chunked_output import ChunkedOutput
 
 N = 23
 

@@ -1,4 +1,4 @@
-"""gti.stages._ray.ensure_ray: a local start retried once then one line naming the logs; the run
+"""gti.ray_start.ensure_ray: a local start retried once then one line naming the logs; the run
 pins its own Ray (workers and driver get its address); Ray Train's state-API warning filtered;
 a local Ray's Train poll interval shortened unless the user set it."""
 
@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from gti import ray_start
 from gti.config import LOCAL_RAY_ENV, RunConfig
-from gti.stages import _ray
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class _FakeRay:
@@ -40,7 +40,7 @@ class _FakeRay:
 
     def init(self, **kwargs):
         self.calls.append({**kwargs, "gcs_port_env": os.environ.get("RAY_GCS_SERVER_PORT"),
-                           "train_poll_env": os.environ.get(_ray.TRAIN_POLL_ENV)})
+                           "train_poll_env": os.environ.get(ray_start.TRAIN_POLL_ENV)})
         if len(self.calls) <= self.fail:
             raise Exception("The current node timed out during startup. This could happen because ...\nmore")
         self.up = True
@@ -48,7 +48,7 @@ class _FakeRay:
 
 @pytest.fixture
 def no_wait(monkeypatch, tmp_path):
-    monkeypatch.setattr(_ray, "START_RETRY_WAIT_S", 0.0)
+    monkeypatch.setattr(ray_start, "START_RETRY_WAIT_S", 0.0)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.delenv(LOCAL_RAY_ENV, raising=False)  # restored at teardown: nothing leaks
     monkeypatch.delenv("RAY_GCS_SERVER_PORT", raising=False)
@@ -56,15 +56,15 @@ def no_wait(monkeypatch, tmp_path):
     # The session's real Ray may be up in this process: its cached auth must not be re-read
     # from the private environment a fake start sets (and undone below).
     reloads = []
-    monkeypatch.setattr(_ray, "_reload_auth", lambda: reloads.append(os.environ.get("RAY_AUTH_TOKEN")))
+    monkeypatch.setattr(ray_start, "_reload_auth", lambda: reloads.append(os.environ.get("RAY_AUTH_TOKEN")))
     yield reloads
-    _ray._undo_private()
+    ray_start._undo_private()
 
 
 def test_local_start_is_retried_once(monkeypatch, no_wait, capsys):
 
     fake = _FakeRay(monkeypatch, fail=1)
-    _ray.ensure_ray(RunConfig(ray_num_cpus=3))
+    ray_start.ensure_ray(RunConfig(ray_num_cpus=3))
     assert len(fake.calls) == 2
     assert "local Ray did not start (The current node timed out during startup." in capsys.readouterr().err
     last = fake.calls[-1]
@@ -83,7 +83,7 @@ def test_local_start_is_retried_once(monkeypatch, no_wait, capsys):
     assert RunConfig().requested_ray_address(child) == "10.1.2.3:4567"
     assert RunConfig(ray_address="auto").requested_ray_address() == "auto"
     fake.up = False  # "ray.shutdown()": a second ensure_ray starts locally again
-    _ray.ensure_ray(RunConfig(ray_num_cpus=3))
+    ray_start.ensure_ray(RunConfig(ray_num_cpus=3))
     assert "address" not in fake.calls[-1] and fake.calls[-1]["num_cpus"] == 3
 
 
@@ -97,21 +97,21 @@ def test_a_local_start_is_private_and_joining_a_cluster_undoes_it(monkeypatch, n
     monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", "/elsewhere/token")
     monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
     was_cluster = ray_constants.ENABLE_RAY_CLUSTER
-    monkeypatch.setattr(_ray.ledger, "note", lambda *a: None)  # fake starts: no Ray for the test budget
+    monkeypatch.setattr(ray_start.ledger, "note", lambda *a: None)  # fake starts: no Ray for the test budget
     fake = _FakeRay(monkeypatch, fail=0)
-    _ray.ensure_ray(RunConfig(ray_num_cpus=1))
+    ray_start.ensure_ray(RunConfig(ray_num_cpus=1))
     first = os.environ["RAY_AUTH_TOKEN"]
     assert os.environ["RAY_AUTH_MODE"] == "token" and "RAY_AUTH_TOKEN_PATH" not in os.environ
     assert len(first) == 64 and no_wait == [first]  # Ray's cached auth re-read with this token
-    assert os.environ[_ray.LOOPBACK_ENV] == "0" and ray_constants.ENABLE_RAY_CLUSTER is False
+    assert os.environ[ray_start.LOOPBACK_ENV] == "0" and ray_constants.ENABLE_RAY_CLUSTER is False
     fake.up = False
-    _ray.ensure_ray(RunConfig(ray_num_cpus=1))
+    ray_start.ensure_ray(RunConfig(ray_num_cpus=1))
     assert os.environ["RAY_AUTH_TOKEN"] != first
     fake.up = False
-    _ray.ensure_ray(RunConfig(ray_address="ray://10.1.2.3:10001"))
+    ray_start.ensure_ray(RunConfig(ray_address="ray://10.1.2.3:10001"))
     assert fake.calls[-1]["address"] == "ray://10.1.2.3:10001"
     assert os.environ["RAY_AUTH_MODE"] == "disabled" and os.environ["RAY_AUTH_TOKEN_PATH"] == "/elsewhere/token"
-    assert "RAY_AUTH_TOKEN" not in os.environ and _ray.LOOPBACK_ENV not in os.environ
+    assert "RAY_AUTH_TOKEN" not in os.environ and ray_start.LOOPBACK_ENV not in os.environ
     assert ray_constants.ENABLE_RAY_CLUSTER == was_cluster and no_wait[-1] is None
 
 
@@ -119,19 +119,19 @@ def test_a_local_start_shortens_ray_trains_poll_unless_the_user_set_it(monkeypat
     """Ray Train's controller poll (ray.train.report waits for it) is 0.5 s for a local Ray: set
     before ray.init, so the processes Ray starts inherit it. A value the user set is kept, and
     joining a cluster leaves the user's setting (none here) as it was."""
-    monkeypatch.setattr(_ray.ledger, "note", lambda *a: None)  # fake starts: no Ray for the test budget
-    monkeypatch.delenv(_ray.TRAIN_POLL_ENV, raising=False)
+    monkeypatch.setattr(ray_start.ledger, "note", lambda *a: None)  # fake starts: no Ray for the test budget
+    monkeypatch.delenv(ray_start.TRAIN_POLL_ENV, raising=False)
     fake = _FakeRay(monkeypatch, fail=0)
-    _ray.ensure_ray(RunConfig(ray_num_cpus=1))
-    assert fake.calls[-1]["train_poll_env"] == os.environ[_ray.TRAIN_POLL_ENV] == "0.5"
+    ray_start.ensure_ray(RunConfig(ray_num_cpus=1))
+    assert fake.calls[-1]["train_poll_env"] == os.environ[ray_start.TRAIN_POLL_ENV] == "0.5"
     fake.up = False
-    _ray.ensure_ray(RunConfig(ray_address="ray://10.1.2.3:10001"))
-    assert fake.calls[-1]["train_poll_env"] is None and _ray.TRAIN_POLL_ENV not in os.environ
-    monkeypatch.setenv(_ray.TRAIN_POLL_ENV, "3")
+    ray_start.ensure_ray(RunConfig(ray_address="ray://10.1.2.3:10001"))
+    assert fake.calls[-1]["train_poll_env"] is None and ray_start.TRAIN_POLL_ENV not in os.environ
+    monkeypatch.setenv(ray_start.TRAIN_POLL_ENV, "3")
     for cfg in (RunConfig(ray_num_cpus=1), RunConfig(ray_address="ray://10.1.2.3:10001")):
         fake.up = False
-        _ray.ensure_ray(cfg)
-        assert fake.calls[-1]["train_poll_env"] == os.environ[_ray.TRAIN_POLL_ENV] == "3"
+        ray_start.ensure_ray(cfg)
+        assert fake.calls[-1]["train_poll_env"] == os.environ[ray_start.TRAIN_POLL_ENV] == "3"
 
 
 def test_second_failure_is_one_line_naming_the_logs(monkeypatch, no_wait, tmp_path):
@@ -139,8 +139,8 @@ def test_second_failure_is_one_line_naming_the_logs(monkeypatch, no_wait, tmp_pa
     session = tmp_path / "session_2099-01-01_00-00-00_000000_1"
     (session / "logs").mkdir(parents=True)
     fake = _FakeRay(monkeypatch, fail=2)
-    with pytest.raises(_ray.RayStartError) as e:
-        _ray.ensure_ray(RunConfig())
+    with pytest.raises(ray_start.RayStartError) as e:
+        ray_start.ensure_ray(RunConfig())
     assert len(fake.calls) == 2
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith("local Ray did not start (twice): The current node timed out")
@@ -164,9 +164,9 @@ def test_the_cli_prints_a_start_failure_as_one_line(monkeypatch, no_wait, tmp_pa
 
 def test_job_that_sets_ray_address_is_not_pinned_twice(monkeypatch):
     monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps({"runtime_env": {"env_vars": {"RAY_ADDRESS": "x:1"}}}))
-    assert _ray._pin_env("y:2") is None
+    assert ray_start._pin_env("y:2") is None
     monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps({"runtime_env": {"working_dir": "."}}))
-    assert _ray._pin_env("y:2") == {"env_vars": {"RAY_ADDRESS": "y:2"}}
+    assert ray_start._pin_env("y:2") == {"env_vars": {"RAY_ADDRESS": "y:2"}}
 
 
 def test_state_api_warning_is_filtered_and_nothing_else(caplog):
@@ -174,7 +174,7 @@ def test_state_api_warning_is_filtered_and_nothing_else(caplog):
     log = logging.getLogger(name)
     before = list(log.filters)
     try:
-        _ray._quiet_state_api_warnings()()
+        ray_start._quiet_state_api_warnings()()
         with caplog.at_level(logging.WARNING, logger=name):
             log.warning("Failed to query Ray Train Controller actor state. State API may be temporarily unavailable.")
             log.warning("Failed to clean up placement group: boom")
@@ -187,7 +187,7 @@ PROBE = """
 import os, socket, subprocess, sys
 import psutil, ray
 from gti.config import RunConfig
-from gti.stages._ray import ensure_ray
+from gti.ray_start import ensure_ray
 ensure_ray(RunConfig(ray_num_cpus=1))
 gcs = ray.get_runtime_context().gcs_address
 seen = ray.get(ray.remote(lambda: os.environ.get("RAY_ADDRESS")).remote())

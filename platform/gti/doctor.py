@@ -38,7 +38,7 @@ def read_cluster(cfg: C.RunConfig) -> tuple[dict[str, float] | None, str, str | 
         return None, "this machine", None, False
     import ray
 
-    from gti.stages._ray import ensure_ray
+    from gti.ray_start import ensure_ray
 
     try:
         ensure_ray(cfg)  # joins as a driver, exactly as the stages will

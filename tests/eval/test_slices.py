@@ -1,6 +1,7 @@
-"""Fast tests (no Ray, no model) of the pure helpers of gti/stages/evaluate.py behind the
-cold-item slice and the exact-rank report: cold membership from SFT target counts, the
-slice metric block (including 0 users). (Its tables and the MRR line: tests/eval/test_tables.py.)"""
+"""Fast tests (no Ray, no model) of gti/eval/slices.py, the evaluate stage's user slicing: the
+evaluation prompts of a split, the seeded user sample, cold membership from SFT target counts
+and the slice metric block (including 0 users). (Its tables and the MRR line:
+tests/eval/test_tables.py.)"""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import numpy as np
 import polars as pl
 import pytest
 
-from gti import config as C
-from gti.stages import evaluate as E
+from gti.config import ConfigError
+from gti.eval import slices as S
+from gti.eval.reference import baseline_rows, metric_block
 from gti.train import sft_data
 
 KS = [1, 2]
@@ -35,29 +37,41 @@ def _recs(frame: pl.DataFrame, ranks=None) -> pl.DataFrame:
     )
 
 
-def test_config_defaults_and_overrides():
-    ec = C.load(None).eval
-    assert ec.exact_rank is False and ec.cold_max_sft_targets == 1
-    ec = C.load(None, ["eval.exact_rank=true", "eval.cold_max_sft_targets=0"]).eval
-    assert ec.exact_rank is True and ec.cold_max_sft_targets == 0
-    with pytest.raises(C.ConfigError, match="eval.cold_max_sft_targets"):
-        C.load(None, ["eval.cold_max_sft_targets=-1"])
+def test_eval_windows_valid_and_test():
+    seqs = pl.DataFrame(
+        {"user_id": ["a"], "train_items": [["1", "2", "3", "4"]], "valid_item": ["5"], "test_item": ["6"]}
+    )
+    v = S.eval_windows(seqs, "valid", max_history=3)
+    t = S.eval_windows(seqs, "test", max_history=3)
+    assert v.row(0, named=True) == {"user_id": "a", "split": "valid", "history": ["2", "3", "4"], "target": "5"}
+    assert t.row(0, named=True) == {"user_id": "a", "split": "test", "history": ["3", "4", "5"], "target": "6"}
+    with pytest.raises(ConfigError, match="split"):
+        S.eval_windows(seqs, "train", 3)
+
+
+def test_sample_users_deterministic():
+    users = [f"u{i}" for i in range(100)]
+    a = S.sample_users(users, 10, seed=0)
+    assert a == S.sample_users(users, 10, seed=0)
+    assert len(set(a)) == 10 and a != S.sample_users(users, 10, seed=1)
+    assert S.sample_users(users, None, 0) == users
+    assert S.sample_users(users, 1000, 0) == users
 
 
 def test_cold_users_from_sft_counts():
     seqs = _seqs()
     counts = sft_data.sft_target_counts(seqs)
     assert counts == {"b": 3, "c": 1}
-    valid = sft_data.eval_windows(seqs, "valid", 5)  # targets d, c, e, b
-    assert E.cold_users(valid, counts, 1) == [True, True, True, False]
-    assert E.cold_users(valid, counts, 0) == [True, False, True, False]
-    assert E.cold_users(valid, counts, 3) == [True] * 4
-    test = sft_data.eval_windows(seqs, "test", 5)  # targets e, a, b, e
-    assert E.cold_users(test, counts, 0) == [True, True, False, True]
-    assert E.cold_users(test.head(0), counts, 1) == []
+    valid = S.eval_windows(seqs, "valid", 5)  # targets d, c, e, b
+    assert S.cold_users(valid, counts, 1) == [True, True, True, False]
+    assert S.cold_users(valid, counts, 0) == [True, False, True, False]
+    assert S.cold_users(valid, counts, 3) == [True] * 4
+    test = S.eval_windows(seqs, "test", 5)  # targets e, a, b, e
+    assert S.cold_users(test, counts, 0) == [True, True, False, True]
+    assert S.cold_users(test.head(0), counts, 1) == []
     # Catalog items under the same definition: a, c, d, e are cold at <= 1 (b is not).
-    assert E.n_cold_items(CATALOG, counts, 1) == 4
-    assert E.n_cold_items(CATALOG, counts, 0) == 3
+    assert S.n_cold_items(CATALOG, counts, 1) == 4
+    assert S.n_cold_items(CATALOG, counts, 0) == 3
 
 
 def test_cold_counts_ignore_valid_and_test_items():
@@ -65,14 +79,14 @@ def test_cold_counts_ignore_valid_and_test_items():
     seqs = _seqs().with_columns(valid_item=pl.lit("e"), test_item=pl.lit("e"))
     counts = sft_data.sft_target_counts(seqs)
     assert "e" not in counts
-    frame = sft_data.eval_windows(seqs, "test", 5)
-    assert E.cold_users(frame, counts, 0) == [True] * 4
+    frame = S.eval_windows(seqs, "test", 5)
+    assert S.cold_users(frame, counts, 0) == [True] * 4
 
 
 def test_metric_and_rank_blocks_on_zero_users_do_not_crash():
     from gti.eval.rank import rank_metrics
 
-    table, per_user = E.metric_block([], [], KS, 50, 0)
+    table, per_user = metric_block([], [], KS, 50, 0)
     assert set(table) == {f"{m}@{k}" for m in ("recall", "ndcg", "precision") for k in KS}
     assert all(c == {"value": 0.0, "ci": [0.0, 0.0]} for c in table.values())
     assert all(v == [] for v in per_user.values())
@@ -83,20 +97,20 @@ def test_metric_and_rank_blocks_on_zero_users_do_not_crash():
 @pytest.mark.parametrize("exact_rank", [False, True])
 def test_slice_metrics_on_cold_users(exact_rank):
     seqs = _seqs()
-    frame = sft_data.eval_windows(seqs, "valid", 5)  # targets d, c, e, b
+    frame = S.eval_windows(seqs, "valid", 5)  # targets d, c, e, b
     ranks = [4.0, 3.0, 5.0, 2.0] if exact_rank else None
     part = _recs(frame, ranks)
     counts = sft_data.sft_target_counts(seqs)
-    mask = pl.Series(E.cold_users(frame, counts, 1))
-    got = E.slice_metrics(part.filter(mask), frame.filter(mask), seqs, "valid", KS, 50, 0, CATALOG, exact_rank)
+    mask = pl.Series(S.cold_users(frame, counts, 1))
+    got = S.slice_metrics(part.filter(mask), frame.filter(mask), seqs, "valid", KS, 50, 0, CATALOG, exact_rank)
     assert got["n_users"] == 3
     # The model ranks the catalog in order: cold targets d, c, e sit at ranks 4, 3, 5 -> no hit @2.
     assert got["model"]["recall@2"]["value"] == 0.0
-    full, _ = E.metric_block(part["items"].to_list(), part["target"].to_list(), KS, 50, 0)
+    full, _ = metric_block(part["items"].to_list(), part["target"].to_list(), KS, 50, 0)
     assert full["recall@2"]["value"] == pytest.approx(0.25)  # only the warm user (target b) hits
     # Baselines: the same rows as on the full split, fitted on the split's training data.
     assert set(got["baselines"]) == {"mostpop", "markov"}
-    want = E.baseline_rows(seqs, "valid", frame.filter(mask), KS, 50, 0, CATALOG)
+    want = baseline_rows(seqs, "valid", frame.filter(mask), KS, 50, 0, CATALOG)
     assert got["baselines"] == want
     if exact_rank:
         r = got["ranks"]
@@ -110,7 +124,7 @@ def test_slice_metrics_on_cold_users(exact_rank):
 
 def test_slice_metrics_with_no_cold_user_gives_empty_blocks():
     seqs = _seqs()
-    frame = sft_data.eval_windows(seqs, "valid", 5)
+    frame = S.eval_windows(seqs, "valid", 5)
     none = pl.Series([False] * frame.height)
-    got = E.slice_metrics(_recs(frame).filter(none), frame.filter(none), seqs, "valid", KS, 50, 0, CATALOG, True)
+    got = S.slice_metrics(_recs(frame).filter(none), frame.filter(none), seqs, "valid", KS, 50, 0, CATALOG, True)
     assert got == {"n_users": 0, "model": {}, "baselines": {"mostpop": {}, "markov": {}}, "ranks": {}}

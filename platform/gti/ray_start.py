@@ -1,4 +1,5 @@
-"""Starting or joining Ray, the same way for every stage.
+"""Starting or joining Ray, the same way for every caller (the stages, `gti refresh`, `gti vocab
+ground`, `gti compare`/`gti tune`, `gti infer`, `gti doctor`).
 
 What it is for: `ensure_ray(cfg)` joins `cfg.ray_address` (a cluster, "auto") or starts a local
 Ray sized by `cfg.ray_num_cpus`. Calling it twice is harmless. It also quietens Ray Data's
@@ -29,7 +30,7 @@ per-operator progress bars when stdout is not a terminal, so logs stay readable 
   poll is one small actor call per worker, so 2 a second cost little. A joined cluster keeps
   its own setting (the controller runs there, with the cluster's environment).
 
-What it does not know: what the stages run on Ray.
+What it does not know: what its callers run on Ray.
 """
 
 from __future__ import annotations

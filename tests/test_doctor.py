@@ -9,10 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from gti import cli, preflight
-from gti.stages import doctor
+from gti import cli, doctor, preflight
 
-CONFIGS = Path(__file__).resolve().parents[2] / "jobs" / "configs"
+CONFIGS = Path(__file__).resolve().parents[1] / "jobs" / "configs"
 
 
 @pytest.fixture

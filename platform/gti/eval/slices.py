@@ -1,0 +1,115 @@
+"""Who is scored: the evaluation prompts of a split, the seeded user sample and the cold slice.
+
+What it is for: the evaluate stage's user slicing, pure polars, for every caller that must
+score the same users the same way (the stage, SFT's validation users, bench scripts):
+- `eval_windows(seqs, split, max_history)`: one prompt per user of ingest's sequences.parquet
+  (leave-one-out): split "valid" has history = the train items (last `max_history`), target =
+  valid_item; split "test" has history = train items + [valid_item] (last `max_history`),
+  target = test_item.
+- `sample_users(user_ids, n, seed)` / `eval_users(seqs, max_users, seed)`: a deterministic
+  sample (all users, in input order, when n is None); `split_frame` is one split's prompts of
+  the sampled users, in sequences order.
+- The cold-item slice: a user is cold when the target is the target of at most
+  `eval.cold_max_sft_targets` SFT training windows (`cold_users`; the counts come from
+  `gti.train.sft_data.sft_target_counts`, on training items only, never valid/test), and
+  `n_cold_items` counts the catalog's cold items under the same definition. `slice_metrics`
+  gives every metric of one split on a slice of its users: the model's metric@k table, the
+  reference rows (`gti.eval.reference`) and, with exact ranks, the rank metrics
+  (`gti.eval.rank.rank_metrics`).
+
+What it does not know: models, decoding, Ray, files, how the counts were made.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+import polars as pl
+
+from gti.data.sequences import check_sequences
+from gti.errors import ConfigError, DataError
+from gti.eval.reference import DEFAULT_BASELINES, baseline_rank_rows, baseline_rows, metric_block
+
+
+def eval_windows(seqs: pl.DataFrame, split: str, max_history: int) -> pl.DataFrame:
+    """Evaluation prompts for one split: user_id, split, history list<str>, target str.
+
+    valid: history = last `max_history` of train_items, target = valid_item.
+    test:  history = last `max_history` of train_items + [valid_item], target = test_item.
+    """
+    check_sequences(seqs)
+    if split == "valid":
+        hist, target = pl.col("train_items"), pl.col("valid_item")
+    elif split == "test":
+        hist, target = pl.concat_list(pl.col("train_items"), pl.col("valid_item")), pl.col("test_item")
+    else:
+        raise ConfigError(f"eval split must be 'valid' or 'test', got '{split}'")
+    return seqs.select(
+        "user_id",
+        split=pl.lit(split),
+        history=hist.list.tail(max_history),
+        target=target,
+    )
+
+
+def sample_users(user_ids: Sequence[str], n: int | None, seed: int) -> list[str]:
+    """A deterministic sample of `n` users (all, in input order, when n is None or too big)."""
+    users = list(user_ids)
+    if n is None or n >= len(users):
+        return users
+    idx = np.sort(np.random.default_rng([seed, 0xE7A1]).choice(len(users), size=n, replace=False))
+    return [users[i] for i in idx]
+
+
+def eval_users(seqs: pl.DataFrame, max_users: int | None, seed: int) -> list[str]:
+    """The deterministic user sample shared by every split (all users when max_users is None)."""
+    return sample_users(seqs["user_id"].to_list(), max_users, seed)
+
+
+def split_frame(seqs: pl.DataFrame, split: str, users: list[str], max_history: int) -> pl.DataFrame:
+    w = eval_windows(seqs, split, max_history)
+    return w.filter(pl.col("user_id").is_in(users))
+
+
+def cold_users(frame: pl.DataFrame, counts: dict[str, int], max_targets: int) -> list[bool]:
+    """Per row of a split frame: is its target cold, i.e. the target of at most `max_targets`
+    SFT training windows (`counts` from `sft_data.sft_target_counts`; absent = 0)?"""
+    return [counts.get(t, 0) <= max_targets for t in frame["target"].to_list()]
+
+
+def n_cold_items(catalog: list[str], counts: dict[str, int], max_targets: int) -> int:
+    """Catalog items that are cold under the same definition as `cold_users`."""
+    return sum(counts.get(item, 0) <= max_targets for item in catalog)
+
+
+def slice_metrics(part: pl.DataFrame, frame: pl.DataFrame, seqs: pl.DataFrame, split: str,
+                  ks: list[int], n_boot: int, seed: int, catalog: list[str],
+                  exact_rank: bool, names: tuple[str, ...] | list[str] = DEFAULT_BASELINES) -> dict[str, Any]:
+    """Every metric of one split on a slice of its users.
+
+    part: the slice's decoded rows (items, target, exact_rank); frame: the same users' split
+    frame (history, target; sasrec columns when `names` has sasrec) for the baselines.
+    -> {"n_users", "model": metric@k table, "baselines": {name: table}, "ranks": rank_metrics
+    or {}} (+ "baseline_ranks" {"sasrec": rank_metrics} when the frame has SASRec's exact
+    ranks); empty blocks for 0 users.
+    """
+    if part.height != frame.height:
+        raise DataError(f"evaluate: slice of {part.height} decoded rows but {frame.height} prompts")
+    if part.height == 0:
+        return {"n_users": 0, "model": {}, "baselines": {b: {} for b in names}, "ranks": {}}
+    model, _ = metric_block(part["items"].to_list(), part["target"].to_list(), ks, n_boot, seed)
+    ranks = {}
+    if exact_rank:
+        from gti.eval.rank import rank_metrics
+
+        ranks = rank_metrics(part["exact_rank"].to_numpy(), len(catalog), n_boot, seed)
+    out = {
+        "n_users": part.height,
+        "model": model,
+        "baselines": baseline_rows(seqs, split, frame, ks, n_boot, seed, catalog, names),
+        "ranks": ranks,
+    }
+    if exact_rank and (b_ranks := baseline_rank_rows(frame, len(catalog), n_boot, seed)):
+        out["baseline_ranks"] = b_ranks
+    return out
