@@ -101,9 +101,30 @@ def test_a_hit_is_marked_and_no_exact_rank_is_said_plainly(tmp_path):
     text = S.format_summary(S.read_run(_run(tmp_path, exact_rank=False, top=["i5", "i9", "i2", "i3", "i4"]), STAGES))
     assert "     2. i9  Beaker 9   <- the true next item" in text.splitlines()
     assert "the true item is" not in text
-    assert "MRR: '-', not measured (eval.exact_rank: true" in text
+    # Without exact ranks: MRR@10 of each row's top 10 where per-user NDCG@10 is there, '-' where not.
+    assert "MRR@10: 1/rank of the true item in each row's top 10 (0 when absent)" in text
+    assert next(ln for ln in text.splitlines() if ln.strip().startswith("Recall@5")).split()[-1] == "MRR@10"
     model_row = next(ln for ln in text.splitlines() if ln.startswith("gti (SFT model)"))
-    assert model_row.rstrip().endswith("-")
+    assert model_row.rstrip().endswith("-")  # this metrics.json has no per-user NDCG@10
+    import math
+
+    m = _metrics(exact_rank=False)
+    # Three users: a hit at rank 1, at rank 3, a miss: MRR@10 = (1 + 1/3 + 0) / 3.
+    m["per_user"]["test"]["ndcg@10"] = [1.0, 1 / math.log2(4), 0.0]
+    m["baseline_per_user"] = {"markov": {"test": {"user_ids": ["u7", "u8", "u9"], "ndcg@10": [0.0, 0.0, 1.0]}}}
+    rows = dict(S.table_rows(m, "test"))
+    assert rows["gti (SFT model)"][-1].startswith(f"{(1 + 1 / 3) / 3:.3f} [")
+    assert rows["Markov-1"][-1].startswith("0.333 [") and rows["MostPop"][-1] == "-"
+
+
+def test_mrr_at_k_from_per_user_ndcg():
+    import math
+
+    got = S.mrr_at_k([1.0, 1 / math.log2(3), 1 / math.log2(11), 0.0], n_boot=200)
+    assert got["value"] == pytest.approx((1 + 1 / 2 + 1 / 10 + 0) / 4)
+    lo, hi = got["ci"]
+    assert lo <= got["value"] <= hi and hi > lo
+    assert S.mrr_at_k(None, 200) is None
 
 
 def test_a_true_item_below_the_shown_five_says_where_and_none_says_so(tmp_path):

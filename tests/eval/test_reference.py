@@ -86,9 +86,10 @@ def test_stage_metrics_have_the_sasrec_row(exact_rank):
     names = {f"{m}@{k}" for m in ("recall", "ndcg", "precision") for k in KS}
     for split in ("valid", "test"):
         assert set(out["baselines"]["sasrec"][split]) == names
-        pu = out["baseline_per_user"]["sasrec"][split]
-        assert pu["user_ids"] == out["per_user"][split]["user_ids"]  # same users, same order: pairs up
-        assert np.mean(pu["recall@5"]) == pytest.approx(out["baselines"]["sasrec"][split]["recall@5"]["value"])
+        for name in ("mostpop", "markov", "sasrec"):  # every reference row keeps its per-user values
+            pu = out["baseline_per_user"][name][split]
+            assert pu["user_ids"] == out["per_user"][split]["user_ids"]  # same users, same order: pairs up
+            assert np.mean(pu["recall@5"]) == pytest.approx(out["baselines"][name][split]["recall@5"]["value"])
     # The cold slice gets the row too (its frames carry SASRec's lists).
     assert "sasrec" in out["slices"]["cold"]["test"]["baselines"]
     text = format_table(out, KS)

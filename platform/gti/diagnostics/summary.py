@@ -4,8 +4,8 @@ What it is for: one screen that a new user reads at the end of `make demo`:
 - one table: the trained model beside SASRec, Markov-1 and MostPop (the rows of
   `eval.baselines` present) on the same test users: Recall@5, Recall@10, NDCG@10 and MRR, each
   with its bootstrap CI, from the evaluate stage's metrics.json (columns at other K when
-  `eval.ks` lacks 5 or 10; MRR only where metrics.json has exact ranks: the model and SASRec
-  with `eval.exact_rank`, a '-' elsewhere, said under the table);
+  `eval.ks` lacks 5 or 10; MRR from exact ranks where metrics.json has them, the model and
+  SASRec with `eval.exact_rank`, else MRR@K of every row's top K, said under the table);
 - one real test user: the end of their history, their true next item and the model's top
   items, with titles (the first test user of recs.parquet, the evaluate stage's deterministic
   sample: not chosen for looking good), and where the true item ranked;
@@ -166,17 +166,42 @@ def _cell(entry: Any) -> str:
 
 def table_rows(metrics: dict[str, Any], split: str) -> list[tuple[str, list[str]]]:
     """(row name, cells) for the model, then SASRec, Markov-1, MostPop (and any other baseline
-    present), cells in the order of `summary_columns` then MRR."""
+    present), cells in the order of `summary_columns` then MRR: exact-rank MRR where the run
+    has exact ranks, else MRR@K of every row's top K (`mrr_at_k`)."""
     cols = summary_columns(list((metrics.get("config") or {}).get("ks") or _ks(metrics, split)))
     baselines = metrics.get("baselines") or {}
-    rows = [(MODEL_ROW, [_cell((metrics["splits"].get(split) or {}).get(c)) for c in cols]
-             + [_cell(((metrics.get("ranks") or {}).get(split) or {}).get("mrr"))])]
+    exact = bool((metrics.get("ranks") or {}).get(split))
+    ndcg, n_boot = cols[-1], int((metrics.get("config") or {}).get("bootstrap", 1000))
+    model_mrr = ((metrics.get("ranks") or {}).get(split) or {}).get("mrr") if exact else mrr_at_k(
+        ((metrics.get("per_user") or {}).get(split) or {}).get(ndcg), n_boot)
+    rows = [(MODEL_ROW, [_cell((metrics["splits"].get(split) or {}).get(c)) for c in cols] + [_cell(model_mrr)])]
     order = [b for b in ROW_NAMES if b in baselines] + [b for b in baselines if b not in ROW_NAMES]
     for name in order:
         table = baselines[name].get(split) or {}
-        mrr = ((metrics.get("baseline_ranks") or {}).get(name) or {}).get(split) or {}
-        rows.append((ROW_NAMES.get(name, name), [_cell(table.get(c)) for c in cols] + [_cell(mrr.get("mrr"))]))
+        if exact:
+            mrr = (((metrics.get("baseline_ranks") or {}).get(name) or {}).get(split) or {}).get("mrr")
+        else:
+            mrr = mrr_at_k((((metrics.get("baseline_per_user") or {}).get(name) or {}).get(split) or {}).get(ndcg),
+                           n_boot)
+        rows.append((ROW_NAMES.get(name, name), [_cell(table.get(c)) for c in cols] + [_cell(mrr)]))
     return rows
+
+
+def mrr_at_k(ndcg: Sequence[float] | None, n_boot: int) -> dict[str, Any] | None:
+    """MRR@K with its bootstrap CI (seed 0) from per-user NDCG@K of one target per user [U]:
+    a hit at 0-based rank r has NDCG 1/log2(r + 2), so its reciprocal rank is 1/(r + 1); a miss
+    (NDCG 0) counts 0. None without per-user values (an older metrics.json)."""
+    if ndcg is None:
+        return None
+    import numpy as np
+
+    from gti.eval.metrics import bootstrap_ci
+
+    v = np.asarray(ndcg, dtype=np.float64)
+    hit = v > 0
+    rank = np.rint(np.exp2(1.0 / np.where(hit, v, 1.0)) - 2.0)  # 0-based, exact for a hit
+    rr = np.where(hit, 1.0 / (rank + 1.0), 0.0)
+    return {"value": float(rr.mean()) if rr.size else 0.0, "ci": list(bootstrap_ci(rr, n_boot=n_boot, seed=0))}
 
 
 def _ks(metrics: dict[str, Any], split: str) -> list[int]:
@@ -187,7 +212,10 @@ def _ks(metrics: dict[str, Any], split: str) -> list[int]:
 
 def format_table(metrics: dict[str, Any], split: str) -> str:
     ks = list((metrics.get("config") or {}).get("ks") or _ks(metrics, split))
-    header = [c.replace("recall", "Recall").replace("ndcg", "NDCG") for c in summary_columns(ks)] + ["MRR"]
+    cols = summary_columns(ks)
+    exact = bool((metrics.get("ranks") or {}).get(split))
+    header = [c.replace("recall", "Recall").replace("ndcg", "NDCG") for c in cols] + [
+        "MRR" if exact else f"MRR@{cols[-1].split('@')[1]}"]
     rows = table_rows(metrics, split)
     name_w = max(len(n) for n, _ in rows)
     widths = [max(len(h), *(len(cells[i]) for _, cells in rows)) for i, h in enumerate(header)]
@@ -199,7 +227,9 @@ def format_table(metrics: dict[str, Any], split: str) -> str:
 def _mrr_note(metrics: dict[str, Any], split: str) -> str:
     ranks = (metrics.get("ranks") or {}).get(split)
     if not ranks:
-        return "MRR: '-', not measured (eval.exact_rank: true ranks every catalog item for the model and SASRec)"
+        k = summary_columns(list((metrics.get("config") or {}).get("ks") or _ks(metrics, split)))[-1].split("@")[1]
+        return (f"MRR@{k}: 1/rank of the true item in each row's top {k} (0 when absent); eval.exact_rank: true "
+                "ranks every catalog item for the model and SASRec")
     n = ranks.get("n_items")
     return (f"MRR: from the true item's exact rank among all {f'{n:,} ' if n else ''}catalog items; '-': a row "
             "that ranks only its top K (MostPop, Markov-1)")

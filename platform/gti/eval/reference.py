@@ -143,14 +143,14 @@ def reference_frames(frames: dict[str, pl.DataFrame], seqs: pl.DataFrame, catalo
 def reference_block(seqs: pl.DataFrame, split: str, frame: pl.DataFrame, ks: list[int], n_boot: int,
                     seed: int, catalog: list[str], names, exact_rank: bool) -> dict[str, dict]:
     """One split's reference rows. -> {"baselines": {name: metric@k table}, "ranks": {"sasrec":
-    rank_metrics} (with exact_rank), "per_user": {"sasrec": {"user_ids", metric@k: [...],
-    "exact_rank": [...]}}} (per-user values in frame order, for paired CIs against the model)."""
+    rank_metrics} (with exact_rank), "per_user": {name: {"user_ids", metric@k: [...]}, with
+    "exact_rank": [...] for sasrec with exact_rank}} (per-user values in frame order, for
+    paired CIs against the model and the summary's MRR@K)."""
     per_user: dict[str, dict] = {}
     rows = baseline_rows(seqs, split, frame, ks, n_boot, seed, catalog, names, per_user=per_user)
     ranks = baseline_rank_rows(frame, len(catalog), n_boot, seed) if exact_rank else {}
-    pu = {}
-    if "sasrec" in per_user:
-        pu["sasrec"] = {"user_ids": frame["user_id"].to_list(), **per_user["sasrec"]}
-        if "sasrec" in ranks:
-            pu["sasrec"]["exact_rank"] = frame[SASREC_RANK].to_list()
+    users = frame["user_id"].to_list()
+    pu = {name: {"user_ids": users, **vals} for name, vals in per_user.items()}
+    if "sasrec" in pu and "sasrec" in ranks:
+        pu["sasrec"]["exact_rank"] = frame[SASREC_RANK].to_list()
     return {"baselines": rows, "ranks": ranks, "per_user": pu}

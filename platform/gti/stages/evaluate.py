@@ -21,8 +21,8 @@ over the catalog's SID trie, and score them against the held-out item.
   and reports the target's rank among all items; per split MRR, mean percentile rank (with
   bootstrap CIs) and median rank under "ranks", per-user ranks under per_user.exact_rank.
   These move long before Recall/NDCG@K leave the floor, so they tell small models apart.
-  SASRec's exact ranks: "baseline_ranks".sasrec.<split>; its per-user values (layout of
-  per_user.<split>): "baseline_per_user".sasrec.<split>, for paired CIs against the model.
+  SASRec's exact ranks: "baseline_ranks".sasrec.<split>; every reference row's per-user values
+  (layout of per_user.<split>): "baseline_per_user".<name>.<split>, for paired CIs.
 - Cold-item slice: every metric (model, baselines, ranks) is also reported for the users whose
   target is the target of at most `eval.cold_max_sft_targets` SFT training windows
   (`sft_data.sft_target_counts`, counted on training items only, never valid/test), under
