@@ -236,6 +236,10 @@ def test_interrupted_evaluate_resumes_with_the_same_metrics(eval_run, tmp_path, 
         if i == 1:
             raise DriverKilled
 
+    import ray
+
+    # This run must decode in the driver: Ray Data is never asked.
+    monkeypatch.setattr(ray.data, "from_arrow", lambda *a, **k: pytest.fail("the local path used Ray Data"))
     monkeypatch.setattr(E, "CHUNK_ROWS", 5)  # eval.batch_users=5: one batch per chunk
     monkeypatch.setattr(E, "EXACT_RANK_CHUNK_ROWS", 5)  # (this run ranks exactly too)
     monkeypatch.setattr(E, "_on_chunk", kill_after_two)

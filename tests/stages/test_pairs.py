@@ -79,7 +79,7 @@ def _run_stage(cfg, run):
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_pairs_stage_end_to_end(tmp_path, ray_start_4_cpus):
+def test_pairs_stage_end_to_end(tmp_path, ray_start_4_cpus, monkeypatch):
     from transformers import AutoTokenizer
 
     from gti.sid.codec import SidCodec
@@ -139,6 +139,7 @@ def test_pairs_stage_end_to_end(tmp_path, ray_start_4_cpus):
     assert df2.sort("item_id", maintain_order=True).equals(df)
     # A catalog of at most local_max_items items is rendered in this process: the same rows and
     # facts, for the join and the zip.
+    monkeypatch.setattr(P, "_items_with_codes", lambda *a: pytest.fail("the local path used Ray Data"))
     for aligned, ray_df in ((False, df), (True, df2)):
         cfg3, run3, _ = _fixture_run(tmp_path / f"local{aligned}", over[:1], aligned=aligned)
         m3 = _run_stage(cfg3, run3)

@@ -108,7 +108,7 @@ def test_two_worker_rqvae_assigns_every_item(tmp_path, ray_start_4_cpus, capsys)
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_rqkmeans_reassign(tmp_path, ray_start_4_cpus):
+def test_rqkmeans_reassign(tmp_path, ray_start_4_cpus, monkeypatch):
     # local_max_items=0: the assignment on Ray Data's actor pool, even for 200 items.
     cfg = _cfg(tmp_path, "sid.method=rqkmeans", "sid.dedup=reassign", "sid.codebook_size=16",
                "sid.sinkhorn_last_level=false", "local_max_items=0")
@@ -123,9 +123,13 @@ def test_rqkmeans_reassign(tmp_path, ray_start_4_cpus):
 
     from gti.stages import sid as S
 
+    import ray
+
     emb = run_dir / "embed" / "embeddings.parquet"
-    codes = {n: S.assign_all(SimpleNamespace(cfg=cfg.model_copy(update={"local_max_items": n}), log=lambda m: None),
-                             emb, run_dir / "sid", 200) for n in (0, 200)}
+    ctx = {n: SimpleNamespace(cfg=cfg.model_copy(update={"local_max_items": n}), log=lambda m: None) for n in (0, 200)}
+    codes = {0: S.assign_all(ctx[0], emb, run_dir / "sid", 200)}
+    monkeypatch.setattr(ray.data, "read_parquet", lambda *a, **k: pytest.fail("the local path read through Ray Data"))
+    codes[200] = S.assign_all(ctx[200], emb, run_dir / "sid", 200)
     assert codes[0].shape == (200, 2)
     np.testing.assert_array_equal(codes[0], codes[200])
 
