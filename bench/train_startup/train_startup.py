@@ -12,7 +12,10 @@ Variants (interleaved: A B C D E, A B C D E, ... `--rounds` times):
 - `preload`: no_runtime_env + `RAY_preload_python_modules=torch,transformers,deepspeed`
   (pooled workers import them before they are needed);
 - `no_prestart`: no_runtime_env + `RAY_prestart_worker_first_driver=0`;
-- `one_worker`: no_runtime_env with 1 Train worker instead of 2.
+- `one_worker`: no_runtime_env with 1 Train worker instead of 2;
+- `fast_poll`: no_runtime_env with the Train controller polling its workers every 0.25 s
+  (`RAY_TRAIN_HEALTH_CHECK_INTERVAL_S`; Ray's default is 2 s, and every state change of a run
+  waits for the next poll).
 
     python bench/train_startup/train_startup.py            # 2 rounds x 2 runs per trial
     python bench/train_startup/train_startup.py --quick    # 1 round x 2 runs
@@ -42,6 +45,7 @@ VARIANTS = {
                 "ray_env": {"RAY_preload_python_modules": "torch,transformers,deepspeed"}},
     "no_prestart": {"env_in_spec": False, "workers": 2, "ray_env": {"RAY_prestart_worker_first_driver": "0"}},
     "one_worker": {"env_in_spec": False, "workers": 1, "ray_env": {}},
+    "fast_poll": {"env_in_spec": False, "workers": 2, "ray_env": {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.25"}},
 }
 WORKER_ENV = {"TOKENIZERS_PARALLELISM": "false", "DS_ACCELERATOR": "cpu"}
 

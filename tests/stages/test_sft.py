@@ -177,10 +177,11 @@ def test_killed_sft_keeps_its_partial_dir_and_hands_the_loop_the_same_run(sft_ru
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_data_preparation_multitask_mix_and_validation_users(tmp_path, ray_start_4_cpus):
+def test_data_preparation_multitask_mix_and_validation_users(tmp_path, ray_start_4_cpus, monkeypatch):
     """The stage's Ray Data preparation: every training window rendered once, grounding pairs
     (train split only) mixed in at sft.multitask_weight, validation prompts for sft.val_users
-    users with the trie row of their valid item as target; reused on a rerun."""
+    users with the trie row of their valid item as target; reused on a rerun. A catalog of at
+    most local_max_items items renders in this process, to the same rows, without Ray Data."""
     import polars as pl
     from transformers import AutoTokenizer
 
@@ -191,7 +192,8 @@ def test_data_preparation_multitask_mix_and_validation_users(tmp_path, ray_start
 
     run_dir = tmp_path / "run"
     make_upstream(run_dir, n_users=20)
-    cfg = sft_cfg(run_dir, "sft.multitask=true", "sft.multitask_weight=0.25", "sft.val_users=5")
+    # local_max_items=0: the windows rendered on Ray Data's actor pool, as for a large catalog.
+    cfg = sft_cfg(run_dir, "sft.multitask=true", "sft.multitask_weight=0.25", "sft.val_users=5", "local_max_items=0")
     s = pipeline.spec("sft")
     work = run_dir / ".sft.partial"
     work.mkdir(parents=True)
@@ -216,6 +218,16 @@ def test_data_preparation_multitask_mix_and_validation_users(tmp_path, ray_start
     items = sid_map["item_id"].to_list()
     assert [items[r] for r in val["target_row"]] == [valid_of[u] for u in val["user_id"]]
     assert sft._prepare_data(ctx, tok, sid_ids, {"item_ids": items}) == stats  # reused
+
+    import ray
+
+    local = run_dir / ".sft.local"
+    local.mkdir()
+    ctx = pipeline.StageContext(spec=s, cfg=cfg.model_copy(update={"local_max_items": 20_000}), run_dir=run_dir,
+                                work_dir=local, fingerprint="x")
+    monkeypatch.setattr(ray.data, "from_arrow", lambda *a, **k: pytest.fail("the local path used Ray Data"))
+    assert sft._prepare_data(ctx, tok, sid_ids, {"item_ids": items}) == stats
+    assert pl.read_parquet(local / "data" / "sft_train.parquet").equals(rows)
 
 
 def test_stale_sid_map_is_refused(tmp_path):

@@ -6,8 +6,9 @@ user-history -> next-item examples (`gti.train.sft_data`), optionally mixed with
 pairs (LC-Rec multitask), and export the result.
 
 Flow:
-1. Data (Ray Data): training windows over each user's training items are rendered into token
-   rows by a `map_batches` actor (tokenizer loaded once per actor); the driver mixes in the
+1. Data: training windows over each user's training items are rendered into token rows by a
+   Ray Data `map_batches` actor (tokenizer loaded once per actor; in this process for a catalog
+   of at most `local_max_items` items and one actor: the same rows); the driver mixes in the
    grounding pairs, shuffles with the seed, and writes `data/sft_train.parquet` inside the
    stage's work dir (a rerun after a killed driver reuses it). Validation prompts for
    `sft.val_users` sampled validation users go to `data/val.parquet`.
@@ -66,6 +67,7 @@ VAL_FILE = "val.parquet"
 SIDS_FILE = "sid_token_ids.safetensors"
 MODEL_DIR = "model"
 E_NEW_FILE = "e_new_sft.safetensors"
+RENDER_BATCH = 512  # training windows per RenderWindows call (Ray Data batch or local slice)
 
 
 # --------------------------------------------------------------------------- data
@@ -160,32 +162,44 @@ def _training_windows(ctx: StageContext, sid_ids: dict[str, np.ndarray]) -> tupl
 
 def _render_windows(ctx: StageContext, windows: pl.DataFrame,
                     sid_ids: dict[str, np.ndarray]) -> tuple[pl.DataFrame, int]:
-    """The windows rendered into token rows by `RenderWindows` actors (Ray Data), in order;
+    """The windows rendered into token rows by `RenderWindows`, in order: on a Ray Data actor
+    pool, or in this process for a catalog of at most `local_max_items` items and one actor
+    (the same class and batches: the same rows, without the pool's start-up);
     -> (rows, how many histories were cut to sft.max_len)."""
-    import ray
-
     cfg, sc = ctx.cfg, ctx.cfg.sft
     t0 = time.time()
     item_ids = list(sid_ids)
-    ray.data.DataContext.get_current().execution_options.preserve_order = True
-    ds = ray.data.from_arrow(windows.select("history", "target", "template").to_arrow()).map_batches(
-        RenderWindows,
-        fn_constructor_kwargs=dict(
-            tokenizer_dir=str(ctx.input("pairs", "tokenizer")), item_ids=item_ids,
-            sid_ids=np.stack([sid_ids[i] for i in item_ids]), system_prompt=cfg.pairs.system_prompt,
-            max_len=sc.max_len, trust_remote_code=cfg.model.trust_remote_code,
-            prompt_style=sc.prompt_style,
-        ),
-        batch_size=512, batch_format="pyarrow",
-        compute=ray.data.ActorPoolStrategy(size=cfg.data.parallelism or 1),
+    kwargs = dict(
+        tokenizer_dir=str(ctx.input("pairs", "tokenizer")), item_ids=item_ids,
+        sid_ids=np.stack([sid_ids[i] for i in item_ids]), system_prompt=cfg.pairs.system_prompt,
+        max_len=sc.max_len, trust_remote_code=cfg.model.trust_remote_code,
+        prompt_style=sc.prompt_style,
     )
-    parts = collect_blocks(ds)
+    table = windows.select("history", "target", "template").to_arrow()
+    if len(item_ids) <= cfg.local_max_items and (cfg.data.parallelism or 1) == 1:
+        ctx.log(f"{len(item_ids):,} items <= local_max_items: rendered in this process")
+        render = RenderWindows(**kwargs)
+        parts = [render(table.slice(i, RENDER_BATCH)) for i in range(0, table.num_rows, RENDER_BATCH)]
+    else:
+        parts = _pool_render(table, kwargs, cfg.data.parallelism or 1)
     rendered = pl.from_arrow(pa.concat_tables(parts))
     if rendered.height != windows.height:
         raise DataError(f"sft: rendered {rendered.height} rows for {windows.height} windows")
     truncated = int((rendered["history_kept"] < rendered["history_len"]).sum())
     ctx.log(f"rendered {rendered.height:,} examples in {time.time() - t0:.1f}s ({truncated:,} cut to sft.max_len={sc.max_len})")
     return rendered, truncated
+
+
+def _pool_render(table: pa.Table, kwargs: dict[str, Any], actors: int) -> list[pa.Table]:
+    """`RenderWindows` over `table` on a Ray Data actor pool of `actors`; the blocks in order."""
+    import ray
+
+    ray.data.DataContext.get_current().execution_options.preserve_order = True
+    ds = ray.data.from_arrow(table).map_batches(
+        RenderWindows, fn_constructor_kwargs=kwargs, batch_size=RENDER_BATCH, batch_format="pyarrow",
+        compute=ray.data.ActorPoolStrategy(size=actors),
+    )
+    return collect_blocks(ds)
 
 
 def _mix_in_pairs(ctx: StageContext, rendered: pl.DataFrame):
