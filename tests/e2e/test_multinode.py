@@ -284,6 +284,7 @@ def test_pipeline_job_on_two_nodes_survives_a_killed_driver(upstream_done, two_n
     restarts = [i for i in range(1, len(steps)) if steps[i] <= steps[i - 1]]
     assert all(steps[i] > 1 for i in restarts), steps
     _check_tracking(run_dir, logs)
+    _check_ground_stage(run_dir)
 
     info = _probe(env)
     worker_nodes = {n for n, res in info["nodes"].items() if "gti_worker" in res}
@@ -292,6 +293,39 @@ def test_pipeline_job_on_two_nodes_survives_a_killed_driver(upstream_done, two_n
     # and each grounding attempt spread its pair over both nodes (gti_worker: 1 allows nothing else).
     placed = list(info["train_workers"].values())
     assert len(placed) >= 5 and set(placed) == worker_nodes
+
+
+def _check_ground_stage(run_dir: Path) -> None:
+    """The job's ground stage (2 Train workers, ZeRO-2, on two nodes, resumed once): its facts,
+    the distance the rows moved, and an export that loads with plain transformers, every old
+    row the base model's and the new rows the grounded ones (the stage test's two-worker run
+    used to check this on a Ray of its own: one Train run fewer)."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from gti import config
+    from gti.lm import models
+
+    f = json.loads((run_dir / "ground" / "_manifest.json").read_text())["facts"]
+    assert f["grounded"] is True and f["arm"].startswith("gti")
+    assert f["num_workers"] == 2 and f["zero_stage"] == 2 and f["train_pairs"] > 0
+    assert f["val_exact_match"][-1]["step"] == STEPS and all(0.0 <= e["value"] <= 1.0 for e in f["val_exact_match"])
+    init = load_file(str(run_dir / "ground" / "e_new_init.safetensors"))["e_new"]
+    ground = load_file(str(run_dir / "ground" / "e_new_ground.safetensors"))["e_new"]
+    moved = (ground.double() - init.double()).norm(dim=1)
+    assert f["rows"]["moved_mean"] == pytest.approx(float(moved.mean()), rel=1e-6) and f["rows"]["moved_mean"] > 0
+    folder = run_dir / "ground" / "model"
+    model = AutoModelForCausalLM.from_pretrained(folder, use_safetensors=True)
+    first, end = f["new_token_ids"]
+    assert len(AutoTokenizer.from_pretrained(folder)) == end
+    w = model.get_input_embeddings().weight.detach()
+    base, _ = models.load_model_and_tokenizer(config.load(ROOT / "jobs" / "configs" / "tiny.yaml", []).model)
+    assert w.shape[0] == end and torch.equal(w[first:end], ground)
+    assert torch.equal(w[:first], base.get_input_embeddings().weight.detach()[:first])
+    meta = json.loads((folder / "gti_meta.json").read_text())
+    assert meta["sid_map_hash"] == f["sid_map_hash"] and meta["new_token_ids"] == [first, end]
+    assert not (run_dir / "ground" / "ray_train").exists()
 
 
 def _check_tracking(run_dir: Path, logs: str) -> None:

@@ -121,34 +121,6 @@ def test_plain_init_arm_extends_initialises_and_exports(upstream):
     _check_export(run, cfg, f, init)
 
 
-@pytest.mark.slow
-@pytest.mark.ray
-def test_grounding_stage_two_workers_zero2(upstream):
-    from safetensors.torch import load_file
-
-    run, base = upstream
-    cfg, m = _run_ground(run, base, [
-        "init.method=codebook", "ground.num_workers=2", "ground.steps=6", "ground.batch_size=4",
-        "ground.lr=3e-2", "ground.checkpoint_every=3", "ground.val_every=3", "ground.val_samples=6",
-        "ground.zero_stage=2",
-    ])
-    f = m.facts
-    assert f["grounded"] is True and f["arm"] == "gti+codebook"
-    assert f["steps_done"] == 6 and f["num_workers"] == 2 and f["zero_stage"] == 2
-    assert f["final_loss"] < f["first_loss"]
-    assert [e["step"] for e in f["val_exact_match"]] == [3, 6]
-    assert all(0.0 <= e["value"] <= 1.0 for e in f["val_exact_match"])
-    assert f["val_prompts"] == 6 and f["train_pairs"] > 0
-    init = load_file(str(run / "ground" / "e_new_init.safetensors"))["e_new"]
-    ground = load_file(str(run / "ground" / "e_new_ground.safetensors"))["e_new"]
-    assert not torch.equal(init, ground)
-    # The rows fact the end-of-run summary prints: the distance grounding moved the rows.
-    dist = (ground.double() - init.double()).norm(dim=1)
-    assert f["rows"]["moved_mean"] == pytest.approx(float(dist.mean()), rel=1e-6) and f["rows"]["moved_mean"] > 0
-    assert f["rows"]["moved_rel"] > 0
-    _check_export(run, cfg, f, ground)
-
-
 # --------------------------------------------------------------------------- no Ray: the stage as the runner's caller
 GROUND_FACTS = {"init_method", "grounded", "arm", "new_token_ids", "sid_token_ids", "sid_map_hash", "trainable_params",
                 "steps_done", "final_loss", "val_exact_match", "first_loss", "tokens_per_s_median", "train_pairs",
@@ -158,7 +130,7 @@ GROUND_FACTS = {"init_method", "grounded", "arm", "new_token_ids", "sid_token_id
 def _write_pairs_by_hand(run, cfg) -> tuple[int, int]:
     """The pairs stage's outputs without Ray: the tiny tokenizer extended with the SID tokens,
     one title->SID pair per item (every fourth held out) and the facts the ground stage reads."""
-    from gti.lm import models, vocab
+    from gti.lm import models, new_rows
     from gti.sid.codec import SidCodec
 
     d = run / "pairs"
@@ -166,7 +138,7 @@ def _write_pairs_by_hand(run, cfg) -> tuple[int, int]:
     _, tok = models.build_tiny(cfg.model)
     n_before = len(tok)
     codec = SidCodec.from_facts(Manifest.read(run / "sid").facts)
-    first, end = vocab.extend_tokenizer(tok, codec.tokens())
+    first, end = new_rows.extend_tokenizer(tok, codec.tokens())
     tok.save_pretrained(d / "tokenizer")
     codes = torch.tensor(pq.read_table(run / "sid" / "sid_map.parquet")["codes"].to_pylist())
     rows = {k: [] for k in ("item_id", "task", "split", "input_ids", "labels", "prompt_ids", "answer_ids")}
