@@ -1,0 +1,147 @@
+"""One GRPO step's loss, composed from the rollout, reward and objective blocks, with the share
+of step time each phase took.
+
+What it is for: what an RL training step does before its backward pass, in one call that a
+training loop hook (or a test) can run: `grpo_step_loss` rolls out G candidates per prompt with
+the policy (`gti.rl.rollouts`), rewards them against the targets (`gti.rl.rewards`), normalises
+the advantages per group, scores the completions under the policy (with gradients) and the
+frozen reference, and returns the clipped GRPO loss (`gti.rl.grpo`) with the step's statistics.
+`GrpoSettings` holds the knobs the `rl` config section will carry; `PhaseClock` times the
+phases (rollout / reward / update, the caller adding its backward and optimizer step to
+"update") and reports each one's share of the step.
+
+What it does not know: optimizers, DeepSpeed, data loading, checkpoints, the config file, or
+Ray. It runs one update per rollout (on policy: old log-probs = current, detached).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gti.eval.beams import TrieLike, model_device
+from gti.rl.grpo import group_advantages, grpo_loss, labelled_logprobs, reward_stats
+from gti.rl.rewards import group_rewards, parse_reward_spec
+from gti.rl.rollouts import MODES, Rollouts, completion_batch, rollout
+
+PHASES = ("rollout", "reward", "update")
+
+
+@dataclass(frozen=True)
+class GrpoSettings:
+    """The RL knobs (the future `rl` config section).
+
+    group_size: G candidates per prompt. rollout: "beam" (G best distinct items, width
+    max(beam_width, G)) or "sample" (temperature sampling under the trie). reward: a reward
+    name or weights ({"hit": 1.0, "prefix": 0.5}, see `gti.rl.rewards`). clip_eps: ratio clip.
+    kl_coef: weight of the k3 KL to the reference (0 = no reference needed). adv_eps: added to
+    the group std. batch_users: prompts per rollout forward batch.
+    """
+
+    group_size: int = 8
+    rollout: str = "beam"
+    beam_width: int | None = None
+    temperature: float = 1.0
+    reward: str | Mapping[str, float] = "hit"
+    clip_eps: float = 0.2
+    kl_coef: float = 0.04
+    adv_eps: float = 1e-6
+    batch_users: int = 8
+
+    def __post_init__(self) -> None:
+        if self.group_size < 1:
+            raise ValueError(f"group_size must be >= 1, got {self.group_size}")
+        if self.rollout not in MODES:
+            raise ValueError(f"unknown rollout mode {self.rollout!r}; expected one of {list(MODES)}")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if self.clip_eps < 0 or self.kl_coef < 0 or self.adv_eps < 0:
+            raise ValueError("clip_eps, kl_coef and adv_eps must be >= 0")
+        parse_reward_spec(self.reward)
+
+
+class PhaseClock:
+    """Wall seconds per named phase, summed over `with clock.phase(name):` blocks."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+    def shares(self) -> dict[str, float]:
+        """{"time_share/<phase>": its share of the summed seconds} for every phase timed (and
+        0.0 for the PHASES not timed); all 0.0 before anything was timed."""
+        total = sum(self.seconds.values())
+        names = list(PHASES) + [n for n in self.seconds if n not in PHASES]
+        return {f"time_share/{n}": (self.seconds.get(n, 0.0) / total if total > 0 else 0.0) for n in names}
+
+
+@dataclass
+class StepOutput:
+    """loss: the scalar to backpropagate. stats: floats to log (reward_mean, reward_std,
+    zero_std_share, pg_loss, kl, clip_fraction, ratio_mean, tokens, rollout_s).
+    rollouts: the candidates. rewards / advantages: FloatTensor [B, G]."""
+
+    loss: torch.Tensor
+    stats: dict[str, float]
+    rollouts: Rollouts
+    rewards: torch.Tensor
+    advantages: torch.Tensor
+
+
+def grpo_step_loss(
+    policy: Any,
+    reference: Any | None,
+    prompt_ids: Sequence[Sequence[int]],
+    target_sids: Sequence[Sequence[int]],
+    trie: TrieLike,
+    settings: GrpoSettings,
+    *,
+    levels: int,
+    pad_id: int,
+    seed: int | None = None,
+    clock: PhaseClock | None = None,
+) -> StepOutput:
+    """Rollouts -> rewards -> advantages -> GRPO loss for B prompts (no backward here).
+
+    policy: the causal LM being trained (its train/eval mode is kept for the scoring forward;
+    rollouts run in eval mode); reference: the frozen start model (None allowed when
+    settings.kl_coef == 0); prompt_ids: B token-id lists; target_sids: B SID token-id tuples (L
+    each, the trie's row of the target item); seed: for sampling rollouts; clock: times the
+    phases "rollout", "reward" and "update" (the scoring forwards and the loss).
+    """
+    if len(prompt_ids) != len(target_sids):
+        raise ValueError(f"{len(prompt_ids)} prompts but {len(target_sids)} targets")
+    if reference is None and settings.kl_coef != 0:
+        raise ValueError("kl_coef != 0 needs a reference model")
+    clock = clock or PhaseClock()
+    s = settings
+    with clock.phase("rollout"):
+        ro = rollout(policy, prompt_ids, trie, mode=s.rollout, group_size=s.group_size, levels=levels,
+                     pad_id=pad_id, beam_width=s.beam_width, temperature=s.temperature,
+                     batch_users=s.batch_users, seed=seed)
+    with clock.phase("reward"):
+        rewards = group_rewards(ro.candidates(), target_sids, s.reward)  # [B, G]
+        adv, _ = group_advantages(rewards, eps=s.adv_eps)
+    with clock.phase("update"):
+        batch = {k: v.to(model_device(policy)) for k, v in completion_batch(prompt_ids, ro, pad_id).items()}
+        logp, mask = labelled_logprobs(policy, batch["input_ids"], batch["attention_mask"], batch["labels"])
+        ref_logp = None
+        if reference is not None and s.kl_coef != 0:
+            with torch.no_grad():
+                ref_logp, _ = labelled_logprobs(reference, batch["input_ids"], batch["attention_mask"],
+                                                batch["labels"])
+        obj = grpo_loss(logp, mask, adv.reshape(-1), ref_logp=ref_logp, clip_eps=s.clip_eps, kl_coef=s.kl_coef)
+    stats = {**reward_stats(rewards), **obj.stats, "rollout_s": ro.timings.get("rollout_s", 0.0)}
+    return StepOutput(loss=obj.loss, stats=stats, rollouts=ro, rewards=rewards, advantages=adv)
