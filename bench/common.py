@@ -69,7 +69,7 @@ def sid_tokenizer(path, levels: int, codebook: int):
     `SidCodec`, first new id, end): the new ids are [first, end), first = the old vocabulary."""
     from transformers import AutoTokenizer
 
-    from gti.lm.vocab import extend_tokenizer
+    from gti.lm.new_rows import extend_tokenizer
     from gti.sid.codec import SidCodec
 
     tok = AutoTokenizer.from_pretrained(str(path))

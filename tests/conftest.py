@@ -55,7 +55,7 @@ def free_port() -> int:
 # missing here still runs, after these.
 LONGEST_FIRST = [
     "tests/e2e/test_multinode.py", "tests/train/test_loop.py", "tests/experiments/test_tune.py",
-    "tests/e2e/test_learnability.py", "tests/refresh/test_driver.py",
+    "tests/e2e/test_learnability.py", "tests/refresh/test_command.py",
     "tests/experiments/test_compare.py", "tests/stages/test_sid.py", "tests/stages/test_sft.py",
     "tests/stages/test_ground.py", "tests/stages/test_pairs.py",
 ]
@@ -91,7 +91,7 @@ def ray_start_4_cpus():
 def tiny_upstream(tmp_path_factory, ray_start_4_cpus) -> Path:
     """jobs/configs/tiny.yaml's shared stages (ingest -> embed -> sid -> pairs), built once per
     session. Stage fingerprints do not hash `run_dir`, so a test puts them into its own run
-    folder with `testkit.adopt_tiny_upstream` (hard links, `gti.experiments.shared.adopt_shared`) and the
+    folder with `testkit.adopt_tiny_upstream` (hard links, `gti.experiments.shared_stages.adopt_shared`) and the
     pipeline finds them up to date, for any overrides that leave those stages' keys alone.
     Treat the folder as read-only: stages replace their outputs by renaming, never in place."""
     from gti import config, pipeline

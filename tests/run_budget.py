@@ -1,6 +1,6 @@
 """The test session's budget of Ray Train runs and Ray instances (issue 27).
 
-Every Train run (`gti.train.driver.run_trainer`) and every Ray instance a test starts appends a
+Every Train run (`gti.train.ray_train.run_trainer`) and every Ray instance a test starts appends a
 line to the session's ledger (`gti.ledger`, file named by $GTI_RUN_LEDGER, inherited by
 subprocesses and Ray workers). At the end of the session the counts are printed with the tests
 that started them, written to `$GTI_TEST_LEDGER_REPORT` (if set), and the session FAILS when a

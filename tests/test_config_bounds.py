@@ -56,10 +56,10 @@ def test_vocab_ground_seed_is_bounded_too():
 
 @pytest.mark.parametrize("k", ["0", "-3", str(MAX_K + 1), "ten"])
 def test_recommend_k_out_of_range_fails_before_the_run_is_opened(k, tmp_path, capsys, monkeypatch):
-    from gti import run_artifacts
+    from gti import loaded_run
     from gti.cli import main
 
-    monkeypatch.setattr(run_artifacts.LoadedRun, "open", classmethod(lambda *a, **kw: pytest.fail("opened")))
+    monkeypatch.setattr(loaded_run.LoadedRun, "open", classmethod(lambda *a, **kw: pytest.fail("opened")))
     with pytest.raises(SystemExit) as e:
         main(["recommend", "--run-dir", str(tmp_path), "--history", "a", "--k", k])
     assert e.value.code == 2

@@ -7,13 +7,15 @@ import pytest
 
 from gti import config as C
 from gti import config_commands as CC
+from gti.config_commands import TuneConfig
+from gti.errors import ConfigError
 
 
 def test_run_config_holds_the_command_sections():
     cfg = C.load(None)
     assert isinstance(cfg.compare, CC.CompareConfig) and isinstance(cfg.tune, CC.TuneConfig)
     assert isinstance(cfg.tracking, CC.TrackingConfig) and isinstance(cfg.refresh, CC.RefreshConfig)
-    assert C.TuneConfig is CC.TuneConfig  # still reachable as gti.config.<Section>
+    assert TuneConfig is CC.TuneConfig  # still reachable as gti.config.<Section>
 
 
 def test_refresh_lr_defaults_to_a_share_of_the_grounding_lr():
@@ -30,5 +32,5 @@ def test_refresh_lr_defaults_to_a_share_of_the_grounding_lr():
     ("refresh.sft_lr=0", "refresh.sft_lr"),
 ])
 def test_bad_values_name_the_key(override, key):
-    with pytest.raises(C.ConfigError, match=key.replace(".", r"\.")):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         C.load(None, [override])

@@ -1,4 +1,4 @@
-"""The evaluation's reference-row config (gti/config_eval.py, re-exported by gti.config):
+"""The evaluation's reference-row config (gti/config_eval.py, held by gti.config's RunConfig):
 `eval.baselines` defaults to MostPop, Markov and SASRec, names are checked, and `eval.sasrec`
 rejects settings SASRec cannot run; the exact-rank and cold-slice keys' defaults and bounds."""
 
@@ -7,26 +7,28 @@ from __future__ import annotations
 import pytest
 
 from gti import config as C
+from gti.config_eval import BASELINES
+from gti.errors import ConfigError
 
 
 def test_baselines_default_to_all_three_rows():
     ec = C.load(None).eval
-    assert ec.baselines == ["mostpop", "markov", "sasrec"] == list(C.BASELINES)
+    assert ec.baselines == ["mostpop", "markov", "sasrec"] == list(BASELINES)
     assert ec.sasrec.loss == "ce" and ec.sasrec.epochs >= 1 and ec.sasrec.val_users
     assert C.load(None, ["eval.baselines=[mostpop]"]).eval.baselines == ["mostpop"]
     assert C.load(None, ["eval.baselines=[]"]).eval.baselines == []
 
 
 def test_unknown_or_repeated_names_and_bad_sasrec_settings_fail_naming_the_key():
-    with pytest.raises(C.ConfigError, match="eval.baselines"):
+    with pytest.raises(ConfigError, match="eval.baselines"):
         C.load(None, ["eval.baselines=[mostpop,gru4rec]"])
-    with pytest.raises(C.ConfigError, match="eval.baselines"):
+    with pytest.raises(ConfigError, match="eval.baselines"):
         C.load(None, ["eval.baselines=[markov,markov]"])
-    with pytest.raises(C.ConfigError, match="eval.sasrec"):
+    with pytest.raises(ConfigError, match="eval.sasrec"):
         C.load(None, ["eval.sasrec.dim=10", "eval.sasrec.heads=3"])
-    with pytest.raises(C.ConfigError, match="eval.sasrec.epochs"):
+    with pytest.raises(ConfigError, match="eval.sasrec.epochs"):
         C.load(None, ["eval.sasrec.epochs=0"])
-    with pytest.raises(C.ConfigError, match="eval.sasrec.nope"):
+    with pytest.raises(ConfigError, match="eval.sasrec.nope"):
         C.load(None, ["eval.sasrec.nope=1"])
 
 
@@ -35,5 +37,5 @@ def test_exact_rank_and_cold_slice_defaults_and_overrides():
     assert ec.exact_rank is False and ec.cold_max_sft_targets == 1
     ec = C.load(None, ["eval.exact_rank=true", "eval.cold_max_sft_targets=0"]).eval
     assert ec.exact_rank is True and ec.cold_max_sft_targets == 0
-    with pytest.raises(C.ConfigError, match="eval.cold_max_sft_targets"):
+    with pytest.raises(ConfigError, match="eval.cold_max_sft_targets"):
         C.load(None, ["eval.cold_max_sft_targets=-1"])

@@ -7,6 +7,7 @@ import pytest
 from pydantic import ValidationError
 
 from gti import config_io as IO
+from gti.redact import REDACTED
 from gti.errors import ConfigError
 
 
@@ -73,7 +74,7 @@ def test_redaction_of_secret_like_keys():
     raw = {"auth_token": "abc", "api_key": "k", "nested": {"db_password": "p"},
            "max_tokens": 256, "keys": [1], "items": [{"secret": "s"}]}
     out = IO.redact(raw)
-    assert out["auth_token"] == IO.REDACTED and out["api_key"] == IO.REDACTED
-    assert out["nested"]["db_password"] == IO.REDACTED and out["items"][0]["secret"] == IO.REDACTED
+    assert out["auth_token"] == REDACTED and out["api_key"] == REDACTED
+    assert out["nested"]["db_password"] == REDACTED and out["items"][0]["secret"] == REDACTED
     assert out["max_tokens"] == 256 and out["keys"] == [1]
     assert raw["auth_token"] == "abc", "a copy; the input is unchanged"

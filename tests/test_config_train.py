@@ -6,6 +6,8 @@ from pydantic import ValidationError
 
 from gti import config as C
 from gti import config_train as T
+from gti.config_train import GroundConfig, LoraConfig, SftConfig, TrainConfig
+from gti.errors import ConfigError
 
 
 def test_grounding_and_sft_share_the_training_fields_with_their_own_defaults():
@@ -28,12 +30,12 @@ def test_bad_values_and_unknown_keys_are_refused(cls, key, value):
 
 
 def test_run_config_holds_them_and_gti_config_re_exports_them():
-    assert (C.TrainConfig, C.GroundConfig, C.SftConfig, C.LoraConfig) == (
+    assert (TrainConfig, GroundConfig, SftConfig, LoraConfig) == (
         T.TrainConfig, T.GroundConfig, T.SftConfig, T.LoraConfig)
     cfg = C.load(None, ["sft.lora.r=4", "ground.steps=7"])
     assert isinstance(cfg.ground, T.GroundConfig) and cfg.ground.steps == 7
     assert isinstance(cfg.sft.lora, T.LoraConfig) and cfg.sft.lora.r == 4
-    with pytest.raises(C.ConfigError, match="unknown key 'sft.lora.rank'"):
+    with pytest.raises(ConfigError, match="unknown key 'sft.lora.rank'"):
         C.load(None, ["sft.lora.rank=4"])
 
 
@@ -42,7 +44,7 @@ def test_run_config_holds_them_and_gti_config_re_exports_them():
 def test_max_failures_is_bounded(section, value):
     """Ray's -1 (restart the worker group for ever) or a huge count would loop for ever on a
     failure that recurs: refused at validation, naming the key."""
-    with pytest.raises(C.ConfigError) as e:
+    with pytest.raises(ConfigError) as e:
         C.load(None, [f"{section}.max_failures={value}"])
     assert f"'{section}.max_failures'" in str(e.value) and "\n" not in str(e.value)
     assert C.load(None, [f"{section}.max_failures={T.MAX_TRAIN_FAILURES}"])  # the bound itself is fine

@@ -102,7 +102,7 @@ def delegated(monkeypatch):
     import importlib
 
     calls = []
-    for module in ("gti.refresh", "gti.experiments.tune", "gti.experiments.compare", "gti.vocab_ground",
+    for module in ("gti.refresh.command", "gti.experiments.tune", "gti.experiments.compare", "gti.vocab_ground",
                    "gti.serve.deployment"):
         monkeypatch.setattr(importlib.import_module(module), "cli_main",
                             lambda args, m=module: calls.append(m) or 0)
@@ -130,7 +130,7 @@ def test_refresh_is_checked_as_it_trains(tmp_path, capsys, simulated, delegated)
     assert cli.main(base + ["sft.num_workers=8", "refresh.sft_steps=5"]) == 0  # no SFT without --interactions
     _refused(capsys, base + ["sft.num_workers=8", "refresh.sft_steps=5", "--interactions", str(tmp_path / "i.csv")],
              "sft.num_workers", "the sft stage needs 8 CPU")
-    assert delegated == ["gti.refresh"] * 2
+    assert delegated == ["gti.refresh.command"] * 2
 
 
 def test_tune_is_checked_for_the_stages_its_trials_run(tmp_path, capsys, simulated, delegated):

@@ -7,8 +7,7 @@ import pickle
 
 import pytest
 
-from gti.config import ConfigError
-from gti.errors import DataError, GtiError, UnreadableFileError, one_line, user_error
+from gti.errors import ConfigError, DataError, GtiError, UnreadableFileError, one_line, user_error
 
 ANSI_PROCTITLE = "\x1b[36mray::MapBatches(_read_validate)()\x1b[39m (pid=123, ip=10.0.0.1)"
 
@@ -52,7 +51,7 @@ def test_ray_data_user_code_exception_keeps_only_text():
     assert isinstance(got, DataError)
     assert str(got) == "/d/b.csv.gz: cannot read: Truncated compressed stream"
     # Other user errors (config, gates) come back as GtiError with their message.
-    cfg = RayTaskError("f", "x\ngti.config.ConfigError: eval.ks: too large\n", RuntimeError("x"), "p", 1, "i")
+    cfg = RayTaskError("f", "x\ngti.errors.ConfigError: eval.ks: too large\n", RuntimeError("x"), "p", 1, "i")
     got = user_error(cfg)
     assert type(got) is GtiError and str(got) == "eval.ks: too large"
 

@@ -1,5 +1,5 @@
 """gti/input_files.py: the user's input files fingerprinted file by file, local ones by content
-(URIs by size and mtime: tests/refresh/test_driver.py, on an in-memory file system)."""
+(URIs by size and mtime: tests/refresh/test_command.py, on an in-memory file system)."""
 
 from __future__ import annotations
 

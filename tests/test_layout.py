@@ -34,7 +34,7 @@ def test_ci_runs_the_readme_test_command():
 PKG = ROOT / "platform" / "gti"
 PURE = ["sid", "lm", "eval", "diagnostics", "embed", "data"]
 # The one module under gti/train/ that talks to Ray (the Train driver and the worker calls).
-TRAIN_RAY_MODULE = "train/driver.py"
+TRAIN_RAY_MODULE = "train/ray_train.py"
 # The one module under gti/serve/ that talks to Ray (the Ray Serve deployment and `gti serve`).
 SERVE_RAY_MODULE = "serve/deployment.py"
 # The one module of `gti infer` that talks to Ray (the Ray Data actor pool); gti/serve/infer.py is pure.
@@ -77,12 +77,12 @@ def _is_ray(mod: str) -> bool:
 def test_pure_modules_never_import_ray():
     """Pure building blocks and the bottom modules never import ray; under gti/train/ only the
     Train driver does, under gti/serve/ only the Serve deployment and gti infer's actor pool
-    (gti/stages, gti/experiments, gti/train/driver.py, gti/serve/deployment.py and
+    (gti/stages, gti/experiments, gti/train/ray_train.py, gti/serve/deployment.py and
     gti/serve/infer_ray.py are the Ray shell; gti/ray_start.py starts Ray for all of them)."""
     bottom = ["config.py", "config_io.py", "config_train.py", "manifest.py", "pipeline.py", "cli.py", "errors.py",
-              "contract.py", "names.py", "files.py", "run_artifacts.py", "progress.py", "tracking.py", "preflight.py",
-              "devices.py", "config_serve.py", "config_eval.py", "config_commands.py", "config_explain.py",
-              "runlock.py", "ledger.py", "redact.py", "chunked_output.py"]
+              "contract.py", "arms.py", "files.py", "loaded_run.py", "run_versions.py", "progress.py", "tracking.py",
+              "preflight.py", "devices.py", "config_serve.py", "config_eval.py", "config_commands.py",
+              "config_explain.py", "runlock.py", "ledger.py", "redact.py", "chunked_output.py"]
     train = [f for f in _files("train") if f.relative_to(PKG).as_posix() != TRAIN_RAY_MODULE]
     serve = [f for f in _files("serve") if f.relative_to(PKG).as_posix() not in (SERVE_RAY_MODULE, INFER_RAY_MODULE)]
     offenders = _offenders(_files(*PURE, *bottom) + train + serve, _is_ray)
@@ -131,7 +131,7 @@ def test_stage_modules_are_only_stages():
 
 def test_pure_blocks_import_neither_config_nor_manifest_nor_the_driver():
     heavy = ("gti.config", "gti.config_io", "gti.config_train", "gti.manifest", "gti.pipeline", "gti.contract",
-             "gti.stages", "gti.experiments", "gti.run_artifacts")
+             "gti.stages", "gti.experiments", "gti.loaded_run", "gti.run_versions")
     offenders = _offenders(_files(*PURE), lambda m: m in heavy or m.startswith(tuple(h + "." for h in heavy)))
     assert not offenders, offenders
 

@@ -8,6 +8,7 @@ import pytest
 
 from gti import config as C
 from gti import pipeline as P
+from gti.contract import StageResult, StageSpec
 from gti.manifest import Manifest
 
 CALLS: list[str] = []
@@ -28,7 +29,7 @@ def _fake_module(name, crash_flag=None):
         for dep in ctx.spec.depends:
             assert ctx.input(dep, "out").read_text().startswith(dep)
         (ctx.work_dir / "out.txt").write_text(f"{name} {ctx.cfg.sid.levels}")
-        return P.StageResult(outputs={"out": "out.txt"}, facts={"resumed": had_ckpt})
+        return StageResult(outputs={"out": "out.txt"}, facts={"resumed": had_ckpt})
 
     mod.run = run
     return mod
@@ -38,9 +39,9 @@ def _fake_module(name, crash_flag=None):
 def fake(monkeypatch, tmp_path):
     crash = {}
     specs = [
-        P.StageSpec("a", "fake_stage_a", (), ("data",), "a"),
-        P.StageSpec("b", "fake_stage_b", ("a",), ("sid",), "b"),
-        P.StageSpec("c", "fake_stage_c", ("b",), ("ground",), "c"),
+        StageSpec("a", "fake_stage_a", (), ("data",), "a"),
+        StageSpec("b", "fake_stage_b", ("a",), ("sid",), "b"),
+        StageSpec("c", "fake_stage_c", ("b",), ("ground",), "c"),
     ]
     for s in specs:
         monkeypatch.setitem(sys.modules, s.module, _fake_module(s.name, crash))
@@ -134,7 +135,7 @@ def test_from_and_to(fake):
 def test_missing_declared_output_fails(fake, monkeypatch):
     cfg, _ = fake
     mod = sys.modules["fake_stage_a"]
-    monkeypatch.setattr(mod, "run", lambda ctx: P.StageResult(outputs={"x": "nope.parquet"}))
+    monkeypatch.setattr(mod, "run", lambda ctx: StageResult(outputs={"x": "nope.parquet"}))
     with pytest.raises(P.PipelineError, match="did not write"):
         P.run(cfg, echo=lambda m: None)
     assert not (cfg.resolved_run_dir() / "a").exists()

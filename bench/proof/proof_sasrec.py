@@ -103,8 +103,10 @@ def test_users(recs: list[tuple[dict, RunRecord]]) -> list[str]:
 def build_ingest(cfg_path: Path, work: Path) -> Path:
     """data/dense-1000 and its ingest output, made in process under `work`; -> the ingest folder."""
     from gti import pipeline
+    from gti.contract import StageContext
     from gti.data import dense
     from gti.stages import ingest
+    from gti.data.batches import local_stream
 
     data = work / "dense-1000"
     with contextlib.redirect_stdout(sys.stderr):  # stdout is for the tables
@@ -114,9 +116,9 @@ def build_ingest(cfg_path: Path, work: Path) -> Path:
     out = work / "ingest"
     shutil.rmtree(out, ignore_errors=True)  # ingest writes its files from scratch
     out.mkdir(parents=True)
-    ctx = pipeline.StageContext(spec=pipeline.spec("ingest"), cfg=cfg, run_dir=work / "run", work_dir=out,
-                                fingerprint="proof_sasrec")
-    ingest.ingest(ctx, ingest.local_stream)
+    ctx = StageContext(spec=pipeline.spec("ingest"), cfg=cfg, run_dir=work / "run", work_dir=out,
+                       fingerprint="proof_sasrec")
+    ingest.ingest(ctx, local_stream)
     return out
 
 

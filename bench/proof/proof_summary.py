@@ -36,7 +36,7 @@ import common  # noqa: E402
 ROOT = common.ROOT
 RECORDS = Path(__file__).resolve().parent / "smollm2" / "records"
 sys.path.insert(0, str(ROOT / "platform"))
-from gti.diagnostics.report import RunRecord  # noqa: E402
+from gti.diagnostics.runs import RunRecord
 from gti.diagnostics.tables import diagnostics_table, metrics_table  # noqa: E402
 
 M = ["recall@5", "recall@10", "recall@20", "ndcg@5", "ndcg@10", "ndcg@20", "mrr", "mean_percentile_rank"]
@@ -92,7 +92,7 @@ def write_report(rdir: Path, sas, out: Path) -> dict:
     import tempfile
 
     from gti import config as C
-    from gti.diagnostics.report import build_report
+    from gti.diagnostics.report_files import build_report
 
     src = rdir.parent
     old = json.loads((src / "report.json").read_text())

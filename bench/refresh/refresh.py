@@ -204,8 +204,8 @@ def linked_copy(src: Path, dest: Path) -> Path:
 def refresh_once(run: Path, items: Path, inter: Path, overrides: list[str]):
     """`gti refresh` of `run` with the new items, or its result when an earlier attempt of the
     bench finished it (a second call would make v2 on top of v1)."""
-    from gti.refresh import refresh
-    from gti.refresh.job import RefreshResult
+    from gti.refresh.command import refresh
+    from gti.refresh.attempt import RefreshResult
 
     done = run / "refresh" / "v1" / "_manifest.json"
     if done.is_file():
@@ -578,7 +578,7 @@ def run_bench(args, mode: dict, arms: list[str], n_new: int, n_users: int, ov: l
     recorded arm, not only this part's)."""
     import polars as pl
 
-    from gti.run_artifacts import load_recommender
+    from gti.loaded_run import load_recommender
 
     paths, h = write_data(work, args.quick, n_new, args.seed)
     catalog = pl.read_parquet(paths["all_items"], columns=["item_id"])["item_id"].cast(pl.Utf8).to_list()

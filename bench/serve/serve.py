@@ -92,7 +92,7 @@ def build_run(mode: dict, work: Path) -> Path:
 
     from gti.data import bundled
     from gti.manifest import Manifest
-    from gti.run_artifacts import current_versions
+    from gti.run_versions import current_versions
 
     run_dir = (work / mode["run"]).resolve()
     items = pl.read_parquet(bundled.resolve("bundled:amazon-scientific", "items"))
@@ -115,7 +115,7 @@ def windows(run_dir: Path, n: int | None = None):
     import polars as pl
 
     from gti.manifest import Manifest
-    from gti.run_artifacts import run_config
+    from gti.loaded_run import run_config
     from gti.eval.slices import eval_windows
 
     seqs = pl.read_parquet(Manifest.read(run_dir / "ingest").output(run_dir / "ingest", "sequences"))
@@ -225,7 +225,7 @@ def serve_turn(arm: str, run_dir: Path, port: int, hist: list, mode: dict, threa
 
 
 def recommend_turn(run_dir: Path, hist: list, n: int, acc: dict) -> None:
-    from gti.run_artifacts import LoadedRun
+    from gti.loaded_run import LoadedRun
 
     a = acc.setdefault("recommend", {"ok": 0, "wall": 0.0, "lat": [], "errors": 0})
     for i, h in enumerate(hist[:n]):
@@ -270,8 +270,7 @@ def reload_under_load(run_dir: Path, port: int, hist: list, threads: int, client
     `2 * clients` answers are of the new version (or after 600 s)."""
     import httpx
 
-    from gti.run_artifacts import current_versions
-    from gti.serve.service import map_hash_of
+    from gti.run_versions import current_versions, resolve
 
     new = current_versions(run_dir, note=lambda line: None)[-1].k
     deploy(run_dir, port, 16, threads, hist[0])
@@ -291,7 +290,7 @@ def reload_under_load(run_dir: Path, port: int, hist: list, threads: int, client
 
     bodies = [{"history": h, "k": K, "exclude_history": False} for h in hist]
     res, wall = asyncio.run(_load(f"{url}/recommend", bodies, 10**9, clients, stop=stop, on_answer=on_answer))
-    pairs = {(0, map_hash_of(run_dir, 0)), (new, map_hash_of(run_dir, new))}
+    pairs = {(k, resolve(run_dir, k, find_model=False).map_hash) for k in (0, new)}
     ok = [r for r in res if r[1] == 200]
     versions = [r[3]["version"] for r in ok]
     status = httpx.get(f"{url}/info", timeout=60).json()["reload"]
@@ -309,7 +308,7 @@ def evaluate_decode(run_dir: Path, frame) -> tuple[float, dict]:
     """The evaluate stage's decode (`Recommender` over `frame`: its actor pool, or in the driver
     for a catalog under `local_max_items`, as the stage chooses) -> (s, {user: items})."""
     from gti.manifest import Manifest
-    from gti.run_artifacts import run_config
+    from gti.loaded_run import run_config
     from gti.stages.evaluate import _recommendation_blocks
 
     sid = Manifest.read(run_dir / "sid")
@@ -343,7 +342,7 @@ def infer_vs_evaluate(run_dir: Path, work: Path, n_users: int, rounds: int) -> d
     """Both decodes on the same users (version 0, k = max(eval.ks)), interleaved."""
     import ray
 
-    from gti.run_artifacts import run_config
+    from gti.loaded_run import run_config
 
     frame = windows(run_dir, n_users)
     users = work / f"{run_dir.name}-infer-users.parquet"

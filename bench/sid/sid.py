@@ -10,7 +10,7 @@ Data sets (identical arrays go to both sides):
 - `synthetic`: hash-embedded synthetic items (`gti.embed.encoders.HashEncoder`, 128-d): each
   item is 12 words of one of 2,000 topics plus 4 random words, so there is cluster structure.
 
-Compared (4 levels x 256 codes; one torch thread each, as in MISSION.md section 7):
+Compared (4 levels x 256 codes; one torch thread each, as in bench/RESULTS.md "Semantic IDs"):
 - ours RQ-VAE (`gti.sid.rqvae` with the `sid` stage's defaults: Xavier init, k-means init on
   real residuals, STE, last level trained on Sinkhorn-balanced codes, dead-code revival every
   epoch) vs peer `semantic_id.RQVAE` (kmeans_init=True, sk_epsilons [0,0,0,0.003],
@@ -83,7 +83,7 @@ def minilm_embeddings(n_max: int | None) -> np.ndarray:
     items = pq.read_table(common.BUNDLED / "items.parquet").to_pylist()
     if n_max is not None:
         items = items[:n_max]
-    # 128 tokens (not the 256 of MISSION.md's peer table): embedding on a shared 2-core
+    # 128 tokens (not 256): embedding on a shared 2-core
     # machine is slow, and the comparison only needs both sides to get the same vectors.
     cfg = EmbedConfig(encoder="minilm", max_tokens=128)
     enc = build_encoder(cfg)

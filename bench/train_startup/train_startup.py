@@ -1,7 +1,7 @@
 """What a Ray Train run costs before its first step on a local Ray, per start-up setting
 (issue 27, item 4), measured side by side: each trial is a fresh process that starts a local
 Ray (4 logical CPUs, as the test session does) and runs `--runs` tiny Train runs in a row
-through `gti.train.driver.run_trainer`. The worker does what gti's training workers do before
+through `gti.train.ray_train.run_trainer`. The worker does what gti's training workers do before
 step 1 (import torch, transformers and deepspeed, build a 1-layer Llama, iterate its Ray Data
 shard) and reports one checkpoint, so each run's wall time is start-up, not training.
 
@@ -55,23 +55,23 @@ def _worker(config: dict) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from gti.train import driver
+    from gti.train import ray_train
 
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                  num_attention_heads=2, num_key_value_heads=2))
-    for _ in driver.dataset_shard().iter_batches(batch_size=4):
+    for _ in ray_train.dataset_shard().iter_batches(batch_size=4):
         pass
     with tempfile.TemporaryDirectory() as d:
         Path(d, "state.json").write_text(json.dumps({"step": 1}))
-        driver.report({"step": 1}, checkpoint_dir=d)
+        ray_train.report({"step": 1}, checkpoint_dir=d)
 
 
 def trial(variant: str, runs: int) -> list[float]:
     """In this process: a local Ray, then `runs` Train runs; their wall seconds."""
     import ray
 
-    from gti.train.driver import TrainerSpec, run_trainer
+    from gti.train.ray_train import TrainerSpec, run_trainer
 
     v = VARIANTS[variant]
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)

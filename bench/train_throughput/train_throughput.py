@@ -45,7 +45,7 @@ import polars as pl  # noqa: E402
 import torch  # noqa: E402
 
 from gti.devices import resolve_precision  # noqa: E402
-from gti.lm import templates, vocab  # noqa: E402
+from gti.lm import new_rows, templates  # noqa: E402
 from gti.train import sft_data  # noqa: E402
 from gti.train.batching import length_grouped_batches, padded_tokens  # noqa: E402
 from gti.train.shards import PadCollate  # noqa: E402
@@ -71,11 +71,11 @@ def fresh_model(path, first: int, end: int, task: str, seed: int):
     only (ground)."""
     model = common.load_lm(path)
     rows = common.noise_rows(model.get_input_embeddings().weight.detach()[:first], end - first, seed)
-    vocab.attach_new_rows(model, first, end - first, rows)
+    new_rows.attach_new_rows(model, first, end - first, rows)
     if task == "ground":
-        vocab.freeze_backbone(model)
+        new_rows.freeze_backbone(model)
     else:
-        vocab.merge_new_rows(model)
+        new_rows.merge_new_rows(model)
         for p in model.parameters():
             p.requires_grad_(True)
     model.train()
@@ -95,7 +95,7 @@ def sft_rows(tok, items, sid, style: str, n: int, seed: int) -> list[dict]:
 
 
 def ground_rows(tok, items, sid, n: int, seed: int) -> list[dict]:
-    from gti.config import DEFAULT_GROUNDING_TEMPLATES
+    from gti.arms import DEFAULT_GROUNDING_TEMPLATES
 
     pr = templates.PairRenderer(tok, dict(DEFAULT_GROUNDING_TEMPLATES), common.SYSTEM, 128)
     idx = np.random.default_rng(seed).permutation(items.height)[: max(1, n // 6 + 1)]

@@ -58,18 +58,19 @@ def overrides(quick: bool, out: Path) -> tuple[Path, list[str]]:
 def run_sequential(cfg, base_raw: dict, trials: list[dict], out: Path) -> float:
     """The same settings, one after another, full step counts, no Tune."""
     from gti import pipeline
+    from gti.contract import StageContext
     from gti.stages import ground
-    from gti.experiments import tune as T
+    from gti.experiments.tune_space import apply_params
 
     t0 = time.time()
     for i, t in enumerate(trials):
-        tcfg = T.apply_params(base_raw, t["params"], "<sequential>")
+        tcfg = apply_params(base_raw, t["params"], "<sequential>")
         run_dir = tcfg.resolved_run_dir()
         spec = pipeline.spec("ground")
         fp, _ = pipeline.fingerprint(spec, tcfg, run_dir)
         work = out / "sequential" / f"trial{i}" / "ground"
         work.mkdir(parents=True, exist_ok=True)
-        ctx = pipeline.StageContext(spec=spec, cfg=tcfg, run_dir=run_dir, work_dir=work, fingerprint=fp)
+        ctx = StageContext(spec=spec, cfg=tcfg, run_dir=run_dir, work_dir=work, fingerprint=fp)
         ground.run(ctx, run_name=f"seq-{i}")
     return time.time() - t0
 
@@ -84,12 +85,13 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True)
 
     from gti import config as C
+    from gti.config_io import apply_overrides, read_yaml
     from gti import pipeline
     from gti.experiments import tune as T
     from gti.ray_start import ensure_ray
 
     path, ov = overrides(args.quick, out)
-    raw = C.apply_overrides(C.read_yaml(path), ov)
+    raw = apply_overrides(read_yaml(path), ov)
     cfg = C.validate(raw, f"{path} (bench overrides)")
     t0 = time.time()
     pipeline.run(cfg, to_stage=T._upstream_of_ground())

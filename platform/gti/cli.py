@@ -88,9 +88,10 @@ def cmd_stage(args) -> int:
 
 def cmd_config(args) -> int:
     from gti import config
+    from gti.errors import ConfigError
 
     if args.explain and args.action != "show":
-        raise config.ConfigError("--explain goes with 'gti config show'")
+        raise ConfigError("--explain goes with 'gti config show'")
     cfg = _cfg(args)
     if args.action == "show" and args.explain:
         from gti.config_explain import explain
@@ -218,7 +219,7 @@ def _add_trained_run_commands(sub) -> None:
                    help="refresh version k (default: the newest; 0: the run before any refresh)")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="allow the model's own code (never taken from the run folder)")
-    p.set_defaults(func=_delegate("gti.run_artifacts", "cli_main"))
+    p.set_defaults(func=_delegate("gti.loaded_run", "cli_main"))
 
     p = sub.add_parser("summary", help="what gti run prints at the end: the model beside SASRec, Markov-1 "
                                        "and MostPop, a sample user, the time per stage, the next commands")
@@ -236,7 +237,7 @@ def _add_trained_run_commands(sub) -> None:
     p.add_argument("--trust-remote-code", action="store_true",
                    help="allow the model's own code (never taken from the run folder)")
     p.add_argument("--no-preflight", action="store_true", help="skip the checks of gti doctor")
-    p.set_defaults(func=_delegate("gti.refresh", "cli_main", preflight="gti.doctor:for_refresh"))
+    p.set_defaults(func=_delegate("gti.refresh.command", "cli_main", preflight="gti.doctor:for_refresh"))
     _add_serve_command(sub)
     _add_infer_command(sub)
 

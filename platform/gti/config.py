@@ -10,7 +10,8 @@ held here by `RunConfig`: training (`TrainConfig`, `GroundConfig`, `SftConfig`, 
 in `gti.config_train`, evaluation and report in `gti.config_eval`, serving in
 `gti.config_serve`, compare / tune / tracking / refresh in `gti.config_commands`; the
 schema-free file machinery (strict base model, YAML reading, overrides, redaction, error lines,
-the shared bounded types) in `gti.config_io`. `gti.config` stays the one import.
+the shared bounded types) in `gti.config_io`. Each name is imported from the module that
+defines it (`gti.config_train.SftConfig`, `gti.errors.ConfigError`, `gti.config_io.read_yaml`).
 
 What it does not know: how stages run, where outputs go (that is `pipeline`/`manifest`), or
 anything about Ray. It never imports ray or torch.
@@ -25,23 +26,16 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, ValidationError, field_validator
 
-from gti.config_io import (  # noqa: F401 - re-exported: C.redact, C.REDACTED, C.read_yaml, ...
-    REDACTED,
-    apply_overrides,
-    read_yaml,
-    redact,
-)
+from gti.config_io import apply_overrides, read_yaml, redact
 from gti.config_io import PositiveInt, Seed
 from gti.config_io import StrictModel as _Strict
 from gti.config_io import format_error as _format_error
-from gti.config_io import parse_scalar as _parse_scalar  # noqa: F401 - re-exported
-from gti.config_train import GroundConfig, LoraConfig, SftConfig, TrainConfig  # noqa: F401 - re-exported
-from gti.config_eval import BASELINES, BASELINES_HELP, BaselineNames, SasrecConfig  # noqa: F401 - re-exported
+from gti.config_train import GroundConfig, SftConfig
 from gti.config_eval import EvalConfig, ReportConfig
 from gti.config_commands import CompareConfig, RefreshConfig, TrackingConfig, TuneConfig
-from gti.config_serve import ServeConfig  # noqa: F401 - re-exported (the serve: section)
-from gti.errors import ConfigError, GtiError  # noqa: F401 - ConfigError re-exported
-from gti.names import DEFAULT_GROUNDING_TEMPLATES, INIT_METHODS
+from gti.config_serve import ServeConfig
+from gti.errors import ConfigError
+from gti.arms import DEFAULT_GROUNDING_TEMPLATES, INIT_METHODS
 
 # A codebook of millions of tokens would fail hours into a run, in the vocabulary: checked when
 # the config is validated, naming the key (the shared bounds, Seed and PositiveInt: gti.config_io).

@@ -24,7 +24,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gti.errors import ConfigError
-from gti.redact import REDACTED, is_secret_key, redact_text  # noqa: F401 - re-exported (C.REDACTED, ...)
+from gti.redact import REDACTED, is_secret_key, redact_text
 
 
 # Bounds that would otherwise fail hours into a run (a negative seed in the first Ray Data

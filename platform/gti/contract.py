@@ -23,7 +23,7 @@ from gti.manifest import Manifest
 @dataclass(frozen=True)
 class StageSpec:
     name: str
-    module: str  # exposes run(ctx) -> StageResult and optionally input_files(cfg) -> dict
+    module: str  # exposes run(ctx) -> StageResult and optionally input_fingerprints(cfg) -> dict[str, str]
     depends: tuple[str, ...]
     sections: tuple[str, ...]  # config sections whose values enter the fingerprint
     summary: str

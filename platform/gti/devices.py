@@ -52,10 +52,11 @@ def cpu_threads(setting: int | None) -> int | None:
     """torch intra-op threads for one CPU worker: `setting`, or None to keep what Ray set.
 
     Ray sets OMP_NUM_THREADS to the CPUs a worker or actor reserves (1 by default), so a single
-    Train worker on a 2-core laptop trains on one core unless the config asks for more (SmolLM2
-    SFT step 3.9 s on one thread vs 3.2 s on two; bench/RESULTS.md). More threads than the
-    worker reserved only pay when it has the node to itself: several workers, Tune trials or
-    compare arms on one machine would oversubscribe the cores, hence no automatic default."""
+    Train worker on a 2-core laptop trains on one core unless the config asks for more (a
+    SmolLM2 SFT step is faster on two threads: bench/RESULTS.md, "Training step throughput
+    (issue 13)"). More threads than the worker reserved only pay when it has the node to
+    itself: several workers, Tune trials or compare arms on one machine would oversubscribe
+    the cores, hence no automatic default."""
     return None if setting is None else max(1, int(setting))
 
 

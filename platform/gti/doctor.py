@@ -86,7 +86,7 @@ def for_refresh(args) -> None:
     `refresh.ground_steps` grounding and `refresh.sft_steps` SFT steps (with --interactions) on
     the run's workers and `use_gpu` (gti.refresh.train). Its embed step runs in this process,
     and it continues from the run's own model (no model.name check)."""
-    from gti.refresh.job import load_run_config
+    from gti.refresh.attempt import load_run_config
 
     run_dir = Path(args.run_dir).expanduser().resolve()
     if not run_dir.is_dir():

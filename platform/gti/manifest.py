@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 import time
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -22,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from gti.errors import GtiError
-from gti.files import atomic_write_bytes, atomic_write_json  # noqa: F401 - re-exported
+from gti.files import atomic_write_json
 
 MANIFEST_NAME = "_manifest.json"
 _VERSIONED = ["gti", "torch", "ray", "transformers", "deepspeed", "pyarrow", "polars", "pydantic"]
@@ -96,7 +94,7 @@ class Manifest:
 
     def write(self, stage_dir: str | Path) -> Path:
         """Write `_manifest.json`; every string in it has the credentials of its URIs removed
-        (`gti.config_io.redact_text`: a path or an error quoted in the facts)."""
+        (`gti.redact.redact_text`: a path or an error quoted in the facts)."""
         from gti.redact import redact_strings
 
         path = Path(stage_dir) / MANIFEST_NAME

@@ -24,9 +24,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from gti import config as C
+from gti.config_io import redact
 from gti.errors import GtiError
 from gti.contract import StageContext, StageResult, StageSpec
-from gti.manifest import MANIFEST_NAME, Manifest, ManifestError, atomic_write_bytes, stable_hash
+from gti.manifest import MANIFEST_NAME, Manifest, ManifestError, stable_hash
+from gti.files import atomic_write_bytes
 
 
 STAGES: list[StageSpec] = [
@@ -139,7 +141,7 @@ def run_stage(s: StageSpec, cfg: C.RunConfig, run_dir: Path) -> Manifest:
     ctx = StageContext(spec=s, cfg=cfg, run_dir=run_dir, work_dir=work, fingerprint=fp)
     t0 = time.time()
     result: StageResult = stage_module(s).run(ctx)
-    dumped = C.redact(cfg.model_dump(mode="json"))
+    dumped = redact(cfg.model_dump(mode="json"))
     manifest = Manifest(
         stage=s.name,
         fingerprint=fp,

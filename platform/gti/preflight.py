@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from gti import config as C
+from gti.config_train import TrainConfig
 from gti.errors import GtiError
 from gti.train.resources import workers_need
 
@@ -146,7 +147,7 @@ def gather_facts(cfg: C.RunConfig, cluster: dict[str, float] | None = None, clus
 
 
 # --------------------------------------------------------------------------- what the run asks for
-def _train_sections(cfg: C.RunConfig) -> list[tuple[str, C.TrainConfig]]:
+def _train_sections(cfg: C.RunConfig) -> list[tuple[str, TrainConfig]]:
     return [(n, getattr(cfg, n)) for n in ("ground", "sft") if getattr(cfg, n).enabled and getattr(cfg, n).steps > 0]
 
 

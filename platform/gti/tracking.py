@@ -30,7 +30,7 @@ import re
 import shutil
 import sys
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from gti.errors import GtiError
 
@@ -275,7 +275,3 @@ def read_scalars(logdir: str | Path) -> dict[str, list[tuple[int, float]]]:
                 if v.HasField("simple_value"):
                     out.setdefault(v.tag, []).append((int(ev.step), float(v.simple_value)))
     return out
-
-
-def tags_under(logdir: str | Path) -> Iterable[str]:
-    return sorted(read_scalars(logdir))

@@ -3,17 +3,17 @@
 What it is for (issue 15, part 4): the GTI grounding stage, for tokens that are not SIDs (tool
 calls, knowledge-graph nodes, product codes). `ground_vocabulary(model, tokens, out_dir)`:
 1. resolves the model folder (a local HF folder, or `smollm2-135m`), loads its tokenizer and
-   adds the new tokens (`gti.lm.vocab.extend_tokenizer`: one id each, contiguous);
+   adds the new tokens (`gti.lm.new_rows.extend_tokenizer`: one id each, contiguous);
 2. renders the pairs, description -> token and token -> description, through the chat template
-   with answer-only labels (`gti.lm.newvocab.render_pairs`, i.e. gti's `PairRenderer`);
-3. initialises the new rows with any `init.method` but `codebook` (`gti.lm.newvocab.initial_rows`
-   over `gti.lm.init.init_rows`);
+   with answer-only labels (`gti.lm.described_tokens.render_pairs`, i.e. gti's `PairRenderer`);
+3. initialises the new rows with any `init.method` but `codebook`
+   (`gti.lm.described_tokens.initial_rows` over `gti.lm.init.init_rows`);
 4. grounds ONLY the new rows on Ray Train + DeepSpeed (`gti.train.ground_run.run_grounding`,
    the grounding task: backbone and old rows frozen in a different tensor from the trainable
    `new_rows`, so they stay bit-identical under AdamW with weight decay, ZeRO-3 included); validation is the
    exact match of constrained greedy description -> token (on `eval_descriptions` when the
    tokens file has them, else on the training descriptions);
-5. exports a standard HF folder (`gti.lm.vocab.export_model`: safetensors, extended tokenizer,
+5. exports a standard HF folder (`gti.lm.new_rows.export_model`: safetensors, extended tokenizer,
    `gti_meta.json` with the token -> id map), loadable by `AutoModelForCausalLM.from_pretrained`
    without gti, plus `e_new_init.safetensors` / `e_new_ground.safetensors` (the rows before and
    after grounding).
@@ -38,7 +38,7 @@ zero_stage, precision, ...), `templates` ({desc2token, token2desc}), `system_pro
 
 Ray: only through `gti.ray_start.ensure_ray` and `gti.train.ground_run.run_grounding` (the
 `ground` stage's runner; this module is a driver, like a stage; the pure parts are in
-`gti.lm.newvocab`).
+`gti.lm.described_tokens`).
 """
 
 from __future__ import annotations
@@ -52,10 +52,11 @@ from typing import Any, Callable, Literal, Sequence
 from pydantic import Field, ValidationError
 
 from gti import config as C
-from gti.config_io import StrictModel, format_error
-from gti.train.driver import STORAGE_DIR
-from gti.errors import DataError
-from gti.lm.newvocab import DEFAULT_TEMPLATES, NewToken
+from gti.config_train import GroundConfig
+from gti.config_io import Seed, StrictModel, apply_overrides, format_error, read_yaml
+from gti.train.ray_train import STORAGE_DIR
+from gti.errors import ConfigError, DataError
+from gti.lm.described_tokens import DEFAULT_TEMPLATES, NewToken
 
 MODEL_META_STAGE = "vocab_ground"
 INIT_FILE = "e_new_init.safetensors"
@@ -63,7 +64,7 @@ GROUND_FILE = "e_new_ground.safetensors"
 PAIRS_FILE = "pairs.parquet"
 VAL_FILE = "val_prompts.parquet"
 SIDS_FILE = "token_ids.safetensors"
-RAY_DIR = STORAGE_DIR  # gti.train.driver.STORAGE_DIR
+RAY_DIR = STORAGE_DIR  # gti.train.ray_train.STORAGE_DIR
 RUN_NAME = "vocab_ground"
 WORK_MARKER = ".gti-vocab-work"  # in the default work dir: gti made it, so gti may remove it
 
@@ -80,12 +81,12 @@ class VocabModelConfig(StrictModel):
 class VocabGroundConfig(StrictModel):
     """`gti vocab ground --config`: grounding new tokens of any vocabulary (tool calls, ...)."""
 
-    seed: C.Seed = Field(0, description="seed of the new rows' initialisation, pair order and training")
+    seed: Seed = Field(0, description="seed of the new rows' initialisation, pair order and training")
     ray_address: str | None = Field(None, description="Ray cluster to join ('auto' or host:port); None = a local Ray")
     ray_num_cpus: int | None = Field(None, ge=1, description="CPUs of the local Ray it starts; None = all")
     model: VocabModelConfig = Field(default_factory=VocabModelConfig, description="how the model folder is loaded")
     init: C.InitConfig = Field(default_factory=C.InitConfig, description="initialisation of the new rows")
-    ground: C.GroundConfig = Field(default_factory=C.GroundConfig,
+    ground: GroundConfig = Field(default_factory=GroundConfig,
                                    description="the grounding run (steps, lr, batch, workers)")
     templates: dict[str, str] = Field(default_factory=lambda: dict(DEFAULT_TEMPLATES),
                                       description="task name -> prompt template pairing a description with its token")
@@ -104,15 +105,15 @@ class VocabGroundConfig(StrictModel):
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] | None = None) -> VocabGroundConfig:
     """YAML (or defaults) + key=value overrides -> VocabGroundConfig; ConfigError names the key."""
-    raw = C.read_yaml(path) if path is not None else {}
+    raw = read_yaml(path) if path is not None else {}
     source = str(path) if path is not None else "<defaults>"
     if overrides:
-        raw = C.apply_overrides(raw, list(overrides), source)
+        raw = apply_overrides(raw, list(overrides), source)
         source += " (with overrides)"
     try:
         return VocabGroundConfig.model_validate(raw)
     except ValidationError as err:
-        raise C.ConfigError(format_error(err, source)) from None
+        raise ConfigError(format_error(err, source)) from None
 
 
 # --------------------------------------------------------------------------- result
@@ -150,7 +151,7 @@ def ground_vocabulary(
     model: a local HF folder (safetensors weights, a tokenizer with a chat template), or
         `smollm2-135m`.
     tokens: NewTokens, dicts {"token", "descriptions", "eval_descriptions"?}, or a tokens file
-        (`gti.lm.newvocab.read_tokens`: JSONL or a YAML/JSON list).
+        (`gti.lm.described_tokens.read_tokens`: JSONL or a YAML/JSON list).
     config: VocabGroundConfig, or a YAML path; None = defaults (init mean, 200 steps, lr 1e-3).
     templates: overrides `config.templates` ({desc2token: "...{description}...",
         token2desc: "...{token}..."}).
@@ -224,7 +225,7 @@ def _protected(model: str | Path, tokens: Any, work: Path | None) -> dict[str, P
 
 def _check_out(out_dir: Path, force: bool, protected: dict[str, Path | None]) -> None:
     from gti.files import check_replaceable_dir
-    from gti.lm.vocab import is_export
+    from gti.lm.new_rows import is_export
 
     check_replaceable_dir(out_dir, is_ours=is_export, force=force, protected=protected, what="--out",
                           ours="a gti export (no gti_meta.json)")
@@ -246,16 +247,17 @@ def _open_work(work: Path, own: bool) -> None:
 def _settings(config: VocabGroundConfig | str | Path | None, templates: dict[str, str] | None,
               tokens: Sequence[NewToken | dict] | str | Path) -> tuple[VocabGroundConfig, list[NewToken]]:
     """The resolved config and the parsed tokens; every settings mistake raises before any work."""
-    from gti.lm import newvocab
+    from gti.lm import described_tokens
 
     cfg = config if isinstance(config, VocabGroundConfig) else load_config(config)
     if templates is not None:
         cfg = cfg.model_copy(update={"templates": dict(templates)})
-    toks = newvocab.read_tokens(tokens) if isinstance(tokens, (str, Path)) else newvocab.parse_tokens(list(tokens))
+    toks = (described_tokens.read_tokens(tokens) if isinstance(tokens, (str, Path))
+            else described_tokens.parse_tokens(list(tokens)))
     if cfg.init.method == "codebook":
-        raise C.ConfigError("init.method=codebook needs SID codebooks; new vocabulary has none "
-                            "(use mean, mean_noise, random or description)")
-    newvocab.pair_templates(cfg.templates)  # ConfigError on a bad template before any work
+        raise ConfigError("init.method=codebook needs SID codebooks; new vocabulary has none "
+                          "(use mean, mean_noise, random or description)")
+    described_tokens.pair_templates(cfg.templates)  # ConfigError on a bad template before any work
     return cfg, toks
 
 
@@ -275,7 +277,7 @@ class _Extended:
 
 def _load_and_extend(model: str | Path, cfg: VocabGroundConfig, toks: list[NewToken], log) -> _Extended:
     """Resolve and load the model, refuse tokens it already has, add the new ones."""
-    from gti.lm import models, vocab
+    from gti.lm import models, new_rows
 
     model_path = models.resolve_model_path(C.ModelConfig(name=str(model), trust_remote_code=cfg.model.trust_remote_code),
                                            log=log)
@@ -287,7 +289,7 @@ def _load_and_extend(model: str | Path, cfg: VocabGroundConfig, toks: list[NewTo
     if clash:
         raise DataError(f"tokens: '{clash[0]}' is already in the tokenizer of {model_path}"
                         + (f" (and {len(clash) - 1} more)" if len(clash) > 1 else ""))
-    first, end = vocab.extend_tokenizer(tok, [t.token for t in toks])
+    first, end = new_rows.extend_tokenizer(tok, [t.token for t in toks])
     ids = {t.token: first + i for i, t in enumerate(toks)}
     log(f"{end - first} new tokens [{first}, {end}) for {model_path}; init '{cfg.init.method}'")
     return _Extended(model_path, run_cfg, base, tok, n_real, first, end, ids)
@@ -299,11 +301,11 @@ def _write_pairs(ext: _Extended, toks: list[NewToken], cfg: VocabGroundConfig, w
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from gti.lm import newvocab
+    from gti.lm import described_tokens
     from gti.data.schemas import PAIRS_SCHEMA
 
-    pairs = newvocab.render_pairs(ext.tok, toks, [ext.ids[t.token] for t in toks], cfg.templates,
-                                  cfg.system_prompt, cfg.max_len)
+    pairs = described_tokens.render_pairs(ext.tok, toks, [ext.ids[t.token] for t in toks], cfg.templates,
+                                          cfg.system_prompt, cfg.max_len)
     pq.write_table(pa.table({c: pairs[c] for c in PAIRS_SCHEMA.names}, schema=PAIRS_SCHEMA), work / PAIRS_FILE)
     n_train = sum(s == "train" for s in pairs["split"])
     truncated = sum(map(bool, pairs["truncated"]))
@@ -316,12 +318,12 @@ def _initial_rows(ext: _Extended, toks: list[NewToken], cfg: VocabGroundConfig, 
     """The new rows as `init.method` makes them, saved to work/e_new_init.safetensors."""
     from safetensors.torch import save_file
 
-    from gti.lm import newvocab
+    from gti.lm import described_tokens
 
     # Descriptions for init.method=description, tokenised without the template.
     desc_ids = [ext.tok([*t.descriptions], add_special_tokens=False)["input_ids"] for t in toks]
-    init = newvocab.initial_rows(cfg.init.method, ext.base, ext.n_real, ext.end - ext.first, description_ids=desc_ids,
-                                 noise_std=cfg.init.noise_std, seed=cfg.seed)
+    init = described_tokens.initial_rows(cfg.init.method, ext.base, ext.n_real, ext.end - ext.first,
+                                         description_ids=desc_ids, noise_std=cfg.init.noise_std, seed=cfg.seed)
     save_file({k: v.contiguous() for k, v in init.items()}, str(work / INIT_FILE))
     return init
 
@@ -333,10 +335,10 @@ def _export(ext: _Extended, cfg: VocabGroundConfig, init: dict[str, Any], final:
     (written into the folder before it is swapped in: it appears complete or not at all)."""
     from safetensors.torch import save_file
 
-    from gti.lm import vocab
+    from gti.lm import new_rows
 
-    vocab.attach_new_rows(ext.base, ext.first, ext.end - ext.first, init["e_new"], init.get("head_new"))
-    vocab.load_new_rows_state_dict(ext.base, final)
+    new_rows.attach_new_rows(ext.base, ext.first, ext.end - ext.first, init["e_new"], init.get("head_new"))
+    new_rows.load_new_rows_state_dict(ext.base, final)
     meta = {
         "stage": MODEL_META_STAGE,
         "base_model": str(ext.model_path),
@@ -353,7 +355,7 @@ def _export(ext: _Extended, cfg: VocabGroundConfig, init: dict[str, Any], final:
         save_file({k: v.contiguous() for k, v in init.items()}, str(tmp / INIT_FILE))
         save_file({k: v.contiguous() for k, v in final.items()}, str(tmp / GROUND_FILE))
 
-    vocab.export_model(ext.base, ext.tok, out_dir, meta, force=force, protected=protected, extra=rows)
+    new_rows.export_model(ext.base, ext.tok, out_dir, meta, force=force, protected=protected, extra=rows)
 
 
 def _fit(cfg: VocabGroundConfig, run_cfg: C.RunConfig, work: Path, pairs: dict, ids: dict[str, int], tok,
@@ -367,13 +369,13 @@ def _fit(cfg: VocabGroundConfig, run_cfg: C.RunConfig, work: Path, pairs: dict, 
     import torch
     from safetensors.torch import save_file
 
-    from gti.lm import newvocab
+    from gti.lm import described_tokens
     from gti.ray_start import ensure_ray
     from gti.train.ground_run import GroundingInputs, run_grounding
     from gti.train.worker_config import GroundRows, ValSet
 
     g = cfg.ground
-    prompts, targets = newvocab.description_prompts(pairs, ids, val_split)
+    prompts, targets = described_tokens.description_prompts(pairs, ids, val_split)
     rng = np.random.default_rng(cfg.seed)
     keep = np.sort(rng.choice(len(prompts), size=min(g.val_samples, len(prompts)), replace=False))
     pq.write_table(pa.table({"prompt": [prompts[i] for i in keep], "target": [[targets[i]] for i in keep]}),

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from gti import config
+from gti.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "jobs" / "configs").glob("*.yaml"))
@@ -58,5 +59,5 @@ def test_paper_config_holds_the_paper_settings():
 def test_bad_key_in_a_config_is_named(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(PAPER.read_text().replace("  code_dim: 32", "  code_dims: 32"))
-    with pytest.raises(config.ConfigError, match="code_dims"):
+    with pytest.raises(ConfigError, match="code_dims"):
         config.load(bad)

@@ -34,7 +34,9 @@ class IngestRun:
 def run_ingest(tmp_path):
     """run_ingest(items_path, interactions_path, *overrides) -> IngestRun (in-process stream)."""
     from gti import config, pipeline
+    from gti.contract import StageContext
     from gti.stages import ingest
+    from gti.data.batches import local_stream
 
     counter = [0]
 
@@ -44,9 +46,9 @@ def run_ingest(tmp_path):
         work.mkdir()
         cfg = config.load(None, [f"run_dir={tmp_path / 'run'}", f"data.items.path={items}",
                                  f"data.interactions.path={interactions}", *overrides])
-        ctx = pipeline.StageContext(spec=pipeline.spec("ingest"), cfg=cfg, run_dir=tmp_path,
-                                    work_dir=work, fingerprint="test")
-        res = ingest.ingest(ctx, ingest.local_stream)
+        ctx = StageContext(spec=pipeline.spec("ingest"), cfg=cfg, run_dir=tmp_path,
+                           work_dir=work, fingerprint="test")
+        res = ingest.ingest(ctx, local_stream)
         return IngestRun(res.facts, work)
 
     return _run

@@ -12,6 +12,7 @@ import pytest
 
 from gti.config import InteractionColumns, ItemColumns
 from gti.data import adapters
+from gti.data.sources import ReadTask, expand_paths, plan_tasks
 from gti.errors import DataError
 
 from .conftest import FIXTURES
@@ -71,8 +72,8 @@ def test_tsv_directory_glob_and_column_mapping(tmp_path, run_ingest):
     assert r.table("items").column("item_id").to_pylist() == ["1", "2", "3"]
     assert r.table("items").column("title").to_pylist()[1] == "GoldenEye"
     # The same through a glob and a file:// URI.
-    assert adapters.expand_paths(str(d / "*.tsv"), "items") == [str(d / "part-0.tsv"), str(d / "part-1.tsv")]
-    assert adapters.expand_paths(f"file://{d}/part-0.tsv", "items") == [f"{d}/part-0.tsv"]
+    assert expand_paths(str(d / "*.tsv"), "items") == [str(d / "part-0.tsv"), str(d / "part-1.tsv")]
+    assert expand_paths(f"file://{d}/part-0.tsv", "items") == [f"{d}/part-0.tsv"]
 
 
 def test_no_ts_column_uses_file_order(tmp_path, run_ingest):
@@ -134,7 +135,7 @@ def test_plan_tasks_splits_large_parquet_by_row_groups(tmp_path):
     p = tmp_path / "big.parquet"
     pq.write_table(pa.table({"item_id": [str(i) for i in range(1000)], "title": ["t"] * 1000}), p,
                    row_group_size=100)
-    tasks = adapters.plan_tasks([str(p)], "auto", rows_per_task=300)
+    tasks = plan_tasks([str(p)], "auto", rows_per_task=300)
     assert [t.first_row for t in tasks] == [0, 300, 600, 900]
     rows = []
     for t in tasks:
@@ -147,22 +148,22 @@ def test_iter_task_refuses_unknown_and_misused_formats(tmp_path):
     p = tmp_path / "x.jsonl"
     p.write_text('{"item_id": "1"}\n')
     with pytest.raises(DataError, match="unknown format 'xml'"):
-        list(adapters.iter_task(adapters.ReadTask(str(p), "xml"), "items", ItemColumns()))
+        list(adapters.iter_task(ReadTask(str(p), "xml"), "items", ItemColumns()))
     with pytest.raises(DataError, match="format 'amazon' is for item metadata"):
-        list(adapters.iter_task(adapters.ReadTask(str(p), "amazon"), "interactions", InteractionColumns()))
+        list(adapters.iter_task(ReadTask(str(p), "amazon"), "interactions", InteractionColumns()))
 
 
 def test_check_header_reads_only_what_it_needs(tmp_path):
     csv = tmp_path / "items.csv"
     csv.write_text("item_id,title\n1,a\n")
-    task = adapters.plan_tasks([str(csv)], "auto")[0]
+    task = plan_tasks([str(csv)], "auto")[0]
     assert adapters.check_header(task, "items", ItemColumns()) == ["description", "category", "brand"]
     with pytest.raises(DataError, match="missing column 'ts'"):
         adapters.check_header(task, "interactions", InteractionColumns(user="title"))
     jl = tmp_path / "inter.jsonl"
     jl.write_text("".join(json.dumps(r) + "\n" for r in INTER))
-    assert adapters.check_header(adapters.ReadTask(str(jl), "jsonl"), "interactions", InteractionColumns()) == []
+    assert adapters.check_header(ReadTask(str(jl), "jsonl"), "interactions", InteractionColumns()) == []
     # only unparseable lines, or a layout checked while it is read: nothing to check up front
     (tmp_path / "bad.jsonl").write_text("nope\n")
-    assert adapters.check_header(adapters.ReadTask(str(tmp_path / "bad.jsonl"), "jsonl"), "items", ItemColumns()) == []
-    assert adapters.check_header(adapters.ReadTask(str(jl), "amazon"), "items", ItemColumns()) == []
+    assert adapters.check_header(ReadTask(str(tmp_path / "bad.jsonl"), "jsonl"), "items", ItemColumns()) == []
+    assert adapters.check_header(ReadTask(str(jl), "amazon"), "items", ItemColumns()) == []

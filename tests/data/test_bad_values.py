@@ -18,7 +18,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from gti.config import InteractionColumns
-from gti.data import adapters, readers
+from gti.data import readers
+from gti.data.sources import plan_tasks
 from gti.data import catalog as cat
 from gti.data.batches import local_stream, raise_file_error
 from gti.errors import UnreadableFileError
@@ -80,14 +81,14 @@ def test_a_timestamp_column_reads_as_epoch_seconds(tmp_path):
     p = _write(tmp_path, "t.parquet", pa.table({
         "user_id": ["u", "u"], "item_id": ["1", "2"],
         "ts": pa.array([1_700_000_000_123, None], pa.timestamp("ms", tz="UTC"))}))
-    (batch,) = list(local_stream(adapters.plan_tasks([str(p)], "auto"), "interactions", InteractionColumns(), 100))
+    (batch,) = list(local_stream(plan_tasks([str(p)], "auto"), "interactions", InteractionColumns(), 100))
     assert batch.column("ts").to_pylist() == [1_700_000_000, None]
     assert batch.column("reason").to_pylist() == [None, "invalid_ts"]
 
 
 def _read(path, kind="interactions"):
     out = []
-    for b in local_stream(adapters.plan_tasks([str(path)], "auto"), kind, InteractionColumns(), 100):
+    for b in local_stream(plan_tasks([str(path)], "auto"), kind, InteractionColumns(), 100):
         raise_file_error(b)
         out.append(b)
     return pa.concat_tables(out)

@@ -103,12 +103,14 @@ def test_quarantine_items_moves_the_other_items_with_their_text(tmp_path):
 
 def _ingest(tmp_path, cfg, name):
     from gti import pipeline
+    from gti.contract import StageContext
     from gti.stages import ingest
+    from gti.data.batches import local_stream
 
     work = tmp_path / name
     work.mkdir()
-    ctx = pipeline.StageContext(spec=pipeline.spec("ingest"), cfg=cfg, run_dir=tmp_path, work_dir=work, fingerprint="t")
-    return ingest.ingest(ctx, ingest.local_stream).facts, work
+    ctx = StageContext(spec=pipeline.spec("ingest"), cfg=cfg, run_dir=tmp_path, work_dir=work, fingerprint="t")
+    return ingest.ingest(ctx, local_stream).facts, work
 
 
 def test_a_run_config_with_dense_keys_builds_the_subset_in_ingest(tmp_path):

@@ -12,8 +12,10 @@ import pytest
 import yaml
 
 from gti import cli, config, pipeline
+from gti.contract import StageContext
 from gti.data import inspect as I
 from gti.stages import ingest
+from gti.data.batches import local_stream
 
 from .conftest import FIXTURES
 
@@ -30,9 +32,9 @@ def _validate_and_ingest(capsys, tmp_path, out):
     cfg = config.load(out, [f"run_dir={tmp_path / 'run'}"])
     work = tmp_path / "ingest-work"
     work.mkdir()
-    ctx = pipeline.StageContext(spec=pipeline.spec("ingest"), cfg=cfg, run_dir=tmp_path, work_dir=work,
-                                fingerprint="test")
-    return ingest.ingest(ctx, ingest.local_stream).facts
+    ctx = StageContext(spec=pipeline.spec("ingest"), cfg=cfg, run_dir=tmp_path, work_dir=work,
+                       fingerprint="test")
+    return ingest.ingest(ctx, local_stream).facts
 
 
 def _write_csv(path, rows):

@@ -102,6 +102,6 @@ def test_parquet_file_that_is_not_parquet(tmp_path):
 
 
 def test_reason_is_the_first_line_with_control_characters_escaped():
-    assert sources._reason(OSError("\n  bad page\x00\x07 here\nsecond line")) == "bad page\\x00\\x07 here"
-    assert sources._reason(EOFError()) == "EOFError"
+    assert sources.error_reason(OSError("\n  bad page\x00\x07 here\nsecond line")) == "bad page\\x00\\x07 here"
+    assert sources.error_reason(EOFError()) == "EOFError"
     assert issubclass(pa.ArrowInvalid, sources.READ_ERRORS) and issubclass(EOFError, sources.READ_ERRORS)

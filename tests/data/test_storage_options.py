@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from gti.data import adapters, sources
+from gti.data import sources
+from gti.data.sources import expand_paths, plan_tasks
 from gti.errors import DataError
 from gti.redact import REDACTED
 
@@ -73,7 +74,7 @@ def test_storage_options_open_a_private_bucket_and_no_secret_reaches_the_outputs
 def test_without_storage_options_the_bucket_is_refused_in_one_line_without_the_password(bucket):
     base, _ = bucket
     with pytest.raises(DataError) as e:
-        adapters.expand_paths(f"{base}/items.csv", "items")
+        expand_paths(f"{base}/items.csv", "items")
     assert PASSWORD not in str(e.value) and "gtitest://***@bucket/items.csv" in str(e.value)
 
 
@@ -82,8 +83,8 @@ def test_redacted_option_values_are_not_passed_on(bucket):
     dropped (the caller overrides them), never sent as a credential."""
     base, _ = bucket
     with pytest.raises(DataError, match="cannot list"):
-        adapters.expand_paths(f"{base}/items.csv", "items", {"token": REDACTED})
-    assert adapters.expand_paths(f"{base}/items.csv", "items", {"token": TOKEN}) == [f"{base}/items.csv"]
+        expand_paths(f"{base}/items.csv", "items", {"token": REDACTED})
+    assert expand_paths(f"{base}/items.csv", "items", {"token": TOKEN}) == [f"{base}/items.csv"]
 
 
 def test_a_skipped_unreadable_file_is_recorded_without_the_password(bucket, run_ingest):
@@ -95,7 +96,7 @@ def test_a_skipped_unreadable_file_is_recorded_without_the_password(bucket, run_
 
 def test_read_tasks_carry_the_options_and_do_not_print_them(bucket):
     base, _ = bucket
-    (task,) = adapters.plan_tasks([f"{base}/items.csv"], "auto", storage_options={"token": TOKEN})
+    (task,) = plan_tasks([f"{base}/items.csv"], "auto", storage_options={"token": TOKEN})
     assert task.storage_options == {"token": TOKEN}
     assert TOKEN not in repr(task)
     fs, path = sources.filesystem(f"{base}/items.csv", {"token": TOKEN})

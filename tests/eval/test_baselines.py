@@ -60,8 +60,9 @@ def test_recommend_before_fit_raises():
 
 # Not marked slow: it takes ~1.5 s on the 2-core machine, so it runs in the fast suite too.
 def test_reference_numbers_on_bundled_amazon_scientific():
-    """MISSION section 5 reference points (leave-one-out, test split, full ranking):
-    MostPop HR@10 ~ .031; Markov HR@10 ~ .081, NDCG@10 ~ .056 (fitted on training sequences)."""
+    """The published reference points of the bundled data (leave-one-out, test split, full
+    ranking): MostPop HR@10 ~ .031; Markov HR@10 ~ .081, NDCG@10 ~ .056 (fitted on training
+    sequences)."""
     from gti.data import bundled
     from gti.data.sequences import build_sequences
     from gti.eval import metrics as M

@@ -1,13 +1,12 @@
 """Constrained beam search (gti/eval/decode.py) on a tiny random Llama: validity, exactness
-against exhaustive scoring, batch invariance, eval mode, and the names gti.eval.decode
-re-exports (the peer and the generation-config override are tested in test_generate.py)."""
+against exhaustive scoring, batch invariance, eval mode (the peer and the generation-config
+override are tested in test_generate.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from gti.eval import beams, generate
 from gti.eval.decode import constrained_beam_search, score_all_sids
 from gti.sid.trie import SidTrie
 
@@ -106,13 +105,3 @@ def test_search_runs_in_eval_mode_and_restores_training(sidspace):
     assert model.training, "the caller's train mode is restored"
     assert torch.equal(got.items, ref.items)
     torch.testing.assert_close(got.scores, ref.scores)
-
-
-def test_decode_re_exports_the_result_type_and_the_peer():
-    """`gti.eval.decode` stays the one import for decoding (callers and bench/ use it)."""
-    from gti.eval import decode
-
-    for name in ("DecodeResult", "TrieLike", "left_pad", "topk_agreement"):
-        assert getattr(decode, name) is getattr(beams, name)
-    for name in ("override_generation_config", "generate_with_prefix_fn", "make_prefix_allowed_tokens_fn"):
-        assert getattr(decode, name) is getattr(generate, name)

@@ -14,6 +14,7 @@ import pytest
 
 from gti import config as C
 from gti.eval import reference as R
+from gti.errors import ConfigError, DataError
 from gti.eval import slices as S
 from gti.eval.tables import format_table
 from gti.stages import evaluate as E
@@ -43,9 +44,9 @@ def _seqs() -> pl.DataFrame:
 def test_baseline_rows_need_the_sasrec_columns():
     seqs = _seqs()
     frame = S.eval_windows(seqs, "test", 5)
-    with pytest.raises(R.DataError, match="sasrec"):
+    with pytest.raises(DataError, match="sasrec"):
         R.baseline_rows(seqs, "test", frame, KS, 0, 0, CATALOG, ["mostpop", "sasrec"])
-    with pytest.raises(R.ConfigError, match="gru4rec"):
+    with pytest.raises(ConfigError, match="gru4rec"):
         R.baseline_rows(seqs, "test", frame, KS, 0, 0, CATALOG, ["gru4rec"])
     assert R.fit_reference_models(seqs, CATALOG, ["mostpop", "markov"], 5) == {}
     frames = {"test": frame}

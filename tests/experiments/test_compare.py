@@ -19,7 +19,11 @@ import torch
 from safetensors.torch import save_file
 
 from gti import config, pipeline
+from gti.contract import StageResult
+from gti.errors import ConfigError
 from gti.experiments import compare as CMP
+from gti.experiments.records import RECORD_FORMAT, config_diff, load_record, read_record, record_path, run_facts
+from gti.experiments.shared_stages import SHARED_STAGES, CompareError
 
 ROOT = Path(__file__).resolve().parents[2]
 SIZES = [6, 6]
@@ -83,13 +87,13 @@ def test_a_hung_arm_run_is_cancelled_after_arm_timeout_s(tmp_path, monkeypatch):
 def test_arm_tasks_that_could_never_be_scheduled_are_refused(tmp_path, monkeypatch):
     _HungArmRay(monkeypatch, hung="", cpus=2.0)
     cfg = _base_cfg(tmp_path, "compare.parallel=true", "compare.max_parallel=2", "compare.arm_num_cpus=3")
-    with pytest.raises(CMP.CompareError, match=r"^compare.arm_num_cpus 3 exceeds the cluster's 2 CPUs$"):
+    with pytest.raises(CompareError, match=r"^compare.arm_num_cpus 3 exceeds the cluster's 2 CPUs$"):
         CMP.execute(CMP.plan(cfg, ["mean", "gti"], 1, tmp_path / "out"), cfg, echo=lambda m: None)
 
 
 @pytest.mark.parametrize("value", ["0", "-5", str(400 * 86400)])
 def test_arm_timeout_s_is_bounded(tmp_path, value):
-    with pytest.raises(config.ConfigError, match="'compare.arm_timeout_s'"):
+    with pytest.raises(ConfigError, match="'compare.arm_timeout_s'"):
         _base_cfg(tmp_path, f"compare.arm_timeout_s={value}")
 
 
@@ -116,15 +120,15 @@ def test_arm_override_table_and_equal_budget(tmp_path):
 
 def test_parse_arms_and_seeds_errors(tmp_path):
     assert CMP.parse_arms("mean, gti+multitask") == ["mean", "gti+multitask"]
-    with pytest.raises(CMP.CompareError, match="unknown arm 'gtii'"):
+    with pytest.raises(CompareError, match="unknown arm 'gtii'"):
         CMP.parse_arms("mean,gtii")
-    with pytest.raises(CMP.CompareError, match="twice"):
+    with pytest.raises(CompareError, match="twice"):
         CMP.parse_arms("mean,mean")
-    with pytest.raises(CMP.CompareError, match="empty"):
+    with pytest.raises(CompareError, match="empty"):
         CMP.parse_arms(" , ")
     cfg = _base_cfg(tmp_path, "seed=10")
     assert CMP.seeds_for(cfg, 3) == [10, 11, 12]
-    with pytest.raises(CMP.CompareError, match="--seeds"):
+    with pytest.raises(CompareError, match="--seeds"):
         CMP.seeds_for(cfg, 0)
     runs = CMP.plan(cfg, ["mean", "gti+multitask"], 2, tmp_path / "out")
     assert [(r.arm, r.seed, r.run_dir.name, r.run_dir.parent.name) for r in runs] == [
@@ -136,11 +140,11 @@ def test_parse_arms_and_seeds_errors(tmp_path):
     assert CMP.parse_seeds("2", ["mean", "gti"]) == {"mean": 2, "gti": 2}
     runs = CMP.plan(cfg, ["mean", "gti", "random"], "2,random=1", tmp_path / "out")
     assert [(r.arm, r.seed) for r in runs] == [("mean", 10), ("gti", 10), ("random", 10), ("mean", 11), ("gti", 11)]
-    with pytest.raises(CMP.CompareError, match="'random=x' is not N or ARM=N"):
+    with pytest.raises(CompareError, match="'random=x' is not N or ARM=N"):
         CMP.parse_seeds("3,random=x", ["mean", "random"])
-    with pytest.raises(CMP.CompareError, match="arm\\(s\\) gti that are not in --arms"):
+    with pytest.raises(CompareError, match="arm\\(s\\) gti that are not in --arms"):
         CMP.parse_seeds("3,gti=1", ["mean", "random"])
-    with pytest.raises(CMP.CompareError, match="random=0"):
+    with pytest.raises(CompareError, match="random=0"):
         CMP.parse_seeds("3,random=0", ["mean", "random"])
 
 
@@ -175,11 +179,11 @@ class FakeStages:
     def ingest(self, ctx):
         self._note(ctx)
         (ctx.work_dir / "items.parquet").write_text("x")
-        return pipeline.StageResult({"items": "items.parquet"}, {"n_items": 3})
+        return StageResult({"items": "items.parquet"}, {"n_items": 3})
 
     def embed(self, ctx):
         self._note(ctx)
-        return pipeline.StageResult({}, {"dim": 4})
+        return StageResult({}, {"dim": 4})
 
     def sid(self, ctx):
         self._note(ctx)
@@ -187,12 +191,12 @@ class FakeStages:
         save_file({f"level_{i}": torch.randn(k, 3, generator=g) for i, k in enumerate(SIZES)},
                   str(ctx.work_dir / "codebooks.safetensors"))
         tokens = [f"<{c}_{i}>" for c, k in zip("ab", SIZES) for i in range(k)]
-        return pipeline.StageResult({"codebooks": "codebooks.safetensors"},
-                                    {"codebook_sizes": SIZES, "new_tokens": tokens, "levels": 2})
+        return StageResult({"codebooks": "codebooks.safetensors"},
+                           {"codebook_sizes": SIZES, "new_tokens": tokens, "levels": 2})
 
     def pairs(self, ctx):
         self._note(ctx)
-        return pipeline.StageResult({}, {"new_token_ids": [100, 112]})
+        return StageResult({}, {"new_token_ids": [100, 112]})
 
     def ground(self, ctx):
         self._note(ctx)
@@ -204,7 +208,7 @@ class FakeStages:
         save_file({"e_new": init}, str(ctx.work_dir / "e_new_init.safetensors"))
         save_file({"e_new": grounded}, str(ctx.work_dir / "e_new_ground.safetensors"))
         steps = ctx.cfg.ground.steps if ctx.cfg.ground.enabled else 0
-        return pipeline.StageResult(
+        return StageResult(
             {"init_embeddings": "e_new_init.safetensors", "ground_embeddings": "e_new_ground.safetensors"},
             {"new_token_ids": [100, 112], "steps_done": steps},
         )
@@ -213,8 +217,8 @@ class FakeStages:
         self._note(ctx)
         e = torch.randn(12, 8, generator=torch.Generator().manual_seed(ctx.cfg.seed + 1))
         save_file({"e_new": e}, str(ctx.work_dir / "e_new_sft.safetensors"))
-        return pipeline.StageResult({"sft_embeddings": "e_new_sft.safetensors"},
-                                    {"steps_done": ctx.cfg.sft.steps})
+        return StageResult({"sft_embeddings": "e_new_sft.safetensors"},
+                           {"steps_done": ctx.cfg.sft.steps})
 
     def evaluate(self, ctx):
         self._note(ctx)
@@ -223,7 +227,7 @@ class FakeStages:
         (ctx.work_dir / "metrics.json").write_text(json.dumps(
             {"splits": {"test": {"recall@5": {"value": v, "ci": [v - 0.02, v + 0.02]}}},
              "baselines": {}, "invalid_sid_rate": 0.0}))
-        return pipeline.StageResult({"metrics": "metrics.json"}, {})
+        return StageResult({"metrics": "metrics.json"}, {})
 
 
 @pytest.fixture
@@ -238,8 +242,8 @@ def test_compare_shares_stages_runs_arms_and_resumes(tmp_path, fake_stages, caps
     cfg = _base_cfg(tmp_path)
     out = tmp_path / "cmp"
     paths = CMP.compare(cfg, ["mean", "gti"], 2, out, echo=lambda m: None)
-    shared = [c for c in fake_stages.calls if c[0] in CMP.SHARED_STAGES]
-    assert [c[0] for c in shared] == list(CMP.SHARED_STAGES)  # built once, not per arm
+    shared = [c for c in fake_stages.calls if c[0] in SHARED_STAGES]
+    assert [c[0] for c in shared] == list(SHARED_STAGES)  # built once, not per arm
     assert all(c[1] == str(out / "shared") for c in shared)
     arm_calls = [c for c in fake_stages.calls if c[0] == "ground"]
     assert len(arm_calls) == 4
@@ -271,7 +275,7 @@ def test_compare_shares_stages_runs_arms_and_resumes(tmp_path, fake_stages, caps
     # shared stages rebuilt (a later session): the finished arm runs are left alone
     shutil.rmtree(out / "shared")
     CMP.compare(cfg, ["mean", "gti"], 2, out, echo=lambda m: None)
-    assert [c[0] for c in fake_stages.calls] == list(CMP.SHARED_STAGES)
+    assert [c[0] for c in fake_stages.calls] == list(SHARED_STAGES)
     fake_stages.calls.clear()
     # a changed SFT budget reruns only the arm stages from sft on
     cfg2 = _base_cfg(tmp_path, "sft.steps=6")
@@ -294,7 +298,7 @@ def test_records_stand_for_runs_elsewhere_and_are_refused_when_anything_differs(
     fake_stages.calls.clear()
     msgs.clear()
     again = CMP.compare(cfg, ["mean", "gti"], 1, tmp_path / "elsewhere", echo=msgs.append)
-    assert [c[0] for c in fake_stages.calls] == list(CMP.SHARED_STAGES)  # no arm stage ran
+    assert [c[0] for c in fake_stages.calls] == list(SHARED_STAGES)  # no arm stage ran
     assert sum("taken from" in m for m in msgs) == 2
     doc2 = json.loads(again["json"].read_text())
     key = lambda d: {(r["arm"], r["name"]): r["mean"] for r in d["metrics"]}
@@ -316,7 +320,7 @@ def test_records_stand_for_runs_elsewhere_and_are_refused_when_anything_differs(
     # other shared data (here: another catalog file content) refuses every record, named
     def other_ingest(ctx):
         (ctx.work_dir / "items.parquet").write_text("other catalog")
-        return pipeline.StageResult({"items": "items.parquet"}, {"n_items": 3})
+        return StageResult({"items": "items.parquet"}, {"n_items": 3})
 
     fake_stages.ingest = other_ingest
     msgs.clear()
@@ -327,7 +331,7 @@ def test_records_stand_for_runs_elsewhere_and_are_refused_when_anything_differs(
 
 def test_report_only_runs_nothing(tmp_path, fake_stages):
     cfg = _base_cfg(tmp_path)
-    with pytest.raises(CMP.CompareError, match="--report-only: shared stage"):
+    with pytest.raises(CompareError, match="--report-only: shared stage"):
         CMP.compare(cfg, ["mean"], 1, tmp_path / "o", echo=lambda m: None, report_only=True)
     CMP.compare(cfg, ["mean"], 1, tmp_path / "o", echo=lambda m: None)
     record = tmp_path / "o" / "records" / "mean" / "seed0.json"
@@ -345,30 +349,30 @@ def test_report_only_runs_nothing(tmp_path, fake_stages):
 
 
 def test_config_diff_and_records_validated_with_todays_defaults(tmp_path):
-    assert CMP.config_diff({"a": {"b": 1, "c": 2}}, {"a": {"b": 1, "c": 3}, "d": 0}) == ["a.c", "d"]
-    assert CMP.config_diff({"a": [1, 2]}, {"a": [1, 2]}) == []
+    assert config_diff({"a": {"b": 1, "c": 2}}, {"a": {"b": 1, "c": 3}, "d": 0}) == ["a.c", "d"]
+    assert config_diff({"a": [1, 2]}, {"a": [1, 2]}) == []
     cfg = _base_cfg(tmp_path)
     r = CMP.plan(cfg, ["mean"], 1, tmp_path / "o")[0]
     rdir = tmp_path / "rec"
-    path = CMP.record_path(rdir, "mean", 0)
+    path = record_path(rdir, "mean", 0)
     path.parent.mkdir(parents=True)
     old_cfg = r.cfg.model_dump(mode="json")
     del old_cfg["compare"]["records_dir"]  # a key that did not exist when the record was made
     del old_cfg["sft"]["val_every"]        # ... counts at today's default
-    body = {"format": CMP.RECORD_FORMAT, "shared": {"ingest/items": "h"}, "facts": {"x": 1},
+    body = {"format": RECORD_FORMAT, "shared": {"ingest/items": "h"}, "facts": {"x": 1},
             "record": {"arm": "mean", "seed": 0, "config": old_cfg}}
     path.write_text(json.dumps(body))
     old_cfg["sid"]["kmeans_iters"] = 1  # shared-stage settings count only through the hashes
     path.write_text(json.dumps(body))
-    rec, facts, why = CMP.read_record(r, rdir, {"ingest/items": "h"})
+    rec, facts, why = read_record(r, rdir, {"ingest/items": "h"})
     assert why == "" and rec.arm == "mean" and facts == {"x": 1}
-    assert "ingest/items differ" in CMP.read_record(r, rdir, {"ingest/items": "other"})[2]
+    assert "ingest/items differ" in read_record(r, rdir, {"ingest/items": "other"})[2]
     body["record"]["config"]["sft"]["no_such_key"] = 1
     path.write_text(json.dumps(body))
-    assert "does not validate today" in CMP.read_record(r, rdir, {"ingest/items": "h"})[2]
+    assert "does not validate today" in read_record(r, rdir, {"ingest/items": "h"})[2]
     path.write_text("{not json")
-    assert "unreadable record" in CMP.read_record(r, rdir, {"ingest/items": "h"})[2]
-    assert CMP.read_record(r, tmp_path / "none", {}) == (None, None, "")
+    assert "unreadable record" in read_record(r, rdir, {"ingest/items": "h"})[2]
+    assert read_record(r, tmp_path / "none", {}) == (None, None, "")
 
 
 def test_proof_config_arms_see_the_same_sft_examples(tmp_path, fake_stages):
@@ -399,7 +403,7 @@ def test_cli_main_prints_report_path_and_reports_failed_arms(tmp_path, fake_stag
 
     monkeypatch.setattr(fake_stages, "sft", broken)
     args.overrides.append("sft.lr=1e-5")  # invalidates sft, so it reruns and fails
-    with pytest.raises(CMP.CompareError, match=r"2 of 2 arm runs failed \(mean/seed0, gti/seed0\)"):
+    with pytest.raises(CompareError, match=r"2 of 2 arm runs failed \(mean/seed0, gti/seed0\)"):
         CMP.cli_main(args)
     assert "sft exploded" in capsys.readouterr().err
 
@@ -457,11 +461,11 @@ def test_write_report_has_ranks_cold_curves_and_wall_time(tmp_path):
     runs = CMP.plan(cfg, ["mean", "gti"], 2, out)
     for r in runs:
         _write_run(r)
-    rec = CMP.load_record(runs[1])  # gti seed 0 (seed-major order)
+    rec = load_record(runs[1])  # gti seed 0 (seed-major order)
     assert rec.curves["val_mrr"] == [[5, pytest.approx(0.25)], [10, pytest.approx(0.3)]]
     assert rec.timing == {"grounding": True, "ground_s": 40.0, "ground_compute_s": 30.0,
                           "sft_s": 60.0, "sft_compute_s": 50.0}
-    facts = CMP.run_facts(runs[1])
+    facts = run_facts(runs[1])
     assert facts["ground_s"] == 40.0 and facts["sft_s"] == 60.0 and facts["ground_steps"] == 7
 
     paths = CMP.write_report(runs, cfg, out, "T")
@@ -491,8 +495,8 @@ def test_write_report_on_old_runs(tmp_path):
     runs = CMP.plan(cfg, ["mean", "gti"], 1, out)
     for r in runs:
         _write_run(r, new_fields=False)
-    assert CMP.load_record(runs[0]).timing == {}
-    assert "ground_s" not in CMP.run_facts(runs[0])
+    assert load_record(runs[0]).timing == {}
+    assert "ground_s" not in run_facts(runs[0])
     doc = json.loads(CMP.write_report(runs, cfg, out, "T")["json"].read_text())
     assert {r["name"] for r in doc["metrics"]} == {"recall@10", "invalid_sid_rate"}
     assert doc["cold"]["rows"] == [] and doc["wall_time"] == {}

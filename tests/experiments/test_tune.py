@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 from gti import config as C
+from gti.config_io import apply_overrides, read_yaml
 from gti.experiments import tune as T
+from gti.experiments.tune_space import TuneError, parse_search_space
 from gti.tracking import read_scalars
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,9 +32,9 @@ def test_trial_metric_is_read_from_the_valid_split():
     assert T._eval_metric(facts, "recall@10") == 0.2
     assert T._eval_metric(facts, "mrr") == 0.05
     assert T._eval_metric(facts, "mean_percentile_rank") == 0.3
-    with pytest.raises(T.TuneError, match="ndcg@10"):
+    with pytest.raises(TuneError, match="ndcg@10"):
         T._eval_metric(facts, "ndcg@10")
-    with pytest.raises(T.TuneError, match="no valid split"):
+    with pytest.raises(TuneError, match="no valid split"):
         T._eval_metric({"metrics": {"test": {"recall@10": {"value": 0.9}}}}, "recall@10")
 
 
@@ -54,7 +56,7 @@ def test_max_concurrent_from_cluster_resources(base):
     assert T.derive_max_concurrent(cfg, {"CPU": 9.0}) == 3
     # The headroom sizes concurrency but never refuses a cluster that holds the workers.
     assert T.derive_max_concurrent(cfg, {"CPU": 2.0}) == 1
-    with pytest.raises(T.TuneError, match="needs 2 CPU"):
+    with pytest.raises(TuneError, match="needs 2 CPU"):
         T.derive_max_concurrent(cfg, {"CPU": 1.0})
     cfg.ground.resources_per_worker = {"CPU": 2, "gti_worker": 1}
     assert T.trial_need(cfg) == {"CPU": 5.0, "gti_worker": 2.0}
@@ -64,7 +66,7 @@ def test_max_concurrent_from_cluster_resources(base):
     assert T.derive_max_concurrent(cfg, {"CPU": 64.0, "GPU": 8.0}) == 4
     cfg.tune.max_concurrent_trials = 3
     assert T.derive_max_concurrent(cfg, {"CPU": 64.0, "GPU": 8.0}) == 3
-    with pytest.raises(T.TuneError, match="GPU"):
+    with pytest.raises(TuneError, match="GPU"):
         T.derive_max_concurrent(cfg, {"CPU": 64.0})
 
 
@@ -114,7 +116,7 @@ def test_two_trial_sweep_writes_valid_best_yaml(tiny_run_dir, ray_start_4_cpus):
     import ray
 
     run_dir = tiny_run_dir  # the session's tiny ingest..pairs, up to date
-    raw = C.apply_overrides(C.read_yaml(TINY), [
+    raw = apply_overrides(read_yaml(TINY), [
         f"run_dir={run_dir}", "tune.num_samples=2", "ground.steps=4", "ground.val_every=2",
         "ground.checkpoint_every=2",
         "tune.search_space={ground.lr: {type: loguniform, low: 1.0e-4, high: 1.0e-2}, "
@@ -124,7 +126,7 @@ def test_two_trial_sweep_writes_valid_best_yaml(tiny_run_dir, ray_start_4_cpus):
     summary = T.sweep(cfg, raw=raw)
 
     assert len(summary["trials"]) == 2 and summary["errored"] == 0
-    params = {p.key: p for p in T.parse_search_space(cfg.tune.search_space, cfg)}
+    params = {p.key: p for p in parse_search_space(cfg.tune.search_space, cfg)}
     best_path = run_dir / "tune" / "best.yaml"
     best = C.load(best_path)  # a full, valid RunConfig
     assert best.run_dir == str(run_dir)
@@ -167,7 +169,7 @@ def test_sft_objective_over_an_sft_key_grounds_once_and_scores_each_trial(tiny_r
     scored by an evaluation metric on the valid split. (A sweep over ground keys runs ground in
     every trial: the same call from the first searched stage, unit-tested above.)"""
     run_dir = tiny_run_dir  # the session's tiny ingest..pairs, up to date
-    raw = C.apply_overrides(C.read_yaml(TINY), [
+    raw = apply_overrides(read_yaml(TINY), [
         f"run_dir={run_dir}", "tune.num_samples=1", "tune.objective=sft", "tune.metric=recall@5",
         "tune.max_concurrent_trials=1",
         # The base run's ground stage exports its initial rows without training (what is

@@ -9,6 +9,9 @@ import pytest
 import yaml
 
 from gti import config as C
+from gti.config_commands import TuneConfig
+from gti.config_io import apply_overrides
+from gti.errors import ConfigError, GtiError
 from gti.experiments import tune_space as T
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,7 +25,7 @@ def base():
 
 # --------------------------------------------------------------------------- search space
 def test_default_search_space_parses(base):
-    params = {p.key: p for p in T.parse_search_space(C.TuneConfig().search_space, base)}
+    params = {p.key: p for p in T.parse_search_space(TuneConfig().search_space, base)}
     lr, steps = params["ground.lr"], params["ground.steps"]
     assert (lr.type, lr.low, lr.high) == ("loguniform", 1e-4, 1e-2)
     assert steps.type == "choice" and steps.values == (100, 200, 400)
@@ -54,7 +57,7 @@ def test_default_search_space_parses(base):
     ],
 )
 def test_bad_search_space_names_the_key(space, match, base):
-    with pytest.raises(C.ConfigError, match=match):
+    with pytest.raises(ConfigError, match=match):
         T.parse_search_space(space, base)
 
 
@@ -118,21 +121,21 @@ def test_trials_share_every_stage_before_the_first_searched_one():
     (["tune.num_samples"], "sft", r"tune\.search_space\.tune\.num_samples: 'tune' is part of no stage"),
 ])
 def test_keys_the_trials_cannot_vary_are_refused(keys, objective, match):
-    with pytest.raises(C.GtiError, match=match):
+    with pytest.raises(GtiError, match=match):
         T.trial_shared_stages(keys, objective)
 
 
 def test_sft_objective_needs_an_eval_metric_on_the_valid_split(base):
     def cfg(*ov):
-        return C.validate(C.apply_overrides(base.model_dump(mode="json"), ["tune.objective=sft", *ov]), "t")
+        return C.validate(apply_overrides(base.model_dump(mode="json"), ["tune.objective=sft", *ov]), "t")
 
     T.check_sft_objective(cfg("tune.metric=recall@10"))
     T.check_sft_objective(cfg("tune.metric=mrr", "eval.exact_rank=true"))
-    with pytest.raises(C.ConfigError, match="'val_exact_match' is not an evaluation metric"):
+    with pytest.raises(ConfigError, match="'val_exact_match' is not an evaluation metric"):
         T.check_sft_objective(cfg())
-    with pytest.raises(C.ConfigError, match="mrr.*eval.exact_rank: true"):
+    with pytest.raises(ConfigError, match="mrr.*eval.exact_rank: true"):
         T.check_sft_objective(cfg("tune.metric=mrr", "eval.exact_rank=false"))
-    with pytest.raises(C.ConfigError, match=r"eval.splits: .*\['test'\]; add valid"):
+    with pytest.raises(ConfigError, match=r"eval.splits: .*\['test'\]; add valid"):
         T.check_sft_objective(cfg("tune.metric=recall@10", "eval.splits=[test]"))
 
 

@@ -16,7 +16,7 @@ import pytest
 from gti import files
 from gti.files import UnsafeReplaceError, check_replaceable_dir, replace_dir
 from gti.lm import models
-from gti.lm import vocab as V
+from gti.lm import new_rows as V
 
 
 def _foreign(root: Path) -> Path:

@@ -81,9 +81,10 @@ def test_smollm2_converts_once_into_the_cache(tmp_path, monkeypatch):
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
     assert len(tok) == 49152 and tok.chat_template
     # Its chat template renders through gti.lm.templates exactly like the whole-text render.
-    from gti.config import DEFAULT_GROUNDING_TEMPLATES
-    from gti.lm.templates import PairRenderer, end_of_turn_ids
-    from gti.lm.vocab import extend_tokenizer
+    from gti.arms import DEFAULT_GROUNDING_TEMPLATES
+    from gti.lm.templates import PairRenderer
+    from gti.lm.chat import end_of_turn_ids
+    from gti.lm.new_rows import extend_tokenizer
 
     first, _ = extend_tokenizer(tok, ["<a_0>", "<a_1>", "<b_0>", "<b_1>"])
     assert first == 49152 and tok.convert_ids_to_tokens(end_of_turn_ids(tok)) == ["<|im_end|>"]

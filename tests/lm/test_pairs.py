@@ -25,7 +25,7 @@ def test_val_items_are_seeded_and_order_free():
 def test_item_without_sid_is_named(tmp_path):
     from gti.errors import DataError, user_error
     from gti.lm.models import build_tiny_tokenizer
-    from gti.lm.vocab import extend_tokenizer
+    from gti.lm.new_rows import extend_tokenizer
     from gti.sid.codec import SidCodec
 
     tok = build_tiny_tokenizer()

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from gti.config import DEFAULT_GROUNDING_TEMPLATES, ConfigError
+from gti.arms import DEFAULT_GROUNDING_TEMPLATES
+from gti.errors import ConfigError
 from gti.lm import templates as T
-from gti.lm import vocab as V
+from gti.lm.chat import IGNORE, end_of_turn_ids, fit_segments
+from gti.lm import new_rows as V
 from gti.lm.models import build_tiny_tokenizer
 
 SYS = "You are a helpful assistant."
@@ -25,12 +27,12 @@ def test_all_six_tasks_answer_only_labels_and_codec_ids(tok_range):
     sid = [first + 1, first + 6, first + 11]
     rows = r.render_item("Glass beaker", "A sturdy glass beaker.", sid)
     assert [row["task"] for row in rows] == list(DEFAULT_GROUNDING_TEMPLATES)
-    eot = T.end_of_turn_ids(tok)
+    eot = end_of_turn_ids(tok)
     assert tok.convert_ids_to_tokens(eot) == ["<|im_end|>"]
     for row in rows:
         n_p = len(row["prompt_ids"])
         assert row["input_ids"] == row["prompt_ids"] + row["answer_ids"]
-        assert row["labels"][:n_p] == [T.IGNORE] * n_p
+        assert row["labels"][:n_p] == [IGNORE] * n_p
         assert row["labels"][n_p:] == row["answer_ids"] and row["answer_ids"][-1:] == eot
         assert row["prompt_ids"][-len(r.skeleton.suffix_ids):] == list(r.skeleton.suffix_ids)
         if row["task"].endswith("2sid"):
@@ -79,11 +81,11 @@ def test_long_text_is_cut_never_the_sid(tok_range):
 
 def test_fit_segments_cuts_longest_first_exactly():
     segs = [([1] * 5, False), ([2] * 20, True), ([3] * 4, True), ([4], False)]
-    ids, cut = T.fit_segments(segs, 20, "x")
+    ids, cut = fit_segments(segs, 20, "x")
     assert cut and sum(map(len, ids)) == 20
     assert ids[0] == [1] * 5 and ids[3] == [4] and ids[2] == [3] * 4 and len(ids[1]) == 10
     with pytest.raises(ConfigError, match="pairs.max_len=5"):
-        T.fit_segments(segs, 5, "x")
+        fit_segments(segs, 5, "x")
 
 
 def test_markers_wrap_the_sid(tok_range):

@@ -32,7 +32,7 @@ class FakeRun:
     model_dir: Path
 
     def cfg(self, items="unused.csv", interactions=None, *overrides):
-        from gti.refresh.job import load_run_config
+        from gti.refresh.attempt import load_run_config
 
         return load_run_config(self.dir, str(items), None if interactions is None else str(interactions), overrides)
 
@@ -105,7 +105,7 @@ def fake_run(tmp_path) -> FakeRun:
 def make_job(fake_run, tmp_path):
     """make_job(items=..., interactions=..., *overrides) -> a Job on the fake run (work folder
     `<run>/refresh/.v1.partial`)."""
-    from gti.refresh.job import Job, find_parent, read_manifest
+    from gti.refresh.attempt import Job, find_parent, read_manifest
 
     def _make(items="unused.csv", interactions=None, *overrides):
         cfg = fake_run.cfg(items, interactions, *overrides)

@@ -21,7 +21,7 @@ from gti.manifest import Manifest
 def _tiny_parent(fake_run):
     """Replace the fake run's model folder by a tiny model with the run's SID tokens; the pairs
     manifest gets its `new_token_ids`. Returns [first, end)."""
-    from gti.lm import vocab as V
+    from gti.lm import new_rows as V
     from gti.lm.models import build_tiny
     from gti.sid.codec import SidCodec
 
@@ -41,7 +41,7 @@ def _tiny_parent(fake_run):
 
 
 def _grown_job(make_job, fake_run, *overrides):
-    from gti.refresh.sids import assign_step
+    from gti.refresh.new_items import assign_step
 
     first, end = _tiny_parent(fake_run)
     job = make_job("unused.csv", None, "refresh.on_full_group=add_tokens", *overrides)
@@ -64,8 +64,8 @@ def _rows(model_dir):
 def test_tokens_step_appends_the_added_codes_at_their_levels_mean(make_job, fake_run):
     from transformers import AutoTokenizer
 
-    from gti.lm.vocab import read_meta
-    from gti.refresh.job import GROWN_MODEL
+    from gti.lm.new_rows import read_meta
+    from gti.refresh.attempt import GROWN_MODEL
     from gti.refresh.tokens import tokens_step
 
     job, first, end = _grown_job(make_job, fake_run)
@@ -94,7 +94,7 @@ def test_tokens_step_appends_the_added_codes_at_their_levels_mean(make_job, fake
 
 
 def test_without_added_codes_the_step_does_nothing(make_job, fake_run):
-    from gti.refresh.sids import assign_step
+    from gti.refresh.new_items import assign_step
     from gti.refresh.tokens import tokens_step
 
     job = make_job("unused.csv", None, "refresh.on_full_group=add_tokens")
@@ -110,12 +110,12 @@ def test_without_added_codes_the_step_does_nothing(make_job, fake_run):
 def test_untrained_export_is_the_grown_model_and_only_it_takes_the_grown_map(make_job, fake_run):
     from transformers import AutoTokenizer
 
-    from gti.lm.vocab import read_meta
-    from gti.refresh.driver import export_step
-    from gti.refresh.job import RefreshError
+    from gti.lm.new_rows import read_meta
+    from gti.refresh.command import export_step
+    from gti.refresh.attempt import RefreshError
     from gti.refresh.tokens import tokens_step
-    from gti.run_artifacts import LoadedRun, check_tokens, map_codec
-    from gti.sid import lineage
+    from gti.loaded_run import LoadedRun, map_codec
+    from gti.run_versions import check_model_map, check_tokens, lineage_dir
     from gti.sid.versions import MissingSidTokensError, read_version
 
     job, first, end = _grown_job(make_job, fake_run, "refresh.ground_steps=0")
@@ -138,16 +138,16 @@ def test_untrained_export_is_the_grown_model_and_only_it_takes_the_grown_map(mak
     with pytest.raises(MissingSidTokensError, match=r"lacks 2 SID token\(s\) .*<c_2>, <c_3>"):
         check_tokens(AutoTokenizer.from_pretrained(str(fake_run.model_dir)), codec, fake_run.model_dir, smap)
     # the parent's model is refused before anything loads, naming the tokens and both hashes
-    lin = lineage.lineage_dir(fake_run.dir)
-    from gti.refresh.driver import _lineage_with_base
+    lin = lineage_dir(fake_run.dir)
+    from gti.refresh.command import _lineage_with_base
 
     _lineage_with_base(fake_run.dir, Manifest.read(fake_run.dir / "sid"), "cbhash")
     lin.add(v, pq.read_table(str(smap)))
     with pytest.raises(MissingSidTokensError) as e:
-        LoadedRun.check_map(fake_run.model_dir, v.hash, smap, fake_run.dir)
+        check_model_map(fake_run.model_dir, v.hash, map_path=smap, lineage=lin)
     msg = str(e.value)
     assert "<c_2>, <c_3>" in msg and v.hash in msg and fake_run.map_hash in msg and "\n" not in msg
-    assert LoadedRun.check_map(model, v.hash, smap, fake_run.dir) == 0
+    assert check_model_map(model, v.hash, map_path=smap, lineage=lin) == 0
     run = LoadedRun._load(model, smap, job.sf, C.RunConfig(), "cpu")
     assert run.sid_matrix.shape == (len(run.item_ids), 3)
     ids = dict(zip(run.item_ids, run.sid_matrix.tolist()))

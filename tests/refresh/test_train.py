@@ -2,7 +2,7 @@
 is one, else in-sample), the steps' off switches, the micro-batch check that fails before any
 model is loaded, the replayed SFT windows, and both steps on a tiny model with the runners'
 `fit` faked (testkit): a rerun hands the loop the same run. Grounding and SFT themselves run in
-the slow refresh tests (tests/refresh/test_driver.py)."""
+the slow refresh tests (tests/refresh/test_command.py)."""
 
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ def _trainable_job(fake_run, make_job):
     import torch
 
     from gti import config as C
-    from gti.lm import models, vocab
+    from gti.lm import models, new_rows
     from gti.manifest import Manifest
     from gti.sid.codec import SidCodec
     from gti.sid.versions import make_version, write_map
@@ -98,10 +98,10 @@ def _trainable_job(fake_run, make_job):
     sizes = [int(k) for k in Manifest.read(fake_run.dir / "sid").facts["codebook_sizes"]]  # 4, 4, 2
     model, tok = models.build_tiny(C.ModelConfig(name="tiny", tiny_hidden=32, tiny_layers=1, tiny_heads=2))
     codec = SidCodec(3, sizes)
-    first, end = vocab.extend_tokenizer(tok, codec.tokens())
+    first, end = new_rows.extend_tokenizer(tok, codec.tokens())
     model.resize_token_embeddings(end, mean_resizing=False)
-    vocab.export_model(model, tok, fake_run.model_dir,
-                       {"sid_map_hash": fake_run.map_hash, "new_token_ids": [first, end]})
+    new_rows.export_model(model, tok, fake_run.model_dir,
+                          {"sid_map_hash": fake_run.map_hash, "new_token_ids": [first, end]})
     pm = Manifest.read(fake_run.dir / "pairs")
     Manifest(stage="pairs", fingerprint="test", config={}, outputs=pm.outputs,
              facts={**pm.facts, "new_token_ids": [first, end]}).write(fake_run.dir / "pairs")
@@ -133,7 +133,7 @@ def test_both_steps_hand_the_runners_the_same_run_when_rerun(fake_run, make_job,
     rows (what makes the loop resume it), and the steps report the same keys as ever."""
     from testkit import FailOnceFit, WorkerDied, fake_data, finished_fit, no_ray
 
-    from gti.refresh.job import GROUND_RUN, SFT_RUN
+    from gti.refresh.attempt import GROUND_RUN, SFT_RUN
     from gti.train import loop
     from gti.train.worker_config import GroundRows, SftStart
 

@@ -46,7 +46,7 @@ def _base(run: Path):
 
     from gti import config as C
     from gti.lm.models import build_tiny
-    from gti.lm.vocab import export_model, extend_tokenizer
+    from gti.lm.new_rows import export_model, extend_tokenizer
     from gti.manifest import Manifest
     from gti.sid.codec import SidCodec
     from gti.sid.versions import map_hash
@@ -80,7 +80,7 @@ def _base(run: Path):
 def write_version(run: Path, k: int, item_ids, codes, parent) -> str:
     """refresh/v<k>: map (item_ids, codes) with parent `parent` (a SidMapVersion), the
     previous model copied with its meta naming the new map; returns the new map's hash."""
-    from gti.sid import lineage
+    from gti.run_versions import lineage_dir
     from gti.sid.versions import make_version, write_map
 
     table = _map_table(item_ids, codes)
@@ -88,7 +88,7 @@ def write_version(run: Path, k: int, item_ids, codes, parent) -> str:
     vdir = run / "refresh" / f"v{k}"
     (vdir / "sid").mkdir(parents=True)
     write_map(vdir / "sid" / "sid_map.parquet", table, version)
-    lineage.lineage_dir(run).add(version, table)
+    lineage_dir(run).add(version, table)
     _write_items(vdir / "ingest" / "items.parquet", [i for i in item_ids if i.startswith("new")])
     shutil.copytree(run / "sft" / "model", vdir / "model")
     meta_path = vdir / "model" / "gti_meta.json"
@@ -101,12 +101,12 @@ def write_version(run: Path, k: int, item_ids, codes, parent) -> str:
 
 
 def write_serve_run(run: Path) -> dict:
-    from gti.sid import lineage
+    from gti.run_versions import lineage_dir
     from gti.sid.versions import make_version
 
     item_ids, codes, base = _base(run)
     base_version = make_version(base, "cbhash", [CODEBOOK] * 2)
-    lineage.lineage_dir(run).add(base_version, base)
+    lineage_dir(run).add(base_version, base)
     ids1 = item_ids + NEW_ITEMS
     h1 = write_version(run, 1, ids1, codes[:len(ids1)], base_version)
     return {"run": run, "item_ids": item_ids, "codes": codes, "base_hash": base_version.hash, "v1_hash": h1,
@@ -115,13 +115,13 @@ def write_serve_run(run: Path) -> dict:
 
 def add_bad_version(info: dict) -> None:
     """v2: v1's items with the SIDs of it0 and it1 swapped, naming v1 as its parent."""
-    from gti.sid import lineage
+    from gti.run_versions import refresh_versions
 
     run = info["run"]
     ids = info["item_ids"] + NEW_ITEMS
     codes = list(info["codes"][:len(ids)])
     codes[0], codes[1] = codes[1], codes[0]
-    write_version(run, 2, ids, codes, lineage.versions(run)[0].version())
+    write_version(run, 2, ids, codes, refresh_versions(run)[0].map_version())
 
 
 @pytest.fixture(scope="session")
@@ -146,14 +146,14 @@ def publishable(serve_run, tmp_path) -> dict:
 
 
 def copy_publishable(serve_run: dict, run: Path) -> dict:
-    from gti.sid import lineage
+    from gti.run_versions import refresh_versions
 
     info = dict(serve_run, run=run)
     shutil.copytree(serve_run["run"], info["run"])
     ids = serve_run["item_ids"] + NEW_ITEMS
 
     def publish(k: int, extra: list[str]) -> str:
-        parent = lineage.versions(info["run"])[-1].version()
+        parent = refresh_versions(info["run"])[-1].map_version()
         return write_version(info["run"], k, ids + extra, serve_run["codes"][:len(ids) + len(extra)], parent)
 
     info["publish"] = publish

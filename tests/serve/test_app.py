@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 
 from gti.config_serve import ServeConfig
 from gti.errors import ConfigError
-from gti.run_artifacts import LoadedRun
+from gti.loaded_run import LoadedRun
 from gti.serve.app import create_app, read_token, token_digest
 from gti.serve.reload import ServiceHolder
 from gti.serve.service import RecommenderService

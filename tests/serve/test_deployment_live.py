@@ -57,7 +57,7 @@ def _rec(client, history=HIST, k=5, **kw):
 
 
 def test_endpoints_answer_as_gti_recommend(live):
-    from gti.run_artifacts import LoadedRun
+    from gti.loaded_run import LoadedRun
 
     c = live["client"]
     assert c.get("/").text.startswith("<!doctype html>")

@@ -15,7 +15,7 @@ import pytest
 
 from gti.errors import ConfigError, DataError
 from gti.manifest import Manifest
-from gti.run_artifacts import RunDirError
+from gti.run_versions import RunDirError
 from gti.serve import infer as I
 
 SEQS = {  # user -> (train items, valid, test): whole histories of 5..8 known items

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gti.run_artifacts import LoadedRun
+from gti.loaded_run import LoadedRun
 from gti.serve.service import Query, RecommenderService, RequestError, answer_batches
 
 N_ITEMS, N_NEW, MAX_HISTORY = 20, 2, 4  # as tests/serve/conftest.py
@@ -131,20 +131,20 @@ def test_trust_remote_code_never_comes_from_the_run_folder(serve_run, tmp_path, 
     """A run whose config says trust_remote_code: true is loaded with it off."""
     import shutil
 
-    import gti.run_artifacts as RA
+    import gti.loaded_run as LR
     from gti import config as C
 
     run = tmp_path / "run"
     shutil.copytree(serve_run["run"], run)
     (run / "config.yaml").write_text(C.dump(C.load(None, ["model.trust_remote_code=true"])))
     seen = []
-    real = RA.LoadedRun._load.__func__
+    real = LR.LoadedRun._load.__func__
 
     def spy(cls, model_dir, sid_map_path, sid_facts, cfg, device, **where):
         seen.append(cfg.model.trust_remote_code)
         return real(cls, model_dir, sid_map_path, sid_facts, cfg, device, **where)
 
-    monkeypatch.setattr(RA.LoadedRun, "_load", classmethod(spy))
+    monkeypatch.setattr(LR.LoadedRun, "_load", classmethod(spy))
     RecommenderService.load(run, 0)
     assert seen == [False]
 

@@ -40,7 +40,7 @@ def _map_from_prefix(prefix: np.ndarray, ids=None):
 
 
 def test_map_hash_is_the_sid_stage_hash_and_order_independent():
-    from gti.stages.sid import sid_map_hash
+    from gti.sid.mapfile import sid_map_hash  # the function the sid stage records the hash with
 
     old, _ = _map_from_prefix(np.array([[0, 0], [0, 0], [1, 1]]))
     assert map_hash(old) == sid_map_hash(old.column("item_id").to_pylist(), old.column("sid").to_pylist())

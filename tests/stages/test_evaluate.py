@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from gti import config, pipeline
+from gti.contract import StageContext
 from gti.manifest import Manifest
 
 N_ITEMS, SIZES, HASH = 30, [6, 5], "sidhash-eval"
@@ -40,7 +41,7 @@ def _manifest(run_dir, stage, outputs, facts):
 
 def make_upstream(run_dir, n_users: int = 40, seed: int = 0):
     """ingest + sid + sft outputs; the model is a random tiny Llama with noise SID rows."""
-    from gti.lm import models, vocab
+    from gti.lm import models, new_rows
     from gti.sid.codec import SidCodec
 
     rng = np.random.default_rng(seed)
@@ -63,13 +64,13 @@ def make_upstream(run_dir, n_users: int = 40, seed: int = 0):
     ).write_parquet(d / "sid_map.parquet")
 
     model, tok = models.build_tiny(config.ModelConfig(name="tiny"), seed=seed)
-    first, end = vocab.extend_tokenizer(tok, codec.tokens())
+    first, end = new_rows.extend_tokenizer(tok, codec.tokens())
     model.resize_token_embeddings(end, mean_resizing=False)
     with torch.no_grad():
         g = torch.Generator().manual_seed(seed)
         model.get_input_embeddings().weight[first:end] = torch.randn(end - first, model.config.hidden_size, generator=g)
     d = _manifest(run_dir, "sft", {"model": "model"}, {"sid_map_hash": HASH})
-    vocab.export_model(model, tok, d / "model", {"sid_map_hash": HASH})
+    new_rows.export_model(model, tok, d / "model", {"sid_map_hash": HASH})
     return items
 
 
@@ -146,8 +147,8 @@ def test_evaluate_writes_metrics_recs_and_baselines(eval_run):
 
     cfg_off = eval_cfg(run_dir, "eval.baselines=[mostpop,markov]")  # the decoded rows carry no SASRec lists
     assert cfg_off.eval.exact_rank is False
-    ctx = pipeline.StageContext(spec=pipeline.spec("evaluate"), cfg=cfg_off, run_dir=run_dir,
-                                work_dir=run_dir / "evaluate", fingerprint="t")
+    ctx = StageContext(spec=pipeline.spec("evaluate"), cfg=cfg_off, run_dir=run_dir,
+                       work_dir=run_dir / "evaluate", fingerprint="t")
     decoded = recs.with_columns(pl.lit(5).alias("n_returned"), pl.lit(0).alias("n_invalid"))
     off = E._metrics(ctx, E._read_inputs(ctx), decoded)
     assert off["ranks"] == {} and "exact_rank" not in off["per_user"]["valid"]
@@ -294,7 +295,7 @@ def test_decoding_actor_constrained_vs_unconstrained(tmp_path):
 
 
 def test_stale_sid_map_is_refused(tmp_path):
-    from gti.run_artifacts import StaleSidMapError
+    from gti.sid.versions import UnrelatedSidMapError
 
     run_dir = tmp_path / "run"
     _manifest(run_dir, "ingest", {"sequences": "sequences.parquet"}, {})
@@ -302,14 +303,14 @@ def test_stale_sid_map_is_refused(tmp_path):
     d = _manifest(run_dir, "sft", {"model": "model"}, {})
     (d / "model").mkdir()
     (d / "model" / "gti_meta.json").write_text(json.dumps({"sid_map_hash": "trained-on-another-map"}))
-    with pytest.raises(StaleSidMapError, match="stale SID map"):
+    with pytest.raises(UnrelatedSidMapError, match="stale SID map"):
         pipeline.run_stage(pipeline.spec("evaluate"), eval_cfg(run_dir), run_dir)
 
 
 def test_chunks_are_whole_batches_and_smaller_with_exact_ranks():
     """A resumed evaluation must decode the same batches: chunks are whole eval.batch_users
     batches; exact ranks (seconds per prompt) get short chunks, so a kill loses minutes."""
-    from gti.config import EvalConfig
+    from gti.config_eval import EvalConfig
     from gti.stages import evaluate as E
 
     for batch in (1, 5, 8, 16, 300):

@@ -10,6 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from gti import pipeline
+from gti.contract import StageContext
 from gti.manifest import Manifest
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
@@ -38,16 +39,17 @@ def test_ray_stream_equals_local_stream(tmp_path, ray_start_4_cpus):
     """The Ray Data path and the in-process path give identical outputs on a defect corpus."""
     from gti import config
     from gti.stages import ingest
+    from gti.data.batches import local_stream
 
     cat, inter = _corpus(tmp_path)
     cfg = config.load(None, [f"run_dir={tmp_path / 'run'}", f"data.items.path={cat}",
                              f"data.interactions.path={inter}"])
     results = {}
-    for name, stream in [("local", ingest.local_stream), ("ray", ingest.ray_stream)]:
+    for name, stream in [("local", local_stream), ("ray", ingest.ray_stream)]:
         work = tmp_path / name
         work.mkdir()
-        ctx = pipeline.StageContext(spec=pipeline.spec("ingest"), cfg=cfg, run_dir=tmp_path,
-                                    work_dir=work, fingerprint="t")
+        ctx = StageContext(spec=pipeline.spec("ingest"), cfg=cfg, run_dir=tmp_path,
+                           work_dir=work, fingerprint="t")
         results[name] = (ingest.ingest(ctx, stream).facts, work)
     (fl, wl), (fr, wr) = results["local"], results["ray"]
     fl.pop("timing"), fr.pop("timing")  # wall seconds differ from run to run
@@ -156,8 +158,8 @@ def test_errors_inside_ray_tasks_are_one_line(tmp_path, ray_start_4_cpus):
     inter.write_text("user_id,item_id,ts\nu,1,1\n")
     cfg = config.load(None, [f"run_dir={tmp_path / 'run'}", f"data.items.path={items}",
                              f"data.interactions.path={inter}"])
-    ctx = pipeline.StageContext(spec=pipeline.spec("ingest"), cfg=cfg, run_dir=tmp_path,
-                                work_dir=tmp_path, fingerprint="t")
+    ctx = StageContext(spec=pipeline.spec("ingest"), cfg=cfg, run_dir=tmp_path,
+                       work_dir=tmp_path, fingerprint="t")
     with pytest.raises(DataError) as e:
         ingest.ingest(ctx, ingest.ray_stream)
     assert str(e.value) == (f"{items}: missing column 'item_id' (data.items.columns; the file has: sku, title)")
@@ -169,6 +171,7 @@ def test_the_dense_subset_through_the_stage(tmp_path, ray_start_4_cpus):
     from gti import config
     from gti.data.catalog import OUTSIDE_DENSE
     from gti.stages import ingest
+    from gti.data.batches import local_stream
 
     keys = [f"run_dir={tmp_path / 'run'}", "data.dense.top_items=300", "data.dense.min_user_len=4",
             "local_max_items=0"]  # Ray Data reads, also for this one-file source
@@ -181,9 +184,9 @@ def test_the_dense_subset_through_the_stage(tmp_path, ray_start_4_cpus):
     assert {"items_s", "interactions_s", "dense_items_s", "ray_start_s", "total_s"} <= set(f["timing"])
     local = tmp_path / "local"
     local.mkdir()
-    ctx = pipeline.StageContext(spec=pipeline.spec("ingest"), cfg=config.load(None, keys), run_dir=tmp_path,
-                                work_dir=local, fingerprint="t")
-    ingest.ingest(ctx, ingest.local_stream)
+    ctx = StageContext(spec=pipeline.spec("ingest"), cfg=config.load(None, keys), run_dir=tmp_path,
+                       work_dir=local, fingerprint="t")
+    ingest.ingest(ctx, local_stream)
     for name in ["items", "items_quarantine", "interactions", "interactions_quarantine", "sequences"]:
         assert pq.read_table(local / f"{name}.parquet").equals(pq.read_table(out / f"{name}.parquet")), name
     again = pipeline.run(config.load(None, keys + ["data.dense.min_user_len=5"]), to_stage="ingest")["ingest"]

@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from gti import config as C
+from gti.arms import DEFAULT_GROUNDING_TEMPLATES
 from gti.data.descriptions import description_text
 from gti.lm.pairs import is_val_item
 from gti.manifest import Manifest
@@ -95,7 +96,7 @@ def test_pairs_stage_end_to_end(tmp_path, ray_start_4_cpus, monkeypatch):
     assert f["n_items"] == N_ITEMS - 1 and f["excluded_items"] == 1 and f["exclude_ids_not_in_catalog"] == 1
     assert "it003" not in set(df["item_id"])
     assert f["n_pairs"] == df.height == 6 * (N_ITEMS - 1)
-    assert f["tasks"] == {t: N_ITEMS - 1 for t in C.DEFAULT_GROUNDING_TEMPLATES}
+    assert f["tasks"] == {t: N_ITEMS - 1 for t in DEFAULT_GROUNDING_TEMPLATES}
     assert f["sid_map_hash"] == "h123"
     assert {"ray_start_s", "tokenizer_s", "render_write_s", "total_s"} <= set(f["timing"])
     assert f["timing"]["items_per_s"] > 0

@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 from gti import config, pipeline
 from gti.manifest import Manifest
 from gti.stages import report as R
+from gti.errors import DataError
 
 SIZES = [8, 8]
 D, N_OLD = 16, 40
@@ -111,7 +112,7 @@ def test_inconsistent_sid_manifest_is_a_data_error(tmp_path):
     m = Manifest.read(run_dir / "sid")
     m.facts["codebook_sizes"] = [8, 9]
     m.write(run_dir / "sid")
-    with pytest.raises(R.DataError, match="codebook_sizes"):
+    with pytest.raises(DataError, match="codebook_sizes"):
         pipeline.run_stage(pipeline.spec("report"), cfg, run_dir)
 
 

@@ -22,6 +22,7 @@ import torch
 from testkit import FailOnceFit, WorkerDied
 
 from gti import config, pipeline
+from gti.contract import StageContext
 from gti.manifest import Manifest
 
 N_ITEMS, SIZES, HASH = 24, [6, 4], "sidhash-test"
@@ -38,7 +39,7 @@ def _manifest(run_dir, stage, outputs, facts):
 def make_upstream(run_dir, n_users: int = 48, seed: int = 0, model_hash: str = HASH):
     """Fixture ingest/sid/pairs/ground outputs. Users walk the catalog in steps of +1, so the
     next item is learnable from the history (the loss must fall)."""
-    from gti.lm import models, vocab
+    from gti.lm import models, new_rows
     from gti.sid.codec import SidCodec
 
     rng = np.random.default_rng(seed)
@@ -63,7 +64,7 @@ def make_upstream(run_dir, n_users: int = 48, seed: int = 0, model_hash: str = H
 
     mcfg = config.ModelConfig(name="tiny")
     model, tok = models.build_tiny(mcfg, seed=seed)
-    first, end = vocab.extend_tokenizer(tok, codec.tokens())
+    first, end = new_rows.extend_tokenizer(tok, codec.tokens())
     d = _manifest(run_dir, "pairs", {"tokenizer": "tokenizer", "pairs": "pairs.parquet"},
                   {"new_token_ids": [first, end], "sid_map_hash": HASH})
     tok.save_pretrained(d / "tokenizer")
@@ -84,7 +85,7 @@ def make_upstream(run_dir, n_users: int = 48, seed: int = 0, model_hash: str = H
         g = torch.Generator().manual_seed(seed)
         model.get_input_embeddings().weight[first:end] = 0.02 * torch.randn(end - first, model.config.hidden_size, generator=g)
     d = _manifest(run_dir, "ground", {"model": "model"}, {"sid_map_hash": HASH, "new_token_ids": [first, end]})
-    vocab.export_model(model, tok, d / "model", {"sid_map_hash": model_hash, "new_token_ids": [first, end]})
+    new_rows.export_model(model, tok, d / "model", {"sid_map_hash": model_hash, "new_token_ids": [first, end]})
     return first, end
 
 
@@ -188,7 +189,6 @@ def test_data_preparation_multitask_mix_and_validation_users(tmp_path, ray_start
     from gti.sid.codec import SidCodec
     from gti.stages import sft
     from gti.lm import templates
-    from gti.train import sft_data
 
     run_dir = tmp_path / "run"
     make_upstream(run_dir, n_users=20)
@@ -197,7 +197,7 @@ def test_data_preparation_multitask_mix_and_validation_users(tmp_path, ray_start
     s = pipeline.spec("sft")
     work = run_dir / ".sft.partial"
     work.mkdir(parents=True)
-    ctx = pipeline.StageContext(spec=s, cfg=cfg, run_dir=run_dir, work_dir=work, fingerprint="x")
+    ctx = StageContext(spec=s, cfg=cfg, run_dir=run_dir, work_dir=work, fingerprint="x")
     tok = AutoTokenizer.from_pretrained(run_dir / "pairs" / "tokenizer")
     sid_map = pl.read_parquet(run_dir / "sid" / "sid_map.parquet")
     sid_ids = templates.sid_id_table(sid_map, SidCodec(2, SIZES), tok)
@@ -223,8 +223,8 @@ def test_data_preparation_multitask_mix_and_validation_users(tmp_path, ray_start
 
     local = run_dir / ".sft.local"
     local.mkdir()
-    ctx = pipeline.StageContext(spec=s, cfg=cfg.model_copy(update={"local_max_items": 20_000}), run_dir=run_dir,
-                                work_dir=local, fingerprint="x")
+    ctx = StageContext(spec=s, cfg=cfg.model_copy(update={"local_max_items": 20_000}), run_dir=run_dir,
+                       work_dir=local, fingerprint="x")
     monkeypatch.setattr(ray.data, "from_arrow", lambda *a, **k: pytest.fail("the local path used Ray Data"))
     assert sft._prepare_data(ctx, tok, sid_ids, {"item_ids": items}) == stats
     assert pl.read_parquet(local / "data" / "sft_train.parquet").equals(rows)
@@ -233,7 +233,7 @@ def test_data_preparation_multitask_mix_and_validation_users(tmp_path, ray_start
 def test_stale_sid_map_is_refused(tmp_path):
     """A grounded model whose gti_meta.json names another SID map is refused before any work
     (only the manifests and the meta file are needed to get there)."""
-    from gti.run_artifacts import StaleSidMapError
+    from gti.sid.versions import UnrelatedSidMapError
 
     run_dir = tmp_path / "run"
     _manifest(run_dir, "ingest", {"sequences": "sequences.parquet"}, {})
@@ -242,7 +242,7 @@ def test_stale_sid_map_is_refused(tmp_path):
     d = _manifest(run_dir, "ground", {"model": "model"}, {})
     (d / "model").mkdir()
     (d / "model" / "gti_meta.json").write_text(json.dumps({"sid_map_hash": "some-other-map"}))
-    with pytest.raises(StaleSidMapError, match="stale SID map"):
+    with pytest.raises(UnrelatedSidMapError, match="stale SID map"):
         pipeline.run_stage(pipeline.spec("sft"), sft_cfg(run_dir), run_dir)
 
 
@@ -271,11 +271,11 @@ def test_lora_wrap_trains_adapters_and_embeddings_and_merges_back(tmp_path):
     """LoRA: adapters on the backbone's linear layers, the embedding (tied head) fully
     trainable, the base linear weights frozen. Export path: loading the trained tensors into a
     fresh wrap and merging gives a plain HF model with the same logits as the trained wrap."""
-    from gti.lm import models, vocab
+    from gti.lm import models, new_rows
     from gti.train import sft_task as sft
 
     base, tok = models.build_tiny(config.ModelConfig(name="tiny"), seed=0)
-    vocab.export_model(base, tok, tmp_path / "ground", {"sid_map_hash": HASH})
+    new_rows.export_model(base, tok, tmp_path / "ground", {"sid_map_hash": HASH})
     cfg = config.RunConfig(model={"name": "tiny"}, sft={"lora": {"enabled": True, "r": 4, "alpha": 8}})
     model = sft.wrap_lora(sft.load_causal_lm(tmp_path / "ground", cfg), cfg.sft.lora)
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
@@ -304,14 +304,14 @@ def test_validation_loss_and_mrr_match_direct_computation(tmp_path):
     from safetensors.torch import save_file
 
     from gti.eval.decode import score_all_sids
-    from gti.lm import models, vocab
+    from gti.lm import models, new_rows
     from gti.sid.codec import SidCodec
     from gti.train.sft_task import _val_loss_and_mrr
     from gti.train.worker_config import ValSet
 
     model, tok = models.build_tiny(config.ModelConfig(name="tiny"), seed=0)
     codec = SidCodec(2, [4, 4])
-    first, end = vocab.extend_tokenizer(tok, codec.tokens())
+    first, end = new_rows.extend_tokenizer(tok, codec.tokens())
     model.resize_token_embeddings(end, mean_resizing=False)
     with torch.no_grad():
         g = torch.Generator().manual_seed(1)
@@ -345,12 +345,12 @@ def test_validation_loss_and_mrr_match_direct_computation(tmp_path):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_sft_model_is_loaded_in_model_dtype(tmp_path, dtype):
     """model.dtype is honoured by the SFT worker's model (it used to load fp32 whatever it said)."""
-    from gti.lm import models, vocab
+    from gti.lm import models, new_rows
     from gti.train.sft_task import build_sft_model
     from gti.train.worker_config import SftStart, WorkerConfig
 
     model, tok = models.build_tiny(config.ModelConfig(name="tiny"), seed=0)
-    vocab.export_model(model, tok, tmp_path / "m", {"sid_map_hash": HASH})
+    new_rows.export_model(model, tok, tmp_path / "m", {"sid_map_hash": HASH})
     cfg = config.load(ROOT / "jobs" / "configs" / "tiny.yaml", [f"model.dtype={dtype}"])
     built = build_sft_model(WorkerConfig.build("sft", cfg, 0, sft=SftStart(str(tmp_path / "m"))), cfg)
     want = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]

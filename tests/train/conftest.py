@@ -33,7 +33,7 @@ def make_grounding_problem(root: Path, n_items: int = 24, sizes=(6, 6), seed: in
 
     from gti.config import ModelConfig
     from gti.lm import init as lm_init
-    from gti.lm import models, vocab
+    from gti.lm import models, new_rows
     from gti.sid.codec import SidCodec
     from gti.train.worker_config import GroundRows, ValSet
 
@@ -42,7 +42,7 @@ def make_grounding_problem(root: Path, n_items: int = 24, sizes=(6, 6), seed: in
     model, tok = models.build_tiny(mcfg, seed=seed)
     n_before = len(tok)
     codec = SidCodec(len(sizes), list(sizes))
-    first, end = vocab.extend_tokenizer(tok, codec.tokens())
+    first, end = new_rows.extend_tokenizer(tok, codec.tokens())
     codes = [(i % sizes[0], (i // sizes[0]) % sizes[1]) for i in range(n_items)]
     assert len(set(codes)) == n_items
     sid_ids = codec.token_ids_from_offset(torch.tensor(codes), first)  # [N, L]
@@ -64,10 +64,10 @@ def make_grounding_problem(root: Path, n_items: int = 24, sizes=(6, 6), seed: in
     pq.write_table(pa.table(rows), root / "pairs.parquet")
     pq.write_table(pa.table({"prompt": val_prompt, "target": val_target}), root / "val.parquet")
     save_file({"sid_token_ids": sid_ids.contiguous()}, str(root / "sids.safetensors"))
-    old = vocab.old_rows(model, n_before)
+    old = new_rows.old_rows(model, n_before)
     init = lm_init.init_rows("mean_noise", old, end - first, noise_std=0.5,
                              generator=torch.Generator().manual_seed(seed))
-    head = lm_init.init_rows("mean_noise", vocab.old_rows(model, n_before, which="output"), end - first,
+    head = lm_init.init_rows("mean_noise", new_rows.old_rows(model, n_before, which="output"), end - first,
                              noise_std=0.5, generator=torch.Generator().manual_seed(seed + 1))
     save_file({"e_new": init.contiguous(), "head_new": head.contiguous()}, str(root / "init.safetensors"))
     return {

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from gti.config import ConfigError, GroundConfig, SftConfig
+from gti.config_train import GroundConfig, SftConfig
+from gti.errors import ConfigError
 from gti.train.deepspeed_config import build_ds_config, micro_batch
 
 

@@ -13,7 +13,8 @@ import torch
 from testkit import FailOnceFit, RowsDataset, WorkerDied, dataset_rows, fake_data, finished_fit
 
 from gti import config as C
-from gti.errors import DataError
+from gti.config_train import GroundConfig
+from gti.errors import ConfigError, DataError
 from gti.train import loop
 from gti.train.ground_run import GroundingInputs, check_pairs, count_train_pairs, run_grounding, write_val_set
 from gti.train.worker_config import GroundRows, ValSet, WorkerConfig
@@ -46,7 +47,7 @@ def _inputs(tmp_path, **ground) -> GroundingInputs:
     n_val = write_val_set(tmp_path / "pairs.parquet", tmp_path / "val.parquet", seed=1, n_samples=2, first_sid=FIRST,
                           end_sid=FIRST + 6, levels=LEVELS)
     assert n_val == 2
-    run_cfg = C.RunConfig(seed=7, ground=C.GroundConfig(**{"steps": 4, "batch_size": 2, **ground}))
+    run_cfg = C.RunConfig(seed=7, ground=GroundConfig(**{"steps": 4, "batch_size": 2, **ground}))
     return GroundingInputs(run_cfg=run_cfg, pairs_path=tmp_path / "pairs.parquet", pad_id=0,
                            rows=GroundRows(str(tmp_path / "init.safetensors"), FIRST, 6),
                            val=ValSet(str(tmp_path / "val.parquet"), str(tmp_path / "sids.safetensors"), FIRST,
@@ -105,12 +106,12 @@ def pairs(tmp_path):
 
 def test_check_pairs_counts_the_train_pairs_and_names_the_source_and_the_key(pairs):
     assert count_train_pairs(pairs) == 6
-    assert check_pairs(pairs, C.GroundConfig(batch_size=6, num_workers=1)) == 6
+    assert check_pairs(pairs, GroundConfig(batch_size=6, num_workers=1)) == 6
     with pytest.raises(DataError, match=r"^tokens: 6 training pairs cannot fill one micro-batch of 4 on each of 2 "
                                         r"workers \(ground.batch_size / ground.num_workers\)$"):
-        check_pairs(pairs, C.GroundConfig(batch_size=8, num_workers=2), "tokens", "training pairs")
-    with pytest.raises(C.ConfigError, match="ground.batch_size"):
-        check_pairs(pairs, C.GroundConfig(batch_size=3, num_workers=2))
+        check_pairs(pairs, GroundConfig(batch_size=8, num_workers=2), "tokens", "training pairs")
+    with pytest.raises(ConfigError, match="ground.batch_size"):
+        check_pairs(pairs, GroundConfig(batch_size=3, num_workers=2))
 
 
 def test_val_set_samples_held_out_text_to_sid_pairs_with_the_answer_prefix(pairs, tmp_path):

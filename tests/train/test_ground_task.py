@@ -13,11 +13,11 @@ from gti.train.worker_config import GroundRows, WorkerConfig
 def test_only_new_rows_train_and_export_merges_them(tmp_path):
     from safetensors.torch import save_file
 
-    from gti.lm import models, vocab
+    from gti.lm import models, new_rows
 
     cfg = C.RunConfig(model={"name": "tiny"})
     base, tok = models.build_tiny(cfg.model)
-    first, end = vocab.extend_tokenizer(tok, [f"<a_{i}>" for i in range(4)])
+    first, end = new_rows.extend_tokenizer(tok, [f"<a_{i}>" for i in range(4)])
     d = base.get_input_embeddings().weight.shape[1]
     init = {"e_new": torch.randn(end - first, d, generator=torch.Generator().manual_seed(0))}
     save_file(init, str(tmp_path / "init.safetensors"))
@@ -29,7 +29,7 @@ def test_only_new_rows_train_and_export_merges_them(tmp_path):
     assert torch.equal(state["e_new"], init["e_new"]) and HOOKS.grad_norm_key == "grad_norm_new_rows"
     final = {"e_new": init["e_new"] + 1.0}
     export_grounded(models.build_tiny(cfg.model)[0], tok, first, init, final, tmp_path / "model", {"sid_map_hash": "h"})
-    assert vocab.read_meta(tmp_path / "model")["sid_map_hash"] == "h"
+    assert new_rows.read_meta(tmp_path / "model")["sid_map_hash"] == "h"
     from transformers import AutoModelForCausalLM
 
     out = AutoModelForCausalLM.from_pretrained(str(tmp_path / "model"), use_safetensors=True)

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from gti.config import GroundConfig, ModelConfig
-from gti.lm import models, vocab
+from gti.config import ModelConfig
+from gti.config_train import GroundConfig
+from gti.lm import models, new_rows
 from gti.train.deepspeed_config import build_ds_config
 from gti.train.ground_task import ground_trainable_state
 from gti.train.loop import _manual_grad_norm, _SchedulerFactory
@@ -20,8 +21,8 @@ def _tiny_split_model(tied: bool, n_new: int = 12):
     first = len(tok)
     d = model.config.hidden_size
     g = torch.Generator().manual_seed(1)
-    vocab.attach_new_rows(model, first, n_new, torch.randn(n_new, d, generator=g) * 0.02)
-    vocab.freeze_backbone(model)
+    new_rows.attach_new_rows(model, first, n_new, torch.randn(n_new, d, generator=g) * 0.02)
+    new_rows.freeze_backbone(model)
     return model, first
 
 
@@ -53,7 +54,7 @@ def test_engine_steps_leave_old_rows_bit_identical(single_process_dist_env, stag
         engine.backward(out.loss)
         engine.step()
     after = dict(engine.module.named_parameters())
-    with vocab.gathered(list(after.values())):
+    with new_rows.gathered(list(after.values())):
         for n, p in after.items():
             if "new_rows" in n:
                 assert not torch.equal(p.detach().float(), before[n].float()), n
@@ -79,7 +80,8 @@ STEPS, CKPT, LR = 20, 5, 5e-2
 FAIL_AT = 12  # between the checkpoints at 10 and 15: the restart replays steps 11-12
 FAIL_AGAIN = 17  # between 15 and 20: the retried worker group replays steps 16-17
 def _loop_setup(problem: dict, fault=None, **ground_kw):
-    from gti.config import GroundConfig, RunConfig
+    from gti.config import RunConfig
+    from gti.config_train import GroundConfig
     from gti.train.worker_config import WorkerConfig
 
     g = dict(steps=STEPS, batch_size=8, num_workers=2, lr=LR, zero_stage=2, checkpoint_every=CKPT,
@@ -92,7 +94,7 @@ def _loop_setup(problem: dict, fault=None, **ground_kw):
 
 
 def _fit(problem, storage, name, fault=None, **ground_kw):
-    from gti.train.driver import train_dataset_from_parquet
+    from gti.train.ray_train import train_dataset_from_parquet
     from gti.train.loop import fit
 
     run_cfg, config = _loop_setup(problem, fault, **ground_kw)
@@ -180,7 +182,7 @@ def test_a_final_checkpoint_is_handed_back_untrained(tmp_path, monkeypatch):
     from contextlib import contextmanager
     from types import SimpleNamespace
 
-    from gti.train import driver, loop
+    from gti.train import loop, ray_train
 
     saved = {"step": 4, "epoch": 0, "offset": 8, "history": {"loss": [[4, 1.5]], "val": {}, "tokens_per_s": []},
              "timing": {"loop_s": 1.0}, "precision": "fp32"}
@@ -190,7 +192,7 @@ def test_a_final_checkpoint_is_handed_back_untrained(tmp_path, monkeypatch):
     def latest():
         yield tmp_path
 
-    monkeypatch.setattr(driver, "latest_checkpoint", latest)
+    monkeypatch.setattr(ray_train, "latest_checkpoint", latest)
     state, done = loop._resume(SimpleNamespace(engine=None, tc=GroundConfig(steps=4)))
     assert state == saved
     assert done == {"step": 4, "history": saved["history"], "timing": {"loop_s": 1.0}, "precision": "fp32"}
@@ -220,7 +222,7 @@ def test_bf16_weights_train_with_fp32_master_weights(single_process_dist_env, st
     )
     forward = make_forward(engine.module, "bf16", "cpu")
     g = torch.Generator().manual_seed(0)
-    before = vocab.new_rows_parameters(engine.module)[0].detach().float().clone()
+    before = new_rows.new_rows_parameters(engine.module)[0].detach().float().clone()
     for _ in range(2):
         ids = torch.randint(first, first + 12, (2, 8), generator=g)
         loss = forward(engine, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids})

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gti.config import GroundConfig, ModelConfig
-from gti.lm import models, vocab
+from gti.config import ModelConfig
+from gti.config_train import GroundConfig
+from gti.lm import models, new_rows
 from gti.train.deepspeed_config import build_ds_config
 from gti.train.loss import check_labelled_loss, labelled_loss, supports_labelled_loss
 
@@ -25,13 +26,13 @@ def _tiny(tied: bool):
 def _split(tied: bool):
     """Tiny model with N_NEW SID tokens attached as split rows, backbone frozen."""
     model, tok = _tiny(tied)
-    first, end = vocab.extend_tokenizer(tok, [f"<a_{i}>" for i in range(N_NEW)])
+    first, end = new_rows.extend_tokenizer(tok, [f"<a_{i}>" for i in range(N_NEW)])
     d = model.config.hidden_size
     g = torch.Generator().manual_seed(1)
     init_in = torch.randn(N_NEW, d, generator=g) * 0.5
     init_out = None if tied else torch.randn(N_NEW, d, generator=g) * 0.5
-    vocab.attach_new_rows(model, first, end - first, init_in, init_out)
-    vocab.freeze_backbone(model)
+    new_rows.attach_new_rows(model, first, end - first, init_in, init_out)
+    new_rows.freeze_backbone(model)
     return model, tok, (first, end)
 
 
@@ -48,7 +49,7 @@ def _lora(tied: bool):
         for n, p in model.named_parameters():
             if "lora_B" in n:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-    # Like gti.stages.sft.wrap_lora: embeddings (and head) fully trainable as well.
+    # Like gti.train.sft_task.wrap_lora: embeddings (and head) fully trainable as well.
     model.get_input_embeddings().weight.requires_grad_(True)
     model.get_output_embeddings().weight.requires_grad_(True)
     return model, tok
@@ -104,7 +105,7 @@ def test_matches_hf_full_model(tied):
 def test_matches_hf_split_new_rows(tied):
     model, tok, (first, end) = _split(tied)
     head = model.get_output_embeddings()
-    assert isinstance(head, vocab.SplitLMHead)
+    assert isinstance(head, new_rows.SplitLMHead)
     ids, mask, labels = _batch(tok.pad_token_id, (first, end))  # answers are new tokens only
     assert supports_labelled_loss(model)
     _assert_matches_hf(model, ids, mask, labels)
@@ -310,9 +311,9 @@ def test_engine_loss_and_training_match_hf(single_process_dist_env, stage):
             losses[path].append(loss.item())
             engine.backward(loss)
             engine.step()
-        rows[path] = vocab.new_rows_state_dict(engine.module)
+        rows[path] = new_rows.new_rows_state_dict(engine.module)
     assert losses["labelled"] == pytest.approx(losses["hf"], abs=1e-5)
-    init = vocab.new_rows_state_dict(_split(False)[0])
+    init = new_rows.new_rows_state_dict(_split(False)[0])
     for k in ("e_new", "head_new"):
         assert torch.allclose(rows["labelled"][k], rows["hf"][k], rtol=1e-4, atol=1e-6), k
         assert not torch.allclose(rows["hf"][k], init[k]), k  # training did move them

@@ -40,7 +40,7 @@ def test_finite_steps_pass():
 
 
 def test_user_error_finds_it_inside_a_ray_train_failure():
-    """How gti.train.driver turns a worker's failure into the CLI's one line: the object itself
+    """How gti.train.ray_train turns a worker's failure into the CLI's one line: the object itself
     (worker_failures), or its traceback text when only that survived."""
     err = NonFiniteError("sft: training stopped at step 3: loss is nan (lower sft.lr, ...)")
 
@@ -87,8 +87,10 @@ def test_nan_loss_stops_the_loop_at_its_step_before_any_checkpoint_of_it(single_
 
     import pyarrow.parquet as pq
 
-    from gti.config import GroundConfig, RunConfig
-    from gti.train import driver, loop
+    from gti.config import RunConfig
+    from gti.config_train import GroundConfig
+    from gti.train import loop, ray_train
+    from gti.train.loss import make_forward
     from gti.train.worker_config import WorkerConfig
 
     p = grounding_problem
@@ -117,12 +119,12 @@ def test_nan_loss_stops_the_loop_at_its_step_before_any_checkpoint_of_it(single_
         yield None
 
     monkeypatch.setattr(loop, "ShardStream", Stream)
-    monkeypatch.setattr(driver, "worker_rank_world", lambda: (0, 1))
-    monkeypatch.setattr(driver, "latest_checkpoint", no_checkpoint)
-    monkeypatch.setattr(driver, "dataset_shard", lambda name="train": None)
-    monkeypatch.setattr(driver, "report", lambda m, checkpoint_dir=None: reports.append(
+    monkeypatch.setattr(ray_train, "worker_rank_world", lambda: (0, 1))
+    monkeypatch.setattr(ray_train, "latest_checkpoint", no_checkpoint)
+    monkeypatch.setattr(ray_train, "dataset_shard", lambda name="train": None)
+    monkeypatch.setattr(ray_train, "report", lambda m, checkpoint_dir=None: reports.append(
         (m["step"], checkpoint_dir is not None)))
-    real = loop.make_forward
+    real = make_forward
 
     def poisoned(model, precision, device_type):
         forward, calls = real(model, precision, device_type), [0]

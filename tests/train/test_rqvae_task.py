@@ -144,8 +144,8 @@ def test_train_rqvae_decides_once_on_the_driver(monkeypatch, tmp_path, mb, want)
         seen.update(config)
         return (model, [{"epoch": 2}]), {}, ""
 
-    monkeypatch.setattr(T.driver, "read_parquet_dataset", lambda *a, **k: "ds")
-    monkeypatch.setattr(T.driver, "run_trainer", fake_run)
+    monkeypatch.setattr(T.ray_train, "read_parquet_dataset", lambda *a, **k: "ds")
+    monkeypatch.setattr(T.ray_train, "run_trainer", fake_run)
     T.train_rqvae(s, 0, tmp_path / "e.parquet", model, 300, tmp_path, log=lambda m: None)
     assert seen["epoch_cache"] is want
 

@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from types import SimpleNamespace
 
 from gti import config as C
+from gti.config_train import GroundConfig
 from gti.train import loop, runner
 from gti.train.worker_config import GroundRows, WorkerConfig
 
@@ -33,7 +34,7 @@ def test_train_starts_ray_reads_the_data_then_fits_inside_the_tracker(monkeypatc
         events.append("tracker closed")
 
     monkeypatch.setattr(loop, "fit", fake_fit)
-    cfg, tc = _config(), C.GroundConfig(steps=3)
+    cfg, tc = _config(), GroundConfig(steps=3)
     got = runner.train(cfg, lambda: events.append("data") or "DS", tc, storage_path=tmp_path / "rt", name="ground",
                        start_ray=lambda: events.append("ray"), log=print, progress_every=5, tracker=tracker)
     assert got == "result"
@@ -47,7 +48,7 @@ def test_train_starts_ray_reads_the_data_then_fits_inside_the_tracker(monkeypatc
 def test_without_a_tracker_fit_gets_no_metrics_callback(monkeypatch, tmp_path):
     seen = []
     monkeypatch.setattr(loop, "fit", lambda config, ds, tc, **kw: seen.append(kw))
-    runner.train(_config(), lambda: "DS", C.GroundConfig(), storage_path=tmp_path, name="n",
+    runner.train(_config(), lambda: "DS", GroundConfig(), storage_path=tmp_path, name="n",
                  start_ray=lambda: None, log=print, progress_every=1, callbacks=["cb"])
     assert seen[0]["on_metrics"] is None and seen[0]["callbacks"] == ["cb"]
 

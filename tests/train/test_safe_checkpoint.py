@@ -12,9 +12,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from gti.config import GroundConfig, ModelConfig
-from gti.lm import models, vocab
-from gti.train import driver, loop, safe_checkpoint
+from gti.config import ModelConfig
+from gti.config_train import GroundConfig
+from gti.lm import models, new_rows
+from gti.train import loop, ray_train, safe_checkpoint
 from gti.train.deepspeed_config import build_ds_config
 
 
@@ -34,8 +35,8 @@ def _engine(stage: int, bf16: bool):
     cfg = ModelConfig(name="tiny", tiny_hidden=32, tiny_layers=1, tiny_heads=2, tiny_tied=False)
     model, tok = models.build_tiny(cfg, seed=0)
     first = len(tok)
-    vocab.attach_new_rows(model, first, 8, torch.randn(8, 32, generator=torch.Generator().manual_seed(1)) * 0.02)
-    vocab.freeze_backbone(model)
+    new_rows.attach_new_rows(model, first, 8, torch.randn(8, 32, generator=torch.Generator().manual_seed(1)) * 0.02)
+    new_rows.freeze_backbone(model)
     if bf16:
         model.to(torch.bfloat16)
     tc = GroundConfig(zero_stage=stage, batch_size=2, lr=1e-2, steps=4)
@@ -65,7 +66,7 @@ def _resume(monkeypatch, engine, tc, d: Path):
     def latest():
         yield d
 
-    monkeypatch.setattr(driver, "latest_checkpoint", latest)
+    monkeypatch.setattr(ray_train, "latest_checkpoint", latest)
     return loop._resume(SimpleNamespace(engine=engine, tc=tc))
 
 
@@ -76,13 +77,13 @@ def test_deepspeed_checkpoints_resume_with_weights_only(single_process_dist_env,
     engine, tc = _engine(stage, bf16)
     d = _saved(tmp_path, engine)
     want = {k: v.clone() for k, v in engine.module.state_dict().items() if "new_rows" in k}
-    with torch.no_grad(), vocab.gathered(list(engine.module.parameters())):
-        for p in vocab.new_rows_parameters(engine.module):
+    with torch.no_grad(), new_rows.gathered(list(engine.module.parameters())):
+        for p in new_rows.new_rows_parameters(engine.module):
             p.zero_()
     state, done = _resume(monkeypatch, engine, tc, d)
     assert done is None and state["step"] == 1 and state["offset"] == 2
     assert isinstance(engine.checkpoint_engine, safe_checkpoint._engine_class())
-    with vocab.gathered(list(engine.module.parameters())):
+    with new_rows.gathered(list(engine.module.parameters())):
         got = {k: v for k, v in engine.module.state_dict().items() if "new_rows" in k}
         for k in want:
             if want[k].numel():  # ZeRO-3 holds partitioned (empty) placeholders outside gather

@@ -7,10 +7,11 @@ import numpy as np
 import polars as pl
 import pytest
 
-from gti.config import ConfigError
-from gti.errors import DataError
+from gti.errors import ConfigError, DataError
 from gti.lm import templates as T
 from gti.train import sft_data as S
+from gti.lm.chat import IGNORE
+from gti.lm.templates import ROW_COLUMNS, SEQ_TASK
 
 L = 3  # SID length in these tests
 EOT = [2]
@@ -109,11 +110,11 @@ def test_answer_only_labels_and_answer_is_target_sid():
         n = len(ans)
         assert ans == r.sid_ids[tgt].tolist() + EOT
         assert ids[-n:] == ans and labels[-n:] == ans
-        assert all(x == S.IGNORE for x in labels[:-n])
+        assert all(x == IGNORE for x in labels[:-n])
         assert len(ids) == len(labels)
     frame = S.rows_frame(rows)
     assert frame.schema["input_ids"] == pl.List(pl.Int32)
-    assert frame.columns == list(S.ROW_COLUMNS)
+    assert frame.columns == list(ROW_COLUMNS)
 
 
 def test_truncation_drops_oldest_history_first():
@@ -163,12 +164,12 @@ def test_multitask_proportions_and_determinism():
     assert st.n_sequence == seq_rows.height
     assert st.n_pairs_used == round(0.5 * seq_rows.height)
     assert mixed.height == st.n_sequence + st.n_pairs_used
-    assert st.tasks[S.SEQ_TASK] == seq_rows.height
+    assert st.tasks[SEQ_TASK] == seq_rows.height
     # only train-split pairs that fit are used; the too-long ones are counted, not hidden
     train = pairs.filter(pl.col("split") == "train")
     assert st.n_pairs_available == train.height
     assert st.n_pairs_too_long == train.filter(pl.col("input_ids").list.len() > 100).height
-    used = mixed.filter(pl.col("task") != S.SEQ_TASK)
+    used = mixed.filter(pl.col("task") != SEQ_TASK)
     assert used["input_ids"].list.len().max() <= 100
     val_ids = set(pairs.filter(pl.col("split") == "val")["input_ids"].list.first())
     assert not val_ids & set(used["input_ids"].list.first())
@@ -185,12 +186,12 @@ def test_multitask_proportions_and_determinism():
 
 
 def _tiny_tok(markers: bool):
-    from gti.lm import models, vocab
+    from gti.lm import models, new_rows
     from gti.sid.codec import SidCodec
 
     tok = models.build_tiny_tokenizer()
     codec = SidCodec(2, [4, 3])
-    vocab.extend_tokenizer(tok, codec.tokens(), markers=markers)
+    new_rows.extend_tokenizer(tok, codec.tokens(), markers=markers)
     codes = np.array([[i // 3, i % 3] for i in range(12)])
     ids = codec.token_ids(codes, tok).numpy()
     return tok, {f"i{k}": ids[k] for k in range(12)}
@@ -199,11 +200,12 @@ def _tiny_tok(markers: bool):
 @pytest.mark.parametrize("markers", [False, True])
 def test_make_renderer_with_the_real_templates(markers):
     from gti.lm import templates as T
-    from gti.lm.vocab import SID_END, SID_START
+    from gti.lm.chat import end_of_turn_ids
+    from gti.lm.new_rows import SID_END, SID_START
 
     tok, sid_ids = _tiny_tok(markers)
     r = T.make_renderer(tok, sid_ids, "You are a helpful assistant.", max_len=400)
-    eot = T.end_of_turn_ids(tok)
+    eot = end_of_turn_ids(tok)
     ex = r.example(["i1", "i2", "i3"], "i4", 2)
     wrap = [tok.convert_tokens_to_ids(SID_START), tok.convert_tokens_to_ids(SID_END)] if markers else None
     sid4 = sid_ids["i4"].tolist()
@@ -229,13 +231,14 @@ def test_compact_prompt_is_history_sids_then_the_assistant_header(markers):
     """`sft.prompt_style: compact`: no system prompt, no template text; the history's SID ids
     (wrapped when the vocabulary has markers), then the assistant header, then the answer."""
     from gti.lm import templates as T
-    from gti.lm.vocab import SID_END, SID_START
+    from gti.lm.chat import chat_skeleton
+    from gti.lm.new_rows import SID_END, SID_START
 
     tok, sid_ids = _tiny_tok(markers)
     chat = T.make_renderer(tok, sid_ids, "You are a helpful assistant.", max_len=400)
     compact = T.make_renderer(tok, sid_ids, "You are a helpful assistant.", max_len=400, prompt_style="compact")
     wrap = [tok.convert_tokens_to_ids(SID_START), tok.convert_tokens_to_ids(SID_END)] if markers else None
-    header = list(T.chat_skeleton(tok, "").suffix_ids)
+    header = list(chat_skeleton(tok, "").suffix_ids)
     hist = []
     for i in ("i1", "i2", "i3"):
         sid = sid_ids[i].tolist()

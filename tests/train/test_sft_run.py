@@ -12,6 +12,7 @@ import pytest
 from testkit import FailOnceFit, RowsDataset, WorkerDied, dataset_rows, fake_data, finished_fit
 
 from gti import config as C
+from gti.config_train import SftConfig
 from gti.train import loop
 from gti.train.sft_run import SftInputs, history_facts, run_sft
 from gti.train.worker_config import FaultInjection, SftStart, ValSet, WorkerConfig
@@ -32,7 +33,7 @@ def test_a_run_that_dies_is_retried_to_the_same_run_and_facts_come_from_its_hist
                                                                                      monkeypatch):
     rows = [{"input_ids": [5 + i, 6, 7], "labels": [-100, 6, 7]} for i in range(5)]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
-    run_cfg = C.RunConfig(model={"name": "tiny"}, sft=C.SftConfig(steps=3, batch_size=2))
+    run_cfg = C.RunConfig(model={"name": "tiny"}, sft=SftConfig(steps=3, batch_size=2))
     val = ValSet(str(tmp_path / "val.parquet"), str(tmp_path / "sids.parquet"), 10, 20, 2, k=10, beam_width=10)
     fault = FaultInjection(fail_at_step=2, fail_marker=str(tmp_path / "m"))
     inputs = SftInputs(run_cfg=run_cfg, train_path=tmp_path / "train.parquet", model_dir=model_dir, pad_id=0,

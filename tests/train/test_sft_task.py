@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gti import config
+from gti.config_train import SftConfig
+from gti.errors import ConfigError
 
 HASH = "hash-sft-task"
 
@@ -13,8 +14,8 @@ HASH = "hash-sft-task"
 def test_qlora_without_bitsandbytes_or_gpu_is_a_config_error():
     from gti.train import sft_task as sft
 
-    with pytest.raises(config.ConfigError, match="sft.lora.quantize_4bit"):
-        sft.check_lora_supported(config.SftConfig(lora={"enabled": True, "quantize_4bit": True}))
-    with pytest.raises(config.ConfigError, match="sft.lora.enabled"):
-        sft.check_lora_supported(config.SftConfig(lora={"enabled": False, "quantize_4bit": True}))
-    sft.check_lora_supported(config.SftConfig(lora={"enabled": True}))
+    with pytest.raises(ConfigError, match="sft.lora.quantize_4bit"):
+        sft.check_lora_supported(SftConfig(lora={"enabled": True, "quantize_4bit": True}))
+    with pytest.raises(ConfigError, match="sft.lora.enabled"):
+        sft.check_lora_supported(SftConfig(lora={"enabled": False, "quantize_4bit": True}))
+    sft.check_lora_supported(SftConfig(lora={"enabled": True}))

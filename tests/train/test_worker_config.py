@@ -1,6 +1,6 @@
 """gti/train/worker_config.py: the typed config every worker of the shared loop gets, built in
 one place (`WorkerConfig.build`), and the one boundary where it becomes Ray Train's dict
-(`gti.train.driver.run_trainer`) and comes back (`from_loop_dict`)."""
+(`gti.train.ray_train.run_trainer`) and comes back (`from_loop_dict`)."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def test_ray_trains_dict_carries_the_config_and_the_worker_rebuilds_it(tmp_path)
     """run_trainer flattens the top level (hooks and nested records as objects, the progress
     file set); the worker entry rebuilds an equal WorkerConfig, after pickling as Ray does. A
     plain dict (the RQ-VAE's config) is copied with the progress file."""
-    from gti.train.driver import _train_loop_config
+    from gti.train.ray_train import _train_loop_config
 
     c = _ground(fault=FaultInjection(fail_at_step=3, fail_marker=str(tmp_path / "m")))
     pf = tmp_path / "ground.progress.jsonl"

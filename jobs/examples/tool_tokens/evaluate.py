@@ -42,7 +42,7 @@ def evaluate(model_dir: str | Path, tokens_path: str | Path) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from gti.lm import newvocab
+    from gti.lm import described_tokens
 
     model_dir = Path(model_dir)
     meta = json.loads((model_dir / "gti_meta.json").read_text())
@@ -50,10 +50,10 @@ def evaluate(model_dir: str | Path, tokens_path: str | Path) -> dict:
     first, end = meta["new_token_ids"]
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, use_safetensors=True, dtype=torch.float32)
-    tokens = [t for t in newvocab.read_tokens(tokens_path) if t.token in ids]
-    templates = {"desc2token": (meta.get("templates") or newvocab.DEFAULT_TEMPLATES)["desc2token"]}
-    pairs = newvocab.render_pairs(tok, tokens, [ids[t.token] for t in tokens], templates,
-                                  meta.get("system_prompt", "You are a helpful assistant."), max_len=512)
+    tokens = [t for t in described_tokens.read_tokens(tokens_path) if t.token in ids]
+    templates = {"desc2token": (meta.get("templates") or described_tokens.DEFAULT_TEMPLATES)["desc2token"]}
+    pairs = described_tokens.render_pairs(tok, tokens, [ids[t.token] for t in tokens], templates,
+                                          meta.get("system_prompt", "You are a helpful assistant."), max_len=512)
     new_ids = sorted(ids.values())
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     out: dict = {}
@@ -62,9 +62,9 @@ def evaluate(model_dir: str | Path, tokens_path: str | Path) -> dict:
             continue
         out[which] = {}
         for split, name in (("train", "train"), ("val", "eval")):
-            prompts, targets = newvocab.description_prompts(pairs, ids, split)
-            ranks = newvocab.description_ranks(model, prompts, targets, new_ids, pad_id=pad)
-            out[which][name] = newvocab.rank_summary(ranks, len(new_ids))
+            prompts, targets = described_tokens.description_prompts(pairs, ids, split)
+            ranks = described_tokens.description_ranks(model, prompts, targets, new_ids, pad_id=pad)
+            out[which][name] = described_tokens.rank_summary(ranks, len(new_ids))
     return out
 
 

@@ -27,7 +27,7 @@ header checks, read tasks) goes through that.
 This module is the entry point: `iter_task` picks the reader of a read task and
 `check_header` checks a task's columns before any work starts; where the files are and how
 they are opened lives in `gti.data.sources`, the per-format readers in `gti.data.readers`
-(both re-exported here under their old names).
+(`gti.data.amazon2023` for the Amazon Reviews 2023 layout).
 
 What it does not know: validation rules, Ray, or where outputs go.
 """
@@ -36,9 +36,9 @@ from __future__ import annotations
 
 from typing import Iterator
 
+from gti.data import amazon2023
 from gti.data.catalog import READ_ERROR
 from gti.data.readers import (
-    MOVIELENS_GENRES,
     RawBatch,
     _amazon_record,
     _csv_header,
@@ -51,27 +51,8 @@ from gti.data.readers import (
     interaction_mapping,
     item_mapping,
 )
-from gti.data.sources import (
-    READ_ERRORS,
-    ReadTask,
-    _open,
-    _parquet_file,
-    _reason,
-    detect_format,
-    expand_paths,
-    plan_tasks,
-)
+from gti.data.sources import ReadTask, _parquet_file
 from gti.errors import DataError
-
-__all__ = [
-    "MOVIELENS_GENRES", "READ_ERRORS", "RawBatch", "ReadTask", "check_columns", "check_header",
-    "detect_format", "expand_paths", "interaction_mapping", "item_mapping", "iter_task", "plan_tasks",
-    # reader internals that gti.data.inspect, gti.data.amazon2023 and gti.stages.ingest use
-    "_csv_header", "_json_records", "_movielens_records", "_open", "_parquet_file", "_reason",
-    "_records_to_batches", "error_reason",
-]
-
-error_reason = _reason  # the public name, for callers outside gti.data (gti.data.batches, gti.input_files)
 
 
 def iter_task(task: ReadTask, kind: str, columns, batch_rows: int = 8192) -> Iterator[tuple[RawBatch, int]]:
@@ -100,8 +81,6 @@ def iter_task(task: ReadTask, kind: str, columns, batch_rows: int = 8192) -> Ite
         yield from _records_to_batches(task, _json_records(task, literal_ok=True), amap, ["item_id"],
                                        section, batch_rows, convert=_amazon_record)
     elif task.fmt == "amazon2023":
-        from gti.data import amazon2023
-
         yield from amazon2023.iter_task(task, kind, columns, batch_rows)
     elif task.fmt == "movielens":
         if kind == "items":

@@ -11,12 +11,15 @@ What it is for: turning its JSON lines into records with our canonical names, fo
   Manufacturer, else `store`; `store` and `main_category` kept as attributes.
 - review lines: `user_id`, `parent_asin` (else `asin`) -> item_id, `timestamp` (Unix ms) -> ts.
 
-What it does not know: validation (gti.data.catalog), files (adapters), Ray.
+What it does not know: validation (gti.data.catalog), finding and opening files (gti.data.sources),
+Ray.
 """
 
 from __future__ import annotations
 
 from typing import Any, Iterator
+
+from gti.data.readers import _json_records, _records_to_batches
 
 ITEM_FIELDS = ("item_id", "title", "description", "category", "brand", "store", "details", "main_category")
 
@@ -78,8 +81,6 @@ def iter_task(task, kind: str, columns, batch_rows: int) -> Iterator[tuple[dict,
     """adapters.iter_task for `format: amazon2023` (items: metadata; interactions: reviews).
     Attribute columns are read by name from the converted record (brand, store, details,
     main_category); `data.interactions.columns.ts: null` keeps file order instead of timestamps."""
-    from gti.data import adapters
-
     if kind == "items":
         mapping = {"item_id": "item_id", "title": "title", "description": "description", "category": "category"}
         mapping.update({a: a for a in columns.attributes})
@@ -89,5 +90,5 @@ def iter_task(task, kind: str, columns, batch_rows: int) -> Iterator[tuple[dict,
         if columns.ts:
             mapping["ts"] = "ts"
         convert = review_record
-    yield from adapters._records_to_batches(task, adapters._json_records(task), mapping, ["item_id"], kind,
-                                            batch_rows, convert=convert)
+    yield from _records_to_batches(task, _json_records(task), mapping, ["item_id"], kind, batch_rows,
+                                   convert=convert)

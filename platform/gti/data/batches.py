@@ -5,7 +5,7 @@ files the same way, with this module:
 
 - `Source(data, kind, log)`: one source (`"items"` or `"interactions"`, the `data.items` /
   `data.interactions` section of `data`) planned before any row is read: its files, read tasks
-  (`gti.data.adapters.plan_tasks`), the optional columns it lacks (header check), and the files
+  (`gti.data.sources.plan_tasks`), the optional columns it lacks (header check), and the files
   left out as unreadable under `data.on_unreadable_file: skip`. `Source.passes(body)` reruns a
   pass over the source without each file found unreadable mid-read (`SkipFile`).
 - `validated_batches(tasks, kind, columns, max_text_chars, batch_rows)`: read tasks in,
@@ -30,6 +30,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from gti.data import adapters
+from gti.data.sources import READ_ERRORS, ReadTask, error_reason, expand_paths, plan_tasks
 from gti.data import catalog as cat
 from gti.errors import DataError, GtiError, UnreadableFileError
 from gti.redact import redact_text
@@ -39,7 +40,7 @@ UNREADABLE_FILE = "__unreadable_file__"  # marker row: the same, for a file that
 BATCH_ROWS = 8192
 
 
-def validated_batches(tasks: list[adapters.ReadTask], kind: str, columns, max_text_chars: int,
+def validated_batches(tasks: list[ReadTask], kind: str, columns, max_text_chars: int,
                       batch_rows: int = BATCH_ROWS) -> Iterator[pa.Table]:
     """Read + row-check `tasks` in order. `columns`: the source's column mapping (an
     `ItemColumns` / `InteractionColumns`). A file-level user error ends the stream with one
@@ -55,8 +56,8 @@ def validated_batches(tasks: list[adapters.ReadTask], kind: str, columns, max_te
                     else:
                         has_ts = columns.ts is not None or task.fmt == "movielens"
                         yield cat.validate_interactions(raw, has_ts, shown, first_row)
-            except adapters.READ_ERRORS as err:  # a reader path that did not name the file itself
-                raise UnreadableFileError(task.file, f"cannot read: {adapters.error_reason(err)}") from None
+            except READ_ERRORS as err:  # a reader path that did not name the file itself
+                raise UnreadableFileError(task.file, f"cannot read: {error_reason(err)}") from None
         except GtiError as err:
             # A file-level user error travels as a marker row rather than a task failure, so the
             # user sees our one line instead of Ray's retry notes and task traceback.
@@ -68,7 +69,7 @@ def validated_batches(tasks: list[adapters.ReadTask], kind: str, columns, max_te
             return
 
 
-def local_stream(tasks: list[adapters.ReadTask], kind: str, columns, max_text_chars: int, parallelism=None):
+def local_stream(tasks: list[ReadTask], kind: str, columns, max_text_chars: int, parallelism=None):
     """The validated batches of all tasks, in input order, computed in this process (the same
     batches as the ingest stage's `ray_stream`; for `gti refresh`, tests and debugging a bad
     file without Ray). `parallelism` is ignored (the signature of a stream)."""
@@ -124,13 +125,13 @@ class Source:
         self.src = data.items if kind == "items" else data.interactions
         self.skip = data.on_unreadable_file == "skip"
         opts = getattr(self.src, "storage_options", None) or {}
-        self.files = adapters.expand_paths(self.src.path, kind, opts)
-        self.tasks: list[adapters.ReadTask] = []
+        self.files = expand_paths(self.src.path, kind, opts)
+        self.tasks: list[ReadTask] = []
         self.skipped: list[dict[str, str]] = []
         missing: set[str] = set()
         for f in self.files:
             try:
-                tasks = adapters.plan_tasks([f], self.src.format, storage_options=opts)
+                tasks = plan_tasks([f], self.src.format, storage_options=opts)
                 # Header/schema checks here, so a wrong column fails before Ray starts work.
                 missing.update(adapters.check_header(tasks[0], kind, self.src.columns) if tasks else [])
             except UnreadableFileError as err:

@@ -135,7 +135,7 @@ def clean_text(value: Any, max_chars: int) -> tuple[str | None, str | None, bool
             return None, INVALID_UTF8, False
     if not isinstance(value, str):
         return None, NON_STRING_TEXT, False
-    # split/join collapses any run of (Unicode) whitespace; ~2x faster than a regex here.
+    # split/join collapses any run of (Unicode) whitespace, and is faster than a regex here.
     s = " ".join(value.split())
     if not s:
         return None, None, False

@@ -32,6 +32,8 @@ from typing import Any, Callable
 import yaml
 
 from gti.data import adapters
+from gti.data.readers import _csv_header, _json_records, _movielens_records
+from gti.data.sources import ReadTask, _open, _parquet_file, detect_format, expand_paths, plan_tasks
 from gti.data import catalog as cat
 from gti.errors import DataError
 
@@ -138,9 +140,9 @@ def profile(records: list[dict[str, Any]], order: list[str] | None = None) -> li
 def _raw_records(file: str, fmt: str, kind: str, n: int) -> tuple[list[dict], list[str] | None, int]:
     """Up to n raw records of one file as the user wrote them (names not mapped), the column
     order where the format has one, and how many lines could not be read."""
-    task = adapters.ReadTask(file, fmt)
+    task = ReadTask(file, fmt)
     if fmt == "parquet":
-        pf = adapters._parquet_file(file)
+        pf = _parquet_file(file)
         rows: list[dict] = []
         for b in pf.iter_batches(batch_size=min(n, 65536)):
             rows.extend(b.to_pylist())
@@ -152,10 +154,10 @@ def _raw_records(file: str, fmt: str, kind: str, n: int) -> tuple[list[dict], li
         import pyarrow.csv as pacsv
 
         delim = "," if fmt == "csv" else "\t"
-        header = adapters._csv_header(task, delim)
+        header = _csv_header(task, delim)
         convert = pacsv.ConvertOptions(column_types={c: pa.string() for c in header}, strings_can_be_null=True)
         rows = []
-        with adapters._open(file) as fh:
+        with _open(file) as fh:
             try:
                 reader = pacsv.open_csv(fh, parse_options=pacsv.ParseOptions(delimiter=delim, newlines_in_values=True),
                                         convert_options=convert)
@@ -167,16 +169,16 @@ def _raw_records(file: str, fmt: str, kind: str, n: int) -> tuple[list[dict], li
                 raise DataError(f"{file}: CSV parse error: {str(err).splitlines()[0]}") from None
         return rows[:n], header, 0
     if fmt == "movielens":
-        recs = list(itertools.islice(adapters._movielens_records(task, kind), n))
+        recs = list(itertools.islice(_movielens_records(task, kind), n))
     else:
-        recs = list(itertools.islice(adapters._json_records(task, literal_ok=True), n))
+        recs = list(itertools.islice(_json_records(task, literal_ok=True), n))
     bad = sum(1 for r in recs if cat.READ_ERROR in r)
     return [r for r in recs if cat.READ_ERROR not in r], None, bad
 
 
 def sniff_format(file: str, kind: str, records: list[dict] | None = None) -> str:
     """The reader for `file`: by extension (adapters.detect_format), then by layout keys."""
-    fmt = adapters.detect_format(file, "auto")
+    fmt = detect_format(file, "auto")
     if fmt in ("jsonl", "json") and records:
         keys = set().union(*(r.keys() for r in records))
         if kind == "items" and "parent_asin" in keys and keys & _AMAZON2023_ITEM_KEYS:
@@ -244,7 +246,7 @@ def _read_sample(files: list[str], fmt: str, kind: str, columns, n: int):
     """([(file, raw batch, first row)] of the first n rows through the real reader, whether
     that is every row). One row past the sample is read to tell, then dropped."""
     out, left = [], n + 1
-    for t in adapters.plan_tasks(files, fmt):
+    for t in plan_tasks(files, fmt):
         for raw, first in adapters.iter_task(t, kind, columns, batch_rows=min(left, 8192)):
             rows = cat._n_rows(raw)
             take = min(rows, left)
@@ -266,7 +268,7 @@ def dry_run(cfg: Any, n: int, with_interactions: bool = True) -> tuple[dict[str,
     """Quarantine reasons ingest would give on the first n rows of each input:
     ({rows, ok, reasons, complete}, same for interactions plus users, or None)."""
     d = cfg.data
-    items_files = adapters.expand_paths(d.items.path, "items")
+    items_files = expand_paths(d.items.path, "items")
     batches, items_complete = _read_sample(items_files, d.items.format, "items", d.items.columns, n)
     reasons: Counter[str] = Counter()
     kept: set[str] = set()
@@ -285,9 +287,9 @@ def dry_run(cfg: Any, n: int, with_interactions: bool = True) -> tuple[dict[str,
     inter: dict[str, Any] | None = None
     if with_interactions:
         src = d.interactions
-        files = adapters.expand_paths(src.path, "interactions")
+        files = expand_paths(src.path, "interactions")
         ibatches, inter_complete = _read_sample(files, src.format, "interactions", src.columns, n)
-        has_ts = src.columns.ts is not None or any(adapters.detect_format(f, src.format) == "movielens" for f in files)
+        has_ts = src.columns.ts is not None or any(detect_format(f, src.format) == "movielens" for f in files)
         r2: Counter[str] = Counter()
         per_user: Counter[str] = Counter()
         rows = ok = 0
@@ -317,8 +319,8 @@ def dry_run(cfg: Any, n: int, with_interactions: bool = True) -> tuple[dict[str,
 
 # --------------------------------------------------------------------------- the command
 def inspect_source(path: str, kind: str, n: int) -> Source:
-    files = adapters.expand_paths(path, kind)
-    concrete = adapters.detect_format(files[0], "auto")
+    files = expand_paths(path, kind)
+    concrete = detect_format(files[0], "auto")
     records, order, bad = _raw_records(files[0], concrete, kind, n)
     fmt = sniff_format(files[0], kind, records)
     cols = profile(records, order)

@@ -41,7 +41,7 @@ class ItemCounts:
     def __init__(self) -> None:
         self.rows_in = self.ok = self.quarantined = self.truncated = self.pseudo = 0
         self.reasons: Counter[str] = Counter()
-        self.seen = IdSet()  # kept ids: duplicates and the unknown-item check (~30 B/id)
+        self.seen = IdSet()  # kept ids: duplicates and the unknown-item check (compact: gti.data.idset)
         self.limit_reached = False
 
 

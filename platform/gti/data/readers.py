@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 
 from gti.data.catalog import INVALID_UTF8, MALFORMED_RECORD, READ_ERROR
-from gti.data.sources import READ_ERRORS, ReadTask, _open, _parquet_file, _reason
+from gti.data.sources import READ_ERRORS, ReadTask, _open, _parquet_file, error_reason
 from gti.errors import DataError, UnreadableFileError
 
 MOVIELENS_GENRES = [
@@ -143,7 +143,7 @@ def _iter_parquet(task: ReadTask, mapping, required, section, batch_rows) -> Ite
         except READ_ERRORS as err:
             n = pf.metadata.row_group(rg).num_rows
             raise UnreadableFileError(
-                task.file, f"row group {rg} (data rows {start}-{start + n - 1}) is damaged: {_reason(err)}"
+                task.file, f"row group {rg} (data rows {start}-{start + n - 1}) is damaged: {error_reason(err)}"
             ) from None
 
 
@@ -155,7 +155,7 @@ def _csv_header(task: ReadTask, delimiter: str) -> list[str]:
         with _open(task.file, task.storage_options) as fh:
             head = fh.read(1 << 16)
     except READ_ERRORS as err:  # e.g. a gzip file whose end is cut off, read whole here
-        raise UnreadableFileError(task.file, f"cannot read: {_reason(err)}") from None
+        raise UnreadableFileError(task.file, f"cannot read: {error_reason(err)}") from None
     if not head.strip():
         raise UnreadableFileError(task.file, "empty file (no header row)")
     first = head.split(b"\n", 1)[0].decode("utf-8", errors="replace").lstrip("\ufeff")
@@ -194,12 +194,12 @@ def _iter_csv(task: ReadTask, mapping, required, section, batch_rows, delimiter=
         where = _ragged_row(task.file, delimiter, len(header), task.storage_options)
         # pyarrow's own "Row #N" (a line number, given only when it parses serially) would
         # contradict the data row: drop it with its redundant prefix.
-        what = re.sub(r"^CSV parse error: (Row #\d+: )?", "", _reason(err))
+        what = re.sub(r"^CSV parse error: (Row #\d+: )?", "", error_reason(err))
         raise UnreadableFileError(task.file, f"CSV parse error{where}: {what}") from None
     except READ_ERRORS as err:
         # Where in the failing block the damage starts is not known; say what was read.
         read = f" (after the first {row} data rows)" if row else ""
-        raise UnreadableFileError(task.file, f"cannot read{read}: {_reason(err)}") from None
+        raise UnreadableFileError(task.file, f"cannot read{read}: {error_reason(err)}") from None
 
 
 def _size(n: int) -> str:
@@ -233,7 +233,7 @@ def _json_records(task: ReadTask, literal_ok: bool = False) -> Iterator[dict]:
     try:
         yield from _json_records_of(task, literal_ok, counter)
     except READ_ERRORS as err:
-        raise UnreadableFileError(task.file, f"cannot read after line {counter[0]}: {_reason(err)}") from None
+        raise UnreadableFileError(task.file, f"cannot read after line {counter[0]}: {error_reason(err)}") from None
 
 
 def _json_records_of(task: ReadTask, literal_ok: bool, counter: list[int]) -> Iterator[dict]:
@@ -251,7 +251,7 @@ def _json_records_of(task: ReadTask, literal_ok: bool, counter: list[int]) -> It
             try:
                 arr = json.loads(rest)
             except (ValueError, UnicodeDecodeError) as err:
-                raise UnreadableFileError(task.file, f"not valid JSON: {_reason(err)}") from None
+                raise UnreadableFileError(task.file, f"not valid JSON: {error_reason(err)}") from None
             except RecursionError:
                 raise UnreadableFileError(task.file, f"not readable JSON: {_TOO_DEEP}") from None
             for rec in arr:

@@ -5,7 +5,7 @@ URI pyarrow/fsspec understands), telling each file's concrete format (parquet, c
 json, amazon, amazon2023, movielens) from the configured one and its extension, cutting the
 files into read tasks (a large parquet file into row-group ranges), and opening a file as a
 byte stream (gz/bz2/zstd decompressed) or as a parquet file. A file that cannot be opened
-raises `UnreadableFileError` naming it; `READ_ERRORS` and `_reason` are how every reader
+raises `UnreadableFileError` naming it; `READ_ERRORS` and `error_reason` are how every reader
 catches and words a damaged read.
 
 Private buckets: `data.<source>.storage_options` (e.g. {key, secret} for s3://, {account_name,
@@ -84,7 +84,7 @@ def expand_paths(path: str, kind: str, storage_options: Mapping[str, str] | None
         try:
             files = _expand_uri(path, storage_options)
         except (*READ_ERRORS, ValueError, ImportError, TypeError) as err:  # unknown scheme, no access, ...
-            raise DataError(redact_text(f"data.{kind}.path: cannot list {path}: {_reason(err)}")) from None
+            raise DataError(redact_text(f"data.{kind}.path: cannot list {path}: {error_reason(err)}")) from None
         if not files:
             raise DataError(f"data.{kind}.path: no data files match {redact_text(path)}")
         return files
@@ -137,7 +137,7 @@ def _open(path: str, storage_options: Mapping[str, str] | None = None):
             fs, p = pafs.LocalFileSystem(), os.path.abspath(path)
         return fs.open_input_stream(p, compression="detect")
     except (OSError, pa.ArrowException) as err:
-        raise UnreadableFileError(path, f"cannot open: {_reason(err)}") from None
+        raise UnreadableFileError(path, f"cannot open: {error_reason(err)}") from None
 
 
 def _parquet_file(path: str, storage_options: Mapping[str, str] | None = None) -> pq.ParquetFile:
@@ -147,7 +147,7 @@ def _parquet_file(path: str, storage_options: Mapping[str, str] | None = None) -
             return pq.ParquetFile(fs.open_input_file(p))
         return pq.ParquetFile(path)
     except (OSError, pa.ArrowException) as err:
-        raise UnreadableFileError(path, f"not a readable parquet file: {_reason(err)}") from None
+        raise UnreadableFileError(path, f"not a readable parquet file: {error_reason(err)}") from None
 
 
 # What reading a damaged or truncated file raises (pyarrow: OSError / ArrowInvalid; EOFError
@@ -155,7 +155,7 @@ def _parquet_file(path: str, storage_options: Mapping[str, str] | None = None) -
 READ_ERRORS = (OSError, EOFError, pa.ArrowException)
 
 
-def _reason(err: BaseException) -> str:
+def error_reason(err: BaseException) -> str:
     """The first non-empty line of a reader's error (pyarrow's run over several lines), with
     control characters escaped: a damaged page's error can quote the garbage bytes it met."""
     lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]

@@ -1,5 +1,5 @@
 """The report's tables, computed from run records (the statistics are documented in
-`gti.diagnostics.report`).
+`gti.diagnostics.report_files`).
 
 What it is for: long-form rows of the metrics table (mean +- std over seeds, bootstrap CIs,
 lift vs the baseline arm and its verdict), the cold-item slice, the embedding diagnostics

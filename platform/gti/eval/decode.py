@@ -6,22 +6,22 @@ ranks highest, with their scores (sum of log-probabilities of the L SID tokens, 
 log-softmax over the FULL vocabulary, so scores equal those of transformers `generate` with
 `length_penalty=0`).
 
-How it is fast (MISSION section 7): transformers `generate` copies every prompt to all beams
-before the prefill (U users x W beams prompt rows, ~91% of its time). Here the prompts are
-left-padded into one batch and prefilled ONCE per user; the KV cache is then repeated across the
-W beams (`DynamicCache.batch_repeat_interleave`) and only L-1 single-token steps follow, with
-a reorder after each beam selection that moves only the generated positions (a user's beams
-share identical prompt rows; `DynamicCache.reorder_cache` would copy the whole cache). The
-trie's `allowed()` mask is applied as a tensor over the new-token slice of the log-probs only,
-so a step's top-W runs over W x V_new candidates instead of W x V.
+How it is fast (bench/RESULTS.md, "Constrained decoding"): transformers `generate` copies
+every prompt to all beams before the prefill (U users x W beams prompt rows, most of its time).
+Here the prompts are left-padded into one batch and prefilled ONCE per user; the KV cache is
+then repeated across the W beams (`DynamicCache.batch_repeat_interleave`) and only L-1
+single-token steps follow, with a reorder after each beam selection that moves only the
+generated positions (a user's beams share identical prompt rows; `DynamicCache.reorder_cache`
+would copy the whole cache). The trie's `allowed()` mask is applied as a tensor over the
+new-token slice of the log-probs only, so a step's top-W runs over W x V_new candidates
+instead of W x V.
 
 The result type, the trie protocol, final-beam selection and prompt padding live in
-`gti.eval.beams`; `override_generation_config` (neutralises sampling/top-k/top-p/penalties of a
-checkpoint's generation_config, the trap of MISSION section 6) and `generate_with_prefix_fn`
-(the peer method: `generate` + `prefix_allowed_tokens_fn` over the same trie, as LC-Rec and
-MiniOneRec do) live in `gti.eval.generate`. All of them are re-exported here, so
-`gti.eval.decode` stays the one import for decoding. Also here: `score_all_sids`, the
-exhaustive teacher-forced reference.
+`gti.eval.beams`; `override_generation_config` (neutralises sampling/top-k/top-p/penalties of
+a checkpoint's generation_config, which would otherwise change the beams and their scores)
+and `generate_with_prefix_fn` (the peer method: `generate` + `prefix_allowed_tokens_fn` over
+the same trie, as LC-Rec and MiniOneRec do) live in `gti.eval.generate`; callers import them
+from there. Also here: `score_all_sids`, the exhaustive teacher-forced reference.
 
 Forward calls use the transformers 5.24 argument `cache=` (`past_key_values=` is deprecated
 there, see `deprecate_kwarg` on `LlamaForCausalLM.forward`).
@@ -40,22 +40,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from gti.eval.beams import (  # noqa: F401 - DecodeResult, TrieLike, left_pad, topk_agreement re-exported
-    NEG_INF,
-    DecodeResult,
-    TrieLike,
-    as_prompt_lists,
-    chunks,
-    finalise,
-    left_pad,
-    model_device,
-    topk_agreement,
-)
-from gti.eval.generate import (  # noqa: F401 - re-exported: gti.eval.decode is the one import
-    generate_with_prefix_fn,
-    make_prefix_allowed_tokens_fn,
-    override_generation_config,
-)
+from gti.eval.beams import NEG_INF, DecodeResult, TrieLike, as_prompt_lists, chunks, finalise, left_pad, model_device
 
 
 # --------------------------------------------------------------------------- our search

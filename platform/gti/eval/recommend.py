@@ -4,7 +4,7 @@ What it is for: `top_k(run, history, k)` renders the prompt exactly as the evalu
 renders it (first retrieval template, the run's system prompt, the newest `max_history` items,
 cut to `sft.max_len`) and decodes the items with `gti.eval.decode.constrained_beam_search` over
 the catalog's SID trie (beam width = max(k, beam_width)); `format_recommendations` prints them.
-`run` is any object with the attributes of `gti.run_artifacts.LoadedRun` (model, trie,
+`run` is any object with the attributes of `gti.loaded_run.LoadedRun` (model, trie,
 renderer, item_ids, sids, sid_ids, titles, max_history, beam_width, pad_id, levels), which is
 where a run directory is loaded and its SID map checked (`gti recommend`).
 

@@ -50,7 +50,7 @@ import numpy as np
 
 @dataclass
 class SasrecParams:
-    """Hyper-parameters passed to cornac's SASRec (names as in `gti.config.SasrecConfig`)."""
+    """Hyper-parameters passed to cornac's SASRec (names as in `gti.config_eval.SasrecConfig`)."""
 
     epochs: int = 10
     dim: int = 64

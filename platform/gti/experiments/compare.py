@@ -57,7 +57,7 @@ records folder and a multi-hour CPU comparison can span sessions. `--report-only
 report from finished runs and records without running anything.
 
 What it does not know: what the stages compute; it only prepares configs and run folders,
-drives `gti.pipeline`, and hands the finished runs to `gti.diagnostics.report`.
+drives `gti.pipeline`, and hands the finished runs to `gti.diagnostics.report_files`.
 """
 
 from __future__ import annotations
@@ -73,13 +73,13 @@ from typing import Any, Callable, Mapping, Sequence
 
 from gti import config as C
 from gti import pipeline
+from gti.config_io import apply_overrides
 from gti.errors import GtiError
-from gti.experiments.records import (  # noqa: F401 - the record API, also reachable from here
-    NON_SEMANTIC_KEYS, RECORD_FORMAT, config_diff, load_record, read_record, record_path, records_dir, run_facts,
-    shared_identity, write_record,
+from gti.experiments.records import (
+    load_record, read_record, record_path, records_dir, run_facts, shared_identity, write_record,
 )
-from gti.experiments.shared import SHARED_STAGES, ArmRun, CompareError, adopt_shared, slug
-from gti.manifest import atomic_write_json
+from gti.experiments.shared_stages import SHARED_STAGES, ArmRun, CompareError, adopt_shared, slug
+from gti.files import atomic_write_json
 from gti.train import resources
 
 ARMS: dict[str, dict[str, Any]] = {
@@ -162,7 +162,7 @@ def arm_config(cfg: C.RunConfig, arm: str, seed: int, run_dir: Path) -> C.RunCon
     """The validated config of one arm x seed run in `run_dir`."""
     raw = cfg.model_dump(mode="json")
     ov = arm_overrides(cfg, arm) + [f"seed={seed}", f"run_dir={run_dir}"]
-    return C.validate(C.apply_overrides(raw, ov), f"arm '{arm}' seed {seed}")
+    return C.validate(apply_overrides(raw, ov), f"arm '{arm}' seed {seed}")
 
 
 def plan(cfg: C.RunConfig, arms: Sequence[str], n_seeds: int | str | Mapping[str, int], out: Path) -> list[ArmRun]:
@@ -182,7 +182,7 @@ def plan(cfg: C.RunConfig, arms: Sequence[str], n_seeds: int | str | Mapping[str
 
 # --------------------------------------------------------------------------- shared stages
 def shared_config(cfg: C.RunConfig, out: Path) -> C.RunConfig:
-    return C.validate(C.apply_overrides(cfg.model_dump(mode="json"), [f"run_dir={out / 'shared'}"]))
+    return C.validate(apply_overrides(cfg.model_dump(mode="json"), [f"run_dir={out / 'shared'}"]))
 
 
 def first_incomplete(cfg: C.RunConfig, run_dir: Path) -> str | None:
@@ -300,7 +300,7 @@ def write_report(
     """The cross-arm report over the finished runs and the stored records standing for runs
     not here (`stored`: {(arm, seed): (RunRecord, run facts)}), in plan order: spectra per
     phase, SFT learning curves, heat maps per arm (from runs whose folders are here)."""
-    from gti.diagnostics.report import build_report, learning_curve_plots, spectra_plots
+    from gti.diagnostics.report_files import build_report, learning_curve_plots, spectra_plots
 
     stored = stored or {}
     done = [r for r in runs if (r.run_dir / "report" / "_manifest.json").is_file()]

@@ -23,8 +23,9 @@ from typing import Any
 
 from gti import config as C
 from gti.errors import GtiError
-from gti.experiments.shared import ArmRun, CompareError, slug
-from gti.manifest import Manifest, ManifestError, atomic_write_json, file_fingerprint
+from gti.experiments.shared_stages import ArmRun, CompareError, slug
+from gti.manifest import Manifest, ManifestError, file_fingerprint
+from gti.files import atomic_write_json
 
 
 RECORD_FORMAT = 1
@@ -125,7 +126,7 @@ def write_record(r: ArmRun, rdir: Path, identity: dict[str, str]) -> Path:
 def read_record(r: ArmRun, rdir: Path, identity: dict[str, str]):
     """(RunRecord, run facts, "") when a stored record stands for run `r`; (None, None, why
     not) otherwise ("" when there is no record at all)."""
-    from gti.diagnostics.report import RunRecord
+    from gti.diagnostics.runs import RunRecord
 
     path = record_path(rdir, r.arm, r.seed)
     if not path.is_file():
@@ -208,7 +209,7 @@ def _ran_with(r: ArmRun) -> dict[str, Any]:
 def load_record(r: ArmRun):
     """A RunRecord of a finished run (metrics, per-phase diagnostics, config, versions, SFT
     validation curves, ground/SFT wall time)."""
-    from gti.diagnostics.report import RunRecord
+    from gti.diagnostics.runs import RunRecord
 
     rep = Manifest.read(r.run_dir / "report")
     doc = json.loads(rep.output(r.run_dir / "report", "report_json").read_text())

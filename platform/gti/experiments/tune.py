@@ -62,11 +62,11 @@ import yaml
 
 from gti import config as C
 from gti import pipeline
-from gti.experiments.shared import adopt_shared
-from gti.experiments.tune_space import (  # noqa: F401 - re-exported: gti.experiments.tune is the entry point
+from gti.config_io import apply_overrides, read_yaml
+from gti.errors import ConfigError
+from gti.experiments.shared_stages import adopt_shared
+from gti.experiments.tune_space import (
     RANK_METRICS,
-    SPACE_TYPES,
-    Param,
     TuneError,
     apply_params,
     check_sft_objective,
@@ -74,7 +74,6 @@ from gti.experiments.tune_space import (  # noqa: F401 - re-exported: gti.experi
     expand_params,
     first_searched_stage,
     parse_search_space,
-    stage_of,
     to_tune_space,
     trial_count,
     trial_shared_stages,
@@ -220,7 +219,7 @@ def _sweep_locked(cfg: C.RunConfig, raw: dict[str, Any] | None, echo) -> dict[st
     params = parse_search_space(cfg.tune.search_space, cfg)
     keys = [p.key for p in params]
     if not cfg.ground.enabled:
-        raise C.ConfigError("gti tune searches the grounding stage: it needs ground.enabled: true")
+        raise ConfigError("gti tune searches the grounding stage: it needs ground.enabled: true")
     if cfg.tune.objective == "sft":
         check_sft_objective(cfg)
     shared = trial_shared_stages(config_keys(params), cfg.tune.objective)
@@ -283,7 +282,7 @@ def rewrite_trial_curves(cfg: C.RunConfig, run_dir: Path, grid, keys: list[str])
     """
     from gti.progress import JsonlFollower
     from gti.tracking import Tracker
-    from gti.train.driver import STORAGE_DIR, progress_path
+    from gti.train.ray_train import STORAGE_DIR, progress_path
 
     tb_only = cfg.model_copy(update={"tracking": cfg.tracking.model_copy(update={"mlflow": False})})
     for r in grid:
@@ -351,7 +350,7 @@ def summarise(cfg, base_raw, params, grid, wall: float, echo=_echo) -> dict[str,
 
 def cli_main(args) -> int:
     """`gti tune --config X [key=value ...]`."""
-    raw = C.apply_overrides(C.read_yaml(args.config), list(args.overrides or []))
+    raw = apply_overrides(read_yaml(args.config), list(args.overrides or []))
     cfg = C.validate(raw, f"{args.config} (with overrides)" if args.overrides else str(args.config))
     summary = sweep(cfg, raw=raw)
     print(yaml.safe_dump({"best": summary["best"]["params"], "metric": summary["best"]["metric"],

@@ -20,8 +20,9 @@ from typing import Any
 
 from gti import config as C
 from gti import pipeline
-from gti.errors import GtiError
-from gti.experiments.shared import SHARED_STAGES
+from gti.config_io import apply_overrides
+from gti.errors import ConfigError, GtiError
+from gti.experiments.shared_stages import SHARED_STAGES
 
 SPACE_TYPES = ("loguniform", "uniform", "choice", "randint", "grid")
 # Evaluation facts that are not "@K" metrics (facts["ranks"][split], with eval.exact_rank).
@@ -68,61 +69,61 @@ def parse_search_space(space: dict[str, dict[str, Any]], base: C.RunConfig) -> l
     every value of a choice): each is applied to `base` and the whole config validated again.
     """
     if not space:
-        raise C.ConfigError("tune.search_space is empty: give at least one parameter to search")
+        raise ConfigError("tune.search_space is empty: give at least one parameter to search")
     params: list[Param] = []
     raw = base.model_dump(mode="json")
     for key, spec in space.items():
         where = f"tune.search_space.{key}"
         if not isinstance(spec, dict):
-            raise C.ConfigError(f"{where}: expected a mapping like {{type: loguniform, low: .., high: ..}}")
+            raise ConfigError(f"{where}: expected a mapping like {{type: loguniform, low: .., high: ..}}")
         kind = spec.get("type")
         if kind not in SPACE_TYPES:
-            raise C.ConfigError(f"{where}.type: '{kind}' is not one of {list(SPACE_TYPES)}")
+            raise ConfigError(f"{where}.type: '{kind}' is not one of {list(SPACE_TYPES)}")
         listed = kind in ("choice", "grid")
         tied = len(Param(key, kind).keys) > 1
         if tied and not listed:
-            raise C.ConfigError(f"{where}: tied keys ({key}) need type grid or choice, got {kind}")
+            raise ConfigError(f"{where}: tied keys ({key}) need type grid or choice, got {kind}")
         allowed = {"type", "values"} if listed else {"type", "low", "high"}
         extra = set(spec) - allowed
         if extra:
-            raise C.ConfigError(f"{where}: unknown key(s) {sorted(extra)} for type {kind}")
+            raise ConfigError(f"{where}: unknown key(s) {sorted(extra)} for type {kind}")
         if listed:
             values = spec.get("values")
             if not isinstance(values, list) or not values:
-                raise C.ConfigError(f"{where}.values: give a non-empty list")
+                raise ConfigError(f"{where}.values: give a non-empty list")
             if tied:
                 n = len(Param(key, kind).keys)
                 bad = [v for v in values if not isinstance(v, list) or len(v) != n]
                 if bad:
-                    raise C.ConfigError(f"{where}.values: each value must list {n} values, one for each "
-                                        f"of {key}; got {bad[0]!r}")
+                    raise ConfigError(f"{where}.values: each value must list {n} values, one for each "
+                                      f"of {key}; got {bad[0]!r}")
             p = Param(key, kind, values=tuple(values))
         else:
             try:
                 low, high = float(spec["low"]), float(spec["high"])
             except (KeyError, TypeError, ValueError):
-                raise C.ConfigError(f"{where}: type {kind} needs numeric 'low' and 'high'") from None
+                raise ConfigError(f"{where}: type {kind} needs numeric 'low' and 'high'") from None
             if not low < high:
-                raise C.ConfigError(f"{where}: low ({low:g}) must be below high ({high:g})")
+                raise ConfigError(f"{where}: low ({low:g}) must be below high ({high:g})")
             if kind == "loguniform" and low <= 0:
-                raise C.ConfigError(f"{where}.low: loguniform needs low > 0, got {low:g}")
+                raise ConfigError(f"{where}.low: loguniform needs low > 0, got {low:g}")
             if kind == "randint":
                 if not (low.is_integer() and high.is_integer()):
-                    raise C.ConfigError(f"{where}: randint needs integer low and high")
+                    raise ConfigError(f"{where}: randint needs integer low and high")
                 low, high = int(low), int(high)
             p = Param(key, kind, low=low, high=high)
         for v in p.bounds_or_values():
             probe = v - 1 if (kind == "randint" and v == p.high) else v
             try:
-                C.validate(C.apply_overrides(raw, [f"{k}={_fmt(x)}" for k, x in
-                                                   expand_params({key: probe}).items()]), where)
-            except C.ConfigError as err:
-                raise C.ConfigError(f"{where}: value {probe!r} is not valid for config key '{key}' ({err})") from None
+                C.validate(apply_overrides(raw, [f"{k}={_fmt(x)}" for k, x in
+                                                 expand_params({key: probe}).items()]), where)
+            except ConfigError as err:
+                raise ConfigError(f"{where}: value {probe!r} is not valid for config key '{key}' ({err})") from None
         params.append(p)
     keys = config_keys(params)
     twice = sorted({k for k in keys if keys.count(k) > 1})
     if twice:
-        raise C.ConfigError(f"tune.search_space: {twice} set by more than one entry")
+        raise ConfigError(f"tune.search_space: {twice} set by more than one entry")
     return params
 
 
@@ -177,7 +178,7 @@ def apply_params(raw: dict[str, Any], params: dict[str, Any], source: str) -> C.
     """The run config with sampled `params` ({dotted key: value}, tied keys allowed) applied
     and validated."""
     flat = expand_params(params)
-    return C.validate(C.apply_overrides(raw, [f"{k}={_fmt(v)}" for k, v in sorted(flat.items())]), source)
+    return C.validate(apply_overrides(raw, [f"{k}={_fmt(v)}" for k, v in sorted(flat.items())]), source)
 
 
 # --------------------------------------------------------------------------- stages
@@ -204,11 +205,11 @@ def first_searched_stage(keys: list[str], objective: str = "sft") -> str:
     for key in keys:
         stage = stage_of(key)
         if order(stage) < order("ground"):
-            raise C.ConfigError(
+            raise ConfigError(
                 f"tune.search_space.{key}: '{key}' changes the {stage} stage, which every trial shares "
                 "with the base run (tune searches ground, sft and eval settings)")
         if objective == "grounding" and stage != "ground":
-            raise C.ConfigError(
+            raise ConfigError(
                 f"tune.search_space.{key}: '{key}' changes only the {stage} stage, but tune.objective "
                 "grounding runs the ground stage alone (use tune.objective: sft)")
         first = min(first, stage, key=order)
@@ -225,13 +226,13 @@ def check_sft_objective(cfg: C.RunConfig) -> None:
     """tune.objective sft scores trials by an evaluation metric on the valid split."""
     metric = cfg.tune.metric
     if "@" not in metric and metric not in RANK_METRICS:
-        raise C.ConfigError(
+        raise ConfigError(
             f"tune.metric '{metric}' is not an evaluation metric; with tune.objective sft use one such "
             f"as recall@10 or ndcg@10 (or, with eval.exact_rank: true, one of {list(RANK_METRICS)}), "
             "on the valid split")
     if metric in RANK_METRICS and not cfg.eval.exact_rank:
-        raise C.ConfigError(f"tune.metric '{metric}' needs eval.exact_rank: true (it ranks the whole catalog)")
+        raise ConfigError(f"tune.metric '{metric}' needs eval.exact_rank: true (it ranks the whole catalog)")
     if "valid" not in cfg.eval.splits:
-        raise C.ConfigError(
+        raise ConfigError(
             f"eval.splits: tune.objective sft scores trials on the valid split, but eval.splits is "
             f"{list(cfg.eval.splits)}; add valid (a sweep must not pick by the test split)")

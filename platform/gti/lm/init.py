@@ -25,7 +25,7 @@ tokens, e.g. `<sid_start>`/`<sid_end>` markers, always get the vocabulary mean):
   distinguishable as the first. The PCA basis puts the new rows in directions the LM already
   uses rather than arbitrary ones. A de-duplication level without code vectors keeps the mean.
 
-What it does NOT know: tokenizers, models, or where rows go (see `gti.lm.vocab`).
+What it does NOT know: tokenizers, models, or where rows go (see `gti.lm.new_rows`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from torch import Tensor
 
 from gti.errors import ConfigError
 
-from gti.names import INIT_METHODS as METHODS
+from gti.arms import INIT_METHODS
 
 
 def _level_offsets(codebook_sizes: Sequence[int]) -> list[int]:
@@ -137,7 +137,7 @@ def init_rows(
     codebook_sizes: Sequence[int] | None = None,
     codebooks: Sequence[Tensor] | None = None,
 ) -> Tensor:
-    """Initial new rows, float32 [n_new, d], for `method` in METHODS.
+    """Initial new rows, float32 [n_new, d], for `method` in INIT_METHODS.
 
     old_embeddings: [V_real, d], the real tokenizer rows (no padding rows).
     n_new: number of new rows (SID tokens + markers, if any).
@@ -148,8 +148,8 @@ def init_rows(
     codebook_sizes: codes per level [L] (`description`, `codebook`); SID rows = sum of them.
     codebooks: per level, code vectors [K_l, code_dim] (`codebook`).
     """
-    if method not in METHODS:
-        raise ConfigError(f"init.method '{method}' is not one of {list(METHODS)}")
+    if method not in INIT_METHODS:
+        raise ConfigError(f"init.method '{method}' is not one of {list(INIT_METHODS)}")
     old = old_embeddings.detach().to("cpu", torch.float32)
     if old.ndim != 2 or old.shape[0] < 2:
         raise ConfigError("init: the vocabulary matrix must be [V_real >= 2, d]")

@@ -16,7 +16,7 @@ What it is for:
   pipeline. `model.tiny_pad_vocab_to` pads the embedding matrix past the tokenizer length, the
   way Qwen3 checkpoints are padded.
 
-What it does NOT know: vocabulary extension (see `gti.lm.vocab`), training, or Ray.
+What it does NOT know: vocabulary extension (see `gti.lm.new_rows`), training, or Ray.
 """
 
 from __future__ import annotations

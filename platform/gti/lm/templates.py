@@ -24,32 +24,32 @@ Labels are -100 everywhere except the answer: the SID ids (text->SID) or the tex
 (SID->text), followed by `eot_ids`.
 
 What it does NOT know: where items, SIDs or tokenizers come from (the `pairs` stage), which
-tokens are new (`gti.lm.vocab`), or Ray. No torch needed.
+tokens are new (`gti.lm.new_rows`), or Ray. No torch needed.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
 from gti.errors import ConfigError, DataError
-from gti.lm.chat import (  # noqa: F401 - ChatSkeleton, chat_skeleton, fit_segments, parse_template re-exported
+from gti.lm.chat import (
     IGNORE,
-    ChatSkeleton,
     _encode,
     _encode_many,
     _SKELETONS,
     _Piece,
-    _slot_text,
     _tokenise_literals,
     chat_skeleton,
     end_of_turn_ids,
     fit_segments,
     parse_template,
 )
-from gti.names import DEFAULT_GROUNDING_TEMPLATES
+
+if TYPE_CHECKING:
+    import polars as pl
 
 
 # Grounding tasks: (direction, answer template). text->SID answers are the SID itself.
@@ -248,8 +248,9 @@ def render_compact_prompt(tokenizer, history_sid_ids: Sequence[Sequence[int]], t
     `system_prompt` are ignored. SID tokens delimit themselves (one token per level), so no
     separator is needed between items; the header marks where the history ends, so the model
     knows when the answer (next SID + end of turn) starts and when to stop; without it the
-    end of turn would be unpredictable. A chat prompt spends ~30-90 tokens per row on
-    scaffolding and template text (measured in bench/RESULTS.md), often more than the history.
+    end of turn would be unpredictable. A chat prompt spends most of its tokens on scaffolding
+    and template text, often more than the history (bench/RESULTS.md, "Training step
+    throughput (issue 13)").
     """
     ids: list[int] = []
     for sid in history_sid_ids:
@@ -401,7 +402,7 @@ def make_renderer(
         raise ConfigError(
             f"sft.prompt_style must be one of {sorted(PROMPT_RENDERERS)}, got '{prompt_style}'"
         )
-    from gti.lm.vocab import SID_END, SID_START
+    from gti.lm.new_rows import SID_END, SID_START
 
     vocab = tokenizer.get_vocab()
     wrap = (vocab[SID_START], vocab[SID_END]) if SID_START in vocab and SID_END in vocab else None
@@ -410,11 +411,3 @@ def make_renderer(
         eot_ids=list(end_of_turn_ids(tokenizer)), templates=templates,
         render=PROMPT_RENDERERS[prompt_style], sid_wrap=wrap,
     )
-
-
-__all__ = [
-    "DEFAULT_GROUNDING_TEMPLATES", "IGNORE", "REC_TEMPLATES", "TASKS", "ChatSkeleton", "PairRenderer",
-    "chat_skeleton", "end_of_turn_ids", "fit_segments", "parse_template", "render_rec_prompt",
-    "render_compact_prompt", "PROMPT_RENDERERS", "RecRenderer", "make_renderer", "sid_id_table", "SEQ_TASK",
-    "ROW_COLUMNS",
-]

@@ -15,7 +15,7 @@ run's (so evaluation and `gti recommend` accept it for the old model as well as 
    `unknown_item`. New interactions are merged with the parent's (each user's history in time
    order) into `ingest/sequences.parquet` (leave-one-out, as ingest splits). `data.max_items`
    and `data.max_users` do not apply to a refresh.
-2. embed (`gti.refresh.sids`, as 3 and 5): the run's encoder (`embed` section;
+2. embed (`gti.refresh.new_items`, as 3 and 5): the run's encoder (`embed` section;
    `gti.embed.encoders`), in this process.
 3. assign: the run's frozen quantiser (`<run>/sid/quantizer.*`, `gti.sid.quantizer.load_quantizer`)
    gives the codes; `gti.sid.map_edits.assign_new_items` resolves collisions against the parent
@@ -49,25 +49,25 @@ run's (so evaluation and `gti recommend` accept it for the old model as well as 
 7. sft (optional, `refresh.sft_steps` > 0, needs `--interactions`): the SFT task on the
    training windows of the users the new interactions touch, plus `refresh.sft_replay_ratio`
    x as many windows of other users (0 by default).
-8. export (`gti.refresh.driver`, which also orders the steps): `model/` (standard HF folder;
+8. export (`gti.refresh.command`, which also orders the steps): `model/` (standard HF folder;
    `gti_meta.json` records `sid_map_hash` = the new map, `sid_map_parent`, `sid_map_version`,
    `codebook_sizes`), `_manifest.json` (facts: parent and new hash, counts, `codebook_sizes`,
    `added_tokens`, steps, wall time of each step) and `config.yaml`. `gti recommend --version k`
    and evaluation spell the map with its version record's sizes
-   (`gti.run_artifacts.map_codec`).
+   (`gti.loaded_run.map_codec`).
 
 Output: `<run>/refresh/v<k>/` (k = 1, 2, ..., after the highest published one; layout in
-`gti.sid.lineage`). Each version's manifest records the base it was made on (`facts.base`: the
+`gti.run_versions`). Each version's manifest records the base it was made on (`facts.base`: the
 run's model stage, its manifest fingerprint and time, the sid map hash; see
-`gti.run_artifacts.base_record`): after `gti run --force` or a config change retrains the run,
+`gti.run_versions.base_record`): after `gti run --force` or a config change retrains the run,
 older versions are skipped with one line, and the next refresh starts from the new base.
 `model.trust_remote_code` comes from `--trust-remote-code` only, never from the run's config. The work happens in
 `<run>/refresh/.v<k>.partial/`; a rerun of the same command (same inputs and settings) reuses
 it: finished steps are skipped and grounding/SFT resume from their last Ray Train checkpoint.
 
-Modules: `job` (the `Job` every step gets: run, config, parent version, work folder;
-`RefreshError`, `RefreshResult`, `load_run_config`), `ingest`, `sids`, `tokens`, `train` (the steps) and
-`driver` (`refresh`, `cli_main`, the export step, resuming and publishing a version).
+Modules: `attempt` (the `Job` every step gets: run, config, parent version, work folder;
+`RefreshError`, `RefreshResult`, `load_run_config`), `ingest`, `new_items`, `tokens`, `train` (the steps) and
+`command` (`refresh`, `cli_main`, the export step, resuming and publishing a version).
 
 Ray: only through `gti.ray_start.ensure_ray` and the training runners
 `gti.train.ground_run.run_grounding` / `gti.train.sft_run.run_sft` (the ones the `ground` and
@@ -81,12 +81,3 @@ from `gti.train.ground_run`, `rebuild_trained` from `gti.train.sft_task`.
 
 What it does not know: how the run's stages were run (it reads their manifests and outputs).
 """
-
-from gti.refresh.driver import cli_main, refresh
-from gti.refresh.job import (
-    FINGERPRINT_FILE, GROUND_RUN, GROWN_MODEL, NEEDS_NEW_TOKENS, RAY_DIR, SFT_RUN, STEPS_FILE, RefreshError,
-    RefreshResult, load_run_config,
-)
-
-__all__ = ["FINGERPRINT_FILE", "GROUND_RUN", "GROWN_MODEL", "NEEDS_NEW_TOKENS", "RAY_DIR", "SFT_RUN", "STEPS_FILE",
-           "RefreshError", "RefreshResult", "cli_main", "load_run_config", "refresh"]

@@ -34,7 +34,7 @@ from gti.data.items import ingest_items
 from gti.data.schemas import INTER_OUT_SCHEMA, INTER_Q_SCHEMA, SEQ_SCHEMA
 from gti.data.sequences import build_sequences
 from gti.errors import DataError
-from gti.refresh.job import Job
+from gti.refresh.attempt import Job
 
 
 def ingest_step(job: Job) -> dict:

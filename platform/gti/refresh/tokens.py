@@ -3,7 +3,7 @@
 What it is for: with `refresh.on_full_group: add_tokens` the assign step may grow the last SID
 level (the new map's version record has larger codebook sizes than the parent's map).
 `tokens_step(job)` then writes `<work>/grown_model/`: the parent's model and tokenizer with one
-token per added code appended (`gti.lm.grow.append_tokens`: old rows bit-identical; each added
+token per added code appended (`gti.lm.grow_vocab.append_tokens`: old rows bit-identical; each added
 row, input and untied head, starts as the mean of the existing rows of the last level, where
 mean initialisation would put it; the grounding pass then trains it with the other SID rows).
 Its `gti_meta.json` is the parent's plus `new_token_ids` [first, end) covering the added
@@ -19,7 +19,7 @@ Ray.
 
 from __future__ import annotations
 
-from gti.refresh.job import GROWN_MODEL, Job
+from gti.refresh.attempt import GROWN_MODEL, Job
 
 
 def added_codes(job: Job) -> list[tuple[int, int]]:
@@ -31,7 +31,7 @@ def added_codes(job: Job) -> list[tuple[int, int]]:
 
 def tokens_step(job: Job) -> dict:
     """Step 4 (see the module docstring)."""
-    from gti.lm import grow, models, vocab
+    from gti.lm import grow_vocab, models, new_rows
     from gti.sid.codec import SidCodec, level_letter
 
     added = added_codes(job)
@@ -49,11 +49,11 @@ def tokens_step(job: Job) -> dict:
     last = old.levels - 1
     model, tok = models.load_model_and_tokenizer(job.cfg.model, path=job.parent.model_dir)
     like = tok.convert_tokens_to_ids([old.token(last, c) for c in range(old.codebook_sizes[last])])
-    a, b = grow.append_tokens(model, tok, tokens, like)
-    meta = dict(vocab.read_meta(job.parent.model_dir))
+    a, b = grow_vocab.append_tokens(model, tok, tokens, like)
+    meta = dict(new_rows.read_meta(job.parent.model_dir))
     meta.update({"new_token_ids": [first, b], "added_token_ids": [a, b], "added_tokens": tokens,
                  "codebook_sizes": list(new.codebook_sizes)})
-    vocab.export_model(model, tok, job.work / GROWN_MODEL, meta)
+    new_rows.export_model(model, tok, job.work / GROWN_MODEL, meta)
     job.log(f"tokens: {len(tokens)} code token(s) appended at ids [{a}, {b}) ({tokens[0]} .. {tokens[-1]}), "
             f"rows at the mean of level {level_letter(last)}'s; SID rows now [{first}, {b}) "
             f"(were [{first}, {end_before}))")

@@ -27,7 +27,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from gti.errors import DataError
-from gti.refresh.job import GROUND_RUN, RAY_DIR, SFT_RUN, Job
+from gti.refresh.attempt import GROUND_RUN, RAY_DIR, SFT_RUN, Job
 from gti.train.worker_config import FaultInjection
 
 START_FILE = "e_new_start.safetensors"  # the base model's SID rows, where grounding starts
@@ -36,11 +36,11 @@ SIDS_FILE = "catalog_sids.safetensors"
 
 
 def _start_rows(model, first: int, end: int) -> dict:
-    from gti.lm import vocab
+    from gti.lm import new_rows
 
     out = {"e_new": model.get_input_embeddings().weight[first:end].detach().float().clone()}
     head = model.get_output_embeddings()
-    if head is not None and not vocab.heads_tied(model):
+    if head is not None and not new_rows.heads_tied(model):
         out["head_new"] = head.weight[first:end].detach().float().clone()
     return out
 
@@ -86,7 +86,7 @@ def ground_step(job: Job, fault_injection: FaultInjection | None) -> dict:
     """Step 5 (see the module docstring); fault_injection (tests) goes to the training loop."""
     from safetensors.torch import save_file
 
-    from gti.lm import models, vocab
+    from gti.lm import models, new_rows
     from gti.sid.codec import SidCodec
     from gti.ray_start import ensure_ray
     from gti.train.ground_run import GroundingInputs, check_pairs, run_grounding
@@ -117,9 +117,9 @@ def ground_step(job: Job, fault_injection: FaultInjection | None) -> dict:
     )
     res = run_grounding(inputs, storage_path=w / RAY_DIR, name=GROUND_RUN, start_ray=lambda: ensure_ray(cfg),
                         log=lambda m: job.log(f"ground: {m}"))
-    vocab.attach_new_rows(model, first, end - first, start["e_new"], start.get("head_new"))
-    vocab.load_new_rows_state_dict(model, res.state_dict)
-    vocab.export_model(model, tok, w / "ground_model", dict(vocab.read_meta(base)))
+    new_rows.attach_new_rows(model, first, end - first, start["e_new"], start.get("head_new"))
+    new_rows.load_new_rows_state_dict(model, res.state_dict)
+    new_rows.export_model(model, tok, w / "ground_model", dict(new_rows.read_meta(base)))
     f = res.facts
     return {
         "grounded": True, "steps_done": f["steps_done"], "lr": g.lr, "first_loss": f["first_loss"],
@@ -160,6 +160,7 @@ def _sft_windows(job: Job, tok):
     from gti.lm import templates
     from gti.sid.codec import SidCodec
     from gti.train import sft_data
+    from gti.lm.templates import ROW_COLUMNS
 
     cfg = job.cfg
     smap = pl.read_parquet(job.work / "sid" / "sid_map.parquet")
@@ -170,14 +171,14 @@ def _sft_windows(job: Job, tok):
     renderer = templates.make_renderer(tok, sid_ids, cfg.pairs.system_prompt, cfg.sft.max_len,
                                        prompt_style=cfg.sft.prompt_style)
     rows = renderer.render_windows(windows.select("history", "target", "template").to_dict(as_series=False))
-    return sft_data.rows_frame(rows).select(sft_data.ROW_COLUMNS), facts
+    return sft_data.rows_frame(rows).select(ROW_COLUMNS), facts
 
 
 def sft_step(job: Job) -> dict:
     """Step 6 (see the module docstring); nothing when `refresh.sft_steps` is 0."""
     import numpy as np
 
-    from gti.lm import vocab
+    from gti.lm import new_rows
     from gti.ray_start import ensure_ray
     from gti.train.sft_run import SftInputs, run_sft
     from gti.train.sft_task import rebuild_trained
@@ -202,7 +203,7 @@ def sft_step(job: Job) -> dict:
                   storage_path=(job.work / RAY_DIR).resolve(), name=SFT_RUN, start_ray=lambda: ensure_ray(cfg),
                   log=lambda m: job.log(f"sft: {m}"))
     model = rebuild_trained(start, scfg, res.state_dict)
-    vocab.export_model(model, tok, job.work / "sft_model", dict(vocab.read_meta(start)))
+    new_rows.export_model(model, tok, job.work / "sft_model", dict(new_rows.read_meta(start)))
     f = res.facts
     return {"steps_done": f["steps_done"], "lr": s.lr, "windows": frame.height, "users": facts["touched_users"],
             **facts, "first_loss": f["first_loss"], "final_loss": f["final_loss"]}

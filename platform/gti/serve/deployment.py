@@ -178,7 +178,7 @@ def app_builder(args: dict[str, Any]):
     from argparse import Namespace
 
     from gti.errors import ConfigError
-    from gti.run_artifacts import RunDirError, chosen_version
+    from gti.run_versions import RunDirError, chosen_version
     from gti.serve.app import read_token, token_digest
 
     args = dict(args or {})
@@ -231,7 +231,7 @@ def start_ray(address: str | None) -> None:
 
 def cli_main(args) -> int:
     """`gti serve` (see the module docstring): blocks until interrupted."""
-    from gti.run_artifacts import RunDirError, chosen_version
+    from gti.run_versions import RunDirError, chosen_version
     from gti.serve.app import read_token, token_digest
 
     cfg = serve_config(args)

@@ -79,7 +79,7 @@ def run_sequences(run_dir: Path, version: int) -> tuple[pl.DataFrame, Path]:
     """(user_id, history) of every user of the run's sequences, whole sequence oldest first:
     the newest refresh version <= `version` that wrote sequences, else the ingest stage's."""
     from gti.manifest import MANIFEST_NAME, Manifest
-    from gti.run_artifacts import current_versions
+    from gti.run_versions import current_versions
 
     # Only versions made on the run's current base (a retrained run's old versions are not its).
     cands = [v.sequences_path for v in reversed(current_versions(run_dir, note=lambda line: None))
@@ -184,17 +184,10 @@ class InferJob:
 
 def model_identity(run_dir: Path, version: int | None) -> tuple[int, str, str, int]:
     """(version k, model stage, map hash, catalog size) of what `LoadedRun.open` would load."""
-    from gti.manifest import Manifest
-    from gti.run_artifacts import chosen_version, find_model_dir
-    from gti.serve.service import map_hash_of
+    from gti.run_versions import resolve
 
-    chosen = chosen_version(run_dir, version)
-    if chosen is None:
-        k, stage = 0, find_model_dir(run_dir)[0]
-        map_path = Manifest.read(run_dir / "sid").output(run_dir / "sid", "sid_map")
-    else:
-        k, stage, map_path = chosen.k, f"refresh/v{chosen.k}", chosen.map_path
-    return k, stage, map_hash_of(run_dir, k), pq.read_metadata(map_path).num_rows
+    at = resolve(run_dir, version)
+    return at.k, at.stage, at.map_hash, pq.read_metadata(at.map_path).num_rows
 
 
 def plan_job(run_dir: str | Path, users: str, out: str | Path, *, k: int, version: int | None = None,
@@ -202,7 +195,8 @@ def plan_job(run_dir: str | Path, users: str, out: str | Path, *, k: int, versio
              batch_users: int | None = None) -> InferJob:
     """Read the users and fix everything a resumed job must repeat (see the module docstring);
     one-line errors for a missing run or version, a k above the catalog, a bad users file."""
-    from gti.run_artifacts import RunDirError, run_config
+    from gti.loaded_run import run_config
+    from gti.run_versions import RunDirError
 
     run_dir = Path(run_dir).expanduser().resolve()
     if not run_dir.is_dir():

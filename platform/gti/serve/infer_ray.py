@@ -113,7 +113,7 @@ def run_parts(job: I.InferJob, todo: list[I.Part], done_rows: int, *, concurrenc
 
 def _ray_config(job: I.InferJob, address: str | None):
     """The run's config (its ray_address and ray_num_cpus), `--ray-address` first."""
-    from gti.run_artifacts import run_config
+    from gti.loaded_run import run_config
 
     cfg = run_config(job.run_dir, job.key["model"])
     return cfg.model_copy(update={"ray_address": address}) if address else cfg

@@ -6,7 +6,7 @@ What it is for: `ServiceHolder(load)` holds the `RecommenderService` that answer
 the old one keeps answering, then replaces the reference in one assignment: a request (or a
 batch) takes `current` once and is answered wholly by that run, so no answer mixes a model and
 a map of different versions, and none fails because of the swap. Before loading, the new
-version's SID map must descend from the serving model's map (`gti.sid.lineage.check_model_map`
+version's SID map must descend from the serving model's map (`gti.run_versions.check_model_map`
 on the serving model folder, the run's lineage folder; a map that only adds code tokens the
 serving model lacks still descends: the new version brings its own model with them). A map
 that does not descend (or a version that fails to load) is refused with ONE log line and the
@@ -144,7 +144,7 @@ class ServiceHolder:
             self._status.update(kv)
 
     def _target(self, version: int | None, quiet: bool = False) -> int:
-        from gti.run_artifacts import chosen_version
+        from gti.run_versions import chosen_version
 
         # quiet: a poll every few seconds must not repeat the line about a skipped stale version
         chosen = chosen_version(self.run_dir, version, **({"note": lambda line: None} if quiet else {}))
@@ -155,16 +155,13 @@ class ServiceHolder:
         model was trained with (codes it adds are fine: the new version has its own model)."""
         if self.current is None:
             return
-        from gti.serve.service import map_hash_of
-        from gti.sid import lineage
+        from gti.run_versions import check_model_map, lineage_dir, resolve
         from gti.sid.versions import MissingSidTokensError
 
-        map_path = None
-        if target:
-            map_path = next(v for v in lineage.versions(self.run_dir) if v.k == target).map_path
+        at = resolve(self.run_dir, target, note=lambda line: None, find_model=False)
         try:
-            lineage.check_model_map(self.current.run.model_dir, map_hash_of(self.run_dir, target),
-                                    map_path=map_path, lineage=lineage.lineage_dir(self.run_dir))
+            check_model_map(self.current.run.model_dir, at.map_hash, map_path=at.map_path,
+                            lineage=lineage_dir(self.run_dir))
         except MissingSidTokensError:
             pass
 

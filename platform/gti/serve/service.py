@@ -1,18 +1,19 @@
 """One loaded run answering recommendation requests, many histories in one decode.
 
 What it is for: `RecommenderService.load(run_dir, version)` holds ONE loaded run
-(`gti.run_artifacts.LoadedRun`: model, tokenizer, SID map, trie, titles; the map checked
-against the model there) with the version that answers (`version`: 0 = the run's own stages,
-k = `gti refresh` v<k>; `map_hash`). `answer(queries)` checks every query against this run's
-catalog (`prepare`: empty history, unknown ids, k, history longer than `max_history`), then
-decodes all valid ones in ONE batched `constrained_beam_search` per beam width (prefill once
-per request, the beams of a request share the trie mask), and returns per query either an
-answer dict or the `RequestError` for it. The prompt, beam width (max(k, eval.beam_width)) and
-scores are those of `gti recommend` (`gti.eval.recommend.top_k`), so an answer equals it for
-the same history (same top-K, scores within fp tolerance; batching left-pads prompts with
-position ids that count only real tokens). With `exclude_history` the search asks for k plus
-the distinct items of the history it uses (the newest `max_history`), drops those, and cuts to
-k (so the beams stay bounded by max_k + max_history).
+(`gti.loaded_run.LoadedRun`: model, tokenizer, SID map, trie, titles; which model and map are
+`gti.run_versions.resolve`'s answer, the map checked against the model there) with the version
+that answers (`version`: 0 = the run's own stages, k = `gti refresh` v<k>; `map_hash`).
+`answer(queries)` checks every query against this run's catalog (`prepare`: empty history,
+unknown ids, k, history longer than `max_history`), then decodes all valid ones in ONE batched
+`constrained_beam_search` per beam width (prefill once per request, the beams of a request
+share the trie mask), and returns per query either an answer dict or the `RequestError` for it.
+The prompt, beam width (max(k, eval.beam_width)) and scores are those of `gti recommend`
+(`gti.eval.recommend.top_k`), so an answer equals it for the same history (same top-K, scores
+within fp tolerance; batching left-pads prompts with position ids that count only real tokens).
+With `exclude_history` the search asks for k plus the distinct items of the history it uses
+(the newest `max_history`), drops those, and cuts to k (so the beams stay bounded by max_k +
+max_history).
 
 An answer: {"items": [{"item_id", "title", "score", "sid"}] best first (len <= k),
 "history_used": n items in the prompt, "history_given": n, "truncated": bool,
@@ -91,13 +92,10 @@ class RecommenderService:
              trust_remote_code: bool = False, **policy: Any) -> "RecommenderService":
         """Load `run_dir` at refresh version `version` (None: the newest, 0: the run's own
         stages) with the existing loader; `trust_remote_code` never comes from the run folder."""
-        from gti.run_artifacts import LoadedRun, chosen_version
+        from gti.loaded_run import LoadedRun
 
-        run_dir = Path(run_dir).expanduser().resolve()
-        chosen = chosen_version(run_dir, version) if run_dir.is_dir() else None
-        k = chosen.k if chosen is not None else 0
-        run = LoadedRun.open(run_dir, device=device, version=k, trust_remote_code=trust_remote_code)
-        return cls(run, k, map_hash_of(run_dir, k), **policy)
+        run = LoadedRun.open(run_dir, device=device, version=version, trust_remote_code=trust_remote_code)
+        return cls(run, run.resolved.k, run.resolved.map_hash, **policy)
 
     # ------------------------------------------------------------------ facts
     @property
@@ -228,16 +226,6 @@ class RecommenderService:
             if len(items) == k:
                 break
         return items
-
-
-def map_hash_of(run_dir: Path, version: int) -> str:
-    """The SID-map hash of `run_dir` at refresh version `version` (0: the sid stage's)."""
-    from gti.manifest import Manifest
-    from gti.sid import lineage
-
-    if version == 0:
-        return str(Manifest.read(run_dir / "sid").facts["sid_map_hash"])
-    return next(v for v in lineage.versions(run_dir) if v.k == version).version().hash
 
 
 def answer_batches(service: RecommenderService, batches: Sequence[Sequence[Query]]) -> list[list[Any]]:

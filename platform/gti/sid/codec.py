@@ -13,7 +13,7 @@ tokenizer then ends with, so for a grown codec look ids up through the tokenizer
 `code_to_token_id_table` / `token_ids`, not with the `*_from_offset` helpers.)
 
 What it does not know: how codes were produced (see `gti.sid.rqvae` / the `sid` stage), how the
-tokenizer is extended (`gti.lm.vocab`), or anything about Ray. Pure python + torch.
+tokenizer is extended (`gti.lm.new_rows`), or anything about Ray. Pure python + torch.
 """
 
 from __future__ import annotations

@@ -76,8 +76,9 @@ class EmbeddingRows:
     """Random access to rows of embeddings.parquet with one row group in memory at a time.
 
     Why not `pq.read_table(...).column("embedding").take(rows)`: that decodes the whole column
-    (N x dim x 4 bytes) and `take` first joins its chunks into a second full copy; at 5M items
-    x 256 dims that is 10 GB on the driver (measured, bench/RESULTS.md "Scale").
+    (N x dim x 4 bytes) and `take` first joins its chunks into a second full copy: at millions of
+    items, gigabytes on the driver (bench/RESULTS.md, "Scale: 5M-item catalog, bounded memory
+    (issue 8)").
     """
 
     def __init__(self, path: str | Path) -> None:
@@ -113,9 +114,9 @@ class LastResiduals:
     residual depends only on the item and its first L-1 codes, which resolution never changes.
     So the first `cache_mb` MB of residuals are kept, and an item in the cache is read and
     encoded once. Items past the cache are recomputed on each call. Where millions of items
-    collide (2M of 5M in the scale bench, 1 KB each at dim 256), a round re-reads the uncached
-    ones instead of holding GBs on the driver. Each call reads and encodes in chunks of
-    `chunk` rows. Bounding the size of its output is the caller's job.
+    collide (bench/RESULTS.md, "Scale: 5M-item catalog, bounded memory (issue 8)"), a round
+    re-reads the uncached ones instead of holding GBs on the driver. Each call reads and encodes
+    in chunks of `chunk` rows. Bounding the size of its output is the caller's job.
     """
 
     def __init__(self, q, rows_reader: EmbeddingRows, chunk: int = 65536, cache_mb: float = 1024) -> None:

@@ -40,8 +40,8 @@ def resolve_encode_dtype(setting: str, device: str = "cpu") -> str:
     """`sid.assign_dtype` -> encode_dtype: "auto" is bfloat16 where it is native, else float32.
 
     bf16 changes the greedy code of some items whose two nearest codes are near-equidistant
-    (6% of items at some level on the bench's MiniLM set) for equally good ones: recon MSE,
-    utilisation and collisions were unchanged there (bench/RESULTS.md).
+    for equally good ones: recon MSE, utilisation and collisions were unchanged on the bench's
+    MiniLM set (bench/RESULTS.md, "Semantic IDs").
     """
     if setting == "auto":
         return "bfloat16" if native_bf16(device) else "float32"
@@ -200,7 +200,8 @@ class RQVAE(nn.Module):
         assignment batch sizes each [B, hidden] temporary is megabytes, and allocating it
         once instead of twice per layer is a measurable part of assignment time. With dtype
         bfloat16 the weights are cast per call (cheap next to a batch) and the MLP runs in
-        bf16, ~2.4x faster on CPUs with native bf16; the output returns to float32.
+        bf16, faster on CPUs with native bf16 (bench/RESULTS.md, "Semantic IDs"); the output
+        returns to float32.
         """
         lins = [m for m in self.encoder if isinstance(m, nn.Linear)]
         h = x.to(dtype)

@@ -21,8 +21,9 @@ out, is `gti.sid.map_edits`):
   tables (`<hash>.parquet`) to look ancestors up in; any mapping {hash: SidMapVersion} works too.
 
 A SID map is a pyarrow table `item_id` str, `codes` list<int32>, `sid` str (the `sid` stage's
-sid_map.parquet). What it does not know: how a map is edited (`gti.sid.map_edits`),
-embeddings, quantiser weights, models, Ray.
+sid_map.parquet). What it does not know: how a map is edited (`gti.sid.map_edits`), which
+map and model a run uses and where its versions lie (`gti.run_versions`), embeddings,
+quantiser weights, models, Ray.
 """
 
 from __future__ import annotations

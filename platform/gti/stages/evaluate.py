@@ -8,8 +8,8 @@ over the catalog's SID trie, and score them against the held-out item.
 - Decoding runs in a Ray Data actor pool (`eval.concurrency` actors, `eval.num_gpus` GPUs each,
   `eval.batch_users` users per call). Every actor loads the exported SFT model folder once
   and checks its `gti_meta.json` `sid_map_hash` against the `sid` stage's map
-  (`gti.sid.lineage.check_model_map`: that map or a refreshed version descending from it): a
-  model trained on another SID map is refused with a one-line StaleSidMapError (the check also runs on the
+  (`gti.run_versions.check_model_map`: that map or a refreshed version descending from it): a
+  model trained on another SID map is refused with a one-line UnrelatedSidMapError (the check also runs on the
   driver before any actor starts).
 - Metrics: Recall/NDCG/Precision@K for K in `eval.ks` with bootstrap CIs over users
   (`gti.eval.metrics`), plus the reference rows of `eval.baselines` on the same users
@@ -57,11 +57,11 @@ from gti import config as C
 from gti.chunked_output import ChunkedOutput
 from gti.contract import StageContext, StageResult
 from gti.data.sequences import check_sequences
-from gti.errors import DataError
+from gti.errors import ConfigError, DataError
 from gti.eval.reference import metric_block, reference_block, reference_frames
 from gti.eval.slices import cold_users, eval_users, n_cold_items, slice_metrics, split_frame
 from gti.eval.tables import format_ranks, format_table
-from gti.manifest import atomic_write_json
+from gti.files import atomic_write_json
 from gti.timing import Timer
 from gti.train import sft_data
 
@@ -83,7 +83,7 @@ class Recommender:
     def __init__(self, model_dir: str, sid_map_path: str, sid_facts: dict, run_config: dict) -> None:
         import torch
 
-        from gti.run_artifacts import LoadedRun
+        from gti.loaded_run import LoadedRun
 
         cfg = C.validate(run_config, "<evaluate worker config>")
         self.ec = cfg.eval
@@ -199,16 +199,16 @@ class _Inputs:
 
 def _read_inputs(ctx: StageContext) -> _Inputs:
     """Refuse a stale SID map or a K above the catalog, read the sequences, sample the users."""
-    from gti.run_artifacts import LoadedRun
+    from gti.run_versions import check_model_map
 
     cfg, ec = ctx.cfg, ctx.cfg.eval
     sid_facts = ctx.manifest("sid").facts
     model_dir, sid_map_path = ctx.input("sft", "model"), ctx.input("sid", "sid_map")
     # Refuse a stale SID map before starting anything (a descendant of the model's is accepted).
-    LoadedRun.check_map(model_dir, sid_facts["sid_map_hash"], sid_map_path)
+    check_model_map(model_dir, sid_facts["sid_map_hash"], map_path=sid_map_path)
     catalog = pl.read_parquet(sid_map_path, columns=["item_id"])["item_id"].to_list()
     if max(ec.ks) > len(catalog):
-        raise C.ConfigError(f"eval.ks {ec.ks}: K={max(ec.ks)} exceeds the catalog of {len(catalog)} items")
+        raise ConfigError(f"eval.ks {ec.ks}: K={max(ec.ks)} exceeds the catalog of {len(catalog)} items")
     seq_path = ctx.input("ingest", "sequences")
     seqs = pl.read_parquet(seq_path)
     check_sequences(seqs, str(seq_path))

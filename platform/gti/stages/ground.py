@@ -31,22 +31,21 @@ What it does NOT know: how pairs are rendered, how the runner and the loop train
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
 import torch
 
-from gti.train.driver import STORAGE_DIR
+from gti.train.ray_train import STORAGE_DIR
 from gti.data.descriptions import description_text
 from gti.errors import DataError, GateError
-from gti.names import arm_name
+from gti.arms import arm_name
 from gti.contract import StageContext, StageResult
 
 MODEL_DIR = "model"
 INIT_FILE = "e_new_init.safetensors"
 GROUND_FILE = "e_new_ground.safetensors"
-RAY_DIR = STORAGE_DIR  # gti.train.driver.STORAGE_DIR
+RAY_DIR = STORAGE_DIR  # gti.train.ray_train.STORAGE_DIR
 VAL_FILE = "val_prompts.parquet"
 SIDS_FILE = "catalog_sids.safetensors"
 
@@ -83,7 +82,7 @@ def initial_rows(ctx: StageContext, model, tokenizer, n_real: int, n_new: int) -
     from safetensors.torch import load_file
 
     from gti.lm import init as lm_init
-    from gti.lm import vocab
+    from gti.lm import new_rows
 
     cfg = ctx.cfg
     method = cfg.init.method
@@ -97,12 +96,12 @@ def initial_rows(ctx: StageContext, model, tokenizer, n_real: int, n_new: int) -
         cb = load_file(str(ctx.input("sid", "codebooks")))
         kw["codebooks"] = [cb[f"level_{i}"] for i in range(len(cb)) if f"level_{i}" in cb]
     out = {
-        "e_new": lm_init.init_rows(method, vocab.old_rows(model, n_real), n_new,
+        "e_new": lm_init.init_rows(method, new_rows.old_rows(model, n_real), n_new,
                                    generator=torch.Generator().manual_seed(cfg.seed), **kw)
     }
-    if model.get_output_embeddings() is not None and not vocab.heads_tied(model):
+    if model.get_output_embeddings() is not None and not new_rows.heads_tied(model):
         out["head_new"] = lm_init.init_rows(
-            method, vocab.old_rows(model, n_real, which="output"), n_new,
+            method, new_rows.old_rows(model, n_real, which="output"), n_new,
             generator=torch.Generator().manual_seed(cfg.seed + 1), **kw,
         )
     return out

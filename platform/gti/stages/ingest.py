@@ -9,8 +9,8 @@ runs read + row validation (`gti.data.catalog`) in parallel `map_batches` tasks 
 validated batches back in input order (`preserve_order`), so the driver can apply the checks
 that need everything seen so far — duplicate ids (first kept), `data.max_items`, unknown items —
 while writing outputs incrementally; memory stays bounded by the block size plus the set of ids
-seen (`gti.data.idset`, ~30 B per kept id) and the valid interactions, which the sequence
-builder needs at once. Sequences are built with polars in one process (`gti.data.sequences`).
+seen (`gti.data.idset`: each kept id's bytes plus 16) and the valid interactions, which the
+sequence builder needs at once. Sequences are built with polars in one process (`gti.data.sequences`).
 
 Accounting: every input row ends in exactly one of the ok output or a quarantine file with a
 `reason`, so `*_rows_in == *_rows_ok + *_rows_quarantined` (a test checks it). With
@@ -56,7 +56,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from gti.contract import StageContext, StageResult
-from gti.data import adapters
+from gti.data.sources import ReadTask
 from gti.data import catalog as cat
 from gti.data.batches import Source, fill_interaction_raw, iterate, local_stream, raise_file_error, validated_batches
 from gti.data.dense import DenseCut, cut_interactions, quarantine_items
@@ -90,11 +90,11 @@ def _read_validate(batch: dict, kind: str, columns: dict, max_text_chars: int, b
     from gti.config import InteractionColumns, ItemColumns
 
     cols = ItemColumns(**columns) if kind == "items" else InteractionColumns(**columns)
-    tasks = [adapters.ReadTask(**json.loads(spec)) for spec in batch["task"]]
+    tasks = [ReadTask(**json.loads(spec)) for spec in batch["task"]]
     yield from validated_batches(tasks, kind, cols, max_text_chars, batch_rows)
 
 
-def ray_stream(tasks: list[adapters.ReadTask], kind: str, columns, max_text_chars: int, parallelism):
+def ray_stream(tasks: list[ReadTask], kind: str, columns, max_text_chars: int, parallelism):
     """Validated batches of all tasks, in input order, read and checked by Ray Data tasks."""
     import ray
 
@@ -117,7 +117,7 @@ def ray_stream(tasks: list[adapters.ReadTask], kind: str, columns, max_text_char
         raise
 
 
-def _small_local_stream(tasks: list[adapters.ReadTask], kind: str, columns, max_text_chars: int, parallelism):
+def _small_local_stream(tasks: list[ReadTask], kind: str, columns, max_text_chars: int, parallelism):
     """A source of one read task (one small file) has nothing for Ray Data to run in parallel,
     and a task's start-up is most of its time (bench/RESULTS.md, "Small catalogs without Ray
     Data"): it is read in this process, the same batches. More tasks: `ray_stream`."""

@@ -118,7 +118,7 @@ def input_fingerprints(cfg) -> dict[str, str]:
 def extend_and_save_tokenizer(cfg, codec, out_dir: Path) -> tuple[Any, dict[str, Any]]:
     """Base tokenizer + SID tokens (+ markers), saved to `out_dir`; returns it and facts."""
     from gti.lm.models import embedding_rows, load_tokenizer
-    from gti.lm.vocab import extend_tokenizer
+    from gti.lm.new_rows import extend_tokenizer
 
     tok = load_tokenizer(cfg.model)
     before = len(tok)
@@ -163,8 +163,8 @@ def run(ctx: StageContext) -> StageResult:
 
     with timer.phase("render_write"):  # the datasets are lazy: everything runs in _write_pairs
         if n_items <= cfg.local_max_items:
-            # A small catalog renders in this process (~0.4 s for 300 items): an actor pool's
-            # start-up alone costs 10-20 s (bench/RESULTS.md, "Small catalogs without Ray Data").
+            # A small catalog renders in this process, faster than an actor pool starts: bench/RESULTS.md,
+            # "Small catalogs without Ray Data (issue 27, fourth session, 2026-12-03)".
             ctx.log(f"{n_items:,} items <= local_max_items ({cfg.local_max_items:,}): rendered in this process")
             blocks = map(RenderPairs(tok, table, pc.model_dump(), cfg.seed, wrap, exclude),
                          _local_items_with_codes(ctx))

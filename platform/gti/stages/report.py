@@ -30,9 +30,10 @@ import numpy as np
 
 from gti.diagnostics import geometry as G
 from gti.diagnostics import plots as P
-from gti.diagnostics.report import PHASES, RunRecord, build_report
+from gti.diagnostics.report_files import build_report
+from gti.diagnostics.runs import PHASES, RunRecord
 from gti.errors import DataError
-from gti.names import arm_name
+from gti.arms import arm_name
 from gti.manifest import ManifestError, package_versions
 from gti.contract import StageContext, StageResult
 
@@ -47,7 +48,7 @@ _PHASE_MODEL = {"init": "ground", "ground": "ground", "sft": "sft"}
 
 
 def arm_label(cfg) -> str:
-    """The run's name in reports: `report.label`, else its arm (`gti.names.arm_name`)."""
+    """The run's name in reports: `report.label`, else its arm (`gti.arms.arm_name`)."""
     if cfg.report.label:
         return cfg.report.label
     return arm_name(cfg.init.method, cfg.ground.enabled and cfg.ground.steps > 0, cfg.sft.multitask)

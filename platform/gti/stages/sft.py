@@ -45,17 +45,17 @@ from typing import Any
 import numpy as np
 import polars as pl
 import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 
-from gti.train.driver import STORAGE_DIR
+from gti.train.ray_train import STORAGE_DIR
 from gti.errors import DataError, GtiError
-from gti.manifest import atomic_write_json
+from gti.files import atomic_write_json
 from gti.contract import StageContext, StageResult
 from gti.data.sequences import check_sequences
 from gti.eval.slices import eval_windows, sample_users
 from gti.lm import templates
 from gti.train import sft_data
+from gti.lm.templates import ROW_COLUMNS
 from gti.train.sft_run import SftInputs, history_facts, run_sft
 from gti.train.sft_task import VAL_K, VAL_METRIC, check_lora_supported, load_causal_lm, rebuild_trained
 from gti.train.worker_config import FaultInjection, ValSet
@@ -210,7 +210,7 @@ def _mix_in_pairs(ctx: StageContext, rendered: pl.DataFrame):
     if sc.multitask and sc.multitask_weight > 0:
         pairs = pl.read_parquet(ctx.input("pairs", "pairs"))
     return sft_data.multitask_mix(
-        rendered.select(sft_data.ROW_COLUMNS), pairs, sc.multitask_weight if sc.multitask else 0.0,
+        rendered.select(ROW_COLUMNS), pairs, sc.multitask_weight if sc.multitask else 0.0,
         cfg.seed, sc.max_len,
     )
 
@@ -240,7 +240,7 @@ def _write_val_prompts(ctx: StageContext, seqs: pl.DataFrame, tokenizer, sid_ids
 def run(ctx: StageContext, fault_injection: FaultInjection | None = None) -> StageResult:
     """Run the stage. `fault_injection` (tests only) goes to the worker loop, which kills that
     worker once."""
-    from gti.run_artifacts import check_sid_map_hash
+    from gti.run_versions import check_exact_map
 
     cfg, sc = ctx.cfg, ctx.cfg.sft
     check_lora_supported(sc)
@@ -250,7 +250,7 @@ def run(ctx: StageContext, fault_injection: FaultInjection | None = None) -> Sta
     sid_map_hash = sid_facts["sid_map_hash"]
     pairs_facts = ctx.manifest("pairs").facts
     ground_dir = ctx.input("ground", "model")
-    check_sid_map_hash(ground_dir, sid_map_hash)
+    check_exact_map(ground_dir, sid_map_hash)
     tokenizer, pad_id = _tokenizer(ctx)
     sids = _sid_tables(ctx, sid_facts, tokenizer)
     if sc.enabled and sc.steps > 0:
@@ -353,13 +353,13 @@ def _export(ctx: StageContext, model, tokenizer, ground_dir: Path, sid_map_hash:
     """model/ (HF folder + tokenizer + gti_meta.json) and the new rows, e_new_sft.safetensors."""
     from safetensors.torch import save_file
 
-    from gti.lm import vocab
+    from gti.lm import new_rows
 
     first_new, end_new = new_ids
     e_new = model.get_input_embeddings().weight[first_new:end_new].detach().float().contiguous()
-    meta = dict(vocab.read_meta(ground_dir))
+    meta = dict(new_rows.read_meta(ground_dir))
     meta.update({"sid_map_hash": sid_map_hash, "stage": TASK, "new_token_ids": [first_new, end_new]})
-    vocab.export_model(model, tokenizer, ctx.work_dir / MODEL_DIR, meta)
+    new_rows.export_model(model, tokenizer, ctx.work_dir / MODEL_DIR, meta)
     save_file({"e_new": e_new}, str(ctx.work_dir / E_NEW_FILE))
 
 

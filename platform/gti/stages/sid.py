@@ -7,7 +7,7 @@ SID per item and the artefacts later stages need:
    torch threads whatever the machine has) on real residuals of a seeded sample of
    `sid.kmeans_sample` items, so every worker starts from the same codebooks.
 3. Training. `rqvae`: `gti.train.rqvae_task.train_rqvae` on `sid.num_workers` Ray Train
-   workers through the one Train driver (`gti.train.driver`; DDP, gloo on CPU, nccl on GPU, fed
+   workers through the one Train driver (`gti.train.ray_train`; DDP, gloo on CPU, nccl on GPU, fed
    by Ray Data shards); per epoch the workers all-reduce code usage, re-seed dead codes (rank
    0's choice is broadcast), report metrics and a checkpoint into Ray Train storage under the
    stage's work dir, so a rerun after a killed driver resumes from the last epoch. `rqkmeans`: residual k-means on the
@@ -43,20 +43,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from gti.train.driver import STORAGE_DIR
+from gti.train.ray_train import STORAGE_DIR
 from gti.contract import StageContext, StageResult
 from gti.devices import cpu_facts
 from gti.errors import DataError
 from gti.sid.codec import SidCodec
-from gti.sid.embeddings import (  # noqa: F401 - the stage's readers, also reachable from here
-    AssignBatch,
-    EmbeddingRows,
-    LastResiduals,
-    check_embeddings,
-    embedding_matrix,
-)
+from gti.sid.embeddings import AssignBatch, EmbeddingRows, LastResiduals, check_embeddings
 from gti.sid.kmeans import fixed_threads, sq_dists
-from gti.sid.mapfile import sid_map_hash, sid_strings  # noqa: F401
+from gti.sid.mapfile import sid_map_hash, sid_strings
 from gti.sid.quality import check_gates, level_usage
 from gti.sid.quantizer import CONFIG_NAME, WEIGHTS_NAME, build_quantizer, codebooks_tensor, save_quantizer
 from gti.sid.resolve import collision_rate, dedup_extra_level, dedup_reassign, sinkhorn_resolve

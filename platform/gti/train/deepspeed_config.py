@@ -1,7 +1,7 @@
 """The DeepSpeed config dict, built from the typed training config (pure function).
 
 What it is for: `build_ds_config(train_cfg, world_size, use_gpu=...)` turns a
-`gti.config.TrainConfig` (grounding or SFT) into the dict handed to `deepspeed.initialize`, and
+`gti.config_train.TrainConfig` (grounding or SFT) into the dict handed to `deepspeed.initialize`, and
 checks the batch arithmetic first, so a bad combination fails with a one-line `ConfigError`
 naming the key instead of a DeepSpeed assertion deep inside a Ray worker.
 
@@ -29,7 +29,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from gti.config import ConfigError, GroundConfig, SftConfig, TrainConfig
+from gti.config_train import GroundConfig, SftConfig, TrainConfig
+from gti.errors import ConfigError
 
 # Bucket sizes (elements) for ZeRO gradient reduction / parameter all-gather. DeepSpeed's defaults
 # (5e8) allocate 2 GB fp32 buffers; these keep CPU workers small without measurable slowdown at
@@ -118,8 +119,8 @@ def build_ds_config(train_cfg: TrainConfig, world_size: int, *, use_gpu: bool,
                 "eps": float(train_cfg.adam_eps),
                 "weight_decay": float(train_cfg.weight_decay),
                 "torch_adam": True,
-                # One fused kernel over all parameters (CPU and CUDA in torch >= 2.4): 0.13 s vs
-                # 0.42 s per step for SmolLM2-135M on 2 cores (bench/RESULTS.md).
+                # One fused kernel over all parameters (CPU and CUDA in torch >= 2.4): a much
+                # shorter optimizer step (bench/RESULTS.md, "Training step throughput (issue 13)").
                 "fused": True,
             },
         },

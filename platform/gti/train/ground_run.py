@@ -26,7 +26,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from gti.errors import DataError
-from gti.train import driver, runner
+from gti.train import ray_train, runner
 from gti.train.runner import TrainResult, curve, loss_ends
 from gti.train.worker_config import FaultInjection, GroundRows, ValSet, WorkerConfig
 
@@ -126,7 +126,7 @@ def run_grounding(
         f"{g.precision}, lr {g.lr:g}; {n_train:,} train pairs, {n_val} val prompts"
         + (f" ({inputs.note})" if inputs.note else ""))
     res = runner.train(
-        config, lambda: driver.train_dataset_from_parquet(inputs.pairs_path, seed=inputs.run_cfg.seed), g,
+        config, lambda: ray_train.train_dataset_from_parquet(inputs.pairs_path, seed=inputs.run_cfg.seed), g,
         storage_path=storage_path, name=name, start_ray=start_ray, log=log,
         progress_every=max(g.log_every, math.ceil(g.steps / 20)), callbacks=callbacks, tracker=tracker,
     )

@@ -37,21 +37,21 @@ def build_ground_model(config: "WorkerConfig", cfg: Any) -> torch.nn.Module:
     old rows frozen, only the new rows trainable."""
     from safetensors.torch import load_file
 
-    from gti.lm import vocab
+    from gti.lm import new_rows
 
     g = config.ground
     model = load_base_model(cfg)
     init = load_file(g.init_path)
-    vocab.attach_new_rows(model, int(g.first_new_id), int(g.n_new), init["e_new"], init.get("head_new"))
-    vocab.freeze_backbone(model)
+    new_rows.attach_new_rows(model, int(g.first_new_id), int(g.n_new), init["e_new"], init.get("head_new"))
+    new_rows.freeze_backbone(model)
     return model
 
 
 def ground_trainable_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """{"e_new": [V_new, d]} (+ "head_new" untied), full fp32 (see `full_fp32_cpu`)."""
-    from gti.lm import vocab
+    from gti.lm import new_rows
 
-    params = vocab.new_rows_parameters(module)
+    params = new_rows.new_rows_parameters(module)
     return {name: full_fp32_cpu(p) for name, p in zip(["e_new", "head_new"], params)}
 
 
@@ -93,11 +93,11 @@ def export_grounded(model: torch.nn.Module, tokenizer, first: int, init: dict[st
                     final: dict[str, torch.Tensor], out_dir, meta: dict[str, Any]) -> None:
     """The base model with the new rows attached, set to `final` and merged: a standard HF
     folder with the extended tokenizer and `gti_meta.json` (`meta`)."""
-    from gti.lm import vocab
+    from gti.lm import new_rows
 
-    vocab.attach_new_rows(model, first, int(init["e_new"].shape[0]), init["e_new"], init.get("head_new"))
-    vocab.load_new_rows_state_dict(model, final)
-    vocab.export_model(model, tokenizer, out_dir, meta)
+    new_rows.attach_new_rows(model, first, int(init["e_new"].shape[0]), init["e_new"], init.get("head_new"))
+    new_rows.load_new_rows_state_dict(model, final)
+    new_rows.export_model(model, tokenizer, out_dir, meta)
 
 
 HOOKS = TaskHooks(

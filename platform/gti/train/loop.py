@@ -1,7 +1,7 @@
 """The training loop shared by grounding and SFT (DeepSpeed, on Ray Train workers).
 
 What it is for: `train_loop_per_worker(config)` is the function each Ray Train worker runs
-(`fit` starts them through `gti.train.driver.run_trainer`, the one Ray Train driver; the
+(`fit` starts them through `gti.train.ray_train.run_trainer`, the one Ray Train driver; the
 task runners `gti.train.ground_run` / `gti.train.sft_run` call `fit`). It builds the model
 through a task's hooks, wraps it in the DeepSpeed engine (ZeRO stage, precision, AdamW and
 batch arithmetic from `gti.train.deepspeed_config`; torch.distributed is already initialised
@@ -47,7 +47,7 @@ uninterrupted one.
 
 What it does NOT know: how pairs or SFT examples are made, which task it trains (the hooks do),
 which stage called it, where outputs go (the stage reads `trainable.safetensors` from the
-final checkpoint), or Ray's API (only `gti.train.driver` calls it).
+final checkpoint), or Ray's API (only `gti.train.ray_train` calls it).
 """
 
 from __future__ import annotations
@@ -66,9 +66,11 @@ from typing import Any, Callable
 import torch
 
 from gti import config as C
+from gti.config_train import TrainConfig
+from gti.errors import ConfigError
 from gti.devices import resolve_precision, use_cpu_threads
-from gti.train import driver, nonfinite, safe_checkpoint
-from gti.train.shards import IGNORE_INDEX, PadCollate, ShardStream  # noqa: F401 - loop API
+from gti.train import nonfinite, ray_train, safe_checkpoint
+from gti.train.shards import PadCollate, ShardStream
 from gti.train.deepspeed_config import build_ds_config, micro_batch
 from gti.train.loss import make_forward, set_training_attention
 from gti.train.schedule import LrMultiplier
@@ -130,7 +132,7 @@ class _Worker:
     rank: int
     world: int
     hooks: TaskHooks
-    tc: C.TrainConfig
+    tc: TrainConfig
     engine: Any
     scheduler: Any
     forward: Callable
@@ -142,10 +144,10 @@ def _setup(config: WorkerConfig) -> tuple[_Worker, C.RunConfig]:
     """Model through the task's hooks, attention and precision, the DeepSpeed engine."""
     import deepspeed
 
-    rank, world = driver.worker_rank_world()
+    rank, world = ray_train.worker_rank_world()
     task, hooks = config.task, config.hooks
     cfg = C.validate(config.run_config, f"<{task} worker config>")
-    tc: C.TrainConfig = getattr(cfg, task)
+    tc: TrainConfig = getattr(cfg, task)
     torch.manual_seed(cfg.seed)
     if not tc.use_gpu:
         use_cpu_threads(tc.cpu_threads)
@@ -155,7 +157,7 @@ def _setup(config: WorkerConfig) -> tuple[_Worker, C.RunConfig]:
     forward = make_forward(model, precision, "cuda" if tc.use_gpu else "cpu")
     trainable = [p for p in model.parameters() if p.requires_grad]
     if not trainable:
-        raise C.ConfigError(f"{task}: the model has no trainable parameters")
+        raise ConfigError(f"{task}: the model has no trainable parameters")
     ds_cfg = build_ds_config(tc, world, use_gpu=tc.use_gpu, bf16_weights=cfg.model.dtype == "bfloat16")
     engine, _, _, scheduler = deepspeed.initialize(
         model=model, model_parameters=trainable, config=ds_cfg,
@@ -171,7 +173,7 @@ def _resume(w: _Worker) -> tuple[dict[str, Any], dict[str, Any] | None]:
         "step": 0, "epoch": 0, "offset": 0,
         "history": {"loss": [], "val": {}, "tokens_per_s": []},
     }
-    with driver.latest_checkpoint() as d:
+    with ray_train.latest_checkpoint() as d:
         if d is None:
             return state, None
         saved = json.loads((d / STATE_FILE).read_text())
@@ -235,7 +237,7 @@ def _checkpoint(w: _Worker, state: dict[str, Any], metrics: dict[str, Any], fina
                 save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(d, TRAINABLE_FILE))
         if w.rank == 0:
             Path(d, STATE_FILE).write_text(json.dumps(state))
-        driver.report(metrics, checkpoint_dir=d)
+        ray_train.report(metrics, checkpoint_dir=d)
 
 
 # --------------------------------------------------------------------------- the loop
@@ -254,7 +256,7 @@ def train_loop_per_worker(config: WorkerConfig | dict) -> dict[str, Any]:
     if done is not None:
         return done
     stream = ShardStream(
-        driver.dataset_shard("train"), micro_batch(tc, w.world), PadCollate(config.pad_id), cfg.seed,
+        ray_train.dataset_shard("train"), micro_batch(tc, w.world), PadCollate(config.pad_id), cfg.seed,
         epoch=state["epoch"], offset=state["offset"], group_by_length=tc.group_by_length,
     )
     batches = iter(stream)
@@ -301,7 +303,7 @@ def train_loop_per_worker(config: WorkerConfig | dict) -> dict[str, Any]:
             timing["checkpoint_s"] = timing.get("checkpoint_s", 0.0) + time.perf_counter() - tc0
         elif step % tc.log_every == 0:
             tr = time.perf_counter()
-            driver.report(metrics)
+            ray_train.report(metrics)
             timing["report_s"] = timing.get("report_s", 0.0) + time.perf_counter() - tr
         if config.fault is not None and config.fault.fail_at_step == step:
             _maybe_fail(config, w.rank, step // tc.checkpoint_every * tc.checkpoint_every)
@@ -325,7 +327,7 @@ def _maybe_fail(config: WorkerConfig, rank: int, ckpt_step: int) -> None:
     deadline = time.monotonic() + float(fault.fail_wait_s)
     pf = config.progress_file
     while ckpt_step > 0 and pf and time.monotonic() < deadline:
-        got = driver.registered_checkpoint_step(pf)
+        got = ray_train.registered_checkpoint_step(pf)
         if got is not None and got >= ckpt_step:
             break
         time.sleep(0.2)
@@ -353,7 +355,7 @@ class FitResult:
 
 class _ProgressTail:
     """Driver side of training progress: every step's metrics (from rank 0's progress file,
-    followed by `gti.train.driver.run_trainer`) drawn with rate and ETA (`gti.progress.Progress`:
+    followed by `gti.train.ray_train.run_trainer`) drawn with rate and ETA (`gti.progress.Progress`:
     a bar on a TTY, else a line every `every` steps through `log`) and handed to `on_metrics`
     (the stage's tracker)."""
 
@@ -387,7 +389,7 @@ def _read_final(d: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
 def fit(
     config: WorkerConfig,
     train_ds: Any,
-    train_cfg: C.TrainConfig,
+    train_cfg: TrainConfig,
     *,
     storage_path: str | Path,
     name: str,
@@ -397,7 +399,7 @@ def fit(
     on_metrics: Callable[[dict], None] | None = None,
 ) -> FitResult:
     """Run `train_loop_per_worker(config)` on `train_cfg.num_workers` Ray Train workers (through
-    `gti.train.driver.run_trainer`) and return the final trainable tensors. `train_ds` is a Ray
+    `gti.train.ray_train.run_trainer`) and return the final trainable tensors. `train_ds` is a Ray
     Dataset of rows {"input_ids": list[int], "labels": list[int]}, in the order to train.
 
     Resume: a run re-created with the same `storage_path` and `name` starts from its latest
@@ -412,7 +414,7 @@ def fit(
     env = {"TOKENIZERS_PARALLELISM": "false"}
     if not train_cfg.use_gpu:
         env["DS_ACCELERATOR"] = "cpu"
-    spec = driver.TrainerSpec(
+    spec = ray_train.TrainerSpec(
         name=name, storage_path=Path(storage_path), num_workers=train_cfg.num_workers,
         use_gpu=train_cfg.use_gpu,
         # e.g. {CPU: 1, gti_worker: 1} puts one worker on each node (cluster/local_cluster.sh).
@@ -426,7 +428,7 @@ def fit(
     config = dataclasses.replace(config, fit_id=uuid.uuid4().hex)
     tail = _ProgressTail(log, progress_every, train_cfg.steps, on_metrics)
     with tail:
-        (st, sd), metrics, path = driver.run_trainer(
+        (st, sd), metrics, path = ray_train.run_trainer(
             train_loop_per_worker, config, {"train": train_ds}, spec, _read_final, progress=tail.record,
         )
     if int(st["step"]) != train_cfg.steps:

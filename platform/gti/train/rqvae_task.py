@@ -2,7 +2,7 @@
 
 What it is for: `train_rqvae(sid_cfg, seed, emb_path, init_model, n_items, storage, log)` trains
 the RQ-VAE on `sid.num_workers` Ray Train workers through the one driver
-(`gti.train.driver.run_trainer`: TorchTrainer, RunConfig, checkpoints, failure handling,
+(`gti.train.ray_train.run_trainer`: TorchTrainer, RunConfig, checkpoints, failure handling,
 progress) and returns (trained model, epoch history). `sid_train_loop` is the worker: DDP
 (gloo on CPU, nccl on GPU) over shards of the embeddings; per epoch the workers all-reduce
 code usage, re-seed dead codes (rank 0's choice is broadcast) and report metrics; a checkpoint
@@ -20,7 +20,7 @@ batch_size) steps, and Ray Train's shards are equal-sized, so every DDP worker r
 number of steps (the collectives in `_revive` rely on it).
 
 What it does not know: how embeddings were made, how codes are assigned or de-duplicated (the
-`sid` stage), or Ray's API (only `gti.train.driver` calls it).
+`sid` stage), or Ray's API (only `gti.train.ray_train` calls it).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from gti.sid.quantizer import load_quantizer, save_quantizer
-from gti.train import driver
+from gti.train import ray_train
 
 STATE_FILE = "train_state.json"
 OPTIM_FILE = "optimizer.safetensors"
@@ -95,7 +95,7 @@ def _load_optimizer(opt: torch.optim.Optimizer, path: Path) -> None:
 
 def _restore(model, opt) -> tuple[int, list[dict]]:
     """(start epoch, history) from the latest checkpoint, loading model and optimizer state."""
-    with driver.latest_checkpoint() as d:
+    with ray_train.latest_checkpoint() as d:
         if d is None:
             return 0, []
         model.load_state_dict(load_quantizer(d).state_dict())
@@ -122,14 +122,14 @@ def _save(core, opt, device, epoch: int, history: list[dict], metrics: dict, con
         with open(config["progress_file"], "a") as fh:
             fh.write(json.dumps({**metrics, "wall_time": time.time()}) + "\n")
     if not checkpoint:
-        driver.report(metrics)
+        ray_train.report(metrics)
         return
     with tempfile.TemporaryDirectory() as d:
         save_quantizer(core.cpu() if device.type != "cpu" else core, d)
         core.to(device)
         _save_optimizer(opt, Path(d) / OPTIM_FILE)
         (Path(d) / STATE_FILE).write_text(json.dumps({"epoch": epoch + 1, "history": history}))
-        driver.report(metrics, checkpoint_dir=d)
+        ray_train.report(metrics, checkpoint_dir=d)
 
 
 # --------------------------------------------------------------------------- the worker loop
@@ -201,17 +201,17 @@ def sid_train_loop(config: dict) -> None:
 
     from gti.sid.rqvae import RQVAE, RQVAEConfig
 
-    rank, world = driver.worker_rank_world()
+    rank, world = ray_train.worker_rank_world()
     torch.manual_seed(config["seed"] * 1000 + rank)  # dropout differs per worker, as in DDP
     model = RQVAE(RQVAEConfig(**config["model"]))
     model.load_state_dict(config["init_state"])
     opt = torch.optim.AdamW(model.parameters(), lr=config["lr"], weight_decay=config["weight_decay"])
     start_epoch, history = _restore(model, opt)
-    device = driver.torch_device()
-    ddp = driver.prepare_ddp(model)
+    device = ray_train.torch_device()
+    ddp = ray_train.prepare_ddp(model)
     core = model  # prepare_model wraps in DDP but keeps (and moves) this module
     levels, k = model.cfg.levels, model.cfg.codebook_size
-    shard = driver.dataset_shard("train")
+    shard = ray_train.dataset_shard("train")
     every, step = int(config.get("revive_every_steps", 0)), 0
     # Usage since the last revival when reviving every `every` steps (spans epochs).
     window = torch.zeros(levels, k, dtype=torch.float64, device=device)
@@ -249,7 +249,7 @@ def sid_train_loop(config: dict) -> None:
             _save(core, opt, device, epoch, history, metrics, config, checkpoint=due)
             last_ckpt = time.time() if due else last_ckpt
         else:
-            driver.report(metrics)
+            ray_train.report(metrics)
 
 
 def _revive(core, counts, residuals, config, salt, world, opt, reduced=False) -> list[int]:
@@ -280,7 +280,7 @@ def train_rqvae(s, seed: int, emb_path: Path, init_model, n_items: int, storage:
     epoch history). A rerun with the same `storage` resumes from the last epoch."""
     from gti.progress import Progress
 
-    ds = driver.read_parquet_dataset(emb_path, ["embedding"])
+    ds = ray_train.read_parquet_dataset(emb_path, ["embedding"])
     per_worker = max(1, s.batch_size // s.num_workers)
     config = {
         "model": init_model.cfg.to_dict(),
@@ -303,9 +303,9 @@ def train_rqvae(s, seed: int, emb_path: Path, init_model, n_items: int, storage:
     # Deterministic name: a rerun with the same storage resumes (Train V2 has no restore).
     # preserve_order: each worker's shard holds the same rows in the same order on every run,
     # so the seeded local shuffle (and so the trained codebooks) is a function of data + seed.
-    spec = driver.TrainerSpec(name=RUN_NAME, storage_path=storage, num_workers=s.num_workers,
-                              use_gpu=s.use_gpu, backend="nccl" if s.use_gpu else "gloo",
-                              preserve_order=True)
+    spec = ray_train.TrainerSpec(name=RUN_NAME, storage_path=storage, num_workers=s.num_workers,
+                                 use_gpu=s.use_gpu, backend="nccl" if s.use_gpu else "gloo",
+                                 preserve_order=True)
     bar = Progress(s.epochs, "rqvae", "epochs", log=log, every_n=1)
 
     def on_epoch(m: dict) -> None:
@@ -314,8 +314,8 @@ def train_rqvae(s, seed: int, emb_path: Path, init_model, n_items: int, storage:
                                  f"revived {sum(m['revived'])}", at=m.get("wall_time"))
 
     with bar:
-        (model, history), _, _ = driver.run_trainer(sid_train_loop, config, {"train": ds}, spec,
-                                                    _read_final, progress=on_epoch)
+        (model, history), _, _ = ray_train.run_trainer(sid_train_loop, config, {"train": ds}, spec,
+                                                       _read_final, progress=on_epoch)
     if not history or history[-1]["epoch"] != s.epochs:
         raise RuntimeError(f"RQ-VAE checkpoint is at epoch {history[-1]['epoch'] if history else 0}, expected {s.epochs}")
     return model, history

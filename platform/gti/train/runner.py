@@ -11,7 +11,7 @@ same storage path, run name, worker config and rows continues from the latest ch
 `loss_ends` and `curve` read the history the way every caller's facts spell it.
 
 What it does not know: the task (the runner chose the worker config and the dataset), where
-the caller exports, Ray's API (`gti.train.driver` reads the data, `gti.train.loop` trains).
+the caller exports, Ray's API (`gti.train.ray_train` reads the data, `gti.train.loop` trains).
 """
 
 from __future__ import annotations

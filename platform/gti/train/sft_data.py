@@ -34,7 +34,7 @@ import polars as pl
 from gti.data.sequences import check_sequences
 from gti.errors import ConfigError
 from gti.errors import DataError
-from gti.lm.templates import IGNORE, REC_TEMPLATES, ROW_COLUMNS, SEQ_TASK  # noqa: F401 - defined once there
+from gti.lm.templates import REC_TEMPLATES, ROW_COLUMNS
 
 
 # --------------------------------------------------------------------------- windows

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, ContextManager
 
-from gti.train import driver, runner
+from gti.train import ray_train, runner
 from gti.train.runner import TrainResult, curve, loss_ends
 from gti.train.sft_task import VAL_METRIC
 from gti.train.worker_config import FaultInjection, SftStart, ValSet, WorkerConfig
@@ -77,7 +77,7 @@ def run_sft(
         # Materialised before the worker group reserves its CPUs: the streaming split then needs
         # no read task while the workers hold their slots (on a full cluster, with Tune trials or
         # compare arms side by side, a pending read would otherwise wait for ever).
-        return driver.read_parquet_dataset(inputs.train_path, ["input_ids", "labels"], materialize=True)
+        return ray_train.read_parquet_dataset(inputs.train_path, ["input_ids", "labels"], materialize=True)
 
     res = runner.train(config, dataset, sc, storage_path=storage_path, name=name, start_ray=start_ray, log=log,
                        progress_every=max(1, sc.log_every), callbacks=callbacks, tracker=tracker)

@@ -21,7 +21,8 @@ import pyarrow.parquet as pq
 import torch
 
 from gti import config as C
-from gti.errors import DataError
+from gti.config_train import LoraConfig, SftConfig
+from gti.errors import ConfigError, DataError
 from gti.train.task import TaskHooks, full_fp32_cpu, load_trie, rank_share
 
 if TYPE_CHECKING:
@@ -31,21 +32,21 @@ VAL_K = 10
 VAL_METRIC = f"val_recall@{VAL_K}"
 
 
-def check_lora_supported(sc: C.SftConfig) -> None:
+def check_lora_supported(sc: SftConfig) -> None:
     """ConfigError unless the requested LoRA/QLoRA variant can run here (checked on the driver
     and again in every worker, where the GPU actually is)."""
     lo = sc.lora
     if not lo.enabled:
         if lo.quantize_4bit:
-            raise C.ConfigError("sft.lora.quantize_4bit needs sft.lora.enabled=true")
+            raise ConfigError("sft.lora.quantize_4bit needs sft.lora.enabled=true")
         return
     if importlib.util.find_spec("peft") is None:
-        raise C.ConfigError("sft.lora.enabled needs the 'peft' package, which is not installed")
+        raise ConfigError("sft.lora.enabled needs the 'peft' package, which is not installed")
     if lo.quantize_4bit:
         if importlib.util.find_spec("bitsandbytes") is None:
-            raise C.ConfigError("sft.lora.quantize_4bit (QLoRA) needs the 'bitsandbytes' package, which is not installed")
+            raise ConfigError("sft.lora.quantize_4bit (QLoRA) needs the 'bitsandbytes' package, which is not installed")
         if not sc.use_gpu:
-            raise C.ConfigError("sft.lora.quantize_4bit (QLoRA) needs sft.use_gpu=true: 4-bit weights exist only on GPU")
+            raise ConfigError("sft.lora.quantize_4bit (QLoRA) needs sft.use_gpu=true: 4-bit weights exist only on GPU")
 
 
 def load_causal_lm(model_dir: str | Path, cfg: C.RunConfig, quantize_4bit: bool = False) -> torch.nn.Module:
@@ -72,16 +73,17 @@ def load_causal_lm(model_dir: str | Path, cfg: C.RunConfig, quantize_4bit: bool 
     return AutoModelForCausalLM.from_pretrained(str(model_dir), **kwargs)
 
 
-def wrap_lora(model: torch.nn.Module, lora: C.LoraConfig, quantized: bool = False) -> torch.nn.Module:
+def wrap_lora(model: torch.nn.Module, lora: LoraConfig, quantized: bool = False) -> torch.nn.Module:
     """peft LoRA on every linear layer of the backbone (not the head), then the embedding
     matrix and the output head made fully trainable (tied heads share one matrix)."""
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
 
     if quantized:
         from peft import prepare_model_for_kbit_training
 
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-    peft_cfg = LoraConfig(
+    peft_cfg = PeftLoraConfig(
         r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
         target_modules="all-linear", task_type="CAUSAL_LM",
     )
@@ -100,7 +102,7 @@ def build_sft_model(config: "WorkerConfig", cfg: C.RunConfig) -> torch.nn.Module
     check_lora_supported(sc)
     q4 = sc.lora.enabled and sc.lora.quantize_4bit
     if q4 and not torch.cuda.is_available():
-        raise C.ConfigError("sft.lora.quantize_4bit (QLoRA) needs a GPU in every training worker")
+        raise ConfigError("sft.lora.quantize_4bit (QLoRA) needs a GPU in every training worker")
     model = load_causal_lm(config.sft.model_dir, cfg, quantize_4bit=q4)
     if sc.lora.enabled:
         return wrap_lora(model, sc.lora, quantized=q4)
@@ -154,7 +156,7 @@ def _val_loss_and_mrr(module, prompts: list[list[int]], targets: torch.Tensor, c
     with v.mrr, `val_mrr`, the mean reciprocal exact rank of the target among all catalog
     SIDs (`gti.eval.rank`). Rows not `counted` (rank padding) contribute nothing."""
     from gti.eval.rank import exact_ranks, score_catalog
-    from gti.lm.templates import IGNORE
+    from gti.lm.chat import IGNORE
     from safetensors.torch import load_file
 
     from gti.train.shards import PadCollate

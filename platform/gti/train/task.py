@@ -45,11 +45,11 @@ def full_fp32_cpu(p: torch.nn.Parameter) -> torch.Tensor:
     under ZeRO-3, so every rank must call it."""
     from deepspeed.utils import safe_get_full_fp32_param
 
-    from gti.lm import vocab
+    from gti.lm import new_rows
 
     full = safe_get_full_fp32_param(p)
     if full is None:
-        with vocab.gathered([p]):
+        with new_rows.gathered([p]):
             full = p.detach().clone()
     return full.detach().to("cpu", torch.float32).clone()
 

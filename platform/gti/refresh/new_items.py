@@ -24,8 +24,9 @@ What it does not know: training, the model's weights, Ray.
 from __future__ import annotations
 
 from gti.errors import DataError
-from gti.manifest import Manifest, atomic_write_json
-from gti.refresh.job import NEEDS_NEW_TOKENS, Job, RefreshError
+from gti.files import atomic_write_json
+from gti.manifest import Manifest
+from gti.refresh.attempt import NEEDS_NEW_TOKENS, Job, RefreshError
 
 
 def embed_step(job: Job) -> dict:

@@ -1,17 +1,21 @@
 """What one `gti refresh` attempt works with: the run, its config, the parent version, the work folder.
 
-What it is for: the steps of a refresh (`gti.refresh.ingest`, `.sids`, `.train`, `.driver`)
-share one `Job`: the run folder, the config the run's model was trained with plus the
-overrides (`load_run_config`; `model.trust_remote_code` only from the caller), the version it
-builds on (`Parent`, from `find_parent`: the newest refresh made on the run's current base, else
-the run; with its map's codebook sizes, which an earlier refresh may have grown, and that base), the work folder `<run>/refresh/.v<k>.partial/`, the run's `sid` facts and codebooks
-hash, and the log. After the assign step, `Job.map_facts()` is the `sid` facts with the new
-map's codebook sizes; after the tokens step, `Job.base_model_dir` is the model the training
-steps start from (`<work>/grown_model/` when codes were added, else the parent's) and
-`Job.token_range()` its SID rows. Also the names every step agrees on (files in the work
-folder, Ray Train run names) and `RefreshError` / `RefreshResult`.
+What it is for: the steps of a refresh (`gti.refresh.ingest`, `.new_items`, `.tokens`,
+`.train`, `.command`) share one `Job`: the run folder, the config the run's model was trained
+with plus the overrides (`load_run_config`; `model.trust_remote_code` only from the caller),
+the version it builds on (`Parent`, from `find_parent`: `gti.run_versions.resolve`'s answer,
+the newest refresh made on the run's current base, else the run, with its map's codebook
+sizes, which an earlier refresh may have grown, and that base; plus the pairs and newest
+interactions of the refreshes it builds on), the work folder `<run>/refresh/.v<k>.partial/`,
+the run's `sid` facts and codebooks hash, and the log. After the assign step, `Job.map_facts()`
+is the `sid` facts with the new map's codebook sizes; after the tokens step,
+`Job.base_model_dir` is the model the training steps start from (`<work>/grown_model/` when
+codes were added, else the parent's) and `Job.token_range()` its SID rows. Also the names
+every step agrees on (files in the work folder, Ray Train run names) and `RefreshError` /
+`RefreshResult`.
 
-What it does not know: how a step does its work, Ray, training.
+What it does not know: which version is current (`gti.run_versions`), how a step does its
+work, Ray, training.
 """
 
 from __future__ import annotations
@@ -23,13 +27,14 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from gti import config as C
-from gti.errors import GtiError
+from gti.config_io import apply_overrides, read_yaml
+from gti.errors import ConfigError, GtiError
 from gti.manifest import MANIFEST_NAME, Manifest
-from gti.train.driver import STORAGE_DIR
+from gti.train.ray_train import STORAGE_DIR
 
 STEPS_FILE = "_steps.json"
 FINGERPRINT_FILE = "_fingerprint"
-RAY_DIR = STORAGE_DIR  # gti.train.driver.STORAGE_DIR
+RAY_DIR = STORAGE_DIR  # gti.train.ray_train.STORAGE_DIR
 GROUND_RUN = "refresh_ground"
 SFT_RUN = "refresh_sft"
 NEEDS_NEW_TOKENS = "needs_new_tokens.json"
@@ -77,14 +82,14 @@ def load_run_config(run_dir: Path, items: str, interactions: str | None, overrid
     `<run>/config.yaml`) + overrides, reading the new files. `model.trust_remote_code` is the
     caller's `trust_remote_code` (`--trust-remote-code`), never the run folder's: a `true`
     there is ignored with one `note` line, and an override of it is refused."""
-    from gti.run_artifacts import with_trust_remote_code
+    from gti.loaded_run import with_trust_remote_code
 
     path = next((p for p in (run_dir / "sft" / "config.yaml", run_dir / "ground" / "config.yaml")
                  if p.is_file()), run_dir / "config.yaml")
     if any(str(o).split("=", 1)[0].strip() == "model.trust_remote_code" for o in overrides):
-        raise C.ConfigError("model.trust_remote_code: not a refresh override; pass --trust-remote-code")
-    raw = C.read_yaml(path) if path.is_file() else {}
-    raw = C.apply_overrides(raw, list(overrides), str(path)) if overrides else raw
+        raise ConfigError("model.trust_remote_code: not a refresh override; pass --trust-remote-code")
+    raw = read_yaml(path) if path.is_file() else {}
+    raw = apply_overrides(raw, list(overrides), str(path)) if overrides else raw
     data = raw.setdefault("data", {})
     data.setdefault("items", {})["path"] = str(items)
     if interactions is not None:
@@ -106,46 +111,33 @@ class Parent:
     interactions_path: Path
     pair_files: list[Path]
     codebook_sizes: tuple[int, ...]  # of the parent's map (its version record, else the sid stage's)
-    # The run's current base (`gti.run_artifacts.base_record`: model stage output, SID map),
+    # The run's current base (`gti.run_versions.base_record`: model stage output, SID map),
     # recorded in the new version's manifest; a version made on another base is no parent.
     base: dict = field(default_factory=dict)
 
 
-def next_version(run_dir: Path) -> int:
-    """k of the next refresh: after the highest published `v<k>` (those made on an older base
-    included), so a version is never numbered over, nor replaced."""
-    from gti.sid import lineage
-
-    return max((v.k for v in lineage.versions(run_dir)), default=0) + 1
-
-
 def find_parent(run_dir: Path, note: Callable[[str], None] | None = None) -> Parent:
-    """The newest version of `run_dir` made on its current base (one `note` line for each one
-    skipped: made on another base), with every earlier refresh's new pairs and the newest
-    interactions of those versions; RefreshError when the run lacks a stage or a trained model."""
-    from gti.run_artifacts import RunDirError, base_record, current_versions, find_model_dir
+    """The version `gti.run_versions.resolve` names for `run_dir` (the newest made on its current
+    base, one `note` line for each one skipped: made on another base), with every earlier
+    refresh's new pairs and the newest interactions of those versions; RefreshError when the
+    run lacks a stage or a trained model."""
+    from gti.run_versions import RunDirError, resolve
 
-    sid = read_manifest(run_dir, "sid")
+    read_manifest(run_dir, "sid")
     pairs = read_manifest(run_dir, "pairs")
     ing = read_manifest(run_dir, "ingest")
+    try:
+        at = resolve(run_dir, None, **({"note": note} if note is not None else {}))
+    except RunDirError as err:
+        raise RefreshError(str(err)) from None
     pair_files = [pairs.output(run_dir / "pairs", "pairs")]
     inter = ing.output(run_dir / "ingest", "interactions")
-    base = base_record(run_dir)
-    vs = current_versions(run_dir, **({"note": note} if note is not None else {}))
-    for v in vs:
+    for v in at.refreshes:
         if (v.dir / "pairs_new.parquet").is_file():
             pair_files.append(v.dir / "pairs_new.parquet")
         if (v.dir / "ingest" / "interactions.parquet").is_file():
             inter = v.dir / "ingest" / "interactions.parquet"
-    if vs:
-        v, rec = vs[-1], vs[-1].version()
-        return Parent(v.k, v.map_path, rec.hash, v.model_dir, inter, pair_files, tuple(rec.codebook_sizes), base)
-    try:
-        _, model_dir = find_model_dir(run_dir)
-    except RunDirError as err:
-        raise RefreshError(str(err)) from None
-    return Parent(0, sid.output(run_dir / "sid", "sid_map"), sid.fact("sid_map_hash"), model_dir, inter,
-                  pair_files, tuple(int(k) for k in sid.fact("codebook_sizes")), base)
+    return Parent(at.k, at.map_path, at.map_hash, at.model_dir, inter, pair_files, at.codebook_sizes, at.base)
 
 
 @dataclass
@@ -187,7 +179,7 @@ class Job:
         """[first, end) of the SID rows of `base_model_dir` (the trainable rows): the pairs
         stage's `new_token_ids`, extended to the end its `gti_meta.json` records when a refresh
         appended code tokens after them."""
-        from gti.lm.vocab import read_meta
+        from gti.lm.new_rows import read_meta
 
         first, end = (int(x) for x in Manifest.read(self.run_dir / "pairs").facts["new_token_ids"])
         recorded = read_meta(self.base_model_dir).get("new_token_ids")

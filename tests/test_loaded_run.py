@@ -1,4 +1,4 @@
-"""`LoadedRun` / `recommend` / `gti recommend` (gti/run_artifacts.py) on a tiny run directory built here:
+"""`LoadedRun` / `recommend` / `gti recommend` (gti/loaded_run.py) on a tiny run directory built here:
 a tiny Llama extended with 2x8 SID tokens, exported with gti_meta.json, a sid_map with its
 manifest, and an ingest items table with titles."""
 
@@ -15,7 +15,9 @@ from gti.config import ModelConfig
 from gti.errors import DataError
 from gti.eval.decode import score_all_sids
 from gti.eval.recommend import format_recommendations
-from gti.run_artifacts import LoadedRun, RunDirError, StaleSidMapError, recommend
+from gti.loaded_run import LoadedRun, recommend
+from gti.run_versions import RunDirError, check_exact_map
+from gti.sid.versions import UnrelatedSidMapError
 
 
 def load_recommender(run_dir):
@@ -28,11 +30,11 @@ N_ITEMS, LEVELS, CODEBOOK = 20, 2, 8
 
 def _write_run(run, export_stage: str = "sft", meta_hash: str | None = None):
     from gti.lm.models import build_tiny
-    from gti.lm.vocab import export_model
+    from gti.lm.new_rows import export_model
 
     model, tok = build_tiny(ModelConfig(name="tiny"), seed=0)
     codec = SidCodec(LEVELS, CODEBOOK)
-    from gti.lm.vocab import extend_tokenizer
+    from gti.lm.new_rows import extend_tokenizer
 
     first, end = extend_tokenizer(tok, codec.tokens())
     model.resize_token_embeddings(end, mean_resizing=False)
@@ -112,7 +114,7 @@ def test_unknown_history_and_bad_k(tiny_run):
 
 def test_stale_sid_map_is_refused(tmp_path):
     _write_run(tmp_path, meta_hash="someotherhash")
-    with pytest.raises(StaleSidMapError, match="someotherhash.*hash20"):
+    with pytest.raises(UnrelatedSidMapError, match="someotherhash.*hash20"):
         load_recommender(tmp_path)
 
 
@@ -148,8 +150,8 @@ def test_open_from_named_folders_equals_open_from_run_dir(tiny_run):
                        sid_facts=sid_man.facts, cfg=a.cfg)
     assert b.item_ids == a.item_ids == item_ids and b.run_dir is None
     assert torch.equal(a.sid_matrix, b.sid_matrix) and b.levels == LEVELS
-    with pytest.raises(StaleSidMapError, match="stale SID map"):
-        LoadedRun.check_sid_map(a.model_dir, "not-this-map")
+    with pytest.raises(UnrelatedSidMapError, match="stale SID map"):
+        check_exact_map(a.model_dir, "not-this-map")
     with pytest.raises(RunDirError, match="needs a run_dir"):
         LoadedRun.open(model_dir=a.model_dir)
 
@@ -160,7 +162,7 @@ def test_recommend_takes_trust_remote_code_from_the_flag_only(tmp_path, capsys, 
     import transformers
 
     from gti import config as C
-    from gti import run_artifacts
+    from gti import run_versions
     from gti.cli import main
 
     _write_run(tmp_path)
@@ -175,7 +177,7 @@ def test_recommend_takes_trust_remote_code_from_the_flag_only(tmp_path, capsys, 
             return _orig(path, *a, **kw)
 
         monkeypatch.setattr(cls, "from_pretrained", spy)
-    monkeypatch.setattr(run_artifacts, "_noted", set())
+    monkeypatch.setattr(run_versions, "_noted", set())
     assert main(["recommend", "--run-dir", str(tmp_path), "--history", "it2", "--k", "2"]) == 0
     assert seen == [("AutoTokenizer", False), ("AutoModelForCausalLM", False)]
     err = [line for line in capsys.readouterr().err.splitlines() if "trust_remote_code" in line]
@@ -190,11 +192,11 @@ def test_a_refresh_version_made_on_another_base_is_not_loaded(tmp_path, capsys, 
     skipped with one note: `LoadedRun.open` loads the run's own model, never the old version."""
     import pyarrow.parquet as pq
 
-    from gti import run_artifacts
+    from gti import run_versions
     from gti.sid.versions import make_version, write_map
 
     _write_run(tmp_path)
-    base = run_artifacts.base_record(tmp_path)
+    base = run_versions.base_record(tmp_path)
     assert base["model_stage"] == "sft" and base["sid_map_hash"] == f"hash{N_ITEMS}"
     v1 = tmp_path / "refresh" / "v1"
     (v1 / "sid").mkdir(parents=True)
@@ -202,7 +204,7 @@ def test_a_refresh_version_made_on_another_base_is_not_loaded(tmp_path, capsys, 
     write_map(v1 / "sid" / "sid_map.parquet", t, make_version(t, "cb", [CODEBOOK] * LEVELS, parent="old"))
     Manifest(stage="refresh", fingerprint="v1", config={},
              facts={"base": {**base, "model_fingerprint": "before-the-retrain"}}).write(v1)
-    monkeypatch.setattr(run_artifacts, "_noted", set())
+    monkeypatch.setattr(run_versions, "_noted", set())
     run = LoadedRun.open(tmp_path)
     assert run.model_stage == "sft" and run.model_dir == tmp_path / "sft" / "model"
     err = [line for line in capsys.readouterr().err.splitlines() if "skipped" in line]

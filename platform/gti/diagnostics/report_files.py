@@ -35,9 +35,9 @@ Statistics (documented in the report itself):
 
 This module is the entry point: `build_report` assembles the document and writes the three
 files, `spectra_plots` / `learning_curve_plots` draw the plots of a set of records. The pieces
-live beside it (and are re-exported here): `gti.diagnostics.runs` (RunRecord, values of one
-run), `.stats` (numbers, CIs, verdicts), `.tables` (the tables), `.readings` (plain words),
-`.page` (the HTML).
+live beside it: `gti.diagnostics.runs` (RunRecord, values of one run), `.stats` (numbers, CIs,
+verdicts), `.tables` (the tables), `.readings` (plain words), `.page` (the HTML); callers import
+each from its own module.
 
 What it does not know: how runs were produced, Ray, files of other stages (callers pass plain
 dicts), or how diagnostics are computed (`gti.diagnostics.geometry`).
@@ -54,20 +54,9 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from gti.diagnostics.page import CURVE_PLOT_PREFIX, render_html
 from gti.diagnostics.readings import curve_reading, reading
-from gti.diagnostics.runs import PHASES, RANK_METRICS, RunRecord, _ordered_arms, metric_names
-from gti.diagnostics.stats import (
-    LOWER_IS_BETTER,
-    _clean,
-    _dig,
-    fmt,
-    fmt_plain,
-    higher_is_better,
-    metric_entry,
-    verdict,
-)
+from gti.diagnostics.runs import PHASES, RunRecord, _ordered_arms
+from gti.diagnostics.stats import _clean, _dig, higher_is_better
 from gti.diagnostics.tables import (
-    CURVE_ORDER,
-    DIAG_QUANTITIES,
     cold_table,
     diagnostics_table,
     learning_curves,
@@ -77,14 +66,6 @@ from gti.diagnostics.tables import (
     wall_time_table,
 )
 from gti.files import atomic_write_bytes
-
-__all__ = [
-    "CSV_COLUMNS", "CURVE_ORDER", "CURVE_PLOT_PREFIX", "DIAG_QUANTITIES", "LOWER_IS_BETTER", "PHASES",
-    "RANK_METRICS", "RunRecord", "build_report", "cold_table", "curve_reading", "diagnostics_table", "fmt",
-    "fmt_plain", "higher_is_better", "learning_curve_plots", "learning_curves", "metric_entry",
-    "metric_names", "metrics_table", "reading", "render_html", "rsa_level_table", "spectra_plots",
-    "verdict", "wall_time_table",
-]
 
 CSV_COLUMNS = [
     "table", "arm", "group", "name", "n", "mean", "std", "ci_lo", "ci_hi",

@@ -1,4 +1,4 @@
-"""gti.refresh.job: the config a refresh runs with, the version it builds on, and the Job the
+"""gti.refresh.attempt: the config a refresh runs with, the version it builds on, and the Job the
 steps share (on the fake run of conftest.py; no model, no Ray)."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import shutil
 import pytest
 
 from gti import config as C
-from gti.refresh.job import Job, RefreshError, RefreshResult, find_parent, load_run_config, read_manifest
+from gti.errors import ConfigError
+from gti.refresh.attempt import Job, RefreshError, RefreshResult, find_parent, load_run_config, read_manifest
 
 
 def test_run_config_is_the_trained_models_with_the_new_files(fake_run, tmp_path):
@@ -23,7 +24,7 @@ def test_run_config_is_the_trained_models_with_the_new_files(fake_run, tmp_path)
     assert cfg.refresh.ground_steps == 3 and cfg.run_dir == str(fake_run.dir)
     old_inter = cfg.data.interactions.path
     assert load_run_config(fake_run.dir, "new.csv", None).data.interactions.path != old_inter
-    with pytest.raises(C.ConfigError, match="refresh.nope"):
+    with pytest.raises(ConfigError, match="refresh.nope"):
         load_run_config(fake_run.dir, "new.csv", None, ["refresh.nope=1"])
 
 
@@ -98,7 +99,7 @@ def test_trust_remote_code_comes_only_from_the_callers_flag(fake_run, monkeypatc
     notes.clear()
     assert load_run_config(fake_run.dir, "new.csv", None, (), True, note=notes.append).model.trust_remote_code
     assert notes == []
-    with pytest.raises(C.ConfigError, match="model.trust_remote_code: not a refresh override; pass --trust-remote-code"):
+    with pytest.raises(ConfigError, match="model.trust_remote_code: not a refresh override; pass --trust-remote-code"):
         load_run_config(fake_run.dir, "new.csv", None, ["model.trust_remote_code=true"])
 
     seen = []
@@ -131,8 +132,7 @@ def test_a_version_made_on_another_base_is_skipped_and_numbering_continues(fake_
     """After the run retrains (its model stage's manifest changes), find_parent skips v1 with
     one line naming it and builds on the run again; the next version is v2, never v1 again."""
     from gti.manifest import Manifest
-    from gti.refresh.job import next_version
-    from gti.run_artifacts import base_record
+    from gti.run_versions import base_record, next_version
 
     run = fake_run.dir
     _version(run, 1, base_record(run))

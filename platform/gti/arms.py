@@ -1,4 +1,5 @@
-"""Names that the config, the building blocks and the reports share, each defined once.
+"""What an arm is made of and what it is called, defined once for the config, the building
+blocks and the reports.
 
 What it is for: the initialisation methods (`INIT_METHODS`, which `init.method` accepts and
 `gti.lm.init.init_rows` implements), the default grounding-task templates (which

@@ -1,11 +1,11 @@
-"""Vocabulary surgery: frozen old rows, split modules, merge and export (gti/lm/vocab.py)."""
+"""Vocabulary surgery: frozen old rows, split modules, merge and export (gti/lm/new_rows.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from gti.lm import vocab as V
+from gti.lm import new_rows as V
 from gti.lm.models import build_tiny
 
 SID_TOKENS = [f"<{lvl}_{c}>" for lvl in "ab" for c in range(8)]

@@ -1,4 +1,4 @@
-"""gti.refresh.sids: embeddings by the run's encoder, SIDs from the frozen quantiser that never
+"""gti.refresh.new_items: embeddings by the run's encoder, SIDs from the frozen quantiser that never
 move an old one (a full prefix group stops the refresh with the list written, or with
 `refresh.on_full_group=add_tokens` grows the last level for it), and the replay
 sample of old training pairs (on the fake run of conftest.py: codes (a, b) for a vector
@@ -12,8 +12,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from gti.refresh.job import NEEDS_NEW_TOKENS, RefreshError
-from gti.refresh.sids import assign_step, embed_step, pairs_step
+from gti.refresh.attempt import NEEDS_NEW_TOKENS, RefreshError
+from gti.refresh.new_items import assign_step, embed_step, pairs_step
 
 
 def _items(job, ids):
@@ -104,7 +104,7 @@ def test_add_tokens_grows_the_last_level_for_a_full_group(make_job, fake_run):
 def test_last_level_costs_are_widened_to_a_grown_level():
     import torch
 
-    from gti.refresh.sids import _padded_cost
+    from gti.refresh.new_items import _padded_cost
 
     cost = torch.tensor([[0.5, 0.1], [0.0, 0.2]])
     wide = _padded_cost(cost, 4)
@@ -122,9 +122,9 @@ def _new_pairs_table():
 
 @pytest.mark.parametrize("ratio, n_rep", [(1.0, 3), (0.0, 0), (5.0, 4)])
 def test_pairs_replay_a_seeded_sample_of_old_training_pairs(make_job, monkeypatch, ratio, n_rep):
-    import gti.refresh.sids as sids
+    import gti.refresh.new_items as new_items
 
-    monkeypatch.setattr(sids, "_new_pairs", lambda job, assigned: (_new_pairs_table(), 1))
+    monkeypatch.setattr(new_items, "_new_pairs", lambda job, assigned: (_new_pairs_table(), 1))
     job = make_job("unused.csv", None, f"refresh.replay_ratio={ratio}")
     (job.work / "sid").mkdir()
     (job.work / "sid" / "new_items.json").write_text(json.dumps({"assigned": ["n1"]}))
@@ -154,8 +154,8 @@ def test_publish_killed_before_the_rename_leaves_a_reusable_work_folder(make_job
     the rerun empty it (every finished step would be recomputed)."""
     from pathlib import Path
 
-    from gti.refresh.driver import _publish
-    from gti.refresh.job import FINGERPRINT_FILE
+    from gti.refresh.command import _publish
+    from gti.refresh.attempt import FINGERPRINT_FILE
     from gti.sid.versions import LineageDir, read_version
 
     job = make_job()

@@ -1,4 +1,4 @@
-"""gti/train/driver.py: the one Ray Train driver. Fast: importing it starts nothing and a
+"""gti/train/ray_train.py: the one Ray Train driver. Fast: importing it starts nothing and a
 spec's defaults are the ones the RQ-VAE relies on (no order-preserving shards, no retries);
 slow: a trivial worker through run_trainer, and a worker's GtiError coming back as itself."""
 
@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from gti.train.driver import TrainerSpec
+from gti.train.ray_train import TrainerSpec
 
 
 def test_import_is_lazy_and_spec_defaults():
-    out = subprocess.run([sys.executable, "-c", "import sys, gti.train.driver; print('ray' in sys.modules)"],
+    out = subprocess.run([sys.executable, "-c", "import sys, gti.train.ray_train; print('ray' in sys.modules)"],
                          capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
     spec = TrainerSpec(name="x", storage_path=Path("/tmp/x"), num_workers=2)
@@ -24,7 +24,7 @@ def test_import_is_lazy_and_spec_defaults():
 def test_registered_checkpoint_step_reads_the_snapshot_and_tolerates_its_absence(tmp_path):
     import json
 
-    from gti.train.driver import progress_path, registered_checkpoint_step
+    from gti.train.ray_train import progress_path, registered_checkpoint_step
 
     pf = progress_path(tmp_path, "run")
     assert registered_checkpoint_step(pf) is None  # no snapshot yet
@@ -43,16 +43,16 @@ def _worker(config):
     import tempfile
 
     from gti.errors import DataError
-    from gti.train import driver
+    from gti.train import ray_train
 
     if config.get("fail"):
         raise DataError("bad.parquet: row 3")
-    rank, world = driver.worker_rank_world()
+    rank, world = ray_train.worker_rank_world()
     with open(config["progress_file"], "a") as fh:
         fh.write(json.dumps({"rank": rank}) + "\n")
     with tempfile.TemporaryDirectory() as d:
         Path(d, "state.json").write_text(json.dumps({"world": world}))
-        driver.report({"done": 1, "step": 3}, checkpoint_dir=d)
+        ray_train.report({"done": 1, "step": 3}, checkpoint_dir=d)
 
 
 @pytest.mark.slow
@@ -63,7 +63,7 @@ def test_run_trainer_reads_the_final_checkpoint_and_unwraps_user_errors(tmp_path
     import ray
 
     from gti.errors import DataError
-    from gti.train.driver import progress_path, registered_checkpoint_step, run_trainer
+    from gti.train.ray_train import progress_path, registered_checkpoint_step, run_trainer
 
     seen = []
     spec = TrainerSpec(name="t", storage_path=tmp_path, num_workers=1)

@@ -1,5 +1,5 @@
-"""`gti refresh` (gti/refresh/, its driver) and versioned SID maps in use (gti/sid/lineage.py, evaluate,
-recommend), on a tiny run: 300 items of the bundled data, 12 of them held out as "new"
+"""`gti refresh` (gti/refresh/, the command in gti/refresh/command.py) and versioned SID maps in use
+(gti/run_versions.py, evaluate, recommend), on a tiny run: 300 items of the bundled data, 12 of them held out as "new"
 (`gti.data.holdout`), the tiny pipeline run on the rest through sft with 0 training steps (no
 refresh assertion depends on a trained parent: the refresh's own grounding and SFT train).
 
@@ -34,6 +34,7 @@ import torch
 from testkit import FailOnceFit, WorkerDied
 
 from gti import config as C
+from gti.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "jobs" / "configs"
@@ -102,7 +103,7 @@ def refreshed(base_run, data, tmp_path_factory):
     (`FailOnceFit`); the same call again finishes it. Returns (run, result); the recorded fit
     and the work folder's state after the failure are in `killed_refresh` below."""
     import gti.train.loop as loop
-    from gti.refresh import refresh
+    from gti.refresh.command import refresh
 
     d, _, _ = data
     run = _copy(base_run, tmp_path_factory.mktemp("refresh_a") / "run")
@@ -132,9 +133,9 @@ def _map(path) -> dict[str, str]:
 @pytest.mark.slow
 @pytest.mark.ray
 def test_refresh_keeps_old_sids_gives_unique_new_ones_and_records_the_version(refreshed, data):
-    from gti.lm.vocab import read_meta
+    from gti.lm.new_rows import read_meta
     from gti.manifest import Manifest
-    from gti.sid import lineage
+    from gti import run_versions
     from gti.sid.versions import read_version
 
     run, res = refreshed
@@ -150,7 +151,7 @@ def test_refresh_keeps_old_sids_gives_unique_new_ones_and_records_the_version(re
     assert v.parent_hash == base_hash == res.parent_hash and v.hash == res.new_hash != base_hash
     assert v.n_items == len(new) and res.facts["full_groups"] == 0
     # The lineage holds the base map and the new one; the model records what it was trained with.
-    lin = lineage.lineage_dir(run)
+    lin = run_versions.lineage_dir(run)
     assert lin.get(base_hash).parent_hash is None and lin.get(v.hash).parent_hash == base_hash
     meta = read_meta(res.model_dir)
     assert meta["sid_map_hash"] == v.hash and meta["sid_map_parent"] == base_hash
@@ -160,7 +161,7 @@ def test_refresh_keeps_old_sids_gives_unique_new_ones_and_records_the_version(re
     assert m.facts["steps"] == {"ground": 6, "sft": 0}
     assert set(m.facts["wall_s"]) == {"ingest", "embed", "assign", "tokens", "pairs", "ground", "sft", "export"}
     assert m.facts["added_tokens"] == [] and m.facts["codebook_sizes"] == list(v.codebook_sizes)
-    assert lineage.latest_version(run).dir == res.dir
+    assert run_versions.resolve(run).refreshes[-1].dir == res.dir
     # Only the SID rows moved: every other row of the model is the parent's.
     from safetensors.torch import load_file
 
@@ -210,9 +211,9 @@ def test_killed_refresh_keeps_finished_steps_and_hands_the_loop_the_same_run(ref
 def test_descendant_map_accepted_unrelated_refused_in_recommend_and_evaluate(refreshed, tmp_path):
     import pyarrow as pa
 
-    from gti.run_artifacts import StaleSidMapError, load_recommender
+    from gti.loaded_run import load_recommender
     from gti.manifest import Manifest
-    from gti.sid import lineage
+    from gti import run_versions
     from gti.sid.versions import UnrelatedSidMapError, make_version, read_version, write_map
     from gti.stages.evaluate import Recommender as EvalActor
 
@@ -227,7 +228,7 @@ def test_descendant_map_accepted_unrelated_refused_in_recommend_and_evaluate(ref
     out = rec.recommend([new_ids[0], new_ids[1]], k=len(rec.item_ids))
     assert {r["item_id"] for r in out} >= set(new_ids)  # the whole catalog ranked, new items in it
     # ... the old model with the new map (descends from the map it was trained with) ...
-    assert lineage.check_model_map(old_model, v.hash, map_path=res.map_path) == 1
+    assert run_versions.check_model_map(old_model, v.hash, map_path=res.map_path) == 1
     assert load_recommender(run, model_dir=old_model).model_dir == old_model.resolve()
     assert load_recommender(run, version=0).model_stage == "sft"
     # ... evaluation's actor the same way.
@@ -247,26 +248,26 @@ def test_descendant_map_accepted_unrelated_refused_in_recommend_and_evaluate(ref
     write_map(bad_dir / "sid_map.parquet", bad, bv)
     base_hash = Manifest.read(run / "sid").fact("sid_map_hash")
     with pytest.raises(UnrelatedSidMapError, match=f"{bv.hash} does not descend from {base_hash}.*changed SID"):
-        lineage.check_model_map(old_model, bv.hash, map_path=bad_dir / "sid_map.parquet")
-    with pytest.raises(StaleSidMapError, match=f"{bv.hash} does not descend from {base_hash}"):
+        run_versions.check_model_map(old_model, bv.hash, map_path=bad_dir / "sid_map.parquet")
+    with pytest.raises(UnrelatedSidMapError, match=f"{bv.hash} does not descend from {base_hash}"):
         EvalActor(str(old_model), str(bad_dir / "sid_map.parquet"), dict(sid_facts, sid_map_hash=bv.hash), cfg)
     # A map with no record at all: the old wording, both hashes named.
     plain = tmp_path / "plain.parquet"
     pq.write_table(bad, str(plain))
-    with pytest.raises(StaleSidMapError, match=f"{base_hash} but the SID map's sid_map_hash is {bv.hash}: stale"):
-        lineage.check_model_map(old_model, bv.hash, map_path=plain)
+    with pytest.raises(UnrelatedSidMapError, match=f"{base_hash} but the SID map's sid_map_hash is {bv.hash}: stale"):
+        run_versions.check_model_map(old_model, bv.hash, map_path=plain)
     # The refreshed model refuses the base map: it descends the other way.
     with pytest.raises(UnrelatedSidMapError, match=f"{base_hash} does not descend from {v.hash}"):
-        lineage.check_model_map(res.model_dir, base_hash, map_path=run / "sid" / "sid_map.parquet")
+        run_versions.check_model_map(res.model_dir, base_hash, map_path=run / "sid" / "sid_map.parquet")
     shutil.rmtree(run / "refresh" / "vbad")
 
 
 @pytest.mark.slow
 @pytest.mark.ray
 def test_second_refresh_chains_versions_and_runs_sft(refreshed, data):
-    from gti.run_artifacts import load_recommender
-    from gti.refresh import refresh
-    from gti.sid import lineage
+    from gti.loaded_run import load_recommender
+    from gti.refresh.command import refresh
+    from gti import run_versions
     from gti.sid.versions import read_version
 
     run, res1 = refreshed
@@ -281,7 +282,7 @@ def test_second_refresh_chains_versions_and_runs_sft(refreshed, data):
     assert all(m2[i] == s for i, s in m1.items()) and set(m2) - set(m1) == half[1]
     assert len(set(m2.values())) == len(m2)
     assert res2.facts["steps"] == {"ground": 0, "sft": 2} and res2.facts["sft"]["windows"] > 0
-    assert lineage.check_model_map(run / "sft" / "model", res2.new_hash, map_path=res2.map_path) == 2
+    assert run_versions.check_model_map(run / "sft" / "model", res2.new_hash, map_path=res2.map_path) == 2
     assert read_version(res2.map_path).parent_hash == res1.new_hash
     assert load_recommender(run).model_stage == "refresh/v2"
     seqs = pl.read_parquet(res2.dir / "ingest" / "sequences.parquet")
@@ -325,10 +326,10 @@ def test_full_prefix_group_with_add_tokens_grows_the_last_level(base_run, data, 
     from transformers import AutoTokenizer
 
     from gti.cli import main
-    from gti.lm.vocab import read_meta
+    from gti.lm.new_rows import read_meta
     from gti.manifest import Manifest
-    from gti.refresh import refresh
-    from gti.run_artifacts import load_recommender
+    from gti.refresh.command import refresh
+    from gti.loaded_run import load_recommender
     from gti.sid.versions import MissingSidTokensError, read_version
 
     run = _copy(base_run, tmp_path / "run")
@@ -382,13 +383,13 @@ def test_full_prefix_group_with_add_tokens_grows_the_last_level(base_run, data, 
 
 
 def test_refresh_config_keys_are_validated():
-    with pytest.raises(C.ConfigError, match="refresh.on_full_group"):
+    with pytest.raises(ConfigError, match="refresh.on_full_group"):
         C.load(None, ["refresh.on_full_group=grow"])
     assert C.load(None, ["refresh.on_full_group=add_tokens"]).refresh.on_full_group == "add_tokens"
     assert C.load(None, []).refresh.on_full_group == "error"
-    with pytest.raises(C.ConfigError, match="unknown key 'refresh.nope'"):
+    with pytest.raises(ConfigError, match="unknown key 'refresh.nope'"):
         C.load(None, ["refresh.nope=1"])
-    with pytest.raises(C.ConfigError, match="refresh.replay_ratio"):
+    with pytest.raises(ConfigError, match="refresh.replay_ratio"):
         C.load(None, ["refresh.replay_ratio=-1"])
     assert C.load(None, ["refresh.sft_steps=3"]).refresh.sft_steps == 3
     # the refresh's grounding lr: a tenth of ground.lr unless set (it starts from trained rows)
@@ -396,7 +397,7 @@ def test_refresh_config_keys_are_validated():
     assert cfg.refresh.ground_lr is None and cfg.refresh.ground_lr_from(cfg.ground.lr) == pytest.approx(2e-4)
     assert C.load(None, ["refresh.ground_lr=5e-3"]).refresh.ground_lr_from(1e-3) == 5e-3
     assert C.load(None, ["refresh.sft_replay_ratio=2"]).refresh.sft_replay_ratio == 2.0
-    with pytest.raises(C.ConfigError, match="refresh.sft_replay_ratio"):
+    with pytest.raises(ConfigError, match="refresh.sft_replay_ratio"):
         C.load(None, ["refresh.sft_replay_ratio=-1"])
 
 
@@ -418,7 +419,7 @@ def test_holdout_picks_items_that_end_a_history():
 
 # --------------------------------------------------------------------------- fast (fake run)
 def test_steps_are_recorded_and_reused_by_a_rerun(tmp_path):
-    from gti.refresh.driver import Steps
+    from gti.refresh.command import Steps
 
     logs, calls = [], []
     s = Steps(tmp_path, logs.append)
@@ -430,8 +431,8 @@ def test_steps_are_recorded_and_reused_by_a_rerun(tmp_path):
 
 
 def test_work_folder_is_kept_only_for_the_same_inputs_and_settings(fake_run, tmp_path):
-    from gti.refresh.driver import fingerprint, open_work
-    from gti.refresh.job import find_parent
+    from gti.refresh.command import fingerprint, open_work
+    from gti.refresh.attempt import find_parent
 
     items = tmp_path / "items.csv"
     items.write_text("item_id,title\nn1,A\n")
@@ -456,7 +457,7 @@ def test_work_folder_is_kept_only_for_the_same_inputs_and_settings(fake_run, tmp
 def test_export_without_training_copies_the_parents_model_with_the_new_map(make_job):
     import pyarrow.parquet as pq
 
-    from gti.refresh.driver import export_step
+    from gti.refresh.command import export_step
     from gti.sid.versions import make_version, write_map
 
     job = make_job()
@@ -489,11 +490,12 @@ def test_export_without_training_copies_the_parents_model_with_the_new_map(make_
 
 
 def test_refresh_refuses_bad_arguments_with_one_line(fake_run, tmp_path):
-    from gti.refresh import RefreshError, refresh
+    from gti.refresh.attempt import RefreshError
+    from gti.refresh.command import refresh
 
     with pytest.raises(RefreshError, match="run directory not found"):
         refresh(tmp_path / "nope", "items.csv")
-    with pytest.raises(C.ConfigError, match="refresh.sft_steps > 0 needs --interactions"):
+    with pytest.raises(ConfigError, match="refresh.sft_steps > 0 needs --interactions"):
         refresh(fake_run.dir, "items.csv", None, ["refresh.sft_steps=2"])
     shutil.rmtree(fake_run.dir / "sid")
     with pytest.raises(RefreshError, match="stage 'sid' has not completed"):
@@ -503,8 +505,8 @@ def test_refresh_refuses_bad_arguments_with_one_line(fake_run, tmp_path):
 def test_a_published_version_is_never_replaced(make_job):
     """`_publish` refuses a `v<k>` that has a manifest (a version another refresh published)
     before touching the lineage, and keeps the work folder."""
-    from gti.refresh.driver import _publish
-    from gti.refresh.job import RefreshError
+    from gti.refresh.command import _publish
+    from gti.refresh.attempt import RefreshError
 
     job = make_job()
     published = job.work.parent / "v1"
@@ -541,21 +543,21 @@ def test_refresh_after_a_retrain_starts_from_the_new_base(fake_run, tmp_path, mo
     line, builds on the run itself and is numbered v2; recommend's default then takes v2 and
     refuses v1 by name."""
     from gti.manifest import Manifest
-    from gti.refresh import driver
-    from gti.run_artifacts import RunDirError, base_record, chosen_version
+    from gti.refresh import command
+    from gti.run_versions import RunDirError, base_record, chosen_version
 
     items = tmp_path / "items.csv"
     items.write_text("item_id,title\nn1,A\n")
     run, logs = fake_run.dir, []
-    monkeypatch.setattr(driver, "run_steps", _fake_steps(4))
-    r1 = driver.refresh(run, items, log=logs.append)
+    monkeypatch.setattr(command, "run_steps", _fake_steps(4))
+    r1 = command.refresh(run, items, log=logs.append)
     assert r1.k == 1 and r1.facts["base"] == base_record(run)
     assert Manifest.read(r1.dir).facts["base"] == base_record(run)
 
     Manifest(stage="sft", fingerprint="retrained", config={}, outputs={"model": "model"}).write(run / "sft")
-    monkeypatch.setattr(driver, "run_steps", _fake_steps(3))
+    monkeypatch.setattr(command, "run_steps", _fake_steps(3))
     logs.clear()
-    r2 = driver.refresh(run, items, log=logs.append)
+    r2 = command.refresh(run, items, log=logs.append)
     assert r2.k == 2 and r2.facts["parent_version"] == 0 and r2.parent_hash == fake_run.map_hash
     assert r2.facts["base"]["model_fingerprint"] == "retrained"
     assert sum("v1 is skipped: it was refreshed from another base" in m for m in logs) == 1
@@ -572,7 +574,7 @@ def test_new_items_at_a_uri_are_fingerprinted_like_ingest(tmp_path):
     system (size, mtime) instead of needing a local path; a change of the file changes it."""
     import fsspec
 
-    from gti.refresh.driver import _files_fingerprint
+    from gti.refresh.command import _files_fingerprint
 
     fs = fsspec.filesystem("memory")
     uri = "memory://gti-refresh-test/new/items.csv"
@@ -590,7 +592,8 @@ def test_new_items_at_a_uri_are_fingerprinted_like_ingest(tmp_path):
 
 def test_cli_passes_only_the_flag_as_trust_remote_code(monkeypatch, tmp_path):
     from gti.cli import main
-    from gti.refresh import RefreshError, driver
+    from gti.refresh import command
+    from gti.refresh.attempt import RefreshError
 
     got = []
 
@@ -598,7 +601,7 @@ def test_cli_passes_only_the_flag_as_trust_remote_code(monkeypatch, tmp_path):
         got.append(kw["trust_remote_code"])
         raise RefreshError("stop here")
 
-    monkeypatch.setattr(driver, "refresh", fake_refresh)
+    monkeypatch.setattr(command, "refresh", fake_refresh)
     base = ["refresh", "--run-dir", str(tmp_path), "--items", "new.csv"]
     assert main(base) == 2 and main(base + ["--trust-remote-code"]) == 2
     assert got == [False, True]

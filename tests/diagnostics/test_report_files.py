@@ -1,5 +1,4 @@
-"""Tests of gti/diagnostics/report.py: every arm in the HTML, JSON/CSV == HTML numbers, plots,
-and the old import path of the pieces that moved beside it."""
+"""Tests of gti/diagnostics/report_files.py: every arm in the HTML, JSON/CSV == HTML numbers, plots."""
 
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ import numpy as np
 import pytest
 
 from gti.diagnostics import plots as P
-from gti.diagnostics.report import RunRecord, build_report, spectra_plots
+from gti.diagnostics.report_files import build_report, spectra_plots
 
 from .conftest import ARMS, N_ITEMS, RANK_ARMS, make_rank_records, make_records
 
@@ -94,7 +93,7 @@ def test_spectra_plots_one_per_phase(tmp_path):
 
 
 def test_report_html_and_json_show_ranks_cold_curves_wall_time(tmp_path):
-    from gti.diagnostics.report import learning_curve_plots
+    from gti.diagnostics.report_files import learning_curve_plots
 
     recs = make_rank_records()
     plots = learning_curve_plots(recs, tmp_path / "plots")
@@ -176,21 +175,8 @@ def test_old_runs_without_new_fields_still_render(tmp_path):
     assert doc["cold"]["rows"] == []
 
 
-def test_old_import_path_still_has_the_pieces_that_moved():
-    from gti.diagnostics import page, readings, runs, stats, tables
-    from gti.diagnostics import report as R
-
-    assert R.RunRecord is runs.RunRecord is RunRecord and R.PHASES == ("init", "ground", "sft")
-    for name in ("metrics_table", "diagnostics_table", "cold_table", "rsa_level_table", "learning_curves",
-                 "wall_time_table"):
-        assert getattr(R, name) is getattr(tables, name), name
-    assert R.curve_reading is readings.curve_reading and R.reading is readings.reading
-    assert R.render_html is page.render_html and R.verdict is stats.verdict and R.fmt is stats.fmt
-    assert all(hasattr(R, name) for name in R.__all__)
-
-
 def test_csv_text_writes_exact_floats_and_blanks_for_missing():
-    from gti.diagnostics.report import CSV_COLUMNS, _csv_text
+    from gti.diagnostics.report_files import CSV_COLUMNS, _csv_text
 
     text = _csv_text([{"table": "metrics", "arm": "gti", "name": "recall@10", "n": 2, "mean": 0.1 + 0.2,
                        "std": None, "ci_method": "a, b"}])

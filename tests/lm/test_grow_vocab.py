@@ -1,4 +1,4 @@
-"""Growing an extended vocabulary (gti/lm/grow.py): tokens appended to a model that already has
+"""Growing an extended vocabulary (gti/lm/grow_vocab.py): tokens appended to a model that already has
 SID rows keep every old row bit-identical, start at their level's mean, encode as one token each
 and survive an export / reload (tied and untied heads, a matrix padded past its tokenizer)."""
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from gti.lm import grow
-from gti.lm import vocab as V
+from gti.lm import grow_vocab
+from gti.lm import new_rows as V
 from gti.lm.models import build_tiny
 
 SID = [f"<{lvl}_{c}>" for lvl, k in (("a", 4), ("b", 3)) for c in range(k)]
@@ -41,7 +41,7 @@ def test_appended_rows_are_the_level_mean_and_old_rows_stay(tiny_model_cfg, tied
     w_in, w_out = _weights(model)
     n_tok = len(tok)
     level_b = tok.convert_tokens_to_ids(["<b_0>", "<b_1>", "<b_2>"])
-    a, b = grow.append_tokens(model, tok, ADDED, level_b)
+    a, b = grow_vocab.append_tokens(model, tok, ADDED, level_b)
     assert (a, b) == (n_tok, n_tok + 2) and len(tok) == b
     e_in, e_out = _weights(model)
     # every old row bit-identical (padding rows the new ids do not take included)
@@ -73,11 +73,11 @@ def test_tokens_already_present_or_no_level_rows_are_refused(tiny_model_cfg):
     model, tok, first, end = _grounded(tiny_model_cfg())
     n = len(tok)
     with pytest.raises(V.VocabError, match="'<b_2>' is in the tokenizer already"):
-        grow.append_tokens(model, tok, ["<b_2>", "<b_3>"], [first])
+        grow_vocab.append_tokens(model, tok, ["<b_2>", "<b_3>"], [first])
     with pytest.raises(V.VocabError, match="no existing rows"):
-        grow.append_tokens(model, tok, ["<b_3>"], [])
+        grow_vocab.append_tokens(model, tok, ["<b_3>"], [])
     with pytest.raises(V.VocabError, match="outside"):
-        grow.level_mean(torch.zeros(4, 2), [5])
+        grow_vocab.level_mean(torch.zeros(4, 2), [5])
     assert len(tok) == n and not V.is_split(model)  # nothing half-done
-    assert torch.equal(grow.level_mean(torch.tensor([[1.0, 2.0], [3.0, 6.0], [9.0, 9.0]]), [0, 1]),
+    assert torch.equal(grow_vocab.level_mean(torch.tensor([[1.0, 2.0], [3.0, 6.0], [9.0, 9.0]]), [0, 1]),
                        torch.tensor([2.0, 4.0]))

@@ -3,9 +3,9 @@
 What it is for: `gti refresh` with `refresh.on_full_group: add_tokens` adds codes to the last
 SID level (`gti.sid.map_edits.add_last_level_codes`); their tokens must reach the model the
 refresh continues from. `append_tokens(model, tokenizer, new_tokens, like_ids)` adds them at the
-end of the tokenizer (one token each, contiguous ids, `gti.lm.vocab.extend_tokenizer`) and
+end of the tokenizer (one token each, contiguous ids, `gti.lm.new_rows.extend_tokenizer`) and
 gives the model a row for each (input embedding, and the output head when it is untied), built
-with the surgery helpers of `gti.lm.vocab` (attach the rows, merge them back): every old row
+with the surgery helpers of `gti.lm.new_rows` (attach the rows, merge them back): every old row
 stays bit-identical, a matrix padded past its tokenizer (Qwen3) gets the rows on its padding,
 a tied head keeps sharing one matrix. Each added row starts as the mean of the rows
 `like_ids` (the existing tokens of the same level, `level_mean`): where mean initialisation
@@ -22,16 +22,17 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from gti.lm import vocab
+from gti.lm import new_rows
 
 
 def level_mean(weight: Tensor, like_ids: Sequence[int]) -> Tensor:
     """float32 [d]: the mean of the rows `like_ids` of `weight` [V, d]."""
     ids = torch.as_tensor(list(like_ids), dtype=torch.long)
     if ids.numel() == 0:
-        raise vocab.VocabError("no existing rows of the level to take the mean of")
+        raise new_rows.VocabError("no existing rows of the level to take the mean of")
     if int(ids.min()) < 0 or int(ids.max()) >= weight.shape[0]:
-        raise vocab.VocabError(f"level row ids {int(ids.min())}..{int(ids.max())} outside the {weight.shape[0]} rows")
+        raise new_rows.VocabError(
+            f"level row ids {int(ids.min())}..{int(ids.max())} outside the {weight.shape[0]} rows")
     return weight.detach().to(torch.float32)[ids].mean(dim=0)
 
 
@@ -47,17 +48,17 @@ def append_tokens(model, tokenizer, new_tokens: Sequence[str], like_ids: Sequenc
     toks = list(new_tokens)
     present = [t for t in toks if t in tokenizer.get_vocab()]
     if present:
-        raise vocab.VocabError(f"token '{present[0]}' is in the tokenizer already")
-    tied = vocab.heads_tied(model) or (model.get_output_embeddings() is not None
-                                       and bool(getattr(model.config, "tie_word_embeddings", False)))
-    mean_in = level_mean(vocab.old_rows(model, which="input"), like_ids)
+        raise new_rows.VocabError(f"token '{present[0]}' is in the tokenizer already")
+    tied = new_rows.heads_tied(model) or (model.get_output_embeddings() is not None
+                                          and bool(getattr(model.config, "tie_word_embeddings", False)))
+    mean_in = level_mean(new_rows.old_rows(model, which="input"), like_ids)
     mean_out = None
     if model.get_output_embeddings() is not None and not tied:
-        mean_out = level_mean(vocab.old_rows(model, which="output"), like_ids)
-    first, end = vocab.extend_tokenizer(tokenizer, toks)
+        mean_out = level_mean(new_rows.old_rows(model, which="output"), like_ids)
+    first, end = new_rows.extend_tokenizer(tokenizer, toks)
     n = end - first
     init_in = mean_in.unsqueeze(0).expand(n, -1).clone()
     init_out = None if mean_out is None else mean_out.unsqueeze(0).expand(n, -1).clone()
-    vocab.attach_new_rows(model, first, n, init_in, init_out)
-    vocab.merge_new_rows(model)
+    new_rows.attach_new_rows(model, first, n, init_in, init_out)
+    new_rows.merge_new_rows(model)
     return first, end

@@ -1,10 +1,10 @@
-"""gti/experiments/shared.py: the shared stages linked into an arm's run folder."""
+"""gti/experiments/shared_stages.py: the shared stages linked into an arm's run folder."""
 
 from __future__ import annotations
 
 import os
 
-from gti.experiments.shared import SHARED_STAGES, adopt_shared, slug
+from gti.experiments.shared_stages import SHARED_STAGES, adopt_shared, slug
 from gti.manifest import Manifest
 
 

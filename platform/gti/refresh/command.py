@@ -1,10 +1,11 @@
-"""`refresh(run_dir, items, interactions, overrides)`: one `gti refresh`, from the run to `<run>/refresh/v<k>/`.
+"""The `gti refresh` command: `refresh(run_dir, items, interactions, overrides)`, from the run to
+`<run>/refresh/v<k>/`.
 
 What it is for: the order of the steps and what makes a refresh resumable and traceable. It
 adds the run's base map to the lineage (once), opens the work folder `<run>/refresh/.v<k>.partial/`
 (kept when its `_fingerprint` — parent map, input files, seed, the data/embed/pairs/ground/sft/
 refresh settings — is the same, else started afresh), runs the steps (`gti.refresh.ingest`,
-`.sids` (embed, assign), `.tokens`, `.sids` (pairs), `.train`, then `export_step` here), each
+`.new_items` (embed, assign), `.tokens`, `.new_items` (pairs), `.train`, then `export_step` here), each
 recorded in `_steps.json` so a rerun skips the finished ones, writes `_manifest.json` (facts:
 parent and new hash, counts, the new map's `codebook_sizes` and `added_tokens`, steps, wall
 time of each step) and `config.yaml`, adds the new map to `<run>/refresh/lineage/` and renames
@@ -26,14 +27,17 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from gti import config as C
+from gti.config_io import redact
+from gti.errors import ConfigError
 from gti.input_files import fingerprint_files
-from gti.manifest import MANIFEST_NAME, Manifest, atomic_write_bytes, atomic_write_json, stable_hash
+from gti.manifest import MANIFEST_NAME, Manifest, stable_hash
+from gti.files import atomic_write_bytes, atomic_write_json
 from gti.refresh.ingest import ingest_step
-from gti.refresh.job import (
+from gti.refresh.attempt import (
     FINGERPRINT_FILE, GROWN_MODEL, RAY_DIR, STEPS_FILE, Job, Parent, RefreshError, RefreshResult, find_parent,
-    load_run_config, log_default, next_version, read_manifest,
+    load_run_config, log_default, read_manifest,
 )
-from gti.refresh.sids import assign_step, embed_step, pairs_step
+from gti.refresh.new_items import assign_step, embed_step, pairs_step
 from gti.refresh.tokens import tokens_step
 from gti.refresh.train import ground_step, sft_step
 from gti.train.worker_config import FaultInjection
@@ -89,10 +93,10 @@ def fingerprint(cfg: C.RunConfig, parent: Parent, items: str, interactions: str 
 def _lineage_with_base(run_dir: Path, sid_man: Manifest, cb_hash: str):
     """The run's lineage folder, holding the run's base map (so any later map can be traced
     back to it)."""
-    from gti.sid import lineage
+    from gti.run_versions import lineage_dir
     from gti.sid import versions as V
 
-    lin = lineage.lineage_dir(run_dir)
+    lin = lineage_dir(run_dir)
     sf = sid_man.facts
     if lin.get(sf["sid_map_hash"]) is None:
         import pyarrow.parquet as pq
@@ -136,20 +140,20 @@ def refresh(run_dir: str | Path, items: str | Path, interactions: str | Path | N
 
 def _refresh_locked(run_dir: Path, items, interactions, overrides: Sequence[str], log: Callable[[str], None],
                     fault_injection: FaultInjection | None, trust_remote_code: bool = False) -> RefreshResult:
-    from gti.sid import lineage
+    from gti.run_versions import next_version, refresh_root
     from gti.sid import versions as V
 
     t_start = time.time()
     items_s, inter_s = str(items), None if interactions is None else str(interactions)
     cfg = load_run_config(run_dir, items_s, inter_s, overrides, trust_remote_code, note=log)
     if cfg.refresh.sft_steps > 0 and interactions is None:
-        raise C.ConfigError("refresh.sft_steps > 0 needs --interactions (the SFT pass trains on them)")
+        raise ConfigError("refresh.sft_steps > 0 needs --interactions (the SFT pass trains on them)")
     parent = find_parent(run_dir, note=log)  # skips versions made on another base, one line each
     sid_man = read_manifest(run_dir, "sid")
     cb_hash = V.codebooks_hash(sid_man.output(run_dir / "sid", "codebooks"))
     lin = _lineage_with_base(run_dir, sid_man, cb_hash)
     k = next_version(run_dir)  # after every published v<k>, skipped ones included
-    work = lineage.refresh_root(run_dir) / f".v{k}.partial"
+    work = refresh_root(run_dir) / f".v{k}.partial"
     fp = fingerprint(cfg, parent, items_s, inter_s)
     open_work(work, fp)
     log(f"v{k} of {run_dir} (parent map {parent.hash}, model {parent.model_dir})")
@@ -188,7 +192,7 @@ def _facts(job: Job, version, done: dict[str, dict], steps: Steps, t_start: floa
         "new_hash": version.hash,
         "parent_version": job.parent.k,
         "parent_model": str(job.parent.model_dir),
-        "base": job.parent.base,  # gti.run_artifacts.BASE_FACT: which base the version belongs to
+        "base": job.parent.base,  # gti.run_versions.BASE_FACT: which base the version belongs to
         "assigned": f_assign["assigned"],
         "already_present": f_assign["already_present"],
         "prefix_changed": f_assign["prefix_changed"],
@@ -212,7 +216,7 @@ def _write_record(job: Job, fp: str, facts: dict, inputs: dict) -> None:
     for name in ("interactions", "interactions_quarantine", "sequences"):
         if (work / "ingest" / f"{name}.parquet").is_file():
             outputs[name] = f"ingest/{name}.parquet"
-    red = C.redact(cfg.model_dump(mode="json"))
+    red = redact(cfg.model_dump(mode="json"))
     Manifest(stage="refresh", fingerprint=fp, config={"seed": cfg.seed, **{s: red[s] for s in CONFIG_SECTIONS}},
              inputs=inputs, facts=facts, outputs=outputs, duration_s=facts["total_wall_s"]).write(work)
     atomic_write_bytes(work / "config.yaml", C.dump(cfg).encode())
@@ -281,7 +285,7 @@ def _place_model(job: Job) -> str:
 
 def export_step(job: Job) -> dict:
     """Step 7: `model/` with its `gti_meta.json` naming the new map (see the module docstring)."""
-    from gti.lm.vocab import META_NAME
+    from gti.lm.new_rows import META_NAME
     from gti.sid import versions as V
 
     source = _place_model(job)

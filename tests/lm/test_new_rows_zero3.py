@@ -1,4 +1,4 @@
-"""Vocabulary surgery under DeepSpeed ZeRO-3 (gti/lm/vocab.py): partitioned old rows stay
+"""Vocabulary surgery under DeepSpeed ZeRO-3 (gti/lm/new_rows.py): partitioned old rows stay
 bit-identical, new rows train, export gathers and writes a plain HF folder."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gti.lm import vocab as V
+from gti.lm import new_rows as V
 from gti.lm.models import build_tiny
 
 

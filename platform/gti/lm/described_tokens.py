@@ -188,7 +188,7 @@ def initial_rows(method: str, model, n_real: int, n_new: int, *,
     description_ids: per new token, the token ids of each of its descriptions (`description`).
     """
     from gti.lm import init as lm_init
-    from gti.lm import vocab
+    from gti.lm import new_rows
 
     if method == "codebook":
         raise ConfigError("init.method=codebook needs SID codebooks; new vocabulary has none "
@@ -202,10 +202,10 @@ def initial_rows(method: str, model, n_real: int, n_new: int, *,
                                         dtype=torch.long).reshape(-1, 1)
         kw["item_token_ids"] = [list(d) for ds in description_ids for d in ds]
         kw["codebook_sizes"] = [n_new]
-    out = {"e_new": lm_init.init_rows(method, vocab.old_rows(model, n_real), n_new,
+    out = {"e_new": lm_init.init_rows(method, new_rows.old_rows(model, n_real), n_new,
                                       generator=torch.Generator().manual_seed(seed), **kw)}
-    if model.get_output_embeddings() is not None and not vocab.heads_tied(model):
-        out["head_new"] = lm_init.init_rows(method, vocab.old_rows(model, n_real, which="output"), n_new,
+    if model.get_output_embeddings() is not None and not new_rows.heads_tied(model):
+        out["head_new"] = lm_init.init_rows(method, new_rows.old_rows(model, n_real, which="output"), n_new,
                                             generator=torch.Generator().manual_seed(seed + 1), **kw)
     return out
 
