@@ -31,13 +31,7 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-from gti.train.loss import (
-    IGNORE_INDEX,
-    _causal_lm,
-    _decoder,
-    _is_engine,
-    supports_labelled_loss,
-)
+from gti.train.loss import IGNORE_INDEX, is_engine, labelled_logits, supports_labelled_loss
 
 
 # --------------------------------------------------------------------------- advantages
@@ -91,19 +85,13 @@ def labelled_logprobs(model, input_ids: Tensor, attention_mask: Tensor | None, l
     """
     if labels.shape != input_ids.shape:
         raise ValueError(f"labels {tuple(labels.shape)} and input_ids {tuple(input_ids.shape)} differ in shape")
-    shift = labels[:, 1:]
-    keep = shift != IGNORE_INDEX  # [B, T-1]
-    if not _is_engine(model) and supports_labelled_loss(model):
-        lm = _causal_lm(model)
-        out = _decoder(lm)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]  # [B, T, d]
-        keep = keep.to(hidden.device)
-        logits = lm.get_output_embeddings()(hidden[:, :-1][keep]).float()  # [N, V]
+    if not is_engine(model) and supports_labelled_loss(model):
+        logits, targets, keep = labelled_logits(model, input_ids, attention_mask, labels)  # [N, V], [N]
     else:
         full = model(input_ids=input_ids, attention_mask=attention_mask).logits  # [B, T, V]
-        keep = keep.to(full.device)
-        logits = full[:, :-1][keep].float()
-    targets = shift.to(logits.device)[keep].long()  # [N]
+        shift = labels[:, 1:].to(full.device)
+        keep = shift != IGNORE_INDEX  # [B, T-1]
+        logits, targets = full[:, :-1][keep].float(), shift[keep].long()
     lp = F.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [N]
     out_lp = torch.zeros(keep.shape, dtype=lp.dtype, device=lp.device).masked_scatter(keep, lp)
     return out_lp, keep

@@ -43,14 +43,14 @@ _LOGIT_TRANSFORMS: dict[str, tuple] = {
 }
 
 
-def _is_engine(model) -> bool:
+def is_engine(model) -> bool:
     """True for a DeepSpeed engine (checked by class name, so deepspeed is never imported)."""
     return any(c.__name__ == "DeepSpeedEngine" for c in type(model).__mro__)
 
 
 def _engine_free(model):
     """A DeepSpeed engine's module, or `model`."""
-    return model.module if _is_engine(model) else model
+    return model.module if is_engine(model) else model
 
 
 def _causal_lm(model) -> nn.Module:
@@ -105,7 +105,16 @@ def supports_labelled_loss(model) -> bool:
     return True
 
 
-def _labelled_loss(model, input_ids: Tensor, attention_mask: Tensor | None, labels: Tensor) -> Tensor:
+def labelled_logits(model, input_ids: Tensor, attention_mask: Tensor | None,
+                    labels: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The output head on the labelled positions only: what `labelled_loss` and the RL
+    objective's log-probs (`gti.rl.grpo.labelled_logprobs`) are computed from.
+
+    model: an HF causal LM or a peft `PeftModel` around one (a DeepSpeed engine goes through
+    `labelled_loss`, which runs this inside the engine's forward); input_ids, labels [B, T]
+    as in `labelled_loss`. Returns (logits [N, V] float32, targets [N] long, keep [B, T-1]
+    bool): the N positions t with labels[b, t+1] != -100, in row-major order.
+    """
     lm = _causal_lm(model)
     dec = _decoder(lm)
     head = lm.get_output_embeddings()
@@ -116,9 +125,12 @@ def _labelled_loss(model, input_ids: Tensor, attention_mask: Tensor | None, labe
     hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]  # [B, T, d]
     shift = labels[:, 1:].to(hidden.device)  # [B, T-1]: the label of the token after t
     keep = shift != IGNORE_INDEX  # [B, T-1]
-    h = hidden[:, :-1][keep]  # [N, d]
-    targets = shift[keep].long()  # [N]
-    logits = head(h).float()  # [N, V], upcast like HF's ForCausalLMLoss
+    logits = head(hidden[:, :-1][keep]).float()  # [N, V], upcast like HF's ForCausalLMLoss
+    return logits, shift[keep].long(), keep
+
+
+def _labelled_loss(model, input_ids: Tensor, attention_mask: Tensor | None, labels: Tensor) -> Tensor:
+    logits, targets, _ = labelled_logits(model, input_ids, attention_mask, labels)
     if targets.numel() == 0:
         # Nothing to learn here: an exact 0 that still reaches the decoder and the head, so
         # every trainable parameter gets a zero (not a missing) gradient and DeepSpeed's
@@ -145,7 +157,7 @@ def labelled_loss(model, input_ids: Tensor, attention_mask: Tensor | None, label
     """
     if labels.shape != input_ids.shape:
         raise ValueError(f"labels {tuple(labels.shape)} and input_ids {tuple(input_ids.shape)} differ in shape")
-    if not _is_engine(model):
+    if not is_engine(model):
         return _labelled_loss(model, input_ids, attention_mask, labels)
     return _through_engine(model, input_ids, attention_mask, labels)
 
