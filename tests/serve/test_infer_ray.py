@@ -101,10 +101,27 @@ def test_a_finished_output_is_not_decoded_again(seq_run, tmp_path, capsys, no_ra
     assert man["state"] == "complete" and man["resumed_parts"] == 4 and man["decoded_users"] == 0
 
 
+def _free_cpus() -> float:
+    import ray
+
+    return ray.available_resources().get("CPU", 0.0)
+
+
+def _wait_for_pool_gone(free_before: float, timeout_s: float = 60.0) -> None:
+    """Until the CPUs free before any decoder pool are free again: the pool's actors are dead."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while _free_cpus() < free_before:
+        assert time.monotonic() < deadline, f"decoder actors still hold CPUs after {timeout_s:.0f} s"
+        time.sleep(0.2)
+
+
 @pytest.mark.slow
 def test_interrupted_infer_resumes_to_the_same_output(seq_run, tmp_path, monkeypatch, capsys, ray_start_4_cpus):
     """The CLI on Ray Data: an uninterrupted run, then a run stopped after its first part (Ctrl-C),
     its later parts removed and a half-written temp left as a kill would, then resumed."""
+    free_before = _free_cpus()
     assert _infer(seq_run, tmp_path / "ref") == 0
     reference = I.read_output(tmp_path / "ref")
     assert reference.column("user_id").to_pylist() == list(USERS)
@@ -116,6 +133,7 @@ def test_interrupted_infer_resumes_to_the_same_output(seq_run, tmp_path, monkeyp
     out = tmp_path / "recs.parquet"
     assert _infer(seq_run, out) == 130
     assert I.read_manifest(out)["state"] == "running"
+    _wait_for_pool_gone(free_before)  # a killed decoder's last write must land before the folder is edited
     for late in ("part-00002.parquet", "part-00003.parquet"):  # as if the kill came before them
         (out / late).unlink(missing_ok=True)
     (out / ".part-00002.parquet.k1ll.tmp").write_bytes(b"PAR1 half")

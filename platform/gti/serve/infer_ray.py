@@ -96,15 +96,20 @@ def run_parts(job: I.InferJob, todo: list[I.Part], done_rows: int, *, concurrenc
 
     t0, n, errors = time.time(), 0, 0
     bar = Progress(job.users.height, "infer", "users", initial=done_rows, log=log)
+    batches = iter(_pool(job, todo, concurrency, num_gpus, trust_remote_code).iter_batches(
+        batch_size=None, batch_format="pyarrow"))
     try:
-        ds = _pool(job, todo, concurrency, num_gpus, trust_remote_code)
-        for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+        for batch in batches:
             for part, rows, errs in zip(*(batch.column(c).to_pylist() for c in ("part", "rows", "errors"))):
                 n, errors = n + rows, errors + errs
                 bar.update(rows)
                 if _on_part is not None:
                     _on_part(part)
     finally:
+        # Closing the generator shuts the executor down now (its actors are killed) rather than
+        # when the garbage collector gets to it: an interrupted call must not leave decoders
+        # writing parts into a folder whose run lock is about to be released.
+        batches.close()
         bar.close()
     secs = time.time() - t0
     return {"decoded_users": n, "error_rows": errors, "seconds": round(secs, 2),
