@@ -6,7 +6,7 @@ and the whole config is validated again, so an override can never produce a stat
 file could not. Every field says what it means where it is declared (`Field(description=...)`;
 `gti config show --explain` prints them, `gti.config_explain`). The sections of this module:
 data, embed, sid, model, init, pairs, and the run itself. The others live beside it and are
-held here by `RunConfig`: training (`TrainConfig`, `GroundConfig`, `SftConfig`, `LoraConfig`)
+held here by `RunConfig`: training (`TrainConfig`, `GroundConfig`, `SftConfig`, `LoraConfig`, `RlConfig`)
 in `gti.config_train`, evaluation and report in `gti.config_eval`, serving in
 `gti.config_serve`, compare / tune / tracking / refresh in `gti.config_commands`; the
 schema-free file machinery (strict base model, YAML reading, overrides, redaction, error lines,
@@ -30,7 +30,7 @@ from gti.config_io import apply_overrides, read_yaml, redact
 from gti.config_io import PositiveInt, Seed
 from gti.config_io import StrictModel as _Strict
 from gti.config_io import format_error as _format_error
-from gti.config_train import GroundConfig, SftConfig
+from gti.config_train import GroundConfig, RlConfig, SftConfig
 from gti.config_eval import EvalConfig, ReportConfig
 from gti.config_commands import CompareConfig, RefreshConfig, TrackingConfig, TuneConfig
 from gti.config_serve import ServeConfig
@@ -345,6 +345,7 @@ class RunConfig(_Strict):
     pairs: PairsConfig = Field(default_factory=PairsConfig, description="pairs: text <-> SID grounding pairs")
     ground: GroundConfig = Field(default_factory=GroundConfig, description="ground: training of the SID rows")
     sft: SftConfig = Field(default_factory=SftConfig, description="sft: next-item recommendation fine-tuning")
+    rl: RlConfig = Field(default_factory=RlConfig, description="rl: GRPO after SFT (off by default)")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="evaluate: top-K metrics by beam search")
     report: ReportConfig = Field(default_factory=ReportConfig, description="report: plots and CIs")
     tune: TuneConfig = Field(default_factory=TuneConfig, description="gti tune: the sweep")

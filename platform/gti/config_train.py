@@ -1,10 +1,10 @@
-"""The training sections of the run config: grounding's and SFT's shared optimiser settings.
+"""The training sections of the run config: the optimiser settings grounding, SFT and RL share.
 
 What it is for: `TrainConfig`, what grounding and SFT share (optimiser, schedule, parallelism,
 precision, checkpoints, validation cadence), and each one's own defaults: `GroundConfig`
 (`ground:`) and `SftConfig` (`sft:`, with LC-Rec multitask mixing, `LoraConfig`, validation
-users and the prompt style). `gti.config.RunConfig` holds them; `gti.vocab_ground` reuses
-`GroundConfig`.
+users and the prompt style). `RlConfig` (`rl:`, GRPO after SFT, off by default). `gti.config.RunConfig` holds
+them; `gti.vocab_ground` reuses `GroundConfig`.
 
 What it does NOT know: the other sections or YAML loading (`gti.config`, `gti.config_io`), or
 how training runs (`gti.train`). It never imports ray or torch.
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from gti.config_io import StrictModel
 
@@ -104,3 +104,46 @@ class SftConfig(TrainConfig):
         "chat", description="chat: chat template, system prompt and a retrieval template around the history (the "
         "paper's form); compact: the history's SID tokens alone, then the answer (gti.lm.templates."
         "render_rec_prompt); used by SFT, evaluate and recommend")
+
+
+class RlConfig(TrainConfig):
+    """`rl:`: GRPO after SFT (gti.rl, gti.train.rl_task): per step, `group_size` candidate SIDs
+    per training prompt from the policy under the trie, rewards against the prompt's target,
+    group-normalised advantages, the clipped objective plus a KL penalty to the SFT model."""
+
+    enabled: bool = Field(False, description="run RL after SFT (off: the SFT model is the run's model)")
+    lr: float = Field(1e-5, gt=0, description="peak learning rate (AdamW)")
+    steps: int = Field(50, ge=0, description="optimizer steps (each: rollouts, rewards, one update)")
+    batch_size: int = Field(8, gt=0, description="global batch: training prompts per optimizer step")
+    checkpoint_every: int = Field(10, ge=1, description="steps between checkpoints (and one at the last step)")
+    val_every: int = Field(10, ge=1, description="steps between validations (and one before the first step "
+                           "and one at the last)")
+    val_users: int = Field(64, ge=1, description="validation users (seeded sample, as sft.val_users) whose exact "
+                           "MRR picks the best checkpoint")
+    group_size: int = Field(8, ge=2, description="G: candidate SIDs rolled out per prompt (advantages are "
+                            "normalised within these groups)")
+    rollout: Literal["beam", "sample"] = Field(
+        "beam", description="beam: the G best distinct items of the constrained beam search; sample: G draws "
+        "level by level under the trie at `temperature`")
+    beam_width: int | None = Field(None, ge=1, description="beam rollouts: beams (None: group_size)")
+    temperature: float = Field(1.0, gt=0, description="sample rollouts: softmax temperature")
+    reward: str | dict[str, float] = Field(
+        "hit", description="hit (1 for the target), rank (rank-aware: wrong candidates above the target are "
+        "penalised by their rank), prefix (share of the target's leading SID levels matched), or weights of them, "
+        "e.g. {hit: 1.0, prefix: 0.5} (gti.rl.rewards)")
+    clip_eps: float = Field(0.2, ge=0, description="policy ratio clipped to [1 - clip_eps, 1 + clip_eps]")
+    kl_coef: float = Field(0.04, ge=0, description="weight of the KL penalty to the SFT model (0: no reference "
+                           "model is loaded)")
+    rollout_batch: int = Field(8, ge=1, description="prompts per rollout forward pass")
+    stop_margin: float | None = Field(
+        0.02, ge=0, description="stop when the validation MRR falls this far below the SFT model's (measured "
+        "before the first step; None: never stop early); the best checkpoint by validation MRR is exported, "
+        "the SFT model itself when no step beat it")
+
+    @field_validator("reward")
+    @classmethod
+    def _known_reward(cls, v: str | dict[str, float]) -> str | dict[str, float]:
+        from gti.rl.rewards import parse_reward_spec  # torch-free: names and weights only
+
+        parse_reward_spec(v)
+        return v

@@ -193,13 +193,13 @@ def test_a_final_checkpoint_is_handed_back_untrained(tmp_path, monkeypatch):
         yield tmp_path
 
     monkeypatch.setattr(ray_train, "latest_checkpoint", latest)
-    state, done = loop._resume(SimpleNamespace(engine=None, tc=GroundConfig(steps=4)))
+    state, done = loop._resume(SimpleNamespace(engine=None, tc=GroundConfig(steps=4), keeper=None))
     assert state == saved
     assert done == {"step": 4, "history": saved["history"], "timing": {"loop_s": 1.0}, "precision": "fp32"}
     loads = []
     monkeypatch.setattr(loop.safe_checkpoint, "load_checkpoint", lambda engine, d, tag, **kw: loads.append(d) or (None, None))
     with pytest.raises(RuntimeError, match="no DeepSpeed state"):
-        loop._resume(SimpleNamespace(engine=None, tc=GroundConfig(steps=5)))
+        loop._resume(SimpleNamespace(engine=None, tc=GroundConfig(steps=5), keeper=None))
     assert loads == [str(tmp_path / loop.DS_DIR)]
 
 

@@ -67,7 +67,7 @@ def _resume(monkeypatch, engine, tc, d: Path):
         yield d
 
     monkeypatch.setattr(ray_train, "latest_checkpoint", latest)
-    return loop._resume(SimpleNamespace(engine=engine, tc=tc))
+    return loop._resume(SimpleNamespace(engine=engine, tc=tc, keeper=None))
 
 
 @pytest.mark.parametrize("stage,bf16", [(0, False), (2, True), (3, False)])

@@ -10,8 +10,8 @@ from dataclasses import FrozenInstanceError, replace
 import pytest
 
 from gti import config as C
-from gti.train import ground_task, sft_task
-from gti.train.worker_config import FaultInjection, GroundRows, SftStart, ValSet, WorkerConfig, from_loop_dict
+from gti.train import ground_task, rl_task, sft_task
+from gti.train.worker_config import FaultInjection, GroundRows, RlStart, SftStart, ValSet, WorkerConfig, from_loop_dict
 
 
 def _ground(**kw) -> WorkerConfig:
@@ -33,10 +33,14 @@ def test_build_gives_each_task_its_hooks_and_the_run_config_as_json():
 
 def test_build_refuses_an_unknown_task_or_another_tasks_input():
     cfg = C.RunConfig()
-    with pytest.raises(ValueError, match="unknown training task 'rl'"):
-        WorkerConfig.build("rl", cfg, 0)
+    with pytest.raises(ValueError, match="unknown training task 'dpo'"):
+        WorkerConfig.build("dpo", cfg, 0)
     with pytest.raises(ValueError, match="its own input"):
         WorkerConfig.build("ground", cfg, 0)  # no rows
+    with pytest.raises(ValueError, match="its own input"):
+        WorkerConfig.build("rl", cfg, 0, sft=SftStart("m"))
+    r = WorkerConfig.build("rl", cfg, 0, rl=RlStart("m", "s.safetensors", 64, 88, 3))
+    assert r.hooks is rl_task.HOOKS and r.rl.levels == 3 and r.hooks.keep_best == "val_mrr"
     with pytest.raises(ValueError, match="its own input"):
         WorkerConfig.build("sft", cfg, 0, sft=SftStart("m"), ground=GroundRows("i", 1, 1))
 

@@ -1,4 +1,5 @@
-"""Rewards for one group of candidate SIDs against the user's target SID (pure python + torch).
+"""Rewards for one group of candidate SIDs against the user's target SID (pure python; torch only for the
+batch tensor, imported there, so the config can check `rl.reward` without it).
 
 What it is for: the `rl.reward` setting of the RL stage. A group is the G candidates the policy
 produced for one prompt, best first (beam order, or sampled candidates sorted by their sequence
@@ -26,8 +27,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 Sid = Sequence[int]
 RewardFn = Callable[[Sequence[Sid], Sid], list[float]]
@@ -138,7 +141,7 @@ def combined_rewards(candidates: Sequence[Sid], target: Sid, spec: str | Mapping
 
 def group_rewards(
     groups: Sequence[Sequence[Sid]], targets: Sequence[Sid], spec: str | Mapping[str, float]
-) -> torch.Tensor:
+) -> "torch.Tensor":
     """Rewards of B groups of G candidates each: FloatTensor [B, G] (float32), row b the
     `combined_rewards` of groups[b] against targets[b]. ValueError when the groups differ in
     size or the counts of groups and targets differ."""
@@ -148,6 +151,8 @@ def group_rewards(
     sizes = {len(g) for g in groups}
     if len(sizes) > 1:
         raise ValueError(f"every group must hold the same number of candidates, got sizes {sorted(sizes)}")
+    import torch
+
     rows = [combined_rewards(g, t, weights) for g, t in zip(groups, targets)]
     g_size = sizes.pop() if sizes else 0
     return torch.tensor(rows, dtype=torch.float32).reshape(len(rows), g_size)

@@ -25,9 +25,10 @@ from typing import Any
 import torch
 
 from gti.eval.beams import TrieLike, model_device
-from gti.rl.grpo import group_advantages, grpo_loss, labelled_logprobs, reward_stats
+from gti.rl.grpo import GrpoLoss, group_advantages, grpo_loss, labelled_logprobs, reward_stats
 from gti.rl.rewards import group_rewards, parse_reward_spec
 from gti.rl.rollouts import MODES, Rollouts, completion_batch, rollout
+from gti.train.loss import is_engine, run_as_engine_forward
 
 PHASES = ("rollout", "reward", "update")
 
@@ -115,8 +116,8 @@ def grpo_step_loss(
 ) -> StepOutput:
     """Rollouts -> rewards -> advantages -> GRPO loss for B prompts (no backward here).
 
-    policy: the causal LM being trained (its train/eval mode is kept for the scoring forward;
-    rollouts run in eval mode); reference: the frozen start model (None allowed when
+    policy: the causal LM being trained, or a DeepSpeed engine around it (its train/eval mode is
+    kept for the scoring forward; rollouts run in eval mode on the bare model); reference: the frozen start model (None allowed when
     settings.kl_coef == 0); prompt_ids: B token-id lists; target_sids: B SID token-id tuples (L
     each, the trie's row of the target item); seed: for sampling rollouts; clock: times the
     phases "rollout", "reward" and "update" (the scoring forwards and the loss).
@@ -127,21 +128,31 @@ def grpo_step_loss(
         raise ValueError("kl_coef != 0 needs a reference model")
     clock = clock or PhaseClock()
     s = settings
+    module = policy.module if is_engine(policy) else policy  # rollouts decode with the bare model
     with clock.phase("rollout"):
-        ro = rollout(policy, prompt_ids, trie, mode=s.rollout, group_size=s.group_size, levels=levels,
+        ro = rollout(module, prompt_ids, trie, mode=s.rollout, group_size=s.group_size, levels=levels,
                      pad_id=pad_id, beam_width=s.beam_width, temperature=s.temperature,
                      batch_users=s.batch_users, seed=seed)
     with clock.phase("reward"):
         rewards = group_rewards(ro.candidates(), target_sids, s.reward)  # [B, G]
         adv, _ = group_advantages(rewards, eps=s.adv_eps)
     with clock.phase("update"):
-        batch = {k: v.to(model_device(policy)) for k, v in completion_batch(prompt_ids, ro, pad_id).items()}
-        logp, mask = labelled_logprobs(policy, batch["input_ids"], batch["attention_mask"], batch["labels"])
+        batch = {k: v.to(model_device(module)) for k, v in completion_batch(prompt_ids, ro, pad_id).items()}
+        args = (batch["input_ids"], batch["attention_mask"], batch["labels"])
         ref_logp = None
         if reference is not None and s.kl_coef != 0:
             with torch.no_grad():
-                ref_logp, _ = labelled_logprobs(reference, batch["input_ids"], batch["attention_mask"],
-                                                batch["labels"])
-        obj = grpo_loss(logp, mask, adv.reshape(-1), ref_logp=ref_logp, clip_eps=s.clip_eps, kl_coef=s.kl_coef)
-    stats = {**reward_stats(rewards), **obj.stats, "rollout_s": ro.timings.get("rollout_s", 0.0)}
-    return StepOutput(loss=obj.loss, stats=stats, rollouts=ro, rewards=rewards, advantages=adv)
+                ref_logp, _ = labelled_logprobs(reference, *args)
+        got: dict[str, GrpoLoss] = {}
+
+        def objective(model) -> torch.Tensor:
+            logp, mask = labelled_logprobs(model, *args)
+            got["obj"] = grpo_loss(logp, mask, adv.reshape(-1), ref_logp=ref_logp, clip_eps=s.clip_eps,
+                                   kl_coef=s.kl_coef)
+            return got["obj"].loss
+
+        # An engine runs the objective as its module's forward (labelled positions only, and
+        # DeepSpeed's forward bookkeeping in place); a plain model is called directly.
+        loss = run_as_engine_forward(policy, objective) if is_engine(policy) else objective(policy)
+    stats = {**reward_stats(rewards), **got["obj"].stats, "rollout_s": ro.timings.get("rollout_s", 0.0)}
+    return StepOutput(loss=loss, stats=stats, rollouts=ro, rewards=rewards, advantages=adv)

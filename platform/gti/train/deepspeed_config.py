@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gti.config_train import GroundConfig, SftConfig, TrainConfig
+from gti.config_train import GroundConfig, RlConfig, SftConfig, TrainConfig
 from gti.errors import ConfigError
 
 # Bucket sizes (elements) for ZeRO gradient reduction / parameter all-gather. DeepSpeed's defaults
@@ -39,11 +39,13 @@ _BUCKET = 50_000_000
 
 
 def _section(train_cfg: TrainConfig) -> str:
-    """Config section name used in error messages ("ground" / "sft")."""
+    """Config section name used in error messages ("ground" / "sft" / "rl")."""
     if isinstance(train_cfg, GroundConfig):
         return "ground"
     if isinstance(train_cfg, SftConfig):
         return "sft"
+    if isinstance(train_cfg, RlConfig):
+        return "rl"
     return "train"
 
 

@@ -1,53 +1,38 @@
-"""The training loop shared by grounding and SFT (DeepSpeed, on Ray Train workers).
+"""The training loop shared by grounding, SFT and RL (DeepSpeed, on Ray Train workers).
 
 What it is for: `train_loop_per_worker(config)` is the function each Ray Train worker runs
-(`fit` starts them through `gti.train.ray_train.run_trainer`, the one Ray Train driver; the
-task runners `gti.train.ground_run` / `gti.train.sft_run` call `fit`). It builds the model
-through a task's hooks, wraps it in the DeepSpeed engine (ZeRO stage, precision, AdamW and
-batch arithmetic from `gti.train.deepspeed_config`; torch.distributed is already initialised
-by Ray Train with gloo on CPU / nccl on GPU, and `deepspeed.initialize` wraps that process
-group instead of creating a new one), streams micro-batches from the worker's dataset shard
-(`gti.train.shards.ShardStream`), steps to `steps`, reports per-step metrics, checkpoints
-through `ray.train.report`, resumes from `ray.train.get_checkpoint()`, and every `val_every`
-steps runs the task's validation.
-
-`config` is one `gti.train.worker_config.WorkerConfig` (its fields document the shapes: task
-and hooks, the run's config, pad_id, the task's input, the validation set, fault injection,
-the progress file); Ray Train hands it over as the dict `run_trainer` made of it, rebuilt
-here by `from_loop_dict`. The loop itself holds no task-specific code: everything a task
-decides goes through its hooks.
-
-Dataset rows: {"input_ids": list[int], "labels": list[int]} (labels -100 outside the answer),
-padded per micro-batch to the longest row ([B, T] input_ids / labels / attention_mask).
+(`fit` starts them through `gti.train.ray_train.run_trainer`, the one Ray Train driver; the task
+runners in `gti.train` call `fit`). It builds the model through the task's hooks
+(`gti.train.task.TaskHooks`), wraps it in the DeepSpeed engine (settings from
+`gti.train.deepspeed_config`; Ray Train already initialised torch.distributed, gloo on CPU /
+nccl on GPU, and `deepspeed.initialize` wraps that group), streams micro-batches from the
+worker's shard (`gti.train.shards.ShardStream`: rows {"input_ids", "labels"}, right-padded to
+[B, T] input_ids / labels / attention_mask), steps to `steps`, validates every `val_every`
+steps, reports, checkpoints through `ray.train.report` and resumes from `ray.train.get_checkpoint()`.
+`config` is one `gti.train.worker_config.WorkerConfig` (its fields document the shapes); no
+task-specific code lives here. A task's `step_loss` hook replaces the labelled loss (RL's
+rollout -> reward -> update) and its statistics are reported with the step; with `keep_best`
+the best validation's tensors (the start model's included) are handed back and a run that
+falls `stop_margin` below its start stops early (`gti.train.best`).
 
 Reported metrics (every `log_every` steps and at every checkpoint; `ray.train.report` is a
-barrier, so every rank reports the same number of times): step, epoch, loss (mean over ranks
-and accumulation micro-steps), lr (the lr the step used), tokens_per_s (non-pad tokens of all
-ranks / step wall time), the grad norm before clipping under `hooks.grad_norm_key`
-(`grad_norm_new_rows` for grounding: only the new rows are trainable), and the latest
-validation metrics (e.g. `val_exact_match`), carried forward between validations so that every
-report after the first validation has them (Tune's schedulers need the metric in each result).
+barrier, so every rank reports equally often): step, epoch, loss (mean over ranks and
+micro-steps), lr, tokens_per_s, the grad norm before clipping under `hooks.grad_norm_key`, the
+task's step statistics, and the latest validation metrics, carried forward so every report
+after the first validation has them (Tune's schedulers need the metric in each result). A
+non-finite loss or grad norm stops every rank at the same step (`gti.train.nonfinite`).
 
-NaN/inf stop (`gti.train.nonfinite`): after every step the all-reduced loss and gradient norm
-are checked; a non-finite one raises `gti.errors.NonFiniteError` on every rank at the same
-step, before that step's checkpoint, with one line naming the section and the step.
+Checkpoints (every `checkpoint_every` steps and at the last): `ds/` (DeepSpeed's state with
+`exclude_frozen_parameters=True`, read back with `weights_only=True` by
+`gti.train.safe_checkpoint`; not in the final one, after which nothing resumes),
+`gti_state.json` (step, data position, history, timing; rank 0), the best tensors so far
+(`keep_best` tasks) and, in the final one, `trainable.safetensors`. Ray merges the ranks' dirs.
+A resumed run re-iterates the saved epoch's seeded order and skips the consumed micro-batches,
+so it equals an uninterrupted one; a group restarted after the final checkpoint returns at once.
 
-Checkpoints (every `checkpoint_every` steps and at the last step): a temp dir holding `ds/`
-(DeepSpeed `save_checkpoint` with `exclude_frozen_parameters=True`: trainable weights, the
-ZeRO-partitioned optimizer state of each rank, the lr scheduler; not in the last one, after
-which nothing resumes; read back with `weights_only=True`, `gti.train.safe_checkpoint`), `gti_state.json` (step, data position, metric history, timing; rank 0)
-and, in the last one, `trainable.safetensors` (the task's trainable tensors, full fp32, from
-`hooks.trainable_state`). A worker group restarted after the last checkpoint returns at once. Each rank reports its own dir; Ray
-merges them into one checkpoint. On restart the latest one is loaded and training continues at
-the saved step with the same data position: the shard is re-iterated from the start of the
-saved epoch (same seeded order) and the already-consumed micro-batches are skipped. The data
-order is deterministic (the driver passes a seeded, order-preserving dataset; the per-epoch
-local shuffle is seeded by seed + epoch), which is what makes a resumed run equal an
-uninterrupted one.
-
-What it does NOT know: how pairs or SFT examples are made, which task it trains (the hooks do),
-which stage called it, where outputs go (the stage reads `trainable.safetensors` from the
-final checkpoint), or Ray's API (only `gti.train.ray_train` calls it).
+What it does NOT know: how rows are made, which task or stage called it, where outputs go (the
+caller reads `trainable.safetensors` from the final checkpoint), or Ray's API (only
+`gti.train.ray_train` calls it).
 """
 
 from __future__ import annotations
@@ -69,7 +54,8 @@ from gti import config as C
 from gti.config_train import TrainConfig
 from gti.errors import ConfigError
 from gti.devices import resolve_precision, use_cpu_threads
-from gti.train import nonfinite, ray_train, safe_checkpoint
+from gti.train import faults, nonfinite, ray_train, safe_checkpoint
+from gti.train.best import BEST_FILE, BestKeeper
 from gti.train.shards import PadCollate, ShardStream
 from gti.train.deepspeed_config import build_ds_config, micro_batch
 from gti.train.loss import make_forward, set_training_attention
@@ -138,6 +124,12 @@ class _Worker:
     forward: Callable
     trainable: list
     precision: str
+    keeper: BestKeeper | None = None  # hooks.keep_best: the best validation's tensors and the stop rule
+
+    def autocast(self):
+        """The training forward's autocast (bf16 when the resolved precision is bf16)."""
+        return torch.autocast("cuda" if self.tc.use_gpu else "cpu", dtype=torch.bfloat16,
+                              enabled=self.precision == "bf16")
 
 
 def _setup(config: WorkerConfig) -> tuple[_Worker, C.RunConfig]:
@@ -163,7 +155,9 @@ def _setup(config: WorkerConfig) -> tuple[_Worker, C.RunConfig]:
         model=model, model_parameters=trainable, config=ds_cfg,
         lr_scheduler=_SchedulerFactory(tc.schedule, tc.warmup_steps, tc.steps),
     )
-    return _Worker(rank, world, hooks, tc, engine, scheduler, forward, trainable, precision), cfg
+    keeper = (BestKeeper(hooks.keep_best, getattr(tc, "stop_margin", None), keep=rank == 0)
+              if hooks.keep_best else None)
+    return _Worker(rank, world, hooks, tc, engine, scheduler, forward, trainable, precision, keeper), cfg
 
 
 def _resume(w: _Worker) -> tuple[dict[str, Any], dict[str, Any] | None]:
@@ -177,7 +171,7 @@ def _resume(w: _Worker) -> tuple[dict[str, Any], dict[str, Any] | None]:
         if d is None:
             return state, None
         saved = json.loads((d / STATE_FILE).read_text())
-        if int(saved["step"]) >= w.tc.steps:
+        if int(saved["step"]) >= w.tc.steps or "stopped_at" in saved["history"]:
             # The final checkpoint holds the trained tensors, not the DeepSpeed state:
             # training is over, so there is nothing to resume.
             return saved, {"step": int(saved["step"]), "history": saved["history"],
@@ -189,20 +183,33 @@ def _resume(w: _Worker) -> tuple[dict[str, Any], dict[str, Any] | None]:
         )
         if path is None:
             raise RuntimeError(f"checkpoint {d} has no DeepSpeed state under {DS_DIR}/")
+        if w.keeper is not None and "best" in saved["history"]:
+            best = d / BEST_FILE
+            from safetensors.torch import load_file
+
+            w.keeper.restore(saved["history"]["best"], load_file(str(best)) if w.keeper.keep and best.exists() else None)
         return saved, None
 
 
-def _train_step(w: _Worker, batches, timing: dict[str, float]) -> tuple[float, float, float | None, float, float]:
-    """One optimizer step (grad_accum micro-steps): (lr, loss sum, grad norm, tokens, seconds)."""
+def _train_step(w: _Worker, batches, timing: dict[str, float], config: WorkerConfig,
+                step: int) -> tuple[float, float, float | None, float, float, dict[str, float]]:
+    """Optimizer step `step + 1` (grad_accum micro-steps): (lr, loss sum, grad norm, tokens,
+    seconds, the task's step statistics averaged over the micro-steps)."""
     tc, engine = w.tc, w.engine
     t0 = time.perf_counter()
     lr = float(w.scheduler.get_last_lr()[0])
-    loss_sum, tokens, manual_gn, data_s = 0.0, 0, None, 0.0
-    for _ in range(tc.grad_accum):
+    loss_sum, tokens, manual_gn, data_s, stats = 0.0, 0, None, 0.0, {}
+    for i in range(tc.grad_accum):
         td = time.perf_counter()
         b = {k: v.to(engine.device) for k, v in next(batches).items()}
         data_s += time.perf_counter() - td
-        loss = w.forward(engine, b)
+        if w.hooks.step_loss is None:
+            loss = w.forward(engine, b)
+        else:
+            with w.autocast():
+                loss, got = w.hooks.step_loss(engine, b, config, w.rank, step * tc.grad_accum + i)
+            for k, v in got.items():
+                stats[k] = stats.get(k, 0.0) + float(v) / tc.grad_accum
         engine.backward(loss)
         if tc.zero_stage == 0 and engine.is_gradient_accumulation_boundary():
             manual_gn = _manual_grad_norm(w.trainable)
@@ -215,7 +222,7 @@ def _train_step(w: _Worker, batches, timing: dict[str, float]) -> tuple[float, f
     timing["compute_s"] += time.perf_counter() - t0 - data_s
     gn = engine.get_global_grad_norm()
     gn = manual_gn if gn is None else float(gn)
-    return lr, loss_sum, gn, float(tokens), time.perf_counter() - t0
+    return lr, loss_sum, gn, float(tokens), time.perf_counter() - t0, stats
 
 
 def _checkpoint(w: _Worker, state: dict[str, Any], metrics: dict[str, Any], final: bool) -> None:
@@ -229,15 +236,35 @@ def _checkpoint(w: _Worker, state: dict[str, Any], metrics: dict[str, Any], fina
                 os.path.join(d, DS_DIR), tag=CKPT_TAG, client_state={"step": state["step"]},
                 exclude_frozen_parameters=True,
             )
-        if final:
-            sd = w.hooks.trainable_state(w.engine.module)  # every rank: may gather
-            if w.rank == 0:
-                from safetensors.torch import save_file
+        from safetensors.torch import save_file
 
+        if final:
+            # The best validation's tensors where the task keeps them (decided alike on every
+            # rank), else the last step's (every rank: the snapshot may gather).
+            sd = w.keeper.state if w.keeper is not None else w.hooks.trainable_state(w.engine.module)
+            if w.rank == 0:
                 save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(d, TRAINABLE_FILE))
+        elif w.keeper is not None and w.keeper.state is not None:
+            save_file({k: v.contiguous() for k, v in w.keeper.state.items()}, os.path.join(d, BEST_FILE))
         if w.rank == 0:
             Path(d, STATE_FILE).write_text(json.dumps(state))
         ray_train.report(metrics, checkpoint_dir=d)
+
+
+def _validate(w: _Worker, config: WorkerConfig, step: int, history: dict[str, Any],
+              timing: dict[str, float]) -> dict[str, float]:
+    """The task's validation at `step`, timed and appended to the history."""
+    tv = time.perf_counter()
+    val = _run_validation(w.hooks, w.engine, config, w.rank, w.world)
+    timing["val_s"] = timing.get("val_s", 0.0) + time.perf_counter() - tv
+    for k, v in val.items():
+        history["val"].setdefault(k, []).append([step, v])
+    return val
+
+
+def _mean_over_ranks(stats: dict[str, float], world: int, device: torch.device) -> dict[str, float]:
+    names = sorted(stats)  # the same task hook on every rank: the same names
+    return dict(zip(names, (v / world for v in _all_reduce_sum([stats[n] for n in names], device)))) if names else {}
 
 
 # --------------------------------------------------------------------------- the loop
@@ -267,8 +294,13 @@ def train_loop_per_worker(config: WorkerConfig | dict) -> dict[str, Any]:
     engine.train()
     loop_t0 = time.perf_counter()
     timing = state.setdefault("timing", {"compute_s": 0.0, "data_s": 0.0, "loop_s": 0.0})
-    while step < tc.steps:
-        lr, loss_sum, gn, tokens, dt = _train_step(w, batches, timing)
+    snapshot = lambda: w.hooks.trainable_state(engine.module)  # noqa: E731 (every rank: may gather)
+    if w.keeper is not None and step == 0:  # the start model's validation: the value to beat
+        last_val = _validate(w, config, 0, history, timing)
+        w.keeper.observe(0, last_val, snapshot)
+    stopped = False
+    while step < tc.steps and not stopped:
+        lr, loss_sum, gn, tokens, dt, stats = _train_step(w, batches, timing, config, step)
         step += 1
         # All-reduced, so every rank sees the same values and stops at the same step.
         gn_bad = 0.0 if gn is None or math.isfinite(gn) else 1.0
@@ -278,24 +310,28 @@ def train_loop_per_worker(config: WorkerConfig | dict) -> dict[str, Any]:
             "step": step, "epoch": stream.epoch, "loss": loss_all / w.world, "lr": lr,
             "tokens_per_s": tok_all / max(dt, 1e-9),
             w.hooks.grad_norm_key: float(gn if gn is not None else math.nan),
+            **_mean_over_ranks(stats, w.world, engine.device),
         }
         history["loss"].append([step, metrics["loss"]])
         history["tokens_per_s"].append([step, metrics["tokens_per_s"]])
+        for k in sorted(stats):
+            history.setdefault("stats", {}).setdefault(k, []).append([step, metrics[k]])
         if w.hooks.validate is not None and (step % tc.val_every == 0 or step == tc.steps):
-            tv = time.perf_counter()
-            last_val = _run_validation(w.hooks, engine, config, w.rank, w.world)
-            timing["val_s"] = timing.get("val_s", 0.0) + time.perf_counter() - tv
-            for k, v in last_val.items():
-                history["val"].setdefault(k, []).append([step, v])
+            last_val = _validate(w, config, step, history, timing)
+            stopped = w.keeper is not None and w.keeper.observe(step, last_val, snapshot)
         metrics.update(last_val)
         if progress is not None:
             with progress.open("a") as fh:
                 # wall_time: when the step ended, for the driver's rate and ETA.
                 fh.write(json.dumps({**metrics, "wall_time": time.time()}) + "\n")
-        final = step == tc.steps
+        final = step == tc.steps or stopped
         if step % tc.checkpoint_every == 0 or final:
             timing["loop_s"] = timing.get("loop_s", 0.0) + time.perf_counter() - loop_t0
             loop_t0 = time.perf_counter()
+            if w.keeper is not None:
+                history["best"] = w.keeper.record()
+            if stopped:
+                history["stopped_at"] = step
             state = {"step": step, "epoch": stream.epoch, "offset": stream.offset, "history": history,
                      "timing": timing, "precision": w.precision}
             tc0 = time.perf_counter()
@@ -306,33 +342,8 @@ def train_loop_per_worker(config: WorkerConfig | dict) -> dict[str, Any]:
             ray_train.report(metrics)
             timing["report_s"] = timing.get("report_s", 0.0) + time.perf_counter() - tr
         if config.fault is not None and config.fault.fail_at_step == step:
-            _maybe_fail(config, w.rank, step // tc.checkpoint_every * tc.checkpoint_every)
+            faults.maybe_fail(config, w.rank, step // tc.checkpoint_every * tc.checkpoint_every)
     return {"step": step, "history": history, "timing": timing, "precision": w.precision}
-
-
-def _maybe_fail(config: WorkerConfig, rank: int, ckpt_step: int) -> None:
-    """Fault injection for the reliability tests (`config.fault`): rank `fail_rank` kills its
-    own process once (guarded by the marker file `fail_marker`, created just before dying).
-
-    It first waits (up to `fail_wait_s`, default 120 s) until the controller has registered
-    the checkpoint of `ckpt_step` (the last one before this step): a checkpoint still queued
-    when the worker dies is lost, so without the wait the resume point would depend on the
-    controller's 2-s poll and the machine's load, and the tests could not name it."""
-    fault = config.fault
-    if rank != fault.fail_rank:
-        return
-    marker = Path(fault.fail_marker)
-    if marker.exists():
-        return
-    deadline = time.monotonic() + float(fault.fail_wait_s)
-    pf = config.progress_file
-    while ckpt_step > 0 and pf and time.monotonic() < deadline:
-        got = ray_train.registered_checkpoint_step(pf)
-        if got is not None and got >= ckpt_step:
-            break
-        time.sleep(0.2)
-    marker.write_text(str(os.getpid()))
-    os._exit(1)
 
 
 # --------------------------------------------------------------------------- driver side
@@ -369,7 +380,7 @@ class _ProgressTail:
     def record(self, m: dict) -> None:
         if self.on_metrics is not None:
             self.on_metrics(m)
-        extra = "".join(f" {k} {m[k]:.3f}" for k in sorted(m) if k.startswith("val_"))
+        extra = "".join(f" {k} {m[k]:.3f}" for k in sorted(m) if k.startswith("val_") or k == "reward_mean")
         self.bar.set(int(m.get("step", 0)), f"loss {m['loss']:.4f} lr {m['lr']:.2e} "
                                             f"tokens/s {m['tokens_per_s']:.0f}{extra}", at=m.get("wall_time"))
 
@@ -431,7 +442,7 @@ def fit(
         (st, sd), metrics, path = ray_train.run_trainer(
             train_loop_per_worker, config, {"train": train_ds}, spec, _read_final, progress=tail.record,
         )
-    if int(st["step"]) != train_cfg.steps:
+    if int(st["step"]) != train_cfg.steps and "stopped_at" not in st["history"]:
         raise RuntimeError(f"latest checkpoint of {name} is at step {st['step']}, expected {train_cfg.steps}")
     return FitResult(
         state_dict=sd, history=st["history"], steps_done=int(st["step"]), metrics=metrics, path=path,

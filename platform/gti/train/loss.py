@@ -166,7 +166,12 @@ _MISSING = object()
 
 
 def _through_engine(engine, input_ids: Tensor, attention_mask: Tensor | None, labels: Tensor) -> Tensor:
-    """Run `_labelled_loss` as `engine.module`'s forward inside `engine(...)`.
+    return run_as_engine_forward(engine, lambda module: _labelled_loss(module, input_ids, attention_mask, labels))
+
+
+def run_as_engine_forward(engine, fn: Callable[[nn.Module], Tensor]) -> Tensor:
+    """`fn(engine.module)` run as the module's forward inside `engine()`: how a loss computed
+    from submodules (`labelled_loss`, the RL objective) goes through a DeepSpeed engine.
 
     DeepSpeed's engine forward does more than call the module: it resets ZeRO's per-step
     backward state, applies its autocast, and registers hooks on the output that run the
@@ -174,16 +179,16 @@ def _through_engine(engine, input_ids: Tensor, attention_mask: Tensor | None, la
     Calling submodules of `engine.module` directly would skip all of that (measured with
     DeepSpeed 0.19: under ZeRO-3 with gradient accumulation the new rows then train
     differently from the HF path), so the module's forward is shadowed by an instance
-    attribute for the duration of one call instead."""
+    attribute for the duration of one call instead. Returns fn's scalar."""
     module = engine.module
     prev = module.__dict__.get("forward", _MISSING)
 
-    def forward(input_ids, attention_mask, labels):
-        return _labelled_loss(module, input_ids, attention_mask, labels)
+    def forward():
+        return fn(module)
 
     module.forward = forward
     try:
-        return engine(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+        return engine()
     finally:
         if prev is _MISSING:
             del module.forward

@@ -1,8 +1,9 @@
-"""The contract between the shared training loop and a task (grounding, SFT), and what the
+"""The contract between the shared training loop and a task (grounding, SFT, RL), and what the
 tasks' hooks share.
 
 What it is for: `TaskHooks` (build the model, hand back its trainable tensors, validate),
-which each task defines in its own module (`gti.train.ground_task`, `gti.train.sft_task`) and
+which each task defines in its own module (`gti.train.ground_task`, `gti.train.sft_task`,
+`gti.train.rl_task`) and
 `gti.train.worker_config.WorkerConfig.build` puts into the worker config; and the helpers both tasks' hooks use:
 `full_fp32_cpu` (a parameter's full fp32 copy, ZeRO-aware), `rank_share` (equal validation
 shares per rank) and `load_trie` (the catalog's SID trie, cached per worker).
@@ -31,12 +32,22 @@ class TaskHooks:
     validate(module, config, rank, world) -> {metric: (numerator, denominator)}; called on every
         rank with the module in eval mode under no_grad, each rank on its share (equal number
         of forward passes per rank, which ZeRO-3 needs); the loop sums both over ranks.
+    step_loss(engine, batch, config, rank, step) -> (scalar loss, {stat: float}): replaces the
+        loop's teacher-forced loss on a micro-batch (RL: rollouts, rewards, the GRPO objective);
+        `step` is the optimizer step being taken (1-based); the loop averages the stats over
+        micro-batches and ranks and reports them with the step's metrics. None: the labelled loss.
+    keep_best: a validation metric (higher is better): the loop also validates before the first
+        step, keeps the trainable tensors of the best validation (the start model's when no
+        step beats it) and hands those back; with the task config's `stop_margin` set it stops
+        once the metric falls that far below its start value. None: the last step's tensors.
     """
 
     build_model: Callable[[Any, Any], torch.nn.Module]
     trainable_state: Callable[[torch.nn.Module], dict[str, torch.Tensor]]
     validate: Callable[[torch.nn.Module, Any, int, int], dict[str, tuple[float, float]]] | None = None
     grad_norm_key: str = "grad_norm"
+    step_loss: Callable[[Any, dict[str, torch.Tensor], Any, int, int], tuple[torch.Tensor, dict[str, float]]] | None = None
+    keep_best: str | None = None
 
 
 def full_fp32_cpu(p: torch.nn.Parameter) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 What it is for: `WorkerConfig` (frozen, picklable) says what a worker trains: the task and its
 hooks, the run's config, the padding id, the task's inputs (`GroundRows` for grounding,
-`SftStart` for SFT), the validation set (`ValSet`), test-only fault injection
+`SftStart` for SFT, `RlStart` for RL), the validation set (`ValSet`), test-only fault injection
 (`FaultInjection`), and two fields the driver side fills in (`progress_file` by
 `gti.train.ray_train.run_trainer`, `fit_id` by `gti.train.loop.fit`). `WorkerConfig.build` is the
 one place a runner makes one (`gti.train.ground_run`, `gti.train.sft_run`). Ray Train takes
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from gti.train.task import TaskHooks
 
-TASKS = ("ground", "sft")  # the tasks with hooks; the next one (RL after SFT) adds its own
+TASKS = ("ground", "sft", "rl")  # the tasks with hooks
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,17 @@ class SftStart:
     """Where SFT starts from."""
 
     model_dir: str  # a standard HF folder (safetensors) whose vocabulary already holds the new tokens
+
+
+@dataclass(frozen=True)
+class RlStart:
+    """Where RL starts from, and the catalog its rollouts decode into."""
+
+    model_dir: str  # the SFT model (a standard HF folder): the policy's start and the KL reference
+    sids_path: str  # safetensors: "sid_token_ids" int64 [N_items, levels], the catalog's trie
+    new_start: int  # [new_start, new_end): the token ids the trie holds
+    new_end: int
+    levels: int  # tokens per SID
 
 
 @dataclass(frozen=True)
@@ -76,6 +87,7 @@ class WorkerConfig:
     pad_id: int  # right-pads every batch ([B, T] input_ids / labels / attention_mask) and val prompts
     ground: GroundRows | None = None  # task "ground" only
     sft: SftStart | None = None  # task "sft" only
+    rl: RlStart | None = None  # task "rl" only
     val: ValSet | None = None  # None: no validation
     fault: FaultInjection | None = None
     progress_file: str | None = None  # set by driver.run_trainer: rank 0 appends a JSON line per step
@@ -83,19 +95,21 @@ class WorkerConfig:
 
     @classmethod
     def build(cls, task: str, run_cfg, pad_id: int, *, ground: GroundRows | None = None,
-              sft: SftStart | None = None, val: ValSet | None = None,
+              sft: SftStart | None = None, rl: RlStart | None = None, val: ValSet | None = None,
               fault: FaultInjection | None = None) -> "WorkerConfig":
         """The worker config of `task` on `run_cfg` (a RunConfig; its `task` section is the
         TrainConfig), with the task's hooks; ValueError when the task's input is missing."""
-        from gti.train import ground_task, sft_task
+        from gti.train import ground_task, rl_task, sft_task
 
-        hooks = {"ground": ground_task.HOOKS, "sft": sft_task.HOOKS}.get(task)
+        hooks = {"ground": ground_task.HOOKS, "sft": sft_task.HOOKS, "rl": rl_task.HOOKS}.get(task)
         if hooks is None:
             raise ValueError(f"unknown training task '{task}' (one of {', '.join(TASKS)})")
-        if (task == "ground") != (ground is not None) or (task == "sft") != (sft is not None):
-            raise ValueError(f"training task '{task}' takes its own input only (ground= for ground, sft= for sft)")
+        given = {"ground": ground, "sft": sft, "rl": rl}
+        if any((name == task) != (inp is not None) for name, inp in given.items()):
+            raise ValueError(f"training task '{task}' takes its own input only (ground= for ground, sft= for sft, "
+                             "rl= for rl)")
         return cls(task=task, hooks=hooks, run_config=run_cfg.model_dump(mode="json"), pad_id=int(pad_id),
-                   ground=ground, sft=sft, val=val, fault=fault)
+                   ground=ground, sft=sft, rl=rl, val=val, fault=fault)
 
 
 def from_loop_dict(config: "WorkerConfig | dict[str, Any]") -> WorkerConfig:

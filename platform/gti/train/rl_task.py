@@ -1,0 +1,152 @@
+"""The RL task (GRPO after SFT): its rows, model, step loss and validation, as loop hooks.
+
+What it is for: `HOOKS` for `gti.train.loop` (task "rl"). The model is the SFT export with every
+parameter trainable; `rl_step_loss` replaces the teacher-forced loss: for a micro-batch of
+training prompts it rolls out `rl.group_size` candidate SIDs per prompt under the trie, rewards
+them against each prompt's target, and returns the clipped GRPO loss with a KL penalty to the
+frozen SFT model (`gti.rl.step.grpo_step_loss`); validation is SFT's (Recall@10, loss and the
+exact MRR, which `keep_best` uses to keep the best checkpoint and stop a run that falls below
+the SFT model). Rows: `rl_row` packs a prompt and its target SID into the loop's row shape
+({"input_ids", "labels"}, the labels holding only the target on the prompt's last L positions,
+so the loop's padding and sharding carry it unchanged); `split_batch` unpacks a padded batch.
+
+What it does not know: where prompts come from (the caller keeps valid/test targets out), how
+the loop steps or checkpoints, Ray, or where the model is exported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from gti import config as C
+from gti.errors import DataError
+from gti.train.loss import IGNORE_INDEX
+from gti.train.sft_task import load_causal_lm, sft_trainable_state, validate_sft
+from gti.train.task import TaskHooks, load_trie
+
+if TYPE_CHECKING:
+    from gti.rl.step import GrpoSettings
+    from gti.train.worker_config import WorkerConfig
+
+BEST_METRIC = "val_mrr"
+STAT_KEYS = ("reward_mean", "reward_std", "zero_std_share", "kl", "clip_fraction", "pg_loss",
+             "time_share/rollout", "time_share/reward", "time_share/update")
+
+
+def rl_row(prompt: list[int], target_sid: list[int]) -> dict[str, list[int]]:
+    """One training row: input_ids = the prompt [P]; labels [P] = -100 but the last L positions,
+    which hold the target's SID tokens (L = len(target_sid) <= P). Nothing is trained on these
+    labels: `split_batch` reads the target back from them."""
+    n, levels = len(prompt), len(target_sid)
+    if levels < 1 or n < levels:
+        raise DataError(f"an RL prompt of {n} tokens cannot carry a target SID of {levels} tokens")
+    return {"input_ids": list(prompt), "labels": [IGNORE_INDEX] * (n - levels) + list(target_sid)}
+
+
+def split_batch(batch: dict[str, torch.Tensor], levels: int) -> tuple[list[list[int]], list[tuple[int, ...]]]:
+    """A padded batch of `rl_row`s (input_ids / labels / attention_mask [B, T]) -> (B prompts,
+    B target SID tuples of `levels` tokens)."""
+    lengths = batch["attention_mask"].sum(dim=1).tolist()
+    ids, labels = batch["input_ids"].tolist(), batch["labels"].tolist()
+    prompts = [row[:n] for row, n in zip(ids, lengths)]
+    targets = [tuple(lab[n - levels: n]) for lab, n in zip(labels, lengths)]
+    if any(IGNORE_INDEX in t for t in targets):
+        raise DataError("an RL batch row has no target SID on its last positions (not made by rl_row)")
+    return prompts, targets
+
+
+def sft_row_to_rl(input_ids: list[int], labels: list[int], levels: int) -> dict[str, list[int]] | None:
+    """An SFT training row (prompt, then an answer whose first `levels` labelled tokens are the
+    target's SID) as an `rl_row`; None for a row without a labelled answer."""
+    start = next((i for i, t in enumerate(labels) if t != IGNORE_INDEX), None)
+    if start is None or start == 0 or len(labels) < start + levels:
+        return None
+    return rl_row(list(input_ids[:start]), list(labels[start: start + levels]))
+
+
+def grpo_settings(cfg: C.RunConfig) -> "GrpoSettings":
+    from gti.rl.step import GrpoSettings
+
+    r = cfg.rl
+    return GrpoSettings(group_size=r.group_size, rollout=r.rollout, beam_width=r.beam_width,
+                        temperature=r.temperature, reward=r.reward, clip_eps=r.clip_eps, kl_coef=r.kl_coef,
+                        batch_users=r.rollout_batch)
+
+
+@dataclass
+class _Context:
+    """What a worker loads once per fit: the run config, the trie, the settings, the reference."""
+
+    cfg: C.RunConfig
+    trie: Any
+    settings: "GrpoSettings"
+    reference: torch.nn.Module | None
+
+
+_CONTEXT: dict[tuple, _Context] = {}
+
+
+def _context(config: "WorkerConfig", device: torch.device) -> _Context:
+    key = (config.fit_id, config.rl.model_dir, str(device))
+    if key not in _CONTEXT:
+        _CONTEXT.clear()  # one fit per worker process at a time: drop an earlier fit's reference
+        cfg = C.validate(config.run_config, "<rl worker config>")
+        s = config.rl
+        reference = None
+        if cfg.rl.kl_coef != 0:
+            reference = load_causal_lm(s.model_dir, cfg).to(device).eval().requires_grad_(False)
+        _CONTEXT[key] = _Context(cfg, load_trie(s.sids_path, int(s.new_start), int(s.new_end)),
+                                 grpo_settings(cfg), reference)
+    return _CONTEXT[key]
+
+
+def rl_step_loss(engine, batch: dict[str, torch.Tensor], config: "WorkerConfig", rank: int,
+                 micro_step: int) -> tuple[torch.Tensor, dict[str, float]]:
+    """Loop hook: the GRPO loss of one micro-batch of `rl_row`s and its statistics.
+
+    micro_step: the run's 0-based micro-batch index (the same after a resume), which with the
+    seed and the rank seeds sampling rollouts."""
+    from gti.rl.step import PhaseClock, grpo_step_loss
+
+    ctx = _context(config, engine.device)
+    prompts, targets = split_batch(batch, int(config.rl.levels))
+    clock = PhaseClock()
+    seed = int(ctx.cfg.seed) * 1_000_003 + int(micro_step) * 7919 + int(rank)
+    out = grpo_step_loss(engine, ctx.reference, prompts, targets, ctx.trie, ctx.settings,
+                         levels=int(config.rl.levels), pad_id=int(config.pad_id), seed=seed, clock=clock)
+    stats = {**out.stats, **clock.shares()}
+    return out.loss, {k: float(stats[k]) for k in STAT_KEYS}
+
+
+def build_rl_model(config: "WorkerConfig", cfg: C.RunConfig) -> torch.nn.Module:
+    """Loop hook: the SFT model of `config.rl.model_dir`, every parameter trainable."""
+    model = load_causal_lm(config.rl.model_dir, cfg)
+    for p in model.parameters():
+        p.requires_grad_(True)
+    return model
+
+
+def rebuild_trained(model_dir, cfg: C.RunConfig, state: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """The SFT model with the RL-trained tensors loaded: a plain HF model, on CPU."""
+    model = load_causal_lm(model_dir, cfg)
+    own = dict(model.named_parameters())
+    if set(state) != set(own):
+        odd = sorted(set(state) ^ set(own))
+        raise DataError(f"rl checkpoint and model disagree on their tensors: {odd[:3]}")
+    with torch.no_grad():
+        for n, t in state.items():
+            own[n].copy_(t.to(own[n].dtype))
+    return model
+
+
+HOOKS = TaskHooks(
+    build_model=build_rl_model,
+    trainable_state=sft_trainable_state,
+    validate=validate_sft,
+    grad_norm_key="grad_norm",
+    step_loss=rl_step_loss,
+    keep_best=BEST_METRIC,
+)
