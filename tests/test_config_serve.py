@@ -1,6 +1,6 @@
 """gti/config_serve.py: the serve: section's defaults (safe: 127.0.0.1, no token needed
-except for /admin), its bounds, its place in RunConfig (overrides, a dump that loads back),
-and a description on every field."""
+except for /admin, mounted at /), its bounds, the route prefix's form, its place in RunConfig
+(overrides, a dump that loads back), and a description on every field."""
 
 from __future__ import annotations
 
@@ -42,3 +42,19 @@ def test_autoscaling_bounds():
 def test_every_field_has_a_description():
     missing = [name for name, f in ServeConfig.model_fields.items() if not f.description]
     assert not missing, missing
+
+
+@pytest.mark.parametrize("prefix", ["/", "/gti", "/api/gti-v2", "/a.b_c~d"])
+def test_route_prefix_accepts_a_path(prefix):
+    assert ServeConfig().route_prefix == "/"
+    assert C.load(None, [f"serve.route_prefix={prefix}"]).serve.route_prefix == prefix
+
+
+@pytest.mark.parametrize("prefix", ["gti", "/gti/", "//", "/a//b", "/g ti", "/gti?x=1", "/gti#top", "/{app}", ""])
+def test_a_bad_route_prefix_names_the_key_and_the_value(prefix):
+    with pytest.raises(ConfigError, match="serve.route_prefix") as err:
+        C.load(None, [f"serve.route_prefix={prefix}"])
+    if prefix:  # an empty override is null: "not a valid string"
+        assert repr(prefix) in str(err.value)
+    with pytest.raises(ValueError, match="route_prefix"):
+        ServeConfig(route_prefix=prefix)

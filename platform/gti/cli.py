@@ -250,6 +250,8 @@ def _add_serve_command(sub) -> None:
                    help="refresh version k (default: the newest; 0: the run before any refresh)")
     p.add_argument("--host", default=None, help="address to bind (default serve.host: 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="HTTP port (default serve.port: 8000)")
+    p.add_argument("--route-prefix", default=None,
+                   help="path to mount the service at, e.g. /gti (default serve.route_prefix: /)")
     p.add_argument("--replicas", type=int, default=None, help="replicas (default serve.replicas: 1)")
     p.add_argument("--config", "-c", default=None, help="YAML whose serve: section is used (not the run's)")
     p.add_argument("--ray-address", default=None, help="join this Ray cluster (default: a local Ray on 127.0.0.1)")

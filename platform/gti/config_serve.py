@@ -1,9 +1,9 @@
 """The `serve:` section of the run config: how `gti serve` runs the recommender online.
 
-What it is for: `ServeConfig`, every setting of the service (where it listens, replicas and
-threads per replica, autoscaling bounds, request batching, request limits, what to do with
-unknown item ids, whether every endpoint needs the bearer token). `gti.config.RunConfig` holds
-it as `serve`; it enters no stage's fingerprint.
+What it is for: `ServeConfig`, every setting of the service (where it listens and the path it is
+mounted at, replicas and threads per replica, autoscaling bounds, request batching, request
+limits, what to do with unknown item ids, whether every endpoint needs the bearer token).
+`gti.config.RunConfig` holds it as `serve`; it enters no stage's fingerprint.
 
 What it does NOT know: the token itself (only the NAME of the environment variable holding
 it: a secret never lives in a config file), the run being served, FastAPI or Ray. It never
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from gti.config_io import StrictModel
 
@@ -27,6 +27,10 @@ class ServeConfig(StrictModel):
     host: str = Field("127.0.0.1", min_length=1,
                       description="address the HTTP proxy binds; 127.0.0.1 keeps the service on this machine")
     port: int = Field(8000, ge=1, le=65535, description="HTTP port of the service")
+    route_prefix: str = Field(
+        "/", description="path `gti serve` mounts the service at, e.g. /gti: its endpoints are /gti/recommend..., "
+                         "its page /gti/ (starts with /, no trailing /; / mounts it at the root; under `serve run "
+                         "jobs/serve.yaml` that file's route_prefix applies)")
     replicas: int = Field(1, ge=1, description="replicas, each holding the loaded run (without autoscaling)")
     threads: int = Field(1, ge=1, description="torch threads (and Ray CPUs) per replica")
     num_gpus: float = Field(0.0, ge=0, description="GPUs per replica (0: decode on CPU)")
@@ -54,6 +58,16 @@ class ServeConfig(StrictModel):
         2.0, ge=0, description="how often each replica looks for a newly published refresh version (0: never)")
     max_search_results: int = Field(50, ge=1, le=MAX_K_LIMIT, description="largest limit of GET /items")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="where replicas decode (auto: cuda if present)")
+
+    @field_validator("route_prefix")
+    @classmethod
+    def _route_prefix(cls, value: str) -> str:
+        """What Ray Serve takes as a route prefix, and a path a browser keeps as written."""
+        bad = sorted({c for c in value if c.isspace() or c in "?#{}"})
+        if not value.startswith("/") or (value != "/" and value.endswith("/")) or "//" in value or bad:
+            raise ValueError(f"serve.route_prefix must be / or a path such as /gti: starting with '/', without a "
+                             f"trailing '/', '//', spaces, '?', '#' or braces; got {value!r}")
+        return value
 
     @model_validator(mode="after")
     def _autoscaling_bounds(self) -> "ServeConfig":

@@ -1,9 +1,9 @@
 """gti/serve/deployment.py without starting Ray: the Serve options from the serve: section
 (fixed replicas or autoscaling bounds, CPUs = threads), where `gti serve` takes its settings
 (defaults < --config < serve.* overrides < flags; other overrides refused), the deployment's
-shape (an ingress forwarding to the model replicas, a batch method), the ingress answering 503
-+ Retry-After when the replica dies mid-request, and jobs/serve.yaml (a valid Serve config whose
-import path builds the application)."""
+shape (an ingress forwarding to the model replicas, a batch method), the ingress handing the app
+paths relative to the route prefix and answering 503 + Retry-After when the replica dies
+mid-request, and jobs/serve.yaml (a valid Serve config whose import path builds the application)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def test_options_fixed_replicas_and_autoscaling():
 
 
 def _args(**kw):
-    base = {"config": None, "overrides": [], "host": None, "port": None, "replicas": None}
+    base = {"config": None, "overrides": [], "host": None, "port": None, "route_prefix": None, "replicas": None}
     return Namespace(**{**base, **kw})
 
 
@@ -44,6 +44,9 @@ def test_serve_config_precedence(tmp_path):
         D.serve_config(_args(overrides=["sft.lr=1"]))
     with pytest.raises(Exception, match="port"):
         D.serve_config(_args(port=0))
+    assert D.serve_config(_args(overrides=["serve.route_prefix=/a"], route_prefix="/gti")).route_prefix == "/gti"
+    with pytest.raises(ConfigError, match="route_prefix.*'gti/'"):  # one line, not pydantic's report
+        D.serve_config(_args(route_prefix="gti/"))
 
 
 def test_deployment_shape():
@@ -55,7 +58,7 @@ def test_deployment_shape():
     assert opts["max_ongoing_requests"] == 64
 
 
-def _request(body: bytes, path: str = "/recommend"):
+def _request(body: bytes, path: str = "/recommend", root_path: str | None = None):
     from starlette.requests import Request
 
     chunks = [{"type": "http.request", "body": body, "more_body": False}]
@@ -65,6 +68,8 @@ def _request(body: bytes, path: str = "/recommend"):
 
     scope = {"type": "http", "method": "POST", "path": path, "query_string": b"k=1",
              "headers": [(b"content-type", b"application/json")]}
+    if root_path is not None:
+        scope["root_path"] = root_path
     return Request(scope, receive)
 
 
@@ -106,13 +111,36 @@ def test_ingress_forwards_and_a_dead_replica_is_a_retryable_503():
         assert json.loads(resp.body) == {"error": D.RETRY_MESSAGE, "status": 503}
 
 
+@pytest.mark.parametrize("path, root_path, seen", [
+    ("/recommend", None, "/recommend"), ("/recommend", "", "/recommend"), ("/", "", "/"),
+    # Serve's proxy keeps the full path and puts the prefix in root_path (ray/serve/_private/proxy.py)
+    ("/gti/recommend", "/gti", "/recommend"), ("/gti/recommend/batch", "/gti", "/recommend/batch"),
+    ("/gti/", "/gti", "/"), ("/gti", "/gti", "/"),
+    ("/proxy/gti/info", "/proxy/gti", "/info"),  # http_options.root_path + the route prefix
+])
+def test_the_app_sees_paths_relative_to_the_route_prefix(path, root_path, seen):
+    import asyncio
+
+    scope = {"path": path} if root_path is None else {"path": path, "root_path": root_path}
+    assert D.app_path(scope) == seen
+    model = _Model((200, [], b"{}"))
+    asyncio.run(D.GtiIngress.func_or_class(model, 64)(_request(b"{}", path, root_path)))
+    assert model.calls[0][1] == seen
+
+
+def test_service_url_names_the_prefix():
+    assert D.service_url(ServeConfig(port=8123)) == "http://127.0.0.1:8123/"
+    assert D.service_url(ServeConfig(host="0.0.0.0", route_prefix="/api/gti")) == "http://0.0.0.0:8000/api/gti/"
+
+
 def test_gti_serve_parser():
     from gti.cli import build_parser
 
     a = build_parser().parse_args(["serve", "--run-dir", "r", "--version", "1", "--port", "9000",
                                    "--replicas", "2", "serve.max_k=5"])
     assert (a.run_dir, a.version, a.port, a.replicas, a.host, a.overrides) == ("r", 1, 9000, 2, None, ["serve.max_k=5"])
-    assert a.trust_remote_code is False
+    assert a.trust_remote_code is False and a.route_prefix is None
+    assert build_parser().parse_args(["serve", "--run-dir", "r", "--route-prefix", "/gti"]).route_prefix == "/gti"
 
 
 def test_local_ray_is_loopback_only_and_a_cluster_is_joined(monkeypatch):
@@ -162,6 +190,14 @@ def test_cli_main_wires_the_app_without_starting_ray(serve_run, monkeypatch, cap
     assert main(["serve", "--run-dir", run, "--version", "9"]) == 2
     assert "no finished refresh version 9" in capsys.readouterr().err
     assert main(["serve", "--run-dir", run + "-missing"]) == 2
+    # Mounted at a prefix: Serve gets it, the line printed names it; a bad one is one line.
+    seen.clear()
+    assert main(["serve", "--run-dir", run, "--port", "8123", "--route-prefix", "/gti"]) == 0
+    assert seen["run"][1]["route_prefix"] == "/gti"
+    assert "http://127.0.0.1:8123/gti/ (POST http://127.0.0.1:8123/gti/recommend" in capsys.readouterr().err
+    seen.clear()
+    assert main(["serve", "--run-dir", run, "--route-prefix", "/gti/"]) == 2
+    assert "'route_prefix'" in capsys.readouterr().err and "run" not in seen
 
 
 def test_jobs_serve_yaml_is_a_serve_config_whose_import_path_builds_the_app(serve_run, tmp_path, monkeypatch):

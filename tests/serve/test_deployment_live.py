@@ -1,8 +1,9 @@
 """`gti serve` for real: ONE Ray Serve application (the ingress and 2 model replicas of
 gti/serve/deployment.py) on the tiny run of conftest.py (a copy, so that a version can be
 published while it serves), on the session's Ray, checked through HTTP on 127.0.0.1: every
-endpoint and the page, equality with `gti recommend` (LoadedRun), a few 4xx, the token on
-/admin, concurrent requests gathered into fewer decodes by `@serve.batch`, a version published
+endpoint and the page, equality with `gti recommend` (LoadedRun), the same run mounted at a
+route prefix (a second application at /gti in the same Serve instance, for one test), a few
+4xx, the token on /admin, concurrent requests gathered into fewer decodes by `@serve.batch`, a version published
 while requests are in flight (picked up by the replicas' poll: none fails, the answers switch
 version), and a replica killed mid-request (its requests get 503 + Retry-After, the other
 replica keeps answering). No Ray Train run."""
@@ -48,12 +49,12 @@ def live(ray_start_4_cpus, serve_run, publishable_factory, tmp_path_factory):
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(info["run"], None, cfg, token_digest(TOKEN)), name="gti-live", route_prefix="/")
     with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
-        yield {**info, "client": client}
+        yield {**info, "client": client, "port": port}
     serve.shutdown()
 
 
-def _rec(client, history=HIST, k=5, **kw):
-    return client.post("/recommend", json={"history": history, "k": k, **kw})
+def _rec(client, history=HIST, k=5, path="/recommend", **kw):
+    return client.post(path, json={"history": history, "k": k, **kw})
 
 
 def test_endpoints_answer_as_gti_recommend(live):
@@ -73,6 +74,37 @@ def test_endpoints_answer_as_gti_recommend(live):
     np.testing.assert_allclose([x["score"] for x in body["items"]], [x["score"] for x in ref], atol=1e-4)
     batch = c.post("/recommend/batch", json={"histories": [HIST, ["it2"]], "k": 5, "exclude_history": False})
     assert [x["item_id"] for x in batch.json()["results"][0]["items"]] == [x["item_id"] for x in ref]
+
+
+def test_mounted_at_a_route_prefix(live):
+    """serve.route_prefix /gti: the same run as a second application (1 replica) beside the one
+    at "/", deleted at the end. Its endpoints and page answer under /gti, as the one at "/" does."""
+    from ray import serve
+
+    from gti.config_serve import ServeConfig
+    from gti.serve.app import token_digest
+    from gti.serve.deployment import build_app
+
+    c = live["client"]
+    cfg = ServeConfig(port=live["port"], route_prefix="/gti", replicas=1, threads=1, max_k=15, reload_poll_s=0)
+    serve.run(build_app(live["run"], None, cfg, token_digest(TOKEN)), name="gti-prefixed",
+              route_prefix=cfg.route_prefix)
+    try:
+        assert c.get("/gti/healthz").json() == {"status": "ok"}
+        assert c.get("/gti/info").json()["replica"]["id"].startswith("SERVE_REPLICA::gti-prefixed#")
+        for page in ("/gti/", "/gti"):  # the page's calls are relative to its folder: both work
+            r = c.get(page)
+            assert r.status_code == 200 and r.text.startswith("<!doctype html>") and 'fetch(BASE + path' in r.text
+        at_root, under = (_rec(c, exclude_history=False, path=p).json() for p in ("/recommend", "/gti/recommend"))
+        assert under["version"] == at_root["version"] and under["map_hash"] == at_root["map_hash"]
+        assert [x["item_id"] for x in under["items"]] == [x["item_id"] for x in at_root["items"]]
+        np.testing.assert_allclose([x["score"] for x in under["items"]], [x["score"] for x in at_root["items"]],
+                                   atol=1e-4)
+        assert c.get("/gti/items", params={"q": "title of it1", "limit": 2}).json()["items"][0]["item_id"] == "it1"
+        assert c.post("/gti/admin/reload", json={}).status_code == 401  # the app's own rules, under the prefix
+        assert c.get("/gti/nothing").status_code == 404 and c.get("/healthz").json() == {"status": "ok"}
+    finally:
+        serve.delete("gti-prefixed")
 
 
 def test_bad_requests_and_the_token(live):

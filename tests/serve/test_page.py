@@ -1,12 +1,18 @@
 """gti/serve/page.py and the HTTP calls it makes, through the app of gti/serve/app.py with
 FastAPI's TestClient on the tiny run of conftest.py (no Ray, no browser): GET / is one
-self-contained page (no external asset, data inserted as text), and the calls its script
-makes (GET /info, GET /items?limit=20&q=..., POST /recommend with the built history) answer
-what the page reads, with the same 4xx and token rules as the rest of the service."""
+self-contained page (no external asset, data inserted as text) whose calls are relative to its
+own path (it works at "/" and under a route prefix, opened as "/gti/" or "/gti": its script run
+in node with a stand-in DOM, where node is installed), and the calls its script makes (GET
+info, GET items?limit=20&q=..., POST recommend with the built history) answer what the page
+reads, with the same 4xx and token rules as the rest of the service."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import shutil
+import subprocess
 
 import pytest
 from fastapi.testclient import TestClient
@@ -35,9 +41,55 @@ def test_page_is_self_contained():
     assert not re.search(r"https?://|<link|\bsrc=|@import|url\(", PAGE)  # nothing fetched from elsewhere
     assert "innerHTML" not in PAGE  # titles and ids go in as text
     # The calls its script makes are the ones tested below.
-    for call in ('call("GET", "/info")', 'call("GET", "/items?limit=20&q="', 'call("GET", "/items?limit=1&q="',
-                 'call("POST", "/recommend"'):
+    for call in ('call("GET", "info")', 'call("GET", "items?limit=20&q="', 'call("GET", "items?limit=1&q="',
+                 'call("POST", "recommend"'):
         assert call in PAGE
+
+
+def test_no_call_uses_an_absolute_path():
+    """Under a route prefix (serve.route_prefix: /gti) "/info" would leave the app: every call is
+    relative to the page's own folder, BASE."""
+    calls = re.findall(r'call\("(?:GET|POST)", "([^"]*)"', PAGE)
+    assert len(calls) == 4 and not [c for c in calls if c.startswith("/") or "//" in c], calls
+    assert re.findall(r"fetch\(([^,]*),", PAGE) == ["BASE + path"]
+    assert not re.search(r"""["'`]/(info|items|recommend|healthz|readyz|admin)""", PAGE)
+
+
+# The page's script with a stand-in DOM: every URL it fetches, resolved as a browser would.
+_NODE_HARNESS = """
+const PATHNAME = process.env.PAGE_PATHNAME, urls = [];
+function mk() { return {value: "", checked: true, textContent: "", className: "", children: [],
+  append(...c) { this.children.push(...c); }, replaceChildren(...c) { this.children = c; },
+  get lastChild() { return this.children[this.children.length - 1]; }}; }
+const els = {k: Object.assign(mk(), {value: "5"})};
+globalThis.document = {getElementById: id => (els[id] ||= mk()), createElement: () => mk()};
+globalThis.location = {pathname: PATHNAME, hash: "#q=it&history=it1"};
+const item = {item_id: "it1", title: "Title of it1", sid: "<a_1><b_2>", score: -1.5};
+globalThis.fetch = async (url, opts) => {
+  const u = new URL(url, "http://127.0.0.1:8000" + PATHNAME);
+  urls.push([opts.method, u.pathname, u.search]);
+  return {ok: true, status: 200, json: async () => ({items: [item], model: "m", version: 1, map_hash: "h",
+    catalog_size: 1, history_used: 1, truncated: false})};
+};
+SCRIPT
+setTimeout(() => console.log(JSON.stringify(urls)), 200);
+"""
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="node is not installed")
+@pytest.mark.parametrize("pathname, base", [("/", "/"), ("/gti/", "/gti/"), ("/gti", "/gti/"),
+                                            ("/api/gti", "/api/gti/")])
+def test_the_pages_calls_stay_under_its_path(pathname, base):
+    """Opened at `pathname` (the root, or a route prefix with or without its trailing slash),
+    the page's script fetches info, items and recommend under `base`, as a browser resolves them."""
+    script = PAGE.split("<script>", 1)[1].split("</script>", 1)[0]
+    out = subprocess.run(["node", "-e", _NODE_HARNESS.replace("SCRIPT", script)], capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "PAGE_PATHNAME": pathname})
+    assert out.returncode == 0, out.stderr
+    urls = json.loads(out.stdout)
+    assert {(m, p) for m, p, _ in urls} == {("GET", base + "info"), ("GET", base + "items"),
+                                            ("POST", base + "recommend")}, urls
+    assert ["?limit=1&q=it1", "?limit=20&q=it"] == sorted(q for _, p, q in urls if p.endswith("items"))
 
 
 def test_get_root_serves_the_page(holder):

@@ -14,11 +14,12 @@ bounds, CPUs = torch threads, GPUs per replica). `app_builder(args)` is the impo
 Serve config (jobs/serve.yaml: `serve run` / `serve deploy`).
 
 `cli_main` is `gti serve --run-dir R [--version k] [--host 127.0.0.1] [--port 8000]
-[--replicas N] [--config FILE] [serve.key=value ...]`: the serve settings come from the
-defaults, the `serve:` section of `--config` and the overrides (never from the run folder,
-nor `trust_remote_code`: `--trust-remote-code` says it); it starts a local Ray bound to
+[--route-prefix /gti] [--replicas N] [--config FILE] [serve.key=value ...]`: the serve
+settings come from the defaults, the `serve:` section of `--config`, the overrides and the flags
+(never from the run folder, nor `trust_remote_code`: `--trust-remote-code` says it); it starts a local Ray bound to
 127.0.0.1 without the dashboard (or joins `--ray-address`) and runs the application until
-interrupted. The bearer token is read here (`gti.serve.app.read_token`) and the replicas get
+interrupted, mounted at `serve.route_prefix` (the ingress hands the app paths relative to it:
+`app_path`). The bearer token is read here (`gti.serve.app.read_token`) and the replicas get
 only its sha256.
 
 What it does NOT know: how requests are checked or decoded (gti.serve.app, gti.serve.service).
@@ -140,7 +141,7 @@ class GtiIngress:
         scope, body = request.scope, bytes(body[:self.max_body_bytes + 1])
         try:
             status, headers, content = await self.model.forward.remote(
-                scope["method"], scope["path"], scope.get("query_string", b""), list(scope["headers"]), body)
+                scope["method"], app_path(scope), scope.get("query_string", b""), list(scope["headers"]), body)
         except RayActorError:
             return JSONResponse({"error": RETRY_MESSAGE, "status": 503}, status_code=503, headers={"Retry-After": "1"})
         except RayTaskError as err:  # a bug in the replica: one line, no traceback to the client
@@ -148,6 +149,22 @@ class GtiIngress:
             return JSONResponse({"error": "internal error", "status": 500}, status_code=500)
         return Response(content, status_code=status, headers={k.decode("latin-1"): v.decode("latin-1")
                                                               for k, v in headers if k.lower() != b"content-length"})
+
+
+def app_path(scope: dict[str, Any]) -> str:
+    """The request's path relative to where the app is mounted. Ray Serve's proxy keeps the
+    full path in scope["path"] and sets scope["root_path"] to its HTTP root path plus the route
+    prefix (ray/serve/_private/proxy.py; "" at the prefix "/"), as ASGI asks: the app's routes
+    are what follows it. The prefix itself ("/gti") is the app's "/"."""
+    path, root = scope["path"], (scope.get("root_path") or "").rstrip("/")
+    if root and (path == root or path.startswith(root + "/")):
+        path = path[len(root):]
+    return path or "/"
+
+
+def service_url(cfg: ServeConfig) -> str:
+    """Where `gti serve` answers: http://host:port/prefix/ (the page; the endpoints below it)."""
+    return f"http://{cfg.host}:{cfg.port}{cfg.route_prefix.rstrip('/')}/"
 
 
 def ingress_options(cfg: ServeConfig) -> dict[str, Any]:
@@ -193,9 +210,14 @@ def app_builder(args: dict[str, Any]):
         raise RunDirError(f"run directory not found: {run_dir}")
     chosen_version(run_dir, version)  # a missing version fails here, in one line
     return build_app(run_dir, version, cfg, token_digest(read_token(cfg)), bool(args.get("trust_remote_code")))
+
+
 def serve_config(args) -> ServeConfig:
     """The `serve:` section from defaults, `--config`, `serve.*` overrides, then the flags."""
+    from pydantic import ValidationError
+
     from gti import config as C
+    from gti.config_io import format_error
     from gti.errors import ConfigError
 
     overrides = list(getattr(args, "overrides", None) or [])
@@ -203,9 +225,12 @@ def serve_config(args) -> ServeConfig:
     if bad:
         raise ConfigError(f"gti serve takes only serve.* overrides, got: {' '.join(bad)}")
     cfg = C.load(getattr(args, "config", None), overrides).serve
-    flags = {key: getattr(args, key, None) for key in ("host", "port", "replicas")}
+    flags = {key: getattr(args, key, None) for key in ("host", "port", "route_prefix", "replicas")}
     flags = {key: val for key, val in flags.items() if val is not None}
-    return ServeConfig.model_validate({**cfg.model_dump(), **flags}) if flags else cfg
+    try:
+        return ServeConfig.model_validate({**cfg.model_dump(), **flags}) if flags else cfg
+    except ValidationError as err:  # a bad --port / --route-prefix: one line, not a traceback
+        raise ConfigError(format_error(err, "gti serve flags")) from None
 
 
 LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray takes the loopback address as the node's
@@ -243,10 +268,11 @@ def cli_main(args) -> int:
     start_ray(getattr(args, "ray_address", None))
     serve.start(http_options={"host": cfg.host, "port": cfg.port})
     app = build_app(run_dir, args.version, cfg, digest, bool(getattr(args, "trust_remote_code", False)))
-    print(f"gti serve: {run_dir} on http://{cfg.host}:{cfg.port}/ (POST /recommend, GET /info); Ctrl-C stops",
+    url = service_url(cfg)
+    print(f"gti serve: {run_dir} on {url} (POST {url}recommend, GET {url}info); Ctrl-C stops",
           file=sys.stderr, flush=True)
     try:
-        serve.run(app, name=APP_NAME, route_prefix="/", blocking=True)
+        serve.run(app, name=APP_NAME, route_prefix=cfg.route_prefix, blocking=True)
     finally:
         serve.shutdown()
     return 0

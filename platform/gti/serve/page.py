@@ -2,11 +2,14 @@
 
 What it is for: `PAGE`, one self-contained HTML document (inline CSS and JavaScript, no
 external asset, no framework) that calls the service's own endpoints from the same origin:
-`GET /info` (which run and version answer), `GET /items?q=&limit=` (search the catalog by
-title or id), `POST /recommend` (the history built on the page -> items with titles, scores
-and SIDs, and the version that answered). A bearer token typed into the page is sent with
-each call (needed when `serve.token_required` is set). Titles and ids are inserted as text,
-never as HTML. A link `/#q=text&history=id1,id2` opens the page with that search and history.
+`GET info` (which run and version answer), `GET items?q=&limit=` (search the catalog by
+title or id), `POST recommend` (the history built on the page -> items with titles, scores
+and SIDs, and the version that answered). Every call is relative to the page's own path
+(`BASE`, from `location.pathname`): the page works at "/" and under a route prefix, opened as
+"/gti/" or as "/gti" (where a plain relative URL would resolve against "/"). A bearer token
+typed into the page is sent with each call (needed when `serve.token_required` is set). Titles
+and ids are inserted as text, never as HTML. A link `<page>#q=text&history=id1,id2` opens the
+page with that search and history.
 
 What it does NOT know: the run, the endpoints' rules (gti.serve.app), or any data: the page
 is static, so serving it reveals nothing.
@@ -51,19 +54,22 @@ PAGE = """<!doctype html>
 </main>
 <script>
 const $ = id => document.getElementById(id);
+// The folder the page is served from ("/", or "/gti/" under a route prefix, also when opened as
+// "/gti"): every call below is a path relative to it, never an absolute one.
+const BASE = location.pathname.endsWith("/") ? location.pathname : location.pathname + "/";
 const hist = [];
 function el(tag, text, cls) { const e = document.createElement(tag); if (text !== undefined) e.textContent = text;
   if (cls) e.className = cls; return e; }
 async function call(method, path, body) {
   const headers = {"Content-Type": "application/json"}, tok = $("token").value.trim();
   if (tok) headers["Authorization"] = "Bearer " + tok;
-  const r = await fetch(path, {method, headers, body: body === undefined ? undefined : JSON.stringify(body)});
+  const r = await fetch(BASE + path, {method, headers, body: body === undefined ? undefined : JSON.stringify(body)});
   const data = await r.json().catch(() => ({error: r.statusText}));
   if (!r.ok) throw new Error(r.status + ": " + (data.error || r.statusText));
   return data;
 }
 async function info() {
-  try { const i = await call("GET", "/info");
+  try { const i = await call("GET", "info");
     $("info").textContent = i.model + " \\u00b7 version " + i.version + " \\u00b7 map " + i.map_hash +
       " \\u00b7 " + i.catalog_size + " items";
   } catch (e) { $("info").textContent = e.message; }
@@ -71,7 +77,7 @@ async function info() {
 let searchSeq = 0;
 async function search() {
   const seq = ++searchSeq, q = $("q").value;
-  try { const r = await call("GET", "/items?limit=20&q=" + encodeURIComponent(q));
+  try { const r = await call("GET", "items?limit=20&q=" + encodeURIComponent(q));
     if (seq !== searchSeq) return;
     $("hits").replaceChildren(...r.items.map(it => { const li = el("li"), b = el("button", "add");
       b.onclick = () => { hist.push(it); showHistory(); recommend(); };
@@ -87,7 +93,7 @@ function showHistory() {
 async function recommend() {
   $("err").textContent = "";
   if (!hist.length) { $("recs").replaceChildren(); $("meta").textContent = "add items to the history"; return; }
-  try { const r = await call("POST", "/recommend", {history: hist.map(it => it.item_id),
+  try { const r = await call("POST", "recommend", {history: hist.map(it => it.item_id),
         k: parseInt($("k").value, 10), exclude_history: $("excl").checked});
     $("meta").textContent = "answered by " + r.model + " (version " + r.version + "), " + r.history_used +
       " history item(s) used" + (r.truncated ? ", cut to the newest" : "");
@@ -99,11 +105,11 @@ async function recommend() {
 $("q").oninput = search; $("go").onclick = recommend; $("k").onchange = recommend; $("excl").onchange = recommend;
 $("clear").onclick = () => { hist.length = 0; showHistory(); recommend(); };
 $("token").onchange = () => { info(); search(); };
-async function fromHash() {  // a link such as /#q=filament&history=0,2 opens with that search and history
+async function fromHash() {  // a link such as <page>#q=filament&history=0,2 opens with that search and history
   const p = new URLSearchParams(location.hash.slice(1));
   if (p.get("q")) $("q").value = p.get("q");
   for (const id of (p.get("history") || "").split(",").filter(Boolean)) {
-    try { const r = await call("GET", "/items?limit=1&q=" + encodeURIComponent(id));
+    try { const r = await call("GET", "items?limit=1&q=" + encodeURIComponent(id));
       hist.push(r.items.find(it => it.item_id === id) || {item_id: id, title: ""}); } catch (e) {}
   }
   showHistory();
