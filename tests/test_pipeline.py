@@ -156,7 +156,7 @@ def test_secrets_never_reach_manifests(fake, tmp_path):
 
 def test_real_stage_list_is_consistent():
     names = [s.name for s in P.STAGES]
-    assert names == ["ingest", "embed", "sid", "pairs", "ground", "sft", "evaluate", "report"]
+    assert names == ["ingest", "embed", "sid", "pairs", "ground", "sft", "rl", "evaluate", "report"]
     for i, s in enumerate(P.STAGES):
         assert all(names.index(d) < i for d in s.depends), s.name
         assert all(sec in C.RunConfig.model_fields for sec in s.sections), s.name

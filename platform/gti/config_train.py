@@ -116,10 +116,8 @@ class RlConfig(TrainConfig):
     steps: int = Field(50, ge=0, description="optimizer steps (each: rollouts, rewards, one update)")
     batch_size: int = Field(8, gt=0, description="global batch: training prompts per optimizer step")
     checkpoint_every: int = Field(10, ge=1, description="steps between checkpoints (and one at the last step)")
-    val_every: int = Field(10, ge=1, description="steps between validations (and one before the first step "
-                           "and one at the last)")
-    val_users: int = Field(64, ge=1, description="validation users (seeded sample, as sft.val_users) whose exact "
-                           "MRR picks the best checkpoint")
+    val_every: int = Field(10, ge=1, description="steps between validations on SFT's validation users (and one "
+                           "before the first step and one at the last); their exact MRR picks the best checkpoint")
     group_size: int = Field(8, ge=2, description="G: candidate SIDs rolled out per prompt (advantages are "
                             "normalised within these groups)")
     rollout: Literal["beam", "sample"] = Field(
@@ -139,6 +137,11 @@ class RlConfig(TrainConfig):
         0.02, ge=0, description="stop when the validation MRR falls this far below the SFT model's (measured "
         "before the first step; None: never stop early); the best checkpoint by validation MRR is exported, "
         "the SFT model itself when no step beat it")
+
+    @property
+    def trains(self) -> bool:
+        """Whether the rl stage trains (and so whether `rl/model` is the run's model)."""
+        return bool(self.enabled and self.steps > 0)
 
     @field_validator("reward")
     @classmethod

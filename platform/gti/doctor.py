@@ -101,7 +101,7 @@ def for_tune(args) -> None:
     """`gti tune`: the stages before grounding (run once), then every trial's grounding, and with
     `tune.objective: sft` its SFT and evaluation."""
     cfg = C.load(args.config, list(args.overrides or []))
-    trials = ("ground", "sft", "evaluate") if cfg.tune.objective == "sft" else ("ground",)
+    trials = ("ground", "sft", "rl", "evaluate") if cfg.tune.objective == "sft" else ("ground",)
     preflight_or_raise(cfg, ("embed", "sid") + trials)
 
 

@@ -41,7 +41,8 @@ STAGES: list[StageSpec] = [
         "extend vocab, initialise, ground new rows",
     ),
     StageSpec("sft", "gti.stages.sft", ("ingest", "sid", "pairs", "ground"), ("sft",), "full SFT"),
-    StageSpec("evaluate", "gti.stages.evaluate", ("ingest", "sid", "sft"), ("eval",), "metrics"),
+    StageSpec("rl", "gti.stages.rl", ("sid", "sft"), ("rl",), "GRPO after SFT (rl.enabled; off: nothing)"),
+    StageSpec("evaluate", "gti.stages.evaluate", ("ingest", "sid", "sft", "rl"), ("eval",), "metrics"),
     StageSpec(
         "report", "gti.stages.report", ("sid", "ground", "sft", "evaluate"), ("report",),
         "diagnostics + HTML report",

@@ -37,7 +37,7 @@ from gti.errors import GtiError
 from gti.train.resources import workers_need
 
 OK, WARN, ERROR, SKIP = "ok", "warn", "error", "skip"
-PIPELINE = ("embed", "sid", "ground", "sft", "evaluate")  # the stages that ask Ray for resources
+PIPELINE = ("embed", "sid", "ground", "sft", "rl", "evaluate")  # the stages that ask Ray for resources
 GB = 1e9
 # Parameter counts of the named models (for the disk estimate); a folder is measured instead.
 _NAMED_PARAMS = {"smollm2-135m": 135e6, "tiny": 1e6}
@@ -148,7 +148,7 @@ def gather_facts(cfg: C.RunConfig, cluster: dict[str, float] | None = None, clus
 
 # --------------------------------------------------------------------------- what the run asks for
 def _train_sections(cfg: C.RunConfig) -> list[tuple[str, TrainConfig]]:
-    return [(n, getattr(cfg, n)) for n in ("ground", "sft") if getattr(cfg, n).enabled and getattr(cfg, n).steps > 0]
+    return [(n, getattr(cfg, n)) for n in ("ground", "sft", "rl") if getattr(cfg, n).enabled and getattr(cfg, n).steps > 0]
 
 
 def _pool(n: int, gpus: float, cpus: float = 1.0) -> dict[str, float]:
@@ -173,7 +173,7 @@ def stage_needs(cfg: C.RunConfig, stages: Sequence[str] = PIPELINE) -> list[tupl
 
 def gpu_keys(cfg: C.RunConfig, stages: Sequence[str] = PIPELINE) -> list[str]:
     """The keys of `stages` that ask for a GPU, e.g. ['ground.use_gpu', 'eval.num_gpus']."""
-    keys = [f"{n}.use_gpu" for n in ("sid", "ground", "sft") if getattr(cfg, n).use_gpu]
+    keys = [f"{n}.use_gpu" for n in ("sid", "ground", "sft", "rl") if getattr(cfg, n).use_gpu]
     keys += [f"{n}.num_gpus" for n in ("embed", "eval", "serve") if getattr(cfg, n).num_gpus > 0]
     return [k for k in keys if k.split(".")[0].replace("eval", "evaluate") in stages]
 
@@ -288,8 +288,8 @@ def _check_bf16(cfg: C.RunConfig, facts: Facts) -> list[Check]:
 
 
 def _check_backend(cfg: C.RunConfig, facts: Facts) -> Check:
-    gpu = [f"{n}.use_gpu" for n in ("sid", "ground", "sft") if getattr(cfg, n).use_gpu]
-    cpu = [n for n in ("sid", "ground", "sft") if not getattr(cfg, n).use_gpu]
+    gpu = [f"{n}.use_gpu" for n in ("sid", "ground", "sft", "rl") if getattr(cfg, n).use_gpu]
+    cpu = [n for n in ("sid", "ground", "sft", "rl") if not getattr(cfg, n).use_gpu]
     # A CPU-only torch has no nccl either; the torch build check already says so.
     if gpu and not facts.nccl and facts.torch_cuda is not None:
         return Check("backend", ERROR, f"{gpu[0]}: Train workers on GPU use nccl, which this torch build lacks; "

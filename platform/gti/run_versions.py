@@ -53,7 +53,7 @@ LINEAGE_DIR = "lineage"
 MAP_REL = "sid/sid_map.parquet"  # inside a version folder
 MODEL_REL = "model"
 META_NAME = "gti_meta.json"  # an exported model's record (gti.lm.new_rows writes it)
-MODEL_STAGES = ("sft", "ground")  # where the run's own model comes from, newest first
+MODEL_STAGES = ("rl", "sft", "ground")  # where the run's own model comes from, newest first
 BASE_FACT = "base"  # in a refresh version's manifest facts: the base it was made on
 _VDIR = re.compile(r"^v(\d+)$")
 
@@ -150,7 +150,8 @@ def find_lineage(map_path: str | Path) -> LineageDir | None:
 
 
 def find_model_dir(run_dir: Path) -> tuple[str, Path]:
-    """(stage, folder) of the run's own newest exported model: sft, else ground."""
+    """(stage, folder) of the run's own newest exported model: rl (when it trained), else sft,
+    else ground."""
     for stage in MODEL_STAGES:
         stage_dir = run_dir / stage
         if (stage_dir / MANIFEST_NAME).is_file():

@@ -108,7 +108,10 @@ def test_trials_share_every_stage_before_the_first_searched_one():
     # A ground key: each trial grounds (as before); an sft-only sweep grounds once.
     assert shared(["ground.lr", "sft.lr"], "sft") == ("ingest", "embed", "sid", "pairs")
     assert shared(["sft.lr", "sft.steps"], "sft") == ("ingest", "embed", "sid", "pairs", "ground")
-    assert shared(["eval.beam_width"], "sft") == ("ingest", "embed", "sid", "pairs", "ground", "sft")
+    assert shared(["eval.beam_width"], "sft") == ("ingest", "embed", "sid", "pairs", "ground", "sft", "rl")
+    # An rl sweep: ground and SFT once in the base run, each trial runs rl -> evaluate.
+    assert T.stage_of("rl.kl_coef") == "rl"
+    assert shared(["rl.kl_coef", "rl.lr"], "sft") == ("ingest", "embed", "sid", "pairs", "ground", "sft")
     assert shared(["ground.lr"], "grounding") == ("ingest", "embed", "sid", "pairs")
     assert T.first_searched_stage(["sft.lr", "eval.beam_width"]) == "sft"
 

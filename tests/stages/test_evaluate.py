@@ -71,6 +71,7 @@ def make_upstream(run_dir, n_users: int = 40, seed: int = 0):
         model.get_input_embeddings().weight[first:end] = torch.randn(end - first, model.config.hidden_size, generator=g)
     d = _manifest(run_dir, "sft", {"model": "model"}, {"sid_map_hash": HASH})
     new_rows.export_model(model, tok, d / "model", {"sid_map_hash": HASH})
+    _manifest(run_dir, "rl", {}, {"enabled": False})  # rl off: the SFT model is evaluated
     return items
 
 
@@ -303,8 +304,28 @@ def test_stale_sid_map_is_refused(tmp_path):
     d = _manifest(run_dir, "sft", {"model": "model"}, {})
     (d / "model").mkdir()
     (d / "model" / "gti_meta.json").write_text(json.dumps({"sid_map_hash": "trained-on-another-map"}))
+    _manifest(run_dir, "rl", {}, {"enabled": False})
     with pytest.raises(UnrelatedSidMapError, match="stale SID map"):
         pipeline.run_stage(pipeline.spec("evaluate"), eval_cfg(run_dir), run_dir)
+
+
+def test_the_rl_model_is_evaluated_when_rl_trained(tmp_path):
+    """With rl on, evaluate reads rl/model (here one trained on another map: refused, naming it)
+    and not sft/model (whose map is right)."""
+    from gti.sid.versions import UnrelatedSidMapError
+
+    run_dir = tmp_path / "run"
+    _manifest(run_dir, "ingest", {"sequences": "sequences.parquet"}, {})
+    _manifest(run_dir, "sid", {"sid_map": "sid_map.parquet"}, {"sid_map_hash": HASH})
+    d = _manifest(run_dir, "sft", {"model": "model"}, {})
+    (d / "model").mkdir()
+    (d / "model" / "gti_meta.json").write_text(json.dumps({"sid_map_hash": HASH}))
+    r = _manifest(run_dir, "rl", {"model": "model"}, {"enabled": True})
+    (r / "model").mkdir()
+    (r / "model" / "gti_meta.json").write_text(json.dumps({"sid_map_hash": "trained-on-another-map"}))
+    with pytest.raises(UnrelatedSidMapError, match="stale SID map") as err:
+        pipeline.run_stage(pipeline.spec("evaluate"), eval_cfg(run_dir, "rl.enabled=true"), run_dir)
+    assert str(run_dir / "rl" / "model") in str(err.value)
 
 
 def test_chunks_are_whole_batches_and_smaller_with_exact_ranks():

@@ -216,7 +216,7 @@ def auto_parallel(cfg: C.RunConfig, cluster: dict[str, float]) -> int:
     """How many arm runs fit at once: cluster CPUs (and GPUs) / what one run holds at a time
     (its largest Train worker group or evaluate pool, plus CPU headroom for its Ray Data tasks;
     gti.train.resources)."""
-    return resources.runs_that_fit(resources.run_need(cfg, ("ground", "sft", "evaluate")), cluster)
+    return resources.runs_that_fit(resources.run_need(cfg, ("ground", "sft", "rl", "evaluate")), cluster)
 
 
 def execute(

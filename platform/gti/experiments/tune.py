@@ -99,7 +99,7 @@ def trial_run_name(trial_id: str, params: dict[str, Any]) -> str:
 
 # --------------------------------------------------------------------------- resources
 def _trial_stages(cfg: C.RunConfig) -> tuple[str, ...]:
-    return ("ground",) if cfg.tune.objective == "grounding" else ("ground", "sft", "evaluate")
+    return ("ground",) if cfg.tune.objective == "grounding" else ("ground", "sft", "rl", "evaluate")
 
 
 def trial_need(cfg: C.RunConfig) -> dict[str, float]:

@@ -203,7 +203,8 @@ def _read_inputs(ctx: StageContext) -> _Inputs:
 
     cfg, ec = ctx.cfg, ctx.cfg.eval
     sid_facts = ctx.manifest("sid").facts
-    model_dir, sid_map_path = ctx.input("sft", "model"), ctx.input("sid", "sid_map")
+    # The run's model: RL's export when the rl stage trained, else SFT's.
+    model_dir, sid_map_path = ctx.input("rl" if cfg.rl.trains else "sft", "model"), ctx.input("sid", "sid_map")
     # Refuse a stale SID map before starting anything (a descendant of the model's is accepted).
     check_model_map(model_dir, sid_facts["sid_map_hash"], map_path=sid_map_path)
     catalog = pl.read_parquet(sid_map_path, columns=["item_id"])["item_id"].to_list()

@@ -267,7 +267,11 @@ def run(ctx: StageContext, fault_injection: FaultInjection | None = None) -> Sta
             f"loss {facts['first_loss']:.4f} -> {facts['final_loss']:.4f}"
             + (f"; {VAL_METRIC} {facts[VAL_METRIC][-1]['value']:.4f}" if facts[VAL_METRIC] else "")
         )
-    return StageResult(outputs={"model": MODEL_DIR, "sft_embeddings": E_NEW_FILE}, facts=facts)
+    outputs = {"model": MODEL_DIR, "sft_embeddings": E_NEW_FILE}
+    if trained.stats:  # trained: the rendered rows, validation prompts and trie (the rl stage reads them)
+        outputs.update(train_rows=f"{DATA_DIR}/{TRAIN_FILE}", val_prompts=f"{DATA_DIR}/{VAL_FILE}",
+                       sid_tokens=f"{DATA_DIR}/{SIDS_FILE}")
+    return StageResult(outputs=outputs, facts=facts)
 
 
 @dataclass

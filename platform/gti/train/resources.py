@@ -31,7 +31,7 @@ def workers_need(tc) -> dict[str, float]:
 
 
 def run_need(cfg, stages: tuple[str, ...], headroom: bool = True) -> dict[str, float]:
-    """The most one run of `stages` (names among ground, sft, evaluate) holds at a time: the
+    """The most one run of `stages` (names among ground, sft, rl, evaluate) holds at a time: the
     stages run one after another, so the max over them, plus the data headroom."""
     out: dict[str, float] = {}
     parts = []
@@ -39,6 +39,8 @@ def run_need(cfg, stages: tuple[str, ...], headroom: bool = True) -> dict[str, f
         parts.append(workers_need(cfg.ground))
     if "sft" in stages and cfg.sft.enabled:
         parts.append(workers_need(cfg.sft))
+    if "rl" in stages and cfg.rl.trains:
+        parts.append(workers_need(cfg.rl))
     if "evaluate" in stages:
         ev = {"CPU": float(cfg.eval.concurrency)}
         if cfg.eval.num_gpus:

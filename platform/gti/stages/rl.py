@@ -1,0 +1,110 @@
+"""Stage `rl`: GRPO after SFT (`rl.enabled`, off by default), on Ray Train + DeepSpeed.
+
+What it is for: starting from the SFT model (`sft/model/`), train every parameter with GRPO
+(`gti.train.rl_run.run_rl`: per step, `rl.group_size` candidate SIDs per training prompt by
+trie-constrained decoding, rewards `rl.reward` against the prompt's target, group-normalised
+advantages, the clipped objective with `rl.kl_coef` x KL to the SFT model) and export the best
+validation's model to `model/` (a standard HF folder; the SFT model itself when no RL step beat
+it on the validation users' exact MRR). The prompts are SFT's training windows (their targets
+are training items: validation and test items never reach a rollout); the validation users and
+the trie are SFT's. Checkpoints live under `ray_train/` in the stage's work dir, so a rerun
+after a killed driver resumes. Disabled (or `rl.steps` 0), the stage writes only its manifest
+and the SFT model stays the run's model (`gti.run_versions.find_model_dir`, the evaluate stage).
+
+What it does not know: how SFT rendered its rows, the loop's internals, or how the model will
+be evaluated.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import polars as pl
+
+from gti.contract import StageContext, StageResult
+from gti.errors import DataError
+from gti.train.ray_train import STORAGE_DIR
+from gti.train.rl_run import RlInputs, rl_rows_from_sft, run_rl
+from gti.train.sft_task import VAL_K
+from gti.train.worker_config import FaultInjection, RlStart, ValSet
+
+TASK = "rl"
+MODEL_DIR = "model"
+ROWS_FILE = "rl_train.parquet"
+
+
+def run(ctx: StageContext, fault_injection: FaultInjection | None = None) -> StageResult:
+    """Run the stage. `fault_injection` (tests only) goes to the worker loop."""
+    cfg = ctx.cfg
+    if not cfg.rl.trains:
+        ctx.log("rl.enabled is false (or rl.steps is 0): the SFT model stays the run's model")
+        return StageResult(outputs={}, facts={"enabled": False, "steps_done": 0})
+    from gti.run_versions import check_exact_map
+
+    sid_map_hash = ctx.manifest("sid").facts["sid_map_hash"]
+    sft_dir = ctx.input("sft", "model")
+    check_exact_map(sft_dir, sid_map_hash)
+    outs = ctx.manifest("sft").outputs
+    if "train_rows" not in outs:
+        raise DataError(f"rl trains after SFT on SFT's training windows, but {ctx.stage_dir('sft')} holds none "
+                        "(sft.enabled false or sft.steps 0): train SFT first")
+    res, facts = _train(ctx, sft_dir, fault_injection)
+    _export(ctx, sft_dir, res.state_dict, sid_map_hash)
+    best = facts["best"] or {}
+    ctx.log(f"best {best.get('metric')} {best.get('value')} at step {best.get('step')} (SFT model: "
+            f"{best.get('start')}); reward_mean {facts['step_stats'].get('reward_mean', float('nan')):.3f}"
+            + (f"; stopped early at step {facts['stopped_at']}" if facts["stopped_at"] else ""))
+    return StageResult(outputs={"model": MODEL_DIR}, facts={**facts, "enabled": True, "sid_map_hash": sid_map_hash})
+
+
+def _train(ctx: StageContext, sft_dir, fault_injection: FaultInjection | None) -> tuple[Any, dict[str, Any]]:
+    """The RL rows from SFT's training rows, then `run_rl` on them."""
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    from gti.ray_start import ensure_ray
+    from gti.tracking import open_tracker
+
+    cfg, rc = ctx.cfg, ctx.cfg.rl
+    ensure_ray(cfg)
+    sids_path = ctx.input("sft", "sid_tokens")
+    sids = load_file(str(sids_path))["sid_token_ids"]  # [N_items, L]
+    levels = int(sids.shape[1])
+    rows_path = (ctx.work_dir / ROWS_FILE).resolve()
+    if not rows_path.is_file():  # a rerun after a killed driver reuses them (same fingerprint)
+        rl_rows_from_sft(pl.read_parquet(ctx.input("sft", "train_rows")), levels).write_parquet(rows_path)
+    n_rows = pl.scan_parquet(rows_path).select(pl.len()).collect().item()
+    if n_rows < rc.batch_size:
+        raise DataError(f"{rows_path}: {n_rows} RL prompts, fewer than rl.batch_size={rc.batch_size}")
+    tok = AutoTokenizer.from_pretrained(str(sft_dir), trust_remote_code=cfg.model.trust_remote_code)
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    new_start, new_end = int(sids.min()), int(sids.max()) + 1
+    k = min(VAL_K, int(sids.shape[0]))
+    val = ValSet(path=str(ctx.input("sft", "val_prompts")), sids_path=str(sids_path), new_start=new_start,
+                 new_end=new_end, levels=levels, k=k, beam_width=max(k, cfg.eval.beam_width),
+                 batch_users=cfg.eval.batch_users, mrr=True)
+    inputs = RlInputs(run_cfg=cfg, train_path=rows_path, pad_id=int(pad_id), val=val, fault=fault_injection,
+                      start=RlStart(str(sft_dir), str(sids_path), new_start, new_end, levels))
+    ctx.log(f"RL: {n_rows:,} prompts, {rc.steps} steps x {rc.batch_size} prompts x {rc.group_size} {rc.rollout} "
+            f"rollouts, reward {rc.reward}, kl_coef {rc.kl_coef}, on {rc.num_workers} worker(s)")
+    t0 = time.time()
+    res = run_rl(inputs, storage_path=(ctx.work_dir / STORAGE_DIR).resolve(), name=TASK,
+                 start_ray=lambda: ensure_ray(cfg), log=ctx.log, tracker=lambda: open_tracker(ctx))
+    ctx.log(f"training done in {time.time() - t0:.1f}s")
+    return res, {**res.facts, "n_prompts": n_rows, "reward": rc.reward, "rollout": rc.rollout,
+                 "group_size": rc.group_size, "kl_coef": rc.kl_coef}
+
+
+def _export(ctx: StageContext, sft_dir, state, sid_map_hash: str) -> None:
+    """model/: the SFT model with the kept tensors, its tokenizer and gti_meta.json."""
+    from transformers import AutoTokenizer
+
+    from gti.lm import new_rows
+    from gti.train.rl_task import rebuild_trained
+
+    model = rebuild_trained(sft_dir, ctx.cfg, state)
+    tok = AutoTokenizer.from_pretrained(str(sft_dir), trust_remote_code=ctx.cfg.model.trust_remote_code)
+    meta = dict(new_rows.read_meta(sft_dir))
+    meta.update({"sid_map_hash": sid_map_hash, "stage": TASK})
+    new_rows.export_model(model, tok, ctx.work_dir / MODEL_DIR, meta)
