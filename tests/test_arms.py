@@ -15,6 +15,22 @@ def test_arm_names():
     assert arm_name("codebook", grounded=True) == "gti+codebook"
     assert arm_name("description", grounded=False) == "description"
     assert arm_name("mean", grounded=True, multitask=True) == "gti+multitask"
+    assert arm_name("mean", grounded=True, rl=True) == "gti+rl"
+    assert arm_name("mean", grounded=True, multitask=True, rl=True) == "gti+multitask+rl"
+    assert arm_name("random", grounded=False, rl=True) == "random+rl"
+
+
+def test_report_label_names_the_rl_arm_only_when_rl_trains():
+    from gti.stages.report import arm_label
+
+    def label(*ov):
+        return arm_label(C.load(None, list(ov)))
+
+    assert label() == "gti"
+    assert label("rl.enabled=true") == "gti+rl"
+    assert label("rl.enabled=true", "rl.steps=0") == "gti"  # the rl stage trains nothing
+    assert label("rl.enabled=true", "sft.multitask=true") == "gti+multitask+rl"
+    assert label("rl.enabled=true", "report.label=mine") == "mine"
 
 
 def test_config_and_init_accept_exactly_the_named_methods_and_templates():

@@ -23,12 +23,13 @@ DEFAULT_GROUNDING_TEMPLATES: dict[str, str] = {
 }
 
 
-def arm_name(init_method: str, grounded: bool, multitask: bool = False) -> str:
+def arm_name(init_method: str, grounded: bool, multitask: bool = False, rl: bool = False) -> str:
     """The arm a run belongs to: `gti` (mean init + grounding, the paper's method),
     `gti+<method>` (another init + grounding), `<method>` (no grounding); `+multitask` when
-    SFT mixes in the grounding pairs (LC-Rec style)."""
+    SFT mixes in the grounding pairs (LC-Rec style), then `+rl` when GRPO trained after SFT
+    (e.g. `gti+rl`, `gti+multitask+rl`)."""
     if grounded:
         name = "gti" if init_method == "mean" else f"gti+{init_method}"
     else:
         name = init_method
-    return name + ("+multitask" if multitask else "")
+    return name + ("+multitask" if multitask else "") + ("+rl" if rl else "")

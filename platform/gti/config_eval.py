@@ -115,7 +115,7 @@ class ReportConfig(_Strict):
     max_heatmap_tokens: int = Field(
         256, gt=0, description="SID tokens shown in a cosine heatmap (an evenly spaced subset per level)")
     label: str | None = Field(
-        None, description="name of this run in reports (None: derived from init method / grounding / multitask)")
+        None, description="name of this run in reports (None: derived from init method / grounding / multitask / rl)")
     text_sample: int = Field(512, ge=0, description="old vocabulary rows for SID-text cosine")
     rsa_max_codes_per_level: int = Field(
         1024, ge=2, description="codes per level kept (evenly spaced) in the RSA between RQ-VAE code vectors and "

@@ -41,7 +41,7 @@ STAGES: list[StageSpec] = [
         "extend vocab, initialise, ground new rows",
     ),
     StageSpec("sft", "gti.stages.sft", ("ingest", "sid", "pairs", "ground"), ("sft",), "full SFT"),
-    StageSpec("rl", "gti.stages.rl", ("sid", "sft"), ("rl",), "GRPO after SFT (rl.enabled; off: nothing)"),
+    StageSpec("rl", "gti.stages.rl", ("ingest", "sid", "sft"), ("rl",), "GRPO after SFT (rl.enabled; off: nothing)"),
     StageSpec("evaluate", "gti.stages.evaluate", ("ingest", "sid", "sft", "rl"), ("eval",), "metrics"),
     StageSpec(
         "report", "gti.stages.report", ("sid", "ground", "sft", "evaluate"), ("report",),

@@ -148,3 +148,7 @@ def test_wall_time_per_arm_and_against_the_baseline():
     assert wt["gti"]["grounding"] is True and wt["mean"]["grounding"] is False
     assert wt["gti"]["extra_vs_baseline_s"] == pytest.approx(6.0) and wt["mean"]["ground_s"] is None
     assert wall_time_table(recs, baseline_arm="none")["gti"]["extra_vs_baseline_s"] is None
+    rl = wall_time_table(recs + [RunRecord(arm="gti+rl", seed=0, timing={"ground_s": 4.0, "sft_s": 10.0,
+                                                                         "rl_s": 30.0, "rl_compute_s": 20.0})])
+    assert rl["gti+rl"]["total_s"] == pytest.approx(44.0) and rl["gti+rl"]["rl_compute_s"] == 20.0
+    assert rl["gti+rl"]["extra_vs_baseline_s"] == pytest.approx(34.0) and rl["gti"]["rl_s"] is None

@@ -98,28 +98,44 @@ def test_arm_timeout_s_is_bounded(tmp_path, value):
 
 
 def test_arm_override_table_and_equal_budget(tmp_path):
-    cfg = _base_cfg(tmp_path, "sft.multitask=true")  # base setting must not leak into arms
+    cfg = _base_cfg(tmp_path, "sft.multitask=true", "rl.enabled=true")  # base settings must not leak into arms
     got = {}
     for arm in CMP.ARMS:
         c = CMP.arm_config(cfg, arm, 3, tmp_path / arm)
-        got[arm] = (c.init.method, c.ground.enabled, c.sft.multitask, c.sft.steps, c.seed, c.report.label)
+        got[arm] = (c.init.method, c.ground.enabled, c.sft.multitask, c.rl.enabled, c.sft.steps, c.seed,
+                    c.report.label)
         assert c.resolved_run_dir() == (tmp_path / arm).resolve()
     assert got == {
-        "mean": ("mean", False, False, 12, 3, "mean"),
-        "random": ("random", False, False, 12, 3, "random"),
-        "description": ("description", False, False, 12, 3, "description"),
-        "gti": ("mean", True, False, 5, 3, "gti"),
-        "gti+multitask": ("mean", True, True, 5, 3, "gti+multitask"),
-        "lcrec": ("mean", False, True, 12, 3, "lcrec"),
-        "mean_noise": ("mean_noise", False, False, 12, 3, "mean_noise"),
-        "codebook": ("codebook", False, False, 12, 3, "codebook"),
+        "mean": ("mean", False, False, False, 12, 3, "mean"),
+        "random": ("random", False, False, False, 12, 3, "random"),
+        "description": ("description", False, False, False, 12, 3, "description"),
+        "gti": ("mean", True, False, False, 5, 3, "gti"),
+        "gti+multitask": ("mean", True, True, False, 5, 3, "gti+multitask"),
+        "gti+rl": ("mean", True, False, True, 5, 3, "gti+rl"),  # RL steps on top of gti's budget
+        "lcrec": ("mean", False, True, False, 12, 3, "lcrec"),
+        "mean_noise": ("mean_noise", False, False, False, 12, 3, "mean_noise"),
+        "codebook": ("codebook", False, False, False, 12, 3, "codebook"),
     }
     off = _base_cfg(tmp_path, "compare.equal_budget=false")
     assert CMP.arm_config(off, "mean", 0, tmp_path / "m").sft.steps == 5
 
 
+@pytest.mark.parametrize("equal_budget", ["true", "false"])
+def test_gti_rl_arm_is_gti_plus_rl_and_every_arm_sets_the_same_keys(tmp_path, equal_budget):
+    cfg = _base_cfg(tmp_path, f"compare.equal_budget={equal_budget}")
+    keys = {arm: [o.split("=", 1)[0] for o in CMP.arm_overrides(cfg, arm) if not o.startswith("sft.steps=")]
+            for arm in CMP.ARMS}
+    assert all(k == keys["gti"] for k in keys.values()) and "rl.enabled" in keys["gti"]
+    gti, rl = CMP.arm_overrides(cfg, "gti"), CMP.arm_overrides(cfg, "gti+rl")
+    flip = {"rl.enabled=false": "rl.enabled=true", "report.label=gti": "report.label=gti+rl"}
+    assert rl == [flip.get(o, o) for o in gti]
+    assert CMP.arm_config(cfg, "gti+rl", 0, tmp_path / "r").rl.trains
+    assert not any(CMP.arm_config(cfg, a, 0, tmp_path / "r").rl.enabled for a in CMP.ARMS if a != "gti+rl")
+
+
 def test_parse_arms_and_seeds_errors(tmp_path):
     assert CMP.parse_arms("mean, gti+multitask") == ["mean", "gti+multitask"]
+    assert CMP.parse_arms("gti,gti+rl") == ["gti", "gti+rl"]
     with pytest.raises(CompareError, match="unknown arm 'gtii'"):
         CMP.parse_arms("mean,gtii")
     with pytest.raises(CompareError, match="twice"):
@@ -167,11 +183,22 @@ class FakeStages:
         self.calls: list[tuple[str, str]] = []
 
     def module(self, spec):
-        if spec.name in ("report", "rl"):  # the real ones: a report, and rl disabled (writes only its manifest)
+        if spec.name == "report":  # the real one
             import importlib
 
             return importlib.import_module(spec.module)
         return types.SimpleNamespace(run=getattr(self, spec.name))
+
+    def rl(self, ctx):
+        if not ctx.cfg.rl.trains:  # the real stage: disabled, it writes only its manifest
+            from gti.stages import rl
+
+            return rl.run(ctx)
+        self._note(ctx)  # the gti+rl arm: a model folder and the facts a trained rl stage reports
+        (ctx.work_dir / "model").mkdir(exist_ok=True)
+        return StageResult({"model": "model"}, {
+            "enabled": True, "steps_done": ctx.cfg.rl.steps, "stopped_at": None, "step_stats": {"reward_mean": 0.5},
+            "best": {"metric": "val_mrr", "start": 0.2, "value": 0.25, "step": ctx.cfg.rl.steps}})
 
     def _note(self, ctx):
         self.calls.append((ctx.name, str(ctx.run_dir)))
@@ -384,10 +411,22 @@ def test_proof_config_arms_see_the_same_sft_examples(tmp_path, fake_stages):
     assert {(r.cfg.sft.steps, r.cfg.sft.batch_size, r.cfg.sft.grad_accum) for r in runs} == {
         (cfg.sft.steps, cfg.sft.batch_size, cfg.sft.grad_accum)}
     assert [r.cfg.ground.enabled for r in runs] == [False, True, False] * 2
-    small = _base_cfg(tmp_path, "compare.equal_budget=false", "sft.batch_size=4")
-    paths = CMP.compare(small, ["mean", "gti", "random"], 1, tmp_path / "f", echo=lambda m: None)
-    seen = {r["arm"]: r["facts"]["sft_examples"] for r in json.loads(paths["json"].read_text())["runs"]}
-    assert seen == {"mean": 5 * 4, "gti": 5 * 4, "random": 5 * 4}
+    small = _base_cfg(tmp_path, "compare.equal_budget=false", "sft.batch_size=4", "rl.steps=3")
+    paths = CMP.compare(small, ["mean", "gti", "random", "gti+rl"], 1, tmp_path / "f", echo=lambda m: None)
+    doc = json.loads(paths["json"].read_text())
+    seen = {r["arm"]: r["facts"]["sft_examples"] for r in doc["runs"]}
+    assert seen == {"mean": 5 * 4, "gti": 5 * 4, "random": 5 * 4, "gti+rl": 5 * 4}
+    # gti+rl: labelled so in the report, its run facts carry the rl stage's; the others have none
+    assert "gti+rl" in doc["arms"] and {r["arm"] for r in doc["metrics"]} >= {"gti", "gti+rl"}
+    rl_facts = {r["arm"]: r["facts"].get("rl") for r in doc["runs"]}
+    assert rl_facts["gti+rl"] == {"enabled": True, "steps_done": 3, "stopped_at": None,
+                                  "step_stats": {"reward_mean": 0.5},
+                                  "best": {"metric": "val_mrr", "start": 0.2, "value": 0.25, "step": 3}}
+    assert rl_facts["mean"] is rl_facts["gti"] is rl_facts["random"] is None
+    assert "<th>gti+rl</th>" in paths["html"].read_text()
+    kept = {a: json.loads((tmp_path / "f" / "records" / a / "seed0.json").read_text())["facts"]
+            for a in ("gti_rl", "gti")}
+    assert kept["gti_rl"]["rl"] == rl_facts["gti+rl"] and "rl" not in kept["gti"]
 
 
 def test_cli_main_prints_report_path_and_reports_failed_arms(tmp_path, fake_stages, capsys, monkeypatch):
@@ -487,6 +526,28 @@ def test_write_report_has_ranks_cold_curves_and_wall_time(tmp_path):
     page = paths["html"].read_text()
     assert "Learning curves" in page and "Cold-item slice" in page and "Wall time" in page
     assert page.count("data:image/png;base64,") == 2
+
+
+def test_run_facts_and_timing_carry_rl_only_when_it_trained(tmp_path):
+    from gti.manifest import Manifest
+
+    cfg = _base_cfg(tmp_path, "rl.steps=4")
+    gti, gti_rl = CMP.plan(cfg, ["gti", "gti+rl"], 1, tmp_path / "cmp")
+    for r in (gti, gti_rl):
+        _write_run(r)
+    before = (run_facts(gti), load_record(gti).timing)
+    trained = {"enabled": True, "steps_done": 4, "stopped_at": 3, "step_stats": {"reward_mean": 0.4, "kl": 0.01},
+               "best": {"metric": "val_mrr", "start": 0.2, "value": 0.3, "step": 2},
+               "trainable_params": 99, "timing": {"compute_s": 8.0}}
+    for r, facts, secs in ((gti, {"enabled": False, "steps_done": 0}, 0.5), (gti_rl, trained, 9.0)):
+        (r.run_dir / "rl").mkdir()
+        Manifest(stage="rl", fingerprint="fp", config={}, facts=facts, duration_s=secs).write(r.run_dir / "rl")
+    assert (run_facts(gti), load_record(gti).timing) == before  # rl disabled: as without the stage
+    facts = run_facts(gti_rl)
+    assert facts["rl"] == {k: trained[k] for k in ("enabled", "steps_done", "stopped_at", "step_stats", "best")}
+    assert facts["rl_s"] == 9.0 and facts["sft_steps"] == 5
+    timing = load_record(gti_rl).timing
+    assert timing["rl_s"] == 9.0 and timing["rl_compute_s"] == 8.0
 
 
 def test_write_report_on_old_runs(tmp_path):

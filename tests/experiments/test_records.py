@@ -8,7 +8,9 @@ from pathlib import Path
 import polars as pl
 
 from gti import config as C
-from gti.experiments.records import NON_SEMANTIC_KEYS, config_diff, record_path, records_dir, table_hash
+from gti.experiments.records import (
+    NON_SEMANTIC_KEYS, RECORD_FORMAT, config_diff, read_record, record_path, records_dir, table_hash,
+)
 
 
 def test_config_diff_names_dotted_keys_and_missing_ones():
@@ -34,3 +36,33 @@ def test_records_live_under_out_or_compare_records_dir(tmp_path):
     cfg2 = C.validate({"compare": {"records_dir": str(tmp_path / "kept")}}, "t")
     assert records_dir(cfg2, tmp_path) == (tmp_path / "kept").resolve()
     assert record_path(Path("/r"), "gti+multitask", 3) == Path("/r/gti_multitask/seed3.json")
+
+
+def test_old_records_without_an_rl_section_still_stand_for_non_rl_arms(tmp_path):
+    """Records made before the rl stage existed have no `rl` section in their config: validated
+    today it counts at its defaults (rl.enabled false), which is what every non-rl arm sets, so
+    they still stand for their runs; such a record never stands for a gti+rl run."""
+    import json
+
+    from gti.experiments.compare import ARMS, plan
+
+    cfg = C.validate({"run_dir": str(tmp_path / "base"), "model": {"name": "tiny"}}, "t")
+    rdir = tmp_path / "rec"
+
+    def write(arm: str, config: dict) -> None:
+        path = record_path(rdir, arm, cfg.seed)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"format": RECORD_FORMAT, "shared": {}, "facts": {},
+                                    "record": {"arm": arm, "seed": cfg.seed, "config": config}}))
+
+    old = {}
+    for r in plan(cfg, [a for a in ARMS if a != "gti+rl"], 1, tmp_path / "out"):
+        old[r.arm] = r.cfg.model_dump(mode="json")
+        del old[r.arm]["rl"]
+        write(r.arm, old[r.arm])
+        rec, _, why = read_record(r, rdir, {})
+        assert why == "" and rec.arm == r.arm
+    rl_run = plan(cfg, ["gti+rl"], 1, tmp_path / "out")[0]
+    write("gti+rl", old["gti"])
+    rec, _, why = read_record(rl_run, rdir, {})
+    assert rec is None and "rl.enabled" in why

@@ -1,25 +1,25 @@
-"""Tests of gti/stages/rl.py on fixture upstream stages (a SID map and an 'SFT' stage: a tiny
-exported model with its training rows, validation prompts and trie): off by default it writes
-only its manifest and the SFT model stays the run's model; on, it needs SFT's rows, trains on
-Ray Train (a killed first attempt finished in the same partial dir with the same run), keeps
-the best validation and exports it as the run's model."""
+"""Tests of gti/stages/rl.py on fixture upstream stages (ingest sequences, a SID map and an
+'SFT' stage: a tiny exported model): off by default it writes only its manifest and the SFT
+model stays the run's model; on, it samples training windows only, trains on Ray Train (a
+killed first attempt finished in the same partial dir with the same run), keeps the best
+validation and exports it as the run's model."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import numpy as np
 import polars as pl
 import pytest
 import torch
 from testkit import FailOnceFit, WorkerDied
 
 from gti import config, pipeline
-from gti.errors import DataError
 from gti.manifest import Manifest
 from gti.run_versions import find_model_dir
 
-HASH, LEVELS, CODES, N_ITEMS = "sidhash-rl", 3, 4, 16
+HASH, SIZES, N_ITEMS = "sidhash-rl", [4, 4, 4], 24
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -30,65 +30,56 @@ def _manifest(run_dir, stage, outputs, facts):
     return d
 
 
-def make_upstream(run_dir, trained_sft: bool = True, seed: int = 0):
-    """sid (the map hash) and sft: a tiny model exported with the SID tokens, and (trained_sft)
-    SFT's data: 32 'seqrec' rows whose target is the item after the prompt's last one plus two
-    grounding rows, 8 validation prompts and the [N, L] trie."""
-    from safetensors.torch import save_file
-
+def make_upstream(run_dir, n_users: int = 40, seed: int = 0):
+    """ingest (users walking the catalog in steps of +1), sid (a 3-level map) and sft (a tiny
+    model exported with the SID tokens)."""
     from gti.lm import models, new_rows
+    from gti.sid.codec import SidCodec
 
-    _manifest(run_dir, "sid", {"sid_map": "sid_map.parquet"}, {"sid_map_hash": HASH})
+    rng = np.random.default_rng(seed)
+    items = [f"it{i}" for i in range(N_ITEMS)]
+    rows = []
+    for u in range(n_users):
+        start, n = int(rng.integers(0, N_ITEMS)), int(rng.integers(3, 7))
+        walk = [items[(start + j) % N_ITEMS] for j in range(n + 2)]
+        rows.append({"user_id": f"u{u}", "train_items": walk[:n], "valid_item": walk[n], "test_item": walk[n + 1]})
+    d = _manifest(run_dir, "ingest", {"sequences": "sequences.parquet"}, {"n_users": n_users, "n_items": N_ITEMS})
+    pl.DataFrame(rows).write_parquet(d / "sequences.parquet")
+    codec = SidCodec(3, SIZES)
+    codes = [[i // 16, (i // 4) % 4, i % 4] for i in range(N_ITEMS)]
+    facts = {"levels": 3, "codebook_sizes": SIZES, "token_format": "<{level}_{code}>",
+             "new_tokens": codec.tokens(), "sid_map_hash": HASH, "n_items": N_ITEMS}
+    d = _manifest(run_dir, "sid", {"sid_map": "sid_map.parquet"}, facts)
+    pl.DataFrame({"item_id": items, "codes": codes, "sid": [codec.to_string(c) for c in codes]},
+                 schema={"item_id": pl.Utf8, "codes": pl.List(pl.Int32), "sid": pl.Utf8}).write_parquet(d / "sid_map.parquet")
     model, tok = models.build_tiny(config.ModelConfig(name="tiny"), seed=seed)
-    first, end = new_rows.extend_tokenizer(tok, [f"<{lv}_{c}>" for lv in range(LEVELS) for c in range(CODES)])
+    first, end = new_rows.extend_tokenizer(tok, codec.tokens())
     model.resize_token_embeddings(end, mean_resizing=False)
-    sids = torch.tensor([[first + lv * CODES + (i // CODES ** (LEVELS - 1 - lv)) % CODES for lv in range(LEVELS)]
-                         for i in range(N_ITEMS)])
-    outputs = {"model": "model"}
-    if trained_sft:
-        outputs.update(train_rows="data/sft_train.parquet", val_prompts="data/val.parquet",
-                       sid_tokens="data/sid_token_ids.safetensors")
-    d = _manifest(run_dir, "sft", outputs, {"sid_map_hash": HASH})
-    new_rows.export_model(model, tok, d / "model", {"sid_map_hash": HASH, "new_token_ids": [first, end]})
-    if trained_sft:
-        (d / "data").mkdir()
+    with torch.no_grad():
         g = torch.Generator().manual_seed(seed)
-        hist = [torch.randint(0, N_ITEMS, (3,), generator=g).tolist() for _ in range(40)]
-        prompt = lambda h: [5, 6] + sum((sids[i].tolist() for i in h), [])  # noqa: E731
-        rows = [{"task": "seqrec", "prompt_ids": prompt(h), "answer_ids": sids[(h[-1] + 1) % N_ITEMS].tolist() + [2]}
-                for h in hist[:32]]
-        rows += [{"task": "title2sid", "prompt_ids": [7, 8, 9, 10], "answer_ids": sids[0].tolist()}] * 2
-        pl.DataFrame(rows, schema={"task": pl.Utf8, "prompt_ids": pl.List(pl.Int32),
-                                   "answer_ids": pl.List(pl.Int32)}).write_parquet(d / "data" / "sft_train.parquet")
-        pl.DataFrame({"prompt": [prompt(h) for h in hist[32:]], "target_row": [(h[-1] + 1) % N_ITEMS for h in hist[32:]]},
-                     schema={"prompt": pl.List(pl.Int32), "target_row": pl.Int64}).write_parquet(d / "data" / "val.parquet")
-        save_file({"sid_token_ids": sids.contiguous()}, str(d / "data" / "sid_token_ids.safetensors"))
+        model.get_input_embeddings().weight[first:end] = 0.02 * torch.randn(end - first, model.config.hidden_size, generator=g)
+    d = _manifest(run_dir, "sft", {"model": "model"}, {"sid_map_hash": HASH})
+    new_rows.export_model(model, tok, d / "model", {"sid_map_hash": HASH, "new_token_ids": [first, end]})
     return d
 
 
 def rl_cfg(run_dir, *overrides):
     return config.load(ROOT / "jobs" / "configs" / "tiny.yaml", [
         f"run_dir={run_dir}", "rl.enabled=true", "rl.steps=4", "rl.batch_size=4", "rl.group_size=4",
+        "sft.val_users=8", "sft.max_len=160",
         "rl.val_every=2", "rl.checkpoint_every=2", "rl.lr=1e-2", "rl.kl_coef=0.04", "rl.stop_margin=null",
         "eval.beam_width=5", "eval.batch_users=8", *overrides])
 
 
 def test_off_by_default_it_writes_only_its_manifest(tmp_path):
     run_dir = tmp_path / "run"
-    make_upstream(run_dir, trained_sft=False)
+    make_upstream(run_dir)
     cfg = config.load(ROOT / "jobs" / "configs" / "tiny.yaml", [f"run_dir={run_dir}"])
     assert cfg.rl.enabled is False and cfg.rl.trains is False
     m = pipeline.run_stage(pipeline.spec("rl"), cfg, run_dir)
     assert m.outputs == {} and m.facts == {"enabled": False, "steps_done": 0}
     assert sorted(p.name for p in (run_dir / "rl").iterdir()) == ["_manifest.json", "config.yaml"]
     assert find_model_dir(run_dir) == ("sft", run_dir / "sft" / "model")
-
-
-def test_rl_needs_sfts_training_rows(tmp_path):
-    run_dir = tmp_path / "run"
-    make_upstream(run_dir, trained_sft=False)
-    with pytest.raises(DataError, match="train SFT first"):
-        pipeline.run_stage(pipeline.spec("rl"), rl_cfg(run_dir), run_dir)
 
 
 @pytest.fixture(scope="module")
@@ -119,9 +110,13 @@ def test_rl_trains_keeps_its_best_validation_and_becomes_the_runs_model(rl_run):
 
     run_dir, cfg, m, fit = rl_run
     fit.assert_same_run()
-    assert len(fit.calls[1]["rows"]) == 32  # the seqrec rows only, not the grounding pairs
+    # 16 prompts (steps x batch) sampled from the training windows (which never hold a valid or
+    # test item: tests/train/test_rl_run.py); SFT's 8 validation users (sft.val_users).
+    rows = pl.read_parquet(run_dir / "rl" / "rl_train.parquet")
+    assert rows.height == 16 == len(fit.calls[1]["rows"]) == m.facts["n_prompts"]
+    assert pl.read_parquet(run_dir / "rl" / "val.parquet").height == 8
     f = m.facts
-    assert f["enabled"] is True and f["steps_done"] == 4 and f["n_prompts"] == 32
+    assert f["enabled"] is True and f["steps_done"] == 4
     mrr = f["val_history"]["val_mrr"]
     assert [v["step"] for v in mrr] == [0, 2, 4]  # the SFT model first
     best = f["best"]

@@ -1,31 +1,53 @@
-"""gti.train.rl_run: RL prompts come from SFT's sequence rows only (never the grounding pairs of
-a multitask mix; SFT's windows hold no valid/test target, tests/train/test_sft_data.py), the
-step statistics' means, and the refusal of a validation set without MRR."""
+"""gti.train.rl_run: RL prompts are sampled training windows (no valid or test item as target or
+in a history), the step statistics' means, and the refusal of a validation set without MRR."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import polars as pl
 import pytest
 
 from gti import config as C
 from gti.errors import ConfigError
-from gti.lm.templates import SEQ_TASK
 from gti.train.loss import IGNORE_INDEX
-from gti.train.rl_run import RlInputs, rl_rows_from_sft, run_rl, step_stat_means
+from gti.train.rl_run import RlInputs, rl_prompt_rows, run_rl, step_stat_means
 from gti.train.worker_config import RlStart, ValSet
 
 
-def test_rl_rows_are_the_sequence_rows_prompt_and_target_sid():
-    rows = pl.DataFrame({
-        "task": [SEQ_TASK, "sid2text", SEQ_TASK],
-        "prompt_ids": [[5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]],
-        "answer_ids": [[64, 73, 82, 2], [30, 31], [65, 72, 80, 2]],
-    })
-    out = rl_rows_from_sft(rows, 3)
-    assert out["input_ids"].to_list() == [[5, 6, 7], [12, 13, 14, 15]]
-    assert out["labels"].to_list() == [[64, 73, 82], [IGNORE_INDEX, 65, 72, 80]]
+class _Renderer:
+    """render_prompts as gti.lm.templates.RecRenderer's: here the history's first SID tokens."""
+
+    def __init__(self, sid_ids):
+        self.sid_ids = sid_ids
+
+    def render_prompts(self, w):
+        prompts = [[5] + [int(x) for h in hist for x in self.sid_ids[h]] for hist in w["history"]]
+        return {"user_id": w["user_id"], "split": w["split"], "prompt_ids": prompts, "target": w["target"]}
+
+
+def test_rl_prompts_are_sampled_training_windows_never_a_held_out_item():
+    """Users whose valid and test items are items no one trains on: no RL prompt holds one, as
+    target or in its history; the sample is seeded, of the size asked, each target's SID last."""
+    from gti.train.sft_data import training_windows
+
+    items = [f"it{i}" for i in range(12)]
+    sid_ids = {it: np.array([64 + i % 4, 68 + i // 4, 72]) for i, it in enumerate(items)}
+    seqs = pl.DataFrame({"user_id": [f"u{u}" for u in range(6)],
+                         "train_items": [[items[(u + j) % 8] for j in range(5)] for u in range(6)],
+                         "valid_item": [items[8 + u % 2] for u in range(6)],
+                         "test_item": [items[10 + u % 2] for u in range(6)]})
+    windows = training_windows(seqs, 3, seed=0)
+    out = rl_prompt_rows(windows, _Renderer(sid_ids), sid_ids, 10, seed=1)
+    assert out.height == 10 and out.equals(rl_prompt_rows(windows, _Renderer(sid_ids), sid_ids, 10, seed=1))
+    assert not out.equals(rl_prompt_rows(windows, _Renderer(sid_ids), sid_ids, 10, seed=2))
+    held_out = {tuple(sid_ids[it]) for it in items[8:]}
+    for ids, labels in zip(out["input_ids"].to_list(), out["labels"].to_list()):
+        target = tuple(labels[-3:])
+        assert labels[:-3] == [IGNORE_INDEX] * (len(ids) - 3) and target not in held_out
+        assert not any(tuple(ids[1 + 3 * k: 4 + 3 * k]) in held_out for k in range((len(ids) - 1) // 3))
+    assert rl_prompt_rows(windows, _Renderer(sid_ids), sid_ids, 1000, seed=1).height == windows.height
 
 
 def test_step_stat_means():

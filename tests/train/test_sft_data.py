@@ -297,3 +297,25 @@ def test_sft_target_counts_first_items_and_held_out_items_do_not_count():
     assert S.sft_target_counts(seqs) == {"y": 2}
     with pytest.raises(DataError, match="train_items"):
         S.sft_target_counts(seqs.drop("train_items"))
+
+
+def test_val_prompt_table_samples_validation_users_with_their_valid_items_row():
+    """The SFT and RL stages' validation set: n seeded users, each with the trie row of its valid
+    item and the prompt the renderer makes of its history."""
+    from gti.train.sft_data import val_prompt_table
+
+    class Renderer:
+        def render_prompts(self, w):
+            return {"user_id": w["user_id"], "split": w["split"], "target": w["target"],
+                    "prompt_ids": [[len(h)] + [int(x[2:]) for x in h] for h in w["history"]]}
+
+    items = [f"it{i}" for i in range(10)]
+    seqs = pl.DataFrame({"user_id": [f"u{u}" for u in range(8)],
+                         "train_items": [[items[u], items[u + 1]] for u in range(8)],
+                         "valid_item": [items[u + 2] for u in range(8)], "test_item": [items[9]] * 8})
+    t = val_prompt_table(seqs, Renderer(), items, 5, seed=0, max_history=3)
+    assert t.height == 5 and t.columns == ["user_id", "prompt", "target_row"]
+    assert t.equals(val_prompt_table(seqs, Renderer(), items, 5, seed=0, max_history=3))
+    for u, prompt, row in t.iter_rows():
+        k = int(u[1:])
+        assert row == k + 2 and prompt == [2, k, k + 1]

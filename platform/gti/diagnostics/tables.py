@@ -304,20 +304,21 @@ def learning_curves(records: Sequence[RunRecord]) -> dict[str, dict[str, list[di
 
 
 def wall_time_table(records: Sequence[RunRecord], baseline_arm: str = "mean") -> dict[str, dict[str, Any]]:
-    """{arm: {"ground_s", "sft_s", "total_s" (means over seeds), "total_s_std", "n_runs",
-    "grounding", "ground_compute_s", "sft_compute_s", "extra_vs_baseline_s"}}; arms whose runs
-    carry no timing are left out (old runs)."""
+    """{arm: {"ground_s", "sft_s", "rl_s", "total_s" (means over seeds; total = ground + sft +
+    rl, the stages that train), "total_s_std", "n_runs", "grounding", "ground_compute_s",
+    "sft_compute_s", "rl_compute_s", "extra_vs_baseline_s"}}; arms whose runs carry no timing
+    are left out (old runs); rl_s is None for runs without RL."""
     out: dict[str, dict[str, Any]] = {}
     for arm in _ordered_arms(records):
         recs = [r for r in records if r.arm == arm and r.timing]
         if not recs:
             continue
         row: dict[str, Any] = {"n_runs": len(recs)}
-        for key in ("ground_s", "sft_s", "ground_compute_s", "sft_compute_s"):
+        for key in ("ground_s", "sft_s", "rl_s", "ground_compute_s", "sft_compute_s", "rl_compute_s"):
             row[key] = _mean_std([_num(r.timing.get(key)) for r in recs])[0]
-        totals = [None if _num(r.timing.get("ground_s")) is None and _num(r.timing.get("sft_s")) is None
-                  else (_num(r.timing.get("ground_s")) or 0.0) + (_num(r.timing.get("sft_s")) or 0.0)
-                  for r in recs]
+        parts = ("ground_s", "sft_s", "rl_s")
+        totals = [None if all(_num(r.timing.get(k)) is None for k in parts)
+                  else sum(_num(r.timing.get(k)) or 0.0 for k in parts) for r in recs]
         row["total_s"], row["total_s_std"] = _mean_std(totals)
         row["grounding"] = any(bool(r.timing.get("grounding")) for r in recs)
         out[arm] = row

@@ -1,31 +1,33 @@
 """`gti compare`: every initialisation arm x seed on identical data, SIDs, budgets; one report.
 
-    gti compare --config X --arms mean,random,description,gti,gti+multitask,lcrec --seeds 3 [--out DIR]
+    gti compare --config X --arms mean,random,description,gti,gti+multitask,gti+rl,lcrec --seeds 3 [--out DIR]
 
 Arms are sets of config overrides applied on top of the user's config (every arm sets the
 same keys, so nothing leaks from the base config into one arm and not another):
 
-| arm            | init.method | ground.enabled | sft.multitask | sft.steps (equal_budget on)  |
-|----------------|-------------|----------------|---------------|------------------------------|
-| mean           | mean        | false          | false         | sft.steps + ground.steps     |
-| random         | random      | false          | false         | sft.steps + ground.steps     |
-| description    | description | false          | false         | sft.steps + ground.steps     |
-| gti            | mean        | true           | false         | sft.steps                    |
-| gti+multitask  | mean        | true           | true          | sft.steps                    |
-| lcrec          | mean        | false          | true          | sft.steps + ground.steps     |
-| mean_noise     | mean_noise  | false          | false         | sft.steps + ground.steps     |
-| codebook       | codebook    | false          | false         | sft.steps + ground.steps     |
+| arm           | init.method | ground.enabled | sft.multitask | rl.enabled | sft.steps (equal_budget on) |
+|---------------|-------------|----------------|---------------|------------|-----------------------------|
+| mean          | mean        | false          | false         | false      | sft.steps + ground.steps    |
+| random        | random      | false          | false         | false      | sft.steps + ground.steps    |
+| description   | description | false          | false         | false      | sft.steps + ground.steps    |
+| gti           | mean        | true           | false         | false      | sft.steps                   |
+| gti+multitask | mean        | true           | true          | false      | sft.steps                   |
+| gti+rl        | mean        | true           | false         | true       | sft.steps (+ rl.steps GRPO) |
+| lcrec         | mean        | false          | true          | false      | sft.steps + ground.steps    |
+| mean_noise    | mean_noise  | false          | false         | false      | sft.steps + ground.steps    |
+| codebook      | codebook    | false          | false         | false      | sft.steps + ground.steps    |
 
 `compare.equal_budget` (default true) gives arms without grounding the grounding steps as extra
 SFT steps, so every arm takes the same number of optimizer steps (steps, not tokens: a
-grounding step and an SFT step see different sequences). Each arm also gets
-`report.label=<arm>` and `seed=<s>`.
+grounding step and an SFT step see different sequences). RL is outside that budget (a GRPO
+step is another kind of step): `gti+rl` keeps `gti`'s ground and SFT steps and adds `rl.steps`
+on top. Each arm also gets `report.label=<arm>` and `seed=<s>`.
 
 Layout under `--out` (default `<run_dir>/compare`):
 - `shared/`: ingest -> embed -> sid -> pairs, run ONCE with the base seed (`seed` of the
   config). SIDs and grounding pairs are therefore identical across arms and seeds.
 - `runs/<arm>/seed<s>/`: the shared stage folders hard-linked (copied across file systems), then
-  ground -> sft -> evaluate -> report with that arm's overrides and seed.
+  ground -> sft -> rl -> evaluate -> report with that arm's overrides and seed.
 - `report.html|json|csv`, `plots/`, `compare.json`: one report over all arms x seeds.
 
 Seeds are `seed, seed+1, ..., seed+N-1`. The seed enters every stage fingerprint, so the
@@ -83,15 +85,16 @@ from gti.files import atomic_write_json
 from gti.train import resources
 
 ARMS: dict[str, dict[str, Any]] = {
-    "mean": {"init.method": "mean", "ground.enabled": False, "sft.multitask": False},
-    "random": {"init.method": "random", "ground.enabled": False, "sft.multitask": False},
-    "description": {"init.method": "description", "ground.enabled": False, "sft.multitask": False},
-    "gti": {"init.method": "mean", "ground.enabled": True, "sft.multitask": False},
-    "gti+multitask": {"init.method": "mean", "ground.enabled": True, "sft.multitask": True},
-    "lcrec": {"init.method": "mean", "ground.enabled": False, "sft.multitask": True},
+    "mean": {"init.method": "mean", "ground.enabled": False, "sft.multitask": False, "rl.enabled": False},
+    "random": {"init.method": "random", "ground.enabled": False, "sft.multitask": False, "rl.enabled": False},
+    "description": {"init.method": "description", "ground.enabled": False, "sft.multitask": False, "rl.enabled": False},
+    "gti": {"init.method": "mean", "ground.enabled": True, "sft.multitask": False, "rl.enabled": False},
+    "gti+multitask": {"init.method": "mean", "ground.enabled": True, "sft.multitask": True, "rl.enabled": False},
+    "gti+rl": {"init.method": "mean", "ground.enabled": True, "sft.multitask": False, "rl.enabled": True},
+    "lcrec": {"init.method": "mean", "ground.enabled": False, "sft.multitask": True, "rl.enabled": False},
     # Extra ablations (not in the paper's table): other initialisations without grounding.
-    "mean_noise": {"init.method": "mean_noise", "ground.enabled": False, "sft.multitask": False},
-    "codebook": {"init.method": "codebook", "ground.enabled": False, "sft.multitask": False},
+    "mean_noise": {"init.method": "mean_noise", "ground.enabled": False, "sft.multitask": False, "rl.enabled": False},
+    "codebook": {"init.method": "codebook", "ground.enabled": False, "sft.multitask": False, "rl.enabled": False},
 }
 ARM_STAGES = [s for s in pipeline.STAGE_NAMES if s not in SHARED_STAGES]
 WAIT_POLL_S = 60.0  # longest single ray.wait while arm runs are in flight (deadlines are checked between)
@@ -116,7 +119,7 @@ def parse_arms(text: str | Sequence[str]) -> list[str]:
 
 
 def arm_overrides(cfg: C.RunConfig, arm: str) -> list[str]:
-    """key=value overrides that turn the base config into `arm` (incl. the step budget)."""
+    """key=value overrides that turn the base config into `arm` (with the step budget; gti+rl's RL steps are extra)."""
     ov = dict(ARMS[arm])
     if cfg.compare.equal_budget and not ov["ground.enabled"]:
         ov["sft.steps"] = cfg.sft.steps + cfg.ground.steps
@@ -213,9 +216,8 @@ def run_arm(cfg_json: dict[str, Any], cwd: str | None = None) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------- scheduling
 def auto_parallel(cfg: C.RunConfig, cluster: dict[str, float]) -> int:
-    """How many arm runs fit at once: cluster CPUs (and GPUs) / what one run holds at a time
-    (its largest Train worker group or evaluate pool, plus CPU headroom for its Ray Data tasks;
-    gti.train.resources)."""
+    """How many arm runs fit at once: cluster CPUs (and GPUs) / what one run holds at a time (its
+    largest Train worker group or evaluate pool, plus CPU headroom for its Ray Data tasks; gti.train.resources)."""
     return resources.runs_that_fit(resources.run_need(cfg, ("ground", "sft", "rl", "evaluate")), cluster)
 
 

@@ -7,7 +7,7 @@ per-user values, diagnostics, SFT curves, timing, the config it ran with) is kep
 record format, same shared hashes, and the same config once both are validated with today's
 code and the placement and shared-stage sections (`NON_SEMANTIC_KEYS`) are left out.
 `load_record` builds a record from a finished run folder; `run_facts` are the small facts the
-cross-arm report shows per run.
+cross-arm report shows per run (with the rl stage's `RL_FACTS` under `rl` when RL trained).
 
 What it does not know: how runs are planned or scheduled (that is `gti.experiments.compare`).
 """
@@ -38,6 +38,8 @@ SHARED_FILES = (("sid", "codebooks"),)
 # scheduled (not what it computes), and the sections only the shared stages read (`embed`,
 # `sid`: their whole effect on an arm run is the SID map and codebooks, which are hashed).
 NON_SEMANTIC_KEYS = ("run_dir", "ray_address", "ray_num_cpus", "compare", "embed", "sid")
+# The rl stage's facts a run that trained RL (`gti+rl`) carries in its run facts, under `rl`.
+RL_FACTS = ("enabled", "steps_done", "best", "stopped_at", "step_stats")
 
 
 def records_dir(cfg: C.RunConfig, out: Path) -> Path:
@@ -177,11 +179,19 @@ def _curves(sft: Manifest | None) -> dict[str, list[list[float]]]:
     return out
 
 
-def _timing(r: ArmRun, ground: Manifest | None, sft: Manifest | None) -> dict[str, Any]:
-    """Wall seconds of the arm's ground and SFT stages (manifest duration_s; 0 = not recorded)
-    and the training loops' compute seconds (facts timing.compute_s) when present."""
+def _rl_trained(run_dir: Path) -> Manifest | None:
+    """The rl stage's manifest when RL trained in the run (None: rl disabled, or a run older
+    than the stage)."""
+    m = _manifest_or_none(run_dir / "rl")
+    return m if m is not None and m.facts.get("enabled") else None
+
+
+def _timing(r: ArmRun, ground: Manifest | None, sft: Manifest | None, rl: Manifest | None = None) -> dict[str, Any]:
+    """Wall seconds of the arm's ground and SFT stages, and RL's when it trained (manifest
+    duration_s; 0 = not recorded) and the training loops' compute seconds (facts
+    timing.compute_s) when present."""
     out: dict[str, Any] = {"grounding": bool(r.cfg.ground.enabled)}
-    for name, m in (("ground", ground), ("sft", sft)):
+    for name, m in (("ground", ground), ("sft", sft), ("rl", rl)):
         if m is None:
             continue
         if m.duration_s:
@@ -208,7 +218,7 @@ def _ran_with(r: ArmRun) -> dict[str, Any]:
 
 def load_record(r: ArmRun):
     """A RunRecord of a finished run (metrics, per-phase diagnostics, config, versions, SFT
-    validation curves, ground/SFT wall time)."""
+    validation curves, ground/SFT (and RL) wall time)."""
     from gti.diagnostics.runs import RunRecord
 
     rep = Manifest.read(r.run_dir / "report")
@@ -219,11 +229,13 @@ def load_record(r: ArmRun):
     return RunRecord(
         arm=r.arm, seed=r.seed, metrics=metrics, diagnostics=doc["runs"][0]["diagnostics"],
         config=_ran_with(r), versions=rep.versions, run_dir=str(r.run_dir),
-        curves=_curves(sft), timing=_timing(r, ground, sft),
+        curves=_curves(sft), timing=_timing(r, ground, sft, _rl_trained(r.run_dir)),
     )
 
 
 def run_facts(r: ArmRun) -> dict[str, Any]:
+    """init, steps, multitask, stage seconds and SFT examples of a run; when RL trained, also
+    `rl_s` and the rl stage's facts (`RL_FACTS`) under `rl` (a run without RL has neither)."""
     facts: dict[str, Any] = {
         "init": r.cfg.init.method,
         "ground_steps": r.cfg.ground.steps if r.cfg.ground.enabled else 0,
@@ -239,4 +251,9 @@ def run_facts(r: ArmRun) -> dict[str, Any]:
             done = m.facts.get("steps_done") if m is not None else None
             steps = int(done) if isinstance(done, (int, float)) else r.cfg.sft.steps
             facts["sft_examples"] = steps * r.cfg.sft.batch_size
+    rl = _rl_trained(r.run_dir)
+    if rl is not None:
+        if rl.duration_s:
+            facts["rl_s"] = round(float(rl.duration_s), 1)
+        facts["rl"] = {k: rl.facts.get(k) for k in RL_FACTS}
     return facts

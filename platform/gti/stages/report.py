@@ -51,7 +51,7 @@ def arm_label(cfg) -> str:
     """The run's name in reports: `report.label`, else its arm (`gti.arms.arm_name`)."""
     if cfg.report.label:
         return cfg.report.label
-    return arm_name(cfg.init.method, cfg.ground.enabled and cfg.ground.steps > 0, cfg.sft.multitask)
+    return arm_name(cfg.init.method, cfg.ground.enabled and cfg.ground.steps > 0, cfg.sft.multitask, cfg.rl.trains)
 
 
 def load_matrix(path: Path, key: str) -> np.ndarray:

@@ -5,33 +5,38 @@ What it is for: starting from the SFT model (`sft/model/`), train every paramete
 trie-constrained decoding, rewards `rl.reward` against the prompt's target, group-normalised
 advantages, the clipped objective with `rl.kl_coef` x KL to the SFT model) and export the best
 validation's model to `model/` (a standard HF folder; the SFT model itself when no RL step beat
-it on the validation users' exact MRR). The prompts are SFT's training windows (their targets
-are training items: validation and test items never reach a rollout); the validation users and
-the trie are SFT's. Checkpoints live under `ray_train/` in the stage's work dir, so a rerun
+it on the validation users' exact MRR). The prompts are `rl.steps` x `rl.batch_size` sampled
+training windows (training items only: validation and test items never reach a rollout),
+rendered as evaluate renders its prompts; the validation users are SFT's (`sft.val_users`,
+the same seeded sample). Checkpoints live under `ray_train/` in the stage's work dir, so a rerun
 after a killed driver resumes. Disabled (or `rl.steps` 0), the stage writes only its manifest
 and the SFT model stays the run's model (`gti.run_versions.find_model_dir`, the evaluate stage).
 
-What it does not know: how SFT rendered its rows, the loop's internals, or how the model will
-be evaluated.
+What it does not know: how SFT trained, the loop's internals, or how the model is evaluated.
 """
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import polars as pl
+import torch
 
 from gti.contract import StageContext, StageResult
 from gti.errors import DataError
 from gti.train.ray_train import STORAGE_DIR
-from gti.train.rl_run import RlInputs, rl_rows_from_sft, run_rl
+from gti.train.rl_run import RlInputs, rl_prompt_rows, run_rl
 from gti.train.sft_task import VAL_K
 from gti.train.worker_config import FaultInjection, RlStart, ValSet
 
 TASK = "rl"
 MODEL_DIR = "model"
 ROWS_FILE = "rl_train.parquet"
+VAL_FILE = "val.parquet"
+SIDS_FILE = "sid_token_ids.safetensors"
 
 
 def run(ctx: StageContext, fault_injection: FaultInjection | None = None) -> StageResult:
@@ -45,10 +50,6 @@ def run(ctx: StageContext, fault_injection: FaultInjection | None = None) -> Sta
     sid_map_hash = ctx.manifest("sid").facts["sid_map_hash"]
     sft_dir = ctx.input("sft", "model")
     check_exact_map(sft_dir, sid_map_hash)
-    outs = ctx.manifest("sft").outputs
-    if "train_rows" not in outs:
-        raise DataError(f"rl trains after SFT on SFT's training windows, but {ctx.stage_dir('sft')} holds none "
-                        "(sft.enabled false or sft.steps 0): train SFT first")
     res, facts = _train(ctx, sft_dir, fault_injection)
     _export(ctx, sft_dir, res.state_dict, sid_map_hash)
     best = facts["best"] or {}
@@ -58,9 +59,40 @@ def run(ctx: StageContext, fault_injection: FaultInjection | None = None) -> Sta
     return StageResult(outputs={"model": MODEL_DIR}, facts={**facts, "enabled": True, "sid_map_hash": sid_map_hash})
 
 
+def _data(ctx: StageContext, tokenizer) -> tuple[Path, Path, Path, torch.Tensor]:
+    """rl_train.parquet (the prompts), val.parquet (SFT's validation users) and the catalog's
+    SID tokens [N, L] (sid_token_ids.safetensors), written once into the work dir (a rerun after
+    a killed driver reuses them: same fingerprint)."""
+    from safetensors.torch import load_file, save_file
+
+    from gti.data.sequences import check_sequences
+    from gti.lm import templates
+    from gti.sid.codec import SidCodec
+    from gti.train import sft_data
+
+    cfg, rc = ctx.cfg, ctx.cfg.rl
+    rows_path, val_path, sids_path = (ctx.work_dir / n for n in (ROWS_FILE, VAL_FILE, SIDS_FILE))
+    if not (rows_path.is_file() and val_path.is_file() and sids_path.is_file()):
+        sid_map = pl.read_parquet(ctx.input("sid", "sid_map"))
+        sid_ids = templates.sid_id_table(sid_map, SidCodec.from_facts(ctx.manifest("sid").facts), tokenizer)
+        item_ids = sid_map["item_id"].to_list()
+        seq_path = ctx.input("ingest", "sequences")
+        seqs = pl.read_parquet(seq_path)
+        check_sequences(seqs, str(seq_path))
+        windows = sft_data.training_windows(seqs, cfg.data.max_history, seed=cfg.seed)
+        sft_data.check_items_known(windows, sid_ids, str(seq_path))
+        renderer = templates.make_renderer(tokenizer, sid_ids, cfg.pairs.system_prompt, cfg.sft.max_len,
+                                           prompt_style=cfg.sft.prompt_style)
+        rl_prompt_rows(windows, renderer, sid_ids, rc.steps * rc.batch_size, cfg.seed).write_parquet(rows_path)
+        sft_data.val_prompt_table(seqs, renderer, item_ids, cfg.sft.val_users, cfg.seed,
+                                  cfg.data.max_history).write_parquet(val_path)
+        save_file({"sid_token_ids": torch.from_numpy(np.stack([sid_ids[i] for i in item_ids])).contiguous()},
+                  str(sids_path))
+    return rows_path.resolve(), val_path.resolve(), sids_path.resolve(), load_file(str(sids_path))["sid_token_ids"]
+
+
 def _train(ctx: StageContext, sft_dir, fault_injection: FaultInjection | None) -> tuple[Any, dict[str, Any]]:
-    """The RL rows from SFT's training rows, then `run_rl` on them."""
-    from safetensors.torch import load_file
+    """The prompts and validation set, then `run_rl` on them."""
     from transformers import AutoTokenizer
 
     from gti.ray_start import ensure_ray
@@ -68,22 +100,17 @@ def _train(ctx: StageContext, sft_dir, fault_injection: FaultInjection | None) -
 
     cfg, rc = ctx.cfg, ctx.cfg.rl
     ensure_ray(cfg)
-    sids_path = ctx.input("sft", "sid_tokens")
-    sids = load_file(str(sids_path))["sid_token_ids"]  # [N_items, L]
-    levels = int(sids.shape[1])
-    rows_path = (ctx.work_dir / ROWS_FILE).resolve()
-    if not rows_path.is_file():  # a rerun after a killed driver reuses them (same fingerprint)
-        rl_rows_from_sft(pl.read_parquet(ctx.input("sft", "train_rows")), levels).write_parquet(rows_path)
-    n_rows = pl.scan_parquet(rows_path).select(pl.len()).collect().item()
-    if n_rows < rc.batch_size:
-        raise DataError(f"{rows_path}: {n_rows} RL prompts, fewer than rl.batch_size={rc.batch_size}")
     tok = AutoTokenizer.from_pretrained(str(sft_dir), trust_remote_code=cfg.model.trust_remote_code)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    new_start, new_end = int(sids.min()), int(sids.max()) + 1
+    rows_path, val_path, sids_path, sids = _data(ctx, tok)
+    n_rows = pl.scan_parquet(rows_path).select(pl.len()).collect().item()
+    if n_rows < rc.batch_size:
+        raise DataError(f"{ctx.input('ingest', 'sequences')}: {n_rows} training windows, fewer than "
+                        f"rl.batch_size={rc.batch_size}")
+    levels, new_start, new_end = int(sids.shape[1]), int(sids.min()), int(sids.max()) + 1
     k = min(VAL_K, int(sids.shape[0]))
-    val = ValSet(path=str(ctx.input("sft", "val_prompts")), sids_path=str(sids_path), new_start=new_start,
-                 new_end=new_end, levels=levels, k=k, beam_width=max(k, cfg.eval.beam_width),
-                 batch_users=cfg.eval.batch_users, mrr=True)
+    val = ValSet(path=str(val_path), sids_path=str(sids_path), new_start=new_start, new_end=new_end, levels=levels,
+                 k=k, beam_width=max(k, cfg.eval.beam_width), batch_users=cfg.eval.batch_users, mrr=True)
     inputs = RlInputs(run_cfg=cfg, train_path=rows_path, pad_id=int(pad_id), val=val, fault=fault_injection,
                       start=RlStart(str(sft_dir), str(sids_path), new_start, new_end, levels))
     ctx.log(f"RL: {n_rows:,} prompts, {rc.steps} steps x {rc.batch_size} prompts x {rc.group_size} {rc.rollout} "

@@ -52,7 +52,6 @@ from gti.errors import DataError, GtiError
 from gti.files import atomic_write_json
 from gti.contract import StageContext, StageResult
 from gti.data.sequences import check_sequences
-from gti.eval.slices import eval_windows, sample_users
 from gti.lm import templates
 from gti.train import sft_data
 from gti.lm.templates import ROW_COLUMNS
@@ -220,20 +219,12 @@ def _write_val_prompts(ctx: StageContext, seqs: pl.DataFrame, tokenizer, sid_ids
     """Prompts of a deterministic sample of validation users, with the trie row of each one's
     valid item as target, to `path`; -> the number of users."""
     cfg, sc = ctx.cfg, ctx.cfg.sft
-    val_w = eval_windows(seqs, "valid", cfg.data.max_history)
-    users = sample_users(val_w["user_id"].to_list(), sc.val_users, cfg.seed)
-    val_w = val_w.filter(pl.col("user_id").is_in(users))
     renderer = templates.make_renderer(
         tokenizer, sid_ids, cfg.pairs.system_prompt, sc.max_len, prompt_style=sc.prompt_style
     )
-    prompts = renderer.render_prompts(val_w.to_dict(as_series=False))
-    row_of = {it: i for i, it in enumerate(item_ids)}
-    pl.DataFrame(
-        {"user_id": prompts["user_id"], "prompt": prompts["prompt_ids"],
-         "target_row": [row_of[t] for t in prompts["target"]]},
-        schema={"user_id": pl.Utf8, "prompt": pl.List(pl.Int32), "target_row": pl.Int64},
-    ).write_parquet(path)
-    return val_w.height
+    table = sft_data.val_prompt_table(seqs, renderer, item_ids, sc.val_users, cfg.seed, cfg.data.max_history)
+    table.write_parquet(path)
+    return table.height
 
 
 # --------------------------------------------------------------------------- stage entry
@@ -267,11 +258,7 @@ def run(ctx: StageContext, fault_injection: FaultInjection | None = None) -> Sta
             f"loss {facts['first_loss']:.4f} -> {facts['final_loss']:.4f}"
             + (f"; {VAL_METRIC} {facts[VAL_METRIC][-1]['value']:.4f}" if facts[VAL_METRIC] else "")
         )
-    outputs = {"model": MODEL_DIR, "sft_embeddings": E_NEW_FILE}
-    if trained.stats:  # trained: the rendered rows, validation prompts and trie (the rl stage reads them)
-        outputs.update(train_rows=f"{DATA_DIR}/{TRAIN_FILE}", val_prompts=f"{DATA_DIR}/{VAL_FILE}",
-                       sid_tokens=f"{DATA_DIR}/{SIDS_FILE}")
-    return StageResult(outputs=outputs, facts=facts)
+    return StageResult(outputs={"model": MODEL_DIR, "sft_embeddings": E_NEW_FILE}, facts=facts)
 
 
 @dataclass

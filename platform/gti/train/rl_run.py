@@ -1,8 +1,9 @@
 """The RL runner: GRPO after SFT in the shape of the grounding and SFT runners.
 
-What it is for: `rl_rows_from_sft` turns SFT's rendered training rows into RL prompts (the
-user-history windows only: their prompts and their targets' SID tokens, packed by
-`gti.train.rl_task.rl_row`; the grounding pairs of a multitask mix are left out), and
+What it is for: `rl_prompt_rows` makes the RL prompts: a seeded sample of SFT's training windows
+(`gti.train.sft_data.training_windows`: training items only, so no valid or test item is ever a
+rollout's target or in its history) rendered in the evaluation prompt form, each packed with its
+target's SID tokens (`gti.train.rl_task.rl_row`); and
 `run_rl(inputs, storage_path=, name=, start_ray=, log=)` trains: the worker config
 (`WorkerConfig.build("rl", ...)`), the Ray dataset of the rows (materialised, in file order),
 the Train run (`gti.train.runner.train`: a second call with the same storage path and name
@@ -19,10 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, ContextManager
 
+import numpy as np
 import polars as pl
 
 from gti.errors import ConfigError
-from gti.lm.templates import SEQ_TASK
 from gti.train import ray_train, runner
 from gti.train.rl_task import BEST_METRIC, rl_row
 from gti.train.runner import TrainResult
@@ -42,12 +43,16 @@ class RlInputs:
     fault: FaultInjection | None = None  # tests only
 
 
-def rl_rows_from_sft(rows: pl.DataFrame, levels: int) -> pl.DataFrame:
-    """SFT training rows (`gti.train.sft_data`: task, prompt_ids, answer_ids, ...) -> RL rows
-    {"input_ids", "labels"} (list<int32>) of the sequence task only, in the same order; the
-    target is the first `levels` answer tokens (the next item's SID)."""
-    seq = rows.filter(pl.col("task") == SEQ_TASK)
-    packed = [rl_row(list(p), list(a)[:levels]) for p, a in zip(seq["prompt_ids"].to_list(), seq["answer_ids"].to_list())]
+def rl_prompt_rows(windows: pl.DataFrame, renderer, sid_ids: dict[str, np.ndarray], n: int,
+                   seed: int) -> pl.DataFrame:
+    """RL rows {"input_ids", "labels"} (list<int32>) of a seeded sample of `n` of `windows`
+    (rows of `training_windows`: user_id, history, target), in the sampled order: the prompt is
+    `renderer.render_prompts`'s (what evaluate decodes), the target its item's SID tokens."""
+    idx = np.random.default_rng([seed, 0x5EED]).permutation(windows.height)[: max(0, n)]
+    sample = windows[idx]
+    prompts = renderer.render_prompts({"user_id": sample["user_id"].to_list(), "split": ["train"] * sample.height,
+                                       "history": sample["history"].to_list(), "target": sample["target"].to_list()})
+    packed = [rl_row(p, [int(x) for x in sid_ids[t]]) for p, t in zip(prompts["prompt_ids"], prompts["target"])]
     lists = pl.List(pl.Int32)
     return pl.DataFrame({"input_ids": [r["input_ids"] for r in packed], "labels": [r["labels"] for r in packed]},
                         schema={"input_ids": lists, "labels": lists})

@@ -97,6 +97,24 @@ def check_items_known(frame: pl.DataFrame, sid_ids: dict[str, np.ndarray], what:
         )
 
 
+def val_prompt_table(seqs: pl.DataFrame, renderer, item_ids: list[str], n_users: int, seed: int,
+                     max_history: int) -> pl.DataFrame:
+    """The validation prompts of a seeded sample of `n_users` users (the SFT and RL stages'
+    validation): user_id, prompt list<int32> (`renderer.render_prompts`, the evaluation form),
+    target_row int64 (the row of the user's valid item in `item_ids`, the SID-map order)."""
+    from gti.eval.slices import eval_windows, sample_users
+
+    val_w = eval_windows(seqs, "valid", max_history)
+    users = sample_users(val_w["user_id"].to_list(), n_users, seed)
+    prompts = renderer.render_prompts(val_w.filter(pl.col("user_id").is_in(users)).to_dict(as_series=False))
+    row_of = {it: i for i, it in enumerate(item_ids)}
+    return pl.DataFrame(
+        {"user_id": prompts["user_id"], "prompt": prompts["prompt_ids"],
+         "target_row": [row_of[t] for t in prompts["target"]]},
+        schema={"user_id": pl.Utf8, "prompt": pl.List(pl.Int32), "target_row": pl.Int64},
+    )
+
+
 def rows_frame(rows: dict[str, list]) -> pl.DataFrame:
     """Rendered rows as a polars frame with list<int32> token columns."""
     lists = {c: pl.List(pl.Int32) for c in ("input_ids", "labels", "prompt_ids", "answer_ids")}
