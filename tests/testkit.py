@@ -8,6 +8,9 @@ the conftest a second time).
 `load_bench("<topic>/<script>")` imports bench/<topic>/<script>.py as a module (bench/ is not a
 package; `load_bench("common")` is the scripts' shared module).
 
+`stage_manifest(run_dir, stage, outputs, facts)` writes a fixture stage's `_manifest.json` (a
+finished upstream stage without running it) and returns the stage folder.
+
 `FailOnceFit` stands in for `gti.train.loop.fit`: it records every call (the typed worker
 config, the training rows in order, the train config, storage path and run name) and raises on the first,
 as a run killed before its first step would end; later calls go to the real `fit`. A module
@@ -168,3 +171,13 @@ def finished_fit(config, train_ds, train_cfg, **kw):
                "tokens_per_s": [[s, 100.0 * s] for s in range(1, steps + 1)]}
     return FitResult(state_dict=state, history=history, steps_done=steps, metrics={"step": steps},
                      path=str(Path(kw["storage_path"]) / kw["name"]), timing={"loop_s": 1.0}, precision="fp32")
+
+
+def stage_manifest(run_dir: Path, stage: str, outputs: dict, facts: dict) -> Path:
+    """run_dir/<stage>/ with a manifest of these outputs and facts (fingerprint `fp-<stage>`)."""
+    from gti.manifest import Manifest
+
+    d = Path(run_dir) / stage
+    d.mkdir(parents=True, exist_ok=True)
+    Manifest(stage=stage, fingerprint=f"fp-{stage}", config={}, outputs=outputs, facts=facts).write(d)
+    return d

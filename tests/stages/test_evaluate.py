@@ -24,19 +24,14 @@ import pyarrow as pa
 import pytest
 import torch
 
+from testkit import stage_manifest
+
 from gti import config, pipeline
 from gti.contract import StageContext
 from gti.manifest import Manifest
 
 N_ITEMS, SIZES, HASH = 30, [6, 5], "sidhash-eval"
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _manifest(run_dir, stage, outputs, facts):
-    d = run_dir / stage
-    d.mkdir(parents=True, exist_ok=True)
-    Manifest(stage=stage, fingerprint=f"fp-{stage}", config={}, outputs=outputs, facts=facts).write(d)
-    return d
 
 
 def make_upstream(run_dir, n_users: int = 40, seed: int = 0):
@@ -50,14 +45,14 @@ def make_upstream(run_dir, n_users: int = 40, seed: int = 0):
     for u in range(n_users):
         seq = [items[int(j)] for j in rng.integers(0, N_ITEMS, int(rng.integers(3, 8)) + 2)]
         rows.append({"user_id": f"u{u}", "train_items": seq[:-2], "valid_item": seq[-2], "test_item": seq[-1]})
-    d = _manifest(run_dir, "ingest", {"sequences": "sequences.parquet"}, {"n_users": n_users})
+    d = stage_manifest(run_dir, "ingest", {"sequences": "sequences.parquet"}, {"n_users": n_users})
     pl.DataFrame(rows).write_parquet(d / "sequences.parquet")
 
     codec = SidCodec(2, SIZES)
     codes = [[i // SIZES[1], i % SIZES[1]] for i in range(N_ITEMS)]
     facts = {"levels": 2, "codebook_sizes": SIZES, "token_format": "<{level}_{code}>",
              "new_tokens": codec.tokens(), "sid_map_hash": HASH, "n_items": N_ITEMS}
-    d = _manifest(run_dir, "sid", {"sid_map": "sid_map.parquet"}, facts)
+    d = stage_manifest(run_dir, "sid", {"sid_map": "sid_map.parquet"}, facts)
     pl.DataFrame(
         {"item_id": items, "codes": codes, "sid": [codec.to_string(c) for c in codes]},
         schema={"item_id": pl.Utf8, "codes": pl.List(pl.Int32), "sid": pl.Utf8},
@@ -69,9 +64,9 @@ def make_upstream(run_dir, n_users: int = 40, seed: int = 0):
     with torch.no_grad():
         g = torch.Generator().manual_seed(seed)
         model.get_input_embeddings().weight[first:end] = torch.randn(end - first, model.config.hidden_size, generator=g)
-    d = _manifest(run_dir, "sft", {"model": "model"}, {"sid_map_hash": HASH})
+    d = stage_manifest(run_dir, "sft", {"model": "model"}, {"sid_map_hash": HASH})
     new_rows.export_model(model, tok, d / "model", {"sid_map_hash": HASH})
-    _manifest(run_dir, "rl", {}, {"enabled": False})  # rl off: the SFT model is evaluated
+    stage_manifest(run_dir, "rl", {}, {"enabled": False})  # rl off: the SFT model is evaluated
     return items
 
 
@@ -299,12 +294,12 @@ def test_stale_sid_map_is_refused(tmp_path):
     from gti.sid.versions import UnrelatedSidMapError
 
     run_dir = tmp_path / "run"
-    _manifest(run_dir, "ingest", {"sequences": "sequences.parquet"}, {})
-    _manifest(run_dir, "sid", {"sid_map": "sid_map.parquet"}, {"sid_map_hash": HASH})
-    d = _manifest(run_dir, "sft", {"model": "model"}, {})
+    stage_manifest(run_dir, "ingest", {"sequences": "sequences.parquet"}, {})
+    stage_manifest(run_dir, "sid", {"sid_map": "sid_map.parquet"}, {"sid_map_hash": HASH})
+    d = stage_manifest(run_dir, "sft", {"model": "model"}, {})
     (d / "model").mkdir()
     (d / "model" / "gti_meta.json").write_text(json.dumps({"sid_map_hash": "trained-on-another-map"}))
-    _manifest(run_dir, "rl", {}, {"enabled": False})
+    stage_manifest(run_dir, "rl", {}, {"enabled": False})
     with pytest.raises(UnrelatedSidMapError, match="stale SID map"):
         pipeline.run_stage(pipeline.spec("evaluate"), eval_cfg(run_dir), run_dir)
 
@@ -315,12 +310,12 @@ def test_the_rl_model_is_evaluated_when_rl_trained(tmp_path):
     from gti.sid.versions import UnrelatedSidMapError
 
     run_dir = tmp_path / "run"
-    _manifest(run_dir, "ingest", {"sequences": "sequences.parquet"}, {})
-    _manifest(run_dir, "sid", {"sid_map": "sid_map.parquet"}, {"sid_map_hash": HASH})
-    d = _manifest(run_dir, "sft", {"model": "model"}, {})
+    stage_manifest(run_dir, "ingest", {"sequences": "sequences.parquet"}, {})
+    stage_manifest(run_dir, "sid", {"sid_map": "sid_map.parquet"}, {"sid_map_hash": HASH})
+    d = stage_manifest(run_dir, "sft", {"model": "model"}, {})
     (d / "model").mkdir()
     (d / "model" / "gti_meta.json").write_text(json.dumps({"sid_map_hash": HASH}))
-    r = _manifest(run_dir, "rl", {"model": "model"}, {"enabled": True})
+    r = stage_manifest(run_dir, "rl", {"model": "model"}, {"enabled": True})
     (r / "model").mkdir()
     (r / "model" / "gti_meta.json").write_text(json.dumps({"sid_map_hash": "trained-on-another-map"}))
     with pytest.raises(UnrelatedSidMapError, match="stale SID map") as err:

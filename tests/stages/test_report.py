@@ -10,6 +10,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from testkit import stage_manifest
+
 from gti import config, pipeline
 from gti.manifest import Manifest
 from gti.stages import report as R
@@ -19,20 +21,13 @@ SIZES = [8, 8]
 D, N_OLD = 16, 40
 
 
-def _manifest(run_dir, stage, outputs, facts):
-    d = run_dir / stage
-    d.mkdir(parents=True, exist_ok=True)
-    Manifest(stage=stage, fingerprint=f"fp-{stage}", config={}, outputs=outputs, facts=facts).write(d)
-    return d
-
-
 def make_upstream(run_dir, grounded=True, markers=2):
     """Fake sid/ground/sft/evaluate outputs: GTI-like (spread, code-aligned) after grounding."""
     g = torch.Generator().manual_seed(0)
     n_tok = sum(SIZES)
     codes = [torch.randn(k, 4, generator=g) for k in SIZES]
     tokens = [f"<{c}_{i}>" for c, k in zip("ab", SIZES) for i in range(k)]
-    d = _manifest(run_dir, "sid", {"codebooks": "codebooks.safetensors"},
+    d = stage_manifest(run_dir, "sid", {"codebooks": "codebooks.safetensors"},
                   {"levels": 2, "codebook_sizes": SIZES, "new_tokens": tokens})
     save_file({f"level_{i}": c for i, c in enumerate(codes)}, str(d / "codebooks.safetensors"))
     old = torch.randn(N_OLD, D, generator=g)
@@ -40,7 +35,7 @@ def make_upstream(run_dir, grounded=True, markers=2):
     proj = torch.randn(4, D, generator=g)
     grounded_rows = torch.cat([torch.cat(codes) @ proj, torch.randn(markers, D, generator=g)])
     sft_rows = grounded_rows + 0.1 * torch.randn(grounded_rows.shape, generator=g)
-    d = _manifest(run_dir, "ground",
+    d = stage_manifest(run_dir, "ground",
                   {"model": "model", "init_embeddings": "e_new_init.safetensors",
                    "ground_embeddings": "e_new_ground.safetensors"},
                   {"new_token_ids": [N_OLD, N_OLD + n_tok + markers], "steps_done": 6 if grounded else 0})
@@ -50,7 +45,7 @@ def make_upstream(run_dir, grounded=True, markers=2):
     full = torch.cat([old, grounded_rows])
     save_file({"model.embed_tokens.weight": full.to(torch.bfloat16), "model.norm.weight": torch.ones(D)},
               str(d / "model" / "model.safetensors"))
-    d = _manifest(run_dir, "sft", {"model": "model", "sft_embeddings": "e_new_sft.safetensors"},
+    d = stage_manifest(run_dir, "sft", {"model": "model", "sft_embeddings": "e_new_sft.safetensors"},
                   {"steps_done": 6})
     save_file({"e_new": sft_rows}, str(d / "e_new_sft.safetensors"))
     (d / "model").mkdir()
@@ -61,7 +56,7 @@ def make_upstream(run_dir, grounded=True, markers=2):
         "baselines": {"mostpop": {"test": {"recall@5": {"value": 0.05, "ci": [0.0, 0.1]}}}},
         "invalid_sid_rate": 0.0,
     }
-    d = _manifest(run_dir, "evaluate", {"metrics": "metrics.json"}, {})
+    d = stage_manifest(run_dir, "evaluate", {"metrics": "metrics.json"}, {})
     (d / "metrics.json").write_text(json.dumps(metrics))
 
 

@@ -13,21 +13,13 @@ import numpy as np
 import polars as pl
 import pytest
 import torch
-from testkit import FailOnceFit, WorkerDied
+from testkit import FailOnceFit, WorkerDied, stage_manifest
 
 from gti import config, pipeline
-from gti.manifest import Manifest
 from gti.run_versions import find_model_dir
 
 HASH, SIZES, N_ITEMS = "sidhash-rl", [4, 4, 4], 24
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _manifest(run_dir, stage, outputs, facts):
-    d = run_dir / stage
-    d.mkdir(parents=True, exist_ok=True)
-    Manifest(stage=stage, fingerprint=f"fp-{stage}", config={}, outputs=outputs, facts=facts).write(d)
-    return d
 
 
 def make_upstream(run_dir, n_users: int = 40, seed: int = 0):
@@ -43,13 +35,13 @@ def make_upstream(run_dir, n_users: int = 40, seed: int = 0):
         start, n = int(rng.integers(0, N_ITEMS)), int(rng.integers(3, 7))
         walk = [items[(start + j) % N_ITEMS] for j in range(n + 2)]
         rows.append({"user_id": f"u{u}", "train_items": walk[:n], "valid_item": walk[n], "test_item": walk[n + 1]})
-    d = _manifest(run_dir, "ingest", {"sequences": "sequences.parquet"}, {"n_users": n_users, "n_items": N_ITEMS})
+    d = stage_manifest(run_dir, "ingest", {"sequences": "sequences.parquet"}, {"n_users": n_users, "n_items": N_ITEMS})
     pl.DataFrame(rows).write_parquet(d / "sequences.parquet")
     codec = SidCodec(3, SIZES)
     codes = [[i // 16, (i // 4) % 4, i % 4] for i in range(N_ITEMS)]
     facts = {"levels": 3, "codebook_sizes": SIZES, "token_format": "<{level}_{code}>",
              "new_tokens": codec.tokens(), "sid_map_hash": HASH, "n_items": N_ITEMS}
-    d = _manifest(run_dir, "sid", {"sid_map": "sid_map.parquet"}, facts)
+    d = stage_manifest(run_dir, "sid", {"sid_map": "sid_map.parquet"}, facts)
     pl.DataFrame({"item_id": items, "codes": codes, "sid": [codec.to_string(c) for c in codes]},
                  schema={"item_id": pl.Utf8, "codes": pl.List(pl.Int32), "sid": pl.Utf8}).write_parquet(d / "sid_map.parquet")
     model, tok = models.build_tiny(config.ModelConfig(name="tiny"), seed=seed)
@@ -58,7 +50,7 @@ def make_upstream(run_dir, n_users: int = 40, seed: int = 0):
     with torch.no_grad():
         g = torch.Generator().manual_seed(seed)
         model.get_input_embeddings().weight[first:end] = 0.02 * torch.randn(end - first, model.config.hidden_size, generator=g)
-    d = _manifest(run_dir, "sft", {"model": "model"}, {"sid_map_hash": HASH})
+    d = stage_manifest(run_dir, "sft", {"model": "model"}, {"sid_map_hash": HASH})
     new_rows.export_model(model, tok, d / "model", {"sid_map_hash": HASH, "new_token_ids": [first, end]})
     return d
 

@@ -19,21 +19,13 @@ import numpy as np
 import polars as pl
 import pytest
 import torch
-from testkit import FailOnceFit, WorkerDied
+from testkit import FailOnceFit, WorkerDied, stage_manifest
 
 from gti import config, pipeline
 from gti.contract import StageContext
-from gti.manifest import Manifest
 
 N_ITEMS, SIZES, HASH = 24, [6, 4], "sidhash-test"
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _manifest(run_dir, stage, outputs, facts):
-    d = run_dir / stage
-    d.mkdir(parents=True, exist_ok=True)
-    Manifest(stage=stage, fingerprint=f"fp-{stage}", config={}, outputs=outputs, facts=facts).write(d)
-    return d
 
 
 def make_upstream(run_dir, n_users: int = 48, seed: int = 0, model_hash: str = HASH):
@@ -49,14 +41,14 @@ def make_upstream(run_dir, n_users: int = 48, seed: int = 0, model_hash: str = H
         start, n = int(rng.integers(0, N_ITEMS)), int(rng.integers(3, 9))
         walk = [items[(start + j) % N_ITEMS] for j in range(n + 2)]
         rows.append({"user_id": f"u{u}", "train_items": walk[:n], "valid_item": walk[n], "test_item": walk[n + 1]})
-    d = _manifest(run_dir, "ingest", {"sequences": "sequences.parquet"}, {"n_users": n_users, "n_items": N_ITEMS})
+    d = stage_manifest(run_dir, "ingest", {"sequences": "sequences.parquet"}, {"n_users": n_users, "n_items": N_ITEMS})
     pl.DataFrame(rows).write_parquet(d / "sequences.parquet")
 
     codec = SidCodec(2, SIZES)
     codes = [[i // SIZES[1], i % SIZES[1]] for i in range(N_ITEMS)]
     facts = {"levels": 2, "codebook_sizes": SIZES, "token_format": "<{level}_{code}>",
              "new_tokens": codec.tokens(), "sid_map_hash": HASH, "n_items": N_ITEMS}
-    d = _manifest(run_dir, "sid", {"sid_map": "sid_map.parquet"}, facts)
+    d = stage_manifest(run_dir, "sid", {"sid_map": "sid_map.parquet"}, facts)
     pl.DataFrame(
         {"item_id": items, "codes": codes, "sid": [codec.to_string(c) for c in codes]},
         schema={"item_id": pl.Utf8, "codes": pl.List(pl.Int32), "sid": pl.Utf8},
@@ -65,7 +57,7 @@ def make_upstream(run_dir, n_users: int = 48, seed: int = 0, model_hash: str = H
     mcfg = config.ModelConfig(name="tiny")
     model, tok = models.build_tiny(mcfg, seed=seed)
     first, end = new_rows.extend_tokenizer(tok, codec.tokens())
-    d = _manifest(run_dir, "pairs", {"tokenizer": "tokenizer", "pairs": "pairs.parquet"},
+    d = stage_manifest(run_dir, "pairs", {"tokenizer": "tokenizer", "pairs": "pairs.parquet"},
                   {"new_token_ids": [first, end], "sid_map_hash": HASH})
     tok.save_pretrained(d / "tokenizer")
     # A few grounding-style pairs (title ids -> SID ids) for the multitask mix.
@@ -84,7 +76,7 @@ def make_upstream(run_dir, n_users: int = 48, seed: int = 0, model_hash: str = H
     with torch.no_grad():  # noise-initialised new rows, as after grounding
         g = torch.Generator().manual_seed(seed)
         model.get_input_embeddings().weight[first:end] = 0.02 * torch.randn(end - first, model.config.hidden_size, generator=g)
-    d = _manifest(run_dir, "ground", {"model": "model"}, {"sid_map_hash": HASH, "new_token_ids": [first, end]})
+    d = stage_manifest(run_dir, "ground", {"model": "model"}, {"sid_map_hash": HASH, "new_token_ids": [first, end]})
     new_rows.export_model(model, tok, d / "model", {"sid_map_hash": model_hash, "new_token_ids": [first, end]})
     return first, end
 
@@ -236,10 +228,10 @@ def test_stale_sid_map_is_refused(tmp_path):
     from gti.sid.versions import UnrelatedSidMapError
 
     run_dir = tmp_path / "run"
-    _manifest(run_dir, "ingest", {"sequences": "sequences.parquet"}, {})
-    _manifest(run_dir, "sid", {"sid_map": "sid_map.parquet"}, {"sid_map_hash": HASH})
-    _manifest(run_dir, "pairs", {"tokenizer": "tokenizer", "pairs": "pairs.parquet"}, {"new_token_ids": [0, 1]})
-    d = _manifest(run_dir, "ground", {"model": "model"}, {})
+    stage_manifest(run_dir, "ingest", {"sequences": "sequences.parquet"}, {})
+    stage_manifest(run_dir, "sid", {"sid_map": "sid_map.parquet"}, {"sid_map_hash": HASH})
+    stage_manifest(run_dir, "pairs", {"tokenizer": "tokenizer", "pairs": "pairs.parquet"}, {"new_token_ids": [0, 1]})
+    d = stage_manifest(run_dir, "ground", {"model": "model"}, {})
     (d / "model").mkdir()
     (d / "model" / "gti_meta.json").write_text(json.dumps({"sid_map_hash": "some-other-map"}))
     with pytest.raises(UnrelatedSidMapError, match="stale SID map"):
