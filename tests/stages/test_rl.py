@@ -114,7 +114,9 @@ def test_rl_trains_keeps_its_best_validation_and_becomes_the_runs_model(rl_run):
     best = f["best"]
     assert best["metric"] == "val_mrr" and best["start"] == mrr[0]["value"]
     assert best["value"] == max(v["value"] for v in mrr) and best["step"] in (0, 2, 4)
-    assert {"reward_mean", "kl", "clip_fraction", "zero_std_share", "time_share/rollout"} <= set(f["step_stats"])
+    assert {"reward_mean", "kl", "clip_fraction", "zero_std_share", "rollout_s"} <= set(f["step_stats"])
+    shares = f["time_shares"]
+    assert shares["rollout"] > 0 and sum(shares.values()) == pytest.approx(1.0) and shares["update"] > 0
     assert f["step_stats"]["kl"] >= 0 and f["stopped_at"] is None and f["timing"]["compute_s"] > 0
     assert m.outputs == {"model": "model"}
     assert find_model_dir(run_dir) == ("rl", run_dir / "rl" / "model")

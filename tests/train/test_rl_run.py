@@ -12,7 +12,7 @@ import pytest
 from gti import config as C
 from gti.errors import ConfigError
 from gti.train.loss import IGNORE_INDEX
-from gti.train.rl_run import RlInputs, rl_prompt_rows, run_rl, step_stat_means
+from gti.train.rl_run import RlInputs, rl_prompt_rows, run_rl, step_stat_means, time_shares
 from gti.train.worker_config import RlStart, ValSet
 
 
@@ -54,6 +54,12 @@ def test_step_stat_means():
     h = {"stats": {"reward_mean": [[1, 0.0], [2, 0.5]], "kl": [[1, 0.1], [2, 0.3]]}}
     assert step_stat_means(h) == pytest.approx({"reward_mean": 0.25, "kl": 0.2})
     assert step_stat_means({"loss": []}) == {}
+
+
+def test_time_shares_of_the_compute_time():
+    h = {"stats": {"rollout_s": [[1, 1.0], [2, 2.0]], "reward_s": [[1, 0.25], [2, 0.25]]}}
+    assert time_shares(h, 10.0, grad_accum=2) == pytest.approx({"rollout": 0.6, "reward": 0.1, "update": 0.3})
+    assert time_shares(h, None, 1) is None and time_shares(h, 0.0, 1) is None
 
 
 def test_a_validation_set_without_mrr_is_refused(tmp_path: Path):

@@ -63,6 +63,19 @@ def step_stat_means(history: dict[str, Any]) -> dict[str, float]:
     return {k: sum(v for _, v in pts) / len(pts) for k, pts in history.get("stats", {}).items() if pts}
 
 
+def time_shares(history: dict[str, Any], compute_s: float | None, grad_accum: int) -> dict[str, float] | None:
+    """{"rollout", "reward", "update"}: shares of the training steps' compute time (the loop's
+    compute_s: forward, backward, optimizer, in the step hook and around it) spent rolling out,
+    rewarding, and in the update (the rest: scoring forwards, backward, optimizer step). None
+    without compute time. The hook's seconds are per micro-step means, hence x grad_accum."""
+    if not compute_s:
+        return None
+    spent = {k: grad_accum * sum(v for _, v in history.get("stats", {}).get(f"{k}_s", [])) for k in ("rollout", "reward")}
+    out = {k: v / compute_s for k, v in spent.items()}
+    out["update"] = max(0.0, 1.0 - out["rollout"] - out["reward"])
+    return out
+
+
 def run_rl(
     inputs: RlInputs,
     *,
@@ -79,8 +92,8 @@ def run_rl(
     storage_path, name, start_ray, tracker, callbacks: as `gti.train.sft_run.run_sft`.
     Returns the best validation's tensors ({name: fp32 tensor}; the SFT model's own when no step
     beat it), the history and the facts: `history_facts` + best {metric, start, value, step},
-    stopped_at (the step of an early stop, or None), step_stats (means), trainable_params,
-    precision, timing.
+    stopped_at (the step of an early stop, or None), step_stats (means), time_shares (rollout /
+    reward / update), trainable_params, precision, timing.
     """
     rc = inputs.run_cfg.rl
     if not inputs.val.mrr:
@@ -100,6 +113,7 @@ def run_rl(
         "best": res.history.get("best"),
         "stopped_at": res.history.get("stopped_at"),
         "step_stats": step_stat_means(res.history),
+        "time_shares": time_shares(res.history, (res.timing or {}).get("compute_s"), rc.grad_accum),
         "trainable_params": int(sum(t.numel() for t in res.state_dict.values())),
         "precision": res.precision or rc.precision,
         "timing": res.timing,

@@ -32,8 +32,9 @@ if TYPE_CHECKING:
     from gti.train.worker_config import WorkerConfig
 
 BEST_METRIC = "val_mrr"
-STAT_KEYS = ("reward_mean", "reward_std", "zero_std_share", "kl", "clip_fraction", "pg_loss",
-             "time_share/rollout", "time_share/reward", "time_share/update")
+# Per micro-step: the rewards' summary, the objective's terms, and the seconds of the rollout and
+# reward phases (what a step's compute time holds besides the update: gti.train.rl_run.time_shares).
+STAT_KEYS = ("reward_mean", "reward_std", "zero_std_share", "kl", "clip_fraction", "pg_loss", "rollout_s", "reward_s")
 
 
 def rl_row(prompt: list[int], target_sid: list[int]) -> dict[str, list[int]]:
@@ -117,7 +118,7 @@ def rl_step_loss(engine, batch: dict[str, torch.Tensor], config: "WorkerConfig",
     seed = int(ctx.cfg.seed) * 1_000_003 + int(micro_step) * 7919 + int(rank)
     out = grpo_step_loss(engine, ctx.reference, prompts, targets, ctx.trie, ctx.settings,
                          levels=int(config.rl.levels), pad_id=int(config.pad_id), seed=seed, clock=clock)
-    stats = {**out.stats, **clock.shares()}
+    stats = {**out.stats, "rollout_s": clock.seconds.get("rollout", 0.0), "reward_s": clock.seconds.get("reward", 0.0)}
     return out.loss, {k: float(stats[k]) for k in STAT_KEYS}
 
 
