@@ -212,3 +212,22 @@ def test_what_grounding_did_is_one_line_and_absent_facts_print_nothing(tmp_path)
             "their effective rank 1.0 -> 59.7 (1.0 = all rows equal)") in text.splitlines()
     off = dict(facts, grounded=False, rows=dict(facts["rows"], moved_mean=0.0, effective_rank_after=1.0))
     assert S.format_grounding(off) == "Grounding: off (mean init only); new rows' effective rank 1.0 -> 1.0"
+
+
+def test_what_rl_did_names_the_kept_model_and_the_table_row(tmp_path):
+    run = _run(tmp_path)
+    text = S.format_summary(S.read_run(run, STAGES))
+    assert "gti (SFT model)" in text and "RL:" not in text  # no rl stage (older runs)
+    (run / "rl").mkdir()
+    (run / "rl" / "_manifest.json").write_text(json.dumps({"stage": "rl", "facts": {"enabled": False}}))
+    assert "RL:" not in S.format_summary(S.read_run(run, STAGES))  # rl off
+    facts = {"enabled": True, "steps_done": 40, "stopped_at": None, "step_stats": {"reward_mean": 0.0674},
+             "best": {"metric": "val_mrr", "start": 0.0412, "value": 0.0412, "step": 0}}
+    (run / "rl" / "_manifest.json").write_text(json.dumps({"stage": "rl", "facts": facts}))
+    text = S.format_summary(S.read_run(run, STAGES))
+    assert "gti (RL model)" in text and "gti (SFT model)" not in text
+    assert ("RL: 40 GRPO steps; validation mrr 0.041 (SFT model) -> best 0.041: the SFT model was kept "
+            "(no step beat it); mean reward 0.067") in text.splitlines()
+    moved = dict(facts, stopped_at=20, best={"metric": "val_mrr", "start": 0.04, "value": 0.05, "step": 10})
+    assert S.format_rl(moved) == ("RL: 40 GRPO steps; validation mrr 0.040 (SFT model) -> best 0.050: the model "
+                                  "of step 10 was kept; stopped early at step 20; mean reward 0.067")

@@ -33,6 +33,7 @@ from typing import Any, Sequence
 import polars as pl
 
 MODEL_ROW = "gti (SFT model)"
+RL_ROW = "gti (RL model)"  # the model row when the rl stage trained (evaluate scored rl/model)
 ROW_NAMES = {"sasrec": "SASRec", "markov": "Markov-1", "mostpop": "MostPop"}
 SAMPLE_HISTORY = 3  # history items shown for the sample user (and passed to gti recommend)
 SAMPLE_RECS = 5  # the model's top items shown for the sample user
@@ -66,6 +67,7 @@ class RunSummary:
     report: str | None = None  # report.html when the report stage has written it
     config: str | None = None  # the config path, for the commands that need one
     grounding: dict[str, Any] | None = None  # the ground stage's facts (steps_done, rows, ...)
+    rl: dict[str, Any] | None = None  # the rl stage's facts when it trained (best, stopped_at, ...)
 
 
 # --------------------------------------------------------------------------- reading
@@ -96,10 +98,11 @@ def read_run(run_dir: str | Path, stages: Sequence[str], shown: str | None = Non
             durations[stage] = float(m["duration_s"])
     report = root / "report" / "report.html"
     ground = _manifest(root / "ground")
+    rl = ((_manifest(root / "rl") or {}).get("facts")) or {}
     return RunSummary(
         run_dir=shown or str(run_dir), metrics=metrics, durations=durations,
         sample=read_sample(root, metrics), report=str(report) if report.is_file() else None, config=config,
-        grounding=(ground or {}).get("facts"))
+        grounding=(ground or {}).get("facts"), rl=rl if rl.get("enabled") else None)
 
 
 def summary_split(metrics: dict[str, Any]) -> str | None:
@@ -164,7 +167,7 @@ def _cell(entry: Any) -> str:
     return f"{entry['value']:.3f}{ci}"
 
 
-def table_rows(metrics: dict[str, Any], split: str) -> list[tuple[str, list[str]]]:
+def table_rows(metrics: dict[str, Any], split: str, model_row: str = MODEL_ROW) -> list[tuple[str, list[str]]]:
     """(row name, cells) for the model, then SASRec, Markov-1, MostPop (and any other baseline
     present), cells in the order of `summary_columns` then MRR: exact-rank MRR where the run
     has exact ranks, else MRR@K of every row's top K (`mrr_at_k`)."""
@@ -174,7 +177,7 @@ def table_rows(metrics: dict[str, Any], split: str) -> list[tuple[str, list[str]
     ndcg, n_boot = cols[-1], int((metrics.get("config") or {}).get("bootstrap", 1000))
     model_mrr = ((metrics.get("ranks") or {}).get(split) or {}).get("mrr") if exact else mrr_at_k(
         ((metrics.get("per_user") or {}).get(split) or {}).get(ndcg), n_boot)
-    rows = [(MODEL_ROW, [_cell((metrics["splits"].get(split) or {}).get(c)) for c in cols] + [_cell(model_mrr)])]
+    rows = [(model_row, [_cell((metrics["splits"].get(split) or {}).get(c)) for c in cols] + [_cell(model_mrr)])]
     order = [b for b in ROW_NAMES if b in baselines] + [b for b in baselines if b not in ROW_NAMES]
     for name in order:
         table = baselines[name].get(split) or {}
@@ -210,13 +213,13 @@ def _ks(metrics: dict[str, Any], split: str) -> list[int]:
     return sorted({int(n.split("@")[1]) for n in names if "@" in n}) or [10]
 
 
-def format_table(metrics: dict[str, Any], split: str) -> str:
+def format_table(metrics: dict[str, Any], split: str, model_row: str = MODEL_ROW) -> str:
     ks = list((metrics.get("config") or {}).get("ks") or _ks(metrics, split))
     cols = summary_columns(ks)
     exact = bool((metrics.get("ranks") or {}).get(split))
     header = [c.replace("recall", "Recall").replace("ndcg", "NDCG") for c in cols] + [
         "MRR" if exact else f"MRR@{cols[-1].split('@')[1]}"]
-    rows = table_rows(metrics, split)
+    rows = table_rows(metrics, split, model_row)
     name_w = max(len(n) for n, _ in rows)
     widths = [max(len(h), *(len(cells[i]) for _, cells in rows)) for i, h in enumerate(header)]
     lines = ["  ".join([" " * name_w] + [h.rjust(w) for h, w in zip(header, widths)])]
@@ -257,6 +260,19 @@ def format_sample(s: Sample) -> list[str]:
         where = f"; its exact rank over the catalog: {s.exact_rank:g}" if s.exact_rank is not None else ""
         lines.append(f"  (the true item is not in the model's top {s.k}{where})")
     return lines
+
+
+def format_rl(facts: dict[str, Any]) -> str:
+    """One line on what RL did: steps, the validation metric before and at its best step (step 0:
+    the SFT model was kept), an early stop, the mean reward."""
+    best = facts.get("best") or {}
+    metric, start, value, step = best.get("metric", "val_mrr"), best.get("start"), best.get("value"), best.get("step")
+    num = lambda v: "?" if v is None else f"{v:.3f}"  # noqa: E731
+    kept = "the SFT model was kept (no step beat it)" if step == 0 else f"the model of step {step} was kept"
+    stop = f"; stopped early at step {facts['stopped_at']}" if facts.get("stopped_at") else ""
+    reward = (facts.get("step_stats") or {}).get("reward_mean")
+    return (f"RL: {facts.get('steps_done', '?')} GRPO steps; validation {metric.removeprefix('val_')} {num(start)} "
+            f"(SFT model) -> best {num(value)}: {kept}{stop}" + (f"; mean reward {reward:.3f}" if reward is not None else ""))
 
 
 def format_grounding(facts: dict[str, Any]) -> str | None:
@@ -311,12 +327,15 @@ def format_summary(s: RunSummary) -> str:
         return f"Run {s.run_dir}: its metrics.json has no split"
     n_users = (m.get("n_users") or {}).get(split)
     lines = [f"Run {s.run_dir}: {split} split, {n_users if n_users is not None else '?'} users, the same users "
-             "in every row; [95% bootstrap CI]", "", format_table(m, split), _mrr_note(m, split)]
+             "in every row; [95% bootstrap CI]", "", format_table(m, split, RL_ROW if s.rl else MODEL_ROW),
+             _mrr_note(m, split)]
     if s.sample is not None:
         lines += [""] + format_sample(s.sample)
     grounding = format_grounding(s.grounding) if s.grounding else None
     if grounding:
         lines += ["", grounding]
+    if s.rl:
+        lines += ["", format_rl(s.rl)]
     if s.durations:
         lines += ["", format_durations(s.durations)]
     cmds = next_commands(s)
