@@ -65,4 +65,10 @@ def test_old_records_without_an_rl_section_still_stand_for_non_rl_arms(tmp_path)
     rl_run = plan(cfg, ["gti+rl"], 1, tmp_path / "out")[0]
     write("gti+rl", old["gti"])
     rec, _, why = read_record(rl_run, rdir, {})
-    assert rec is None and "rl.enabled" in why
+    assert rec is None and "rl" in why
+    # Other rl keys change nothing while RL does not train: the old records still stand.
+    tuned = C.validate({"run_dir": str(tmp_path / "base"), "model": {"name": "tiny"},
+                        "rl": {"steps": 10, "lr": 1e-4}}, "t")
+    for r in plan(tuned, ["mean", "gti"], 1, tmp_path / "out"):
+        rec, _, why = read_record(r, rdir, {})
+        assert why == "" and rec.arm == r.arm

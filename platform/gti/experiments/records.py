@@ -87,7 +87,11 @@ def shared_identity(shared_dir: Path) -> dict[str, str]:
 
 
 def _semantic(cfg_json: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in cfg_json.items() if k not in NON_SEMANTIC_KEYS}
+    """The keys that shape an arm run's result: without the placement and shared-stage sections,
+    and without `rl` when RL does not train (its other keys then change nothing)."""
+    rl = cfg_json.get("rl") or {}
+    idle_rl = not (rl.get("enabled") and rl.get("steps", 1) > 0)
+    return {k: v for k, v in cfg_json.items() if k not in NON_SEMANTIC_KEYS and not (k == "rl" and idle_rl)}
 
 
 def config_diff(a: Any, b: Any, prefix: str = "") -> list[str]:
