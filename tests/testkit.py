@@ -8,6 +8,9 @@ the conftest a second time).
 `load_bench("<topic>/<script>")` imports bench/<topic>/<script>.py as a module (bench/ is not a
 package; `load_bench("common")` is the scripts' shared module).
 
+`walk_sequences(items, n_users, seed, max_train)` makes ingest's sequences for users walking the
+catalog in steps of +1 (the next item is learnable from the history).
+
 `stage_manifest(run_dir, stage, outputs, facts)` writes a fixture stage's `_manifest.json` (a
 finished upstream stage without running it) and returns the stage folder.
 
@@ -181,3 +184,17 @@ def stage_manifest(run_dir: Path, stage: str, outputs: dict, facts: dict) -> Pat
     d.mkdir(parents=True, exist_ok=True)
     Manifest(stage=stage, fingerprint=f"fp-{stage}", config={}, outputs=outputs, facts=facts).write(d)
     return d
+
+
+def walk_sequences(items: list[str], n_users: int, seed: int, max_train: int) -> list[dict]:
+    """Rows of sequences.parquet: user u starts at a seeded item and walks +1 around the catalog,
+    3..max_train-1 training items, then its valid and test items."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    rows = []
+    for u in range(n_users):
+        start, n = int(rng.integers(0, len(items))), int(rng.integers(3, max_train))
+        walk = [items[(start + j) % len(items)] for j in range(n + 2)]
+        rows.append({"user_id": f"u{u}", "train_items": walk[:n], "valid_item": walk[n], "test_item": walk[n + 1]})
+    return rows

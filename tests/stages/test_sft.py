@@ -19,7 +19,7 @@ import numpy as np
 import polars as pl
 import pytest
 import torch
-from testkit import FailOnceFit, WorkerDied, stage_manifest
+from testkit import FailOnceFit, WorkerDied, stage_manifest, walk_sequences
 
 from gti import config, pipeline
 from gti.contract import StageContext
@@ -34,13 +34,8 @@ def make_upstream(run_dir, n_users: int = 48, seed: int = 0, model_hash: str = H
     from gti.lm import models, new_rows
     from gti.sid.codec import SidCodec
 
-    rng = np.random.default_rng(seed)
     items = [f"it{i}" for i in range(N_ITEMS)]
-    rows = []
-    for u in range(n_users):
-        start, n = int(rng.integers(0, N_ITEMS)), int(rng.integers(3, 9))
-        walk = [items[(start + j) % N_ITEMS] for j in range(n + 2)]
-        rows.append({"user_id": f"u{u}", "train_items": walk[:n], "valid_item": walk[n], "test_item": walk[n + 1]})
+    rows = walk_sequences(items, n_users, seed, max_train=9)
     d = stage_manifest(run_dir, "ingest", {"sequences": "sequences.parquet"}, {"n_users": n_users, "n_items": N_ITEMS})
     pl.DataFrame(rows).write_parquet(d / "sequences.parquet")
 
