@@ -20,7 +20,7 @@ from gti import config as C
 from gti.errors import DataError
 from gti.train import loop, ray_train
 from gti.train.loss import IGNORE_INDEX
-from gti.train.rl_task import STAT_KEYS, rl_row, sft_row_to_rl, split_batch
+from gti.train.rl_task import STAT_KEYS, rl_row, split_batch
 from gti.train.shards import PadCollate
 from gti.train.worker_config import RlStart, ValSet, WorkerConfig
 
@@ -40,13 +40,6 @@ def test_rows_pack_and_unpack():
     bad = PadCollate(0)({"input_ids": [[5, 6, 7, 8]], "labels": [[IGNORE_INDEX] * 4]})
     with pytest.raises(DataError, match="no target SID"):
         split_batch(bad, LEVELS)
-
-
-def test_an_sft_row_becomes_its_prompt_and_target():
-    ids = [5, 6, 7, 64, 73, 82, 2]
-    labels = [IGNORE_INDEX] * 3 + [64, 73, 82, 2]
-    assert sft_row_to_rl(ids, labels, LEVELS) == rl_row([5, 6, 7], [64, 73, 82])
-    assert sft_row_to_rl(ids, [IGNORE_INDEX] * 7, LEVELS) is None
 
 
 # --------------------------------------------------------------------------- the loop in one process

@@ -58,7 +58,7 @@ from gti.train import faults, nonfinite, ray_train, safe_checkpoint
 from gti.train.best import BEST_FILE, BestKeeper
 from gti.train.shards import PadCollate, ShardStream
 from gti.train.deepspeed_config import build_ds_config, micro_batch
-from gti.train.loss import make_forward, set_training_attention
+from gti.train.loss import make_forward, set_training_attention, training_autocast
 from gti.train.schedule import LrMultiplier
 from gti.train.task import TaskHooks
 from gti.train.worker_config import WorkerConfig, from_loop_dict
@@ -126,10 +126,6 @@ class _Worker:
     precision: str
     keeper: BestKeeper | None = None  # hooks.keep_best: the best validation's tensors and the stop rule
 
-    def autocast(self):
-        """The training forward's autocast (bf16 when the resolved precision is bf16)."""
-        return torch.autocast("cuda" if self.tc.use_gpu else "cpu", dtype=torch.bfloat16,
-                              enabled=self.precision == "bf16")
 
 
 def _setup(config: WorkerConfig) -> tuple[_Worker, C.RunConfig]:
@@ -206,7 +202,7 @@ def _train_step(w: _Worker, batches, timing: dict[str, float], config: WorkerCon
         if w.hooks.step_loss is None:
             loss = w.forward(engine, b)
         else:
-            with w.autocast():
+            with training_autocast(w.precision, "cuda" if tc.use_gpu else "cpu"):
                 loss, got = w.hooks.step_loss(engine, b, config, w.rank, step * tc.grad_accum + i)
             for k, v in got.items():
                 stats[k] = stats.get(k, 0.0) + float(v) / tc.grad_accum

@@ -219,6 +219,11 @@ def set_training_attention(model: torch.nn.Module, setting: str, use_gpu: bool) 
     return impl
 
 
+def training_autocast(precision: str, device_type: str):
+    """The training forward's autocast: bf16 when the resolved precision is "bf16", else off."""
+    return torch.autocast(device_type, dtype=torch.bfloat16, enabled=precision == "bf16")
+
+
 def make_forward(model: torch.nn.Module, precision: str, device_type: str) -> Callable:
     """(engine, batch) -> scalar loss for this model and resolved precision.
 
@@ -229,10 +234,9 @@ def make_forward(model: torch.nn.Module, precision: str, device_type: str) -> Ca
     state stay in their own dtype (fp32 unless model.dtype says otherwise).
     """
     fast = supports_labelled_loss(model)
-    autocast = precision == "bf16"
 
     def forward(engine, b: dict[str, torch.Tensor]) -> torch.Tensor:
-        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=autocast):
+        with training_autocast(precision, device_type):
             if fast:
                 return labelled_loss(engine, b["input_ids"], b["attention_mask"], b["labels"])
             return engine(input_ids=b["input_ids"], attention_mask=b["attention_mask"], labels=b["labels"]).loss

@@ -59,15 +59,6 @@ def split_batch(batch: dict[str, torch.Tensor], levels: int) -> tuple[list[list[
     return prompts, targets
 
 
-def sft_row_to_rl(input_ids: list[int], labels: list[int], levels: int) -> dict[str, list[int]] | None:
-    """An SFT training row (prompt, then an answer whose first `levels` labelled tokens are the
-    target's SID) as an `rl_row`; None for a row without a labelled answer."""
-    start = next((i for i, t in enumerate(labels) if t != IGNORE_INDEX), None)
-    if start is None or start == 0 or len(labels) < start + levels:
-        return None
-    return rl_row(list(input_ids[:start]), list(labels[start: start + levels]))
-
-
 def grpo_settings(cfg: C.RunConfig) -> "GrpoSettings":
     from gti.rl.step import GrpoSettings
 
