@@ -12,7 +12,8 @@ from gti.config_train import GroundConfig
 from gti.lm import models, new_rows
 from gti.train.deepspeed_config import build_ds_config
 from gti.train.ground_task import ground_trainable_state
-from gti.train.loop import _manual_grad_norm, _SchedulerFactory
+from gti.train.engine import make_engine
+from gti.train.loop import _manual_grad_norm
 
 
 def _tiny_split_model(tied: bool, n_new: int = 12):
@@ -35,17 +36,12 @@ def _tiny_split_model(tied: bool, n_new: int = 12):
 def test_engine_steps_leave_old_rows_bit_identical(single_process_dist_env, stage, tied):
     """Three AdamW steps with weight decay through DeepSpeed (ZeRO `stage`): every frozen
     tensor (old embedding rows, old head, backbone) is bit-identical; the new rows moved."""
-    import deepspeed
-
     model, first = _tiny_split_model(tied)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     trainable = [p for p in model.parameters() if p.requires_grad]
     assert len(trainable) == (1 if tied else 2)
     tc = GroundConfig(zero_stage=stage, batch_size=2, lr=1e-2, weight_decay=0.5, steps=3)
-    engine, _, _, sched = deepspeed.initialize(
-        model=model, model_parameters=trainable, config=build_ds_config(tc, 1, use_gpu=False),
-        lr_scheduler=_SchedulerFactory(tc.schedule, tc.warmup_steps, tc.steps),
-    )
+    engine, _ = make_engine(model, trainable, tc, 1, use_gpu=False, bf16_weights=False)
     g = torch.Generator().manual_seed(0)
     for _ in range(3):
         ids = torch.randint(0, first + 12, (2, 10), generator=g)

@@ -16,7 +16,7 @@ from gti.config import ModelConfig
 from gti.config_train import GroundConfig
 from gti.lm import models, new_rows
 from gti.train import loop, ray_train, safe_checkpoint
-from gti.train.deepspeed_config import build_ds_config
+from gti.train.engine import make_engine
 
 
 class _Payload:
@@ -30,8 +30,6 @@ class _Payload:
 
 
 def _engine(stage: int, bf16: bool):
-    import deepspeed
-
     cfg = ModelConfig(name="tiny", tiny_hidden=32, tiny_layers=1, tiny_heads=2, tiny_tied=False)
     model, tok = models.build_tiny(cfg, seed=0)
     first = len(tok)
@@ -40,11 +38,8 @@ def _engine(stage: int, bf16: bool):
     if bf16:
         model.to(torch.bfloat16)
     tc = GroundConfig(zero_stage=stage, batch_size=2, lr=1e-2, steps=4)
-    engine, _, _, _ = deepspeed.initialize(
-        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-        config=build_ds_config(tc, 1, use_gpu=False, bf16_weights=bf16),
-        lr_scheduler=loop._SchedulerFactory(tc.schedule, tc.warmup_steps, tc.steps),
-    )
+    engine, _ = make_engine(model, [p for p in model.parameters() if p.requires_grad], tc, 1,
+                            use_gpu=False, bf16_weights=bf16)
     ids = torch.randint(first, first + 8, (2, 6), generator=torch.Generator().manual_seed(0))
     out = engine(input_ids=ids, labels=ids)
     engine.backward(out.loss)

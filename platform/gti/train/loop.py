@@ -3,7 +3,7 @@
 What it is for: `train_loop_per_worker(config)` is the function each Ray Train worker runs
 (`fit` starts them through `gti.train.ray_train.run_trainer`, the one Ray Train driver; the task
 runners in `gti.train` call `fit`). It builds the model through the task's hooks
-(`gti.train.task.TaskHooks`), wraps it in the DeepSpeed engine (settings from
+(`gti.train.task.TaskHooks`), wraps it in the DeepSpeed engine (`gti.train.engine`, settings from
 `gti.train.deepspeed_config`; Ray Train already initialised torch.distributed, gloo on CPU /
 nccl on GPU, and `deepspeed.initialize` wraps that group), streams micro-batches from the
 worker's shard (`gti.train.shards.ShardStream`: rows {"input_ids", "labels"}, right-padded to
@@ -57,9 +57,9 @@ from gti.devices import resolve_precision, use_cpu_threads
 from gti.train import faults, nonfinite, ray_train, safe_checkpoint
 from gti.train.best import BEST_FILE, BestKeeper
 from gti.train.shards import PadCollate, ShardStream
-from gti.train.deepspeed_config import build_ds_config, micro_batch
+from gti.train.deepspeed_config import micro_batch
+from gti.train.engine import make_engine
 from gti.train.loss import make_forward, set_training_attention, training_autocast
-from gti.train.schedule import LrMultiplier
 from gti.train.task import TaskHooks
 from gti.train.worker_config import WorkerConfig, from_loop_dict
 
@@ -70,16 +70,6 @@ TRAINABLE_FILE = "trainable.safetensors"
 
 
 # --------------------------------------------------------------------------- helpers
-class _SchedulerFactory:
-    """deepspeed.initialize(lr_scheduler=callable): optimizer -> LambdaLR (picklable)."""
-
-    def __init__(self, schedule: str, warmup: int, total: int) -> None:
-        self.mult = LrMultiplier(schedule, warmup, total)
-
-    def __call__(self, optimizer):
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, self.mult)
-
-
 def _manual_grad_norm(params: list[torch.nn.Parameter]) -> float:
     """L2 norm of the gradients of `params` (ZeRO stage 0 does not record one)."""
     sq = [p.grad.detach().float().pow(2).sum() for p in params if p.grad is not None]
@@ -130,8 +120,6 @@ class _Worker:
 
 def _setup(config: WorkerConfig) -> tuple[_Worker, C.RunConfig]:
     """Model through the task's hooks, attention and precision, the DeepSpeed engine."""
-    import deepspeed
-
     rank, world = ray_train.worker_rank_world()
     task, hooks = config.task, config.hooks
     cfg = C.validate(config.run_config, f"<{task} worker config>")
@@ -146,11 +134,8 @@ def _setup(config: WorkerConfig) -> tuple[_Worker, C.RunConfig]:
     trainable = [p for p in model.parameters() if p.requires_grad]
     if not trainable:
         raise ConfigError(f"{task}: the model has no trainable parameters")
-    ds_cfg = build_ds_config(tc, world, use_gpu=tc.use_gpu, bf16_weights=cfg.model.dtype == "bfloat16")
-    engine, _, _, scheduler = deepspeed.initialize(
-        model=model, model_parameters=trainable, config=ds_cfg,
-        lr_scheduler=_SchedulerFactory(tc.schedule, tc.warmup_steps, tc.steps),
-    )
+    engine, scheduler = make_engine(model, trainable, tc, world, use_gpu=tc.use_gpu,
+                                    bf16_weights=cfg.model.dtype == "bfloat16")
     keeper = (BestKeeper(hooks.keep_best, getattr(tc, "stop_margin", None), keep=rank == 0)
               if hooks.keep_best else None)
     return _Worker(rank, world, hooks, tc, engine, scheduler, forward, trainable, precision, keeper), cfg
