@@ -3,8 +3,8 @@
 At ZeRO stage 0 DeepSpeed all-reduces every gradient after backward even when the group has one
 rank; `gti.train.engine.make_engine` switches that off for one rank (the gradients are the
 same bit for bit: tests/train/test_engine.py). This measures what it saves on the demo's SFT
-step: SmolLM2-135M with 3 x 64 SID rows merged (every parameter trainable), compact prompts,
-batch 16, ZeRO 0, the resolved precision, fused AdamW and clipping as gti's DeepSpeed config.
+step: SmolLM2-135M with 3 x 64 SID rows merged (every parameter trainable), compact prompts of
+the last 3 items, batch 16, ZeRO 0, the resolved precision, fused AdamW and clipping as gti's DeepSpeed config.
 One engine; rounds alternate the switch (on, off, on, off, ...) so load hits both alike; the
 first steps of each round are warm-up and not timed.
 
@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=4, help="timed steps per round")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps at the start of each round")
     ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--history", type=int, default=3, help="items per SFT prompt (the demo's max_history)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     if args.quick:
@@ -54,13 +55,16 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}.items():
         os.environ.setdefault(k, v)
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    if not torch.distributed.is_initialized():  # gloo, as Ray Train sets it up on CPU workers
+        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
     torch.manual_seed(args.seed)
     torch.set_num_threads(os.cpu_count() or 1)
     precision = resolve_precision("auto")
 
     path, _, tok, first, end, items, sid = tt.load(args.seed)
     per_round = args.steps + args.warmup
-    rows = tt.sft_rows(tok, items, sid, "compact", 2 * args.rounds * per_round * args.batch, args.seed)
+    rows = tt.sft_rows(tok, items, sid, "compact", 2 * args.rounds * per_round * args.batch, args.seed,
+                       history=args.history)
     batches = tt.batches(rows, args.batch, grouped=True, seed=args.seed)
     collate = PadCollate(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
     model = tt.fresh_model(path, first, end, "sft", args.seed)
@@ -95,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         "backward_s": {k: round(float(np.mean(v)), 3) for k, v in backward.items()},
         "skip_over_allreduce": round(mean["allreduce"] / mean["skip"], 3),
         "trainable_params": sum(p.numel() for p in model.parameters()),
-        "batch": args.batch, "rounds": args.rounds, "steps_per_round": args.steps,
+        "batch": args.batch, "history": args.history, "rounds": args.rounds, "steps_per_round": args.steps,
         "mean_tokens_per_row": round(float(np.mean([len(r["input_ids"]) for r in rows])), 1),
         "precision": precision, "torch_threads": torch.get_num_threads(),
         "load_avg": os.getloadavg()[0], "cpus": os.cpu_count(), "machine": platform.machine(),
