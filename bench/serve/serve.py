@@ -124,15 +124,14 @@ def windows(run_dir: Path, n: int | None = None):
 
 
 def start_ray(num_cpus: int) -> None:
-    """A local Ray on 127.0.0.1 without the dashboard (as `gti serve` starts it), `num_cpus` CPUs."""
+    """A private local Ray as `gti serve` starts one (gti.ray_start.ensure_ray: 127.0.0.1 only,
+    no dashboard, a fresh auth token of its own), `num_cpus` CPUs."""
     import ray
-    from ray._private import ray_constants
 
-    from gti.serve.deployment import LOOPBACK_ENV
+    from gti.config import RunConfig
+    from gti.ray_start import ensure_ray
 
-    os.environ[LOOPBACK_ENV] = "0"
-    ray_constants.ENABLE_RAY_CLUSTER = False
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+    ensure_ray(RunConfig(ray_num_cpus=num_cpus))
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = ctx.enable_operator_progress_bars = False
 

@@ -143,23 +143,16 @@ def test_gti_serve_parser():
     assert build_parser().parse_args(["serve", "--run-dir", "r", "--route-prefix", "/gti"]).route_prefix == "/gti"
 
 
-def test_local_ray_is_loopback_only_and_a_cluster_is_joined(monkeypatch):
-    import ray
-    from ray._private import ray_constants
+def test_serve_starts_a_private_local_ray_or_joins_the_cluster(monkeypatch):
+    """`gti serve` starts Ray as every gti command does (gti.ray_start.ensure_ray: loopback only
+    and a fresh token of its own, tests/test_ray_start.py), or joins --ray-address."""
+    from gti import ray_start
 
-    calls = []
-    monkeypatch.setattr(ray, "is_initialized", lambda: False)
-    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
-    monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", True)
-    monkeypatch.setenv(D.LOOPBACK_ENV, "1")
+    asked = []
+    monkeypatch.setattr(ray_start, "ensure_ray", lambda cfg: asked.append(cfg.requested_ray_address({})))
     D.start_ray(None)
-    assert calls[-1]["include_dashboard"] is False and "address" not in calls[-1]
-    assert ray_constants.ENABLE_RAY_CLUSTER is False
-    import os
-
-    assert os.environ[D.LOOPBACK_ENV] == "0"
     D.start_ray("ray://head:10001")
-    assert calls[-1]["address"] == "ray://head:10001"
+    assert asked == [None, "ray://head:10001"]
 
 
 def test_cli_main_wires_the_app_without_starting_ray(serve_run, monkeypatch, capsys):

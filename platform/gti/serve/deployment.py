@@ -16,8 +16,9 @@ Serve config (jobs/serve.yaml: `serve run` / `serve deploy`).
 `cli_main` is `gti serve --run-dir R [--version k] [--host 127.0.0.1] [--port 8000]
 [--route-prefix /gti] [--replicas N] [--config FILE] [serve.key=value ...]`: the serve
 settings come from the defaults, the `serve:` section of `--config`, the overrides and the flags
-(never from the run folder, nor `trust_remote_code`: `--trust-remote-code` says it); it starts a local Ray bound to
-127.0.0.1 without the dashboard (or joins `--ray-address`) and runs the application until
+(never from the run folder, nor `trust_remote_code`: `--trust-remote-code` says it); it starts a private local Ray
+(`gti.ray_start`: 127.0.0.1 only, no dashboard, a fresh auth token of its own) or joins
+`--ray-address`, and runs the application until
 interrupted, mounted at `serve.route_prefix` (the ingress hands the app paths relative to it:
 `app_path`). The bearer token is read here (`gti.serve.app.read_token`) and the replicas get
 only its sha256.
@@ -29,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -233,25 +233,15 @@ def serve_config(args) -> ServeConfig:
         raise ConfigError(format_error(err, "gti serve flags")) from None
 
 
-LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray takes the loopback address as the node's
-
-
 def start_ray(address: str | None) -> None:
-    """Join `address`, or start a local Ray on the loopback address only, without the
-    dashboard: Ray's own single-machine mode (the one it uses on macOS and Windows), set for
-    this process (`ray_constants.ENABLE_RAY_CLUSTER`) and the processes Ray starts (env)."""
-    import ray
+    """Join `address` (else $RAY_ADDRESS), or start a private local Ray: `gti.ray_start.ensure_ray`,
+    as every gti command does (loopback addresses only, and token auth with a fresh token of this
+    Ray alone rather than Ray's ~/.ray/auth_token, which every Ray of the user shares and which is
+    often readable by others). A joined cluster keeps its own auth."""
+    from gti.config import RunConfig
+    from gti.ray_start import ensure_ray
 
-    if ray.is_initialized():
-        return
-    if address:
-        ray.init(address=address, ignore_reinit_error=True)
-        return
-    from ray._private import ray_constants
-
-    os.environ[LOOPBACK_ENV] = "0"
-    ray_constants.ENABLE_RAY_CLUSTER = False
-    ray.init(include_dashboard=False, ignore_reinit_error=True)
+    ensure_ray(RunConfig(ray_address=address))
 
 
 def cli_main(args) -> int:
