@@ -148,6 +148,13 @@ def test_sft_two_workers_deepspeed_lowers_loss_and_exports(sft_run):
     ground = AutoModelForCausalLM.from_pretrained(run_dir / "ground" / "model", use_safetensors=True)
     assert not torch.allclose(e_new, ground.get_input_embeddings().weight[first:end])
     assert f["n_train_rows"] == f["n_windows"] == f["tasks"]["seqrec"]
+    # `tensorboard --logdir <run_dir>`: the SFT curves, one point per step although the first
+    # attempt died (the two-node job test checked these until its SFT stopped training).
+    from gti.tracking import read_scalars
+
+    tb = read_scalars(run_dir / "tensorboard" / "sft")
+    assert [s for s, _ in tb["train/loss"]] == list(range(1, 9)), tb["train/loss"]
+    assert {"train/lr", "train/grad_norm", "train/tokens_per_s", "val/loss", "val/recall_at_10"} <= set(tb), sorted(tb)
 
 
 @pytest.mark.slow
