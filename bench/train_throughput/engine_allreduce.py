@@ -24,20 +24,44 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the shared module
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 common.hf_offline()
 
 import numpy as np  # noqa: E402
+import polars as pl  # noqa: E402
 import torch  # noqa: E402
 
-import train_throughput as tt  # noqa: E402
 from gti.config_train import SftConfig  # noqa: E402
 from gti.devices import resolve_precision  # noqa: E402
+from gti.lm import templates  # noqa: E402
+from gti.train import sft_data  # noqa: E402
+from gti.train.batching import length_grouped_batches  # noqa: E402
 from gti.train.engine import make_engine  # noqa: E402
 from gti.train.loss import make_forward, set_training_attention  # noqa: E402
 from gti.train.shards import PadCollate  # noqa: E402
+
+LEVELS, CODEBOOK = 3, 64
+
+
+def sft_batches(tok, first: int, n_rows: int, batch: int, history: int, seed: int) -> list[dict]:
+    """Compact SFT rows of the bundled data's training windows (deterministic random unique
+    SIDs), length-grouped into `batch`-row micro-batches, collated ({input_ids, labels,
+    attention_mask}: [B, T])."""
+    items = common.bundled_items()
+    sid, _ = common.catalog_sids(items.height, LEVELS, CODEBOOK, first, seed)
+    seqs = common.bundled_sequences().select(
+        "user_id", train_items=pl.col("item_id").list.slice(0, pl.col("item_id").list.len() - 2),
+        valid_item=pl.col("item_id").list.get(-2), test_item=pl.col("item_id").list.get(-1))
+    w = sft_data.training_windows(seqs, history, seed=seed)
+    w = w[np.random.default_rng(seed).permutation(w.height)[:n_rows]]
+    r = templates.make_renderer(tok, dict(zip(items["item_id"].to_list(), sid.numpy())), common.SYSTEM, 256,
+                                prompt_style="compact")
+    rows = r.render_windows(w.select("history", "target", "template").to_dict(as_series=False))
+    collate = PadCollate(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+    lengths = [len(x) for x in rows["input_ids"]]
+    return [collate({k: [rows[k][i] for i in b] for k in ("input_ids", "labels")})
+            for b in length_grouped_batches(lengths, batch, seed, window=32)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,13 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(os.cpu_count() or 1)
     precision = resolve_precision("auto")
 
-    path, _, tok, first, end, items, sid = tt.load(args.seed)
+    model, tok, _, first, end = common.smollm2_with_sid_rows(LEVELS, CODEBOOK, args.seed)
+    model.train()  # every parameter trainable, as in SFT
     per_round = args.steps + args.warmup
-    rows = tt.sft_rows(tok, items, sid, "compact", 2 * args.rounds * per_round * args.batch, args.seed,
-                       history=args.history)
-    batches = tt.batches(rows, args.batch, grouped=True, seed=args.seed)
-    collate = PadCollate(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
-    model = tt.fresh_model(path, first, end, "sft", args.seed)
+    batches = sft_batches(tok, first, 2 * args.rounds * per_round * args.batch, args.batch, args.history, args.seed)
     set_training_attention(model, "auto", False)
     tc = SftConfig(zero_stage=0, batch_size=args.batch, steps=len(batches), lr=5e-4, warmup_steps=0)
     engine, _ = make_engine(model, list(model.parameters()), tc, 1, use_gpu=False, bf16_weights=False)
@@ -80,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         mode = "allreduce" if r % 2 == 0 else "skip"
         engine.enable_backward_allreduce = mode == "allreduce"
         for s in range(per_round):
-            b = collate(tt._cols(next(it)))
+            b = next(it)
             t0 = time.perf_counter()
             loss = forward(engine, b)
             t1 = time.perf_counter()
@@ -100,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         "skip_over_allreduce": round(mean["allreduce"] / mean["skip"], 3),
         "trainable_params": sum(p.numel() for p in model.parameters()),
         "batch": args.batch, "history": args.history, "rounds": args.rounds, "steps_per_round": args.steps,
-        "mean_tokens_per_row": round(float(np.mean([len(r["input_ids"]) for r in rows])), 1),
+        "mean_tokens_per_row": round(float(np.mean([int(b["attention_mask"].sum()) / len(b["attention_mask"])
+                                                    for b in batches])), 1),
         "precision": precision, "torch_threads": torch.get_num_threads(),
         "load_avg": os.getloadavg()[0], "cpus": os.cpu_count(), "machine": platform.machine(),
     }

@@ -82,11 +82,11 @@ def fresh_model(path, first: int, end: int, task: str, seed: int):
     return model
 
 
-def sft_rows(tok, items, sid, style: str, n: int, seed: int, history: int = 10) -> list[dict]:
+def sft_rows(tok, items, sid, style: str, n: int, seed: int) -> list[dict]:
     seqs = common.bundled_sequences()
     seqs = seqs.select("user_id", train_items=pl.col("item_id").list.slice(0, pl.col("item_id").list.len() - 2),
                        valid_item=pl.col("item_id").list.get(-2), test_item=pl.col("item_id").list.get(-1))
-    w = sft_data.training_windows(seqs, history, seed=seed)
+    w = sft_data.training_windows(seqs, 10, seed=seed)
     w = w[np.random.default_rng(seed).permutation(w.height)[:n]]
     sid_ids = dict(zip(items["item_id"].to_list(), sid))
     r = templates.make_renderer(tok, sid_ids, common.SYSTEM, 256, prompt_style=style)
