@@ -39,7 +39,9 @@ target 0); `largest_batch` (the replica's count); `identical_topk`, `max_score_d
 version 0 to 1 once, never back), `reload_bad_identity` (answers naming a version and map hash
 that do not belong together), `reload_status` (GET /info's); `infer_users_per_s`,
 `evaluate_decode_users_per_s`, `infer_over_evaluate` (target >= 1), `infer_matches_evaluate`
-(same items); `load_avg_start`/`_end` (os.getloadavg()); `commit`.
+(same items); `decode_batch_ceiling` (the replica's decode in process, 16 histories batched vs
+one by one: the most `batched_over_unbatched` can be on this machine, see `decode_ceiling`);
+`load_avg_start`/`_end` (os.getloadavg()); `commit`.
 """
 
 from __future__ import annotations
@@ -242,6 +244,35 @@ def recommend_turn(run_dir: Path, hist: list, n: int, acc: dict) -> None:
     log(f"recommend: {a['ok']} ok, {a['ok'] / max(a['wall'], 1e-9):.2f} req/s so far")
 
 
+def decode_ceiling(run_dir: Path, hist: list, n: int, rounds: int) -> dict:
+    """The most request batching can give on this machine: the replica's decode with no HTTP,
+    no queue and no Serve, IN PROCESS. `n` histories as one batched constrained beam search
+    (`RecommenderService.recommend`, what a full `@serve.batch` of `n` runs) against the same
+    `n` one at a time (what `max_batch_size: 1` runs), interleaved, order alternating per round.
+    -> `decode_batch_ceiling` (one-at-a-time seconds over batched seconds, summed over rounds)."""
+    from gti.serve.service import RecommenderService
+
+    service = RecommenderService.load(run_dir, version=0)
+    batch = hist[:n]
+    service.recommend(batch[:2], K, exclude_history=False)  # warm-up: first-call allocations
+    secs = {"batched": 0.0, "one_by_one": 0.0}
+    for rnd in range(rounds):
+        for arm in (("batched", "one_by_one") if rnd % 2 == 0 else ("one_by_one", "batched")):
+            t = time.perf_counter()
+            if arm == "batched":
+                service.recommend(batch, K, exclude_history=False)
+            else:
+                for h in batch:
+                    service.recommend([h], K, exclude_history=False)
+            secs[arm] += time.perf_counter() - t
+            log(f"decode ceiling, round {rnd + 1}/{rounds}: {arm} {n} histories in {time.perf_counter() - t:.1f}s")
+    del service
+    gc.collect()
+    return {"decode_batch_ceiling": round(secs["one_by_one"] / max(secs["batched"], 1e-9), 3),
+            "decode_ceiling_histories": n, "decode_ceiling_rounds": rounds,
+            "decode_ceiling_s": {a: round(v, 2) for a, v in secs.items()}}
+
+
 def compare(answers: dict) -> dict:
     """Top-K of the service arms vs `recommend` on the histories C answered."""
     ref, same, n, diff = answers.get("recommend", {}), True, 0, 0.0
@@ -433,6 +464,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         serve.shutdown()
     figures.update(infer_vs_evaluate(run_dir, work, mode["users"], max(2, mode["rounds"])))
+    figures.update(decode_ceiling(run_dir, hist, 16, max(2, mode["rounds"])))
     load_end = os.getloadavg()
     log(f"load average at end: {load_end}")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout

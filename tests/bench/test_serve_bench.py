@@ -14,7 +14,6 @@ from testkit import load_bench
 ROOT = Path(__file__).resolve().parents[2]
 
 
-
 def _bench():
     return load_bench("serve/serve")
 
@@ -66,4 +65,6 @@ def test_serve_bench_quick(tmp_path):
     assert out["reload_bad_identity"] == 0 and out["reload_status"]["state"] == "swapped"
     assert out["infer_users_per_s"] > 0 and out["evaluate_decode_users_per_s"] > 0
     assert out["infer_matches_evaluate"] is True
+    assert out["decode_batch_ceiling"] > 0 and out["decode_ceiling_histories"] == 16
+    assert all(v > 0 for v in out["decode_ceiling_s"].values())
     assert len(out["load_avg_start"]) == len(out["load_avg_end"]) == 3
