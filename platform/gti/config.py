@@ -202,7 +202,8 @@ class SidConfig(_Strict):
     sinkhorn_epsilon: float = Field(
         0.003, gt=0, description="entropy of the Sinkhorn balancing (collision spreading; rqkmeans balanced "
         "steps), relative to the median distance gap: smaller is closer to hard assignment")
-    sinkhorn_iters: int = Field(50, ge=1, description="Sinkhorn iterations per balancing")
+    sinkhorn_iters: int = Field(50, ge=1, description="Sinkhorn iterations per balancing (at most; rqkmeans "
+                                "balanced: its final assignment, the warm-started steps before it run at most 10)")
     dedup: Literal["extra_level", "reassign"] = Field(
         "extra_level", description="SIDs still shared: extra_level appends a level numbering each group's "
         "members; reassign moves them to the nearest free last-level code (extra level where none is free)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from gti.sid.balance import priced_assign, sinkhorn_assign, sinkhorn_plan, sinkhorn_prices
+from gti.sid.balance import priced_assign, sinkhorn_assign, sinkhorn_plan, sinkhorn_potentials, sinkhorn_prices
 
 
 def test_plan_marginals():
@@ -46,3 +46,12 @@ def test_prices_learned_on_a_sample_balance_the_whole_set():
     assert counts.min() > 0.6 * share and counts.max() < 1.4 * share
     # On the rows they were learned on, prices reproduce sinkhorn_assign exactly.
     assert torch.equal(priced_assign(cost[:2000], scale, v, 0.003), sinkhorn_assign(cost[:2000], 0.003, 200))
+
+
+def test_warm_start_from_a_converged_solution_needs_one_iteration():
+    g = torch.Generator().manual_seed(0)
+    cost = torch.rand(500, 16, generator=g) ** 3  # lopsided: codes differ in appeal
+    _, v = sinkhorn_potentials(cost, 0.05, 500, tol=1e-6)
+    _, cold = sinkhorn_potentials(cost, 0.05, 1, tol=1e-6)
+    _, warm = sinkhorn_potentials(cost, 0.05, 1, tol=1e-6, v0=v)
+    assert (warm - v).abs().max() < 1e-4 < (cold - v).abs().max()

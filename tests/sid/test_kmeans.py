@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from gti.sid.kmeans import kmeans, kmeans_plus_plus, nearest
+import gti.sid.kmeans as km
+from gti.sid.kmeans import fixed_threads, kmeans, kmeans_plus_plus, nearest
 
 
 def test_seeds_are_data_points(clusters):
@@ -39,16 +40,42 @@ def test_no_empty_clusters_and_fewer_points_than_k():
     assert torch.unique(c, dim=0).shape[0] == 8  # no two identical codes
 
 
-def test_balanced_option_flattens_sizes():
+def _uneven_mixture(n: int = 2000, dim: int = 8, k: int = 16) -> torch.Tensor:
+    """[n, dim]: k gaussian blobs whose weights fall off geometrically (0.8^j)."""
     g = torch.Generator().manual_seed(0)
-    # One dense blob and a sparse cloud: plain k-means gives very uneven sizes.
-    x = torch.cat([0.05 * torch.randn(900, 2, generator=g), 3 * torch.randn(100, 2, generator=g)])
-    plain = torch.bincount(kmeans(x, 10, generator=torch.Generator().manual_seed(0)).assign, minlength=10)
-    bal = torch.bincount(
-        kmeans(x, 10, generator=torch.Generator().manual_seed(0), balanced=True, sinkhorn_epsilon=0.1,
-               sinkhorn_iters=50).assign, minlength=10)
-    assert bal.float().std() < plain.float().std()
-    assert bal.max() <= 250 and plain.max() > 250
+    centers = 4 * torch.randn(k, dim, generator=g)
+    w = 0.8 ** torch.arange(float(k))
+    comp = torch.multinomial(w / w.sum(), n, replacement=True, generator=g)
+    return centers[comp] + torch.randn(n, dim, generator=g)
+
+
+def test_balanced_option_flattens_sizes():
+    x = _uneven_mixture()
+    plain = torch.bincount(kmeans(x, 16, generator=torch.Generator().manual_seed(0)).assign, minlength=16)
+    bal = torch.bincount(kmeans(x, 16, generator=torch.Generator().manual_seed(0), balanced=True,
+                                sinkhorn_epsilon=0.05, sinkhorn_iters=50).assign, minlength=16)
+    assert plain.max() > 250 and plain.float().std() > 60  # ~125 per code when balanced
+    assert bal.max() <= 160 and bal.min() >= 80 and bal.float().std() < plain.float().std() / 4
+
+
+def test_balanced_kmeans_stops_on_its_tolerance():
+    """Lloyd steps stop once inertia stops falling (then the fixed balanced steps follow): on
+    separated blobs that is well before the cap, and a lower cap is obeyed."""
+    x = _uneven_mixture(k=8, dim=16)
+    free = kmeans(x, 8, iters=200, generator=torch.Generator().manual_seed(0), balanced=True, sinkhorn_epsilon=0.05)
+    assert free.iters - km.BALANCE_STEPS < 50
+    capped = kmeans(x, 8, iters=1, generator=torch.Generator().manual_seed(0), balanced=True, sinkhorn_epsilon=0.05)
+    assert capped.iters == 1 + km.BALANCE_STEPS
+
+
+def test_balanced_kmeans_same_codes_with_one_or_two_threads():
+    x = _uneven_mixture(n=3000)
+    out = []
+    for n in (1, 2):
+        with fixed_threads(n):
+            out.append(kmeans(x, 16, generator=torch.Generator().manual_seed(3), balanced=True,
+                              sinkhorn_epsilon=0.05).assign)
+    assert torch.equal(out[0], out[1])
 
 
 def test_nearest_chunks_agree():

@@ -222,3 +222,22 @@ def test_fingerprint_holds_the_resolved_assign_dtype(tmp_path, monkeypatch):
     assert fp(True, "sid.assign_dtype=float32") == fp(False, "sid.assign_dtype=float32")
     # Residual k-means never runs the encoder MLP: no precision in its fingerprint.
     assert "assign_dtype" not in fp(True, "sid.method=rqkmeans", "sid.assign_dtype=auto")[1]
+
+
+def test_fingerprint_holds_the_balanced_kmeans_version(tmp_path, monkeypatch):
+    """A map fitted by an earlier balanced k-means is not up to date: the algorithm's version
+    is in the fingerprint of balanced rqkmeans configs, and only there."""
+    from gti.pipeline import fingerprint
+    from gti.stages import sid as sid_stage
+
+    def fp(*over):
+        cfg = _cfg(tmp_path, *over)
+        return fingerprint(spec("sid"), cfg, cfg.resolved_run_dir())
+
+    write_embed_stage(_cfg(tmp_path).resolved_run_dir(), clustered(n=20))
+    before = fp("sid.method=rqkmeans", "sid.balanced=true")
+    assert before[1]["balanced_kmeans"] == sid_stage.BALANCED_KMEANS_VERSION
+    assert "balanced_kmeans" not in fp("sid.method=rqkmeans", "sid.balanced=false")[1]
+    assert "balanced_kmeans" not in fp("sid.method=rqvae")[1]
+    monkeypatch.setattr(sid_stage, "BALANCED_KMEANS_VERSION", "next")
+    assert fp("sid.method=rqkmeans", "sid.balanced=true")[0] != before[0]

@@ -2,8 +2,8 @@
 
 What it is for: assigning N points to K codes so that every code receives about N/K points
 while each point still prefers near codes. The `sid` stage uses it on the last SID level to
-spread items that collide (as LC-Rec does); balanced residual k-means uses it in every
-assignment step.
+spread items that collide (as LC-Rec does); balanced residual k-means uses it in the balanced
+steps that end its Lloyd iterations (`gti.sid.kmeans.balanced_kmeans`).
 
 The cost is first shifted per row and scaled by its median gap (`normalise_cost`), so
 `epsilon` is relative to the typical gap between a point's best code and the others. Working with log-potentials keeps
@@ -37,19 +37,20 @@ def normalise_cost(cost: torch.Tensor) -> torch.Tensor:
 
 
 def sinkhorn_potentials(
-    cost: torch.Tensor, epsilon: float, iters: int, tol: float = 1e-4
+    cost: torch.Tensor, epsilon: float, iters: int, tol: float = 1e-4, v0: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-domain Sinkhorn on cost [N, K] (already normalised).
 
     Returns (u [N], v [K]) with plan log Q_ij = -cost_ij / epsilon + u_i + v_j, whose rows sum
     to 1/N and columns to 1/K. Stops early once the column marginals are within `tol`
-    (relative) of uniform.
+    (relative) of uniform. `v0` [K] warm-starts the column potentials (a previous solution on
+    a similar cost: balanced k-means passes the last Lloyd step's).
     """
     n, k = cost.shape
     logits = (-cost / epsilon).float()
     log_r, log_c = -math.log(n), -math.log(k)
     u = torch.zeros(n, dtype=logits.dtype, device=cost.device)
-    v = torch.zeros(k, dtype=logits.dtype, device=cost.device)
+    v = torch.zeros(k, dtype=logits.dtype, device=cost.device) if v0 is None else v0.to(logits.dtype).clone()
     for _ in range(iters):
         u = log_r - torch.logsumexp(logits + v.unsqueeze(0), dim=1)
         col = torch.logsumexp(logits + u.unsqueeze(1), dim=0)

@@ -2,8 +2,9 @@
 
 What it is for: an encoder-free alternative to the RQ-VAE. Level 0 runs k-means on the item
 embeddings [N, D], level l on what levels < l leave over; the codebooks live in the embedding
-space itself. With `balanced`, every assignment step is Sinkhorn-balanced, so codes receive
-about N/K items each (fewer collisions, flatter usage).
+space itself. With `balanced` (`gti.sid.kmeans.balanced_kmeans`), plain Lloyd steps are
+followed by Sinkhorn-balanced ones, so codes receive about N/K items each (fewer collisions,
+flatter usage).
 
 What it does not know: collision handling (`gti.sid.resolve`), training loops, Ray. It offers
 the same quantiser interface as `gti.sid.rqvae.RQVAE` (encode, last_residual, decode_codes,

@@ -82,9 +82,17 @@ def encode_dtype(s) -> str | None:
     return resolve_encode_dtype(s.assign_dtype, "cuda" if s.use_gpu else "cpu")
 
 
+# The balanced k-means algorithm (gti.sid.kmeans.balanced_kmeans) by version: a map fitted by
+# an earlier one is not up to date for the same config (v2: Lloyd steps, then priced steps).
+BALANCED_KMEANS_VERSION = "2"
+
+
 def input_fingerprints(cfg) -> dict[str, str]:
     """The resolved assignment precision: codes made in bf16 are never up to date for a config
-    that would make them in float32 here (`auto` resolves per machine)."""
+    that would make them in float32 here (`auto` resolves per machine); for balanced residual
+    k-means, the version of its algorithm."""
+    if cfg.sid.method == "rqkmeans":
+        return {"balanced_kmeans": BALANCED_KMEANS_VERSION} if cfg.sid.balanced else {}
     dtype = encode_dtype(cfg.sid)
     return {} if dtype is None else {"assign_dtype": dtype}
 
