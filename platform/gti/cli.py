@@ -277,7 +277,8 @@ def _add_infer_command(sub) -> None:
     p.add_argument("--exclude-history", action="store_true", help="leave each user's history items out")
     p.add_argument("--part-rows", type=int, default=None, help="users per part file (default 4096)")
     p.add_argument("--batch-users", type=int, default=None, help="histories per decode (default eval.batch_users)")
-    p.add_argument("--concurrency", type=int, default=None, help="decoding actors (default eval.concurrency)")
+    p.add_argument("--concurrency", type=int, default=None, help="decoding actors of a Ray Data pool (default "
+                   "eval.concurrency; a catalog of at most local_max_items with one decoder: in this process)")
     p.add_argument("--num-gpus", type=float, default=None, help="GPUs per actor (default eval.num_gpus)")
     p.add_argument("--ray-address", default=None, help="join this Ray cluster (default: the run's, else a local Ray)")
     p.add_argument("--force", action="store_true", help="replace the parts of another gti infer job in --out")

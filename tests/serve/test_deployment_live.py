@@ -3,7 +3,7 @@ gti/serve/deployment.py) on the tiny run of conftest.py (a copy, so that a versi
 published while it serves), on the session's Ray, checked through HTTP on 127.0.0.1: every
 endpoint and the page, equality with `gti recommend` (LoadedRun), the same run mounted at a
 route prefix (a second application at /gti in the same Serve instance, for one test), a few
-4xx, the token on /admin, concurrent requests gathered into fewer decodes by `@serve.batch`, a version published
+4xx, the token on /admin, concurrent requests gathered into fewer decodes by the replica's `Gatherer`, a version published
 while requests are in flight (picked up by the replicas' poll: none fails, the answers switch
 version), and a replica killed mid-request (its requests get 503 + Retry-After, the other
 replica keeps answering). No Ray Train run."""

@@ -101,6 +101,23 @@ def test_a_finished_output_is_not_decoded_again(seq_run, tmp_path, capsys, no_ra
     assert man["state"] == "complete" and man["resumed_parts"] == 4 and man["decoded_users"] == 0
 
 
+def test_a_small_catalog_is_decoded_in_this_process(seq_run, services, tmp_path, capsys, no_ray):
+    """Without --concurrency, a catalog of at most local_max_items items with one CPU decoder is
+    decoded in this process (no Ray), as the evaluate stage does, to the same items."""
+    out = tmp_path / "here.parquet"
+    assert cli.main(["infer", "--run-dir", str(seq_run), "--users", "all", "--k", "3", "--out", str(out),
+                     "--part-rows", "2", "--batch-users", "2"]) == 0
+    assert "decoded in this process" in capsys.readouterr().err
+    got = I.read_output(out).to_pylist()
+    assert [r["user_id"] for r in got] == list(USERS)
+    for row in got:
+        ref = services[1].run.recommend(USERS[row["user_id"]], 3)
+        assert row["item_ids"] == [r["item_id"] for r in ref]
+    assert I.read_manifest(out)["state"] == "complete"
+    job = I.plan_job(seq_run, "all", out, k=3)
+    assert R.decode_here(job, None, 0.0) and not R.decode_here(job, 1, 0.0) and not R.decode_here(job, None, 1.0)
+
+
 def _free_cpus() -> float:
     import ray
 

@@ -24,7 +24,7 @@ always, by every endpoint with `serve.token_required`), 403 /admin/* when no tok
 while no run is loaded.
 
 `decode(queries) -> awaitable list of answers | RequestError`: how a replica decodes (Ray
-Serve: a `@serve.batch` method gathering concurrent requests); None = in this process, one
+Serve: a `gti.serve.gather.Gatherer` gathering concurrent requests); None = in this process, one
 request at a time.
 
 What it does NOT know: Ray, model loading (gti.serve.service), or where the token comes from

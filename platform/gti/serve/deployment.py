@@ -6,9 +6,10 @@ folder for versions `gti refresh` publishes, every `serve.reload_poll_s`) and ru
 app of `gti.serve.app` (the same app the tests drive, built per replica around its holder);
 `GtiIngress` in front takes the HTTP requests and forwards each to a replica (`forward`), so a
 replica that dies mid-request answers 503 + Retry-After while the others keep answering (Serve's
-own proxy would answer 500). Concurrent requests of a replica are gathered by `@serve.batch`
-(`serve.max_batch_size`, `serve.batch_wait_timeout_s`) into one `answer_batches` call: one
-constrained beam search for all of them, all answered by the same loaded version.
+own proxy would answer 500). Concurrent requests of a replica are gathered by
+`gti.serve.gather.Gatherer` (`serve.max_batch_size`, `serve.batch_wait_timeout_s`; the batch is
+formed when the decoder is free, which `@serve.batch` does not do) into one `answer_batches`
+call: one constrained beam search for all of them, all answered by the same loaded version.
 `deployment_options(cfg)` maps the `serve:` section to Serve's options (replicas or autoscaling
 bounds, CPUs = torch threads, GPUs per replica). `app_builder(args)` is the import path of a
 Serve config (jobs/serve.yaml: `serve run` / `serve deploy`).
@@ -28,7 +29,6 @@ What it does NOT know: how requests are checked or decoded (gti.serve.app, gti.s
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import sys
 from pathlib import Path
@@ -37,6 +37,7 @@ from typing import Any
 from ray import serve
 
 from gti.config_serve import ServeConfig
+from gti.serve.gather import Gatherer
 
 APP_NAME = "gti"
 log = logging.getLogger("gti.serve")
@@ -84,8 +85,7 @@ class GtiRecommender:
         self.holder = ServiceHolder(load, run_dir)
         self.holder.load_initial(version)
         self.holder.watch(cfg.reload_poll_s)
-        self._batched.set_max_batch_size(cfg.max_batch_size)
-        self._batched.set_batch_wait_timeout_s(cfg.batch_wait_timeout_s)
+        self._gather = Gatherer(self._decode_batch, cfg.max_batch_size, cfg.batch_wait_timeout_s)
         # the replica's actor name (namespace "serve"): which replica answered /info
         self._stats = {"id": serve.get_replica_context().replica_id.to_full_id_str(),
                        "decodes": 0, "requests": 0, "largest_batch": 0}
@@ -101,9 +101,12 @@ class GtiRecommender:
 
         return await call_asgi(self.app, method, path, query, headers, body)
 
-    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.01)
-    async def _batched(self, requests: list[list[Any]]) -> list[list[Any]]:
-        """Each request is a list of queries; all of them go into one decode."""
+    async def _batched(self, queries: list[Any]) -> list[Any]:
+        """One request's queries, answered in the decode of the batch it is gathered into."""
+        return await self._gather(queries)
+
+    def _decode_batch(self, requests: list[list[Any]]) -> list[list[Any]]:
+        """Each request is a list of queries; all of them go into one decode (a worker thread)."""
         from gti.serve.service import RequestError, answer_batches
 
         svc = self.holder.current  # once per batch: one version answers all of it
@@ -113,7 +116,7 @@ class GtiRecommender:
         st = self._stats
         st["decodes"], st["requests"] = st["decodes"] + 1, st["requests"] + len(requests)
         st["largest_batch"] = max(st["largest_batch"], len(requests))
-        return await asyncio.to_thread(answer_batches, svc, requests)
+        return answer_batches(svc, requests)
 
     def __del__(self) -> None:
         holder = getattr(self, "holder", None)

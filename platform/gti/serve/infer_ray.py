@@ -4,7 +4,9 @@ What it is for: `cli_main` is `gti infer --run-dir R --users all|FILE --k K --ou
 the job (`gti.serve.infer.plan_job`), holds `RunLock(OUT)` (two jobs never write one output;
 the run folder is only read, without its lock), skips the parts a killed attempt finished, and
 decodes the rest on a pool of `PartDecoder` actors (`eval.concurrency` of the run's config, or
-`--concurrency`; `eval.num_gpus` GPUs each): each actor loads the run once
+`--concurrency`; `eval.num_gpus` GPUs each), or, for a catalog of at most `local_max_items` items
+with one CPU decoder, on one `PartDecoder` in this process as the evaluate stage does
+(`decode_here`; no Ray is started): each decoder loads the run once
 (`RecommenderService.load`, the loader of `gti serve`), checks that it holds the planned map,
 and per dataset row (one part: its users and histories) decodes and writes the part file
 itself, so the rows never pass through the driver. The driver draws progress in users from the
@@ -89,15 +91,39 @@ def _pool(job: I.InferJob, todo: list[I.Part], concurrency: int, num_gpus: float
     )
 
 
+def _decoded_here(job: I.InferJob, todo: list[I.Part], trust_remote_code: bool):
+    """The parts' summaries, decoded one after the other by one `PartDecoder` in this process
+    (a small catalog: see `decode_here`)."""
+    dec = PartDecoder(str(job.run_dir), job.version, job.key["map_hash"], str(job.out), job.key["k"],
+                      job.key["exclude_history"], job.key["batch_users"], cpu_threads=job.eval_cfg.cpu_threads,
+                      trust_remote_code=trust_remote_code)
+    for part in todo:
+        yield dec(part_rows_table(job, part))
+
+
+def decode_here(job: I.InferJob, concurrency: int | None, num_gpus: float) -> bool:
+    """As the evaluate stage decides (`gti.stages.evaluate`): a catalog of at most the run's
+    `local_max_items` items, one CPU decoder and no `--concurrency` asking for a pool -> decode
+    in this process, without an actor pool whose start-up costs more than the work there."""
+    from gti.manifest import Manifest
+
+    if concurrency is not None or job.eval_cfg.concurrency != 1 or num_gpus:
+        return False
+    n_items = int(Manifest.read(Path(job.run_dir) / "sid").facts["n_items"])
+    return n_items <= _ray_config(job, None).local_max_items
+
+
 def run_parts(job: I.InferJob, todo: list[I.Part], done_rows: int, *, concurrency: int, num_gpus: float,
-              trust_remote_code: bool = False, log=None) -> dict[str, Any]:
-    """Decode and write the `todo` parts; -> {decoded_users, error_rows, seconds, users_per_s}."""
+              trust_remote_code: bool = False, log=None, here: bool = False) -> dict[str, Any]:
+    """Decode and write the `todo` parts (`here`: in this process, else on an actor pool of
+    `concurrency`); -> {decoded_users, error_rows, seconds, users_per_s}."""
     from gti.progress import Progress
 
     t0, n, errors = time.time(), 0, 0
     bar = Progress(job.users.height, "infer", "users", initial=done_rows, log=log)
-    batches = iter(_pool(job, todo, concurrency, num_gpus, trust_remote_code).iter_batches(
-        batch_size=None, batch_format="pyarrow"))
+    batches = (_decoded_here(job, todo, trust_remote_code) if here else
+               iter(_pool(job, todo, concurrency, num_gpus, trust_remote_code).iter_batches(
+                   batch_size=None, batch_format="pyarrow")))
     try:
         for batch in batches:
             for part, rows, errs in zip(*(batch.column(c).to_pylist() for c in ("part", "rows", "errors"))):
@@ -137,6 +163,8 @@ def cli_main(args) -> int:
     concurrency = int(ec.concurrency if args.concurrency is None else args.concurrency)
     if concurrency < 1:
         raise ConfigError(f"--concurrency must be >= 1, got {concurrency}")
+    num_gpus = float(ec.num_gpus if args.num_gpus is None else args.num_gpus)
+    here = decode_here(job, args.concurrency, num_gpus)
     with RunLock(job.out, what="gti infer"):
         resumed = I.prepare_out(job.out, job.key, force=bool(args.force)) is not None
         done = I.finished_parts(job.out, job.users, job.parts)
@@ -146,9 +174,11 @@ def cli_main(args) -> int:
             log(f"resuming: {len(done)} of {len(job.parts)} part(s) ({done_rows:,} users) already written")
         stats = {"decoded_users": 0, "error_rows": 0, "seconds": 0.0, "users_per_s": 0.0}
         if todo:
-            ensure_ray(_ray_config(job, getattr(args, "ray_address", None)))
-            stats = run_parts(job, todo, done_rows, concurrency=concurrency,
-                              num_gpus=float(ec.num_gpus if args.num_gpus is None else args.num_gpus),
+            if here:
+                log("the catalog is at most local_max_items: decoded in this process (--concurrency N: a pool)")
+            else:
+                ensure_ray(_ray_config(job, getattr(args, "ray_address", None)))
+            stats = run_parts(job, todo, done_rows, concurrency=concurrency, num_gpus=num_gpus, here=here,
                               trust_remote_code=bool(getattr(args, "trust_remote_code", False)), log=log)
         I.finish_manifest(job.out, job.key, job.parts, {**stats, "resumed_parts": len(done)})
     errs = f", {stats['error_rows']:,} without items (see the error column)" if stats["error_rows"] else ""

@@ -230,7 +230,7 @@ class RecommenderService:
 
 def answer_batches(service: RecommenderService, batches: Sequence[Sequence[Query]]) -> list[list[Any]]:
     """Several requests' queries (a request = a list of queries) answered in ONE `answer`
-    call of one service, then split back per request: what a replica's `@serve.batch` runs.
+    call of one service, then split back per request: what a replica's `Gatherer` runs.
     Each answer says how many requests shared its decode (`batch_requests`)."""
     flat = [q for batch in batches for q in batch]
     res = service.answer(flat)

@@ -1,0 +1,65 @@
+"""Concurrent requests gathered into one decode, the batch formed when the decoder is free.
+
+What it is for: a replica's constrained beam search is compute-bound on CPU (seconds per call).
+Ray Serve's `@serve.batch` forms a batch when its first request arrives (then waits
+`batch_wait_timeout_s`) even while the previous batch is still decoding, so under load the
+batches queue up small, one behind the other (bench/RESULTS.md, "gti serve on an idle machine").
+`Gatherer` forms the next batch only when the decoder is free: everything queued by then, up to
+`max_batch_size`, goes into one call, after at most `wait_s` for the batch to fill.
+
+What it does not know: Serve, models, what an item is. One decode at a time per Gatherer, in a
+worker thread (the event loop keeps taking requests meanwhile).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+class Gatherer(Generic[T, R]):
+    """`await gatherer(item)` -> `fn([..., item, ...])[its index]`; `fn` maps a list of items
+    to a list of results of the same length and runs in a worker thread."""
+
+    def __init__(self, fn: Callable[[list[T]], Sequence[R]], max_batch_size: int, wait_s: float) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.fn, self.max_batch_size, self.wait_s = fn, int(max_batch_size), max(float(wait_s), 0.0)
+        self._queue: list[tuple[T, asyncio.Future]] = []
+        self._worker: asyncio.Task | None = None
+
+    async def __call__(self, item: T) -> R:
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._queue.append((item, fut))
+        if self._worker is None or self._worker.done():
+            self._worker = asyncio.create_task(self._drain())
+        return await fut
+
+    async def _drain(self) -> None:
+        """Decode batches until the queue is empty (a new request then starts a new drain)."""
+        while self._queue:
+            if len(self._queue) < self.max_batch_size and self.wait_s > 0:
+                await asyncio.sleep(self.wait_s)  # let requests arriving together join
+            batch = self._queue[: self.max_batch_size]
+            del self._queue[: self.max_batch_size]
+            batch = [(item, fut) for item, fut in batch if not fut.cancelled()]
+            if batch:
+                await self._decode(batch)
+
+    async def _decode(self, batch: list[tuple[T, asyncio.Future]]) -> None:
+        try:
+            results: Any = await asyncio.to_thread(self.fn, [item for item, _ in batch])
+            if len(results) != len(batch):
+                raise RuntimeError(f"decode returned {len(results)} results for {len(batch)} requests")
+        except Exception as err:  # noqa: BLE001 - every request of the batch gets the error
+            for _, fut in batch:
+                if not fut.done():
+                    fut.set_exception(err)
+            return
+        for (_, fut), res in zip(batch, results):
+            if not fut.done():
+                fut.set_result(res)
