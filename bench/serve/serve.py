@@ -4,7 +4,7 @@ a reload under load, and `gti infer` against the evaluate stage's decode (issue 
 All on 127.0.0.1, in one process and one local Ray. Arms, interleaved in rounds whose order
 rotates (A B C, B C A, ...):
   A `batched`: the `gti serve` application (gti/serve/deployment.py: ingress + one replica with
-    `serve.threads` torch threads), `serve.max_batch_size` 16, `serve.batch_wait_timeout_s` 0.01;
+    `serve.threads` torch threads), `serve.max_batch_size` 16, `serve.batch_wait_timeout_s` the config's default (`--batch-wait`);
   B `unbatched`: the same with `serve.max_batch_size: 1`;
   C `recommend`: `gti recommend`'s path per history, IN PROCESS: `LoadedRun.open(run_dir,
     version=0).recommend(history, k)` per history, as its cli_main does, without a new
@@ -30,7 +30,7 @@ recommendations are meaningless: throughput needs a real model size and catalog,
 (jobs/configs/tiny.yaml: tiny random Llama, 300 items) and fewer requests (`make bench`).
 
 Usage:  python bench/serve/serve.py [--quick] [--rounds R] [--requests16 N] [--requests64 N]
-                                    [--recommend-calls N] [--users N] [--work DIR]
+                                    [--recommend-calls N] [--users N] [--batch-wait S] [--work DIR]
 The last line is one JSON object: `requests_per_s`, `p50_ms`, `p99_ms` per arm (`batched@16`,
 `unbatched@16`, `batched@64`, `unbatched@64`, `recommend`); `batched_over_unbatched` (requests/s
 at 16 clients; target >= 4) and `_64`; `errors` (non-200 answers and failed calls, all arms;
@@ -138,8 +138,9 @@ def start_ray(num_cpus: int) -> None:
     ctx.enable_progress_bars = ctx.enable_operator_progress_bars = False
 
 
-def deploy(run_dir: Path, port: int, batch: int, threads: int, warm: list[str]) -> float:
-    """(Re)deploy the `gti serve` application on version 0 with `max_batch_size` `batch`; the
+def deploy(run_dir: Path, port: int, batch: int, threads: int, warm: list[str], wait_s: float) -> float:
+    """(Re)deploy the `gti serve` application on version 0 with `max_batch_size` `batch` and
+    `batch_wait_timeout_s` `wait_s`; the
     seconds until it answered /readyz and two untimed requests for `warm` (first-call warm-up)."""
     import httpx
     from ray import serve
@@ -153,7 +154,7 @@ def deploy(run_dir: Path, port: int, batch: int, threads: int, warm: list[str]) 
         serve.delete("gti")
     except Exception:  # noqa: BLE001 - nothing deployed yet
         pass
-    cfg = ServeConfig(port=port, threads=threads, max_batch_size=batch, batch_wait_timeout_s=0.01,
+    cfg = ServeConfig(port=port, threads=threads, max_batch_size=batch, batch_wait_timeout_s=wait_s,
                       reload_poll_s=0, max_k=100)
     serve.run(build_app(run_dir, 0, cfg, token_digest(TOKEN)), name="gti", route_prefix="/")
     for _ in range(120):  # the proxy learns the new route a moment after serve.run returns
@@ -208,7 +209,7 @@ def serve_turn(arm: str, run_dir: Path, port: int, hist: list, mode: dict, threa
     """One A or B turn: deploy, then the load at each client count; results into `acc`."""
     import httpx
 
-    secs = deploy(run_dir, port, 16 if arm == "batched" else 1, threads, hist[0])
+    secs = deploy(run_dir, port, 16 if arm == "batched" else 1, threads, hist[0], mode["batch_wait"])
     log(f"{arm}: deployed in {secs:.1f}s")
     bodies = [{"history": h, "k": K, "exclude_history": False} for h in hist]
     for n in CLIENTS:
@@ -294,7 +295,7 @@ def switch_seen(versions: list[int]) -> str | bool:
     return f"{changes[0][0]}->{changes[0][1]}" if len(changes) == 1 else False
 
 
-def reload_under_load(run_dir: Path, port: int, hist: list, threads: int, clients: int = 16) -> dict:
+def reload_under_load(run_dir: Path, port: int, hist: list, threads: int, wait_s: float, clients: int = 16) -> dict:
     """A on version 0 under `clients` clients; POST /admin/reload {"version": new} (the newest
     refresh version) after a quarter of `4 * clients` requests; the load stops once the last
     `2 * clients` answers are of the new version (or after 600 s)."""
@@ -303,7 +304,7 @@ def reload_under_load(run_dir: Path, port: int, hist: list, threads: int, client
     from gti.run_versions import current_versions, resolve
 
     new = current_versions(run_dir, note=lambda line: None)[-1].k
-    deploy(run_dir, port, 16, threads, hist[0])
+    deploy(run_dir, port, 16, threads, hist[0], wait_s)
     url, n_min, t0 = f"http://127.0.0.1:{port}", 4 * clients, time.perf_counter()
     fired: dict = {}
 
@@ -430,12 +431,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests64", type=int, default=None, help="requests per A/B turn at 64 clients")
     ap.add_argument("--recommend-calls", type=int, default=None, help="histories per C turn")
     ap.add_argument("--users", type=int, default=None, help="users of the infer/evaluate comparison")
+    ap.add_argument("--batch-wait", type=float, default=None,
+                    help="serve.batch_wait_timeout_s of both arms (default: the config's default)")
     ap.add_argument("--work", default=str(ROOT / "runs" / "bench-serve"), help="where the run is built and cached")
     args = ap.parse_args(argv)
     mode = dict(MODES["quick" if args.quick else "full"])
     mode["requests"] = {16: args.requests16 or mode["requests"][16], 64: args.requests64 or mode["requests"][64]}
     for key in ("rounds", "recommend_calls", "users"):
         mode[key] = getattr(args, key) or mode[key]
+    from gti.config_serve import ServeConfig
+
+    mode["batch_wait"] = (ServeConfig.model_fields["batch_wait_timeout_s"].default if args.batch_wait is None
+                          else args.batch_wait)
     load_start, t0 = os.getloadavg(), time.perf_counter()
     log(f"load average at start: {load_start}")
     work = Path(args.work).resolve()
@@ -460,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
         figures = run_serve_arms(run_dir, port, hist, mode, mode["rounds"], threads)
-        figures.update(reload_under_load(run_dir, port, hist, threads))
+        figures.update(reload_under_load(run_dir, port, hist, threads, mode["batch_wait"]))
     finally:
         serve.shutdown()
     figures.update(infer_vs_evaluate(run_dir, work, mode["users"], max(2, mode["rounds"])))
@@ -470,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
     print(json.dumps({"bench": "serve", "mode": "quick" if args.quick else "full", "model": mode["model"],
                       "run_dir": str(run_dir), "clients": list(CLIENTS), "k": K, "rounds": mode["rounds"],
-                      "max_batch_size": 16, "batch_wait_timeout_s": 0.01, "threads": threads, **figures,
+                      "max_batch_size": 16, "batch_wait_timeout_s": mode["batch_wait"], "threads": threads, **figures,
                       "recommend_cli_process_s": cli_s, "setup_s": round(setup_s, 1),
                       "total_s": round(time.perf_counter() - t0, 1), "commit": commit.strip(),
                       "load_avg_start": [round(x, 2) for x in load_start],

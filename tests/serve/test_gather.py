@@ -74,6 +74,24 @@ def test_wait_lets_requests_arriving_together_join_the_first_batch():
     assert fn.calls[0] == [0] and sum(len(c) for c in fn.calls) == 3
 
 
+def test_a_full_batch_does_not_wait_out_the_timeout():
+    fn = SlowDecode(secs=0.0)
+
+    async def main():
+        g = Gatherer(fn, max_batch_size=3, wait_s=30.0)
+
+        async def late(i):
+            await asyncio.sleep(0.02)
+            return await g(i)
+        t = time.perf_counter()
+        out = await asyncio.gather(g(0), late(1), late(2))
+        return out, time.perf_counter() - t
+
+    out, secs = asyncio.run(main())
+    assert out == [0, 2, 4] and fn.calls == [[0, 1, 2]]
+    assert secs < 5.0  # the third request filled the batch: no 30 s wait
+
+
 def test_an_error_reaches_its_batch_only_and_the_next_batch_is_decoded():
     fn = SlowDecode(secs=0.1, fail_on=2)
 

@@ -5,7 +5,8 @@ Ray Serve's `@serve.batch` forms a batch when its first request arrives (then wa
 `batch_wait_timeout_s`) even while the previous batch is still decoding, so under load the
 batches queue up small, one behind the other (bench/RESULTS.md, "gti serve on an idle machine").
 `Gatherer` forms the next batch only when the decoder is free: everything queued by then, up to
-`max_batch_size`, goes into one call, after at most `wait_s` for the batch to fill.
+`max_batch_size`, goes into one call, after at most `wait_s` for the batch to fill (no wait
+once it is full).
 
 What it does not know: Serve, models, what an item is. One decode at a time per Gatherer, in a
 worker thread (the event loop keeps taking requests meanwhile).
@@ -31,10 +32,13 @@ class Gatherer(Generic[T, R]):
         self.fn, self.max_batch_size, self.wait_s = fn, int(max_batch_size), max(float(wait_s), 0.0)
         self._queue: list[tuple[T, asyncio.Future]] = []
         self._worker: asyncio.Task | None = None
+        self._full: asyncio.Event | None = None  # set when the queue reaches max_batch_size
 
     async def __call__(self, item: T) -> R:
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
         self._queue.append((item, fut))
+        if self._full is not None and len(self._queue) >= self.max_batch_size:
+            self._full.set()
         if self._worker is None or self._worker.done():
             self._worker = asyncio.create_task(self._drain())
         return await fut
@@ -43,12 +47,22 @@ class Gatherer(Generic[T, R]):
         """Decode batches until the queue is empty (a new request then starts a new drain)."""
         while self._queue:
             if len(self._queue) < self.max_batch_size and self.wait_s > 0:
-                await asyncio.sleep(self.wait_s)  # let requests arriving together join
+                await self._fill()
             batch = self._queue[: self.max_batch_size]
             del self._queue[: self.max_batch_size]
             batch = [(item, fut) for item, fut in batch if not fut.cancelled()]
             if batch:
                 await self._decode(batch)
+
+    async def _fill(self) -> None:
+        """Let requests arriving together join: wait `wait_s`, or less if the batch fills."""
+        self._full = asyncio.Event()
+        try:
+            await asyncio.wait_for(self._full.wait(), self.wait_s)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            self._full = None
 
     async def _decode(self, batch: list[tuple[T, asyncio.Future]]) -> None:
         try:
