@@ -58,3 +58,13 @@ def test_a_bad_route_prefix_names_the_key_and_the_value(prefix):
         assert repr(prefix) in str(err.value)
     with pytest.raises(ValueError, match="route_prefix"):
         ServeConfig(route_prefix=prefix)
+
+
+def test_the_batch_wait_depends_on_where_the_replica_decodes_unless_set():
+    cfg = ServeConfig()
+    assert cfg.batch_wait_timeout_s is None
+    assert cfg.batch_wait_for("cpu") == 0.25 and cfg.batch_wait_for("cuda") == 0.01
+    assert ServeConfig(batch_wait_timeout_s=0.05).batch_wait_for("cpu") == 0.05
+    assert ServeConfig(batch_wait_timeout_s=0).batch_wait_for("cuda") == 0
+    with pytest.raises(ValueError, match="batch_wait_timeout_s"):
+        ServeConfig(batch_wait_timeout_s=-1)

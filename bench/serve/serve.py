@@ -4,7 +4,7 @@ a reload under load, and `gti infer` against the evaluate stage's decode (issue 
 All on 127.0.0.1, in one process and one local Ray. Arms, interleaved in rounds whose order
 rotates (A B C, B C A, ...):
   A `batched`: the `gti serve` application (gti/serve/deployment.py: ingress + one replica with
-    `serve.threads` torch threads), `serve.max_batch_size` 16, `serve.batch_wait_timeout_s` the config's default (`--batch-wait`);
+    `serve.threads` torch threads), `serve.max_batch_size` 16, `serve.batch_wait_timeout_s` the config's default on CPU (`--batch-wait`);
   B `unbatched`: the same with `serve.max_batch_size: 1`;
   C `recommend`: `gti recommend`'s path per history, IN PROCESS: `LoadedRun.open(run_dir,
     version=0).recommend(history, k)` per history, as its cli_main does, without a new
@@ -441,8 +441,7 @@ def main(argv: list[str] | None = None) -> int:
         mode[key] = getattr(args, key) or mode[key]
     from gti.config_serve import ServeConfig
 
-    mode["batch_wait"] = (ServeConfig.model_fields["batch_wait_timeout_s"].default if args.batch_wait is None
-                          else args.batch_wait)
+    mode["batch_wait"] = ServeConfig(batch_wait_timeout_s=args.batch_wait).batch_wait_for("cpu")
     load_start, t0 = os.getloadavg(), time.perf_counter()
     log(f"load average at start: {load_start}")
     work = Path(args.work).resolve()

@@ -276,7 +276,7 @@ def _add_infer_command(sub) -> None:
                    help="refresh version k (default: the newest; 0: the run before any refresh)")
     p.add_argument("--exclude-history", action="store_true", help="leave each user's history items out")
     p.add_argument("--part-rows", type=int, default=None, help="users per part file (default 4096)")
-    p.add_argument("--batch-users", type=int, default=None, help="histories per decode (default eval.batch_users)")
+    p.add_argument("--batch-users", type=int, default=None, help="histories per decode (default serve.infer_batch_users)")
     p.add_argument("--concurrency", type=int, default=None, help="decoding actors of a Ray Data pool (default "
                    "eval.concurrency; a catalog of at most local_max_items with one decoder: in this process)")
     p.add_argument("--num-gpus", type=float, default=None, help="GPUs per actor (default eval.num_gpus)")

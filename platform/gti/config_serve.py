@@ -21,6 +21,11 @@ from gti.config_io import StrictModel
 MAX_K_LIMIT = 1000  # as gti.eval.recommend.MAX_K (not imported: config sits below eval)
 
 
+# serve.batch_wait_timeout_s when unset: a CPU decode takes seconds, so waiting 0.25 s lets the
+# clients of the last batch (answered together) join the next one; a GPU decode takes milliseconds.
+DEFAULT_BATCH_WAIT_S = {"cpu": 0.25, "gpu": 0.01}
+
+
 class ServeConfig(StrictModel):
     """`gti serve` (gti/serve/): a Ray Serve application over one loaded run."""
 
@@ -40,11 +45,18 @@ class ServeConfig(StrictModel):
         2.0, gt=0, description="autoscaling target: requests in flight per replica")
     max_batch_size: int = Field(
         16, ge=1, description="requests a replica gathers into one constrained beam search (1: no batching)")
-    batch_wait_timeout_s: float = Field(
-        0.01, ge=0, description="longest a request waits for others to fill its batch")
+    batch_wait_timeout_s: float | None = Field(
+        None, ge=0, description="longest a request waits for others to fill its batch (a full batch goes at once); "
+                                "None: 0.25 s on CPU, where a decode takes seconds and the clients it answered "
+                                "come back together (bench/RESULTS.md, \"gti serve at the decode ceiling\"), "
+                                "0.01 s on a GPU")
     max_k: int = Field(100, ge=1, le=MAX_K_LIMIT, description="largest k a request may ask for")
     max_body_bytes: int = Field(65536, ge=64, description="larger request bodies are refused with 413")
     max_batch_histories: int = Field(64, ge=1, description="histories per POST /recommend/batch request")
+    infer_batch_users: int = Field(
+        32, ge=1, description="histories per constrained beam search in `gti infer` (a throughput job: larger than "
+                              "eval.batch_users, which bounds the evaluate stage's memory per actor; --batch-users "
+                              "overrides; bench/RESULTS.md, \"gti infer in batches of 32\")")
     unknown_items: Literal["ignore", "error"] = Field(
         "ignore", description="history ids not in the catalog: 'ignore' drops and reports them, 'error' answers 422")
     exclude_history: bool = Field(
@@ -81,3 +93,9 @@ class ServeConfig(StrictModel):
     @property
     def autoscaling(self) -> bool:
         return self.min_replicas is not None
+
+    def batch_wait_for(self, device_type: str) -> float:
+        """`batch_wait_timeout_s` resolved for a replica decoding on `device_type` ("cpu", "cuda")."""
+        if self.batch_wait_timeout_s is not None:
+            return self.batch_wait_timeout_s
+        return DEFAULT_BATCH_WAIT_S["cpu" if device_type == "cpu" else "gpu"]

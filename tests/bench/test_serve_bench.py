@@ -57,7 +57,7 @@ def test_serve_bench_quick(tmp_path):
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["bench"] == "serve" and out["mode"] == "quick"
     from gti.config_serve import ServeConfig
-    assert out["batch_wait_timeout_s"] == ServeConfig().batch_wait_timeout_s  # no --batch-wait: the default
+    assert out["batch_wait_timeout_s"] == ServeConfig().batch_wait_for("cpu") == 0.25  # no --batch-wait: the default
     arms = {"batched@16", "unbatched@16", "batched@64", "unbatched@64", "recommend"}
     assert set(out["requests_per_s"]) == set(out["p50_ms"]) == set(out["p99_ms"]) == arms
     assert all(v > 0 for v in out["requests_per_s"].values()) and out["batched_over_unbatched"] > 0

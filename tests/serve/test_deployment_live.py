@@ -91,7 +91,10 @@ def test_mounted_at_a_route_prefix(live):
               route_prefix=cfg.route_prefix)
     try:
         assert c.get("/gti/healthz").json() == {"status": "ok"}
-        assert c.get("/gti/info").json()["replica"]["id"].startswith("SERVE_REPLICA::gti-prefixed#")
+        info = c.get("/gti/info").json()
+        assert info["replica"]["id"].startswith("SERVE_REPLICA::gti-prefixed#")
+        assert info["serve"]["batch_wait_timeout_s"] == 0.25  # unset: the CPU default, as resolved
+        assert c.get("/info").json()["serve"]["batch_wait_timeout_s"] == 0.4  # set: as given
         for page in ("/gti/", "/gti"):  # the page's calls are relative to its folder: both work
             r = c.get(page)
             assert r.status_code == 200 and r.text.startswith("<!doctype html>") and 'fetch(BASE + path' in r.text

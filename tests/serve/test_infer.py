@@ -139,7 +139,7 @@ def test_plan_job_fixes_the_version_and_refuses_a_k_over_the_catalog(serve_run, 
     job = I.plan_job(seq_run, "all", tmp_path / "out", k=3, part_rows=3)
     assert job.key["version"] == 1 and job.key["model"] == "refresh/v1"  # the newest, as gti recommend
     assert job.key["map_hash"] == serve_run["v1_hash"] and job.key["n_users"] == len(SEQS)
-    assert [p.rows for p in job.parts] == [3, 3, 1] and job.key["batch_users"] == job.eval_cfg.batch_users
+    assert [p.rows for p in job.parts] == [3, 3, 1] and job.key["batch_users"] == 32  # serve.infer_batch_users, not eval.batch_users (8)
     v0 = I.plan_job(seq_run, "all", tmp_path / "out", k=3, version=0)
     assert v0.key["map_hash"] == serve_run["base_hash"] and v0.key["model"] == "sft"
     assert v0.key["users_sha256"] == job.key["users_sha256"]

@@ -85,6 +85,10 @@ class GtiRecommender:
         self.holder = ServiceHolder(load, run_dir)
         self.holder.load_initial(version)
         self.holder.watch(cfg.reload_poll_s)
+        svc = self.holder.current
+        on = next(svc.run.model.parameters()).device.type if svc is not None else "cpu"
+        # /info reports the wait in force, not `None`
+        self.cfg = cfg = cfg.model_copy(update={"batch_wait_timeout_s": cfg.batch_wait_for(on)})
         self._gather = Gatherer(self._decode_batch, cfg.max_batch_size, cfg.batch_wait_timeout_s)
         # the replica's actor name (namespace "serve"): which replica answered /info
         self._stats = {"id": serve.get_replica_context().replica_id.to_full_id_str(),

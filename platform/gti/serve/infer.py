@@ -175,7 +175,7 @@ class InferJob:
     users: pl.DataFrame  # user_id str, history list<str>
     parts: list[Part]
     key: dict[str, Any]
-    eval_cfg: Any  # the run's eval section: batch_users, concurrency, num_gpus, cpu_threads
+    eval_cfg: Any  # the run's eval section: concurrency, num_gpus, cpu_threads
 
     @property
     def version(self) -> int:
@@ -204,10 +204,11 @@ def plan_job(run_dir: str | Path, users: str, out: str | Path, *, k: int, versio
     v, stage, map_hash, n_catalog = model_identity(run_dir, version)
     if k > n_catalog:
         raise ConfigError(f"--k {k} exceeds the catalog of version {v} ({n_catalog} items)")
-    ec = run_config(run_dir, stage).eval
+    run_cfg = run_config(run_dir, stage)
+    ec = run_cfg.eval
     frame, source = read_users(users, run_dir, v)
     part_rows = PART_ROWS if part_rows is None else int(part_rows)
-    batch_users = ec.batch_users if batch_users is None else int(batch_users)
+    batch_users = run_cfg.serve.infer_batch_users if batch_users is None else int(batch_users)
     if batch_users < 1:
         raise ConfigError(f"--batch-users must be >= 1, got {batch_users}")
     key = {"run_dir": str(run_dir), "version": v, "model": stage, "map_hash": map_hash, "k": int(k),
