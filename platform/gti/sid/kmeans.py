@@ -180,22 +180,30 @@ def _priced_step(x: torch.Tensor, x_sq: torch.Tensor, c: torch.Tensor, rows: tor
                  scale: float | None, epsilon: float, iters: int):
     """One balanced assignment of x [N, D] to c [K, D]: Sinkhorn prices v [K] on the sample
     `rows` (warm-started from `v`; `scale` fixed at the first step), then every row's priced
-    argmax. -> (assign [N], squared distance to the assigned centroid [N], v, scale)."""
-    d = _all_dists(x, x_sq, c)
-    shifted = d - d.min(1, keepdim=True).values
+    argmax. -> (assign [N], squared distance to the assigned centroid [N], v, scale).
+
+    The priced argmax, argmax_j(v_j - (d_ij - min_j d_ij) / (scale * epsilon)), is the argmin
+    of c_sq_j - 2 x_i.c_j - scale * epsilon * v_j: the row's own terms (its minimum and |x_i|^2)
+    do not change it, so one addmm with the prices in its bias does the whole assignment."""
+    d = _all_dists(x[rows], x_sq[rows], c)  # [S, K]: the price sample only
+    shifted = d.sub_(d.min(1, keepdim=True).values)
     if scale is None:
-        scale = float(shifted[rows].median().clamp(min=1e-12))
-    _, v = sinkhorn_potentials(shifted[rows] / scale, epsilon, iters, tol=SINKHORN_TOL, v0=v)
-    assign = (v.unsqueeze(0) - shifted.div_(scale * epsilon)).argmax(1)
-    return assign, d.gather(1, assign.unsqueeze(1)).squeeze(1), v, scale
+        scale = float(shifted.median().clamp(min=1e-12))
+    # cost / epsilon with cost = shifted / scale, as gti.sid.balance.normalise_cost scales it
+    _, v = sinkhorn_potentials(shifted, scale * epsilon, iters, tol=SINKHORN_TOL, v0=v)
+    price = scale * epsilon * v
+    g = torch.addmm(((c * c).sum(1) - price).unsqueeze(0), x, c.T, alpha=-2.0)  # [N, K]
+    assign = g.argmin(1)
+    dist = g.gather(1, assign.unsqueeze(1)).squeeze(1).add_(price[assign]).add_(x_sq).clamp_(min=0.0)
+    return assign, dist, v, scale
 
 
 def balanced_kmeans(x: torch.Tensor, k: int, iters: int = 25, generator: torch.Generator | None = None,
                     epsilon: float = 0.003, sinkhorn_iters: int = 50) -> KMeansResult:
     """k-means on x [N, D] whose clusters hold about N/k points each (see the constants above).
 
-    Plain Lloyd steps from k random rows (at most `iters`), then balanced Lloyd steps: the
-    assignment is argmax_j(v_j - cost_ij / (scale * epsilon)), cost the squared distances
+    Plain Lloyd steps from k random rows (at most `iters` - BALANCE_STEPS), then the balanced
+    Lloyd steps: the assignment is argmax_j(v_j - cost_ij / (scale * epsilon)), cost the squared distances
     shifted to 0 per row, scale their median on the price sample, v the Sinkhorn column
     potentials (`gti.sid.balance`) of the sample. `iters` of the result counts both kinds.
     """
@@ -204,7 +212,8 @@ def balanced_kmeans(x: torch.Tensor, k: int, iters: int = 25, generator: torch.G
     x_sq = (x * x).sum(1)
     c = _random_seeds(x, k, generator)
     prev, it = float("inf"), 0
-    for it in range(1, iters + 1):
+    # The balanced steps are part of the `iters` budget (faiss's niter counts every step).
+    for it in range(1, max(1, iters - BALANCE_STEPS) + 1):
         m = _all_dists(x, x_sq, c).min(1)
         c, n_empty = _lloyd_update(x, m.indices, m.values, c)
         inertia = float(m.values.double().mean())

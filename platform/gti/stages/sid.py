@@ -83,8 +83,9 @@ def encode_dtype(s) -> str | None:
 
 
 # The balanced k-means algorithm (gti.sid.kmeans.balanced_kmeans) by version: a map fitted by
-# an earlier one is not up to date for the same config (v2: Lloyd steps, then priced steps).
-BALANCED_KMEANS_VERSION = "2"
+# an earlier one is not up to date for the same config (v2: Lloyd steps, then priced steps; v3:
+# the balanced steps within `iters`, the priced assignment as one addmm).
+BALANCED_KMEANS_VERSION = "3"
 
 
 def input_fingerprints(cfg) -> dict[str, str]:
