@@ -19,7 +19,8 @@ Compared (4 levels x 256 codes; one torch thread each, as in bench/RESULTS.md "S
   verbose=<epochs> so that `fit` keeps its best-collision epoch instead of epoch 1). Same MLP
   [512, 256, 128], code dim 32, dropout 0.1, AdamW lr 1e-3, batch 1024, same epochs.
 - faiss row: residual `faiss.Kmeans` (random init, 25 iterations; how MiniOneRec/OpenOneRec
-  build RQ-KMeans); `fit_over_faiss` is our k-means fit time over it, and
+  build RQ-KMeans); `fit_over_faiss` is our k-means fit time over it (both refitted alternately,
+  3 rounds, 1 with --quick: `fit_rounds`), and
   `same_map_across_threads` whether our balanced fit gives the same codes with 1 and 2 threads.
 - ours residual k-means (balanced) vs peer `semantic_id.RQKMeans` (implementation="kmeans";
   its "constrained" variant needs the optional `k-means-constrained` package, reported as
@@ -216,14 +217,19 @@ def ours_rqvae(x: np.ndarray, epochs: int, batch: int, seed: int = 0, revive_eve
     return f
 
 
-def ours_rqkmeans(x: np.ndarray, seed: int = 0, fit_n: int = 65536) -> dict:
+def fit_ours(x: np.ndarray, seed: int = 0, fit_n: int = 65536) -> tuple[ResidualKMeans, float]:
+    """Our balanced residual k-means on the seeded sample of `fit_n` rows -> (quantiser, fit s)."""
     q = ResidualKMeans(RQKMeansConfig(in_dim=x.shape[1], levels=LEVELS, codebook_size=K, balanced=True,
                                       sinkhorn_epsilon=0.05, sinkhorn_iters=50))
     gen = torch.Generator().manual_seed(seed)
     xt = torch.from_numpy(x)
     t0 = time.perf_counter()
     q.fit(xt[torch.randperm(len(xt), generator=gen)[:fit_n]], iters=25, generator=gen)
-    train_s = time.perf_counter() - t0
+    return q, time.perf_counter() - t0
+
+
+def ours_rqkmeans(x: np.ndarray, seed: int = 0, fit_n: int = 65536) -> dict:
+    q, train_s = fit_ours(x, seed, fit_n)
 
     def enc(b):
         with torch.inference_mode():
@@ -234,9 +240,9 @@ def ours_rqkmeans(x: np.ndarray, seed: int = 0, fit_n: int = 65536) -> dict:
     return figures(x, codes, recon, train_s, ips, enc)
 
 
-def faiss_rqkmeans(x: np.ndarray, seed: int = 0, fit_n: int = 65536) -> dict:
-    """Residual k-means as MiniOneRec / OpenOneRec build it: plain faiss.Kmeans per level (its
-    default random init, 25 iterations), on the same sample as ours."""
+def fit_faiss(x: np.ndarray, seed: int = 0, fit_n: int = 65536) -> tuple[list, float]:
+    """Plain faiss.Kmeans per level (random init, 25 iterations) on the same sample as
+    `fit_ours` -> (codebooks, fit s)."""
     import faiss
 
     gen = torch.Generator().manual_seed(seed)
@@ -248,7 +254,28 @@ def faiss_rqkmeans(x: np.ndarray, seed: int = 0, fit_n: int = 65536) -> dict:
         km.train(res)
         books.append(km.centroids)
         res = res - km.centroids[km.assign(res)[1]]
-    train_s = time.perf_counter() - t0
+    return books, time.perf_counter() - t0
+
+
+def interleaved_fits(x: np.ndarray, rounds: int, fit_n: int = 65536) -> dict:
+    """Our fit and faiss's, alternately `rounds` times, order swapped every round: this VM's
+    speed moves by up to 2x within minutes (bench/RESULTS.md, "Balanced k-means in faiss's
+    iterations"), so fit times measured minutes apart do not make a ratio.
+    -> {"ours": [s, ...], "faiss": [s, ...]}"""
+    out: dict[str, list[float]] = {"ours": [], "faiss": []}
+    for rnd in range(rounds):
+        for name in (("ours", "faiss") if rnd % 2 == 0 else ("faiss", "ours")):
+            secs = fit_ours(x, fit_n=fit_n)[1] if name == "ours" else fit_faiss(x, fit_n=fit_n)[1]
+            out[name].append(round(secs, 2))
+    return out
+
+
+def faiss_rqkmeans(x: np.ndarray, seed: int = 0, fit_n: int = 65536) -> dict:
+    """Residual k-means as MiniOneRec / OpenOneRec build it: plain faiss.Kmeans per level (its
+    default random init, 25 iterations), on the same sample as ours."""
+    import faiss
+
+    books, train_s = fit_faiss(x, seed, fit_n)
 
     def enc(b):
         r, out = b.copy(), []
@@ -322,13 +349,15 @@ def peer_rqkmeans(x: np.ndarray, implementation: str, seed: int = 0, fit_n: int 
 
 def kmeans_summary(results: dict, sets: dict) -> dict:
     """The k-means keys of the last line: our balanced residual k-means fit time over faiss's
-    plain one (same sample, at most 25 Lloyd iterations each; target <= 1.5, issue 33), on the
+    plain one (same sample, 25 Lloyd iterations each, summed over the interleaved `fit_rounds`;
+    target <= 1.5, issue 33), on the
     minilm set (the key) and the synthetic one, and whether 1 and 2 threads give one map."""
     def ratio(name: str) -> float | None:
         r = results[name]
         if "ours_rqkmeans" not in r:
             return None
-        return round(r["ours_rqkmeans"]["train_s"] / max(r["faiss_rqkmeans"]["train_s"], 1e-9), 3)
+        fits = r["fit_rounds"]  # interleaved; the rows' own train_s were measured minutes apart
+        return round(sum(fits["ours"]) / max(sum(fits["faiss"]), 1e-9), 3)
 
     return {"fit_over_faiss": ratio("minilm"), "synthetic_fit_over_faiss": ratio("synthetic"),
             "same_map_across_threads": same_map_across_threads(sets["minilm"][0])}
@@ -384,6 +413,7 @@ def main() -> None:
         if "ours_rqkmeans" in r:
             interleaved_speed(r["ours_rqkmeans"], r["peer_rqkmeans"], x, rounds)
             interleaved_speed(r["ours_rqkmeans"], r["faiss_rqkmeans"], x, rounds)
+            r["fit_rounds"] = interleaved_fits(x, 1 if quick else 3, fit_n=fit_n)
         for f in r.values():
             f.pop("_encode", None)
             f.pop("_encode_fp32", None)
