@@ -56,7 +56,7 @@ class ServeConfig(StrictModel):
     infer_batch_users: int = Field(
         32, ge=1, description="histories per constrained beam search in `gti infer` (a throughput job: larger than "
                               "eval.batch_users, which bounds the evaluate stage's memory per actor; --batch-users "
-                              "overrides; bench/RESULTS.md, \"gti infer in batches of 32\")")
+                              "overrides; bench/RESULTS.md, \"gti serve at the decode ceiling\")")
     unknown_items: Literal["ignore", "error"] = Field(
         "ignore", description="history ids not in the catalog: 'ignore' drops and reports them, 'error' answers 422")
     exclude_history: bool = Field(

@@ -83,10 +83,9 @@ class GtiRecommender:
                                            unknown_items=cfg.unknown_items, max_k=cfg.max_k)
 
         self.holder = ServiceHolder(load, run_dir)
-        self.holder.load_initial(version)
+        svc = self.holder.load_initial(version)  # raises if the run cannot be loaded
         self.holder.watch(cfg.reload_poll_s)
-        svc = self.holder.current
-        on = next(svc.run.model.parameters()).device.type if svc is not None else "cpu"
+        on = next(svc.run.model.parameters()).device.type
         # /info reports the wait in force, not `None`
         self.cfg = cfg = cfg.model_copy(update={"batch_wait_timeout_s": cfg.batch_wait_for(on)})
         self._gather = Gatherer(self._decode_batch, cfg.max_batch_size, cfg.batch_wait_timeout_s)
