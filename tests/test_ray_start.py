@@ -40,7 +40,8 @@ class _FakeRay:
 
     def init(self, **kwargs):
         self.calls.append({**kwargs, "gcs_port_env": os.environ.get("RAY_GCS_SERVER_PORT"),
-                           "train_poll_env": os.environ.get(ray_start.TRAIN_POLL_ENV)})
+                           "train_poll_env": os.environ.get(ray_start.TRAIN_POLL_ENV),
+                           "proxy_ready_env": os.environ.get(ray_start.SERVE_PROXY_READY_ENV)})
         if len(self.calls) <= self.fail:
             raise Exception("The current node timed out during startup. This could happen because ...\nmore")
         self.up = True
@@ -115,23 +116,28 @@ def test_a_local_start_is_private_and_joining_a_cluster_undoes_it(monkeypatch, n
     assert ray_constants.ENABLE_RAY_CLUSTER == was_cluster and no_wait[-1] is None
 
 
-def test_a_local_start_shortens_ray_trains_poll_unless_the_user_set_it(monkeypatch, no_wait):
-    """Ray Train's controller poll (ray.train.report waits for it) is 0.5 s for a local Ray: set
-    before ray.init, so the processes Ray starts inherit it. A value the user set is kept, and
-    joining a cluster leaves the user's setting (none here) as it was."""
+@pytest.mark.parametrize("env, key, local", [
+    (ray_start.TRAIN_POLL_ENV, "train_poll_env", "0.5"),
+    (ray_start.SERVE_PROXY_READY_ENV, "proxy_ready_env", "60"),
+])
+def test_a_local_start_sets_rays_timings_unless_the_user_set_them(monkeypatch, no_wait, env, key, local):
+    """Ray Train's controller poll (ray.train.report waits for it) is 0.5 s for a local Ray and
+    Serve's proxy ready check 60 s: set before ray.init, so the processes Ray starts inherit
+    them. A value the user set is kept, and joining a cluster leaves the user's setting (none
+    here) as it was."""
     monkeypatch.setattr(ray_start.ledger, "note", lambda *a: None)  # fake starts: no Ray for the test budget
-    monkeypatch.delenv(ray_start.TRAIN_POLL_ENV, raising=False)
+    monkeypatch.delenv(env, raising=False)
     fake = _FakeRay(monkeypatch, fail=0)
     ray_start.ensure_ray(RunConfig(ray_num_cpus=1))
-    assert fake.calls[-1]["train_poll_env"] == os.environ[ray_start.TRAIN_POLL_ENV] == "0.5"
+    assert fake.calls[-1][key] == os.environ[env] == local
     fake.up = False
     ray_start.ensure_ray(RunConfig(ray_address="ray://10.1.2.3:10001"))
-    assert fake.calls[-1]["train_poll_env"] is None and ray_start.TRAIN_POLL_ENV not in os.environ
-    monkeypatch.setenv(ray_start.TRAIN_POLL_ENV, "3")
+    assert fake.calls[-1][key] is None and env not in os.environ
+    monkeypatch.setenv(env, "3")
     for cfg in (RunConfig(ray_num_cpus=1), RunConfig(ray_address="ray://10.1.2.3:10001")):
         fake.up = False
         ray_start.ensure_ray(cfg)
-        assert fake.calls[-1]["train_poll_env"] == os.environ[ray_start.TRAIN_POLL_ENV] == "3"
+        assert fake.calls[-1][key] == os.environ[env] == "3"
 
 
 def test_second_failure_is_one_line_naming_the_logs(monkeypatch, no_wait, tmp_path):

@@ -460,10 +460,12 @@ def main(argv: list[str] | None = None) -> int:
     start_ray(max(4, os.cpu_count() or 1))
     from ray import serve
 
+    from gti.serve.deployment import start_serve
+
     with socket.socket() as sock:  # a free port
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    start_serve("127.0.0.1", port)
     try:
         figures = run_serve_arms(run_dir, port, hist, mode, mode["rounds"], threads)
         figures.update(reload_under_load(run_dir, port, hist, threads, mode["batch_wait"]))

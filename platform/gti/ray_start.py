@@ -28,7 +28,8 @@ per-operator progress bars when stdout is not a terminal, so logs stay readable 
   controller's next poll, so every metric report and checkpoint of a short run idled up to 2 s
   (bench/RESULTS.md, "Demo and test-suite wall times"). A
   poll is one small actor call per worker, so 2 a second cost little. A joined cluster keeps
-  its own setting (the controller runs there, with the cluster's environment).
+  its own setting (the controller runs there, with the cluster's environment). Likewise Ray
+  Serve's controller gives a new HTTP proxy `LOCAL_SERVE_PROXY_READY_S` to start instead of 5 s.
 
 What it does not know: what its callers run on Ray.
 """
@@ -162,14 +163,22 @@ LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 # a local Ray's default, see the module docstring; a value the user set is kept.
 TRAIN_POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
 LOCAL_TRAIN_POLL_S = "0.5"
-_PRIVATE_VARS = (LOOPBACK_ENV, "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", TRAIN_POLL_ENV)
+# How long Ray Serve's controller waits for a new HTTP proxy to be ready before killing it and
+# starting another (ray.serve._private.constants; Ray's default 5 s). A new worker process can
+# take longer on a loaded machine, and serve.start then fails on the killed one (issue 28's live
+# test in CI). A local Ray's default; a value the user set is kept.
+SERVE_PROXY_READY_ENV = "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"
+LOCAL_SERVE_PROXY_READY_S = "60"
+_PRIVATE_VARS = (LOOPBACK_ENV, "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", TRAIN_POLL_ENV,
+                 SERVE_PROXY_READY_ENV)
 _saved: dict | None = None  # what _make_private replaced, for _undo_private
 
 
 def _make_private() -> None:
     """The environment of a private local Ray, for this process and the processes Ray starts
     (GCS, raylet, workers inherit it): loopback only, token auth with a fresh per-run token,
-    and Ray Train's shorter poll interval unless the user set one."""
+    Ray Train's shorter poll interval and Serve's longer proxy ready check unless the user set
+    them."""
     global _saved
     from ray._private import ray_constants
 
@@ -182,6 +191,7 @@ def _make_private() -> None:
     os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)  # first of Ray's token sources
     os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
     os.environ.setdefault(TRAIN_POLL_ENV, LOCAL_TRAIN_POLL_S)
+    os.environ.setdefault(SERVE_PROXY_READY_ENV, LOCAL_SERVE_PROXY_READY_S)
     _reload_auth()
 
 

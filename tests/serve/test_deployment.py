@@ -215,3 +215,54 @@ def test_jobs_serve_yaml_is_a_serve_config_whose_import_path_builds_the_app(serv
         builder({**args, "port": 1})
     with pytest.raises(Exception, match="run directory not found"):
         builder({**args, "run_dir": str(tmp_path / "missing")})
+
+
+def test_start_serve_waits_for_a_proxy_that_serve_start_gave_up_on(monkeypatch):
+    """serve.start fails on a slow proxy (its 60 s, or the controller killed the first one): the
+    second call joins the controller, and start_serve returns once Serve says a proxy is HEALTHY."""
+    import ray
+
+    said = []
+    for err in (TimeoutError("HTTP proxies not available after 60s."), ray.exceptions.ActorDiedError()):
+        calls, polls = [], iter([{}, {"n1": "STARTING"}, {"n1": "HEALTHY"}])
+
+        def start(http_options, err=err):
+            calls.append(http_options)
+            if len(calls) == 1:
+                raise err
+
+        monkeypatch.setattr(D.serve, "start", start)
+        monkeypatch.setattr("time.sleep", lambda s: None)
+        D.start_serve("127.0.0.1", 8123, wait_s=10, echo=said.append, status=lambda: next(polls))
+        assert calls == [{"host": "127.0.0.1", "port": 8123}] * 2
+        assert next(polls, "spent") == "spent"  # it polled until HEALTHY, not before
+    assert len(said) == 2 and "slow to start (HTTP proxies not available after 60s.)" in said[0]
+
+
+def test_start_serve_names_the_port_when_no_proxy_gets_healthy(monkeypatch):
+    from gti.errors import GtiError
+
+    calls = []
+
+    def start(http_options):
+        calls.append(http_options)
+        if len(calls) == 1:
+            raise TimeoutError("HTTP proxies not available after 60s.")
+
+    monkeypatch.setattr(D.serve, "start", start)
+    with pytest.raises(GtiError, match="proxy on 127.0.0.1:8123 was not healthy within 62 s"):
+        D.start_serve("127.0.0.1", 8123, wait_s=2, echo=lambda m: None, status=lambda: {"n1": "UNHEALTHY"})
+
+
+def test_start_serve_passes_other_errors_and_a_quick_start_through(monkeypatch):
+    calls = []
+    monkeypatch.setattr(D.serve, "start", lambda http_options: calls.append(http_options))
+    D.start_serve("0.0.0.0", 8123)
+    assert calls == [{"host": "0.0.0.0", "port": 8123}]
+
+    def refused(http_options):
+        raise ValueError("port in use")
+
+    monkeypatch.setattr(D.serve, "start", refused)
+    with pytest.raises(ValueError, match="port in use"):
+        D.start_serve("127.0.0.1", 8123)

@@ -38,7 +38,7 @@ def live(ray_start_4_cpus, serve_run, publishable_factory, tmp_path_factory):
 
     from gti.config_serve import ServeConfig
     from gti.serve.app import token_digest
-    from gti.serve.deployment import build_app
+    from gti.serve.deployment import build_app, start_serve
 
     info = publishable_factory(serve_run, tmp_path_factory.mktemp("live") / "run")
     port = _free_port()
@@ -46,7 +46,7 @@ def live(ray_start_4_cpus, serve_run, publishable_factory, tmp_path_factory):
     # they wait), short enough for the sequential checks.
     cfg = ServeConfig(port=port, replicas=2, threads=1, max_batch_size=16, batch_wait_timeout_s=0.4,
                       reload_poll_s=0.5, max_k=15)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    start_serve("127.0.0.1", port)  # waits out a proxy slow to start on the loaded CI machine
     serve.run(build_app(info["run"], None, cfg, token_digest(TOKEN)), name="gti-live", route_prefix="/")
     with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
         yield {**info, "client": client, "port": port}

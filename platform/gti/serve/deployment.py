@@ -37,6 +37,7 @@ from typing import Any
 from ray import serve
 
 from gti.config_serve import ServeConfig
+from gti.errors import GtiError
 from gti.serve.gather import Gatherer
 
 APP_NAME = "gti"
@@ -250,6 +251,46 @@ def start_ray(address: str | None) -> None:
     ensure_ray(RunConfig(ray_address=address))
 
 
+class ServeStartError(GtiError):
+    """Serve's HTTP proxy never came up (`start_serve`)."""
+
+
+# How long `start_serve` waits for Serve's HTTP proxy beyond serve.start's own 60 s: on a loaded
+# 2-core machine a new Ray worker process can take minutes to start (CI, issue 28's live test).
+PROXY_WAIT_S = 300.0
+
+
+def start_serve(host: str, port: int, wait_s: float = PROXY_WAIT_S, echo=None, status=None) -> None:
+    """serve.start on host:port, waiting for a slow HTTP proxy instead of failing. serve.start
+    gives the proxy 60 s, and Serve's controller kills one not ready within
+    RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S (5 s by default; `gti.ray_start` raises it for a local
+    Ray) and starts another, which serve.start does not wait for. Either way the controller is
+    up and keeps starting proxies: join it and poll `serve.status().proxies` (or `status`, a
+    callable returning {node: status}) until one is HEALTHY or `wait_s` runs out (then
+    `ServeStartError`, one line)."""
+    import time
+
+    import ray
+
+    options = {"host": host, "port": port}
+    try:
+        serve.start(http_options=options)
+        return
+    except (TimeoutError, ray.exceptions.RayActorError) as err:
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        (echo or log.warning)(f"gti serve: Serve's HTTP proxy is slow to start ({first}); "
+                              f"waiting up to {wait_s:.0f} s more")
+    serve.start(http_options=options)  # joins the controller started above
+    status = status or (lambda: serve.status().proxies)
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if any(str(getattr(v, "value", v)) == "HEALTHY" for v in status().values()):
+            return
+        time.sleep(1.0)
+    raise ServeStartError(f"Serve's HTTP proxy on {host}:{port} was not healthy within {60 + wait_s:.0f} s; "
+                          "Serve's logs are in session_latest/logs/serve under Ray's temp folder")
+
+
 def cli_main(args) -> int:
     """`gti serve` (see the module docstring): blocks until interrupted."""
     from gti.run_versions import RunDirError, chosen_version
@@ -262,7 +303,7 @@ def cli_main(args) -> int:
     chosen_version(run_dir, args.version)  # a missing version fails here, in one line
     digest = token_digest(read_token(cfg))
     start_ray(getattr(args, "ray_address", None))
-    serve.start(http_options={"host": cfg.host, "port": cfg.port})
+    start_serve(cfg.host, cfg.port)
     app = build_app(run_dir, args.version, cfg, digest, bool(getattr(args, "trust_remote_code", False)))
     url = service_url(cfg)
     print(f"gti serve: {run_dir} on {url} (POST {url}recommend, GET {url}info); Ctrl-C stops",
