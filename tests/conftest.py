@@ -23,9 +23,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # idles seconds at start and end. Every Ray the tests start (in-process, `ray start` heads and
 # the local cluster script) inherits this.
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
-# Serve's controller kills an HTTP proxy not ready within 5 s; on the loaded 2-core CI machine a
-# new worker can take longer, and serve.start failed on the killed proxy (gti.ray_start).
-os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
+# Serve's proxy ready check, as a local gti Ray sets it (gti.ray_start): Ray's 5 s killed the
+# proxy on the loaded 2-core CI machine, and serve.start failed on it.
+from gti.ray_start import LOCAL_SERVE_PROXY_READY_S, SERVE_PROXY_READY_ENV  # noqa: E402
+
+os.environ.setdefault(SERVE_PROXY_READY_ENV, LOCAL_SERVE_PROXY_READY_S)
 
 # What the slow suite may start in one session (tests/run_budget.py; issue 27). Counted, not
 # timed: each Ray Train run costs ~25-35 s of worker start-up on the 2-core machine and each Ray

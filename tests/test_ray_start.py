@@ -50,9 +50,12 @@ class _FakeRay:
 @pytest.fixture
 def no_wait(monkeypatch, tmp_path):
     monkeypatch.setattr(ray_start, "START_RETRY_WAIT_S", 0.0)
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    monkeypatch.delenv(LOCAL_RAY_ENV, raising=False)  # restored at teardown: nothing leaks
-    monkeypatch.delenv("RAY_GCS_SERVER_PORT", raising=False)
+    for var in ("RAY_ADDRESS", LOCAL_RAY_ENV, "RAY_GCS_SERVER_PORT"):
+        # setenv first: delenv of an unset variable records nothing, and the fake start's
+        # RAY_ADDRESS would then outlive the test (a later session Ray in the same process
+        # would join it: "num_cpus ... must not be provided").
+        monkeypatch.setenv(var, "unset")
+        monkeypatch.delenv(var)
     monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
     # The session's real Ray may be up in this process: its cached auth must not be re-read
     # from the private environment a fake start sets (and undone below).
