@@ -84,8 +84,9 @@ def encode_dtype(s) -> str | None:
 
 # The balanced k-means algorithm (gti.sid.kmeans.balanced_kmeans) by version: a map fitted by
 # an earlier one is not up to date for the same config (v2: Lloyd steps, then priced steps; v3:
-# the balanced steps within `iters`, the priced assignment as one addmm).
-BALANCED_KMEANS_VERSION = "3"
+# the balanced steps within `iters`, the priced assignment as one addmm; v4: the Lloyd steps'
+# argmin before |x|^2 is added, so rounding ties can fall differently).
+BALANCED_KMEANS_VERSION = "4"
 
 
 def input_fingerprints(cfg) -> dict[str, str]:
