@@ -51,9 +51,13 @@ def sinkhorn_potentials(
     log_r, log_c = -math.log(n), -math.log(k)
     u = torch.zeros(n, dtype=logits.dtype, device=cost.device)
     v = torch.zeros(k, dtype=logits.dtype, device=cost.device) if v0 is None else v0.to(logits.dtype).clone()
+    # One [N, K] buffer for both half-steps: allocating `logits + v` afresh each time cost
+    # ~40% of an iteration on CPU (bench/RESULTS.md, "Balanced k-means in faiss's iterations,
+    # v4"); the values, and so u and v, are bit for bit those of the allocating form.
+    buf = torch.empty_like(logits)
     for _ in range(iters):
-        u = log_r - torch.logsumexp(logits + v.unsqueeze(0), dim=1)
-        col = torch.logsumexp(logits + u.unsqueeze(1), dim=0)
+        u = log_r - torch.logsumexp(torch.add(logits, v.unsqueeze(0), out=buf), dim=1)
+        col = torch.logsumexp(torch.add(logits, u.unsqueeze(1), out=buf), dim=0)
         # After the u step rows are exact; the columns then hold v + col (log mass).
         converged = float((v + col - log_c).abs().max()) < tol
         v = log_c - col
