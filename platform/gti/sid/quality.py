@@ -21,9 +21,16 @@ from gti.errors import GateError
 
 def level_usage(codes: torch.Tensor, sizes: list[int]) -> tuple[list[float], list[float]]:
     """(utilisation [L], perplexity [L]) of codes [N, L] with codebook sizes [L]."""
+    return usage_from_counts([torch.bincount(codes[:, lv].long(), minlength=k) for lv, k in enumerate(sizes)], sizes)
+
+
+def usage_from_counts(counts_per_level, sizes: list[int]) -> tuple[list[float], list[float]]:
+    """`level_usage` from per-level code counts (int [max(K_l, max code + 1)] each, torch or
+    numpy, as `bincount(minlength=K_l)` gives them), so counts summed over streamed batches give
+    exactly the figures of the whole array."""
     util, perp = [], []
-    for lv, k in enumerate(sizes):
-        counts = torch.bincount(codes[:, lv].long(), minlength=k).double()
+    for c, k in zip(counts_per_level, sizes):
+        counts = torch.as_tensor(c).double()
         util.append(float((counts > 0).sum()) / k)
         p = counts / counts.sum().clamp(min=1)
         ent = -float((p[p > 0] * p[p > 0].log()).sum())
