@@ -82,3 +82,20 @@ def test_last_residuals_encode_each_item_once(tmp_path):
     assert small.encoded == 300 and small.used == 100 and small.res.shape[0] == 100  # budget full
     torch.testing.assert_close(small(np.arange(300)), want)
     assert small.encoded == 500  # the 200 rows past the budget are encoded again
+
+
+def test_last_residuals_over_a_row_subset_are_those_of_the_mapped_rows(tmp_path):
+    from gti.sid.rqkmeans import RQKMeansConfig, ResidualKMeans
+    from gti.sid.embeddings import EmbeddingRows, LastResiduals, RowSubset
+
+    vecs = clustered(n=120, dim=8, seed=2)
+    run_dir = tmp_path / "run"
+    write_embed_stage(run_dir, vecs)
+    q = ResidualKMeans(RQKMeansConfig(in_dim=8, levels=2, codebook_size=4, balanced=False))
+    q.fit(torch.from_numpy(vecs), iters=3, generator=torch.Generator().manual_seed(0))
+    rows = np.array([3, 10, 11, 57, 119])
+    sub = RowSubset(EmbeddingRows(run_dir / "embed" / "embeddings.parquet"), rows)
+    assert sub.n == 5 and torch.equal(sub.read(np.array([4, 0])), torch.from_numpy(vecs[[119, 3]]))
+    lr = LastResiduals(q, sub, chunk=2)
+    assert lr.slot.shape == (5,)  # cache slots for the subset only
+    torch.testing.assert_close(lr(np.array([1, 4, 1])), q.last_residual(torch.from_numpy(vecs[[10, 119, 10]])))

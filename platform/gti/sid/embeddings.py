@@ -3,10 +3,11 @@ the last level's residuals, and batch assignment.
 
 What it is for: `check_embeddings` (one streamed pass: count, dim, non-finite rows named),
 `embedding_matrix` (an Arrow list column -> float32 [N, dim], no copy where possible),
-`EmbeddingRows` (rows by index with one row group in memory at a time), `LastResiduals` (what
-the last quantiser level sees per item, cached up to a budget, for collision resolution) and
-`AssignBatch` (a callable class for Ray Data's `map_batches`: greedy codes for a batch, the
-quantiser loaded once per actor from bytes). Pure: pyarrow, numpy and torch, no Ray.
+`EmbeddingRows` (rows by index with one row group in memory at a time; `RowSubset`: some of
+them, by position), `LastResiduals` (what the last quantiser level sees per item, cached up to
+a budget, for collision resolution) and `AssignBatch` (a callable class for Ray Data's
+`map_batches`: greedy codes for a batch, the quantiser loaded once per actor from bytes).
+Pure: pyarrow, numpy and torch, no Ray.
 
 What it does not know: how the embeddings were made, or how the quantiser was trained.
 """
@@ -107,6 +108,20 @@ class EmbeddingRows:
         return torch.from_numpy(out)
 
 
+class RowSubset:
+    """Rows `rows` [s] of an `EmbeddingRows`, addressed by position 0..s-1 (`n`, `read`): a
+    `LastResiduals` over it keeps its per-row cache slots for the s rows that collision
+    resolution touches, not for all N items."""
+
+    def __init__(self, reader: EmbeddingRows, rows: np.ndarray) -> None:
+        self.reader, self.rows = reader, np.asarray(rows, dtype=np.int64)
+        self.n = int(self.rows.size)
+
+    def read(self, positions: np.ndarray) -> torch.Tensor:
+        """Embeddings float32 [m, dim] of rows[positions]."""
+        return self.reader.read(self.rows[np.asarray(positions, dtype=np.int64)])
+
+
 class LastResiduals:
     """What the quantiser's last level sees, per item: residuals [m, code_dim] for given rows.
 
@@ -119,7 +134,7 @@ class LastResiduals:
     in chunks of `chunk` rows. Bounding the size of its output is the caller's job.
     """
 
-    def __init__(self, q, rows_reader: EmbeddingRows, chunk: int = 65536, cache_mb: float = 1024) -> None:
+    def __init__(self, q, rows_reader: EmbeddingRows | RowSubset, chunk: int = 65536, cache_mb: float = 1024) -> None:
         self.q, self.reader, self.chunk = q, rows_reader, chunk
         self.cache_bytes = int(cache_mb * 2**20)
         self.slot = np.full(rows_reader.n, -1, dtype=np.int64)
