@@ -125,11 +125,20 @@ def test_rqkmeans_reassign(tmp_path, ray_start_4_cpus, monkeypatch):
 
     import ray
 
+    from gti.sid.collide import iter_codes
+    from gti.sid.mapfile import sid_map_hash
+
+    # The map is streamed and its hash taken without holding it (ids "item10" < "item2": not in
+    # code-point order, so from the finished file); the codes file is gone.
+    assert m.facts["sid_map_hash"] == sid_map_hash(t.column("item_id"), t.column("sid"))
+    assert not (run_dir / "sid" / S.CODES_FILE).exists() and not (run_dir / "sid" / "hash_runs").exists()
     emb = run_dir / "embed" / "embeddings.parquet"
     ctx = {n: SimpleNamespace(cfg=cfg.model_copy(update={"local_max_items": n}), log=lambda m: None) for n in (0, 200)}
-    codes = {0: S.assign_all(ctx[0], emb, run_dir / "sid", 200)}
+    out = {n: tmp_path / f"codes{n}.parquet" for n in (0, 200)}
+    S.assign_all(ctx[0], emb, run_dir / "sid", 200, out[0])
     monkeypatch.setattr(ray.data, "read_parquet", lambda *a, **k: pytest.fail("the local path read through Ray Data"))
-    codes[200] = S.assign_all(ctx[200], emb, run_dir / "sid", 200)
+    S.assign_all(ctx[200], emb, run_dir / "sid", 200, out[200])
+    codes = {n: np.concatenate(list(iter_codes(out[n]))) for n in (0, 200)}
     assert codes[0].shape == (200, 2)
     np.testing.assert_array_equal(codes[0], codes[200])
 
@@ -158,22 +167,22 @@ def test_gate_failure_stops_the_stage(tmp_path, ray_start_4_cpus):
 
 
 # --------------------------------------------------------------------------- reproducibility
-def _map_hash_without_ray(tmp_path, cfg, vecs, torch_threads: int, actors: int) -> str:
-    """The sid stage's map hash for `vecs`, through its own fit, assignment and resolution
+def _stage_without_ray(run_dir, cfg, vecs, torch_threads: int = 1, actors: int = 1, ids=None):
+    """The sid stage's fit, assignment, resolution and map writing for `vecs`, through its own
     functions, without Ray: the quantiser is fitted with `torch_threads` set outside the stage
     (as a machine with that many cores would have), and the assignment batches of
     `sid.assign_batch_size` rows are dealt round-robin to `actors` AssignBatch instances, as
-    Ray Data's actor pool does."""
+    Ray Data's actor pool does. Returns (quantiser, greedy codes long [N, L], EmbeddingRows,
+    the scan of the codes file, the resolution's facts, the map's hash)."""
     from types import SimpleNamespace
 
-    from gti.sid.embeddings import AssignBatch, EmbeddingRows
-    from gti.sid.mapfile import sid_map_hash, sid_strings
     from gti.sid.codec import SidCodec
+    from gti.sid.collide import CodesWriter, scan_codes
+    from gti.sid.embeddings import AssignBatch, EmbeddingRows
     from gti.sid.quantizer import CONFIG_NAME, WEIGHTS_NAME, save_quantizer
     from gti.stages import sid as stage
 
-    run_dir = tmp_path / f"t{torch_threads}a{actors}"
-    write_embed_stage(run_dir, vecs)
+    write_embed_stage(run_dir, vecs, ids)
     emb = run_dir / "embed" / "embeddings.parquet"
     ctx = SimpleNamespace(cfg=cfg, log=lambda msg: None, work_dir=run_dir)
     before = torch.get_num_threads()
@@ -186,12 +195,17 @@ def _map_hash_without_ray(tmp_path, cfg, vecs, torch_threads: int, actors: int) 
                 for _ in range(actors)]
         table, bs = pq.read_table(emb, columns=["embedding"]), cfg.sid.assign_batch_size
         parts = [pool[i % actors](table.slice(s, bs))["codes"] for i, s in enumerate(range(0, len(vecs), bs))]
-        codes = torch.from_numpy(np.concatenate(parts)).long()
-        final, sizes, _ = stage._resolve(ctx, q, codes, rows)
+        codes_path = run_dir / stage.CODES_FILE
+        with CodesWriter(codes_path) as w:
+            for p in parts:
+                w.write(p)
+        scan = scan_codes(codes_path, list(q.codebook_sizes), run_dir / "buckets")
+        res, facts = stage._resolve(ctx, q, scan, rows)
+        map_hash = stage._write_map(ctx, emb, codes_path, scan, res,
+                                    SidCodec(len(res.sizes), res.sizes, cfg.sid.token_format))
     finally:
         torch.set_num_threads(before)
-    ids = pa.array([f"item{i}" for i in range(len(vecs))])
-    return sid_map_hash(ids, sid_strings(SidCodec(final.shape[1], sizes, cfg.sid.token_format), final))
+    return q, torch.from_numpy(np.concatenate(parts)).long(), rows, scan, facts, map_hash
 
 
 def test_same_map_hash_across_thread_and_worker_counts(tmp_path):
@@ -199,8 +213,84 @@ def test_same_map_hash_across_thread_and_worker_counts(tmp_path):
     cfg = _cfg(tmp_path, "sid.method=rqkmeans", "sid.codebook_size=8", "sid.assign_batch_size=96",
                "sid.gates.min_utilisation=0.0")
     vecs = clustered(n=400, dim=16, k=30, seed=3)
-    hashes = {(t, a): _map_hash_without_ray(tmp_path, cfg, vecs, t, a) for t, a in ((1, 1), (2, 1), (1, 2), (2, 2))}
+    hashes = {(t, a): _stage_without_ray(tmp_path / f"t{t}a{a}", cfg, vecs, t, a)[-1]
+              for t, a in ((1, 1), (2, 1), (1, 2), (2, 2))}
     assert len(set(hashes.values())) == 1, hashes
+
+
+def _whole_array_map(cfg, q, codes: torch.Tensor, rows_reader, ids: list[str]):
+    """The map, the resolution's facts and the hash as the stage made them before issue 33
+    item 5: every function on all N greedy codes [N, L] at once, the map written in one table."""
+    from gti.sid.codec import SidCodec
+    from gti.sid.embeddings import LastResiduals
+    from gti.sid.kmeans import sq_dists
+    from gti.sid.mapfile import sid_map_hash, sid_strings
+    from gti.sid.quality import level_usage
+    from gti.sid.resolve import collision_rate, dedup_extra_level, dedup_reassign, sinkhorn_resolve
+
+    s = cfg.sid
+    before = collision_rate(codes)
+    last_cb = q.level_codebooks()[-1].float()
+    last_residuals = LastResiduals(q, rows_reader, cache_mb=s.resolve_cache_mb)
+
+    def last_cost(rows):
+        return sq_dists(last_residuals(rows.numpy()), last_cb)
+
+    after_sk, sk_rounds = before, 0
+    if s.sinkhorn_last_level and before > 0 and s.sinkhorn_rounds > 0:
+        codes, sk_rounds = sinkhorn_resolve(codes, last_cost, s.sinkhorn_epsilon, s.sinkhorn_iters, s.sinkhorn_rounds,
+                                            sample_rows=s.sinkhorn_sample_rows, seed=cfg.seed,
+                                            min_gain=s.sinkhorn_min_gain)
+        after_sk = collision_rate(codes)
+    final = dedup_extra_level(codes) if s.dedup == "extra_level" else dedup_reassign(codes, last_cost)
+    sizes = list(q.codebook_sizes)
+    if final.shape[1] > len(sizes):
+        sizes.append(int(final[:, -1].max()) + 1)
+    util, perp = level_usage(final, sizes)
+    facts = {"code_dim": int(last_cb.shape[1]), "utilisation": [round(u, 6) for u in util],
+             "perplexity": [round(p, 4) for p in perp], "collision_rate_before": before,
+             "collision_rate_after_sinkhorn": after_sk, "collision_rate_after": collision_rate(final),
+             "sinkhorn_rounds": sk_rounds}
+    sids = sid_strings(SidCodec(final.shape[1], sizes, s.token_format), final)
+    codes_arr = pa.FixedSizeListArray.from_arrays(pa.array(final.to(torch.int32).flatten().numpy()), final.shape[1])
+    table = pa.table({"item_id": pa.array(ids, pa.string()), "codes": codes_arr.cast(pa.list_(pa.int32())),
+                      "sid": sids})
+    return table, sizes, facts, sid_map_hash(table.column("item_id"), sids)
+
+
+@pytest.mark.parametrize("dedup,sorted_ids", [("extra_level", False), ("reassign", True), ("reassign", False)])
+def test_streamed_map_equals_the_whole_array_map(tmp_path, monkeypatch, dedup, sorted_ids):
+    """Issue 33 item 5: the stage holds only the colliding prefix groups, writes the map batch by
+    batch and hashes it without holding it, and the map, its hash and the resolution's facts are
+    exactly those of the whole-array resolution (small batches and buckets here, so several of
+    each)."""
+    from gti.sid import collide
+    from gti.stages import sid as stage
+
+    monkeypatch.setattr(stage, "MAP_BATCH_ROWS", 64)
+    monkeypatch.setattr(collide, "BUCKET_ROWS", 100)
+    file_hashes = []
+    monkeypatch.setattr(stage, "sid_map_hash_file", lambda *a, **k: file_hashes.append(a) or collide_hash(*a, **k))
+    cfg = _cfg(tmp_path, "sid.method=rqkmeans", "sid.levels=3", "sid.codebook_size=8", "sid.assign_batch_size=96",
+               "sid.gates.min_utilisation=0.0", f"sid.dedup={dedup}", "sid.sinkhorn_sample_rows=32")
+    vecs = clustered(n=400, dim=16, k=30, seed=3)
+    ids = [f"item{i:03d}" if sorted_ids else f"item{i}" for i in range(400)]
+    run_dir = tmp_path / "run"
+    q, codes, rows, scan, facts, map_hash = _stage_without_ray(run_dir, cfg, vecs, ids=ids)
+    table, sizes, want_facts, want_hash = _whole_array_map(cfg, q, codes, rows, ids)
+    got = pq.read_table(run_dir / "sid_map.parquet")
+    assert got.schema == table.schema and got.equals(table)
+    assert map_hash == want_hash and facts == want_facts
+    assert scan.parts == 4 and 0 < scan.rows.size < 400  # only the colliding prefix groups were held
+    assert facts["collision_rate_before"] > 0 and facts["sinkhorn_rounds"] > 0 and facts["collision_rate_after"] == 0
+    assert len(file_hashes) == (0 if sorted_ids else 1)  # sorted ids: hashed as written
+    assert not (run_dir / "hash_runs").exists() and not (run_dir / "buckets").exists()
+
+
+def collide_hash(*a, **k):
+    from gti.sid.mapfile import sid_map_hash_file
+
+    return sid_map_hash_file(*a, **k)
 
 
 def test_fingerprint_holds_the_resolved_assign_dtype(tmp_path, monkeypatch):

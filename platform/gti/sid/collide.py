@@ -181,13 +181,13 @@ class _Buckets:
             fc.close()
 
 
-def scan_codes(path: str | Path, sizes: list[int], tmp_dir: str | Path, bucket_rows: int = BUCKET_ROWS,
+def scan_codes(path: str | Path, sizes: list[int], tmp_dir: str | Path, bucket_rows: int | None = None,
                pick: np.ndarray | None = None, batch_rows: int = 65536) -> CodeScan:
     """One pass over the codes file (sizes [L]: codebook sizes): per-level counts, the codes of
-    rows `pick` [p] (any order), then S found bucket by bucket. `tmp_dir` holds the buckets
-    while P > 1 and is removed after."""
+    rows `pick` [p] (any order), then S found bucket by bucket (about `bucket_rows` rows each,
+    `BUCKET_ROWS` when None). `tmp_dir` holds the buckets while P > 1 and is removed after."""
     n = pq.ParquetFile(str(path)).metadata.num_rows
-    parts = max(1, -(-n // bucket_rows))
+    parts = max(1, -(-n // (bucket_rows or BUCKET_ROWS)))
     pick = np.asarray([] if pick is None else pick, dtype=np.int64)
     pick_order = np.argsort(pick, kind="stable")
     pick_sorted = pick[pick_order]

@@ -13,11 +13,17 @@ SID per item and the artefacts later stages need:
    stage's work dir, so a rerun after a killed driver resumes from the last epoch. `rqkmeans`: residual k-means on the
    sample, on the driver (no gradient training to distribute).
 4. Assignment: Ray Data batch inference (`map_batches` with `gti.sid.embeddings.AssignBatch`,
-   an actor pool of `sid.assign_concurrency`) over the whole catalog, streaming; only the int codes come back.
-   A catalog of at most `local_max_items` items is assigned in this process (same batches).
-5. Collisions (needs all codes at once; ints only, so millions fit): Sinkhorn spreading on the
-   last level for colliding items (`sid.sinkhorn_last_level`), then `sid.dedup` (extra level or
-   reassignment). Quality gates (`sid.gates`) fail the stage with one message and the stats.
+   an actor pool of `sid.assign_concurrency`) over the whole catalog, streaming; only the int codes come back,
+   written batch by batch to codes.parquet (deleted when the stage ends). A catalog of at most
+   `local_max_items` items is assigned in this process (same batches).
+5. Collisions, on the items that can collide only (`gti.sid.collide`: the prefix groups of the
+   colliding items, found in one streamed pass): Sinkhorn spreading on the last level for
+   colliding items (`sid.sinkhorn_last_level`), then `sid.dedup` (extra level or reassignment);
+   the same codes and figures as on the whole catalog. Quality gates (`sid.gates`) fail the
+   stage with one message and the stats.
+6. The map, written batch by batch (codes file + resolved rows + the embeddings' ids), hashed
+   as it is written when the ids come sorted, else from the finished file by sorted runs.
+   The driver's memory does not grow with the catalog, apart from the colliding prefix groups.
 
 The fingerprint holds the resolved `sid.assign_dtype` (`input_fingerprints`); the facts hold
 `sid_map_hash` and the machine (CPU model, SIMD flags, threads). facts.timing: wall seconds of
@@ -28,7 +34,7 @@ Outputs: sid_map.parquet (item_id, codes list<int32>, sid str; rows in embedding
 codebooks.safetensors (level_l: [K, code_dim]), quantizer.safetensors + quantizer.json.
 
 Pure helpers live in `gti.sid` (`embeddings`: reading and residuals; `mapfile`: SID strings and
-the map's hash; `resolve`, `quality`, `quantizer`).
+the map's hash; `collide`: the codes file and the colliding subset; `resolve`, `quality`, `quantizer`).
 
 What it does not know: how embeddings were made, tokenizers (the codec spells tokens only).
 """
@@ -48,12 +54,13 @@ from gti.contract import StageContext, StageResult
 from gti.devices import cpu_facts
 from gti.errors import DataError
 from gti.sid.codec import SidCodec
-from gti.sid.embeddings import AssignBatch, EmbeddingRows, LastResiduals, check_embeddings
+from gti.sid.collide import CodeScan, CodesWriter, Resolved, fixed_batches, iter_resolved, resolve_subset, scan_codes
+from gti.sid.embeddings import AssignBatch, EmbeddingRows, LastResiduals, RowSubset, check_embeddings
 from gti.sid.kmeans import fixed_threads, sq_dists
-from gti.sid.mapfile import sid_map_hash, sid_strings
-from gti.sid.quality import check_gates, level_usage
+from gti.sid.mapfile import SortedMapHash, sid_map_hash_file, sid_strings
+from gti.sid.quality import check_gates
 from gti.sid.quantizer import CONFIG_NAME, WEIGHTS_NAME, build_quantizer, codebooks_tensor, save_quantizer
-from gti.sid.resolve import collision_rate, dedup_extra_level, dedup_reassign, sinkhorn_resolve
+from gti.sid.resolve import sinkhorn_resolve
 from gti.sid.rqvae import resolve_encode_dtype
 from gti.timing import Timer
 from gti.train.rqvae_task import train_rqvae
@@ -99,11 +106,18 @@ def input_fingerprints(cfg) -> dict[str, str]:
     return {} if dtype is None else {"assign_dtype": dtype}
 
 
+# The greedy codes, written during the assignment and deleted when the stage ends.
+CODES_FILE = "codes.parquet"
+# Rows per batch when the map is written (and the codes file read for it).
+MAP_BATCH_ROWS = 65536
+
+
 # --------------------------------------------------------------------------- assignment
-def assign_all(ctx: StageContext, emb_path: Path, qdir: Path, n_items: int) -> np.ndarray:
-    """Greedy codes int32 [N, L] for every row of emb_path, in file order: the saved quantiser
-    (`AssignBatch`) over batches of `sid.assign_batch_size` rows, on a Ray Data actor pool, or
-    in this process for a catalog of at most `local_max_items` items."""
+def assign_all(ctx: StageContext, emb_path: Path, qdir: Path, n_items: int, out: Path) -> Path:
+    """Greedy codes int32 [N, L] for every row of emb_path, in file order, written batch by
+    batch to `out` (`gti.sid.collide.CodesWriter`; read back with `iter_codes`): the saved
+    quantiser (`AssignBatch`) over batches of `sid.assign_batch_size` rows, on a Ray Data actor
+    pool, or in this process for a catalog of at most `local_max_items` items. Returns out."""
     s = ctx.cfg.sid
     kwargs = {"weights": (qdir / WEIGHTS_NAME).read_bytes(), "meta": (qdir / CONFIG_NAME).read_text(),
               "device": "cuda" if s.use_gpu else "cpu"}
@@ -115,12 +129,12 @@ def assign_all(ctx: StageContext, emb_path: Path, qdir: Path, n_items: int) -> n
         assign = AssignBatch(**kwargs)
         batches = pq.ParquetFile(emb_path).iter_batches(batch_size=s.assign_batch_size, columns=["embedding"])
         with fixed_threads(1):
-            return _collect_codes(ctx, (assign(pa.Table.from_batches([b])) for b in batches), n_items)
+            return _write_codes(ctx, (assign(pa.Table.from_batches([b])) for b in batches), n_items, out)
     import ray
 
     ray.data.DataContext.get_current().execution_options.preserve_order = True
     ds = ray.data.read_parquet(str(emb_path), columns=["embedding"])
-    out = ds.map_batches(
+    pool = ds.map_batches(
         AssignBatch,
         fn_constructor_kwargs=kwargs,
         batch_size=s.assign_batch_size,
@@ -128,23 +142,24 @@ def assign_all(ctx: StageContext, emb_path: Path, qdir: Path, n_items: int) -> n
         compute=ray.data.ActorPoolStrategy(size=s.assign_concurrency),
         num_gpus=1 if s.use_gpu else 0,
     )
-    return _collect_codes(ctx, out.iter_batches(batch_size=None, batch_format="numpy"), n_items)
+    return _write_codes(ctx, pool.iter_batches(batch_size=None, batch_format="numpy"), n_items, out)
 
 
-def _collect_codes(ctx: StageContext, batches, n_items: int) -> np.ndarray:
-    """The `codes` of each batch ({"codes": int [B, L]}), concatenated: int32 [n_items, L]."""
+def _write_codes(ctx: StageContext, batches, n_items: int, out: Path) -> Path:
+    """The `codes` of each batch ({"codes": int [B, L]}) appended to `out` in order (int32
+    [n_items, L] in all); one batch in memory at a time."""
     from gti.progress import Progress
 
-    parts, t0 = [], time.time()
-    with Progress(n_items, "assign", "items", log=ctx.log) as bar:
+    t0 = time.time()
+    with Progress(n_items, "assign", "items", log=ctx.log) as bar, CodesWriter(out) as writer:
         for b in batches:
-            parts.append(np.asarray(b["codes"], dtype=np.int32))
-            bar.update(len(parts[-1]))
-    codes = np.concatenate(parts) if parts else np.zeros((0, 0), np.int32)
-    if codes.shape[0] != n_items:
-        raise RuntimeError(f"assignment returned {codes.shape[0]} rows for {n_items} items")
+            codes = np.asarray(b["codes"], dtype=np.int32)
+            writer.write(codes)
+            bar.update(len(codes))
+    if writer.rows != n_items:
+        raise RuntimeError(f"assignment returned {writer.rows} rows for {n_items} items")
     ctx.log(f"assigned {n_items} items in {time.time() - t0:.1f}s")
-    return codes
+    return out
 
 
 # --------------------------------------------------------------------------- stage
@@ -185,66 +200,78 @@ def _train(ctx: StageContext, emb_path: Path, rows_reader: EmbeddingRows, n_item
     return q, history, sample_rows, sample, train_s
 
 
-def _resolve(ctx: StageContext, q, codes: torch.Tensor, rows_reader: EmbeddingRows):
-    """Collisions out: Sinkhorn on the last level, then `sid.dedup`; the quality gates.
-    Returns (final codes [N, L'], codebook sizes, facts about the resolution)."""
+def _resolve(ctx: StageContext, q, scan: CodeScan, rows_reader: EmbeddingRows) -> tuple[Resolved, dict]:
+    """Collisions out on the items that can collide (`scan`: the colliding prefix groups S):
+    Sinkhorn on the last level, then `sid.dedup`; the quality gates. Returns (`Resolved`: S's
+    final codes [s, L'], codebook sizes [L'], the figures of all N items; facts about it)."""
     cfg, s = ctx.cfg, ctx.cfg.sid
-    before = collision_rate(codes)
     last_cb = q.level_codebooks()[-1].float()
-    last_residuals = LastResiduals(q, rows_reader, cache_mb=s.resolve_cache_mb)
+    # Positions into S (resolution never asks for another item): the cache has a slot per
+    # item of S, not per item of the catalog.
+    last_residuals = LastResiduals(q, RowSubset(rows_reader, scan.rows), cache_mb=s.resolve_cache_mb)
 
-    def last_cost(rows: torch.Tensor) -> torch.Tensor:
-        return sq_dists(last_residuals(rows.numpy()), last_cb)
+    def last_cost(positions: torch.Tensor) -> torch.Tensor:
+        return sq_dists(last_residuals(positions.numpy()), last_cb)
 
-    after_sk, sk_rounds = before, 0
-    if s.sinkhorn_last_level and before > 0 and s.sinkhorn_rounds > 0:
+    def spread(codes: torch.Tensor, cost) -> tuple[torch.Tensor, int]:
         from gti.progress import Progress
 
         # Rounds stop early when they stop helping, so the ETA is an upper bound.
         with Progress(s.sinkhorn_rounds, "sinkhorn", "rounds", log=ctx.log, every_n=1) as rounds:
-            codes, sk_rounds = sinkhorn_resolve(
-                codes, last_cost, s.sinkhorn_epsilon, s.sinkhorn_iters, s.sinkhorn_rounds,
+            out = sinkhorn_resolve(
+                codes, cost, s.sinkhorn_epsilon, s.sinkhorn_iters, s.sinkhorn_rounds,
                 sample_rows=s.sinkhorn_sample_rows, seed=cfg.seed, min_gain=s.sinkhorn_min_gain,
                 log=lambda msg: rounds.update(1, msg))
-        after_sk = collision_rate(codes)
         ctx.log(f"last residuals: {last_residuals.encoded:,} encodes, {last_residuals.used:,} items cached "
                 f"(sid.resolve_cache_mb={s.resolve_cache_mb:g})")
-    util_q, perp_q = level_usage(codes, q.codebook_sizes)
-    final = dedup_extra_level(codes) if s.dedup == "extra_level" else dedup_reassign(codes, last_cost)
-    sizes = list(q.codebook_sizes)
-    if final.shape[1] > len(sizes):
-        sizes.append(int(final[:, -1].max()) + 1)
-    after = collision_rate(final)
-    util, perp = level_usage(final, sizes)
+        return out
+
+    use_sinkhorn = s.sinkhorn_last_level and s.sinkhorn_rounds > 0
+    r = resolve_subset(scan, list(q.codebook_sizes), last_cost, s.dedup, spread if use_sinkhorn else None)
     ctx.log(
-        f"collision rate {before:.4f} -> {after_sk:.4f} after Sinkhorn ({sk_rounds} rounds) -> "
-        f"{after:.4f} after {s.dedup}; utilisation {[round(u, 3) for u in util]}"
+        f"collision rate {r.before:.4f} -> {r.after_sinkhorn:.4f} after Sinkhorn ({r.sinkhorn_rounds} rounds) -> "
+        f"{r.after:.4f} after {s.dedup}; utilisation {[round(u, 3) for u in r.util]}"
     )
-    stats = {"collision_rate_before": round(before, 6), "collision_rate_after_sinkhorn": round(after_sk, 6),
-             "perplexity": [round(p, 2) for p in perp_q]}
-    check_gates(util_q, after, s.gates.min_utilisation, s.gates.max_collision_rate, stats)
+    stats = {"collision_rate_before": round(r.before, 6), "collision_rate_after_sinkhorn": round(r.after_sinkhorn, 6),
+             "perplexity": [round(p, 2) for p in r.perp_q]}
+    check_gates(r.util_q, r.after, s.gates.min_utilisation, s.gates.max_collision_rate, stats)
     facts = {
         "code_dim": int(last_cb.shape[1]),
-        "utilisation": [round(u, 6) for u in util],
-        "perplexity": [round(p, 4) for p in perp],
-        "collision_rate_before": before,
-        "collision_rate_after_sinkhorn": after_sk,
-        "collision_rate_after": after,
-        "sinkhorn_rounds": sk_rounds,
+        "utilisation": [round(u, 6) for u in r.util],
+        "perplexity": [round(p, 4) for p in r.perp],
+        "collision_rate_before": r.before,
+        "collision_rate_after_sinkhorn": r.after_sinkhorn,
+        "collision_rate_after": r.after,
+        "sinkhorn_rounds": r.sinkhorn_rounds,
     }
-    return final, sizes, facts
+    return r, facts
 
 
-def _write_map(path: Path, item_ids: pa.Array, codec: SidCodec, final: torch.Tensor) -> pa.Array:
-    """sid_map.parquet (item_id, codes list<int32>, sid); returns the SID strings."""
-    sids = sid_strings(codec, final)
-    codes_arr = pa.FixedSizeListArray.from_arrays(pa.array(final.to(torch.int32).flatten().numpy()), final.shape[1])
-    pq.write_table(pa.table({
-        "item_id": item_ids,
-        "codes": codes_arr.cast(pa.list_(pa.int32())),
-        "sid": sids,
-    }), str(path))
-    return sids
+MAP_SCHEMA = pa.schema([("item_id", pa.string()), ("codes", pa.list_(pa.int32())), ("sid", pa.string())])
+
+
+def _write_map(ctx: StageContext, emb_path: Path, codes_path: Path, scan: CodeScan, res: Resolved,
+               codec: SidCodec) -> str:
+    """sid_map.parquet (item_id, codes list<int32>, sid; rows in embeddings order), written
+    `MAP_BATCH_ROWS` rows at a time: the codes file's codes with S's rows resolved, beside
+    the embeddings' ids. Returns the map's `sid_map_hash`."""
+    path, bs = ctx.work_dir / "sid_map.parquet", MAP_BATCH_ROWS
+    id_batches = pq.ParquetFile(str(emb_path)).iter_batches(batch_size=bs, columns=["item_id"])
+    ids_iter = fixed_batches((b.column(0) for b in id_batches), bs)
+    hasher = SortedMapHash()
+    with pq.ParquetWriter(str(path), MAP_SCHEMA) as writer:
+        for ids, codes in zip(ids_iter, iter_resolved(codes_path, scan.rows, res.codes, bs), strict=True):
+            ids = ids.cast(pa.string())
+            sids = sid_strings(codec, torch.from_numpy(codes))
+            flat = pa.FixedSizeListArray.from_arrays(pa.array(codes.reshape(-1)), codes.shape[1])
+            writer.write_table(pa.table({"item_id": ids, "codes": flat.cast(pa.list_(pa.int32())), "sid": sids},
+                                        schema=MAP_SCHEMA))
+            hasher.update(ids, sids)
+    if hasher.in_order:
+        return hasher.hexdigest()
+    # Ids not in code-point order (ingest keeps the catalog's order; numeric ids put "10"
+    # before "9"): the hash sorts them, so it is taken from the finished file by sorted runs.
+    return sid_map_hash_file(path, ctx.work_dir / "hash_runs")
 
 
 def run(ctx: StageContext) -> StageResult:
@@ -263,8 +290,7 @@ def run(ctx: StageContext) -> StageResult:
     with timer.phase("ray_start"):  # a no-op after an earlier stage of the same `gti run` started it
         ensure_ray(cfg)
 
-    # Only the ids are read whole (tens of bytes per item); embeddings are read by row group.
-    item_ids = pq.read_table(str(emb_path), columns=["item_id"]).column("item_id").combine_chunks().cast(pa.string())
+    # Embeddings are read by row group; ids and codes stream from their files.
     rows_reader = EmbeddingRows(emb_path)
     q, history, sample_rows, sample, train_s = _train(ctx, emb_path, rows_reader, n_items, dim, timer)
     qdir = ctx.work_dir
@@ -272,29 +298,53 @@ def run(ctx: StageContext) -> StageResult:
         save_quantizer(q, qdir)
         save_file(codebooks_tensor(q), str(ctx.work_dir / "codebooks.safetensors"))
 
-    with timer.phase("assign"):
-        codes = torch.from_numpy(assign_all(ctx, emb_path, qdir, n_items)).long()
+    codes_path = ctx.work_dir / CODES_FILE
+    try:
+        with timer.phase("assign"):
+            assign_all(ctx, emb_path, qdir, n_items, codes_path)
+        with timer.phase("resolve"):
+            scan = scan_codes(codes_path, list(q.codebook_sizes), ctx.work_dir / "codes_buckets", pick=sample_rows)
+            ctx.log(f"{scan.rows.size:,} items in colliding prefix groups ({scan.parts} bucket(s))")
+        with torch.no_grad():
+            recon = float(((q.decode_codes(torch.from_numpy(scan.picked).long()) - sample) ** 2).mean())
+        del sample
+        with timer.phase("resolve"):
+            res, resolved = _resolve(ctx, q, scan, rows_reader)
+        codec = SidCodec(len(res.sizes), res.sizes, s.token_format)
+        with timer.phase("write"):
+            map_hash = _write_map(ctx, emb_path, codes_path, scan, res, codec)
+    finally:
+        codes_path.unlink(missing_ok=True)
+    facts = _facts(s, q, res, codec, resolved, history, timer, train_s=train_s, recon=recon, map_hash=map_hash,
+                   n_items=n_items, dim=dim)
+    track_sid(ctx, history, facts)
+    return StageResult(
+        outputs={
+            "sid_map": "sid_map.parquet",
+            "codebooks": "codebooks.safetensors",
+            "quantizer": WEIGHTS_NAME,
+            "quantizer_config": CONFIG_NAME,
+        },
+        facts=facts,
+    )
+
+
+def _facts(s, q, res: Resolved, codec: SidCodec, resolved: dict, history: list[dict], timer: Timer, *,
+           train_s: float, recon: float, map_hash: str, n_items: int, dim: int) -> dict:
+    """The stage's manifest facts."""
     assign_s = timer.seconds["assign"]
-    with torch.no_grad():
-        recon = float(((q.decode_codes(codes[sample_rows]) - sample) ** 2).mean())
-    del sample
-    with timer.phase("resolve"):
-        final, sizes, resolved = _resolve(ctx, q, codes, rows_reader)
-    codec = SidCodec(final.shape[1], sizes, s.token_format)
-    with timer.phase("write"):
-        sids = _write_map(ctx.work_dir / "sid_map.parquet", item_ids, codec, final)
-    facts = {
+    return {
         "method": s.method,
-        "levels": int(final.shape[1]),
+        "levels": len(res.sizes),
         "quantizer_levels": q.levels,
-        "dedup_level_added": bool(final.shape[1] > q.levels),
-        "codebook_sizes": sizes,
+        "dedup_level_added": bool(len(res.sizes) > q.levels),
+        "codebook_sizes": res.sizes,
         "code_dim": resolved["code_dim"],
         "token_format": s.token_format,
         "new_tokens": codec.tokens(),
         **{k: v for k, v in resolved.items() if k != "code_dim"},
         "recon_mse": recon,
-        "sid_map_hash": sid_map_hash(item_ids, sids),
+        "sid_map_hash": map_hash,
         "n_items": n_items,
         "dim": dim,
         "train_s": round(train_s, 3),
@@ -306,13 +356,3 @@ def run(ctx: StageContext) -> StageResult:
         "train_history": history,
         "timing": timer.facts(),
     }
-    track_sid(ctx, history, facts)
-    return StageResult(
-        outputs={
-            "sid_map": "sid_map.parquet",
-            "codebooks": "codebooks.safetensors",
-            "quantizer": WEIGHTS_NAME,
-            "quantizer_config": CONFIG_NAME,
-        },
-        facts=facts,
-    )
