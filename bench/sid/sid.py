@@ -63,6 +63,8 @@ from gti.sid.rqkmeans import RQKMeansConfig, ResidualKMeans  # noqa: E402
 from gti.sid.rqvae import RQVAE, RQVAEConfig, resolve_encode_dtype  # noqa: E402
 
 LEVELS, K, CODE_DIM, LAYERS = 4, 256, 32, [512, 256, 128]
+# The balanced k-means rows fit with the sid stage's own Sinkhorn settings (its defaults).
+STAGE = SidConfig(method="rqkmeans", levels=LEVELS, codebook_size=K, balanced=True)
 
 
 # --------------------------------------------------------------------------- data
@@ -219,8 +221,7 @@ def ours_rqvae(x: np.ndarray, epochs: int, batch: int, seed: int = 0, revive_eve
 
 def fit_ours(x: np.ndarray, seed: int = 0, fit_n: int = 65536) -> tuple[ResidualKMeans, float]:
     """Our balanced residual k-means on the seeded sample of `fit_n` rows -> (quantiser, fit s)."""
-    q = ResidualKMeans(RQKMeansConfig(in_dim=x.shape[1], levels=LEVELS, codebook_size=K, balanced=True,
-                                      sinkhorn_epsilon=0.05, sinkhorn_iters=50))
+    q = ResidualKMeans(RQKMeansConfig.from_sid_config(STAGE, x.shape[1]))
     gen = torch.Generator().manual_seed(seed)
     xt = torch.from_numpy(x)
     t0 = time.perf_counter()
@@ -297,8 +298,7 @@ def same_map_across_threads(x: np.ndarray, seed: int = 0, fit_n: int = 4096) -> 
     out = []
     for n in (1, 2):
         with fixed_threads(n):
-            q = ResidualKMeans(RQKMeansConfig(in_dim=x.shape[1], levels=LEVELS, codebook_size=K, balanced=True,
-                                              sinkhorn_epsilon=0.05, sinkhorn_iters=50))
+            q = ResidualKMeans(RQKMeansConfig.from_sid_config(STAGE, x.shape[1]))
             gen = torch.Generator().manual_seed(seed)
             xt = torch.from_numpy(x)
             q.fit(xt[torch.randperm(len(xt), generator=gen)[:fit_n]], iters=25, generator=gen)

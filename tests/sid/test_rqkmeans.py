@@ -25,3 +25,14 @@ def test_codes_are_deterministic_and_decoding_beats_the_mean():
     # The last level's input is the residual after the first level.
     first = q.level_codebooks()[0][codes[:, 0]]
     torch.testing.assert_close(q.last_residual(x), x - first)
+
+
+def test_balanced_steps_take_their_own_epsilon_from_the_sid_config():
+    """The balanced Lloyd steps use `sid.kmeans_sinkhorn_epsilon`; `sid.sinkhorn_epsilon` is the
+    collision spreading's and does not reach the quantiser."""
+    from gti.config import SidConfig
+
+    cfg = RQKMeansConfig.from_sid_config(SidConfig(method="rqkmeans", sinkhorn_epsilon=0.007), in_dim=6)
+    assert cfg.sinkhorn_epsilon == SidConfig().kmeans_sinkhorn_epsilon == 0.05
+    cfg = RQKMeansConfig.from_sid_config(SidConfig(method="rqkmeans", kmeans_sinkhorn_epsilon=0.02), in_dim=6)
+    assert cfg.sinkhorn_epsilon == 0.02

@@ -27,7 +27,7 @@ class RQKMeansConfig:
     levels: int = 4
     codebook_size: int = 256
     balanced: bool = True
-    sinkhorn_epsilon: float = 0.003
+    sinkhorn_epsilon: float = 0.05  # SidConfig.kmeans_sinkhorn_epsilon
     sinkhorn_iters: int = 50
 
     @classmethod
@@ -37,7 +37,7 @@ class RQKMeansConfig:
             levels=sid_cfg.levels,
             codebook_size=sid_cfg.codebook_size,
             balanced=sid_cfg.balanced,
-            sinkhorn_epsilon=sid_cfg.sinkhorn_epsilon,
+            sinkhorn_epsilon=sid_cfg.kmeans_sinkhorn_epsilon,
             sinkhorn_iters=sid_cfg.sinkhorn_iters,
         )
 
