@@ -203,9 +203,10 @@ class SidConfig(_Strict):
         0.003, gt=0, description="entropy of the Sinkhorn balancing that spreads colliding items over the last "
         "level, relative to the median distance gap: smaller is closer to hard assignment")
     kmeans_sinkhorn_epsilon: float = Field(
-        0.05, gt=0, description="rqkmeans (balanced): entropy of the Sinkhorn prices in the balanced Lloyd "
-        "steps, relative to the median distance gap. 0.05 reconstructs better and collides less than 0.003 "
-        "on the bundled catalog and the 1M synthetic set (bench/RESULTS.md, \"Sinkhorn without denormals\")")
+        0.003, gt=0, description="rqkmeans (balanced): entropy of the Sinkhorn prices in the balanced Lloyd "
+        "steps, relative to the median distance gap. 0.05 reconstructs better and collides less on the bundled "
+        "catalog and the 1M synthetic set, but the learnability gate's mean-init walk fell to Recall@10 .75 with "
+        "it (bench/RESULTS.md, \"Sinkhorn without denormals\"), so 0.003, the value from before this key")
     sinkhorn_iters: int = Field(50, ge=1, description="Sinkhorn iterations per balancing (at most; rqkmeans "
                                 "balanced: its final assignment, the warm-started steps before it run at most 10)")
     dedup: Literal["extra_level", "reassign"] = Field(

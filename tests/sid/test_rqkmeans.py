@@ -33,6 +33,6 @@ def test_balanced_steps_take_their_own_epsilon_from_the_sid_config():
     from gti.config import SidConfig
 
     cfg = RQKMeansConfig.from_sid_config(SidConfig(method="rqkmeans", sinkhorn_epsilon=0.007), in_dim=6)
-    assert cfg.sinkhorn_epsilon == SidConfig().kmeans_sinkhorn_epsilon == 0.05
+    assert cfg.sinkhorn_epsilon == SidConfig().kmeans_sinkhorn_epsilon == 0.003
     cfg = RQKMeansConfig.from_sid_config(SidConfig(method="rqkmeans", kmeans_sinkhorn_epsilon=0.02), in_dim=6)
     assert cfg.sinkhorn_epsilon == 0.02

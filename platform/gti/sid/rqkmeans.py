@@ -27,7 +27,7 @@ class RQKMeansConfig:
     levels: int = 4
     codebook_size: int = 256
     balanced: bool = True
-    sinkhorn_epsilon: float = 0.05  # SidConfig.kmeans_sinkhorn_epsilon
+    sinkhorn_epsilon: float = 0.003  # SidConfig.kmeans_sinkhorn_epsilon
     sinkhorn_iters: int = 50
 
     @classmethod
