@@ -144,6 +144,28 @@ def test_train_sinkhorn_balances_last_level_only_in_training():
         assert torch.equal(m(x).codes, greedy)  # dropout 0: greedy training codes = encode
 
 
+def test_train_sinkhorn_levels_balances_that_many_last_levels():
+    """train_sinkhorn_levels=2 of 3 levels: the two last train on spread codes, the first stays
+    greedy; the saved config round-trips the field (an old config without it means 1)."""
+    torch.manual_seed(0)
+    x = torch.randn(512, 16) * 0.01 + torch.randn(1, 16)
+    m = _model(train_sinkhorn_epsilon=0.05, train_sinkhorn_levels=2)
+    m.init_codebooks(torch.randn(512, 16), iters=5)
+    m.train()
+    with torch.no_grad():
+        out = m(x)
+    m.eval()
+    greedy = m.encode(x)
+    for lv in (1, 2):  # the blob piles onto few greedy codes; the balanced ones spread it
+        n_greedy = torch.bincount(greedy[:, lv], minlength=16)
+        n_train = torch.bincount(out.codes[:, lv], minlength=16)
+        assert int((n_train > 0).sum()) > int((n_greedy > 0).sum()), lv
+    assert torch.equal(out.codes[:, :1], greedy[:, :1])
+    assert RQVAEConfig(**m.cfg.to_dict()).train_sinkhorn_levels == 2
+    old = {k: v for k, v in m.cfg.to_dict().items() if k != "train_sinkhorn_levels"}
+    assert RQVAEConfig(**old).train_sinkhorn_levels == 1
+
+
 def test_bf16_encoding_matches_float32_on_clear_cases(clusters):
     """The bf16 encoder path gives float32 codes wherever the nearest code is not a near tie;
     on well separated clusters that is every item at the first level."""

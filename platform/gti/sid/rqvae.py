@@ -10,9 +10,10 @@ residuals (`init_codebooks`), and codes left unused are re-seeded from residuals
 batch (`revive_dead_codes`); an optional diversity term pushes the batch's soft code usage
 towards uniform. As in LC-Rec, the last level can pick its training codes by Sinkhorn balanced
 assignment over the batch (`train_sinkhorn_epsilon` > 0), which spreads items over that
-level's codebook; inference (`encode`) is always the greedy nearest code. Linear layers start
-Xavier-normal (as the reference RQ-VAE code does): with PyTorch's default init the encoder's
-outputs start small and levels 2-4 use far fewer codes (measured in bench/RESULTS.md).
+level's codebook (`train_sinkhorn_levels` > 1: as many of the last levels); inference
+(`encode`) is always the greedy nearest code. Linear layers start Xavier-normal (as the
+reference RQ-VAE code does): with PyTorch's default init the encoder's outputs start small and
+levels 2-4 use far fewer codes (measured in bench/RESULTS.md).
 
 What it does not know: data loading, distributed training (the `sid` stage's worker loop
 all-reduces usage counts and broadcasts revived codes), collision handling (`gti.sid.resolve`),
@@ -61,8 +62,9 @@ class RQVAEConfig:
     beta: float = 0.25
     rotation_trick: bool = False
     diversity_weight: float = 0.0
-    train_sinkhorn_epsilon: float = 0.0  # > 0: last level trains on balanced (Sinkhorn) codes
+    train_sinkhorn_epsilon: float = 0.0  # > 0: the last levels train on balanced (Sinkhorn) codes
     train_sinkhorn_iters: int = 50
+    train_sinkhorn_levels: int = 1  # how many of the last levels (1: the last only, as LC-Rec)
     # Precision of the encoder MLP in `encode` / `last_residual` ("float32" or "bfloat16");
     # the nearest-code search is float32 either way. Saved with the model, so every later
     # re-encoding uses the precision the catalog was assigned with.
@@ -86,6 +88,7 @@ class RQVAEConfig:
             diversity_weight=sid_cfg.diversity_weight,
             train_sinkhorn_epsilon=sid_cfg.train_sinkhorn_epsilon,
             train_sinkhorn_iters=sid_cfg.sinkhorn_iters,
+            train_sinkhorn_levels=sid_cfg.train_sinkhorn_levels,
         )
 
     def to_dict(self) -> dict:
@@ -235,7 +238,8 @@ class RQVAE(nn.Module):
         for lv in range(self.levels):
             cb = self.codebooks[lv]
             d = torch.addmm((cb * cb).sum(-1).unsqueeze(0), res.detach(), cb.detach().T, alpha=-2.0)
-            if self.training and lv == self.levels - 1 and self.cfg.train_sinkhorn_epsilon > 0:
+            balanced = lv >= self.levels - self.cfg.train_sinkhorn_levels
+            if self.training and balanced and self.cfg.train_sinkhorn_epsilon > 0:
                 # d lacks |r|^2, a per-row constant that Sinkhorn's row normalisation ignores.
                 idx = sinkhorn_assign(d.detach(), self.cfg.train_sinkhorn_epsilon, self.cfg.train_sinkhorn_iters)
             else:
