@@ -34,7 +34,9 @@ Usage:  python bench/serve/serve.py [--quick] [--rounds R] [--requests16 N] [--r
 The last line is one JSON object: `requests_per_s`, `p50_ms`, `p99_ms` per arm (`batched@16`,
 `unbatched@16`, `batched@64`, `unbatched@64`, `recommend`); `batched_over_unbatched` (requests/s
 at 16 clients; target >= 4) and `_64`; `errors` (non-200 answers and failed calls, all arms;
-target 0); `largest_batch` (the replica's count); `identical_topk`, `max_score_diff`;
+target 0); `largest_batch` (the replica's count); `replica_busy` (per service arm: the
+replica's seconds in the decode over the wall time) and `mean_batch` (requests per decode);
+`identical_topk`, `max_score_diff`;
 `reload_failed_requests` (target 0), `reload_version_switch_seen` ("0->1": answers went from
 version 0 to 1 once, never back), `reload_bad_identity` (answers naming a version and map hash
 that do not belong together), `reload_status` (GET /info's); `infer_users_per_s`,
@@ -212,18 +214,23 @@ def serve_turn(arm: str, run_dir: Path, port: int, hist: list, mode: dict, threa
     secs = deploy(run_dir, port, 16 if arm == "batched" else 1, threads, hist[0], mode["batch_wait"])
     log(f"{arm}: deployed in {secs:.1f}s")
     bodies = [{"history": h, "k": K, "exclude_history": False} for h in hist]
+    replica = lambda: httpx.get(f"http://127.0.0.1:{port}/info", timeout=60).json()["replica"]  # noqa: E731
     for n in CLIENTS:
+        before = replica()
         res, wall = asyncio.run(_load(f"http://127.0.0.1:{port}/recommend", bodies, mode["requests"][n], n))
+        after = replica()
         ok = [r for r in res if r[1] == 200 and len(r[3]["items"]) == K]
-        a = acc.setdefault(f"{arm}@{n}", {"ok": 0, "wall": 0.0, "lat": [], "errors": 0})
+        a = acc.setdefault(f"{arm}@{n}", {"ok": 0, "wall": 0.0, "lat": [], "errors": 0, "decode_s": 0.0,
+                                          "decodes": 0, "decoded": 0})
         a["ok"], a["wall"], a["errors"] = a["ok"] + len(ok), a["wall"] + wall, a["errors"] + len(res) - len(ok)
+        for key, stat in (("decode_s", "decode_s"), ("decodes", "decodes"), ("decoded", "requests")):
+            a[key] += after[stat] - before[stat]
         a["lat"] += [r[2] for r in ok]
         for i, _, _, body in ok:
             acc["answers"].setdefault(arm, {}).setdefault(i, topk(body))
         log(f"{arm}@{n}: {len(ok)}/{len(res)} ok in {wall:.1f}s = {len(ok) / wall:.2f} req/s, "
             f"{percentiles([r[2] for r in ok])}")
-    info = httpx.get(f"http://127.0.0.1:{port}/info", timeout=60).json()["replica"]
-    acc["largest_batch"][arm] = max(acc["largest_batch"].get(arm, 0), info["largest_batch"])
+    acc["largest_batch"][arm] = max(acc["largest_batch"].get(arm, 0), replica()["largest_batch"])
 
 
 def recommend_turn(run_dir: Path, hist: list, n: int, acc: dict) -> None:
@@ -399,6 +406,7 @@ def serve_figures(acc: dict) -> dict:
     arms = [a for a in (*(f"{x}@{n}" for n in CLIENTS for x in ("batched", "unbatched")), "recommend") if a in acc]
     rps = {a: round(acc[a]["ok"] / max(acc[a]["wall"], 1e-9), 3) for a in arms}
     pct = {a: percentiles(acc[a]["lat"]) for a in arms}
+    served = [a for a in arms if a != "recommend"]
     return {"requests_per_s": rps,
             "batched_over_unbatched": round(rps["batched@16"] / rps["unbatched@16"], 3),
             "batched_over_unbatched_64": round(rps["batched@64"] / rps["unbatched@64"], 3),
@@ -406,6 +414,9 @@ def serve_figures(acc: dict) -> dict:
             "p50_ms": {a: p["p50_ms"] for a, p in pct.items()}, "p99_ms": {a: p["p99_ms"] for a, p in pct.items()},
             "requests": {a: acc[a]["ok"] + acc[a]["errors"] for a in arms},
             "errors": sum(acc[a]["errors"] for a in arms), "largest_batch": acc["largest_batch"],
+            # the replica's share of the wall time spent decoding, and requests per decode
+            "replica_busy": {a: round(acc[a]["decode_s"] / max(acc[a]["wall"], 1e-9), 3) for a in served},
+            "mean_batch": {a: round(acc[a]["decoded"] / max(acc[a]["decodes"], 1), 2) for a in served},
             **compare(acc["answers"])}
 
 

@@ -38,6 +38,20 @@ def test_top_k_of_the_service_arms_is_compared_with_recommend_on_its_histories()
     assert b.compare({"recommend": ref})["identical_topk"] is False  # nothing compared proves nothing
 
 
+def test_serve_figures_give_the_replica_busy_share_and_requests_per_decode():
+    arm = lambda ok, wall, decode_s, decodes: {"ok": ok, "wall": wall, "lat": [0.1] * ok, "errors": 0,  # noqa: E731
+                                               "decode_s": decode_s, "decodes": decodes, "decoded": ok}
+    acc = {"answers": {}, "largest_batch": {"batched": 16, "unbatched": 1},
+           "batched@16": arm(96, 12.0, 11.4, 6), "unbatched@16": arm(32, 16.0, 14.4, 32),
+           "batched@64": arm(128, 20.0, 19.0, 8), "unbatched@64": arm(32, 16.0, 15.0, 32),
+           "recommend": arm(4, 4.0, 0.0, 0)}
+    out = _bench().serve_figures(acc)
+    assert out["replica_busy"] == {"batched@16": 0.95, "unbatched@16": 0.9, "batched@64": 0.95, "unbatched@64": 0.938}
+    assert out["mean_batch"]["batched@16"] == 16.0 and out["mean_batch"]["unbatched@16"] == 1.0
+    assert "recommend" not in out["replica_busy"]  # not a service arm
+    assert out["batched_over_unbatched"] == 4.0
+
+
 def test_percentiles_are_in_milliseconds():
     out = _bench().percentiles([0.1] * 99 + [1.0])
     assert out["p50_ms"] == 100.0 and 100.0 < out["p99_ms"] <= 1000.0

@@ -142,6 +142,7 @@ def test_concurrent_requests_share_one_decode(live):
         stats[st["id"]] = st
     assert sum(st["decodes"] for st in stats.values()) < sum(st["requests"] for st in stats.values())
     assert all(st["largest_batch"] in sizes for st in stats.values() if st["largest_batch"] > 1)
+    assert all(st["decode_s"] > 0 for st in stats.values() if st["decodes"])  # the busy time is counted
 
 
 def test_a_published_version_is_picked_up_while_requests_are_in_flight(live):

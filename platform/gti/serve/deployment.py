@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -92,7 +93,7 @@ class GtiRecommender:
         self._gather = Gatherer(self._decode_batch, cfg.max_batch_size, cfg.batch_wait_timeout_s)
         # the replica's actor name (namespace "serve"): which replica answered /info
         self._stats = {"id": serve.get_replica_context().replica_id.to_full_id_str(),
-                       "decodes": 0, "requests": 0, "largest_batch": 0}
+                       "decodes": 0, "requests": 0, "largest_batch": 0, "decode_s": 0.0}
         self.app = create_app(self.holder, cfg, token_sha256, decode=self._batched, stats=self.stats)
 
     def stats(self) -> dict[str, Any]:
@@ -120,7 +121,11 @@ class GtiRecommender:
         st = self._stats
         st["decodes"], st["requests"] = st["decodes"] + 1, st["requests"] + len(requests)
         st["largest_batch"] = max(st["largest_batch"], len(requests))
-        return answer_batches(svc, requests)
+        t0 = time.perf_counter()
+        try:
+            return answer_batches(svc, requests)
+        finally:  # busy share = decode_s over the wall time: what the gaps between batches cost
+            st["decode_s"] = round(st["decode_s"] + time.perf_counter() - t0, 3)
 
     def __del__(self) -> None:
         holder = getattr(self, "holder", None)
