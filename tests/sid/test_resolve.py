@@ -171,3 +171,43 @@ def test_min_gain_stops_after_a_round_that_frees_too_few():
                                    min_gain=threshold, log=gain_logs.append)
     assert rounds == 2 and gain_logs == full_logs[:2]
     assert collision_rate(out) < collision_rate(codes)
+
+
+def _sinkhorn_resolve_before_buckets(codes, last_cost, epsilon=0.003, iters=50, rounds=20, sample_rows=65536,
+                                     chunk_rows=262144, seed=0, min_gain=0.0):
+    """`sinkhorn_resolve` as it was before `sinkhorn_rounds` (issue 33 item 5), one loop on
+    the array, kept to pin that the rounds on a `LastCodes` give the same codes."""
+    from gti.sid.balance import priced_assign, sinkhorn_prices
+
+    codes = codes.clone()
+    gen = torch.Generator().manual_seed(seed)
+    rows = colliding_rows(codes)
+    done = 0
+    while rows.numel() > 0 and done < rounds:
+        m = rows.numel()
+        fit = rows if m <= sample_rows else rows[torch.randperm(m, generator=gen)[:sample_rows].sort().values]
+        scale, v = sinkhorn_prices(last_cost(fit), epsilon, iters)
+        new_last = torch.cat([priced_assign(last_cost(rows[s : s + chunk_rows]), scale, v, epsilon)
+                              for s in range(0, m, chunk_rows)])
+        old_last = codes[rows, -1].clone()
+        codes[rows, -1] = new_last
+        after = colliding_rows(codes)
+        if after.numel() >= m:
+            codes[rows, -1] = old_last
+            break
+        done += 1
+        if m - after.numel() < min_gain * m:
+            break
+        rows = after
+    return codes, done
+
+
+@pytest.mark.parametrize("n,k,sample_rows,min_gain", [(600, 12, 100, 0.0), (300, 5, 65536, 0.0), (600, 12, 64, 0.2),
+                                                      (20, 1, 65536, 0.0)])
+def test_sinkhorn_resolve_is_the_loop_before_buckets(n, k, sample_rows, min_gain):
+    codes, table = _crowded(n, k) if k > 1 else (torch.zeros(n, 2, dtype=torch.long), torch.rand(n, 1))
+    kw = dict(epsilon=0.003, iters=100, sample_rows=sample_rows, chunk_rows=150, seed=3, min_gain=min_gain)
+    want, want_rounds = _sinkhorn_resolve_before_buckets(codes, lambda r: table[r], **kw)
+    got, rounds = sinkhorn_resolve(codes, lambda r: table[r], **kw)
+    assert torch.equal(got, want) and rounds == want_rounds
+    assert rounds >= 1 or k == 1  # (one code: the first round is undone)

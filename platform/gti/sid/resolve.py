@@ -5,11 +5,18 @@ What it is for: after greedy quantisation several items can share a SID (a colli
 1. `sinkhorn_resolve` (as LC-Rec does): the colliding items' last-level codes are re-chosen
    together by a Sinkhorn-balanced assignment, which forces near-identical items apart because
    no code may take more than its share; repeated while it helps. At millions of colliders the
-   balancing prices are learned on a sample and applied to all of them in chunks.
+   balancing prices are learned on a sample and applied to all of them in chunks. The rounds
+   (`sinkhorn_rounds`) run on any `LastCodes`: the whole array in memory (`sinkhorn_resolve`),
+   or the colliding prefix groups bucket by bucket (`gti.sid.buckets`).
 2. De-duplication of whatever still collides: `dedup_extra_level` appends one level whose code
    numbers the members of each collision group 0..n-1 (every other item gets 0), or
    `dedup_reassign` moves all but one member of each group to the nearest last-level code that
    is free under the same prefix (falling back to an extra level where a prefix is full).
+   Both decide within prefix groups only: a group's codes depend on its own rows alone (a
+   group where nothing can move stays as it is, so stopping when nothing moves anywhere, or
+   after `max_rounds`, leaves it as stopping for it alone would). So they give the same codes
+   run on any set of whole prefix groups at a time; only whether an extra level is added at
+   all is a decision over every row.
 
 Re-scoring the last level needs distances from an item's last residual to the last codebook;
 the caller passes them as `last_cost(rows) -> [n, K]`, so this module never sees embeddings
@@ -18,7 +25,7 @@ or models. Pure torch; no Ray.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 
@@ -57,6 +64,53 @@ def colliding_rows(codes: torch.Tensor) -> torch.Tensor:
     return (counts[gid] > 1).nonzero().flatten()
 
 
+class LastCodes(Protocol):
+    """Codes whose last level `sinkhorn_rounds` re-chooses, round by round: the whole array in
+    memory (`ArrayCodes`) or the colliding prefix groups bucket by bucket
+    (`gti.sid.buckets.BucketCodes`). Rows are global row ids."""
+
+    def colliders(self) -> torch.Tensor:
+        """LongTensor [m]: the rows whose SID is shared, ascending."""
+
+    def try_last(self, rows: torch.Tensor, last: torch.Tensor) -> int:
+        """Give the colliders `rows` [m] (ascending) the last codes `last` [m], tentatively;
+        returns how many rows collide then."""
+
+    def keep(self) -> None:
+        """Keep the tentative codes; `colliders` then gives the rows that collide with them."""
+
+    def undo(self) -> None:
+        """Go back to the codes before the last `try_last`."""
+
+
+class ArrayCodes:
+    """`LastCodes` over codes LongTensor [N, L] in memory (changed in place: `codes`)."""
+
+    def __init__(self, codes: torch.Tensor) -> None:
+        self.codes = codes
+        self._after: torch.Tensor | None = None
+        self._undo: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def colliders(self) -> torch.Tensor:
+        if self._after is None:
+            self._after = colliding_rows(self.codes)
+        return self._after
+
+    def try_last(self, rows: torch.Tensor, last: torch.Tensor) -> int:
+        self._undo = (rows, self.codes[rows, -1].clone())
+        self.codes[rows, -1] = last.to(self.codes.dtype)
+        self._after = colliding_rows(self.codes)
+        return self._after.numel()
+
+    def keep(self) -> None:
+        self._undo = None
+
+    def undo(self) -> None:
+        rows, old = self._undo
+        self.codes[rows, -1] = old
+        self._undo = self._after = None
+
+
 def sinkhorn_resolve(
     codes: torch.Tensor,
     last_cost: LastCost,
@@ -69,14 +123,36 @@ def sinkhorn_resolve(
     min_gain: float = 0.0,
     log: Callable[[str], None] | None = None,
 ) -> tuple[torch.Tensor, int]:
+    """`sinkhorn_rounds` on codes [N, L] in memory (not changed): (new codes [N, L], rounds
+    run); `last_cost` takes row indices of codes."""
+    store = ArrayCodes(codes.clone())
+    done = sinkhorn_rounds(store, last_cost, epsilon, iters, rounds, sample_rows, chunk_rows, seed, min_gain, log)
+    return store.codes, done
+
+
+def sinkhorn_rounds(
+    store: LastCodes,
+    last_cost: LastCost,
+    epsilon: float = 0.003,
+    iters: int = 50,
+    rounds: int = 20,
+    sample_rows: int = 65536,
+    chunk_rows: int = 262144,
+    seed: int = 0,
+    min_gain: float = 0.0,
+    log: Callable[[str], None] | None = None,
+) -> int:
     """Re-assign the last code of colliding items by balanced Sinkhorn, up to `rounds` times.
 
-    Returns (new codes [N, L], rounds run). In each round, the colliders' last-level costs
-    give K column prices by one Sinkhorn, as LC-Rec does over all colliders. When there are
-    more than `sample_rows` colliders, the prices come from a seeded uniform sample of that
-    many, because the prices of a uniform sample estimate those of the whole set. Every
-    collider then takes its cheapest code after prices, scored `chunk_rows` rows at a time.
-    This keeps the Sinkhorn work and the [rows, K] cost bounded at millions of items.
+    Returns the rounds run; `store` holds the codes. In each round, the colliders' last-level
+    costs (`last_cost(rows)`, rows as the store numbers them) give K column prices by one
+    Sinkhorn, as LC-Rec does over all colliders. When there are more than `sample_rows`
+    colliders, the prices come from a seeded uniform sample of that many, chosen by position
+    in the ascending list of all colliders, because the prices of a uniform sample estimate
+    those of the whole set. Every collider then takes its cheapest code after prices, scored
+    `chunk_rows` rows at a time. This keeps the Sinkhorn work and the [rows, K] cost bounded
+    at millions of items; what the loop itself holds is the colliders' rows (int64) and their
+    new codes (int32), 12 B per collider.
 
     Stops when nothing collides, or when a round does not reduce the number of colliding
     items. That last round is undone, so the result is never worse than its input. It also
@@ -84,29 +160,30 @@ def sinkhorn_resolve(
     kept. Late rounds free a few tenths of a percent each (mostly near-duplicate items that
     no price can separate), and de-duplication handles what is left.
     """
-    codes = codes.clone()
     gen = torch.Generator().manual_seed(seed)
-    rows = colliding_rows(codes)
+    rows = store.colliders()
     done = 0
     while rows.numel() > 0 and done < rounds:
         m = rows.numel()
         fit = rows if m <= sample_rows else rows[torch.randperm(m, generator=gen)[:sample_rows].sort().values]
         scale, v = sinkhorn_prices(last_cost(fit), epsilon, iters)
-        new_last = torch.cat([priced_assign(last_cost(rows[s : s + chunk_rows]), scale, v, epsilon)
-                              for s in range(0, m, chunk_rows)])
-        old_last = codes[rows, -1].clone()
-        codes[rows, -1] = new_last
-        after = colliding_rows(codes)
-        if after.numel() >= m:
-            codes[rows, -1] = old_last
+        del fit
+        new_last = torch.empty(m, dtype=torch.int32)  # codes < K; half the bytes of argmax's int64
+        for s in range(0, m, chunk_rows):
+            new_last[s : s + chunk_rows] = priced_assign(last_cost(rows[s : s + chunk_rows]), scale, v, epsilon)
+        after = store.try_last(rows, new_last)
+        if after >= m:
+            store.undo()
             break
+        store.keep()
         done += 1
         if log is not None:
-            log(f"Sinkhorn round {done}: {m:,} -> {after.numel():,} colliding items")
-        if m - after.numel() < min_gain * m:
+            log(f"Sinkhorn round {done}: {m:,} -> {after:,} colliding items")
+        if m - after < min_gain * m:
             break
-        rows = after
-    return codes, done
+        del rows, new_last  # the next round's colliders are gathered without these alive
+        rows = store.colliders()
+    return done
 
 
 def dedup_extra_level(codes: torch.Tensor) -> torch.Tensor:
