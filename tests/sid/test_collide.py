@@ -7,10 +7,12 @@ import pyarrow as pa
 import pytest
 import torch
 
-from gti.sid.collide import (CodesWriter, closed_rows, fixed_batches, iter_codes, iter_resolved, prefix_bucket,
-                             resolve_subset, scan_codes)
+from gti.sid.buckets import ROWS
+from gti.sid.collide import (CodesWriter, closed_groups, closed_rows, fixed_batches, iter_codes, iter_resolved,
+                             prefix_bucket, resolve_subset, scan_codes)
 from gti.sid.quality import level_usage
-from gti.sid.resolve import collision_rate, dedup_extra_level, dedup_reassign, sinkhorn_resolve
+from gti.sid.resolve import collision_rate, colliding_rows, dedup_extra_level, dedup_reassign, sinkhorn_resolve, \
+    sinkhorn_rounds
 
 
 def _codes(n: int, sizes: list[int], seed: int) -> torch.Tensor:
@@ -25,16 +27,19 @@ def _write(path, codes: torch.Tensor, batch: int = 64):
     return w.rows
 
 
+# sample_rows below the colliders' count: the seeded sample path runs.
+SINKHORN = dict(epsilon=0.003, iters=50, sample_rows=40, chunk_rows=33, seed=7)
+
+
 def _spread(rounds: int):
-    # sample_rows below the colliders' count: the seeded sample path runs.
-    return lambda codes, cost: sinkhorn_resolve(codes, cost, epsilon=0.003, iters=50, rounds=rounds,
-                                                sample_rows=40, chunk_rows=33, seed=7)
+    """The bucketed resolution's Sinkhorn: `sinkhorn_rounds` on the store it is given."""
+    return lambda store, cost: sinkhorn_rounds(store, cost, rounds=rounds, **SINKHORN)
 
 
 def _reference(codes, cost, dedup, rounds, sizes):
     """The stage's resolution before issue 33 item 5: every function on all N rows."""
     before = collision_rate(codes)
-    sk, done = (codes, 0) if rounds == 0 or before == 0 else _spread(rounds)(codes, cost)
+    sk, done = (codes, 0) if rounds == 0 or before == 0 else sinkhorn_resolve(codes, cost, rounds=rounds, **SINKHORN)
     util_q, perp_q = level_usage(sk, sizes)
     final = dedup_extra_level(sk) if dedup == "extra_level" else dedup_reassign(sk, cost)
     out_sizes = list(sizes) + ([int(final[:, -1].max()) + 1] if final.shape[1] > len(sizes) else [])
@@ -73,46 +78,146 @@ def test_streamed_resolution_equals_the_whole_array(tmp_path, sizes, kind, dedup
     assert _write(path, codes) == n
     pick = np.array([499, 3, 0, 250, 3])
     scan = scan_codes(path, sizes, tmp_path / "buckets", bucket_rows=120, pick=pick, batch_rows=50)
-    assert scan.parts == 5 and not (tmp_path / "buckets").exists()
+    assert scan.parts == 5 and (tmp_path / "buckets").is_dir()  # S's buckets, until the scan is closed
     np.testing.assert_array_equal(scan.picked, codes[pick].numpy())
-    rows_t = torch.from_numpy(scan.rows)
 
-    def cost_sub(pos):
-        calls_sub.append(rows_t[pos])
-        return table[rows_t[pos]]
+    def cost_sub(rows):
+        calls_sub.append(rows.clone())
+        return table[rows]
 
-    res = resolve_subset(scan, sizes, cost_sub, dedup, _spread(rounds) if rounds else None)
-    got = torch.cat([torch.from_numpy(b) for b in iter_resolved(path, scan.rows, res.codes, batch_rows=77)]).long()
+    with scan:
+        res = resolve_subset(scan, sizes, cost_sub, dedup, _spread(rounds) if rounds else None)
+        got = torch.cat([torch.from_numpy(b) for b in iter_resolved(path, scan.buckets, len(res.sizes), 77)]).long()
+    assert not (tmp_path / "buckets").exists()
     assert torch.equal(got, final)
     assert res.sizes == out_sizes
     assert (res.before, res.after_sinkhorn, res.after, res.sinkhorn_rounds, res.util_q, res.perp_q, res.util,
             res.perp) == figures  # exactly
-    # The same cost calls, with the same global rows, in the same order.
-    assert len(calls_sub) == len(calls_ref) and all(torch.equal(a, b) for a, b in zip(calls_sub, calls_ref))
+    if dedup == "extra_level":  # Sinkhorn's calls only: the same global rows, in the same order
+        assert len(calls_sub) == len(calls_ref) and all(torch.equal(a, b) for a, b in zip(calls_sub, calls_ref))
+    elif calls_ref:  # reassign asks bucket by bucket, and a bucket stops once nothing in it can
+        # move (the whole array re-scores such rows until nothing moves anywhere): the same rows
+        assert torch.equal(torch.cat(calls_sub).unique(), torch.cat(calls_ref).unique())
     assert figures[0] > 0
     if sizes[0] == 16:
-        assert scan.rows.size < n  # only the colliding prefix groups come into memory
+        assert scan.size < n  # only the colliding prefix groups come into memory
+
+
+MANY = [  # 26-43% of a 600-row catalog collides; Sinkhorn runs 2-6 rounds, or undoes its first
+    ([10, 10, 5], "rand"),
+    ([10, 10, 5], "ties"),
+    ([8, 8, 8], "ties"),       # the first round does not help: undone in every bucket
+    ([6, 6, 6, 4], "rand"),
+    ([20, 25], "rand"),
+    ([5, 5, 5, 5], "ties"),
+]
+# bucket_rows for P = 1 (in memory), 3, 4, 6 and 7 buckets of 600 rows.
+BUCKET_ROWS = {1: 600, 3: 200, 4: 150, 6: 100, 7: 86}
+
+
+def _bucketed(tmp_path, codes, sizes, cost, dedup, rounds, parts):
+    """(final codes long [N, L'], `Resolved`, S rows per bucket [parts], scan) of the bucketed
+    path with `parts` buckets."""
+    path = tmp_path / f"codes{parts}.parquet"
+    _write(path, codes, batch=71)
+    scan = scan_codes(path, sizes, tmp_path / f"buckets{parts}", bucket_rows=BUCKET_ROWS[parts], batch_rows=50)
+    assert scan.parts == parts
+    with scan:
+        res = resolve_subset(scan, sizes, cost, dedup, _spread(rounds) if rounds else None)
+        got = torch.cat([torch.from_numpy(b) for b in iter_resolved(path, scan.buckets, len(res.sizes), 64)])
+        held = [scan.buckets.length(i) for i in range(parts)]
+    return got.long(), res, held, scan
+
+
+@pytest.mark.parametrize("sizes,kind", MANY)
+@pytest.mark.parametrize("dedup", ["extra_level", "reassign"])
+@pytest.mark.parametrize("rounds", [0, 6])
+def test_bucket_by_bucket_equals_the_whole_array_and_one_bucket(tmp_path, sizes, kind, dedup, rounds):
+    """Issue 33 item 5: with S in 3-7 buckets on disk, resolved a bucket at a time (Sinkhorn's
+    sample and undo still global), the codes and every figure are those of the whole-array
+    functions and of one bucket in memory, exactly."""
+    n = 600
+    codes = _codes(n, sizes, seed=sum(sizes))
+    assert 0.2 < collision_rate(codes) < 0.6
+    g = torch.Generator().manual_seed(1)
+    table = torch.rand(n, sizes[-1], generator=g)
+    if kind == "ties":
+        table = torch.randint(0, 3, (n, sizes[-1]), generator=g).float()
+
+    def cost(rows):
+        return table[rows]
+
+    final, out_sizes, figures = _reference(codes, cost, dedup, rounds, sizes)
+    if rounds:
+        assert colliding_rows(codes).numel() > 5 * SINKHORN["sample_rows"]  # the sample path runs
+        assert figures[3] >= 2 or sizes == [8, 8, 8]  # several rounds (or the first undone)
+    for parts in BUCKET_ROWS:
+        got, res, _, _ = _bucketed(tmp_path, codes, sizes, cost, dedup, rounds, parts)
+        assert torch.equal(got, final), parts
+        assert res.sizes == out_sizes
+        assert (res.before, res.after_sinkhorn, res.after, res.sinkhorn_rounds, res.util_q, res.perp_q, res.util,
+                res.perp) == figures, parts  # exactly
+    assert figures[2] == 0.0 and (len(out_sizes) > len(sizes) or dedup == "reassign")
+
+
+def test_one_bucket_of_s_held_at_a_time(tmp_path):
+    """The S rows held at once (arrays read from the buckets and still alive) never exceed the
+    largest bucket's, through the scan, Sinkhorn, de-duplication and the merge."""
+    sizes, n = [10, 10, 5], 600
+    codes = _codes(n, sizes, seed=sum(sizes))
+    table = torch.rand(n, sizes[-1], generator=torch.Generator().manual_seed(1))
+    final, _, _ = _reference(codes, lambda r: table[r], "reassign", 6, sizes)
+    for parts in (3, 7):
+        got, res, held, scan = _bucketed(tmp_path, codes, sizes, lambda r: table[r], "reassign", 6, parts)
+        assert torch.equal(got, final) and res.sinkhorn_rounds >= 2
+        assert sum(held) == scan.size and scan.buckets.peak_rows == max(held) < scan.size
+    _, _, held, one = _bucketed(tmp_path, codes, sizes, lambda r: table[r], "reassign", 6, 1)
+    assert one.buckets.peak_rows == one.size == held[0]  # one bucket: all of S, in memory
 
 
 def test_closed_set_is_the_colliding_prefix_groups(tmp_path):
     codes = _codes(400, [12, 12, 3], seed=3)
     path = tmp_path / "codes.parquet"
     _write(path, codes, batch=33)
-    one = scan_codes(path, [12, 12, 3], tmp_path / "b", bucket_rows=1000)
-    many = scan_codes(path, [12, 12, 3], tmp_path / "b", bucket_rows=60, batch_rows=41)
+    one = scan_codes(path, [12, 12, 3], tmp_path / "b1", bucket_rows=1000)
+    many = scan_codes(path, [12, 12, 3], tmp_path / "b7", bucket_rows=60, batch_rows=41)
     assert one.parts == 1 and many.parts == 7
+    assert not (tmp_path / "b1").exists() and (tmp_path / "b7").is_dir()  # one bucket stays in memory
     full = [tuple(r) for r in codes.tolist()]
     colliding_prefixes = {f[:2] for f in full if full.count(f) > 1}
     want = [i for i, f in enumerate(full) if f[:2] in colliding_prefixes]
+    colliders = colliding_rows(codes)
     assert 0 < len(want) < 400
     for scan in (one, many):
-        assert scan.rows.tolist() == want
-        np.testing.assert_array_equal(scan.codes, codes[want].numpy())
-        assert [c.tolist() for c in scan.counts] == [np.bincount(codes[:, lv], minlength=k).tolist()
-                                                     for lv, k in enumerate([12, 12, 3])]
+        rows, s_codes, coll = _held(scan)
+        assert rows.tolist() == want and scan.size == len(want)
+        np.testing.assert_array_equal(s_codes, codes[want].numpy())
+        np.testing.assert_array_equal(coll, colliders.numpy())
+        assert scan.unique == int(codes[want].unique(dim=0).shape[0])
+        all_counts = [np.bincount(codes[:, lv], minlength=k) for lv, k in enumerate([12, 12, 3])]
+        assert [c.tolist() for c in scan.counts] == [c.tolist() for c in all_counts]
+        s_counts = [np.bincount(codes[want, lv], minlength=k) for lv, k in enumerate([12, 12, 3])]
+        assert [c.tolist() for c in scan.outside] == [(a - b).tolist() for a, b in zip(all_counts, s_counts)]
+        rows_by_bucket = [scan.buckets.get(i, ROWS) for i in range(scan.parts)]
+        assert all((np.diff(r) > 0).all() for r in rows_by_bucket)  # ascending inside each bucket
+        del rows_by_bucket
+        scan.close()
+    assert not (tmp_path / "b7").exists()
     assert closed_rows(torch.tensor([[0, 1], [0, 2], [1, 1]])).tolist() == [False] * 3
     assert closed_rows(torch.tensor([[0, 1], [0, 1], [0, 2], [1, 1]])).tolist() == [True, True, True, False]
     assert closed_rows(torch.tensor([[1], [1], [2]])).tolist() == [True] * 3  # one level: one empty prefix
+    closed, colliding, groups = closed_groups(torch.tensor([[0, 1], [0, 1], [0, 2], [1, 1]]))
+    assert (closed.tolist(), colliding.tolist(), groups) == ([True, True, True, False], [True, True, False, False], 3)
+
+
+def _held(scan):
+    """S of a scan as one array each, by row: (rows [s], codes [s, L], colliding rows [m])."""
+    b = scan.buckets
+    rows = np.concatenate([b.get(i, ROWS) for i in range(b.parts)])
+    codes = np.concatenate([b.get(i, "codes") for i in range(b.parts)])
+    coll = np.sort(np.concatenate([b.get(i, "coll") for i in range(b.parts)]))
+    order = np.argsort(rows)
+    return rows[order], codes[order], coll
 
 
 def test_no_collision_keeps_the_greedy_codes(tmp_path):
@@ -120,11 +225,11 @@ def test_no_collision_keeps_the_greedy_codes(tmp_path):
     path = tmp_path / "codes.parquet"
     _write(path, codes, batch=3)
     scan = scan_codes(path, [3, 4], tmp_path / "b")
-    assert scan.rows.size == 0
-    res = resolve_subset(scan, [3, 4], lambda pos: pytest.fail("no cost needed"), "reassign", _spread(3))
+    assert scan.size == 0
+    res = resolve_subset(scan, [3, 4], lambda rows: pytest.fail("no cost needed"), "reassign", _spread(3))
     assert (res.before, res.after, res.sinkhorn_rounds, res.sizes) == (0.0, 0.0, 0, [3, 4])
     assert res.util == level_usage(codes, [3, 4])[0]
-    got = np.concatenate(list(iter_resolved(path, scan.rows, res.codes, batch_rows=3)))
+    got = np.concatenate(list(iter_resolved(path, scan.buckets, len(res.sizes), batch_rows=3)))
     np.testing.assert_array_equal(got, codes.numpy())
 
 

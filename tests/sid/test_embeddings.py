@@ -84,18 +84,23 @@ def test_last_residuals_encode_each_item_once(tmp_path):
     assert small.encoded == 500  # the 200 rows past the budget are encoded again
 
 
-def test_last_residuals_over_a_row_subset_are_those_of_the_mapped_rows(tmp_path):
+def test_last_residuals_cache_is_keyed_by_row(tmp_path):
+    """Rows are the catalog's own (any of N, any order): the cache holds a key and a slot per
+    cached item only, nothing per item of the catalog, and answers as encoding afresh."""
     from gti.sid.rqkmeans import RQKMeansConfig, ResidualKMeans
-    from gti.sid.embeddings import EmbeddingRows, LastResiduals, RowSubset
+    from gti.sid.embeddings import EmbeddingRows, LastResiduals
 
     vecs = clustered(n=120, dim=8, seed=2)
     run_dir = tmp_path / "run"
     write_embed_stage(run_dir, vecs)
     q = ResidualKMeans(RQKMeansConfig(in_dim=8, levels=2, codebook_size=4, balanced=False))
     q.fit(torch.from_numpy(vecs), iters=3, generator=torch.Generator().manual_seed(0))
-    rows = np.array([3, 10, 11, 57, 119])
-    sub = RowSubset(EmbeddingRows(run_dir / "embed" / "embeddings.parquet"), rows)
-    assert sub.n == 5 and torch.equal(sub.read(np.array([4, 0])), torch.from_numpy(vecs[[119, 3]]))
-    lr = LastResiduals(q, sub, chunk=2)
-    assert lr.slot.shape == (5,)  # cache slots for the subset only
-    torch.testing.assert_close(lr(np.array([1, 4, 1])), q.last_residual(torch.from_numpy(vecs[[10, 119, 10]])))
+    want = q.last_residual(torch.from_numpy(vecs)).float()
+    lr = LastResiduals(q, EmbeddingRows(run_dir / "embed" / "embeddings.parquet"), chunk=2,
+                       cache_mb=6 * 8 * 4 / 2**20)  # six rows
+    torch.testing.assert_close(lr(np.array([119, 3, 119])), want[[119, 3, 119]])
+    torch.testing.assert_close(lr(np.array([57, 10, 3, 11, 0])), want[[57, 10, 3, 11, 0]])
+    assert lr.keys.tolist() == [0, 3, 10, 11, 57, 119] and lr.used == 6 and lr.encoded == 6
+    torch.testing.assert_close(lr.res[torch.from_numpy(lr.slots)], want[lr.keys])
+    torch.testing.assert_close(lr(np.array([1, 119, 0, 2])), want[[1, 119, 0, 2]])
+    assert lr.keys.size == 6 and lr.encoded == 8  # budget full: 1 and 2 are not kept

@@ -199,10 +199,10 @@ def _stage_without_ray(run_dir, cfg, vecs, torch_threads: int = 1, actors: int =
         with CodesWriter(codes_path) as w:
             for p in parts:
                 w.write(p)
-        scan = scan_codes(codes_path, list(q.codebook_sizes), run_dir / "buckets")
-        res, facts = stage._resolve(ctx, q, scan, rows)
-        map_hash = stage._write_map(ctx, emb, codes_path, scan, res,
-                                    SidCodec(len(res.sizes), res.sizes, cfg.sid.token_format))
+        with scan_codes(codes_path, list(q.codebook_sizes), run_dir / "buckets") as scan:  # closed as `run` does
+            res, facts = stage._resolve(ctx, q, scan, rows)
+            map_hash = stage._write_map(ctx, emb, codes_path, scan, res,
+                                        SidCodec(len(res.sizes), res.sizes, cfg.sid.token_format))
     finally:
         torch.set_num_threads(before)
     return q, torch.from_numpy(np.concatenate(parts)).long(), rows, scan, facts, map_hash
@@ -281,7 +281,8 @@ def test_streamed_map_equals_the_whole_array_map(tmp_path, monkeypatch, dedup, s
     got = pq.read_table(run_dir / "sid_map.parquet")
     assert got.schema == table.schema and got.equals(table)
     assert map_hash == want_hash and facts == want_facts
-    assert scan.parts == 4 and 0 < scan.rows.size < 400  # only the colliding prefix groups were held
+    assert scan.parts == 4 and 0 < scan.size < 400  # only the colliding prefix groups were held
+    assert scan.buckets.peak_rows < scan.size  # and one bucket of them at a time
     assert facts["collision_rate_before"] > 0 and facts["sinkhorn_rounds"] > 0 and facts["collision_rate_after"] == 0
     assert len(file_hashes) == (0 if sorted_ids else 1)  # sorted ids: hashed as written
     assert not (run_dir / "hash_runs").exists() and not (run_dir / "buckets").exists()

@@ -1,4 +1,5 @@
-"""Collision resolution with the codes on disk: only the rows that can collide come into memory.
+"""Collision resolution with the codes on disk: only the rows that can collide come into memory,
+one bucket of them at a time.
 
 What it is for: keeping the `sid` stage's driver memory independent of the catalog size.
 Greedy codes int32 [N, L] are written batch by batch to a parquet file (`CodesWriter`);
@@ -13,17 +14,23 @@ colliding rows and `dedup_reassign` moves a row only to a code free under its ow
 a row outside S never collides, before or after. On S the functions see the same colliding
 rows in the same order (S is ascending), so the seeded Sinkhorn sample, ties to the lowest row
 and `dedup_extra_level`'s ranks are those of the whole array. With L = 1 every row shares the
-empty prefix: one collision puts all N rows in S.
+empty prefix: one collision puts all N rows in S (and in one bucket).
 
-Finding S with bounded memory: rows are hash-partitioned by prefix into P buckets of about
-`bucket_rows` rows (spilled to a folder when P > 1); every prefix group lies in one bucket.
+Bounded memory: rows are hash-partitioned by prefix into P buckets of about `bucket_rows`
+rows (spilled to a folder when P > 1); every prefix group lies in one bucket, and S stays
+bucket by bucket (`gti.sid.buckets.SBuckets`: on disk when P > 1, in memory when P = 1).
+De-duplication decides within prefix groups, so it runs a bucket at a time; Sinkhorn's
+decisions are global (prices from a sample of all colliders, a round kept or undone on the
+count of all colliders), so each round visits every bucket once and holds only the colliders'
+rows and new codes for all of them (`gti.sid.buckets.BucketCodes`). The figures are integer
+sums over the buckets, so they are those of the whole array exactly. The final codes are
+merged back into file order from per-bucket files sorted by row.
 
 What it does not know: embeddings, the quantiser, SID strings, Ray.
 """
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
@@ -33,8 +40,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from gti.sid.buckets import ROWS, BucketCodes, SBuckets, SortedPieces
 from gti.sid.quality import usage_from_counts
-from gti.sid.resolve import LastCost, dedup_extra_level, dedup_reassign, group_ids
+from gti.sid.resolve import LastCodes, LastCost, dedup_extra_level, dedup_reassign, group_ids
 
 CODES_COLUMN = "codes"
 # Rows per bucket when finding S: a bucket's rows, codes and group ids (about 100 B a row at
@@ -115,33 +123,57 @@ def prefix_bucket(codes: np.ndarray, parts: int) -> np.ndarray:
     return ((h ^ (h >> np.uint64(27))) % np.uint64(parts)).astype(np.int64)
 
 
-def closed_rows(codes: torch.Tensor) -> torch.Tensor:
-    """Bool [m]: rows of codes [m, L] whose prefix is that of a colliding row (every row of a
-    complete set of prefix groups, e.g. one bucket)."""
+def closed_groups(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Of codes [m, L] (a complete set of prefix groups, e.g. one bucket): (bool [m] rows whose
+    prefix is that of a colliding row, bool [m] colliding rows, distinct SIDs among the m)."""
     if codes.shape[0] == 0:
-        return torch.zeros(0, dtype=torch.bool)
+        return torch.zeros(0, dtype=torch.bool), torch.zeros(0, dtype=torch.bool), 0
     gid = group_ids(codes)
     colliding = torch.bincount(gid)[gid] > 1
+    groups = int(gid.max()) + 1
     if not colliding.any() or codes.shape[1] == 1:
-        return colliding.any().expand(codes.shape[0]).clone()
+        return colliding.any().expand(codes.shape[0]).clone(), colliding, groups
     pid = group_ids(codes[:, :-1])
     hit = torch.zeros(int(pid.max()) + 1, dtype=torch.bool)
     hit[pid[colliding]] = True
-    return hit[pid]
+    return hit[pid], colliding, groups
+
+
+def closed_rows(codes: torch.Tensor) -> torch.Tensor:
+    """Bool [m]: rows of codes [m, L] whose prefix is that of a colliding row (every row of a
+    complete set of prefix groups, e.g. one bucket)."""
+    return closed_groups(codes)[0]
+
+
+# The name of each bucket's final codes in `CodeScan.buckets` (written by `resolve_subset`).
+FINAL = "final"
 
 
 @dataclass
 class CodeScan:
-    """What `scan_codes` keeps of N greedy codes [N, L]: `counts` per level (int64
-    [max(K_l, max code + 1)]), S as ascending `rows` int64 [s] with their `codes` int32
-    [s, L], the `picked` rows' codes int32 [len(pick), L], and the bucket count `parts`."""
+    """What `scan_codes` keeps of N greedy codes [N, L]: `counts` per level of all N rows and
+    `outside` of the rows outside S (int64 [max(K_l, max code + 1)] each); S bucket by bucket
+    in `buckets` (`ROWS` int64 [s_i] ascending, `codes` int32 [s_i, L], `coll`: the colliding
+    rows); `size` (s) and `unique` (distinct SIDs in S); the `picked` rows' codes int32
+    [len(pick), L]; the bucket count `parts`. `close` (or leaving `with`) removes the buckets."""
 
     n: int
     counts: list[np.ndarray]
-    rows: np.ndarray
-    codes: np.ndarray
+    outside: list[np.ndarray]
+    buckets: SBuckets
+    size: int
+    unique: int
     picked: np.ndarray
     parts: int
+
+    def close(self) -> None:
+        self.buckets.close()
+
+    def __enter__(self) -> CodeScan:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def _add(total: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -152,8 +184,9 @@ def _add(total: np.ndarray, counts: np.ndarray) -> np.ndarray:
     return total
 
 
-class _Buckets:
-    """P spill files of (row int64, codes int32 [L]) per bucket under `folder`."""
+class _Spill:
+    """P spill files of (row int64, codes int32 [L]) per bucket under `folder`: every row,
+    until `read` takes a bucket back (and deletes its files)."""
 
     def __init__(self, folder: Path, parts: int) -> None:
         folder.mkdir(parents=True, exist_ok=True)
@@ -172,8 +205,12 @@ class _Buckets:
     def read(self, i: int, levels: int) -> tuple[np.ndarray, np.ndarray]:
         for f in self.files[i]:
             f.close()
-        rows = np.fromfile(self.folder / f"{i}.rows", dtype=np.int64)
-        return rows, np.fromfile(self.folder / f"{i}.codes", dtype=np.int32).reshape(-1, levels)
+        paths = (self.folder / f"{i}.rows", self.folder / f"{i}.codes")
+        rows = np.fromfile(paths[0], dtype=np.int64)
+        codes = np.fromfile(paths[1], dtype=np.int32).reshape(-1, levels)
+        for p in paths:
+            p.unlink()
+        return rows, codes
 
     def close(self) -> None:
         for fr, fc in self.files:
@@ -181,11 +218,26 @@ class _Buckets:
             fc.close()
 
 
+def _keep_closed(buckets: SBuckets, i: int, rows: np.ndarray, codes: np.ndarray, s_counts: list[np.ndarray]) -> int:
+    """Put bucket i's part of S (of its `rows` [b] ascending with `codes` int32 [b, L]) into
+    `buckets`, add S's per-level counts to `s_counts`; returns the distinct SIDs in it."""
+    closed, colliding, groups = closed_groups(torch.from_numpy(codes.astype(np.int64)))
+    closed, colliding = closed.numpy(), colliding.numpy()
+    s_codes = codes[closed]
+    buckets.put(i, ROWS, rows[closed])
+    buckets.put(i, BucketCodes.CODES, s_codes)
+    buckets.put(i, BucketCodes.COLL, rows[colliding])
+    for lv in range(len(s_counts)):
+        s_counts[lv] = _add(s_counts[lv], np.bincount(s_codes[:, lv], minlength=len(s_counts[lv])))
+    return groups - (len(rows) - s_codes.shape[0])  # rows outside S are SIDs of their own
+
+
 def scan_codes(path: str | Path, sizes: list[int], tmp_dir: str | Path, bucket_rows: int | None = None,
                pick: np.ndarray | None = None, batch_rows: int = 65536) -> CodeScan:
     """One pass over the codes file (sizes [L]: codebook sizes): per-level counts, the codes of
     rows `pick` [p] (any order), then S found bucket by bucket (about `bucket_rows` rows each,
-    `BUCKET_ROWS` when None). `tmp_dir` holds the buckets while P > 1 and is removed after."""
+    `BUCKET_ROWS` when None) and kept so: in memory for one bucket, else in `tmp_dir` (emptied
+    first) until the scan is closed (removed at once on an error here)."""
     n = pq.ParquetFile(str(path)).metadata.num_rows
     parts = max(1, -(-n // (bucket_rows or BUCKET_ROWS)))
     pick = np.asarray([] if pick is None else pick, dtype=np.int64)
@@ -193,7 +245,8 @@ def scan_codes(path: str | Path, sizes: list[int], tmp_dir: str | Path, bucket_r
     pick_sorted = pick[pick_order]
     counts = [np.zeros(k, np.int64) for k in sizes]
     picked, held, start = [], [], 0
-    spill = _Buckets(Path(tmp_dir), parts) if parts > 1 else None
+    buckets = SBuckets(parts, Path(tmp_dir) if parts > 1 else None)
+    spill = _Spill(Path(tmp_dir), parts) if parts > 1 else None
     try:
         for codes in iter_codes(path, batch_rows):
             b = codes.shape[0]
@@ -207,45 +260,46 @@ def scan_codes(path: str | Path, sizes: list[int], tmp_dir: str | Path, bucket_r
                 spill.add(prefix_bucket(codes, parts), np.arange(start, start + b), codes)
             start += b
         levels = len(sizes)
-        buckets = ([(np.arange(n), np.concatenate(held) if held else np.zeros((0, levels), np.int32))]
-                   if spill is None else (spill.read(i, levels) for i in range(parts)))
-        keep_rows, keep_codes = [], []
-        for rows, codes in buckets:
-            mask = closed_rows(torch.from_numpy(codes.astype(np.int64))).numpy()
-            keep_rows.append(rows[mask])
-            keep_codes.append(codes[mask])
+        parts_iter = ([(np.arange(n), np.concatenate(held) if held else np.zeros((0, levels), np.int32))]
+                      if spill is None else (spill.read(i, levels) for i in range(parts)))
+        del held
+        s_counts, unique = [np.zeros(k, np.int64) for k in sizes], 0
+        for i, (rows, codes) in enumerate(parts_iter):
+            unique += _keep_closed(buckets, i, rows, codes, s_counts)
+            del rows, codes  # one spilled bucket in memory at a time
+    except BaseException:
+        buckets.close()
+        raise
     finally:
         if spill is not None:
             spill.close()
-            shutil.rmtree(tmp_dir, ignore_errors=True)
-    rows, codes = np.concatenate(keep_rows), np.concatenate(keep_codes)
-    order = np.argsort(rows, kind="stable")
+    outside = [_add(c.copy(), -sc) for c, sc in zip(counts, s_counts)]
     got = np.concatenate(picked) if picked else np.zeros((0, len(sizes)), np.int32)
     out = np.empty_like(got)
     out[pick_order] = got
-    return CodeScan(n, counts, rows[order], np.ascontiguousarray(codes[order]), out, parts)
+    return CodeScan(n, counts, outside, buckets, buckets.size(), unique, out, parts)
 
 
-def subset_collision_rate(n: int, sub: torch.Tensor) -> float:
-    """`collision_rate` of all n rows from S's codes [s, L'] alone (every row outside S is
-    unique): 1 - (n - s + unique in S) / n, the same division as on the whole array."""
+def _rate(n: int, s: int, unique: int) -> float:
+    """`collision_rate` of all n rows from S's s rows with `unique` distinct SIDs (every row
+    outside S is unique): 1 - (n - s + unique) / n, the same division as on the whole array."""
     if n == 0:
         return 0.0
-    uniq = int(group_ids(sub).max()) + 1 if sub.shape[0] else 0
-    return 1.0 - (n - sub.shape[0] + uniq) / n
+    return 1.0 - (n - s + unique) / n
 
 
-def _counts_with(scan: CodeScan, sub: torch.Tensor, sizes: list[int]) -> list[np.ndarray]:
-    """Per-level counts of all N rows once S's codes are `sub` [s, L'] (L' = L or L + 1: an
-    extra level is 0 outside S), trimmed as bincount(minlength=K_l) would give them."""
-    out, new = [], sub.numpy()
+def _counts_with(outside: list[np.ndarray], n_out: int, inside: list[np.ndarray], sizes: list[int]
+                 ) -> list[np.ndarray]:
+    """Per-level counts of all N rows: `outside` (the n_out rows outside S, per quantiser
+    level) plus `inside` (S's codes, per level [L']; an extra level is 0 outside S), trimmed
+    as bincount(minlength=K_l) would give them."""
+    out = []
     for lv, k in enumerate(sizes):
-        if lv < len(scan.counts):
-            c = _add(scan.counts[lv].copy(), -np.bincount(scan.codes[:, lv], minlength=k))
-            c = _add(c, np.bincount(new[:, lv], minlength=k))
+        if lv < len(outside):
+            c = _add(outside[lv].copy(), inside[lv])
         else:
-            c = np.bincount(new[:, lv], minlength=k)
-            c[0] += scan.n - new.shape[0]
+            c = inside[lv].copy()
+            c[0] += n_out
         used = np.flatnonzero(c)
         out.append(c[: max(k, int(used[-1]) + 1 if used.size else 0)])
     return out
@@ -253,11 +307,11 @@ def _counts_with(scan: CodeScan, sub: torch.Tensor, sizes: list[int]) -> list[np
 
 @dataclass
 class Resolved:
-    """S's final codes `codes` long [s, L'] (rows `scan.rows`), the codebook sizes [L'] and
-    the figures of all N rows: collision rates, Sinkhorn rounds, (utilisation, perplexity)
-    after Sinkhorn on the quantiser's levels (`util_q`, `perp_q`) and of the final codes."""
+    """The codebook sizes [L'] of the final codes (each bucket's are in the scan's buckets as
+    `FINAL`) and the figures of all N rows: collision rates, Sinkhorn rounds, (utilisation,
+    perplexity) after Sinkhorn on the quantiser's levels (`util_q`, `perp_q`) and of the final
+    codes."""
 
-    codes: torch.Tensor
     sizes: list[int]
     before: float
     after_sinkhorn: float
@@ -269,50 +323,92 @@ class Resolved:
     perp: list[float]
 
 
-Spread = Callable[[torch.Tensor, LastCost], tuple[torch.Tensor, int]]
+Spread = Callable[[LastCodes, LastCost], int]
 
 
 def resolve_subset(scan: CodeScan, sizes: list[int], last_cost: LastCost, dedup: str,
                    spread: Spread | None = None) -> Resolved:
-    """Sinkhorn (`spread(codes [s, L], last_cost) -> (codes, rounds)`, e.g. `sinkhorn_resolve`
-    with the stage's settings; None: none), then `dedup` ("extra_level" or "reassign") on S,
-    as the whole-array calls would. `last_cost(positions)` scores positions into `scan.rows`
-    (the caller maps them to items); sizes [L]: the quantiser's codebook sizes."""
-    sub = torch.from_numpy(scan.codes.astype(np.int64))
-    before = after_sk = subset_collision_rate(scan.n, sub)
+    """Sinkhorn (`spread(store, last_cost) -> rounds`, e.g. `sinkhorn_rounds` with the stage's
+    settings; None: none) on S's last codes, then `dedup` ("extra_level" or "reassign") bucket
+    by bucket: the codes and figures of the whole-array calls. `last_cost(rows)` scores global
+    rows (LongTensor [m]) -> [m, K]; sizes [L]: the quantiser's codebook sizes. Holds one
+    bucket of S at a time, apart from Sinkhorn's colliders (`BucketCodes`)."""
+    before = _rate(scan.n, scan.size, scan.unique)
     rounds = 0
     if spread is not None and before > 0:
-        sub, rounds = spread(sub, last_cost)
-        after_sk = subset_collision_rate(scan.n, sub)
-    util_q, perp_q = usage_from_counts(_counts_with(scan, sub, list(sizes)), sizes)
-    if sub.shape[0] == 0:
-        final = sub
-    else:
-        final = dedup_extra_level(sub) if dedup == "extra_level" else dedup_reassign(sub, last_cost)
+        rounds = spread(BucketCodes(scan.buckets), last_cost)
+    return _dedup_buckets(scan, list(sizes), last_cost, dedup, before, rounds)
+
+
+def _dedup_buckets(scan: CodeScan, sizes: list[int], last_cost: LastCost, dedup: str, before: float,
+                   rounds: int) -> Resolved:
+    """One pass over the buckets: S's figures after Sinkhorn, `dedup` on each bucket (whole
+    prefix groups: `gti.sid.resolve` decides within them), its final codes int32 [s_i, L or
+    L + 1] stored as `FINAL`, and the final figures, summed over the buckets."""
+    levels, b = len(sizes), scan.buckets
+    mid, fin = [np.zeros(k, np.int64) for k in sizes], [np.zeros(k, np.int64) for k in sizes]
+    uniq_mid = uniq_fin = 0
+    extra, plain, extended = np.zeros(1, np.int64), 0, False  # the extra level's counts; rows without it
+    for i in range(b.parts):
+        if not b.length(i):
+            continue
+        rows = torch.from_numpy(b.get(i, ROWS))
+        codes = torch.from_numpy(b.get(i, BucketCodes.CODES).astype(np.int64))
+        uniq_mid += int(group_ids(codes).max()) + 1
+        _add_levels(mid, codes)
+        if dedup == "extra_level":
+            final = dedup_extra_level(codes)
+        else:
+            final = dedup_reassign(codes, lambda pos, rows=rows: last_cost(rows[pos]))
+        uniq_fin += int(group_ids(final).max()) + 1
+        _add_levels(fin, final[:, :levels])
+        if final.shape[1] > levels:
+            extended, extra = True, _add(extra, np.bincount(final[:, levels].numpy()))
+        else:
+            plain += final.shape[0]  # 0 at the extra level, if one is added
+        b.put(i, FINAL, final.to(torch.int32).numpy())
+        del rows, codes, final  # one bucket held at a time
+    b.drop(BucketCodes.CODES)
+    b.drop(BucketCodes.COLL)
+    n, s = scan.n, scan.size
+    util_q, perp_q = usage_from_counts(_counts_with(scan.outside, n - s, mid, sizes), sizes)
     out_sizes = list(sizes)
-    if final.shape[1] > len(out_sizes):
-        out_sizes.append(int(final[:, -1].max()) + 1)  # every row outside S has 0 there
-    util, perp = usage_from_counts(_counts_with(scan, final, out_sizes), out_sizes)
-    return Resolved(final, out_sizes, before, after_sk, subset_collision_rate(scan.n, final), rounds,
-                    util_q, perp_q, util, perp)
+    if extended:
+        out_sizes.append(len(extra))  # its largest code + 1: every row outside S has 0 there
+        extra[0] += plain
+        fin.append(extra)
+    util, perp = usage_from_counts(_counts_with(scan.outside, n - s, fin, out_sizes), out_sizes)
+    return Resolved(out_sizes, before, _rate(n, s, uniq_mid), _rate(n, s, uniq_fin), rounds, util_q, perp_q,
+                    util, perp)
 
 
-def iter_resolved(path: str | Path, rows: np.ndarray, final: torch.Tensor, batch_rows: int = 65536
+def _add_levels(counts: list[np.ndarray], codes: torch.Tensor) -> None:
+    """counts[l] += bincount of codes[:, l] (codes long [m, L]), in place in the list."""
+    for lv in range(len(counts)):
+        counts[lv] = _add(counts[lv], np.bincount(codes[:, lv].numpy(), minlength=len(counts[lv])))
+
+
+# Rows per piece of each bucket's final codes while they are merged back into file order.
+MERGE_ROWS = 8192
+
+
+def iter_resolved(path: str | Path, buckets: SBuckets, width: int, batch_rows: int = 65536
                   ) -> Iterator[np.ndarray]:
-    """All N final codes int32 [b, L'] in file order, `batch_rows` per batch (the last may be
-    shorter): the codes file's, with rows `rows` [s] (ascending) replaced by `final` [s, L']
-    (an extra level is 0 elsewhere)."""
-    sub = final.to(torch.int32).numpy()
-    width = sub.shape[1] if sub.ndim == 2 and sub.shape[0] else None
+    """All N final codes int32 [b, width] in file order, `batch_rows` per batch (the last may
+    be shorter): the codes file's, with S's rows replaced by each bucket's `FINAL` codes,
+    merged by row (an extra level is 0 elsewhere). Holds a batch and a piece of `MERGE_ROWS`
+    rows per bucket."""
 
     def batches() -> Iterator[np.ndarray]:
+        merges = [SortedPieces(buckets, i, FINAL, MERGE_ROWS) for i in range(buckets.parts) if buckets.length(i)]
         start = 0
         for codes in iter_codes(path, batch_rows):
             b = codes.shape[0]
-            out = np.zeros((b, width or codes.shape[1]), np.int32)
+            out = np.zeros((b, max(width, codes.shape[1])), np.int32)
             out[:, : codes.shape[1]] = codes
-            lo, hi = np.searchsorted(rows, [start, start + b])
-            out[rows[lo:hi] - start] = sub[lo:hi]
+            for m in merges:
+                for rows, sub in m.below(start + b):
+                    out[rows - start, : sub.shape[1]] = sub
             start += b
             yield out
 

@@ -3,10 +3,10 @@ the last level's residuals, and batch assignment.
 
 What it is for: `check_embeddings` (one streamed pass: count, dim, non-finite rows named),
 `embedding_matrix` (an Arrow list column -> float32 [N, dim], no copy where possible),
-`EmbeddingRows` (rows by index with one row group in memory at a time; `RowSubset`: some of
-them, by position), `LastResiduals` (what the last quantiser level sees per item, cached up to
-a budget, for collision resolution) and `AssignBatch` (a callable class for Ray Data's
-`map_batches`: greedy codes for a batch, the quantiser loaded once per actor from bytes).
+`EmbeddingRows` (rows by index with one row group in memory at a time), `LastResiduals`
+(what the last quantiser level sees per item, cached up to a budget, for collision resolution)
+and `AssignBatch` (a callable class for Ray Data's `map_batches`: greedy codes for a batch,
+the quantiser loaded once per actor from bytes).
 Pure: pyarrow, numpy and torch, no Ray.
 
 What it does not know: how the embeddings were made, or how the quantiser was trained.
@@ -108,20 +108,6 @@ class EmbeddingRows:
         return torch.from_numpy(out)
 
 
-class RowSubset:
-    """Rows `rows` [s] of an `EmbeddingRows`, addressed by position 0..s-1 (`n`, `read`): a
-    `LastResiduals` over it keeps its per-row cache slots for the s rows that collision
-    resolution touches, not for all N items."""
-
-    def __init__(self, reader: EmbeddingRows, rows: np.ndarray) -> None:
-        self.reader, self.rows = reader, np.asarray(rows, dtype=np.int64)
-        self.n = int(self.rows.size)
-
-    def read(self, positions: np.ndarray) -> torch.Tensor:
-        """Embeddings float32 [m, dim] of rows[positions]."""
-        return self.reader.read(self.rows[np.asarray(positions, dtype=np.int64)])
-
-
 class LastResiduals:
     """What the quantiser's last level sees, per item: residuals [m, code_dim] for given rows.
 
@@ -130,21 +116,31 @@ class LastResiduals:
     So the first `cache_mb` MB of residuals are kept, and an item in the cache is read and
     encoded once. Items past the cache are recomputed on each call. Where millions of items
     collide (bench/RESULTS.md, "Scale: 5M-item catalog, bounded memory (issue 8)"), a round
-    re-reads the uncached ones instead of holding GBs on the driver. Each call reads and encodes
-    in chunks of `chunk` rows. Bounding the size of its output is the caller's job.
+    re-reads the uncached ones instead of holding GBs on the driver. The cache is found by
+    row (the cached rows, sorted, with their slots: 16 B per cached item, nothing per item of
+    the catalog), so rows are the reader's own, any of N. Each call reads and encodes in
+    chunks of `chunk` rows. Bounding the size of its output is the caller's job.
     """
 
-    def __init__(self, q, rows_reader: EmbeddingRows | RowSubset, chunk: int = 65536, cache_mb: float = 1024) -> None:
+    def __init__(self, q, rows_reader: EmbeddingRows, chunk: int = 65536, cache_mb: float = 1024) -> None:
         self.q, self.reader, self.chunk = q, rows_reader, chunk
         self.cache_bytes = int(cache_mb * 2**20)
-        self.slot = np.full(rows_reader.n, -1, dtype=np.int64)
+        self.keys = np.zeros(0, dtype=np.int64)  # cached rows, ascending
+        self.slots = np.zeros(0, dtype=np.int64)  # their rows of `res`
         self.res: torch.Tensor | None = None  # [capacity, code_dim]; rows 0..used-1 filled
         self.used = 0
         self.encoded = 0  # rows read and encoded so far (cache misses), for tests and logs
 
+    def _slots_of(self, rows: np.ndarray) -> np.ndarray:
+        """Slot in `res` of each of rows [m], -1 where not cached."""
+        if not self.keys.size:
+            return np.full(rows.size, -1, dtype=np.int64)
+        pos = np.minimum(np.searchsorted(self.keys, rows), self.keys.size - 1)
+        return np.where(self.keys[pos] == rows, self.slots[pos], -1)
+
     def __call__(self, rows: np.ndarray) -> torch.Tensor:
         rows = np.asarray(rows, dtype=np.int64)
-        slots = self.slot[rows]
+        slots = self._slots_of(rows)
         miss = np.nonzero(slots < 0)[0]
         uniq, inv = np.unique(rows[miss], return_inverse=True)
         fresh = [self.q.last_residual(self.reader.read(uniq[s : s + self.chunk])).float()
@@ -165,7 +161,8 @@ class LastResiduals:
         return out
 
     def _keep(self, rows: np.ndarray, res: torch.Tensor) -> None:
-        """Cache as many of these residuals as the budget still allows."""
+        """Cache as many of these residuals (rows [m] ascending, none cached yet) as the budget
+        still allows."""
         limit = max(self.cache_bytes // (res.shape[1] * 4), 0)
         take = min(rows.size, limit - self.used)
         if take <= 0:
@@ -179,7 +176,10 @@ class LastResiduals:
                 bigger[: self.used] = self.res[: self.used]
             self.res = bigger
         self.res[self.used : self.used + take] = res[:take]
-        self.slot[rows[:take]] = np.arange(self.used, self.used + take)
+        keys = np.concatenate([self.keys, rows[:take]])
+        slots = np.concatenate([self.slots, np.arange(self.used, self.used + take)])
+        order = np.argsort(keys, kind="stable")  # two ascending runs: a linear merge
+        self.keys, self.slots = keys[order], slots[order]
         self.used += take
 
 

@@ -17,13 +17,16 @@ SID per item and the artefacts later stages need:
    written batch by batch to codes.parquet (deleted when the stage ends). A catalog of at most
    `local_max_items` items is assigned in this process (same batches).
 5. Collisions, on the items that can collide only (`gti.sid.collide`: the prefix groups of the
-   colliding items, found in one streamed pass): Sinkhorn spreading on the last level for
-   colliding items (`sid.sinkhorn_last_level`), then `sid.dedup` (extra level or reassignment);
-   the same codes and figures as on the whole catalog. Quality gates (`sid.gates`) fail the
-   stage with one message and the stats.
-6. The map, written batch by batch (codes file + resolved rows + the embeddings' ids), hashed
-   as it is written when the ids come sorted, else from the finished file by sorted runs.
-   The driver's memory does not grow with the catalog, apart from the colliding prefix groups.
+   colliding items, found in one streamed pass and kept in prefix-hash buckets, on disk when
+   there are several): Sinkhorn spreading on the last level for colliding items
+   (`sid.sinkhorn_last_level`), then `sid.dedup` (extra level or reassignment), one bucket in
+   memory at a time; the same codes and figures as on the whole catalog. Quality gates
+   (`sid.gates`) fail the stage with one message and the stats.
+6. The map, written batch by batch (codes file + the buckets' resolved rows merged in + the
+   embeddings' ids), hashed as it is written when the ids come sorted, else from the finished
+   file by sorted runs. The driver's memory grows with the catalog only by Sinkhorn's arrays
+   over all colliders (12-16 B each: their rows and new codes) and the residual cache
+   (`sid.resolve_cache_mb`); apart from those it holds one bucket of the colliding prefix groups.
 
 The fingerprint holds the resolved `sid.assign_dtype` (`input_fingerprints`); the facts hold
 `sid_map_hash` and the machine (CPU model, SIMD flags, threads). facts.timing: wall seconds of
@@ -55,12 +58,12 @@ from gti.devices import cpu_facts
 from gti.errors import DataError
 from gti.sid.codec import SidCodec
 from gti.sid.collide import CodeScan, CodesWriter, Resolved, fixed_batches, iter_resolved, resolve_subset, scan_codes
-from gti.sid.embeddings import AssignBatch, EmbeddingRows, LastResiduals, RowSubset, check_embeddings
+from gti.sid.embeddings import AssignBatch, EmbeddingRows, LastResiduals, check_embeddings
 from gti.sid.kmeans import fixed_threads, sq_dists
 from gti.sid.mapfile import SortedMapHash, sid_map_hash_file, sid_strings
 from gti.sid.quality import check_gates
 from gti.sid.quantizer import CONFIG_NAME, WEIGHTS_NAME, build_quantizer, codebooks_tensor, save_quantizer
-from gti.sid.resolve import sinkhorn_resolve
+from gti.sid.resolve import LastCodes, sinkhorn_rounds
 from gti.sid.rqvae import resolve_encode_dtype
 from gti.timing import Timer
 from gti.train.rqvae_task import train_rqvae
@@ -201,25 +204,26 @@ def _train(ctx: StageContext, emb_path: Path, rows_reader: EmbeddingRows, n_item
 
 
 def _resolve(ctx: StageContext, q, scan: CodeScan, rows_reader: EmbeddingRows) -> tuple[Resolved, dict]:
-    """Collisions out on the items that can collide (`scan`: the colliding prefix groups S):
-    Sinkhorn on the last level, then `sid.dedup`; the quality gates. Returns (`Resolved`: S's
-    final codes [s, L'], codebook sizes [L'], the figures of all N items; facts about it)."""
+    """Collisions out on the items that can collide (`scan`: the colliding prefix groups S,
+    bucket by bucket): Sinkhorn on the last level, then `sid.dedup`; the quality gates.
+    Returns (`Resolved`: codebook sizes [L'], the figures of all N items, each bucket's final
+    codes left in `scan.buckets`; facts about it)."""
     cfg, s = ctx.cfg, ctx.cfg.sid
     last_cb = q.level_codebooks()[-1].float()
-    # Positions into S (resolution never asks for another item): the cache has a slot per
-    # item of S, not per item of the catalog.
-    last_residuals = LastResiduals(q, RowSubset(rows_reader, scan.rows), cache_mb=s.resolve_cache_mb)
+    # Global rows (resolution asks only for items of S); the cache is keyed by row, so it
+    # costs nothing per item of the catalog or of S beyond what it caches.
+    last_residuals = LastResiduals(q, rows_reader, cache_mb=s.resolve_cache_mb)
 
-    def last_cost(positions: torch.Tensor) -> torch.Tensor:
-        return sq_dists(last_residuals(positions.numpy()), last_cb)
+    def last_cost(rows: torch.Tensor) -> torch.Tensor:
+        return sq_dists(last_residuals(rows.numpy()), last_cb)
 
-    def spread(codes: torch.Tensor, cost) -> tuple[torch.Tensor, int]:
+    def spread(store: LastCodes, cost) -> int:
         from gti.progress import Progress
 
         # Rounds stop early when they stop helping, so the ETA is an upper bound.
         with Progress(s.sinkhorn_rounds, "sinkhorn", "rounds", log=ctx.log, every_n=1) as rounds:
-            out = sinkhorn_resolve(
-                codes, cost, s.sinkhorn_epsilon, s.sinkhorn_iters, s.sinkhorn_rounds,
+            out = sinkhorn_rounds(
+                store, cost, s.sinkhorn_epsilon, s.sinkhorn_iters, s.sinkhorn_rounds,
                 sample_rows=s.sinkhorn_sample_rows, seed=cfg.seed, min_gain=s.sinkhorn_min_gain,
                 log=lambda msg: rounds.update(1, msg))
         ctx.log(f"last residuals: {last_residuals.encoded:,} encodes, {last_residuals.used:,} items cached "
@@ -230,7 +234,8 @@ def _resolve(ctx: StageContext, q, scan: CodeScan, rows_reader: EmbeddingRows) -
     r = resolve_subset(scan, list(q.codebook_sizes), last_cost, s.dedup, spread if use_sinkhorn else None)
     ctx.log(
         f"collision rate {r.before:.4f} -> {r.after_sinkhorn:.4f} after Sinkhorn ({r.sinkhorn_rounds} rounds) -> "
-        f"{r.after:.4f} after {s.dedup}; utilisation {[round(u, 3) for u in r.util]}"
+        f"{r.after:.4f} after {s.dedup}; utilisation {[round(u, 3) for u in r.util]}; at most "
+        f"{scan.buckets.peak_rows:,} of the {scan.size:,} items in colliding prefix groups held at once"
     )
     stats = {"collision_rate_before": round(r.before, 6), "collision_rate_after_sinkhorn": round(r.after_sinkhorn, 6),
              "perplexity": [round(p, 2) for p in r.perp_q]}
@@ -253,14 +258,14 @@ MAP_SCHEMA = pa.schema([("item_id", pa.string()), ("codes", pa.list_(pa.int32())
 def _write_map(ctx: StageContext, emb_path: Path, codes_path: Path, scan: CodeScan, res: Resolved,
                codec: SidCodec) -> str:
     """sid_map.parquet (item_id, codes list<int32>, sid; rows in embeddings order), written
-    `MAP_BATCH_ROWS` rows at a time: the codes file's codes with S's rows resolved, beside
-    the embeddings' ids. Returns the map's `sid_map_hash`."""
+    `MAP_BATCH_ROWS` rows at a time: the codes file's codes with S's rows resolved (merged
+    from the scan's buckets), beside the embeddings' ids. Returns the map's `sid_map_hash`."""
     path, bs = ctx.work_dir / "sid_map.parquet", MAP_BATCH_ROWS
     id_batches = pq.ParquetFile(str(emb_path)).iter_batches(batch_size=bs, columns=["item_id"])
     ids_iter = fixed_batches((b.column(0) for b in id_batches), bs)
     hasher = SortedMapHash()
     with pq.ParquetWriter(str(path), MAP_SCHEMA) as writer:
-        for ids, codes in zip(ids_iter, iter_resolved(codes_path, scan.rows, res.codes, bs), strict=True):
+        for ids, codes in zip(ids_iter, iter_resolved(codes_path, scan.buckets, len(res.sizes), bs), strict=True):
             ids = ids.cast(pa.string())
             sids = sid_strings(codec, torch.from_numpy(codes))
             flat = pa.FixedSizeListArray.from_arrays(pa.array(codes.reshape(-1)), codes.shape[1])
@@ -299,12 +304,13 @@ def run(ctx: StageContext) -> StageResult:
         save_file(codebooks_tensor(q), str(ctx.work_dir / "codebooks.safetensors"))
 
     codes_path = ctx.work_dir / CODES_FILE
+    scan: CodeScan | None = None
     try:
         with timer.phase("assign"):
             assign_all(ctx, emb_path, qdir, n_items, codes_path)
         with timer.phase("resolve"):
             scan = scan_codes(codes_path, list(q.codebook_sizes), ctx.work_dir / "codes_buckets", pick=sample_rows)
-            ctx.log(f"{scan.rows.size:,} items in colliding prefix groups ({scan.parts} bucket(s))")
+            ctx.log(f"{scan.size:,} items in colliding prefix groups ({scan.parts} bucket(s))")
         with torch.no_grad():
             recon = float(((q.decode_codes(torch.from_numpy(scan.picked).long()) - sample) ** 2).mean())
         del sample
@@ -314,6 +320,8 @@ def run(ctx: StageContext) -> StageResult:
         with timer.phase("write"):
             map_hash = _write_map(ctx, emb_path, codes_path, scan, res, codec)
     finally:
+        if scan is not None:
+            scan.close()  # the buckets' folder (S and its final codes)
         codes_path.unlink(missing_ok=True)
     facts = _facts(s, q, res, codec, resolved, history, timer, train_s=train_s, recon=recon, map_hash=map_hash,
                    n_items=n_items, dim=dim)
