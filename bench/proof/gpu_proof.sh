@@ -11,7 +11,8 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${1:-runs/proof-gpu}
 GTI=${GTI:-.venv/bin/gti}
-python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device: this script needs a GPU build of torch and a GPU')"
+# The venv's python (the system python3 may have no torch, or a CPU-only one).
+"${PY:-.venv/bin/python}" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device: this script needs a GPU build of torch and a GPU')"
 [ -f data/dense-1000/interactions.parquet ] || "$GTI" data dense --items 1000 --min-user-len 5 --out data/dense-1000
 "$GTI" compare --config jobs/configs/proof-smollm2.yaml --arms mean,gti,gti+rl --seeds 1 --out "$OUT" \
   run_dir="$OUT/base" ray_num_cpus=8 compare.records_dir="$OUT/records" \
