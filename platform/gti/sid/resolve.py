@@ -111,22 +111,13 @@ class ArrayCodes:
         self._undo = self._after = None
 
 
-def sinkhorn_resolve(
-    codes: torch.Tensor,
-    last_cost: LastCost,
-    epsilon: float = 0.003,
-    iters: int = 50,
-    rounds: int = 20,
-    sample_rows: int = 65536,
-    chunk_rows: int = 262144,
-    seed: int = 0,
-    min_gain: float = 0.0,
-    log: Callable[[str], None] | None = None,
-) -> tuple[torch.Tensor, int]:
+def sinkhorn_resolve(codes: torch.Tensor, last_cost: LastCost, *args, **kwargs) -> tuple[torch.Tensor, int]:
     """`sinkhorn_rounds` on codes [N, L] in memory (not changed): (new codes [N, L], rounds
-    run); `last_cost` takes row indices of codes."""
+    run); `last_cost` takes row indices of codes. The other arguments are `sinkhorn_rounds`'s
+    (epsilon, iters, rounds, sample_rows, chunk_rows, seed, min_gain, log), passed on as they
+    are so that the two never disagree on a default."""
     store = ArrayCodes(codes.clone())
-    done = sinkhorn_rounds(store, last_cost, epsilon, iters, rounds, sample_rows, chunk_rows, seed, min_gain, log)
+    done = sinkhorn_rounds(store, last_cost, *args, **kwargs)
     return store.codes, done
 
 
