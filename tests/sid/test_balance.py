@@ -6,8 +6,10 @@ import math
 
 import torch
 
+import gti.sid.balance as balance
 from gti.sid.balance import (
-    normalise_cost, priced_assign, sinkhorn_assign, sinkhorn_plan, sinkhorn_potentials, sinkhorn_prices,
+    normalise_cost, priced_assign, sinkhorn_assign, sinkhorn_plan, sinkhorn_potentials, sinkhorn_potentials_scaled,
+    sinkhorn_prices,
 )
 
 
@@ -86,3 +88,44 @@ def test_potentials_are_bit_for_bit_the_textbook_loop():
         u, v = sinkhorn_potentials(cost, eps, 40, tol=1e-6, v0=v0)
         ru, rv = _reference_potentials(cost, eps, 40, 1e-6, v0)
         assert torch.equal(u, ru) and torch.equal(v, rv)
+
+
+def _costs(n: int, k: int, seed: int) -> torch.Tensor:
+    """[n, k] normalised costs with structure: rows near one of k/4 centres."""
+    g = torch.Generator().manual_seed(seed)
+    pts, centres = torch.randn(n, 8, generator=g), torch.randn(k, 8, generator=g)
+    return normalise_cost(torch.cdist(pts, centres) ** 2)
+
+
+def test_scaled_sinkhorn_is_the_log_domain_one(monkeypatch):
+    """The scaling-domain iterations give the log-domain potentials (to float32 rounding) and
+    the same priced argmax, cold and warm-started, at the stage's small epsilon (where the
+    scalings are absorbed back into the kernel several times) and a large one."""
+    builds = []
+    kernel = balance._kernel_
+    monkeypatch.setattr(balance, "_kernel_", lambda *a: builds.append(1) or kernel(*a))
+    for seed, (n, k, eps, iters) in enumerate([(600, 32, 0.003, 50), (600, 32, 0.003, 10), (400, 16, 0.05, 50)]):
+        cost = _costs(n, k, seed)
+        for v0 in (None, torch.randn(k, generator=torch.Generator().manual_seed(seed)) * 20):
+            u1, v1 = sinkhorn_potentials(cost, eps, iters, tol=1e-2, v0=v0)
+            torch.set_flush_denormal(True)
+            try:
+                u2, v2 = sinkhorn_potentials_scaled(cost, eps, iters, tol=1e-2, v0=v0)
+            finally:
+                torch.set_flush_denormal(False)
+            torch.testing.assert_close(v2 - v2.mean(), v1 - v1.mean(), atol=2e-3, rtol=1e-4)
+            torch.testing.assert_close(u2 + v2.mean(), u1 + v1.mean(), atol=2e-3, rtol=1e-4)
+            assert torch.equal((v1 - cost / eps).argmax(1), (v2 - cost / eps).argmax(1))
+    assert len(builds) > 6  # one per call, and absorptions
+
+
+def test_scaled_sinkhorn_reaches_balanced_columns():
+    """Run to convergence, the plan's columns carry 1/K each: the potentials are a solution,
+    also with one code far from every row (its column's products underflow to 0 at first)."""
+    cost = _costs(500, 10, 3)
+    cost[:, 0] += 5.0  # code 0 is far from everyone
+    _, v = sinkhorn_potentials_scaled(cost, 0.05, 2000, tol=1e-6)
+    u = torch.logsumexp(-cost / 0.05 + v.unsqueeze(0), dim=1).neg() - math.log(500)
+    plan = torch.exp(-cost / 0.05 + u.unsqueeze(1) + v.unsqueeze(0))
+    torch.testing.assert_close(plan.sum(0), torch.full((10,), 0.1), atol=1e-4, rtol=1e-3)
+    assert torch.isfinite(v).all() and int(v.argmax()) == 0  # the far code got the highest price

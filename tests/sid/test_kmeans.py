@@ -98,3 +98,30 @@ def test_iterates_while_inertia_falls():
     inertias = [runs[n].inertia for n in (1, 2, 5, 50)]
     assert all(b <= a + 1e-7 for a, b in zip(inertias, inertias[1:]))
     assert inertias[-1] < 0.97 * inertias[0]
+
+
+def test_chunked_biased_nearest_is_the_whole_product_argmin():
+    g = torch.Generator().manual_seed(1)
+    x, c, b = torch.randn(1000, 5, generator=g), torch.randn(7, 5, generator=g), torch.randn(7, generator=g)
+    idx, val = km._nearest_biased(x, c, b, chunk=64)
+    whole = b.unsqueeze(0) - 2 * x @ c.T
+    assert torch.equal(idx, whole.argmin(1))
+    torch.testing.assert_close(val, whole.min(1).values)
+
+
+def test_balanced_kmeans_with_prices_from_a_row_sample(monkeypatch):
+    """More rows than PRICE_SAMPLE: the prices are learned on the sample and every row is
+    assigned with them (the chunked priced product), and the sizes still flatten."""
+    monkeypatch.setattr(km, "PRICE_SAMPLE", 500)
+    monkeypatch.setattr(km, "ASSIGN_CHUNK", 128)
+    x = _uneven_mixture()
+    bal = torch.bincount(kmeans(x, 16, generator=torch.Generator().manual_seed(0), balanced=True,
+                                sinkhorn_epsilon=0.05).assign, minlength=16)
+    # A 500-row sample prices the 2,000 rows a little less evenly than all of them do (<= 160).
+    assert bal.max() <= 180 and bal.min() >= 80 and bal.float().std() < 30  # plain k-means: std > 60
+
+
+def test_balanced_kmeans_leaves_denormals_as_they_were():
+    """The fit flushes denormals while it runs (the scaling-domain Sinkhorn) and not after."""
+    kmeans(_uneven_mixture(n=300), 4, generator=torch.Generator().manual_seed(0), balanced=True)
+    assert torch.tensor(1e-40).item() != 0.0

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gti.sid.balance import sinkhorn_potentials
+from gti.sid.balance import sinkhorn_potentials_scaled
 
 
 @contextlib.contextmanager
@@ -155,18 +155,45 @@ def _lloyd_update(x: torch.Tensor, assign: torch.Tensor, dist: torch.Tensor,
 # BALANCE_SINKHORN_ITERS iterations (warm-started: the prices move little between steps) or
 # until the column masses are within SINKHORN_TOL of uniform, on PRICE_SAMPLE evenly spaced
 # rows; the final assignment gets the config's `sinkhorn_iters`. Chosen on the bundled catalog
-# and the 1M synthetic set (bench/RESULTS.md, "Balanced k-means at faiss speed").
+# and the 1M synthetic set (bench/RESULTS.md, "Balanced k-means at faiss speed"). The Sinkhorn
+# runs in the scaling domain (two matrix-vector products per iteration, not two log-sum-exps:
+# bench/RESULTS.md, "Balanced k-means with a scaling-domain Sinkhorn").
 BALANCED_TOL = 1e-4
 BALANCE_STEPS = 8
 BALANCE_SINKHORN_ITERS = 10
 SINKHORN_TOL = 1e-2
 PRICE_SAMPLE = 16384
+# Rows per product in the full assignments: the [chunk, K] block is still in cache for the
+# argmin that follows (1.5x faster than one [N, K] product, then its argmin, at N = 65,536).
+ASSIGN_CHUNK = 1024
 
 
-def _all_dists(x: torch.Tensor, x_sq: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """Squared distances [N, K] of x [N, D] (row norms x_sq [N]) to c [K, D]: one addmm."""
-    d = torch.addmm((c * c).sum(1).unsqueeze(0), x, c.T, alpha=-2.0)
-    return d.add_(x_sq.unsqueeze(1)).clamp_(min=0.0)
+@contextlib.contextmanager
+def _flushed_denormals():
+    """Denormal floats read as 0 inside the block (the scaling-domain Sinkhorn's products of
+    floored kernel entries and small scalings would otherwise take x86's slow path)."""
+    torch.set_flush_denormal(True)
+    try:
+        yield
+    finally:
+        torch.set_flush_denormal(False)
+
+
+def _nearest_biased(x: torch.Tensor, c: torch.Tensor, bias: torch.Tensor,
+                    chunk: int = ASSIGN_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """argmin_j (bias_j - 2 x_i.c_j) for x [N, D], c [K, D], bias [K], in row chunks.
+    -> (index [N], the minimum [N]). With bias = |c|^2 the minimum plus |x_i|^2 is the squared
+    distance to the nearest code; with prices subtracted from it, the priced assignment."""
+    n, k = x.shape[0], c.shape[0]
+    idx = torch.empty(n, dtype=torch.long, device=x.device)
+    val = torch.empty(n, dtype=x.dtype, device=x.device)
+    buf = torch.empty(min(chunk, n), k, dtype=x.dtype, device=x.device)
+    c_t, b = c.T, bias.unsqueeze(0)
+    for s in range(0, n, chunk):
+        e = min(n, s + chunk)
+        block = torch.addmm(b, x[s:e], c_t, alpha=-2.0, out=buf[: e - s])
+        torch.min(block, 1, out=(val[s:e], idx[s:e]))
+    return idx, val
 
 
 def _random_seeds(x: torch.Tensor, k: int, generator: torch.Generator | None) -> torch.Tensor:
@@ -176,25 +203,30 @@ def _random_seeds(x: torch.Tensor, k: int, generator: torch.Generator | None) ->
     return x[torch.randperm(x.shape[0], generator=generator, device="cpu")[:k].to(x.device)].clone()
 
 
-def _priced_step(x: torch.Tensor, x_sq: torch.Tensor, c: torch.Tensor, rows: torch.Tensor, v: torch.Tensor | None,
-                 scale: float | None, epsilon: float, iters: int):
+def _priced_step(x: torch.Tensor, x_sq: torch.Tensor, c: torch.Tensor, rows: torch.Tensor | None,
+                 v: torch.Tensor | None, scale: float | None, epsilon: float, iters: int):
     """One balanced assignment of x [N, D] to c [K, D]: Sinkhorn prices v [K] on the sample
-    `rows` (warm-started from `v`; `scale` fixed at the first step), then every row's priced
-    argmax. -> (assign [N], squared distance to the assigned centroid [N], v, scale).
+    `rows` (None: every row; warm-started from `v`; `scale` fixed at the first step), then every
+    row's priced argmax. -> (assign [N], squared distance to the assigned centroid [N], v, scale).
 
     The priced argmax, argmax_j(v_j - (d_ij - min_j d_ij) / (scale * epsilon)), is the argmin
     of c_sq_j - 2 x_i.c_j - scale * epsilon * v_j: the row's own terms (its minimum and |x_i|^2)
-    do not change it, so one addmm with the prices in its bias does the whole assignment."""
-    d = _all_dists(x[rows], x_sq[rows], c)  # [S, K]: the price sample only
-    shifted = d.sub_(d.min(1, keepdim=True).values)
+    do not change it. When the sample is every row, its product is reused for the assignment;
+    otherwise one chunked product with the prices in its bias assigns all rows."""
+    c_sq = (c * c).sum(1)
+    g = torch.addmm(c_sq.unsqueeze(0), x if rows is None else x[rows], c.T, alpha=-2.0)  # [S, K]
+    shifted = g - g.min(1, keepdim=True).values
     if scale is None:
         scale = float(shifted.median().clamp(min=1e-12))
     # cost / epsilon with cost = shifted / scale, as gti.sid.balance.normalise_cost scales it
-    _, v = sinkhorn_potentials(shifted, scale * epsilon, iters, tol=SINKHORN_TOL, v0=v)
+    _, v = sinkhorn_potentials_scaled(shifted, scale * epsilon, iters, tol=SINKHORN_TOL, v0=v)
     price = scale * epsilon * v
-    g = torch.addmm(((c * c).sum(1) - price).unsqueeze(0), x, c.T, alpha=-2.0)  # [N, K]
-    assign = g.argmin(1)
-    dist = g.gather(1, assign.unsqueeze(1)).squeeze(1).add_(price[assign]).add_(x_sq).clamp_(min=0.0)
+    if rows is None:
+        m = g.sub_(price.unsqueeze(0)).min(1)
+        assign, dist = m.indices, m.values
+    else:
+        assign, dist = _nearest_biased(x, c, c_sq - price)
+    dist = dist.add_(price[assign]).add_(x_sq).clamp_(min=0.0)
     return assign, dist, v, scale
 
 
@@ -216,18 +248,20 @@ def balanced_kmeans(x: torch.Tensor, k: int, iters: int = 25, generator: torch.G
     for it in range(1, max(1, iters - BALANCE_STEPS) + 1):
         # The row's |x|^2 does not change its argmin: added to the [N] minima, not the [N, K]
         # matrix (one pass over it fewer per step).
-        m = torch.addmm((c * c).sum(1).unsqueeze(0), x, c.T, alpha=-2.0).min(1)
-        dist = m.values.add_(x_sq).clamp_(min=0.0)
-        c, n_empty = _lloyd_update(x, m.indices, dist, c)
+        assign, dist = _nearest_biased(x, c, (c * c).sum(1))
+        dist = dist.add_(x_sq).clamp_(min=0.0)
+        c, n_empty = _lloyd_update(x, assign, dist, c)
         inertia = float(dist.double().mean())
         if it > 1 and n_empty == 0 and prev - inertia <= BALANCED_TOL * max(prev, 1e-12):
             break
         prev = inertia
     rows = torch.arange(0, n, max(1, n // PRICE_SAMPLE), device=x.device)[:PRICE_SAMPLE]
+    rows = None if rows.numel() == n else rows
     v, scale = None, None
-    for _ in range(BALANCE_STEPS):
-        assign, dist, v, scale = _priced_step(x, x_sq, c, rows, v, scale, epsilon, BALANCE_SINKHORN_ITERS)
-        c, _ = _lloyd_update(x, assign, dist, c)
-        it += 1
-    assign, dist, _, _ = _priced_step(x, x_sq, c, rows, v, scale, epsilon, sinkhorn_iters)
+    with _flushed_denormals():
+        for _ in range(BALANCE_STEPS):
+            assign, dist, v, scale = _priced_step(x, x_sq, c, rows, v, scale, epsilon, BALANCE_SINKHORN_ITERS)
+            c, _ = _lloyd_update(x, assign, dist, c)
+            it += 1
+        assign, dist, _, _ = _priced_step(x, x_sq, c, rows, v, scale, epsilon, sinkhorn_iters)
     return KMeansResult(centroids=c, assign=assign, inertia=float(dist.mean()), iters=it)

@@ -95,8 +95,10 @@ def encode_dtype(s) -> str | None:
 # The balanced k-means algorithm (gti.sid.kmeans.balanced_kmeans) by version: a map fitted by
 # an earlier one is not up to date for the same config (v2: Lloyd steps, then priced steps; v3:
 # the balanced steps within `iters`, the priced assignment as one addmm; v4: the Lloyd steps'
-# argmin before |x|^2 is added, so rounding ties can fall differently).
-BALANCED_KMEANS_VERSION = "4"
+# argmin before |x|^2 is added, so rounding ties can fall differently; v5: the Sinkhorn in the
+# scaling domain, assignments in row chunks, the sample's product reused when it is every row:
+# the same algorithm, other float32 rounding).
+BALANCED_KMEANS_VERSION = "5"
 
 
 def input_fingerprints(cfg) -> dict[str, str]:
