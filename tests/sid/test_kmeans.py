@@ -125,3 +125,17 @@ def test_balanced_kmeans_leaves_denormals_as_they_were():
     """The fit flushes denormals while it runs (the scaling-domain Sinkhorn) and not after."""
     kmeans(_uneven_mixture(n=300), 4, generator=torch.Generator().manual_seed(0), balanced=True)
     assert torch.tensor(1e-40).item() != 0.0
+
+
+def test_row_argmin_is_torch_argmin():
+    """numpy's argmin gives torch.argmin's index everywhere: ties (the first one), NaN rows,
+    float64, a tensor that requires grad, and bf16 (which takes torch's own path)."""
+    g = torch.Generator().manual_seed(0)
+    m = torch.randint(0, 4, (500, 37), generator=g).float()  # many ties
+    m[7, 5] = float("nan")
+    for t in (m, m.double(), torch.randn(300, 256, generator=g), m.clone().requires_grad_(True)):
+        assert torch.equal(km.row_argmin(t), t.argmin(dim=1))
+    b = torch.randn(50, 9, generator=g).bfloat16()
+    assert torch.equal(km.row_argmin(b), b.argmin(dim=1))
+    idx, val = km.row_min(m[:5])
+    assert torch.equal(val, m[:5].min(1).values) and torch.equal(idx, m[:5].argmin(1))

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from gti.sid.kmeans import kmeans
+from gti.sid.kmeans import kmeans, row_argmin
 
 
 @dataclass
@@ -91,7 +91,7 @@ class ResidualKMeans(nn.Module):
             if stop_before_last and lv == self.levels - 1:
                 break
             # Nearest centroid; |r|^2 is constant per row so it is left out.
-            idx = torch.addmm(cb_sq[lv].unsqueeze(0), res, self.codebooks[lv].T, alpha=-2.0).argmin(1)
+            idx = row_argmin(torch.addmm(cb_sq[lv].unsqueeze(0), res, self.codebooks[lv].T, alpha=-2.0))
             codes[:, lv] = idx
             res = res - self.codebooks[lv][idx]
         return codes, res

@@ -31,7 +31,7 @@ from torch import nn
 
 from gti.devices import native_bf16
 from gti.sid.balance import sinkhorn_assign
-from gti.sid.kmeans import kmeans
+from gti.sid.kmeans import kmeans, row_argmin
 
 
 ENCODE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -223,7 +223,7 @@ class RQVAE(nn.Module):
             if keep_last_residual and lv == self.levels - 1:
                 return codes, res
             # argmin |r - e|^2 = argmin |e|^2 - 2 r.e ; |r|^2 is the same for every code.
-            idx = torch.addmm(cb_sq[lv].unsqueeze(0), res, cbs[lv].T, alpha=-2.0).argmin(dim=1)
+            idx = row_argmin(torch.addmm(cb_sq[lv].unsqueeze(0), res, cbs[lv].T, alpha=-2.0))
             codes[:, lv] = idx
             res = res - cbs[lv][idx]
         return codes, res
@@ -243,7 +243,7 @@ class RQVAE(nn.Module):
                 # d lacks |r|^2, a per-row constant that Sinkhorn's row normalisation ignores.
                 idx = sinkhorn_assign(d.detach(), self.cfg.train_sinkhorn_epsilon, self.cfg.train_sinkhorn_iters)
             else:
-                idx = d.argmin(dim=1)
+                idx = row_argmin(d)
             q = cb[idx]
             # Codebook term moves codes to residuals; commitment term keeps the encoder near
             # the codes it picked.
