@@ -17,8 +17,10 @@ What it does not know: where the cost comes from (codebooks, residuals), SIDs, R
 
 from __future__ import annotations
 
+import contextlib
 import math
 
+import numpy as np
 import torch
 
 
@@ -98,7 +100,8 @@ def sinkhorn_prices(cost: torch.Tensor, epsilon: float = 0.003, iters: int = 50)
     """
     shifted = _shift_rows(cost)
     scale = float(shifted.median().clamp(min=1e-12))
-    _, v = sinkhorn_potentials(shifted / scale, epsilon, iters)
+    with flushed_denormals():
+        _, v = sinkhorn_potentials_scaled(shifted / scale, epsilon, iters)
     return scale, v
 
 
@@ -120,6 +123,17 @@ def sinkhorn_assign(cost: torch.Tensor, epsilon: float = 0.003, iters: int = 50)
     """
     scale, v = sinkhorn_prices(cost, epsilon, iters)
     return priced_assign(cost, scale, v, epsilon)
+
+
+@contextlib.contextmanager
+def flushed_denormals():
+    """Denormal floats read as 0 inside the block, in this thread (`sinkhorn_potentials_scaled`'s
+    products of floored kernel entries and small scalings would otherwise take x86's slow path)."""
+    torch.set_flush_denormal(True)
+    try:
+        yield
+    finally:
+        torch.set_flush_denormal(False)
 
 
 # Scalings past e^ABSORB_AT are folded back into the kernel (a fresh exp): float32 holds
@@ -157,16 +171,58 @@ def sinkhorn_potentials_scaled(
     v_a = torch.zeros(k, dtype=torch.float32, device=cost.device) if v0 is None else v0.float().clone()
     kernel = torch.empty(n, k, dtype=torch.float32, device=cost.device)
     u_a = _kernel_(cost, epsilon, v_a, kernel)
-    b = torch.ones(k, dtype=torch.float32, device=cost.device)
+    # On CPU the products run in numpy (its BLAS's float32 matrix-vector product is 2x torch's
+    # here; bench/RESULTS.md, "Balanced k-means with a scaling-domain Sinkhorn"); `A` is a view
+    # of `kernel`, so an absorption's new kernel is seen at once.
+    ops = _NumpyOps(kernel) if cost.device.type == "cpu" else _TorchOps(kernel)
+    A, b = ops.a, ops.ones(k)
     for it in range(iters):
-        a = 1.0 / (kernel @ b).clamp_(min=TINY)  # the row step: every row now holds 1
-        col = (kernel.T @ a).clamp_(min=TINY)  # [K] column masses over b
-        converged = float((b * col).log_().sub_(math.log(c)).abs_().max()) < tol
+        a = 1.0 / ops.floor(A @ b)  # the row step: every row now holds 1
+        col = ops.floor(a @ A)  # [K] column masses over b
+        converged = float(abs(ops.log(b * col) - math.log(c)).max()) < tol
         b = c / col  # the column step
         if converged or it + 1 == iters:
             break
-        if float(b.log().abs().max()) > ABSORB_AT or float(a.log().abs().max()) > ABSORB_AT:
-            v_a = v_a + b.log()
+        if float(abs(ops.log(b)).max()) > ABSORB_AT or float(abs(ops.log(a)).max()) > ABSORB_AT:
+            v_a = v_a + ops.tensor(ops.log(b))
             u_a = _kernel_(cost, epsilon, v_a, kernel)
-            b = torch.ones_like(b)
-    return u_a + a.log() - math.log(n), v_a + b.log()
+            b = ops.ones(k)
+    return u_a + ops.tensor(ops.log(a)) - math.log(n), v_a + ops.tensor(ops.log(b))
+
+
+class _NumpyOps:
+    """The scaling loop's few operations on numpy views of CPU tensors."""
+
+    def __init__(self, kernel: torch.Tensor) -> None:
+        self.a = kernel.numpy()
+
+    @staticmethod
+    def ones(k: int):
+        return np.ones(k, dtype=np.float32)
+
+    @staticmethod
+    def floor(x):
+        return np.maximum(x, np.float32(TINY), out=x)
+
+    log = staticmethod(np.log)
+    tensor = staticmethod(torch.from_numpy)
+
+
+class _TorchOps:
+    """The same operations in torch (a CUDA kernel)."""
+
+    def __init__(self, kernel: torch.Tensor) -> None:
+        self.a, self._device = kernel, kernel.device
+
+    def ones(self, k: int):
+        return torch.ones(k, dtype=torch.float32, device=self._device)
+
+    @staticmethod
+    def floor(x):
+        return x.clamp_(min=TINY)
+
+    log = staticmethod(torch.log)
+
+    @staticmethod
+    def tensor(x):
+        return x

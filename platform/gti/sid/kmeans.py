@@ -21,17 +21,21 @@ from dataclasses import dataclass
 
 import torch
 
-from gti.sid.balance import sinkhorn_potentials_scaled
+from gti.sid.balance import flushed_denormals, sinkhorn_potentials_scaled
 
 
 @contextlib.contextmanager
 def fixed_threads(n: int):
-    """torch's intra-op threads set to n inside the block: reductions (and so near-tie
-    assignments, which k-means then amplifies) must not depend on the machine's cores."""
+    """torch's intra-op threads, and numpy's BLAS threads, set to n inside the block:
+    reductions (and so near-tie assignments, which k-means then amplifies) must not depend on
+    the machine's cores."""
+    from threadpoolctl import threadpool_limits
+
     before = torch.get_num_threads()
     torch.set_num_threads(n)
     try:
-        yield
+        with threadpool_limits(limits=n, user_api="blas"):
+            yield
     finally:
         torch.set_num_threads(before)
 
@@ -182,17 +186,6 @@ PRICE_SAMPLE = 16384
 ASSIGN_CHUNK = 1024
 
 
-@contextlib.contextmanager
-def _flushed_denormals():
-    """Denormal floats read as 0 inside the block (the scaling-domain Sinkhorn's products of
-    floored kernel entries and small scalings would otherwise take x86's slow path)."""
-    torch.set_flush_denormal(True)
-    try:
-        yield
-    finally:
-        torch.set_flush_denormal(False)
-
-
 def _nearest_biased(x: torch.Tensor, c: torch.Tensor, bias: torch.Tensor,
                     chunk: int = ASSIGN_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
     """argmin_j (bias_j - 2 x_i.c_j) for x [N, D], c [K, D], bias [K], in row chunks.
@@ -270,7 +263,7 @@ def balanced_kmeans(x: torch.Tensor, k: int, iters: int = 25, generator: torch.G
     rows = torch.arange(0, n, max(1, n // PRICE_SAMPLE), device=x.device)[:PRICE_SAMPLE]
     rows = None if rows.numel() == n else rows
     v, scale = None, None
-    with _flushed_denormals():
+    with flushed_denormals():
         for _ in range(BALANCE_STEPS):
             assign, dist, v, scale = _priced_step(x, x_sq, c, rows, v, scale, epsilon, BALANCE_SINKHORN_ITERS)
             c, _ = _lloyd_update(x, assign, dist, c)
