@@ -208,3 +208,17 @@ def test_encode_dtype_survives_save_and_load(tmp_path):
     m = _model(encode_dtype="bfloat16")
     save_quantizer(m, tmp_path)
     assert load_quantizer(tmp_path).cfg.encode_dtype == "bfloat16"
+
+
+def test_sid_config_trains_every_level_on_balanced_codes_by_default():
+    """`sid.train_sinkhorn_levels: all` (the default) reaches the model as the number of levels;
+    a number passes through; 0 is refused, naming the key."""
+    import pydantic
+    import pytest
+
+    from gti.config import SidConfig
+
+    assert RQVAEConfig.from_sid_config(SidConfig(levels=3), in_dim=8).train_sinkhorn_levels == 3
+    assert RQVAEConfig.from_sid_config(SidConfig(levels=3, train_sinkhorn_levels=1), in_dim=8).train_sinkhorn_levels == 1
+    with pytest.raises(pydantic.ValidationError, match="train_sinkhorn_levels"):
+        SidConfig(train_sinkhorn_levels=0)

@@ -10,7 +10,8 @@ residuals (`init_codebooks`), and codes left unused are re-seeded from residuals
 batch (`revive_dead_codes`); an optional diversity term pushes the batch's soft code usage
 towards uniform. As in LC-Rec, the last level can pick its training codes by Sinkhorn balanced
 assignment over the batch (`train_sinkhorn_epsilon` > 0), which spreads items over that
-level's codebook (`train_sinkhorn_levels` > 1: as many of the last levels); inference
+level's codebook (`train_sinkhorn_levels` > 1: as many of the last levels; the sid stage's
+default is every level); inference
 (`encode`) is always the greedy nearest code. Linear layers start Xavier-normal (as the
 reference RQ-VAE code does): with PyTorch's default init the encoder's outputs start small and
 levels 2-4 use far fewer codes (measured in bench/RESULTS.md).
@@ -88,7 +89,8 @@ class RQVAEConfig:
             diversity_weight=sid_cfg.diversity_weight,
             train_sinkhorn_epsilon=sid_cfg.train_sinkhorn_epsilon,
             train_sinkhorn_iters=sid_cfg.sinkhorn_iters,
-            train_sinkhorn_levels=sid_cfg.train_sinkhorn_levels,
+            train_sinkhorn_levels=(sid_cfg.levels if sid_cfg.train_sinkhorn_levels == "all"
+                                   else sid_cfg.train_sinkhorn_levels),
         )
 
     def to_dict(self) -> dict:
