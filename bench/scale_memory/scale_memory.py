@@ -58,7 +58,7 @@ def stage_overrides(stage_args: argparse.Namespace) -> list[str]:
     ]
     if a.kmeans_sample:
         ov.append(f"sid.kmeans_sample={a.kmeans_sample}")
-    return ov
+    return ov + list(a.set or [])
 
 
 def parse_echo(lines: list[str]) -> tuple[list[str], list[str]]:
@@ -108,6 +108,8 @@ def _run_stage(stage: str, n_items: int, data: Path, run_dir: Path, args, attemp
            "--run-dir", str(run_dir), "--batch-size", str(args.batch_size)]
     if args.kmeans_sample:
         cmd += ["--kmeans-sample", str(args.kmeans_sample)]
+    for ov in args.set or []:
+        cmd += ["--set", ov]
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", DS_ACCELERATOR="cpu")
     env.pop("RAY_ADDRESS", None)
     for i in range(attempts):
@@ -222,6 +224,8 @@ def main() -> None:
     ap.add_argument("--kmeans-sample", type=int, default=None,
                     help="sid.kmeans_sample (default: the config's 65,536; 4,096 with --quick)")
     ap.add_argument("--workdir", help="keep data and run dirs here (default: a temp dir, deleted)")
+    ap.add_argument("--set", action="append", metavar="KEY=VALUE",
+                    help="a further config override for every stage (repeatable), e.g. sid.resolve_cache_mb=128")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--stage", help=argparse.SUPPRESS)
     ap.add_argument("--items-path", help=argparse.SUPPRESS)

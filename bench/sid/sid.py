@@ -375,6 +375,11 @@ def main() -> None:
                     help="only the residual k-means rows (ours, faiss, peer plain), full size; no RQ-VAE")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    from threadpoolctl import threadpool_limits
+
+    # numpy's BLAS (our Sinkhorn's products, the peer's numpy) at the same thread count, as the
+    # sid stage pins it (`fixed_threads`); OpenBLAS would otherwise use every core.
+    threadpool_limits(limits=args.threads, user_api="blas")
     import faiss
 
     faiss.omp_set_num_threads(args.threads)  # faiss (OpenMP) would otherwise use every core

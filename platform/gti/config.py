@@ -239,6 +239,9 @@ class SidConfig(_Strict):
         1024, ge=0, description="driver memory for the colliding items' last residuals during "
         "collision resolution; items past it are re-read and re-encoded in each round",
     )
+    resolve_bucket_rows: PositiveInt = Field(
+        1 << 21, description="catalog rows per bucket of collision resolution: the driver holds one bucket's "
+        "colliding items (~100 B each at 4 levels) at a time; smaller buckets, more passes over the codes")
     sinkhorn_min_gain: float = Field(
         0.01, ge=0, lt=1, description="stop Sinkhorn spreading after a round that frees fewer "
         "than this share of the colliding items (de-duplication resolves the rest)",

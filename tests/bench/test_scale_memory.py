@@ -38,11 +38,15 @@ def test_overrides_load_and_keep_earlier_stages_identical(sm, tmp_path):
     from gti import config
 
     ns = argparse.Namespace(run_dir=str(tmp_path / "run"), items_path=str(tmp_path / "i"),
-                            inter_path=str(tmp_path / "u"), batch_size=512, kmeans_sample=1024)
+                            inter_path=str(tmp_path / "u"), batch_size=512, kmeans_sample=1024, set=None)
     cfg = config.load(None, sm.stage_overrides(ns))
     assert cfg.sid.method == "rqkmeans" and cfg.sid.levels == 4 and cfg.sid.codebook_size == 256
     assert cfg.sid.kmeans_sample == 1024 and cfg.embed.encoder == "hash" and cfg.embed.dim == 256
     assert cfg.ray_num_cpus == 2
+    # --set adds overrides to every stage (here the sid stage's memory knobs).
+    ns.set = ["sid.resolve_cache_mb=128", "sid.resolve_bucket_rows=524288"]
+    cfg = config.load(None, sm.stage_overrides(ns))
+    assert cfg.sid.resolve_cache_mb == 128 and cfg.sid.resolve_bucket_rows == 524288
 
 
 def test_stages_are_consecutive_and_a_late_start_needs_a_workdir(sm):

@@ -199,7 +199,8 @@ def _stage_without_ray(run_dir, cfg, vecs, torch_threads: int = 1, actors: int =
         with CodesWriter(codes_path) as w:
             for p in parts:
                 w.write(p)
-        with scan_codes(codes_path, list(q.codebook_sizes), run_dir / "buckets") as scan:  # closed as `run` does
+        with scan_codes(codes_path, list(q.codebook_sizes), run_dir / "buckets",  # as `run` calls it
+                        bucket_rows=cfg.sid.resolve_bucket_rows) as scan:
             res, facts = stage._resolve(ctx, q, scan, rows)
             map_hash = stage._write_map(ctx, emb, codes_path, scan, res,
                                         SidCodec(len(res.sizes), res.sizes, cfg.sid.token_format))
@@ -264,15 +265,14 @@ def test_streamed_map_equals_the_whole_array_map(tmp_path, monkeypatch, dedup, s
     batch and hashes it without holding it, and the map, its hash and the resolution's facts are
     exactly those of the whole-array resolution (small batches and buckets here, so several of
     each)."""
-    from gti.sid import collide
     from gti.stages import sid as stage
 
     monkeypatch.setattr(stage, "MAP_BATCH_ROWS", 64)
-    monkeypatch.setattr(collide, "BUCKET_ROWS", 100)
     file_hashes = []
     monkeypatch.setattr(stage, "sid_map_hash_file", lambda *a, **k: file_hashes.append(a) or collide_hash(*a, **k))
     cfg = _cfg(tmp_path, "sid.method=rqkmeans", "sid.levels=3", "sid.codebook_size=8", "sid.assign_batch_size=96",
-               "sid.gates.min_utilisation=0.0", f"sid.dedup={dedup}", "sid.sinkhorn_sample_rows=32")
+               "sid.gates.min_utilisation=0.0", f"sid.dedup={dedup}", "sid.sinkhorn_sample_rows=32",
+               "sid.resolve_bucket_rows=100")
     vecs = clustered(n=400, dim=16, k=30, seed=3)
     ids = [f"item{i:03d}" if sorted_ids else f"item{i}" for i in range(400)]
     run_dir = tmp_path / "run"

@@ -45,8 +45,8 @@ from gti.sid.quality import usage_from_counts
 from gti.sid.resolve import LastCodes, LastCost, dedup_extra_level, dedup_reassign, group_ids
 
 CODES_COLUMN = "codes"
-# Rows per bucket when finding S: a bucket's rows, codes and group ids (about 100 B a row at
-# 4 levels) are what the scan holds at once.
+# Rows per bucket when finding S (the sid stage passes `sid.resolve_bucket_rows`): a bucket's
+# rows, codes and group ids (about 100 B a row at 4 levels) are what the scan holds at once.
 BUCKET_ROWS = 1 << 21
 
 

@@ -311,7 +311,8 @@ def run(ctx: StageContext) -> StageResult:
         with timer.phase("assign"):
             assign_all(ctx, emb_path, qdir, n_items, codes_path)
         with timer.phase("resolve"):
-            scan = scan_codes(codes_path, list(q.codebook_sizes), ctx.work_dir / "codes_buckets", pick=sample_rows)
+            scan = scan_codes(codes_path, list(q.codebook_sizes), ctx.work_dir / "codes_buckets",
+                              bucket_rows=s.resolve_bucket_rows, pick=sample_rows)
             ctx.log(f"{scan.size:,} items in colliding prefix groups ({scan.parts} bucket(s))")
         with torch.no_grad():
             recon = float(((q.decode_codes(torch.from_numpy(scan.picked).long()) - sample) ** 2).mean())
