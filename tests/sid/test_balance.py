@@ -129,3 +129,14 @@ def test_scaled_sinkhorn_reaches_balanced_columns():
     plan = torch.exp(-cost / 0.05 + u.unsqueeze(1) + v.unsqueeze(0))
     torch.testing.assert_close(plan.sum(0), torch.full((10,), 0.1), atol=1e-4, rtol=1e-3)
     assert torch.isfinite(v).all() and int(v.argmax()) == 0  # the far code got the highest price
+
+
+def test_scaled_sinkhorn_torch_ops_match_the_numpy_ones(monkeypatch):
+    """The loop's torch operations (what a CUDA cost takes) give the CPU numpy path's
+    potentials: run both on one CPU cost."""
+    cost = _costs(300, 16, 5)
+    want = sinkhorn_potentials_scaled(cost, 0.003, 50, tol=1e-2)
+    monkeypatch.setattr(balance, "_NumpyOps", balance._TorchOps)
+    got = sinkhorn_potentials_scaled(cost, 0.003, 50, tol=1e-2)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-5)

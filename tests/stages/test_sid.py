@@ -108,16 +108,19 @@ def test_two_worker_rqvae_assigns_every_item(tmp_path, ray_start_4_cpus, capsys)
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_rqkmeans_reassign(tmp_path, ray_start_4_cpus, monkeypatch):
-    # local_max_items=0: the assignment on Ray Data's actor pool, even for 200 items.
+def test_rqkmeans_reassign(tmp_path, ray_start_4_cpus, monkeypatch, capsys):
+    # local_max_items=0: the assignment on Ray Data's actor pool, even for 200 items;
+    # sid.resolve_bucket_rows=50: the stage resolves its colliders in 4 buckets of the catalog.
     cfg = _cfg(tmp_path, "sid.method=rqkmeans", "sid.dedup=reassign", "sid.codebook_size=16",
-               "sid.sinkhorn_last_level=false", "local_max_items=0")
+               "sid.sinkhorn_last_level=false", "local_max_items=0", "sid.resolve_bucket_rows=50")
     run_dir = cfg.resolved_run_dir()
     vecs = clustered(n=200)
     write_embed_stage(run_dir, vecs)
     m = run_stage(spec("sid"), cfg, run_dir)
     t = _check_outputs(m, run_dir, 200)
     assert m.facts["levels"] in (2, 3)
+    out = capsys.readouterr()
+    assert "items in colliding prefix groups (4 bucket(s))" in out.out + out.err
     # A catalog of at most local_max_items items is assigned in this process: the same codes.
     from types import SimpleNamespace
 
