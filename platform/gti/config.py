@@ -236,12 +236,14 @@ class SidConfig(_Strict):
         "round (a seeded uniform sample when more collide; all of them otherwise)",
     )
     resolve_cache_mb: float = Field(
-        1024, ge=0, description="driver memory for the colliding items' last residuals during "
+        128, ge=0, description="driver memory for the colliding items' last residuals during "
         "collision resolution; items past it are re-read and re-encoded in each round",
     )
     resolve_bucket_rows: PositiveInt = Field(
-        1 << 21, description="catalog rows per bucket of collision resolution: the driver holds one bucket's "
-        "colliding items (~100 B each at 4 levels) at a time; smaller buckets, more passes over the codes")
+        1 << 19, description="catalog rows per bucket of collision resolution: the driver holds one bucket's "
+        "colliding items (~100 B each at 4 levels) at a time; smaller buckets, more passes over the codes. "
+        "512k rows and a 128 MB residual cache: driver 2.4 GB at 10M items against 3.5 GB with 2M and 1 GB, "
+        "in the same time (bench/RESULTS.md, \"Smaller buckets and residual cache\")")
     sinkhorn_min_gain: float = Field(
         0.01, ge=0, lt=1, description="stop Sinkhorn spreading after a round that frees fewer "
         "than this share of the colliding items (de-duplication resolves the rest)",
