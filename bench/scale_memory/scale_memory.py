@@ -92,7 +92,8 @@ def _worker(args) -> None:
     extra = {}
     if args.stage == "sid":
         extra = {k: f[k] for k in ("train_s", "assign_s", "assign_items_per_s", "collision_rate_before",
-                                   "collision_rate_after_sinkhorn", "collision_rate_after", "levels")}
+                                   "collision_rate_after_sinkhorn", "collision_rate_after", "levels",
+                                   "sid_map_hash", "timing", "driver_peak_mb")}
     print(json.dumps({"stage": args.stage, "ran": ran, "skipped": skipped, "stage_items": n,
                       "wall_s": m.duration_s, "items_per_s": round(n / max(m.duration_s, 1e-9), 1),
                       "fingerprint": m.fingerprint, **extra}))
@@ -199,6 +200,11 @@ def _table(runs: dict[int, dict[str, dict]], stages: list[str], ratios: dict) ->
               f"{q['driver_ratio']:.2f}x, driver anon {q['driver_anon_ratio']:.2f}x; driver "
               f"{q['driver_bytes_per_item']:.0f} B/item (anon {q['driver_anon_bytes_per_item']:.0f}), "
               f"tree {q['tree_bytes_per_item']:.0f} B/item")
+        for n in (small, large):  # the stage's own per-phase peaks (facts.driver_peak_mb)
+            peaks = (runs[n].get(st) or {}).get("driver_peak_mb")
+            if peaks:
+                print(f"{'':<7} {n:>10,} driver peak MB by phase: "
+                      + ", ".join(f"{k.removesuffix('_peak_mb')} {v:,.0f}" for k, v in peaks.items()))
 
 
 def parse_stages(text: str, workdir: str | None) -> list[str]:
@@ -276,7 +282,8 @@ def main() -> None:
     _table(runs, stages, ratios)
     keep = ("wall_s", "items_per_s", "process_s", "peak_tree_mb", "tree_anon_mb", "tree_file_mb",
             "tree_shmem_mb", "peak_driver_mb", "driver_anon_mb", "driver_file_mb", "driver_shmem_mb",
-            "peak_driver_anon_mb", "assign_items_per_s", "collision_rate_before", "collision_rate_after")
+            "peak_driver_anon_mb", "assign_items_per_s", "collision_rate_before", "collision_rate_after",
+            "sid_map_hash", "driver_peak_mb", "timing")
     print(json.dumps({
         "bench": "scale_memory",
         "quick": args.quick,

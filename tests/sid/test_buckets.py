@@ -30,6 +30,11 @@ def test_named_arrays_per_bucket(tmp_path, on_disk):
     b.put(0, "codes.next", np.zeros((4, 2), np.int32))
     b.rename("codes.next", "codes")  # bucket 2 keeps its codes
     assert not b.has(0, "codes.next") and b.get(0, "codes").sum() == 0 and b.get(2, "codes")[0, 0] == 200
+    np.testing.assert_array_equal(b.slice(2, "codes", 1, 4), b.get(2, "codes")[1:4])
+    np.testing.assert_array_equal(b.slice(2, ROWS, 5, 6), [17])
+    b.append(2, "extra", np.ones((2, 2), np.int32))  # created
+    b.append(2, "extra", np.full((3, 2), 5, np.int32))  # grows
+    assert b.length(2, "extra") == 5 and b.get(2, "extra")[:, 0].tolist() == [1, 1, 5, 5, 5]
     b.drop("codes")
     assert not any(b.has(i, "codes") for i in range(3)) and b.has(2, ROWS)
     b.close()
@@ -88,17 +93,25 @@ def test_bucket_codes_step_as_the_whole_array(tmp_path, on_disk):
     codes = torch.stack([torch.randint(0, k, (300,), generator=g) for k in (7, 4, 3)], dim=1)
     whole = ArrayCodes(codes.clone())
     buckets = BucketCodes(_split(codes, 4, tmp_path / "b" if on_disk else None))
-    rows = whole.colliders()
-    assert rows.numel() > 50 and torch.equal(buckets.colliders(), rows)
-    for keep in (True, False, True):
-        last = torch.randint(0, 3, (rows.numel(),), generator=g, dtype=torch.int32)
-        assert buckets.try_last(rows, last) == whole.try_last(rows, last)
+    assert whole.count() > 50 and buckets.count() == whole.count()
+    for step, keep in enumerate((True, False, True)):
+        # The same seeded sample, found bucket by bucket.
+        assert torch.equal(buckets.sample(20, salt=step), whole.sample(20, salt=step))
+        assert torch.equal(buckets.sample(10_000, salt=step), whole.colliders())  # all, when few
+        calls = {"whole": [], "buckets": []}
+
+        def choose(name, step=step):
+            # new last codes, a function of the row alone; records each window asked for
+            return lambda r: calls[name].append(r.clone()) or ((r * 7 + step) % 3).to(torch.int32)
+
+        # 29-row windows: the colliders are scored in several windows, in the same ones.
+        assert buckets.try_last(choose("buckets"), 29) == whole.try_last(choose("whole"), 29)
+        assert len(calls["whole"]) > 2 and max(len(r) for r in calls["whole"]) <= 29
+        assert all(torch.equal(a, b) for a, b in zip(calls["whole"], calls["buckets"], strict=True))
         (whole.keep(), buckets.keep()) if keep else (whole.undo(), buckets.undo())
         assert torch.equal(_gather(buckets.b, 300, 3), whole.codes)
-        if keep:
-            rows = whole.colliders()
-            assert torch.equal(buckets.colliders(), rows)
-    assert not any(buckets.b.has(i, "codes.next") for i in range(4))
+        assert buckets.count() == whole.count()
+    assert not any(buckets.b.has(i, n) for i in range(4) for n in ("codes.next", "coll.next", "last.next"))
 
 
 def test_sinkhorn_rounds_over_buckets_equal_the_whole_array(tmp_path):

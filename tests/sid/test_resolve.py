@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -173,19 +174,23 @@ def test_min_gain_stops_after_a_round_that_frees_too_few():
     assert collision_rate(out) < collision_rate(codes)
 
 
-def _sinkhorn_resolve_before_buckets(codes, last_cost, epsilon=0.003, iters=50, rounds=20, sample_rows=65536,
-                                     chunk_rows=262144, seed=0, min_gain=0.0):
-    """`sinkhorn_resolve` as it was before `sinkhorn_rounds` (issue 33 item 5), one loop on
-    the array, kept to pin that the rounds on a `LastCodes` give the same codes."""
+def _sinkhorn_loop_on_the_array(codes, last_cost, epsilon=0.003, iters=50, rounds=20, sample_rows=65536,
+                                chunk_rows=65536, seed=0, min_gain=0.0):
+    """`sinkhorn_resolve` written as one loop on the array, to pin what the rounds on a
+    `LastCodes` do: the sample is the colliders with the smallest keys (a full sort here), the
+    last codes are scored in count chunks (the same per row as `sinkhorn_rounds`' row windows
+    when last_cost is a lookup). Below `sample_rows` colliders it is the loop before issue 33's
+    keyed sample, so small catalogs keep their maps."""
     from gti.sid.balance import priced_assign, sinkhorn_prices
+    from gti.sid.resolve import round_salt, sample_keys
 
     codes = codes.clone()
-    gen = torch.Generator().manual_seed(seed)
     rows = colliding_rows(codes)
     done = 0
     while rows.numel() > 0 and done < rounds:
         m = rows.numel()
-        fit = rows if m <= sample_rows else rows[torch.randperm(m, generator=gen)[:sample_rows].sort().values]
+        keys = sample_keys(rows.numpy(), round_salt(seed, done))
+        fit = rows if m <= sample_rows else rows[torch.from_numpy(np.argsort(keys)[:sample_rows])].sort().values
         scale, v = sinkhorn_prices(last_cost(fit), epsilon, iters)
         new_last = torch.cat([priced_assign(last_cost(rows[s : s + chunk_rows]), scale, v, epsilon)
                               for s in range(0, m, chunk_rows)])
@@ -204,10 +209,58 @@ def _sinkhorn_resolve_before_buckets(codes, last_cost, epsilon=0.003, iters=50, 
 
 @pytest.mark.parametrize("n,k,sample_rows,min_gain", [(600, 12, 100, 0.0), (300, 5, 65536, 0.0), (600, 12, 64, 0.2),
                                                       (20, 1, 65536, 0.0)])
-def test_sinkhorn_resolve_is_the_loop_before_buckets(n, k, sample_rows, min_gain):
+def test_sinkhorn_resolve_is_the_loop_on_the_array(n, k, sample_rows, min_gain):
     codes, table = _crowded(n, k) if k > 1 else (torch.zeros(n, 2, dtype=torch.long), torch.rand(n, 1))
     kw = dict(epsilon=0.003, iters=100, sample_rows=sample_rows, chunk_rows=150, seed=3, min_gain=min_gain)
-    want, want_rounds = _sinkhorn_resolve_before_buckets(codes, lambda r: table[r], **kw)
+    want, want_rounds = _sinkhorn_loop_on_the_array(codes, lambda r: table[r], **kw)
     got, rounds = sinkhorn_resolve(codes, lambda r: table[r], **kw)
     assert torch.equal(got, want) and rounds == want_rounds
     assert rounds >= 1 or k == 1  # (one code: the first round is undone)
+
+
+def test_sample_keys_are_distinct_seeded_and_bottom_k_merges_by_parts():
+    from gti.sid.resolve import bottom_k, sample_keys
+
+    rows = np.arange(0, 200_000, 3, dtype=np.int64)
+    keys = sample_keys(rows, salt=7)
+    assert np.unique(keys).size == rows.size  # a bijection: no ties to break
+    assert np.array_equal(keys, sample_keys(rows, 7)) and not np.array_equal(keys, sample_keys(rows, 8))
+    whole = np.sort(bottom_k(rows, 500, 7))
+    assert np.array_equal(whole, np.sort(rows[np.argsort(keys)[:500]]))
+    # bottom_k of a union is bottom_k of the parts' bottom_ks: the sample found bucket by bucket.
+    parts = [rows[rows % 5 == j] for j in range(5)]
+    merged = np.zeros(0, np.int64)
+    for part in parts:
+        merged = bottom_k(np.concatenate([merged, bottom_k(part, 500, 7)]), 500, 7)
+    assert np.array_equal(np.sort(merged), whole)
+    assert np.array_equal(np.sort(bottom_k(rows[:40], 500, 7)), rows[:40])  # all when few
+    # Uniform over the rows: each third of the range gets about a third of the sample.
+    thirds = np.bincount(whole * 3 // 200_000, minlength=3)
+    assert thirds.min() > 120
+
+
+def test_windows_hold_whole_bins_and_at_most_chunk_rows():
+    from gti.sid.resolve import window_bins, window_slices
+
+    # 3 + 4 (+ an empty bin) fill one window; 2 alone; 9 > 7 alone; empty bins open none.
+    assert window_bins(np.array([0, 3, 4, 0, 2, 9, 0]), 7) == [(1, 4), (4, 5), (5, 6)]
+    assert window_bins(np.zeros(4, np.int64), 7) == []
+    g = np.random.default_rng(0)
+    rows = np.sort(g.choice(100_000, 9_000, replace=False))
+    sl = window_slices(rows, 1000)
+    assert sl[0][0] == 0 and sl[-1][1] == rows.size
+    assert all(b == c for (_, b), (c, _) in zip(sl, sl[1:]))  # consecutive, covering every row
+    assert all(0 < b - a <= 1000 for a, b in sl)
+    # A window ends at a bin edge (a multiple of chunk_rows): it depends on the rows, not on
+    # how they are split into buckets.
+    assert all(rows[b - 1] // 1000 < rows[b] // 1000 for _, b in sl[:-1])
+
+
+def test_sinkhorn_rounds_ask_costs_for_at_most_a_sample_or_a_window():
+    """What a round holds on the driver: the sample's cost and one window's, never all
+    colliders' (issue 33 item 5)."""
+    codes, table = _crowded(600, 12)
+    seen = []
+    sinkhorn_resolve(codes, lambda r: seen.append(r.numel()) or table[r], epsilon=0.003, iters=100,
+                     sample_rows=64, chunk_rows=50)
+    assert colliding_rows(codes).numel() > 200 and max(seen) <= 64

@@ -102,8 +102,12 @@ def test_two_worker_rqvae_assigns_every_item(tmp_path, ray_start_4_cpus, capsys)
     assert m.facts["encode_dtype"] == q.cfg.encode_dtype == "float32"
     assert m.facts["machine"]["fit_threads"] == 1 and "cpu_model" in m.facts["machine"]
     # Where the stage's wall time went (facts.timing, gti.timing).
-    assert {"check_s", "ray_start_s", "sample_read_s", "kmeans_s", "rqvae_train_s", "assign_s", "resolve_s",
-            "write_s", "total_s"} <= set(m.facts["timing"])
+    assert {"check_s", "ray_start_s", "sample_read_s", "kmeans_s", "rqvae_train_s", "assign_s", "scan_s",
+            "resolve_s", "sinkhorn_s", "write_s", "total_s"} <= set(m.facts["timing"])
+    # The driver's peak memory per phase (Linux /proc), so a scale run shows which phase holds it.
+    peaks = m.facts["driver_peak_mb"]
+    assert {"kmeans_peak_mb", "assign_peak_mb", "scan_peak_mb", "resolve_peak_mb", "sinkhorn_peak_mb"} <= set(peaks)
+    assert all(v > 50 for v in peaks.values())  # a Python process with torch is past 50 MB
 
 
 @pytest.mark.slow
@@ -335,3 +339,25 @@ def test_fingerprint_holds_the_balanced_kmeans_version(tmp_path, monkeypatch):
     assert "balanced_kmeans" not in fp("sid.method=rqvae")[1]
     monkeypatch.setattr(sid_stage, "BALANCED_KMEANS_VERSION", "next")
     assert fp("sid.method=rqkmeans", "sid.balanced=true")[0] != before[0]
+
+
+def test_fingerprint_holds_the_sinkhorn_resolve_version(tmp_path, monkeypatch):
+    """A map whose collisions were spread by an earlier Sinkhorn resolution (v1: the sample by
+    position, count chunks) is not up to date: its version is in the fingerprint wherever
+    Sinkhorn spreading runs, and only there."""
+    from gti.pipeline import fingerprint
+    from gti.stages import sid as sid_stage
+
+    def fp(*over):
+        cfg = _cfg(tmp_path, *over)
+        return fingerprint(spec("sid"), cfg, cfg.resolved_run_dir())
+
+    write_embed_stage(_cfg(tmp_path).resolved_run_dir(), clustered(n=20))
+    for method in ("rqvae", "rqkmeans"):
+        before = fp(f"sid.method={method}")
+        assert before[1]["sinkhorn_resolve"] == sid_stage.SINKHORN_RESOLVE_VERSION
+        assert "sinkhorn_resolve" not in fp(f"sid.method={method}", "sid.sinkhorn_last_level=false")[1]
+        assert "sinkhorn_resolve" not in fp(f"sid.method={method}", "sid.sinkhorn_rounds=0")[1]
+        monkeypatch.setattr(sid_stage, "SINKHORN_RESOLVE_VERSION", "next")
+        assert fp(f"sid.method={method}")[0] != before[0]
+        monkeypatch.undo()

@@ -4,11 +4,11 @@ What it is for: letting `gti.sid.collide` resolve collisions with at most one bu
 memory, whatever the share of the catalog that collides. `SBuckets` holds named arrays per
 bucket (S's rows, their codes at each step of the resolution, the colliding rows): in memory
 when there is one bucket, else as raw files in a folder, read back one bucket at a time
-(`get`, which counts the S rows held, `peak_rows`) or in pieces (`pieces`). `BucketCodes` is
-the `gti.sid.resolve.LastCodes` that `sinkhorn_rounds` re-chooses last codes on: a round
-visits each bucket once and writes its tentative codes as a second generation, so a round
-that does not help is undone by dropping that generation; what it holds for all buckets is
-the colliders' rows (int64, ascending). `SortedPieces` streams one bucket's (row, codes) in
+(`get`, which counts the S rows held, `peak_rows`), in pieces (`pieces`) or by row range
+(`slice`). `BucketCodes` is the `gti.sid.resolve.LastCodes` that `sinkhorn_rounds` re-chooses
+last codes on: a round scores the colliders window by window across the buckets and writes
+each bucket's tentative codes as a second generation, so a round that does not help is undone
+by dropping that generation; it holds nothing for all colliders at once. `SortedPieces` streams one bucket's (row, codes) in
 row order, for merging the buckets back into file order.
 
 What it does not know: how rows were put into buckets (that every prefix group lies in one
@@ -25,7 +25,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from gti.sid.resolve import colliding_rows
+from gti.sid.resolve import bottom_k, colliding_rows, window_bins
 
 ROWS = "rows"  # S's rows of a bucket, int64 [s_i] ascending: the name every bucket has
 
@@ -104,6 +104,31 @@ class SBuckets:
                 take = min(rows, shape[0] - s)
                 yield np.fromfile(f, dtype=dtype, count=take * width).reshape((take, *shape[1:]))
 
+    def slice(self, i: int, name: str, start: int, stop: int) -> np.ndarray:
+        """Rows [start, stop) of bucket i's `name`, read alone from a file (not counted in
+        `peak_rows`: a slice of a bucket, not the bucket)."""
+        if self.folder is None:
+            return self._mem[(i, name)][start:stop]
+        dtype, shape = self._meta[(i, name)]
+        width = int(np.prod(shape[1:], dtype=np.int64))
+        flat = np.fromfile(self._path(i, name), dtype=dtype, count=(stop - start) * width,
+                           offset=start * width * np.dtype(dtype).itemsize)
+        return flat.reshape((stop - start, *shape[1:]))
+
+    def append(self, i: int, name: str, arr: np.ndarray) -> None:
+        """Add rows `arr` at the end of bucket i's `name` (created if missing)."""
+        arr = np.ascontiguousarray(arr)
+        if not self.has(i, name):
+            self.put(i, name, arr)
+            return
+        if self.folder is None:
+            self._mem[(i, name)] = np.concatenate([self._mem[(i, name)], arr])
+            return
+        dtype, shape = self._meta[(i, name)]
+        with open(self._path(i, name), "ab") as f:
+            f.write(arr.astype(dtype, copy=False).tobytes())
+        self._meta[(i, name)] = (dtype, (shape[0] + arr.shape[0], *shape[1:]))
+
     def rename(self, src: str, dst: str) -> None:
         """Every bucket's `src` becomes its `dst` (replacing it); buckets without `src` keep
         their `dst`."""
@@ -138,43 +163,71 @@ class BucketCodes:
     """`LastCodes` over S in `SBuckets`: bucket i's `codes` int32 [s_i, L] and `coll` (its
     colliding rows, int64 ascending), changed a bucket at a time. Rows are global row ids.
 
-    `try_last` writes each changed bucket's codes and colliders as `codes.next`/`coll.next`;
-    `keep` renames them over the current ones, `undo` drops them. A bucket with no colliders
-    is not read (its codes cannot change)."""
+    `try_last` scores the colliders in the windows `window_slices` gives the whole ascending
+    list of them: each window is gathered from slices of every bucket's `coll` (found from
+    per-bucket counts per bin of rows), its new last codes go back to their buckets as
+    `last.next`, then each changed bucket's codes and colliders are written as
+    `codes.next`/`coll.next`; `keep` renames them over the current ones, `undo` drops them. A
+    bucket with no colliders is not read (its codes cannot change). Nothing is held for all
+    colliders at once: one bucket, one window, and a count per bucket and bin of rows."""
 
-    CODES, COLL = "codes", "coll"
+    CODES, COLL, LAST = "codes", "coll", "last.next"
 
     def __init__(self, buckets: SBuckets) -> None:
         self.b = buckets
 
-    def colliders(self) -> torch.Tensor:
-        b = self.b
-        sizes = [b.length(i, self.COLL) for i in range(b.parts)]
-        out = np.empty(sum(sizes), np.int64)  # filled bucket by bucket: no second copy
-        at = 0
-        for i, k in enumerate(sizes):
-            if k:
-                out[at : at + k] = b.get(i, self.COLL)
-                at += k
-        if sum(1 for k in sizes if k) > 1:
-            out.sort()  # each bucket's run is ascending; the merge is the global order
-        return torch.from_numpy(out)
+    def _live(self) -> list[int]:
+        return [i for i in range(self.b.parts) if self.b.length(i, self.COLL)]
 
-    def try_last(self, rows: torch.Tensor, last: torch.Tensor) -> int:
-        b, rows_np, last_np = self.b, rows.numpy(), last.numpy()
+    def count(self) -> int:
+        return sum(self.b.length(i, self.COLL) for i in range(self.b.parts))
+
+    def sample(self, k: int, salt: int) -> torch.Tensor:
+        best = np.zeros(0, np.int64)
+        for i in self._live():
+            best = bottom_k(np.concatenate([best, bottom_k(self.b.get(i, self.COLL), k, salt)]), k, salt)
+        return torch.from_numpy(np.sort(best))
+
+    def _bin_offsets(self, live: list[int], chunk_rows: int) -> tuple[np.ndarray, dict[int, np.ndarray]]:
+        """(colliders per `chunk_rows`-row bin over all buckets [B], each bucket's offsets of
+        those bins in its `coll` [B + 1])."""
+        per = {i: np.bincount(self.b.get(i, self.COLL) // chunk_rows) for i in live}
+        bins = max((len(c) for c in per.values()), default=0)
+        total = np.zeros(bins, np.int64)
+        offsets = {}
+        for i, c in per.items():
+            c = np.pad(c, (0, bins - len(c)))
+            total += c
+            offsets[i] = np.concatenate([[0], np.cumsum(c)])
+        return total, offsets
+
+    def try_last(self, choose, chunk_rows: int) -> int:
+        b, live = self.b, self._live()
+        total, offsets = self._bin_offsets(live, chunk_rows)
+        for lo, hi in window_bins(total, chunk_rows):
+            pieces = [(i, b.slice(i, self.COLL, int(offsets[i][lo]), int(offsets[i][hi]))) for i in live]
+            rows = np.concatenate([p for _, p in pieces])
+            order = np.argsort(rows, kind="stable")
+            last = np.empty(rows.size, np.int32)
+            last[order] = choose(torch.from_numpy(rows[order])).numpy()
+            at = 0
+            for i, p in pieces:
+                if p.size:
+                    b.append(i, self.LAST, last[at : at + p.size])
+                    at += p.size
+            del pieces, rows, order, last  # one window held at a time
         after = 0
-        for i in range(b.parts):
-            if not b.length(i, self.COLL):
-                continue
+        for i in live:
             coll = b.get(i, self.COLL)
             s_rows = b.get(i, ROWS)
             codes = np.array(b.get(i, self.CODES))  # a copy: in memory `get` gives the stored one
-            codes[np.searchsorted(s_rows, coll), -1] = last_np[np.searchsorted(rows_np, coll)]
+            codes[np.searchsorted(s_rows, coll), -1] = b.get(i, self.LAST)
             now = s_rows[colliding_rows(torch.from_numpy(codes.astype(np.int64))).numpy()]
             b.put(i, self.CODES + ".next", codes)
             b.put(i, self.COLL + ".next", now)
             after += now.size
             del coll, s_rows, codes, now  # one bucket held at a time
+        b.drop(self.LAST)
         return after
 
     def keep(self) -> None:

@@ -21,9 +21,9 @@ rows (spilled to a folder when P > 1); every prefix group lies in one bucket, an
 bucket by bucket (`gti.sid.buckets.SBuckets`: on disk when P > 1, in memory when P = 1).
 De-duplication decides within prefix groups, so it runs a bucket at a time; Sinkhorn's
 decisions are global (prices from a sample of all colliders, a round kept or undone on the
-count of all colliders), so each round visits every bucket once and holds only the colliders'
-rows and new codes for all of them (`gti.sid.buckets.BucketCodes`). The figures are integer
-sums over the buckets, so they are those of the whole array exactly. The final codes are
+count of all colliders), so each round finds its sample and scores its row windows across the
+buckets, holding one window and one bucket at a time (`gti.sid.buckets.BucketCodes`). The
+figures are integer sums over the buckets, so they are those of the whole array exactly. The final codes are
 merged back into file order from per-bucket files sorted by row.
 
 What it does not know: embeddings, the quantiser, SID strings, Ray.
@@ -332,7 +332,7 @@ def resolve_subset(scan: CodeScan, sizes: list[int], last_cost: LastCost, dedup:
     settings; None: none) on S's last codes, then `dedup` ("extra_level" or "reassign") bucket
     by bucket: the codes and figures of the whole-array calls. `last_cost(rows)` scores global
     rows (LongTensor [m]) -> [m, K]; sizes [L]: the quantiser's codebook sizes. Holds one
-    bucket of S at a time, apart from Sinkhorn's colliders (`BucketCodes`)."""
+    bucket of S at a time (and Sinkhorn one sample and window: `BucketCodes`)."""
     before = _rate(scan.n, scan.size, scan.unique)
     rounds = 0
     if spread is not None and before > 0:

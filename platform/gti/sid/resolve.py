@@ -5,9 +5,10 @@ What it is for: after greedy quantisation several items can share a SID (a colli
 1. `sinkhorn_resolve` (as LC-Rec does): the colliding items' last-level codes are re-chosen
    together by a Sinkhorn-balanced assignment, which forces near-identical items apart because
    no code may take more than its share; repeated while it helps. At millions of colliders the
-   balancing prices are learned on a sample and applied to all of them in chunks. The rounds
-   (`sinkhorn_rounds`) run on any `LastCodes`: the whole array in memory (`sinkhorn_resolve`),
-   or the colliding prefix groups bucket by bucket (`gti.sid.buckets`).
+   balancing prices are learned on a seeded sample and applied to all of them window by
+   window. The rounds (`sinkhorn_rounds`) run on any `LastCodes`: the whole array in memory
+   (`sinkhorn_resolve`), or the colliding prefix groups bucket by bucket (`gti.sid.buckets`),
+   with the same sample and windows, so the same codes.
 2. De-duplication of whatever still collides: `dedup_extra_level` appends one level whose code
    numbers the members of each collision group 0..n-1 (every other item gets 0), or
    `dedup_reassign` moves all but one member of each group to the nearest last-level code that
@@ -20,13 +21,14 @@ What it is for: after greedy quantisation several items can share a SID (a colli
 
 Re-scoring the last level needs distances from an item's last residual to the last codebook;
 the caller passes them as `last_cost(rows) -> [n, K]`, so this module never sees embeddings
-or models. Pure torch; no Ray.
+or models. Pure torch and numpy; no Ray.
 """
 
 from __future__ import annotations
 
 from typing import Callable, Protocol
 
+import numpy as np
 import torch
 
 from gti.sid.balance import priced_assign, sinkhorn_prices
@@ -64,20 +66,84 @@ def colliding_rows(codes: torch.Tensor) -> torch.Tensor:
     return (counts[gid] > 1).nonzero().flatten()
 
 
+# A splitmix64 finaliser: a bijection of uint64, so distinct rows never tie on their key.
+_GOLDEN, _M1, _M2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    z = x + _GOLDEN
+    z = (z ^ (z >> np.uint64(30))) * _M1
+    z = (z ^ (z >> np.uint64(27))) * _M2
+    return z ^ (z >> np.uint64(31))
+
+
+def sample_keys(rows: np.ndarray, salt: int) -> np.ndarray:
+    """uint64 [m]: a seeded pseudo-random key per row of rows int64 [m], distinct for distinct
+    rows; the rows with the k smallest keys are a uniform sample of any set they are in."""
+    s = _mix64(np.array([salt & (2**64 - 1)], dtype=np.uint64))
+    with np.errstate(over="ignore"):
+        return _mix64(rows.astype(np.uint64) ^ s)
+
+
+def bottom_k(rows: np.ndarray, k: int, salt: int) -> np.ndarray:
+    """The rows (int64 [<= k], in no order) of rows [m] with the k smallest `sample_keys`; all of
+    them when m <= k. bottom_k(A u B) = bottom_k(bottom_k(A) u bottom_k(B)), so a sample of all
+    colliders is found a bucket at a time."""
+    if rows.size <= k:
+        return rows
+    with np.errstate(over="ignore"):
+        return rows[np.argpartition(sample_keys(rows, salt), k - 1)[:k]]
+
+
+def window_bins(counts: np.ndarray, limit: int) -> list[tuple[int, int]]:
+    """Consecutive bins [a, b) of counts int [B] grouped so that each group holds at most
+    `limit` (a bin above it alone), empty groups left out: the row windows in which
+    `sinkhorn_rounds` scores colliders, from counts per `limit`-row bin of rows."""
+    out, start, held = [], 0, 0
+    for j, c in enumerate(counts.tolist()):
+        if held and held + c > limit:
+            out.append((start, j))
+            start, held = j, 0
+        if not held:
+            start = j
+        held += c
+    if held:
+        out.append((start, len(counts)))
+    return out
+
+
+def window_slices(rows: np.ndarray, chunk_rows: int) -> list[tuple[int, int]]:
+    """[start, stop) slices of rows int64 [m] (ascending) by `window_bins` of `chunk_rows`-row
+    bins: each slice holds at most `chunk_rows` rows."""
+    if rows.size == 0:
+        return []
+    edges = [(a * chunk_rows, b * chunk_rows) for a, b in window_bins(np.bincount(rows // chunk_rows), chunk_rows)]
+    return [(int(np.searchsorted(rows, lo)), int(np.searchsorted(rows, hi))) for lo, hi in edges]
+
+
+ChooseLast = Callable[[torch.Tensor], torch.Tensor]
+
+
 class LastCodes(Protocol):
     """Codes whose last level `sinkhorn_rounds` re-chooses, round by round: the whole array in
     memory (`ArrayCodes`) or the colliding prefix groups bucket by bucket
-    (`gti.sid.buckets.BucketCodes`). Rows are global row ids."""
+    (`gti.sid.buckets.BucketCodes`). Rows are global row ids; "the colliders" are the rows whose
+    SID is shared."""
 
-    def colliders(self) -> torch.Tensor:
-        """LongTensor [m]: the rows whose SID is shared, ascending."""
+    def count(self) -> int:
+        """How many rows collide now."""
 
-    def try_last(self, rows: torch.Tensor, last: torch.Tensor) -> int:
-        """Give the colliders `rows` [m] (ascending) the last codes `last` [m], tentatively;
-        returns how many rows collide then."""
+    def sample(self, k: int, salt: int) -> torch.Tensor:
+        """LongTensor [min(k, count)], ascending: the colliders with the k smallest
+        `sample_keys(rows, salt)` (all of them when there are at most k)."""
+
+    def try_last(self, choose: ChooseLast, chunk_rows: int) -> int:
+        """Give every collider the last code `choose(rows)` (int [w] for LongTensor rows [w],
+        ascending: the colliders of one `window_slices` window), tentatively; returns how
+        many rows collide then."""
 
     def keep(self) -> None:
-        """Keep the tentative codes; `colliders` then gives the rows that collide with them."""
+        """Keep the tentative codes."""
 
     def undo(self) -> None:
         """Go back to the codes before the last `try_last`."""
@@ -92,13 +158,24 @@ class ArrayCodes:
         self._undo: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def colliders(self) -> torch.Tensor:
+        """LongTensor [m]: the colliders, ascending."""
         if self._after is None:
             self._after = colliding_rows(self.codes)
         return self._after
 
-    def try_last(self, rows: torch.Tensor, last: torch.Tensor) -> int:
+    def count(self) -> int:
+        return self.colliders().numel()
+
+    def sample(self, k: int, salt: int) -> torch.Tensor:
+        return torch.from_numpy(np.sort(bottom_k(self.colliders().numpy(), k, salt)))
+
+    def try_last(self, choose: ChooseLast, chunk_rows: int) -> int:
+        rows = self.colliders()
+        last = torch.empty(rows.numel(), dtype=self.codes.dtype)
+        for a, b in window_slices(rows.numpy(), chunk_rows):
+            last[a:b] = choose(rows[a:b]).to(self.codes.dtype)
         self._undo = (rows, self.codes[rows, -1].clone())
-        self.codes[rows, -1] = last.to(self.codes.dtype)
+        self.codes[rows, -1] = last
         self._after = colliding_rows(self.codes)
         return self._after.numel()
 
@@ -121,6 +198,11 @@ def sinkhorn_resolve(codes: torch.Tensor, last_cost: LastCost, *args, **kwargs) 
     return store.codes, done
 
 
+def round_salt(seed: int, round_: int) -> int:
+    """The `sample_keys` salt of Sinkhorn round `round_` (0-based) under `seed`."""
+    return (int(seed) << 20) + int(round_)
+
+
 def sinkhorn_rounds(
     store: LastCodes,
     last_cost: LastCost,
@@ -128,7 +210,7 @@ def sinkhorn_rounds(
     iters: int = 50,
     rounds: int = 20,
     sample_rows: int = 65536,
-    chunk_rows: int = 262144,
+    chunk_rows: int = 65536,
     seed: int = 0,
     min_gain: float = 0.0,
     log: Callable[[str], None] | None = None,
@@ -138,12 +220,13 @@ def sinkhorn_rounds(
     Returns the rounds run; `store` holds the codes. In each round, the colliders' last-level
     costs (`last_cost(rows)`, rows as the store numbers them) give K column prices by one
     Sinkhorn, as LC-Rec does over all colliders. When there are more than `sample_rows`
-    colliders, the prices come from a seeded uniform sample of that many, chosen by position
-    in the ascending list of all colliders, because the prices of a uniform sample estimate
-    those of the whole set. Every collider then takes its cheapest code after prices, scored
-    `chunk_rows` rows at a time. This keeps the Sinkhorn work and the [rows, K] cost bounded
-    at millions of items; what the loop itself holds is the colliders' rows (int64) and their
-    new codes (int32), 12 B per collider.
+    colliders, the prices come from a seeded uniform sample of that many (the colliders with
+    the smallest `sample_keys`, salted by seed and round, so the store finds it a bucket at a
+    time), because the prices of a uniform sample estimate those of the whole set. Every
+    collider then takes its cheapest code after prices, scored window by window in row order
+    (`window_slices`: at most `chunk_rows` rows each). What a round holds is the sample's cost
+    and Sinkhorn, one window's residuals and cost, and what the store holds (for
+    `BucketCodes`, one bucket): nothing per collider of the whole set.
 
     Stops when nothing collides, or when a round does not reduce the number of colliding
     items. That last round is undone, so the result is never worse than its input. It also
@@ -151,18 +234,17 @@ def sinkhorn_rounds(
     kept. Late rounds free a few tenths of a percent each (mostly near-duplicate items that
     no price can separate), and de-duplication handles what is left.
     """
-    gen = torch.Generator().manual_seed(seed)
-    rows = store.colliders()
+    m = store.count()
     done = 0
-    while rows.numel() > 0 and done < rounds:
-        m = rows.numel()
-        fit = rows if m <= sample_rows else rows[torch.randperm(m, generator=gen)[:sample_rows].sort().values]
+    while m > 0 and done < rounds:
+        fit = store.sample(sample_rows, round_salt(seed, done))
         scale, v = sinkhorn_prices(last_cost(fit), epsilon, iters)
         del fit
-        new_last = torch.empty(m, dtype=torch.int32)  # codes < K; half the bytes of argmax's int64
-        for s in range(0, m, chunk_rows):
-            new_last[s : s + chunk_rows] = priced_assign(last_cost(rows[s : s + chunk_rows]), scale, v, epsilon)
-        after = store.try_last(rows, new_last)
+
+        def choose(rows: torch.Tensor) -> torch.Tensor:  # codes < K: int32, half argmax's int64
+            return priced_assign(last_cost(rows), scale, v, epsilon).to(torch.int32)
+
+        after = store.try_last(choose, chunk_rows)
         if after >= m:
             store.undo()
             break
@@ -172,8 +254,7 @@ def sinkhorn_rounds(
             log(f"Sinkhorn round {done}: {m:,} -> {after:,} colliding items")
         if m - after < min_gain * m:
             break
-        del rows, new_last  # the next round's colliders are gathered without these alive
-        rows = store.colliders()
+        m = after
     return done
 
 

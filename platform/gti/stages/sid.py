@@ -24,14 +24,16 @@ SID per item and the artefacts later stages need:
    (`sid.gates`) fail the stage with one message and the stats.
 6. The map, written batch by batch (codes file + the buckets' resolved rows merged in + the
    embeddings' ids), hashed as it is written when the ids come sorted, else from the finished
-   file by sorted runs. The driver's memory grows with the catalog only by Sinkhorn's arrays
-   over all colliders (12-16 B each: their rows and new codes) and the residual cache
-   (`sid.resolve_cache_mb`); apart from those it holds one bucket of the colliding prefix groups.
+   file by sorted runs. The driver holds one bucket of the colliding prefix groups, one
+   Sinkhorn sample and window, and the residual cache (`sid.resolve_cache_mb`): nothing that
+   grows with the catalog (bench/RESULTS.md, "A sid driver that does not grow").
 
 The fingerprint holds the resolved `sid.assign_dtype` (`input_fingerprints`); the facts hold
 `sid_map_hash` and the machine (CPU model, SIMD flags, threads). facts.timing: wall seconds of
 the embedding check, the Ray start, the sample read, the k-means (init or fit), the RQ-VAE
-training on Ray Train, the assignment, the collision resolution and the writes.
+training on Ray Train, the assignment, the scan for colliding groups, the collision resolution
+(of it, the Sinkhorn rounds) and the writes; facts.driver_peak_mb: the driver's peak resident MB
+in each of those phases (Linux).
 
 Outputs: sid_map.parquet (item_id, codes list<int32>, sid str; rows in embeddings order),
 codebooks.safetensors (level_l: [K, code_dim]), quantizer.safetensors + quantizer.json.
@@ -99,16 +101,22 @@ def encode_dtype(s) -> str | None:
 # scaling domain, assignments in row chunks, the sample's product reused when it is every row:
 # the same algorithm, other float32 rounding).
 BALANCED_KMEANS_VERSION = "5"
+# Collision spreading by version (v2: the Sinkhorn sample keyed by row, colliders scored in
+# row windows of `chunk_rows`, so the driver holds no array over all colliders): a catalog with
+# more colliders than one sample or window gets other codes than from v1.
+SINKHORN_RESOLVE_VERSION = "2"
 
 
 def input_fingerprints(cfg) -> dict[str, str]:
     """The resolved assignment precision: codes made in bf16 are never up to date for a config
     that would make them in float32 here (`auto` resolves per machine); for balanced residual
-    k-means, the version of its algorithm."""
-    if cfg.sid.method == "rqkmeans":
-        return {"balanced_kmeans": BALANCED_KMEANS_VERSION} if cfg.sid.balanced else {}
-    dtype = encode_dtype(cfg.sid)
-    return {} if dtype is None else {"assign_dtype": dtype}
+    k-means, the version of its algorithm; with Sinkhorn spreading, the version of that."""
+    s = cfg.sid
+    out = {"sinkhorn_resolve": SINKHORN_RESOLVE_VERSION} if s.sinkhorn_last_level and s.sinkhorn_rounds > 0 else {}
+    if s.method == "rqkmeans":
+        return {**out, "balanced_kmeans": BALANCED_KMEANS_VERSION} if s.balanced else out
+    dtype = encode_dtype(s)
+    return out if dtype is None else {**out, "assign_dtype": dtype}
 
 
 # The greedy codes, written during the assignment and deleted when the stage ends.
@@ -205,12 +213,14 @@ def _train(ctx: StageContext, emb_path: Path, rows_reader: EmbeddingRows, n_item
     return q, history, sample_rows, sample, train_s
 
 
-def _resolve(ctx: StageContext, q, scan: CodeScan, rows_reader: EmbeddingRows) -> tuple[Resolved, dict]:
+def _resolve(ctx: StageContext, q, scan: CodeScan, rows_reader: EmbeddingRows,
+             timer: Timer | None = None) -> tuple[Resolved, dict]:
     """Collisions out on the items that can collide (`scan`: the colliding prefix groups S,
     bucket by bucket): Sinkhorn on the last level, then `sid.dedup`; the quality gates.
     Returns (`Resolved`: codebook sizes [L'], the figures of all N items, each bucket's final
     codes left in `scan.buckets`; facts about it)."""
     cfg, s = ctx.cfg, ctx.cfg.sid
+    timer = timer or Timer()  # `timer` gets the phase sinkhorn
     last_cb = q.level_codebooks()[-1].float()
     # Global rows (resolution asks only for items of S); the cache is keyed by row, so it
     # costs nothing per item of the catalog or of S beyond what it caches.
@@ -223,7 +233,8 @@ def _resolve(ctx: StageContext, q, scan: CodeScan, rows_reader: EmbeddingRows) -
         from gti.progress import Progress
 
         # Rounds stop early when they stop helping, so the ETA is an upper bound.
-        with Progress(s.sinkhorn_rounds, "sinkhorn", "rounds", log=ctx.log, every_n=1) as rounds:
+        with timer.phase("sinkhorn"), Progress(s.sinkhorn_rounds, "sinkhorn", "rounds", log=ctx.log,
+                                                every_n=1) as rounds:
             out = sinkhorn_rounds(
                 store, cost, s.sinkhorn_epsilon, s.sinkhorn_iters, s.sinkhorn_rounds,
                 sample_rows=s.sinkhorn_sample_rows, seed=cfg.seed, min_gain=s.sinkhorn_min_gain,
@@ -287,7 +298,7 @@ def run(ctx: StageContext) -> StageResult:
     from gti.ray_start import ensure_ray
 
     cfg, s = ctx.cfg, ctx.cfg.sid
-    timer = Timer()
+    timer = Timer(memory=True)  # the driver's peak per phase: bench/scale_memory reads it
     emb_path = ctx.input("embed", "embeddings")
     with timer.phase("check"):
         n_items, dim = check_embeddings(emb_path)
@@ -310,7 +321,7 @@ def run(ctx: StageContext) -> StageResult:
     try:
         with timer.phase("assign"):
             assign_all(ctx, emb_path, qdir, n_items, codes_path)
-        with timer.phase("resolve"):
+        with timer.phase("scan"):
             scan = scan_codes(codes_path, list(q.codebook_sizes), ctx.work_dir / "codes_buckets",
                               bucket_rows=s.resolve_bucket_rows, pick=sample_rows)
             ctx.log(f"{scan.size:,} items in colliding prefix groups ({scan.parts} bucket(s))")
@@ -318,7 +329,7 @@ def run(ctx: StageContext) -> StageResult:
             recon = float(((q.decode_codes(torch.from_numpy(scan.picked).long()) - sample) ** 2).mean())
         del sample
         with timer.phase("resolve"):
-            res, resolved = _resolve(ctx, q, scan, rows_reader)
+            res, resolved = _resolve(ctx, q, scan, rows_reader, timer)
         codec = SidCodec(len(res.sizes), res.sizes, s.token_format)
         with timer.phase("write"):
             map_hash = _write_map(ctx, emb_path, codes_path, scan, res, codec)
@@ -366,4 +377,5 @@ def _facts(s, q, res: Resolved, codec: SidCodec, resolved: dict, history: list[d
         "machine": {**cpu_facts(), "torch_threads": torch.get_num_threads(), "fit_threads": s.fit_threads},
         "train_history": history,
         "timing": timer.facts(),
+        "driver_peak_mb": timer.memory_facts(),
     }
