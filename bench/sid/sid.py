@@ -164,7 +164,8 @@ def figures(x: np.ndarray, codes: np.ndarray, recon: np.ndarray, train_s: float,
 # --------------------------------------------------------------------------- ours
 def ours_rqvae(x: np.ndarray, epochs: int, batch: int, seed: int = 0, revive_every: int = 0) -> dict:
     """Same policy as the `sid` stage: dead codes re-seeded once per epoch, or every
-    `revive_every` steps (sid.revive_every_steps) on large sets."""
+    `revive_every` steps (sid.revive_every_steps) on large sets, and after the last epoch the
+    codes the greedy assignment leaves unused (sid.revive_after_training)."""
     torch.manual_seed(seed)
     # The stage's own defaults (SidConfig), so the bench measures what `gti run` trains.
     sid_cfg = SidConfig(encoder_dims=LAYERS, code_dim=CODE_DIM, levels=LEVELS, codebook_size=K, dropout=0.1)
@@ -195,6 +196,10 @@ def ours_rqvae(x: np.ndarray, epochs: int, batch: int, seed: int = 0, revive_eve
                 counts.zero_()
         if not revive_every and epoch < epochs - 1:
             m.revive_dead_codes(counts, out.residuals, 0, gen, opt)
+    if sid_cfg.revive_after_training:  # the codes greedy codes leave unused, as the stage's workers do
+        m.eval()
+        used, res = m.greedy_usage(xt[perm[s : s + batch]] for s in range(0, len(xt), batch))
+        m.revive_dead_codes(used, res, 0, gen, opt)
     train_s = time.perf_counter() - t0
     m.eval()
     # As the stage does: the assignment precision is resolved on this machine (auto: bf16

@@ -251,6 +251,10 @@ class SidConfig(_Strict):
     revive_every_steps: int = Field(
         0, ge=0, description="re-seed dead codes every N optimizer steps (0: once per epoch)"
     )
+    revive_after_training: bool = Field(
+        True, description="rqvae: after the last epoch, re-seed the codes that the greedy assignment leaves "
+        "unused (training on Sinkhorn codes uses every code; the final greedy codes may not), each at a real "
+        "residual of its level, so no SID token is dead (bench/RESULTS.md, \"Every code used\")")
     checkpoint_every_s: float = Field(
         30.0, ge=0, description="rqvae: seconds between epoch checkpoints (the last epoch always checkpoints; 0: "
         "every epoch). A checkpoint costs more than a whole epoch on a small catalog; a killed run redoes at "

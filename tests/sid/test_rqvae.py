@@ -222,3 +222,17 @@ def test_sid_config_trains_every_level_on_balanced_codes_by_default():
     assert RQVAEConfig.from_sid_config(SidConfig(levels=3, train_sinkhorn_levels=1), in_dim=8).train_sinkhorn_levels == 1
     with pytest.raises(pydantic.ValidationError, match="train_sinkhorn_levels"):
         SidConfig(train_sinkhorn_levels=0)
+
+
+def test_greedy_usage_counts_the_encode_codes_and_keeps_the_first_batchs_residuals(clusters):
+    x, _ = clusters(200, 16, 8, seed=1)
+    m = _model()
+    m.init_codebooks(x, generator=torch.Generator().manual_seed(0))
+    m.eval()
+    counts, res = m.greedy_usage(x[s : s + 64] for s in range(0, 200, 64))
+    codes = m.encode(x)
+    want = torch.stack([torch.bincount(codes[:, lv], minlength=16) for lv in range(3)]).double()
+    assert torch.equal(counts, want)
+    assert res.shape == (3, 64, 8)
+    assert torch.allclose(res, m(x[:64]).residuals, atol=1e-5)  # the forward's level inputs, in eval mode
+    assert m.greedy_usage(iter([]))[1] is None

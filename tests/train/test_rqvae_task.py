@@ -148,6 +148,7 @@ def test_train_rqvae_decides_once_on_the_driver(monkeypatch, tmp_path, mb, want)
     monkeypatch.setattr(T.ray_train, "run_trainer", fake_run)
     T.train_rqvae(s, 0, tmp_path / "e.parquet", model, 300, tmp_path, log=lambda m: None)
     assert seen["epoch_cache"] is want
+    assert seen["revive_final"] is True  # sid.revive_after_training reaches the workers
 
 
 def test_checkpoint_due_after_the_last_epoch_and_every_n_seconds():
@@ -157,3 +158,40 @@ def test_checkpoint_due_after_the_last_epoch_and_every_n_seconds():
     assert not checkpoint_due(epoch=3, epochs=20, since_last_s=29.9, every_s=30.0)
     assert checkpoint_due(epoch=3, epochs=20, since_last_s=30.0, every_s=30.0)
     assert all(checkpoint_due(e, 5, 0.0, 0.0) for e in range(5))  # 0: every epoch
+
+
+@pytest.mark.parametrize("final", [True, False])
+def test_worker_loop_revives_what_greedy_codes_leave_unused_after_the_last_epoch(monkeypatch, final):
+    """`sid_train_loop` on one process (the Ray Train calls replaced): with `revive_final`
+    (sid.revive_after_training) the codes the greedy assignment leaves unused after the last
+    epoch are re-seeded at real residuals, so the saved codebook differs from the trained one
+    exactly there and the final greedy codes use more codes."""
+    import contextlib
+
+    torch.manual_seed(0)
+    x = torch.cat([torch.randn(24, 6) * 0.05 + 3, torch.randn(24, 6) * 0.05 - 3])  # two tight clusters
+    m = RQVAE(RQVAEConfig(in_dim=6, encoder_dims=[8], code_dim=4, levels=2, codebook_size=6, dropout=0.0))
+    saved = []
+    monkeypatch.setattr(T.ray_train, "worker_rank_world", lambda: (0, 1))
+    monkeypatch.setattr(T.ray_train, "latest_checkpoint", lambda: contextlib.nullcontext(None))
+    monkeypatch.setattr(T.ray_train, "torch_device", lambda: torch.device("cpu"))
+    monkeypatch.setattr(T.ray_train, "prepare_ddp", lambda model: model)
+    monkeypatch.setattr(T.ray_train, "dataset_shard", lambda name: FakeShard(x))
+    monkeypatch.setattr(T, "_save", lambda core, *a, **k: saved.append((core.codebooks.detach().clone(), a[4])))
+    config = {"model": m.cfg.to_dict(), "init_state": m.state_dict(), "epochs": 2, "batch_size": 16, "lr": 0.0,
+              "weight_decay": 0.0, "dead_code_threshold": 0, "seed": 0, "shuffle_buffer": 16,
+              "revive_every_steps": 0, "revive_final": final, "epoch_cache": True}
+    T.sid_train_loop(config)
+    (book1, _), (book2, last) = saved  # lr 0: only revival moves a code
+    trained = RQVAE(m.cfg)
+    trained.load_state_dict({**m.state_dict(), "codebooks": book1})
+    unused = [6 - int(c.unique().numel()) for c in trained.encode(x).T]
+    assert all(u > 0 for u in unused)  # two tight clusters cannot use 6 codes per level
+    moved = (book2 != book1).any(-1).sum(1).tolist()
+    if final:
+        assert last["revived"] == unused and moved == unused
+        after = RQVAE(m.cfg)
+        after.load_state_dict({**m.state_dict(), "codebooks": book2})
+        assert sum(c.unique().numel() for c in after.encode(x).T) > sum(6 - u for u in unused)
+    else:
+        assert last["revived"] == [0, 0] and moved == [0, 0]

@@ -299,6 +299,26 @@ class RQVAE(nn.Module):
         return inertias
 
     @torch.no_grad()
+    def greedy_usage(self, batches) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What the final greedy assignment (`encode` in float32) uses: (code counts float64
+        [L, K] over every x [B, D] of `batches`, the input of each level for the first batch
+        [L, B, code_dim], as `RQOutput.residuals`; None without batches)."""
+        cbs = self.codebooks.detach()
+        counts = torch.zeros(self.levels, self.cfg.codebook_size, dtype=torch.float64, device=cbs.device)
+        first = None
+        for x in batches:
+            res = self._enc_eval(x.to(cbs.device))
+            per_level = []
+            for lv in range(self.levels):
+                per_level.append(res)
+                idx = row_argmin(torch.addmm((cbs[lv] * cbs[lv]).sum(-1).unsqueeze(0), res, cbs[lv].T, alpha=-2.0))
+                counts[lv] += torch.bincount(idx, minlength=counts.shape[1]).to(counts.dtype)
+                res = res - cbs[lv][idx]
+            if first is None:
+                first = torch.stack(per_level)
+        return counts, first
+
+    @torch.no_grad()
     def revive_dead_codes(
         self,
         counts: torch.Tensor,

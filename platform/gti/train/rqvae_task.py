@@ -194,7 +194,8 @@ def sid_train_loop(config: dict) -> None:
 
     config: model (RQVAEConfig dict), init_state (state dict with k-means codebooks), epochs,
     batch_size (per worker), lr, weight_decay, dead_code_threshold, seed, shuffle_buffer,
-    revive_every_steps, epoch_cache (read the shard once and shuffle it in memory),
+    revive_every_steps, revive_final (re-seed what greedy codes leave unused after the last epoch),
+    epoch_cache (read the shard once and shuffle it in memory),
     checkpoint_every_s (`checkpoint_due`), progress_file.
     """
     import torch.distributed as dist
@@ -230,6 +231,10 @@ def sid_train_loop(config: dict) -> None:
             dist.all_reduce(sums)
         if every == 0 and epoch < config["epochs"] - 1 and last_res is not None:
             revived = _revive(core, counts, last_res, config, epoch, world, opt, reduced=True)
+        if epoch == config["epochs"] - 1 and config.get("revive_final"):
+            got = _revive_unused(core, _epoch_batches(shard, cached, config, epoch, rank, device), config,
+                                 epoch, world, opt)
+            revived = [a + b for a, b in zip(revived, got)]
         n = max(sums[4].item(), 1.0)
         util = ((counts > 0).sum(1).double() / k).tolist()
         metrics = {
@@ -250,6 +255,22 @@ def sid_train_loop(config: dict) -> None:
             last_ckpt = time.time() if due else last_ckpt
         else:
             ray_train.report(metrics)
+
+
+def _revive_unused(core, batches, config, salt, world, opt) -> list[int]:
+    """After the last epoch (sid.revive_after_training): the codes the final greedy assignment
+    would leave unused on every worker's shard (counts summed over workers) re-seeded at
+    residuals of this worker's first batch (rank 0's broadcast), as `_revive` does."""
+    import torch.distributed as dist
+
+    core.eval()
+    counts, residuals = core.greedy_usage(batches)
+    core.train()
+    if world > 1:
+        dist.all_reduce(counts)
+    if residuals is None:  # an empty shard: nothing to seed from, and nothing to broadcast from rank 0 alone
+        residuals = torch.zeros(core.levels, 1, core.cfg.code_dim, device=counts.device)
+    return _revive(core, counts, residuals, config, salt + 1, world, opt, reduced=True)
 
 
 def _revive(core, counts, residuals, config, salt, world, opt, reduced=False) -> list[int]:
@@ -291,6 +312,7 @@ def train_rqvae(s, seed: int, emb_path: Path, init_model, n_items: int, storage:
         "weight_decay": s.weight_decay,
         "dead_code_threshold": s.dead_code_threshold,
         "revive_every_steps": s.revive_every_steps,
+        "revive_final": s.revive_after_training,
         "seed": seed,
         "shuffle_buffer": min(max(4 * per_worker, 1024), max(n_items, 1)),
         "checkpoint_every_s": s.checkpoint_every_s,
