@@ -40,6 +40,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from gti.parquet_stream import open_parquet
 from gti.sid.buckets import ROWS, BucketCodes, SBuckets, SortedPieces
 from gti.sid.quality import usage_from_counts
 from gti.sid.resolve import LastCodes, LastCost, dedup_extra_level, dedup_reassign, group_ids
@@ -81,7 +82,7 @@ class CodesWriter:
 
 def iter_codes(path: str | Path, batch_rows: int = 65536) -> Iterator[np.ndarray]:
     """The codes file's rows in order, int32 [b, L] per batch (read-only arrays)."""
-    pf = pq.ParquetFile(str(path))
+    pf = open_parquet(path)
     levels = pf.schema_arrow.field(CODES_COLUMN).type.list_size
     for b in pf.iter_batches(batch_size=batch_rows, columns=[CODES_COLUMN]):
         yield b.column(0).flatten().to_numpy().reshape(-1, levels)

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 
 from gti.errors import DataError
+from gti.parquet_stream import open_parquet
 from gti.sid.quantizer import CONFIG_NAME, WEIGHTS_NAME, load_quantizer
 
 def embedding_matrix(col: pa.ChunkedArray | pa.Array, path: str) -> np.ndarray:
@@ -48,7 +48,7 @@ def embedding_matrix(col: pa.ChunkedArray | pa.Array, path: str) -> np.ndarray:
 
 def check_embeddings(path: str | Path, batch_rows: int = 65536) -> tuple[int, int]:
     """Stream the file once: (n_items, dim); DataError naming item ids of non-finite rows."""
-    pf = pq.ParquetFile(str(path))
+    pf = open_parquet(path)
     names = pf.schema_arrow.names
     for col in ("item_id", "embedding"):
         if col not in names:
@@ -84,7 +84,7 @@ class EmbeddingRows:
 
     def __init__(self, path: str | Path) -> None:
         self.path = str(path)
-        self.pf = pq.ParquetFile(self.path)
+        self.pf = open_parquet(self.path)
         md = self.pf.metadata
         self.starts = np.cumsum([0] + [md.row_group(i).num_rows for i in range(md.num_row_groups)])
         self.n = int(self.starts[-1])

@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from gti.parquet_stream import iter_parquet
 from gti.sid.codec import SidCodec
 
 
@@ -98,7 +99,7 @@ def sid_map_hash_file(path: str | Path, tmp_dir: str | Path, run_rows: int = 1 <
     tmp.mkdir(parents=True, exist_ok=True)
     try:
         runs, start = [], 0
-        for i, b in enumerate(pq.ParquetFile(str(path)).iter_batches(batch_size=run_rows, columns=["item_id", "sid"])):
+        for i, b in enumerate(iter_parquet(path, run_rows, columns=["item_id", "sid"])):
             t = pa.table({"item_id": b.column("item_id").cast(pa.string()), "sid": b.column("sid").cast(pa.string()),
                           "row": pa.array(np.arange(start, start + b.num_rows, dtype=np.int64))})
             start += b.num_rows
@@ -118,7 +119,7 @@ def _merge_runs(paths: list[Path], batch_rows: int):
     up to the smallest buffer end (the frontier): rows not read yet all come after it."""
     import pyarrow.compute as pc
 
-    readers = [pq.ParquetFile(str(p)).iter_batches(batch_size=batch_rows) for p in paths]
+    readers = [iter_parquet(p, batch_rows) for p in paths]
     bufs: list[pa.Table | None] = [None] * len(readers)
     while True:
         for i in range(len(readers)):

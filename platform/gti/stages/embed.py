@@ -37,6 +37,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from gti.errors import DataError
+from gti.parquet_stream import iter_parquet, open_parquet
 from gti.contract import StageContext, StageResult
 from gti.timing import Timer, rate
 
@@ -137,7 +138,7 @@ class EmbedRange(EmbedBatch):
         """Embed row groups `groups` of items.parquet into `final` (temp file + rename);
         -> seconds spent reading, encoding and writing."""
         tmp = final.with_name(f".{final.name}.tmp")
-        pf = pq.ParquetFile(self.items_path)
+        pf = open_parquet(self.items_path)
         writer = None
         read_s = encode_s = write_s = 0.0
         try:
@@ -181,12 +182,12 @@ def plan_ranges(items_path: Path, rows_per_part: int) -> list[list[int]]:
 def _concat_parts(parts: list[Path], items_path: Path, out: Path, dim: int) -> int:
     """Join the parts, in order, into one file; check the ids match items.parquet row by row."""
     schema = embedding_schema(dim)
-    items_ids = pq.ParquetFile(items_path).iter_batches(batch_size=65_536, columns=["item_id"])
+    items_ids = iter_parquet(items_path, 65_536, columns=["item_id"])
     pending = pa.array([], pa.string())
     n = 0
     with pq.ParquetWriter(out, schema) as writer:
         for part in parts:
-            for rb in pq.ParquetFile(part).iter_batches(batch_size=65_536):
+            for rb in iter_parquet(part, 65_536):
                 t = pa.Table.from_batches([rb]).cast(schema)
                 while len(pending) < t.num_rows:
                     pending = pa.concat_arrays([pending, next(items_ids).column(0).cast(pa.string())])

@@ -53,6 +53,7 @@ from gti.contract import StageContext, StageResult
 from gti.data.schemas import PAIRS_SCHEMA
 from gti.errors import DataError, user_error
 from gti.lm.pairs import ITEM_COLUMNS, RenderPairs
+from gti.parquet_stream import open_parquet
 from gti.timing import Timer, rate
 
 TOKENIZER_DIR = "tokenizer"
@@ -64,7 +65,7 @@ _RENDER_BATCH = 1024  # items per rendered block
 def same_id_order(items_path: str | Path, sid_path: str | Path, batch_rows: int = 65_536) -> bool:
     """True when both parquet files list the same item ids in the same order (streamed,
     bounded memory: compares the item_id columns batch by batch)."""
-    a, b = pq.ParquetFile(str(items_path)), pq.ParquetFile(str(sid_path))
+    a, b = open_parquet(items_path), open_parquet(sid_path)
     if a.metadata.num_rows != b.metadata.num_rows:
         return False
 

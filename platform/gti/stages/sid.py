@@ -58,6 +58,7 @@ from gti.train.ray_train import STORAGE_DIR
 from gti.contract import StageContext, StageResult
 from gti.devices import cpu_facts
 from gti.errors import DataError
+from gti.parquet_stream import iter_parquet
 from gti.sid.codec import SidCodec
 from gti.sid.collide import CodeScan, CodesWriter, Resolved, fixed_batches, iter_resolved, resolve_subset, scan_codes
 from gti.sid.embeddings import AssignBatch, EmbeddingRows, LastResiduals, check_embeddings
@@ -140,7 +141,7 @@ def assign_all(ctx: StageContext, emb_path: Path, qdir: Path, n_items: int, out:
         # depend on where the codes were computed.
         ctx.log(f"{n_items:,} items <= local_max_items ({ctx.cfg.local_max_items:,}): assigned in this process")
         assign = AssignBatch(**kwargs)
-        batches = pq.ParquetFile(emb_path).iter_batches(batch_size=s.assign_batch_size, columns=["embedding"])
+        batches = iter_parquet(emb_path, s.assign_batch_size, columns=["embedding"])
         with fixed_threads(1):
             return _write_codes(ctx, (assign(pa.Table.from_batches([b])) for b in batches), n_items, out)
     import ray
@@ -274,7 +275,7 @@ def _write_map(ctx: StageContext, emb_path: Path, codes_path: Path, scan: CodeSc
     `MAP_BATCH_ROWS` rows at a time: the codes file's codes with S's rows resolved (merged
     from the scan's buckets), beside the embeddings' ids. Returns the map's `sid_map_hash`."""
     path, bs = ctx.work_dir / "sid_map.parquet", MAP_BATCH_ROWS
-    id_batches = pq.ParquetFile(str(emb_path)).iter_batches(batch_size=bs, columns=["item_id"])
+    id_batches = iter_parquet(emb_path, bs, columns=["item_id"])
     ids_iter = fixed_batches((b.column(0) for b in id_batches), bs)
     hasher = SortedMapHash()
     with pq.ParquetWriter(str(path), MAP_SCHEMA) as writer:
