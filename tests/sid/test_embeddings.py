@@ -104,3 +104,26 @@ def test_last_residuals_cache_is_keyed_by_row(tmp_path):
     torch.testing.assert_close(lr.res[torch.from_numpy(lr.slots)], want[lr.keys])
     torch.testing.assert_close(lr(np.array([1, 119, 0, 2])), want[[1, 119, 0, 2]])
     assert lr.keys.size == 6 and lr.encoded == 8  # budget full: 1 and 2 are not kept
+
+
+def test_assign_batch_leaves_no_temp_folder(tmp_path, monkeypatch):
+    """Each actor loads the quantiser through a temp folder; it is removed once loaded (116
+    of them were left in /tmp by one session's runs), and the loaded quantiser still encodes."""
+    import tempfile
+
+    from gti.sid.embeddings import AssignBatch
+    from gti.sid.quantizer import save_quantizer
+    from gti.sid.rqkmeans import RQKMeansConfig, ResidualKMeans
+
+    vecs = clustered(n=200, dim=8)
+    q = ResidualKMeans(RQKMeansConfig(in_dim=8, levels=2, codebook_size=8, balanced=False))
+    q.fit(torch.from_numpy(vecs), iters=3, generator=torch.Generator().manual_seed(0))
+    wpath, cpath = save_quantizer(q, tmp_path / "q")
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    assign = AssignBatch(wpath.read_bytes(), cpath.read_text())
+    assert list(scratch.iterdir()) == []
+    flat = pa.array(vecs.reshape(-1))
+    got = assign(pa.table({"embedding": pa.FixedSizeListArray.from_arrays(flat, 8)}))["codes"]
+    assert np.array_equal(got, q.encode(torch.from_numpy(vecs)).numpy())

@@ -188,10 +188,12 @@ class AssignBatch:
     it works on any node), then maps a batch of embeddings to greedy codes."""
 
     def __init__(self, weights: bytes, meta: str, device: str = "cpu") -> None:
-        d = Path(tempfile.mkdtemp(prefix="gti_sid_q_"))
-        (d / WEIGHTS_NAME).write_bytes(weights)
-        (d / CONFIG_NAME).write_text(meta)
-        self.q = load_quantizer(d).to(device)
+        # A folder of its own for load_quantizer, removed once loaded (one per actor adds up).
+        with tempfile.TemporaryDirectory(prefix="gti_sid_q_") as tmp:
+            d = Path(tmp)
+            (d / WEIGHTS_NAME).write_bytes(weights)
+            (d / CONFIG_NAME).write_text(meta)
+            self.q = load_quantizer(d).to(device)
         self.device = device
 
     def __call__(self, batch: pa.Table) -> dict:
