@@ -14,13 +14,15 @@ Data sets (identical arrays go to both sides):
 
 Compared (4 levels x 256 codes; one torch thread each, as in bench/RESULTS.md "Semantic IDs"):
 - ours RQ-VAE (`gti.sid.rqvae` with the `sid` stage's defaults: Xavier init, k-means init on
-  real residuals, STE, last level trained on Sinkhorn-balanced codes, dead-code revival every
-  epoch) vs peer `semantic_id.RQVAE` (kmeans_init=True, sk_epsilons [0,0,0,0.003],
+  real residuals, STE, every level trained on Sinkhorn-balanced codes, dead-code revival every
+  epoch and, after the last, of the codes the greedy assignment leaves unused) vs peer `semantic_id.RQVAE` (kmeans_init=True, sk_epsilons [0,0,0,0.003],
   verbose=<epochs> so that `fit` keeps its best-collision epoch instead of epoch 1). Same MLP
   [512, 256, 128], code dim 32, dropout 0.1, AdamW lr 1e-3, batch 1024, same epochs.
 - faiss row: residual `faiss.Kmeans` (random init, 25 iterations; how MiniOneRec/OpenOneRec
   build RQ-KMeans); `fit_over_faiss` is our k-means fit time over it (both refitted alternately,
-  3 rounds, 1 with --quick: `fit_rounds`), and
+  3 rounds, 1 with --quick: `fit_rounds`), `plain_fit_over_faiss` the same for our plain
+  residual k-means (`gti.sid.kmeans.kmeans`, which initialises every RQ-VAE codebook: k-means++
+  seeds, then exactly 25 Lloyd steps per level, no early stop), and
   `same_map_across_threads` whether our balanced fit gives the same codes with 1 and 2 threads.
 - ours residual k-means (balanced) vs peer `semantic_id.RQKMeans` (implementation="kmeans";
   its "constrained" variant needs the optional `k-means-constrained` package, reported as
@@ -29,8 +31,8 @@ Figures per method: reconstruction MSE per element (decode(encode(x)) vs x over 
 per-level utilisation, collision rate of the greedy codes (before any de-duplication),
 training wall time, assignment items/s (encode over all items, batch 8192; the two sides of each
 pair re-measured alternately 5 times (3 with --quick) and the median kept). Our RQ-VAE assigns
-with the stage's `sid.assign_dtype` (auto: the encoder MLP in bf16 where bf16 is native, as on
-this machine's AVX512-BF16 CPU); its float32 assignment speed and the share of items whose
+with the stage's `sid.assign_dtype` (float32 by default; auto: the encoder MLP in bf16 where
+bf16 is native); its float32 assignment speed and the share of items whose
 codes equal the float32 ones are reported beside it.
 
 The last line printed is one JSON object with the figures.
@@ -56,7 +58,7 @@ import common  # noqa: E402
 sys.path.insert(0, str(common.ROOT / "platform"))
 
 from gti.config import SidConfig  # noqa: E402
-from gti.sid.kmeans import fixed_threads  # noqa: E402
+from gti.sid.kmeans import fixed_threads, kmeans  # noqa: E402
 from gti.sid.quality import level_usage  # noqa: E402
 from gti.sid.resolve import collision_rate  # noqa: E402
 from gti.sid.rqkmeans import RQKMeansConfig, ResidualKMeans  # noqa: E402
@@ -263,16 +265,35 @@ def fit_faiss(x: np.ndarray, seed: int = 0, fit_n: int = 65536) -> tuple[list, f
     return books, time.perf_counter() - t0
 
 
+def fit_plain(x: np.ndarray, seed: int = 0, fit_n: int = 65536) -> tuple[list, float]:
+    """Our plain residual k-means (`gti.sid.kmeans.kmeans`: k-means++ seeds, then exactly 25
+    Lloyd steps per level, as faiss runs them) on the same sample as `fit_ours` -> (codebooks
+    [K, D] per level, fit s)."""
+    gen = torch.Generator().manual_seed(seed)
+    xt = torch.from_numpy(x)
+    res = xt[torch.randperm(len(xt), generator=gen)[:fit_n]].clone()
+    t0 = time.perf_counter()
+    books = []
+    for _ in range(LEVELS):
+        km = kmeans(res, K, iters=25, generator=gen, tol=float("-inf"))  # -inf: never stop early
+        books.append(km.centroids)
+        res = res - km.centroids[km.assign]
+    return books, time.perf_counter() - t0
+
+
+FITS = {"ours": fit_ours, "faiss": fit_faiss, "plain": fit_plain}
+
+
 def interleaved_fits(x: np.ndarray, rounds: int, fit_n: int = 65536) -> dict:
-    """Our fit and faiss's, alternately `rounds` times, order swapped every round: this VM's
-    speed moves by up to 2x within minutes (bench/RESULTS.md, "Balanced k-means in faiss's
-    iterations"), so fit times measured minutes apart do not make a ratio.
-    -> {"ours": [s, ...], "faiss": [s, ...]}"""
-    out: dict[str, list[float]] = {"ours": [], "faiss": []}
+    """Our balanced fit, faiss's and our plain one, in turn `rounds` times, the order rotated
+    every round: this VM's speed moves by up to 2x within minutes (bench/RESULTS.md, "Balanced
+    k-means in faiss's iterations"), so fit times measured minutes apart do not make a ratio.
+    -> {"ours": [s, ...], "faiss": [s, ...], "plain": [s, ...]}"""
+    names = list(FITS)
+    out: dict[str, list[float]] = {name: [] for name in names}
     for rnd in range(rounds):
-        for name in (("ours", "faiss") if rnd % 2 == 0 else ("faiss", "ours")):
-            secs = fit_ours(x, fit_n=fit_n)[1] if name == "ours" else fit_faiss(x, fit_n=fit_n)[1]
-            out[name].append(round(secs, 2))
+        for name in names[rnd % 3:] + names[:rnd % 3]:
+            out[name].append(round(FITS[name](x, fit_n=fit_n)[1], 2))
     return out
 
 
@@ -355,16 +376,18 @@ def peer_rqkmeans(x: np.ndarray, implementation: str, seed: int = 0, fit_n: int 
 def kmeans_summary(results: dict, sets: dict) -> dict:
     """The k-means keys of the last line: our balanced residual k-means fit time over faiss's
     plain one (same sample, 25 Lloyd iterations each, summed over the interleaved `fit_rounds`;
-    target <= 1.5, issue 33), on the
+    target <= 1.5, issue 33), the same for our plain residual k-means (`plain_`), on the
     minilm set (the key) and the synthetic one, and whether 1 and 2 threads give one map."""
-    def ratio(name: str) -> float | None:
+    def ratio(name: str, ours: str = "ours") -> float | None:
         r = results[name]
         if "ours_rqkmeans" not in r:
             return None
         fits = r["fit_rounds"]  # interleaved; the rows' own train_s were measured minutes apart
-        return round(sum(fits["ours"]) / max(sum(fits["faiss"]), 1e-9), 3)
+        return round(sum(fits[ours]) / max(sum(fits["faiss"]), 1e-9), 3)
 
     return {"fit_over_faiss": ratio("minilm"), "synthetic_fit_over_faiss": ratio("synthetic"),
+            "plain_fit_over_faiss": ratio("minilm", "plain"),
+            "synthetic_plain_fit_over_faiss": ratio("synthetic", "plain"),
             "same_map_across_threads": same_map_across_threads(sets["minilm"][0])}
 
 
