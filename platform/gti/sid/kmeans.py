@@ -65,7 +65,8 @@ def row_min(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # Rows per chunk of the distance passes: [2048, K] stays in cache, where one [65536, 256] pass
-# went to memory 3x slower; every row's arithmetic is the same, so are the results (tests).
+# goes to memory (bench/RESULTS.md, "Plain k-means beside faiss"); every row's arithmetic is
+# the same, so are the results (tests).
 CHUNK_ROWS = 2048
 
 
@@ -112,8 +113,8 @@ def kmeans_plus_plus(x: torch.Tensor, k: int, generator: torch.Generator | None 
 
 def _sq_dist_to(x: torch.Tensor, c: torch.Tensor, chunk: int = CHUNK_ROWS) -> torch.Tensor:
     """((x - c) ** 2).sum(1) [N] for x [N, D] and one centre c [D], a chunk of rows at a time:
-    the same floats as one pass without its [N, D] temporary (k-means++ seeding took ~10x
-    faiss's whole fit with it: bench/RESULTS.md, "Every code used")."""
+    the same floats as one pass, without an [N, D] temporary per centre (bench/RESULTS.md,
+    "Plain k-means beside faiss")."""
     out = torch.empty(x.shape[0], dtype=x.dtype, device=x.device)
     for s in range(0, x.shape[0], chunk):
         out[s : s + chunk] = ((x[s : s + chunk] - c) ** 2).sum(1)
