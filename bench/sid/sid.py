@@ -17,7 +17,8 @@ Compared (4 levels x 256 codes; one torch thread each, as in bench/RESULTS.md "S
   real residuals, STE, every level trained on Sinkhorn-balanced codes, dead-code revival every
   epoch and, after the last, of the codes the greedy assignment leaves unused) vs peer
   `semantic_id.RQVAE` (kmeans_init=True, sk_epsilons [0,0,0,0.003], verbose=<epochs> so that
-  `fit` keeps its best-collision epoch instead of epoch 1). Same MLP [512, 256, 128], code dim 32, dropout 0.1, AdamW lr 1e-3, batch 1024, same epochs.
+  `fit` keeps its best-collision epoch instead of epoch 1). Same MLP [512, 256, 128], code
+  dim 32, dropout 0.1, AdamW lr 1e-3, batch 1024, same epochs.
 - faiss row: residual `faiss.Kmeans` (random init, 25 iterations; how MiniOneRec/OpenOneRec
   build RQ-KMeans); `fit_over_faiss` is our k-means fit time over it (both refitted alternately,
   3 rounds, 1 with --quick: `fit_rounds`), `plain_fit_over_faiss` the same for our plain
