@@ -23,7 +23,8 @@ Compared (4 levels x 256 codes; one torch thread each, as in bench/RESULTS.md "S
   build RQ-KMeans); `fit_over_faiss` is our k-means fit time over it (both refitted alternately,
   3 rounds, 1 with --quick: `fit_rounds`), `plain_fit_over_faiss` the same for our plain
   residual k-means (`gti.sid.kmeans.kmeans`, which initialises every RQ-VAE codebook: k-means++
-  seeds, then exactly 25 Lloyd steps per level, no early stop), and
+  seeds, then exactly 25 Lloyd steps per level, no early stop; its quality in the
+  `plain_rqkmeans` row), and
   `same_map_across_threads` whether our balanced fit gives the same codes with 1 and 2 threads.
 - ours residual k-means (balanced) vs peer `semantic_id.RQKMeans` (implementation="kmeans";
   its "constrained" variant needs the optional `k-means-constrained` package, reported as
@@ -59,7 +60,7 @@ import common  # noqa: E402
 sys.path.insert(0, str(common.ROOT / "platform"))
 
 from gti.config import SidConfig  # noqa: E402
-from gti.sid.kmeans import fixed_threads, kmeans  # noqa: E402
+from gti.sid.kmeans import fixed_threads, kmeans, nearest  # noqa: E402
 from gti.sid.quality import level_usage  # noqa: E402
 from gti.sid.resolve import collision_rate  # noqa: E402
 from gti.sid.rqkmeans import RQKMeansConfig, ResidualKMeans  # noqa: E402
@@ -282,6 +283,22 @@ def fit_plain(x: np.ndarray, seed: int = 0, fit_n: int = 65536) -> tuple[list, f
     return books, time.perf_counter() - t0
 
 
+def plain_rqkmeans(x: np.ndarray, seed: int = 0, fit_n: int = 65536) -> dict:
+    """Our plain residual k-means (`fit_plain`), every item encoded by its nearest code per level."""
+    books, train_s = fit_plain(x, seed, fit_n)
+
+    def enc(b):
+        r, out = torch.from_numpy(b), []
+        for cb in books:
+            out.append(nearest(r, cb)[0])
+            r = r - cb[out[-1]]
+        return torch.stack(out, 1).numpy()
+
+    codes, ips = throughput(enc, x)
+    recon = sum(books[lv][torch.from_numpy(codes[:, lv])] for lv in range(LEVELS)).numpy()
+    return figures(x, codes, recon, train_s, ips, enc)
+
+
 FITS = {"ours": fit_ours, "faiss": fit_faiss, "plain": fit_plain}
 
 
@@ -436,6 +453,7 @@ def main() -> None:
             r["ours_rqkmeans"] = ours_rqkmeans(x, fit_n=fit_n)
             r["peer_rqkmeans"] = peer_rqkmeans(x, "kmeans", fit_n=fit_n)
             r["faiss_rqkmeans"] = faiss_rqkmeans(x, fit_n=fit_n)
+            r["plain_rqkmeans"] = plain_rqkmeans(x, fit_n=fit_n)
             # The constrained variant solves a min-cost flow per level: 4,385 items take 30 s,
             # 65,536 did not finish in 25 min on 2 cores (2026-12-01), so it fits on fewer.
             if not args.kmeans_only:

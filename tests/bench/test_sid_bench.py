@@ -49,3 +49,17 @@ def test_fit_ratios_sum_the_interleaved_rounds(monkeypatch):
     out = b.kmeans_summary(results, {"minilm": (None, 0)})
     assert out == {"fit_over_faiss": 1.5, "synthetic_fit_over_faiss": 0.5, "plain_fit_over_faiss": 0.5,
                    "synthetic_plain_fit_over_faiss": 0.5, "same_map_across_threads": True}
+
+
+def test_plain_row_encodes_every_item_with_its_own_codebooks(monkeypatch):
+    """The `plain_rqkmeans` row: every item encoded level by level against the plain fit's
+    codebooks, its reconstruction the sum of the codes' centroids (recon below the data's
+    spread on separated blobs), and the bench's usual figures."""
+    b = _bench()
+    monkeypatch.setattr(b, "K", 8)
+    g = np.random.default_rng(0)
+    x = (5 * g.normal(size=(6, 16))[g.integers(6, size=400)] + 0.05 * g.normal(size=(400, 16))).astype(np.float32)
+    f = b.plain_rqkmeans(x, fit_n=300)
+    assert f["recon_mse"] < 0.05**2 and f["recon_mse"] < 1e-3 * float(np.var(x))
+    assert len(f["utilisation"]) == b.LEVELS and f["utilisation"][0] >= 6 / 8
+    assert 0.0 <= f["collision_rate"] < 1.0 and f["assign_items_per_s"] > 0

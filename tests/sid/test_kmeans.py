@@ -177,16 +177,41 @@ def test_nearest_codes_match_faiss_where_exact():
     assert np.allclose(d2[:, 0], dist.numpy(), rtol=1e-4, atol=1e-4)
 
 
-def test_chunked_distance_passes_give_the_same_floats():
-    """k-means++ and `nearest` work a cache-sized chunk of rows at a time (4.5x faster plain
-    k-means at 65,536 x 128); every row's arithmetic is unchanged, so the floats, and with them
-    the seeds, codes and every SID map built on them, are bit-identical to one pass."""
+def test_nearest_gives_the_same_floats_in_any_chunk():
+    """`nearest` works a cache-sized chunk of rows at a time; each row's arithmetic does not
+    depend on the chunk, so neither do the codes and distances, nor any SID map built on them."""
     g = torch.Generator().manual_seed(4)
     x, c = torch.randn(5000, 48, generator=g), torch.randn(64, 48, generator=g)
-    whole = ((x - c[3]) ** 2).sum(1)
-    for chunk in (1, 7, 2048, 5000, 10000):
-        assert torch.equal(km._sq_dist_to(x, c[3], chunk=chunk), whole)
     a, d = nearest(x, c, chunk=5000)
-    for chunk in (13, 2048):
+    for chunk in (13, 1024, 2048):
         a2, d2 = nearest(x, c, chunk=chunk)
         assert torch.equal(a, a2) and torch.equal(d, d2)
+
+
+def test_kmeans_plus_plus_spreads_seeds_from_its_candidates():
+    """Seeds come from KPP_CANDIDATES_PER_CODE * k random rows (not all N), and are still spread:
+    one per blob on well-separated blobs, where random rows would double up."""
+    g = torch.Generator().manual_seed(0)
+    centres = 20 * torch.randn(8, 6, generator=g)
+    lab = torch.arange(8).repeat_interleave(1000)
+    x = centres[lab] + torch.randn(8000, 6, generator=g)
+    seeds = kmeans_plus_plus(x, 8, torch.Generator().manual_seed(1))
+    rows = (seeds[:, None, :] == x[None, :, :]).all(-1).float().argmax(1)
+    assert (seeds == x[rows]).all()  # data points
+    assert lab[rows].unique().numel() == 8  # one per blob
+    # The candidates are a seeded sample: another seed, other rows; the same seed, the same rows.
+    again = kmeans_plus_plus(x, 8, torch.Generator().manual_seed(1))
+    other = kmeans_plus_plus(x, 8, torch.Generator().manual_seed(2))
+    assert torch.equal(seeds, again) and not torch.equal(seeds, other)
+
+
+def test_kmeans_plus_plus_does_not_draw_a_copy_twice():
+    """On 5 distinct points (each 100 times) and k = 8, the first 5 seeds are the 5 points and
+    the other 3 are noisy copies: rounding leaves |x|^2 - 2 x.c + |c|^2 a little above 0 for a
+    copy of a seed, which must not make it drawable again."""
+    pts = torch.randn(5, 16, generator=torch.Generator().manual_seed(0)) * 3 + 1
+    x = pts.repeat(100, 1)
+    for s in range(5):
+        seeds = kmeans_plus_plus(x, 8, torch.Generator().manual_seed(s), candidates=500)
+        assert torch.unique(seeds[:5], dim=0).shape[0] == 5
+        assert torch.unique(seeds, dim=0).shape[0] == 8

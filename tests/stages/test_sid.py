@@ -341,6 +341,25 @@ def test_fingerprint_holds_the_balanced_kmeans_version(tmp_path, monkeypatch):
     assert fp("sid.method=rqkmeans", "sid.balanced=true")[0] != before[0]
 
 
+def test_fingerprint_holds_the_kmeans_seeding_version(tmp_path, monkeypatch):
+    """k-means++ seeds every RQ-VAE codebook and RQ-KMeans: a map made with an earlier seeding
+    is not up to date for the same config, whatever the method."""
+    from gti.pipeline import fingerprint
+    from gti.stages import sid as sid_stage
+
+    def fp(*over):
+        cfg = _cfg(tmp_path, *over)
+        return fingerprint(spec("sid"), cfg, cfg.resolved_run_dir())
+
+    write_embed_stage(_cfg(tmp_path).resolved_run_dir(), clustered(n=20))
+    methods = (["sid.method=rqvae"], ["sid.method=rqkmeans", "sid.balanced=false"],
+               ["sid.method=rqkmeans", "sid.balanced=true"])
+    before = [fp(*m) for m in methods]
+    assert all(b[1]["kmeans_seeding"] == sid_stage.KMEANS_SEEDING_VERSION for b in before)
+    monkeypatch.setattr(sid_stage, "KMEANS_SEEDING_VERSION", "next")
+    assert all(fp(*m)[0] != b[0] for m, b in zip(methods, before))
+
+
 def test_fingerprint_holds_the_sinkhorn_resolve_version(tmp_path, monkeypatch):
     """A map whose collisions were spread by an earlier Sinkhorn resolution (v1: the sample by
     position, count chunks) is not up to date: its version is in the fingerprint wherever

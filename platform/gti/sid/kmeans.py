@@ -64,43 +64,62 @@ def row_min(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return idx, m.gather(1, idx.unsqueeze(1)).squeeze(1)
 
 
-# Rows per chunk of the distance passes: [2048, K] stays in cache, where one [65536, 256] pass
-# goes to memory (bench/RESULTS.md, "Plain k-means beside faiss"); every row's arithmetic is
-# the same, so are the results (tests).
-CHUNK_ROWS = 2048
+# k-means++ draws its seeds from at most KPP_CANDIDATES_PER_CODE * k rows, chosen at random:
+# its k sequential passes then cost the same at 4,385 rows as at 65,536, where over every row
+# they took as long as all 25 Lloyd steps (bench/RESULTS.md, "Plain k-means at faiss speed";
+# the same reconstruction error on both bench sets). faiss seeds from k random rows; k-means++
+# over 4k of them still spreads the seeds out.
+KPP_CANDIDATES_PER_CODE = 4
 
 
-def nearest(x: torch.Tensor, c: torch.Tensor, chunk: int = CHUNK_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
-    """Index [N] of the nearest row of c [K, D] for each row of x [N, D], and its squared distance [N]."""
-    c_sq = (c * c).sum(1)
-    idx = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
-    dist = torch.empty(x.shape[0], dtype=x.dtype, device=x.device)
-    for s in range(0, x.shape[0], chunk):
-        idx[s : s + chunk], dist[s : s + chunk] = row_min(sq_dists(x[s : s + chunk], c, c_sq))
-    return idx, dist
+def nearest(x: torch.Tensor, c: torch.Tensor, x_sq: torch.Tensor | None = None,
+            chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Index [N] of the nearest row of c [K, D] for each row of x [N, D], and its squared
+    distance [N]. The argmin is taken before |x_i|^2 (`x_sq` [N], computed if not given) is
+    added: it does not change a row's order, and leaving it out saves a pass over [N, K]."""
+    if x_sq is None:
+        x_sq = (x * x).sum(1)
+    idx, val = _nearest_biased(x, c, (c * c).sum(1), chunk or ASSIGN_CHUNK)
+    return idx, val.add_(x_sq).clamp_(min=0.0)
 
 
-def kmeans_plus_plus(x: torch.Tensor, k: int, generator: torch.Generator | None = None) -> torch.Tensor:
-    """k-means++ seeds [k, D] drawn from the rows of x [N, D].
+def kmeans_plus_plus(x: torch.Tensor, k: int, generator: torch.Generator | None = None,
+                     candidates: int | None = None) -> torch.Tensor:
+    """k-means++ seeds [k, D] drawn from `candidates` (default KPP_CANDIDATES_PER_CODE * k)
+    rows of x [N, D] chosen at random, or from every row when there are no more than that.
 
-    With fewer distinct points than k, the remaining seeds are copies of data points plus
+    Each seed is drawn with probability proportional to its squared distance to the nearest
+    seed so far (|x|^2 - 2 x.c + |c|^2, then the cumulative sum searched at one uniform draw).
+    With fewer distinct candidates than k, the remaining seeds are copies of data points plus
     noise at 1e-3 of the data scale, so that no two codes start identical.
     """
     n, dim = x.shape
     if n == 0:
         raise ValueError("k-means on an empty set")
+    m = KPP_CANDIDATES_PER_CODE * k if candidates is None else candidates
+    cand = x if n <= m else x[torch.randperm(n, generator=generator, device="cpu")[:m].to(x.device)]
+    nc = cand.shape[0]
+    c_sq = (cand * cand).sum(1)
+    draws = torch.rand(k, generator=generator, dtype=torch.float64, device="cpu")
     centers = torch.empty(k, dim, dtype=x.dtype, device=x.device)
-    first = int(torch.randint(n, (1,), generator=generator, device="cpu"))
-    centers[0] = x[first]
-    closest = _sq_dist_to(x, centers[0])
-    filled = 1
-    for i in range(1, k):
-        total = float(closest.sum())
-        if total <= 0.0:
-            break  # every point already coincides with a centre
-        j = int(torch.multinomial(closest.double().cpu(), 1, generator=generator))
-        centers[i] = x[j]
-        closest = torch.minimum(closest, _sq_dist_to(x, centers[i]))
+    chosen = int(draws[0] * nc)
+    centers[0] = cand[chosen]
+    closest = torch.full((nc,), float("inf"), dtype=x.dtype, device=x.device)
+    filled = 0
+    for i in range(k):
+        if i:
+            cum = closest.cumsum(0, dtype=torch.float64)
+            total = float(cum[-1])
+            if total <= 0.0:
+                break  # every candidate already coincides with a seed
+            chosen = min(int(torch.searchsorted(cum, draws[i : i + 1].to(cum.device) * total, right=True)), nc - 1)
+            centers[i] = cand[chosen]
+        d = torch.addmv(c_sq, cand, centers[i], alpha=-2.0)
+        d.add_(c_sq[chosen]).clamp_(min=0.0)
+        # Rounding leaves a point's distance to its own copy a little above 0; below 1e-5 of
+        # |x|^2 + |c|^2 it is a copy, and must not be drawn again.
+        d[d <= 1e-5 * (c_sq + c_sq[chosen])] = 0.0
+        closest = torch.minimum(closest, d)
         filled = i + 1
     if filled < k:
         scale = float(x.std()) if n > 1 else 1.0
@@ -109,16 +128,6 @@ def kmeans_plus_plus(x: torch.Tensor, k: int, generator: torch.Generator | None 
         noise = torch.randn(k - filled, dim, generator=generator, device="cpu").to(x.device, x.dtype)
         centers[filled:] = x[pick] + 1e-3 * scale * noise
     return centers
-
-
-def _sq_dist_to(x: torch.Tensor, c: torch.Tensor, chunk: int = CHUNK_ROWS) -> torch.Tensor:
-    """((x - c) ** 2).sum(1) [N] for x [N, D] and one centre c [D], a chunk of rows at a time:
-    the same floats as one pass, without an [N, D] temporary per centre (bench/RESULTS.md,
-    "Plain k-means beside faiss")."""
-    out = torch.empty(x.shape[0], dtype=x.dtype, device=x.device)
-    for s in range(0, x.shape[0], chunk):
-        out[s : s + chunk] = ((x[s : s + chunk] - c) ** 2).sum(1)
-    return out
 
 
 @dataclass
@@ -147,14 +156,13 @@ def kmeans(
     """
     if balanced:
         return balanced_kmeans(x, k, iters, generator, sinkhorn_epsilon, sinkhorn_iters)
-    x = x.float()
-    n = x.shape[0]
+    x = x.float().contiguous()
+    x_sq = (x * x).sum(1)
     c = kmeans_plus_plus(x, k, generator)
-    assign = torch.zeros(n, dtype=torch.long, device=x.device)
     prev = float("inf")
     it = 0
     for it in range(1, iters + 1):
-        assign, dist = nearest(x, c)
+        assign, dist = nearest(x, c, x_sq)
         c, n_empty = _lloyd_update(x, assign, dist, c)
         inertia = float(dist.mean())
         # Converged when inertia stopped falling. There is nothing to compare with on the first
@@ -163,7 +171,7 @@ def kmeans(
         if it > 1 and n_empty == 0 and prev - inertia <= tol * max(prev, 1e-12):
             break
         prev = inertia
-    assign, dist = nearest(x, c)
+    assign, dist = nearest(x, c, x_sq)
     return KMeansResult(centroids=c, assign=assign, inertia=float(dist.mean()), iters=it)
 
 
@@ -267,10 +275,7 @@ def balanced_kmeans(x: torch.Tensor, k: int, iters: int = 25, generator: torch.G
     prev, it = float("inf"), 0
     # The balanced steps are part of the `iters` budget (faiss's niter counts every step).
     for it in range(1, max(1, iters - BALANCE_STEPS) + 1):
-        # The row's |x|^2 does not change its argmin: added to the [N] minima, not the [N, K]
-        # matrix (one pass over it fewer per step).
-        assign, dist = _nearest_biased(x, c, (c * c).sum(1))
-        dist = dist.add_(x_sq).clamp_(min=0.0)
+        assign, dist = nearest(x, c, x_sq)
         c, n_empty = _lloyd_update(x, assign, dist, c)
         inertia = float(dist.double().mean())
         if it > 1 and n_empty == 0 and prev - inertia <= BALANCED_TOL * max(prev, 1e-12):

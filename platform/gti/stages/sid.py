@@ -106,14 +106,22 @@ BALANCED_KMEANS_VERSION = "5"
 # row windows of `chunk_rows`, so the driver holds no array over all colliders): a catalog with
 # more colliders than one sample or window gets other codes than from v1.
 SINKHORN_RESOLVE_VERSION = "2"
+# k-means++ seeding (gti.sid.kmeans.kmeans_plus_plus) by version, in every method's fingerprint:
+# it seeds each RQ-VAE codebook, plain RQ-KMeans, and balanced RQ-KMeans on fewer rows than
+# codes (v2: seeds from 4k random candidate rows, distances as |x|^2 - 2 x.c + |c|^2, one
+# uniform draw per seed; plain Lloyd's argmin before |x|^2 is added): other seeds, other maps.
+KMEANS_SEEDING_VERSION = "2"
 
 
 def input_fingerprints(cfg) -> dict[str, str]:
     """The resolved assignment precision: codes made in bf16 are never up to date for a config
-    that would make them in float32 here (`auto` resolves per machine); for balanced residual
-    k-means, the version of its algorithm; with Sinkhorn spreading, the version of that."""
+    that would make them in float32 here (`auto` resolves per machine); the version of k-means++
+    seeding; for balanced residual k-means, the version of its algorithm; with Sinkhorn
+    spreading, the version of that."""
     s = cfg.sid
-    out = {"sinkhorn_resolve": SINKHORN_RESOLVE_VERSION} if s.sinkhorn_last_level and s.sinkhorn_rounds > 0 else {}
+    out = {"kmeans_seeding": KMEANS_SEEDING_VERSION}
+    if s.sinkhorn_last_level and s.sinkhorn_rounds > 0:
+        out["sinkhorn_resolve"] = SINKHORN_RESOLVE_VERSION
     if s.method == "rqkmeans":
         return {**out, "balanced_kmeans": BALANCED_KMEANS_VERSION} if s.balanced else out
     dtype = encode_dtype(s)
