@@ -64,19 +64,20 @@ def row_min(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return idx, m.gather(1, idx.unsqueeze(1)).squeeze(1)
 
 
-# k-means++ draws its seeds from at most KPP_CANDIDATES_PER_CODE * k rows, chosen at random:
-# its k sequential passes then cost the same at 4,385 rows as at 65,536, where over every row
-# they took as long as all 25 Lloyd steps (bench/RESULTS.md, "Plain k-means at faiss speed":
-# no measurable change in reconstruction over 10 paired seeds). faiss seeds from k random rows; k-means++
-# over 4k of them still spreads the seeds out.
+# k-means++ draws its seeds from at most KPP_CANDIDATES_PER_CODE * k rows, chosen at random: its
+# k sequential passes then cost the same at 4,385 rows as at 65,536, where over every row they
+# took as long as all 25 Lloyd steps (bench/RESULTS.md, "Plain k-means at faiss speed": no
+# measurable change in reconstruction over 10 paired seeds). faiss seeds from k random rows;
+# k-means++ over 4k of them still spreads the seeds out.
 KPP_CANDIDATES_PER_CODE = 4
 # Up to EXACT_FIT_PAIRS row-code pairs (N * k) a plain fit runs as every map before
 # KMEANS_SEEDING_VERSION 2 (gti/stages/sid.py) was built: k-means++ over every row, exact
 # differences, torch.multinomial draws, and Lloyd distances with |x|^2 in before the argmin
 # (`_kmeans_plus_plus_every_row`, `_nearest_full`). There it costs little, and small fits keep
-# their maps: the demo's and the proof configuration's (1,000 x 32), the learnability gate's. The demo's test Recall@10 fell
-# from .157 to MostPop's .060 on the map the candidate seeding gave it (one run; bench/RESULTS.md,
-# "Plain k-means at faiss speed"); the bundled catalog at 256 codes (1.12M pairs) is above it.
+# their maps: the demo's and the proof configuration's (1,000 x 32), the learnability gate's.
+# The demo's test Recall@10 fell from .157 to MostPop's .060 on the map the candidate seeding
+# gave it (one run; bench/RESULTS.md, "Plain k-means at faiss speed"); the bundled catalog at
+# 256 codes (1.12M pairs) is above it.
 EXACT_FIT_PAIRS = 1 << 20
 
 
