@@ -4,6 +4,8 @@ Run:  python bench/sid/sid.py            (full size: demo minilm embeddings + 1M
       python bench/sid/sid.py --quick    (< 60 s: small slices, few epochs)
       python bench/sid/sid.py --kmeans-only   (full size, the residual k-means rows only: ours,
                                           faiss, the peer's plain k-means; no RQ-VAE keys)
+      python bench/sid/sid.py --plain-ab ddcb28b [--seeds 10] [--sets minilm]
+          (our plain residual k-means against the one at a git ref, side by side: `plain_ab`)
 
 Data sets (identical arrays go to both sides):
 - `minilm`: the bundled amazon-scientific items embedded with all-MiniLM-L6-v2 through
@@ -273,11 +275,16 @@ def fit_plain(x: np.ndarray, seed: int = 0, fit_n: int = 65536) -> tuple[list, f
     [K, D] per level, fit s)."""
     gen = torch.Generator().manual_seed(seed)
     xt = torch.from_numpy(x)
-    res = xt[torch.randperm(len(xt), generator=gen)[:fit_n]].clone()
+    return plain_levels(kmeans, xt[torch.randperm(len(xt), generator=gen)[:fit_n]].clone(), gen)
+
+
+def plain_levels(kmeans_fn, res: torch.Tensor, gen: torch.Generator) -> tuple[list, float]:
+    """LEVELS plain k-means fits (exactly 25 Lloyd steps each), each on the residuals of the
+    one before, with `kmeans_fn` -> (codebooks [K, D] per level, fit s)."""
     t0 = time.perf_counter()
     books = []
     for _ in range(LEVELS):
-        km = kmeans(res, K, iters=25, generator=gen, tol=float("-inf"))  # -inf: never stop early
+        km = kmeans_fn(res, K, iters=25, generator=gen, tol=float("-inf"))  # -inf: never stop early
         books.append(km.centroids)
         res = res - km.centroids[km.assign]
     return books, time.perf_counter() - t0
@@ -286,17 +293,22 @@ def fit_plain(x: np.ndarray, seed: int = 0, fit_n: int = 65536) -> tuple[list, f
 def plain_rqkmeans(x: np.ndarray, seed: int = 0, fit_n: int = 65536) -> dict:
     """Our plain residual k-means (`fit_plain`), every item encoded by its nearest code per level."""
     books, train_s = fit_plain(x, seed, fit_n)
+    codes, ips = throughput(lambda b: encode_nearest(books, b), x)
+    return figures(x, codes, decode_books(books, codes), train_s, ips, lambda b: encode_nearest(books, b))
 
-    def enc(b):
-        r, out = torch.from_numpy(b), []
-        for cb in books:
-            out.append(nearest(r, cb)[0])
-            r = r - cb[out[-1]]
-        return torch.stack(out, 1).numpy()
 
-    codes, ips = throughput(enc, x)
-    recon = sum(books[lv][torch.from_numpy(codes[:, lv])] for lv in range(LEVELS)).numpy()
-    return figures(x, codes, recon, train_s, ips, enc)
+def encode_nearest(books: list, b: np.ndarray) -> np.ndarray:
+    """Codes [N, LEVELS] of rows b [N, D]: each level's nearest code to the residual."""
+    r, out = torch.from_numpy(b), []
+    for cb in books:
+        out.append(nearest(r, cb)[0])
+        r = r - cb[out[-1]]
+    return torch.stack(out, 1).numpy()
+
+
+def decode_books(books: list, codes: np.ndarray) -> np.ndarray:
+    """[N, D]: the sum of each level's code centroid."""
+    return sum(books[lv][torch.from_numpy(codes[:, lv])] for lv in range(LEVELS)).numpy()
 
 
 FITS = {"ours": fit_ours, "faiss": fit_faiss, "plain": fit_plain}
@@ -409,6 +421,60 @@ def kmeans_summary(results: dict, sets: dict) -> dict:
             "same_map_across_threads": same_map_across_threads(sets["minilm"][0])}
 
 
+# --------------------------------------------------------------------------- plain k-means A/B
+def base_kmeans(ref: str):
+    """gti.sid.kmeans as it was at git ref `ref`, as a module of its own ("kmeans_base")."""
+    import subprocess
+    import types
+
+    src = subprocess.run(["git", "show", f"{ref}:platform/gti/sid/kmeans.py"], check=True,
+                         capture_output=True, text=True, cwd=common.ROOT).stdout
+    mod = types.ModuleType("kmeans_base")
+    sys.modules["kmeans_base"] = mod  # dataclasses look their module up there
+    exec(compile(src, f"{ref}:platform/gti/sid/kmeans.py", "exec"), mod.__dict__)
+    return mod
+
+
+def encoded_quality(x: np.ndarray, books: list) -> dict:
+    """Every item encoded by its nearest code per level (this checkout's `nearest`) ->
+    recon MSE, collision rate, utilisation."""
+    codes = encode_nearest(books, x)
+    f = figures(x, codes, decode_books(books, codes), 0.0, 0.0)
+    return {k: f[k] for k in ("recon_mse", "collision_rate", "utilisation")}
+
+
+def plain_ab(base: str, seeds: int, sets: list[str]) -> dict:
+    """Our plain residual k-means and the one at git ref `base` (k-means++ seeds, exactly 25
+    Lloyd steps per level) on the same 65,536-row sample of each set, the two fits interleaved,
+    the order alternating per seed; every item encoded with each side's codebooks. Per side and
+    seed: fit s, recon MSE, collisions, utilisation; the means, the paired new - base
+    differences with a normal 95% interval over the seeds, and `fit_new_over_base`."""
+    sides = {"new": kmeans, "base": base_kmeans(base).kmeans}
+    loaders = {"minilm": lambda: minilm_embeddings(None), "synthetic": lambda: synthetic_embeddings(1_000_000)}
+    out: dict = {"bench": "sid_plain_ab", "base": base, "sets": {}}
+    for name in sets:
+        x = loaders[name]()
+        xt = torch.from_numpy(x)
+        sample = xt[torch.randperm(len(xt), generator=torch.Generator().manual_seed(0))[:65536]].contiguous()
+        rows: dict[str, list] = {"new": [], "base": []}
+        for seed in range(seeds):
+            for side in (["new", "base"] if seed % 2 == 0 else ["base", "new"]):
+                books, secs = plain_levels(sides[side], sample.clone(), torch.Generator().manual_seed(seed))
+                rows[side].append({"seed": seed, "fit_s": round(secs, 2), **encoded_quality(x, books)})
+                print(f"{name} {side:4s} " + json.dumps(rows[side][-1]), flush=True)
+        keys = ("fit_s", "recon_mse", "collision_rate")
+        mean = {side: {k: float(np.mean([r[k] for r in rs])) for k in keys} for side, rs in rows.items()}
+        diff = {}
+        for k in ("recon_mse", "collision_rate"):
+            d = np.array([a[k] - b[k] for a, b in zip(rows["new"], rows["base"])])
+            half = 1.96 * d.std(ddof=1) / np.sqrt(len(d)) if len(d) > 1 else float("nan")
+            diff[k] = [float(d.mean()), float(d.mean() - half), float(d.mean() + half)]
+        out["sets"][name] = {"items": len(x), "rows": rows, "mean": mean, "new_minus_base": diff,
+                             "fit_new_over_base": round(mean["new"]["fit_s"] / mean["base"]["fit_s"], 3)}
+        print(f"{name}: mean {json.dumps(mean)} new-base {json.dumps(diff)}", flush=True)
+    return out
+
+
 # --------------------------------------------------------------------------- main
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -419,6 +485,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--kmeans-only", action="store_true",
                     help="only the residual k-means rows (ours, faiss, peer plain), full size; no RQ-VAE")
+    ap.add_argument("--plain-ab", metavar="REF", default=None,
+                    help="only our plain residual k-means against the one at git ref REF (`plain_ab`)")
+    ap.add_argument("--seeds", type=int, default=3, help="--plain-ab: seeds (replicates)")
+    ap.add_argument("--sets", default="minilm,synthetic", help="--plain-ab: comma-separated data sets")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from threadpoolctl import threadpool_limits
@@ -429,6 +499,9 @@ def main() -> None:
     import faiss
 
     faiss.omp_set_num_threads(args.threads)  # faiss (OpenMP) would otherwise use every core
+    if args.plain_ab:
+        print(json.dumps(plain_ab(args.plain_ab, args.seeds, args.sets.split(","))))
+        return
     quick = args.quick
     n_synth = args.n_synth or (4_000 if quick else 1_000_000)
     epochs = args.epochs or (2 if quick else 30)

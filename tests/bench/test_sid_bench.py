@@ -63,3 +63,23 @@ def test_plain_row_encodes_every_item_with_its_own_codebooks(monkeypatch):
     assert f["recon_mse"] < 0.05**2 and f["recon_mse"] < 1e-3 * float(np.var(x))
     assert len(f["utilisation"]) == b.LEVELS and f["utilisation"][0] >= 6 / 8
     assert 0.0 <= f["collision_rate"] < 1.0 and f["assign_items_per_s"] > 0
+
+
+def test_plain_ab_loads_a_commits_kmeans_and_fits_both_sides():
+    """`--plain-ab REF`: gti.sid.kmeans at a git ref, loaded as its own module, fits beside this
+    checkout's (in the every-row regime of small fits both give the same codebooks), and the
+    encoded figures come from each side's own codebooks."""
+    import torch
+
+    b = _bench()
+    base = b.base_kmeans("HEAD")
+    assert base.__name__ == "kmeans_base" and base.kmeans is not b.kmeans
+    g = np.random.default_rng(1)
+    x = (3 * g.normal(size=(12, 16))[g.integers(12, size=600)] + 0.1 * g.normal(size=(600, 16))).astype(np.float32)
+    sample = torch.from_numpy(x)
+    new, _ = b.plain_levels(b.kmeans, sample.clone(), torch.Generator().manual_seed(0))
+    old, _ = b.plain_levels(base.kmeans, sample.clone(), torch.Generator().manual_seed(0))
+    assert all(torch.equal(n, o) for n, o in zip(new, old))
+    q = b.encoded_quality(x, new)
+    assert b.decode_books(new, b.encode_nearest(new, x)).shape == x.shape
+    assert q["recon_mse"] < float(np.var(x)) and len(q["utilisation"]) == b.LEVELS

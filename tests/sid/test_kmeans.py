@@ -220,7 +220,7 @@ def test_kmeans_plus_plus_does_not_draw_a_copy_twice():
 def test_small_fits_keep_the_maps_made_before_candidate_seeding():
     """Up to EXACT_FIT_PAIRS row-code pairs (the demo's 1,000 x 32, the learnability gate's)
     a plain fit is the one every map before KMEANS_SEEDING_VERSION 2 was built with: the codes
-    for this input are ddcb28b's (`bench/sid/plain_ab.py`-style check: same centroids, codes
+    for this input are ddcb28b's (`bench/sid/sid.py --plain-ab`-style check: same centroids, codes
     and inertia at 1 and 25 steps for 1,000 x 32 / k 32, 4,000 x 384 / k 256 and 5 x 3 / k 8)."""
     import hashlib
 
