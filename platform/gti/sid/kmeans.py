@@ -133,13 +133,7 @@ def kmeans_plus_plus(x: torch.Tensor, k: int, generator: torch.Generator | None 
         d[d <= 1e-5 * (c_sq + c_sq[chosen])] = 0.0
         closest = torch.minimum(closest, d)
         filled = i + 1
-    if filled < k:
-        scale = float(x.std()) if n > 1 else 1.0
-        scale = scale if scale > 0 else 1.0
-        pick = torch.randint(n, (k - filled,), generator=generator, device="cpu").to(x.device)
-        noise = torch.randn(k - filled, dim, generator=generator, device="cpu").to(x.device, x.dtype)
-        centers[filled:] = x[pick] + 1e-3 * scale * noise
-    return centers
+    return _pad_seeds(x, centers, filled, generator)
 
 
 def _kmeans_plus_plus_every_row(x: torch.Tensor, k: int, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -163,6 +157,15 @@ def _kmeans_plus_plus_every_row(x: torch.Tensor, k: int, generator: torch.Genera
         centers[i] = x[j]
         closest = torch.minimum(closest, _sq_dist_to(x, centers[i]))
         filled = i + 1
+    return _pad_seeds(x, centers, filled, generator)
+
+
+def _pad_seeds(x: torch.Tensor, centers: torch.Tensor, filled: int,
+               generator: torch.Generator | None) -> torch.Tensor:
+    """centers [k, D] with rows filled.. set to random rows of x [N, D] plus noise at 1e-3 of
+    the data scale (fewer distinct points than k: no two codes start identical)."""
+    k, dim = centers.shape
+    n = x.shape[0]
     if filled < k:
         scale = float(x.std()) if n > 1 else 1.0
         scale = scale if scale > 0 else 1.0
