@@ -188,10 +188,9 @@ def _sq_dist_to(x: torch.Tensor, c: torch.Tensor, chunk: int = CHUNK_ROWS) -> to
     return out
 
 
-def _nearest_full(x: torch.Tensor, c: torch.Tensor, x_sq: torch.Tensor | None = None,
-                  chunk: int = CHUNK_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
+def _nearest_full(x: torch.Tensor, c: torch.Tensor, chunk: int = CHUNK_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
     """`nearest` with |x_i|^2 added to every distance before the argmin (`sq_dists`), as the
-    Lloyd steps of maps before KMEANS_SEEDING_VERSION 2 ran it. `x_sq` is not used."""
+    Lloyd steps of maps before KMEANS_SEEDING_VERSION 2 ran it."""
     c_sq = (c * c).sum(1)
     idx = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
     dist = torch.empty(x.shape[0], dtype=x.dtype, device=x.device)
@@ -228,13 +227,16 @@ def kmeans(
     if balanced:
         return balanced_kmeans(x, k, iters, generator, sinkhorn_epsilon, sinkhorn_iters)
     x = x.float().contiguous()
-    x_sq = (x * x).sum(1)
+    if x.shape[0] * k <= EXACT_FIT_PAIRS:
+        near = lambda c: _nearest_full(x, c)  # noqa: E731
+    else:
+        x_sq = (x * x).sum(1)
+        near = lambda c: nearest(x, c, x_sq)  # noqa: E731
     c = kmeans_plus_plus(x, k, generator)
-    near = _nearest_full if x.shape[0] * k <= EXACT_FIT_PAIRS else nearest
     prev = float("inf")
     it = 0
     for it in range(1, iters + 1):
-        assign, dist = near(x, c, x_sq)
+        assign, dist = near(c)
         c, n_empty = _lloyd_update(x, assign, dist, c)
         inertia = float(dist.mean())
         # Converged when inertia stopped falling. There is nothing to compare with on the first
@@ -243,7 +245,7 @@ def kmeans(
         if it > 1 and n_empty == 0 and prev - inertia <= tol * max(prev, 1e-12):
             break
         prev = inertia
-    assign, dist = near(x, c, x_sq)
+    assign, dist = near(c)
     return KMeansResult(centroids=c, assign=assign, inertia=float(dist.mean()), iters=it)
 
 
