@@ -8,11 +8,12 @@ that answers (`version`: 0 = the run's own stages, k = `gti refresh` v<k>; `map_
 unknown ids, k, history longer than `max_history`), then decodes all valid ones in ONE batched
 `constrained_beam_search` per beam width (prefill once per request, the beams of a request
 share the trie mask), and returns per query either an answer dict or the `RequestError` for it.
-The prompt, beam width (max(k, eval.beam_width)) and scores are those of `gti recommend`
-(`gti.eval.recommend.top_k`), so an answer equals it for the same history (same top-K, scores
-within fp tolerance; batching left-pads prompts with position ids that count only real tokens).
-With `exclude_history` the search asks for k plus the distinct items of the history it uses
-(the newest `max_history`), drops those, and cuts to k (so the beams stay bounded by max_k +
+The prompt, beam width, history exclusion and scores are those of `gti recommend`: both take
+them from `gti.eval.recommend.decode_plan` and `answer_items`, so an answer equals
+`top_k(run, history, k, exclude_history=...)` for the same history (same top-K, scores within
+fp tolerance; batching left-pads prompts with position ids that count only real tokens). With
+`exclude_history` the search asks for k plus the distinct items of the history it uses (the
+newest `max_history`), drops those, and cuts to k (so the beams stay bounded by max_k +
 max_history).
 
 An answer: {"items": [{"item_id", "title", "score", "sid"}] best first (len <= k),
@@ -31,7 +32,7 @@ from pathlib import Path
 from typing import Any, Literal, Sequence
 
 from gti.errors import GtiError
-from gti.eval.recommend import MAX_K
+from gti.eval.recommend import MAX_K, DecodePlan, answer_items, decode_plan
 
 UnknownPolicy = Literal["ignore", "error"]
 
@@ -60,18 +61,26 @@ class Query:
 
 @dataclass
 class Prepared:
-    """A query checked against the catalog: the known items used (newest `max_history`)."""
+    """A query checked against the catalog and its `DecodePlan` (the known items used, the
+    newest `max_history`; the items excluded; the search's k and width)."""
 
     query: Query
-    used: list[str]
+    plan: DecodePlan
     given: int
     unknown: list[str] = field(default_factory=list)
     truncated: bool = False
-    exclude: list[str] = field(default_factory=list)
+
+    @property
+    def used(self) -> list[str]:
+        return list(self.plan.used)
+
+    @property
+    def exclude(self) -> list[str]:
+        return list(self.plan.exclude)
 
     @property
     def k_decode(self) -> int:
-        return self.query.k + len(self.exclude)
+        return self.plan.k_decode
 
 
 def _shown(ids: Sequence[str], n: int = 10) -> str:
@@ -150,11 +159,11 @@ class RecommenderService:
         if not known:
             raise RequestError(422, f"no item of the history is in the catalog (unknown: {_shown(unknown)})",
                                unknown_items=unknown)
-        limit = self.run.max_history
-        used = known[-limit:]
-        exclude = list(dict.fromkeys(used)) if query.exclude_history else []  # bounded: k + max_history beams
-        return Prepared(query=query, used=used, given=len(history), unknown=unknown,
-                        truncated=len(known) > limit, exclude=exclude)
+        run = self.run
+        plan = decode_plan(known, k, exclude_history=query.exclude_history, beam_width=run.beam_width,
+                           max_history=run.max_history, catalog_size=self.catalog_size)
+        return Prepared(query=query, plan=plan, given=len(history), unknown=unknown,
+                        truncated=len(known) > run.max_history)
 
     def answer(self, queries: Sequence[Query]) -> list[dict[str, Any] | RequestError]:
         """Per query an answer dict or its RequestError; the valid ones decoded together."""
@@ -181,12 +190,11 @@ class RecommenderService:
 
     # ------------------------------------------------------------------ decoding
     def _decode(self, ready: list[tuple[int, Prepared]]) -> list[tuple[int, dict[str, Any]]]:
-        """One `constrained_beam_search` per beam width max(k, eval.beam_width) (one call when
-        every k fits in the configured width, the usual case)."""
+        """One `constrained_beam_search` per beam width of the queries' plans (one call when
+        every k plus its excluded items fits in the configured width, the usual case)."""
         groups: dict[int, list[tuple[int, Prepared]]] = {}
         for i, p in ready:
-            k_dec = min(p.k_decode, self.catalog_size)
-            groups.setdefault(max(k_dec, self.run.beam_width), []).append((i, p))
+            groups.setdefault(p.plan.width, []).append((i, p))
         out = []
         for width, group in groups.items():
             out += self._search(width, group)
@@ -201,31 +209,18 @@ class RecommenderService:
             ids, n_kept = run.renderer.prompt(p.used)
             prompts.append(ids)
             kept.append(n_kept)
-        k_dec = min(max(p.k_decode for _, p in group), self.catalog_size, width)
+        # The most any query of the group asks for: the others take a prefix of the same
+        # sorted beams, which is what a search of their own k would return.
+        k_dec = min(max(p.k_decode for _, p in group), width)
         res = constrained_beam_search(run.model, prompts, run.trie, beam_width=width, k=k_dec, levels=run.levels,
                                       pad_id=run.pad_id, constrained=True, batch_users=len(prompts))
         out = []
         for u, (i, p) in enumerate(group):
-            items = self._items(res.items[u].tolist(), res.scores[u].tolist(), set(p.exclude), p.query.k)
+            items = answer_items(run, res.items[u].tolist(), res.scores[u].tolist(), p.plan)
             out.append((i, {"items": items, "history_used": int(kept[u]), "history_given": p.given,
                             "truncated": p.truncated or int(kept[u]) < len(p.used),
                             "unknown_items": p.unknown, "excluded": [x for x in p.exclude], **self.identity}))
         return out
-
-    def _items(self, rows: list[int], scores: list[float], exclude: set[str], k: int) -> list[dict[str, Any]]:
-        """Trie rows -> item dicts best first, without `exclude`, at most k."""
-        run, items = self.run, []
-        for row, score in zip(rows, scores):
-            if row < 0:
-                continue
-            item = run.item_ids[row]
-            if item in exclude:
-                continue
-            items.append({"item_id": item, "title": run.titles.get(item, ""), "score": float(score),
-                          "sid": run.sids[row]})
-            if len(items) == k:
-                break
-        return items
 
 
 def answer_batches(service: RecommenderService, batches: Sequence[Sequence[Query]]) -> list[list[Any]]:
