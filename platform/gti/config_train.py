@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from gti.config_io import StrictModel
 
@@ -103,7 +103,32 @@ class SftConfig(TrainConfig):
     prompt_style: Literal["chat", "compact"] = Field(
         "chat", description="chat: chat template, system prompt and a retrieval template around the history (the "
         "paper's form); compact: the history's SID tokens alone, then the answer (gti.lm.templates."
-        "render_rec_prompt); used by SFT, evaluate and recommend")
+        "render_rec_prompt); used by SFT, evaluate and recommend. Ignored with objective: sequence")
+    objective: Literal["window", "sequence"] = Field(
+        "window", description="window: one row per (history of <= data.max_history items, next item), the loss on "
+        "that one target; sequence: a user's training items as SID tokens back to back in chunks of <= "
+        "data.max_history + 1 items (consecutive chunks share one item, so every target is trained once per "
+        "epoch), the loss on every item after the first: one forward pass trains every target of the chunk. "
+        "Prompts everywhere (evaluate, recommend, serve, infer, rl) are then the bare history SIDs "
+        "(gti.lm.templates.render_sequence_prompt); sft.prompt_style does not apply")
+    epochs: float | None = Field(
+        None, gt=0, description="budget in passes over the SFT training rows: steps = ceil(epochs * rows / "
+        "batch_size), resolved once the rows exist (recorded in the stage's facts); None: `steps` as given")
+
+    @model_validator(mode="after")
+    def _objective_prompt(self) -> "SftConfig":
+        # A chat prompt asked for explicitly cannot hold with the sequence objective: say so
+        # rather than silently render something else.
+        if self.objective == "sequence" and "prompt_style" in self.model_fields_set and self.prompt_style == "chat":
+            raise ValueError("sft.prompt_style: chat does not apply to sft.objective: sequence (its prompts are "
+                             "the bare history SIDs); drop prompt_style or use objective: window")
+        return self
+
+    @property
+    def render_style(self) -> str:
+        """How prompts and rows are rendered (`gti.lm.templates.PROMPT_RENDERERS` key): the prompt
+        style of the window objective, "sequence" for the sequence objective."""
+        return "sequence" if self.objective == "sequence" else self.prompt_style
 
 
 class RlConfig(TrainConfig):

@@ -166,6 +166,7 @@ class LoadedRun:
         tok = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trc)
         codec = map_codec(sid_map_path, sid_facts)
         check_tokens(tok, codec, model_dir, sid_map_path)  # before the weights load
+        check_render_style(model_dir, cfg)
         # model.dtype is honoured; on CUDA inference is bf16 either way.
         bf16 = dev.type == "cuda" or cfg.model.dtype == "bfloat16"
         model = AutoModelForCausalLM.from_pretrained(
@@ -183,7 +184,7 @@ class LoadedRun:
             model_dir=model_dir, model=model, tokenizer=tok, cfg=cfg, item_ids=item_ids, sids=sids,
             sid_ids=sid_ids, sid_matrix=mat, trie=SidTrie(mat, int(mat.min()), int(mat.max()) + 1).to(dev),
             renderer=templates.make_renderer(tok, sid_ids, cfg.pairs.system_prompt, cfg.sft.max_len,
-                                             prompt_style=cfg.sft.prompt_style),
+                                             prompt_style=cfg.sft.render_style),
             pad_id=int(pad if pad is not None else 0), levels=int(mat.shape[1]), **where,
         )
 
@@ -193,6 +194,23 @@ class LoadedRun:
         from gti.eval.recommend import top_k
 
         return top_k(self, history, k, where=f"{self.run_dir or self.model_dir}/sid")
+
+
+def check_render_style(model_dir: Path, cfg: C.RunConfig) -> None:
+    """ConfigError when the model was trained on prompts rendered otherwise than `cfg` would
+    render them (`render_style` in its gti_meta.json: "chat", "compact" or "sequence"): a model
+    fine-tuned on one form scores another form's prompts as noise. Models exported before the
+    style was recorded carry none and are not checked."""
+    from gti.errors import ConfigError
+    from gti.lm.new_rows import read_meta
+
+    trained = read_meta(model_dir).get("render_style")
+    if trained is not None and trained != cfg.sft.render_style:
+        raise ConfigError(
+            f"{model_dir}: the model was trained on '{trained}' prompts but the config renders "
+            f"'{cfg.sft.render_style}' (sft.objective={cfg.sft.objective}, sft.prompt_style={cfg.sft.prompt_style}); "
+            "use the config the model was trained with"
+        )
 
 
 def load_recommender(run_dir: str | Path, device: str | None = None, *, version: int | None = None,

@@ -252,6 +252,19 @@ def render_compact_prompt(tokenizer, history_sid_ids: Sequence[Sequence[int]], t
     and template text, often more than the history (bench/RESULTS.md, "Training step
     throughput (issue 13)").
     """
+    ids = render_sequence_prompt(tokenizer, history_sid_ids, sid_wrap=sid_wrap)
+    ids.extend(chat_skeleton(tokenizer, "").suffix_ids)
+    return ids
+
+
+def render_sequence_prompt(tokenizer, history_sid_ids: Sequence[Sequence[int]], template: str = "",
+                           system_prompt: str = "", *,
+                           sid_wrap: tuple[int, int] | None = None) -> list[int]:
+    """The prompt of the `sequence` SFT objective: the history's SID ids back to back (each
+    wrapped in the markers when the vocabulary has them) and nothing else, so a prompt is
+    exactly a prefix of the training row `RecRenderer.sequence_row` renders for the same items.
+    The next item's SID tokens follow directly; there is no end of turn, since beam search
+    stops after the SID's L levels. `template` and `system_prompt` are ignored."""
     ids: list[int] = []
     for sid in history_sid_ids:
         if sid_wrap:
@@ -259,11 +272,13 @@ def render_compact_prompt(tokenizer, history_sid_ids: Sequence[Sequence[int]], t
         ids.extend(int(x) for x in sid)
         if sid_wrap:
             ids.append(sid_wrap[1])
-    ids.extend(chat_skeleton(tokenizer, "").suffix_ids)
     return ids
 
 
-PROMPT_RENDERERS = {"chat": render_rec_prompt, "compact": render_compact_prompt}
+# `sequence` is not a `sft.prompt_style` value: `sft.objective: sequence` implies it
+# (`SftConfig.render_style`).
+PROMPT_RENDERERS = {"chat": render_rec_prompt, "compact": render_compact_prompt,
+                    "sequence": render_sequence_prompt}
 
 
 # --------------------------------------------------------------------------- SID ids
@@ -370,6 +385,42 @@ class RecRenderer:
             "history_kept": kept,
         }
 
+    def item_ids(self, item: str) -> list[int]:
+        """One item's tokens inside a sequence row: its SID ids, wrapped in the markers if any."""
+        sid = self.sid_ids[item].tolist()
+        return [self.sid_wrap[0], *sid, self.sid_wrap[1]] if self.sid_wrap is not None else sid
+
+    def sequence_row(self, items: Sequence[str]) -> dict[str, Any]:
+        """One training row of the `sequence` objective: `items` (oldest first, >= 2) as SID
+        tokens back to back, labels on every item's tokens but the first item's, so one forward
+        pass trains len(items) - 1 targets. Item t's tokens are preceded by exactly
+        `render_sequence_prompt(items[:t])` (+ <sid_start> when wrapped), the evaluation prompt
+        of the history items[:t]: the row is every window's prompt and answer at once.
+        `prompt_ids` holds the first item, `answer_ids` the rest (the row format's columns).
+        ConfigError when the row does not fit `max_len` (the chunking sizes rows to fit)."""
+        if len(items) < 2:
+            raise DataError(f"a sequence row needs >= 2 items, got {len(items)}")
+        parts = [self.item_ids(i) for i in items]
+        first, rest = parts[0], [t for p in parts[1:] for t in p]
+        if len(first) + len(rest) > self.max_len:
+            raise ConfigError(
+                f"sft.max_len={self.max_len} is too small for a sequence row of {len(items)} items "
+                f"({len(first) + len(rest)} tokens)"
+            )
+        return {
+            "task": SEQ_TASK,
+            "input_ids": first + rest,
+            "labels": [IGNORE] * len(first) + rest,
+            "prompt_ids": first,
+            "answer_ids": rest,
+            "history_kept": len(items) - 1,
+        }
+
+    def render_sequences(self, chunks: dict[str, Any]) -> dict[str, list]:
+        """Batch form of `sequence_row` (column items), same columns as `render_windows`."""
+        rows = [self.sequence_row([str(i) for i in items]) for items in chunks["items"]]
+        return {c: [r[c] for r in rows] for c in (*ROW_COLUMNS, "history_kept")}
+
     def render_windows(self, windows: dict[str, Any]) -> dict[str, list]:
         """Batch form (columns history, target, template) for `map_batches` / plain use."""
         rows = [
@@ -394,20 +445,23 @@ def make_renderer(
     tokenizer: Any, sid_ids: dict[str, np.ndarray], system_prompt: str, max_len: int,
     templates: Sequence[str] = REC_TEMPLATES, prompt_style: str = "chat",
 ) -> RecRenderer:
-    """A `RecRenderer` wired to this module's renderers (chat-template or compact rendering,
-    end-of-turn ids); `prompt_style` is `sft.prompt_style` ("chat" | "compact").
+    """A `RecRenderer` wired to this module's renderers (chat-template, compact or sequence
+    rendering, end-of-turn ids); `prompt_style` is `SftConfig.render_style` ("chat" | "compact"
+    | "sequence", the last implied by `sft.objective: sequence`).
 
     SID markers are used iff the tokenizer has them (`model.sid_markers` added them)."""
     if prompt_style not in PROMPT_RENDERERS:
         raise ConfigError(
-            f"sft.prompt_style must be one of {sorted(PROMPT_RENDERERS)}, got '{prompt_style}'"
+            f"sft.prompt_style must be one of {sorted(set(PROMPT_RENDERERS) - {'sequence'})}, got '{prompt_style}'"
         )
     from gti.lm.new_rows import SID_END, SID_START
 
     vocab = tokenizer.get_vocab()
     wrap = (vocab[SID_START], vocab[SID_END]) if SID_START in vocab and SID_END in vocab else None
+    # A sequence row runs straight from one item's SID into the next: no end of turn.
+    eot = [] if prompt_style == "sequence" else list(end_of_turn_ids(tokenizer))
     return RecRenderer(
         tokenizer=tokenizer, sid_ids=sid_ids, system_prompt=system_prompt, max_len=max_len,
-        eot_ids=list(end_of_turn_ids(tokenizer)), templates=templates,
+        eot_ids=eot, templates=templates,
         render=PROMPT_RENDERERS[prompt_style], sid_wrap=wrap,
     )

@@ -169,7 +169,7 @@ def _sft_windows(job: Job, tok):
     touched = pl.read_parquet(job.work / "ingest" / "touched_users.parquet")["user_id"]
     windows, facts = select_windows(seqs, touched, cfg.data.max_history, cfg.refresh.sft_replay_ratio, cfg.seed)
     renderer = templates.make_renderer(tok, sid_ids, cfg.pairs.system_prompt, cfg.sft.max_len,
-                                       prompt_style=cfg.sft.prompt_style)
+                                       prompt_style=cfg.sft.render_style)
     rows = renderer.render_windows(windows.select("history", "target", "template").to_dict(as_series=False))
     return sft_data.rows_frame(rows).select(ROW_COLUMNS), facts
 

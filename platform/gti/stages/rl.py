@@ -82,7 +82,7 @@ def _data(ctx: StageContext, tokenizer) -> tuple[Path, Path, Path, torch.Tensor]
         windows = sft_data.training_windows(seqs, cfg.data.max_history, seed=cfg.seed)
         sft_data.check_items_known(windows, sid_ids, str(seq_path))
         renderer = templates.make_renderer(tokenizer, sid_ids, cfg.pairs.system_prompt, cfg.sft.max_len,
-                                           prompt_style=cfg.sft.prompt_style)
+                                           prompt_style=cfg.sft.render_style)
         rl_prompt_rows(windows, renderer, sid_ids, rc.steps * rc.batch_size, cfg.seed).write_parquet(rows_path)
         sft_data.val_prompt_table(seqs, renderer, item_ids, cfg.sft.val_users, cfg.seed,
                                   cfg.data.max_history).write_parquet(val_path)

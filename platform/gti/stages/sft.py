@@ -85,12 +85,17 @@ class RenderWindows:
         )
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        rows = self.renderer.render_windows(
-            {c: batch.column(c).to_pylist() for c in ("history", "target", "template")}
-        )
+        if "items" in batch.column_names:  # sft.objective: sequence (chunks, not windows)
+            rows = self.renderer.render_sequences({"items": batch.column("items").to_pylist()})
+            lengths = [len(h) - 1 for h in batch.column("items").to_pylist()]
+        else:
+            rows = self.renderer.render_windows(
+                {c: batch.column(c).to_pylist() for c in ("history", "target", "template")}
+            )
+            lengths = [len(h) for h in batch.column("history").to_pylist()]
         return sft_data.rows_frame(rows).with_columns(
             history_kept=pl.Series(rows["history_kept"], dtype=pl.Int32),
-            history_len=pl.Series([len(h) for h in batch.column("history").to_pylist()], dtype=pl.Int32),
+            history_len=pl.Series(lengths, dtype=pl.Int32),
         ).to_arrow()
 
 
@@ -123,13 +128,17 @@ def _prepare_data(ctx: StageContext, tokenizer, sid_ids: dict[str, np.ndarray],
         ctx.log(f"reusing {train_path} from an interrupted attempt (same fingerprint)")
         return json.loads(stats_path.read_text())
 
-    seqs, windows = _training_windows(ctx, sid_ids)
+    seqs, windows = _training_windows(ctx, sid_ids, tokenizer)
     rendered, truncated = _render_windows(ctx, windows, sid_ids)
     mixed, mix = _mix_in_pairs(ctx, rendered)
     mixed.write_parquet(train_path)
     n_val_users = _write_val_prompts(ctx, seqs, tokenizer, sid_ids, val_info["item_ids"], data_dir / VAL_FILE)
     stats = {
+        "objective": sc.objective,
+        # windows: one target per row; sequence: the chunks, and the targets they hold
         "n_windows": windows.height,
+        "n_targets": int(windows["items"].list.len().sum() - windows.height) if "items" in windows.columns
+        else windows.height,
         "n_train_rows": mixed.height,
         "truncated_examples": truncated,
         "tasks": mix.tasks,
@@ -145,17 +154,32 @@ def _prepare_data(ctx: StageContext, tokenizer, sid_ids: dict[str, np.ndarray],
     return stats
 
 
-def _training_windows(ctx: StageContext, sid_ids: dict[str, np.ndarray]) -> tuple[pl.DataFrame, pl.DataFrame]:
-    """(ingest's sequences, the training windows over each user's training items)."""
+def _training_windows(ctx: StageContext, sid_ids: dict[str, np.ndarray],
+                      tokenizer) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """(ingest's sequences, the training examples over each user's training items: windows
+    (history, target, template) or, with sft.objective: sequence, chunks (items))."""
     cfg = ctx.cfg
     seq_path = ctx.input("ingest", "sequences")
     seqs = pl.read_parquet(seq_path)
     check_sequences(seqs, str(seq_path))
-    windows = sft_data.training_windows(seqs, cfg.data.max_history, seed=cfg.seed)
-    sft_data.check_items_known(windows, sid_ids, str(seq_path))
+    if cfg.sft.objective == "sequence":
+        renderer = templates.make_renderer(tokenizer, sid_ids, cfg.pairs.system_prompt, cfg.sft.max_len,
+                                           prompt_style="sequence")
+        per_chunk = sft_data.sequence_chunk_history(
+            cfg.data.max_history, cfg.sft.max_len, len(renderer.item_ids(next(iter(sid_ids)))))
+        if per_chunk < cfg.data.max_history:
+            ctx.log(f"note: sft.max_len={cfg.sft.max_len} holds {per_chunk + 1} items per sequence row: "
+                    f"chunks of {per_chunk + 1}, not data.max_history + 1 = {cfg.data.max_history + 1}")
+        windows = sft_data.training_sequences(seqs, per_chunk)
+        sft_data.check_items_known(
+            windows.select(history=pl.col("items"), target=pl.col("items").list.last()), sid_ids, str(seq_path))
+    else:
+        windows = sft_data.training_windows(seqs, cfg.data.max_history, seed=cfg.seed)
+        sft_data.check_items_known(windows, sid_ids, str(seq_path))
     if windows.height == 0:
         raise DataError(f"{seq_path}: no user has 2 or more training items, so there is nothing to train on")
-    ctx.log(f"{windows.height:,} training windows from {seqs.height:,} users (history <= {cfg.data.max_history})")
+    what = "sequence chunks" if cfg.sft.objective == "sequence" else "windows"
+    ctx.log(f"{windows.height:,} training {what} from {seqs.height:,} users (history <= {cfg.data.max_history})")
     return seqs, windows
 
 
@@ -172,9 +196,10 @@ def _render_windows(ctx: StageContext, windows: pl.DataFrame,
         tokenizer_dir=str(ctx.input("pairs", "tokenizer")), item_ids=item_ids,
         sid_ids=np.stack([sid_ids[i] for i in item_ids]), system_prompt=cfg.pairs.system_prompt,
         max_len=sc.max_len, trust_remote_code=cfg.model.trust_remote_code,
-        prompt_style=sc.prompt_style,
+        prompt_style=sc.render_style,
     )
-    table = windows.select("history", "target", "template").to_arrow()
+    cols = ("items",) if "items" in windows.columns else ("history", "target", "template")
+    table = windows.select(*cols).to_arrow()
     if len(item_ids) <= cfg.local_max_items and (cfg.data.parallelism or 1) == 1:
         ctx.log(f"{len(item_ids):,} items <= local_max_items: rendered in this process")
         render = RenderWindows(**kwargs)
@@ -220,7 +245,7 @@ def _write_val_prompts(ctx: StageContext, seqs: pl.DataFrame, tokenizer, sid_ids
     valid item as target, to `path`; -> the number of users."""
     cfg, sc = ctx.cfg, ctx.cfg.sft
     renderer = templates.make_renderer(
-        tokenizer, sid_ids, cfg.pairs.system_prompt, sc.max_len, prompt_style=sc.prompt_style
+        tokenizer, sid_ids, cfg.pairs.system_prompt, sc.max_len, prompt_style=sc.render_style
     )
     table = sft_data.val_prompt_table(seqs, renderer, item_ids, sc.val_users, cfg.seed, cfg.data.max_history)
     table.write_parquet(path)
@@ -314,6 +339,9 @@ def _train(ctx: StageContext, tokenizer, pad_id: int, ground_dir: Path, sids: _S
     cfg, sc = ctx.cfg, ctx.cfg.sft
     ensure_ray(cfg)
     stats = _prepare_data(ctx, tokenizer, sids.sid_ids, {"item_ids": sids.item_ids})
+    cfg = resolve_budget(cfg, stats["n_train_rows"])
+    sc = cfg.sft
+    stats = {**stats, "steps_resolved": sc.steps, "epochs": ctx.cfg.sft.epochs}
     data_dir = (ctx.work_dir / DATA_DIR).resolve()
     save_file({"sid_token_ids": sids.matrix.contiguous()}, str(data_dir / SIDS_FILE))
     inputs = SftInputs(run_cfg=cfg, train_path=data_dir / TRAIN_FILE, model_dir=ground_dir, pad_id=int(pad_id),
@@ -328,6 +356,18 @@ def _train(ctx: StageContext, tokenizer, pad_id: int, ground_dir: Path, sids: _S
                   start_ray=lambda: ensure_ray(cfg), log=ctx.log, tracker=lambda: open_tracker(ctx))
     ctx.log(f"training done in {time.time() - t0:.1f}s")
     return _Trained(model=rebuild_trained(ground_dir, cfg, res.state_dict), stats=stats, facts=res.facts)
+
+
+def resolve_budget(cfg, n_rows: int):
+    """`cfg` with sft.steps = ceil(sft.epochs * n_rows / sft.batch_size) when sft.epochs is set
+    (a budget in passes over the rows, which is what convergence depends on), else `cfg`."""
+    import math
+
+    sc = cfg.sft
+    if sc.epochs is None:
+        return cfg
+    steps = max(1, math.ceil(sc.epochs * n_rows / sc.batch_size))
+    return cfg.model_copy(update={"sft": sc.model_copy(update={"steps": steps})})
 
 
 def _val_set(cfg, data_dir: Path, sids: _SidTables) -> ValSet:
@@ -349,7 +389,10 @@ def _export(ctx: StageContext, model, tokenizer, ground_dir: Path, sid_map_hash:
     first_new, end_new = new_ids
     e_new = model.get_input_embeddings().weight[first_new:end_new].detach().float().contiguous()
     meta = dict(new_rows.read_meta(ground_dir))
-    meta.update({"sid_map_hash": sid_map_hash, "stage": TASK, "new_token_ids": [first_new, end_new]})
+    # How this model's prompts look: every reader of the model renders them the same way
+    # (gti.loaded_run refuses a config that would render them otherwise).
+    meta.update({"sid_map_hash": sid_map_hash, "stage": TASK, "new_token_ids": [first_new, end_new],
+                 "render_style": ctx.cfg.sft.render_style})
     new_rows.export_model(model, tokenizer, ctx.work_dir / MODEL_DIR, meta)
     save_file({"e_new": e_new}, str(ctx.work_dir / E_NEW_FILE))
 
@@ -373,6 +416,8 @@ def _facts(sc, trained: _Trained, sid_map_hash: str, new_ids: list[int]) -> dict
         "precision_setting": sc.precision,
         "timing": t["timing"],
         "prompt_style": sc.prompt_style,
+        "objective": sc.objective,
+        "render_style": sc.render_style,
         "num_workers": sc.num_workers,
         **trained.stats,
     }

@@ -5,9 +5,12 @@ first, valid_item, test_item) and the SID map into token-id rows that the shared
 loop consumes, in the same row format as the grounding pairs (`input_ids`, `labels` with -100
 outside the answer, `prompt_ids`, `answer_ids`, all list<int32>, plus `task`).
 
-- Training examples are sliding windows over each user's TRAINING items only: for every
-  position i >= 1 the target is train_items[i] and the history train_items[max(0, i-H):i]. The
-  valid and test items therefore never appear as a target or inside a training history.
+- `sft.objective: window`: training examples are sliding windows over each user's TRAINING
+  items only: for every position i >= 1 the target is train_items[i] and the history
+  train_items[max(0, i-H):i]. `sft.objective: sequence`: the same training items cut into
+  chunks of <= H + 1 items (`training_sequences`), each one row whose every item after the
+  first is a target. Either way the valid and test items never appear as a target or inside a
+  training history.
 - Evaluation prompts (SFT's validation, the evaluate stage) are `gti.eval.slices.eval_windows`.
 - Each training window gets one of the three retrieval templates, drawn by a seeded generator
   over the window order, so the mix is deterministic and independent of how rows are batched.
@@ -67,6 +70,47 @@ def training_windows(
     rng = np.random.default_rng([seed, 0x5F7])
     tmpl = rng.integers(0, n_templates, size=w.height, dtype=np.int8)
     return w.with_columns(pos=pl.col("pos").cast(pl.Int32), template=pl.Series(tmpl, dtype=pl.Int8))
+
+
+def training_sequences(seqs: pl.DataFrame, max_history: int) -> pl.DataFrame:
+    """Each user's TRAINING items cut into the chunks of the `sequence` objective.
+
+    A chunk holds at most `max_history + 1` items and starts where the previous one ended
+    (stride `max_history`, one shared item): every item after a user's first is a target in
+    exactly one chunk (the shared item is the history of the next chunk, not its target), so
+    one epoch over the chunks trains each target once, like one epoch over the windows. A
+    target at chunk position j sees j items of history (<= max_history), where its window
+    would have seen min(i, max_history).
+    Returns user_id, chunk (int32, 0-based), items list<str> (2..max_history + 1 items, oldest
+    first), in input user order then chunk order. Valid and test items are never included.
+    """
+    check_sequences(seqs)
+    if max_history < 1:
+        raise ConfigError(f"data.max_history must be >= 1, got {max_history}")
+    n = pl.col("train_items").list.len().cast(pl.Int64)  # u32: n - 1 would wrap for an empty list
+    return (
+        seqs.select("user_id", "train_items")
+        # chunk k starts at k * max_history; the last start leaves at least one target after it
+        .with_columns(chunk=pl.int_ranges(0, (n - 1 + max_history - 1) // max_history))
+        .explode("chunk")
+        .drop_nulls("chunk")  # users with < 2 training items give no chunk
+        .with_columns(
+            items=pl.col("train_items").list.slice(pl.col("chunk") * max_history, max_history + 1),
+            chunk=pl.col("chunk").cast(pl.Int32),
+        )
+        .drop("train_items")
+    )
+
+
+def sequence_chunk_history(max_history: int, max_len: int, item_tokens: int) -> int:
+    """History items per sequence chunk: `max_history`, or fewer when `max_len` cannot hold
+    max_history + 1 items of `item_tokens` tokens each (an evaluation prompt, which keeps the
+    newest history items that fit with one answer, is then cut to the same number).
+    ConfigError when not even two items fit."""
+    fit = max_len // item_tokens - 1
+    if fit < 1:
+        raise ConfigError(f"sft.max_len={max_len} cannot hold two items of {item_tokens} tokens (a sequence row)")
+    return min(max_history, fit)
 
 
 def sft_target_counts(seqs: pl.DataFrame) -> dict[str, int]:
