@@ -18,7 +18,9 @@ What it is for:
 - `render_rec_prompt(tokenizer, history_sid_ids, template, system_prompt)`: a recommendation
   prompt (history of SIDs -> prompt ids up to and including the assistant header), with the
   paper's three retrieval templates in `REC_TEMPLATES`; `render_compact_prompt`: the same
-  history with no chat scaffolding or template text (`sft.prompt_style: compact`).
+  history with no chat scaffolding or template text (`sft.prompt_style: compact`);
+  `render_sequence_prompt`: the bare history SIDs (`sft.objective: sequence`), a prefix of the
+  row `RecRenderer.sequence_row` trains every item of a chunk on.
 
 Labels are -100 everywhere except the answer: the SID ids (text->SID) or the text ids
 (SID->text), followed by `eot_ids`.
