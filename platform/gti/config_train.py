@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from gti.config_io import StrictModel
 
@@ -132,13 +132,16 @@ class SftConfig(TrainConfig):
 
 
 class RlConfig(TrainConfig):
-    """`rl:`: GRPO after SFT (gti.rl, gti.train.rl_task): per step, `group_size` candidate SIDs
-    per training prompt from the policy under the trie, rewards against the prompt's target,
-    group-normalised advantages, the clipped objective plus a KL penalty to the SFT model."""
+    """`rl:`: GRPO after SFT (gti.rl, gti.train.rl_task): per rollout, `group_size` candidate
+    SIDs per training prompt from the policy under the trie, rewards against the prompt's
+    target, group-normalised advantages; then `updates_per_rollout` optimizer steps on that
+    batch, each minimising the clipped objective (ratio to the policy before the first of them)
+    plus a KL penalty to the SFT model. `steps` counts optimizer steps."""
 
     enabled: bool = Field(False, description="run RL after SFT (off: the SFT model is the run's model)")
     lr: float = Field(1e-5, gt=0, description="peak learning rate (AdamW)")
-    steps: int = Field(50, ge=0, description="optimizer steps (each: rollouts, rewards, one update)")
+    steps: int = Field(50, ge=0, description="optimizer steps; a rollout batch serves `updates_per_rollout` "
+                       "consecutive ones (with 1: each step rolls out, rewards and updates once)")
     batch_size: int = Field(8, gt=0, description="global batch: training prompts per optimizer step")
     checkpoint_every: int = Field(10, ge=1, description="steps between checkpoints (and one at the last step)")
     val_every: int = Field(10, ge=1, description="steps between validations on SFT's validation users (and one "
@@ -154,7 +157,14 @@ class RlConfig(TrainConfig):
         "hit", description="hit (1 for the target), rank (rank-aware: wrong candidates above the target are "
         "penalised by their rank), prefix (share of the target's leading SID levels matched), or weights of them, "
         "e.g. {hit: 1.0, prefix: 0.5} (gti.rl.rewards)")
-    clip_eps: float = Field(0.2, ge=0, description="policy ratio clipped to [1 - clip_eps, 1 + clip_eps]")
+    clip_eps: float = Field(0.2, ge=0, description="policy ratio (to the policy that rolled out) clipped to "
+                            "[1 - clip_eps, 1 + clip_eps]; binds only with updates_per_rollout > 1")
+    updates_per_rollout: int = Field(
+        1, ge=1, description="optimizer steps per rollout batch (PPO/GRPO's inner iterations): step 1 is on policy "
+        "(ratio 1), the later ones reuse the batch with the clipped ratio to the policy before step 1; 1: on-policy "
+        "REINFORCE with group baselines (clip_eps never binds). The micro-batches of the later steps are not "
+        "rolled out (their prompts go unused); checkpoint_every must be a multiple of it, so a resume starts "
+        "on a fresh rollout")
     kl_coef: float = Field(0.04, ge=0, description="weight of the KL penalty to the SFT model (0: no reference "
                            "model is loaded)")
     rollout_batch: int = Field(8, ge=1, description="prompts per rollout forward pass")
@@ -174,4 +184,16 @@ class RlConfig(TrainConfig):
         from gti.rl.rewards import parse_reward_spec  # torch-free: names and weights only
 
         parse_reward_spec(v)
+        return v
+
+    @field_validator("updates_per_rollout")
+    @classmethod
+    def _rollouts_end_at_checkpoints(cls, v: int, info: ValidationInfo) -> int:
+        # A checkpoint holds no rollout batch: a run resumed mid-batch could not finish that
+        # batch's updates against the old log-probs it was rolled out with, so checkpoints
+        # must fall on rollout boundaries (then resumed == uninterrupted, as for SFT).
+        every = info.data.get("checkpoint_every")
+        if every is not None and every % v != 0:
+            raise ValueError(f"rl.checkpoint_every ({every}) must be a multiple of rl.updates_per_rollout ({v}): "
+                             "a checkpoint cannot hold a half-used rollout batch")
         return v

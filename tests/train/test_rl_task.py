@@ -2,7 +2,9 @@
 in one process (Ray Train's four calls replaced by an in-memory checkpoint store): the SFT model
 is validated before the first step, the step statistics are reported, the best validation's
 tensors are handed back (the SFT model's own when RL only made it worse) with an early stop,
-and a run resumed from a mid-run checkpoint equals an uninterrupted one."""
+and a run resumed from a mid-run checkpoint equals an uninterrupted one. `rl.updates_per_rollout`:
+validated, mapped onto the loop's optimizer steps (one rollout per cycle and micro-batch slot),
+and through the loop it moves the clip fraction off 0 (with 1 the ratio is exactly 1)."""
 
 from __future__ import annotations
 
@@ -18,9 +20,9 @@ import torch
 
 from gti import config as C
 from gti.errors import DataError
-from gti.train import loop, ray_train
+from gti.train import loop, ray_train, rl_task
 from gti.train.loss import IGNORE_INDEX
-from gti.train.rl_task import STAT_KEYS, rl_row, split_batch
+from gti.train.rl_task import STAT_KEYS, grpo_settings, rl_row, rollout_cycle, split_batch
 from gti.train.shards import PadCollate
 from gti.train.worker_config import RlStart, ValSet, WorkerConfig
 
@@ -119,6 +121,7 @@ def _run(tmp, sids, val_prompts, rows, val_target: int, monkeypatch, *, start: P
     config = WorkerConfig.build("rl", cfg, 0, rl=start_cfg, val=val)
     (tmp / store_dir).mkdir()
     store = _Store(tmp / store_dir, start)
+    monkeypatch.setattr(rl_task, "_CONTEXT", {})  # a fresh worker process: no rollouts of an earlier run
     monkeypatch.setattr(ray_train, "worker_rank_world", lambda: (0, 1))
     monkeypatch.setattr(ray_train, "dataset_shard", lambda name="train": _Shard(rows))
     monkeypatch.setattr(ray_train, "report", store.report)
@@ -149,6 +152,9 @@ def test_rl_learns_the_rewarded_item_and_hands_back_its_best_step(rl_problem, si
     assert best["metric"] == "val_mrr" and best["start"] == mrr[0] and best["value"] == max(mrr.values())
     assert best["step"] == max(mrr, key=lambda s: (mrr[s], -s)) and best["step"] > 0
     assert "stopped_at" not in h and out["step"] == 4
+    # One update per rollout (the default): on policy, ratio exactly 1, nothing ever clipped.
+    assert [v for _, v in h["stats"]["ratio_mean"]] == [1.0] * 4
+    assert [v for _, v in h["stats"]["clip_fraction"]] == [0.0] * 4
     sft = _sft_state(tmp)
     assert any(not torch.equal(final[n], sft[n]) for n in sft)  # trained tensors, not the start
 
@@ -179,16 +185,20 @@ def test_rl_that_only_hurts_exports_the_sft_model_and_stops(rl_problem, single_p
     assert done is not None and done["step"] == 2
 
 
-def test_a_resumed_rl_run_equals_an_uninterrupted_one(rl_problem, single_process_dist_env, monkeypatch):
+@pytest.mark.parametrize("updates_per_rollout", [1, 2])
+def test_a_resumed_rl_run_equals_an_uninterrupted_one(rl_problem, single_process_dist_env, monkeypatch,
+                                                       updates_per_rollout):
     """Sampling rollouts (seeded per micro-step): resuming from the step-2 checkpoint (its
-    optimizer state, data position, history and best tensors) gives the same final tensors."""
+    optimizer state, data position, history and best tensors) gives the same final tensors;
+    with 2 updates per rollout the checkpoint falls on a cycle start, so the resumed worker
+    (its rollouts gone with its process) rolls out exactly what the uninterrupted one did."""
     tmp, sids, val_prompts, rows = rl_problem
-    ref_out, ref_store, ref_final = _run(tmp, sids, val_prompts, rows, 0, monkeypatch, rollout="sample")
+    rl = {"rollout": "sample", "updates_per_rollout": updates_per_rollout}
+    ref_out, ref_store, ref_final = _run(tmp, sids, val_prompts, rows, 0, monkeypatch, **rl)
     mid = ref_store.dirs[0]
     assert mid.name == "ckpt-0002" and (mid / "best.safetensors").exists()
-    out, _, final = _run(tmp, sids, val_prompts, rows, 0, monkeypatch, start=mid, store_dir="resumed",
-                         rollout="sample")
-    for k in ("reward_mean", "kl"):
+    out, _, final = _run(tmp, sids, val_prompts, rows, 0, monkeypatch, start=mid, store_dir="resumed", **rl)
+    for k in ("reward_mean", "kl", "clip_fraction", "ratio_mean"):
         got, want = out["history"]["stats"][k], ref_out["history"]["stats"][k]
         assert [s for s, _ in got] == [s for s, _ in want] == [1, 2, 3, 4]
         assert [v for _, v in got] == pytest.approx([v for _, v in want], abs=1e-6)
@@ -196,3 +206,57 @@ def test_a_resumed_rl_run_equals_an_uninterrupted_one(rl_problem, single_process
     assert out["history"]["val"] == ref_out["history"]["val"]
     for n in ref_final:
         torch.testing.assert_close(final[n], ref_final[n], rtol=0, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- updates per rollout
+def test_updates_per_rollout_is_a_validated_rl_field():
+    cfg = C.RunConfig()
+    assert cfg.rl.updates_per_rollout == 1 and grpo_settings(cfg).updates_per_rollout == 1
+    assert "updates_per_rollout" in C.RunConfig.model_fields["rl"].annotation.model_fields
+    cfg = C.RunConfig.model_validate({"rl": {"updates_per_rollout": 5}})  # checkpoint_every 10
+    assert grpo_settings(cfg).updates_per_rollout == 5
+    with pytest.raises(ValueError, match="greater than or equal to 1"):
+        C.RunConfig.model_validate({"rl": {"updates_per_rollout": 0}})
+    with pytest.raises(ValueError, match=r"checkpoint_every \(10\) must be a multiple of rl.updates_per_rollout \(4\)"):
+        C.RunConfig.model_validate({"rl": {"updates_per_rollout": 4}})
+    ok = C.RunConfig.model_validate({"rl": {"updates_per_rollout": 4, "checkpoint_every": 8}})
+    assert (ok.rl.updates_per_rollout, ok.rl.checkpoint_every) == (4, 8)
+
+
+def test_rollout_cycles_count_optimizer_steps():
+    """grad_accum 2, 3 updates per rollout: optimizer steps 0-2 are cycle 0 (update 0 rolls
+    out), 3-5 cycle 1; each micro-step keeps its slot, so slot i reuses slot i's rollout."""
+    got = [rollout_cycle(m, 2, 3) for m in range(12)]
+    assert got == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), (0, 2, 0), (0, 2, 1),
+                   (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1), (1, 2, 0), (1, 2, 1)]
+    assert [rollout_cycle(m, 1, 1) for m in range(3)] == [(0, 0, 0), (1, 0, 0), (2, 0, 0)]
+
+
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_several_updates_per_rollout_through_the_loop_clip(rl_problem, single_process_dist_env, monkeypatch,
+                                                          grad_accum):
+    """rl.steps 4 optimizer steps, 2 updates per rollout: steps 1 and 3 roll out (one rollout per
+    micro-batch slot) and update on policy (ratio exactly 1, clip fraction 0); steps 2 and 4
+    reuse those rollouts, roll nothing out, and their ratio to the rollout policy is clipped."""
+    tmp, sids, val_prompts, rows = rl_problem
+    from gti.rl import step as rl_step
+
+    calls = []
+    real = rl_step.grpo_rollout
+
+    def counted(*a, **k):
+        calls.append(k["seed"])
+        return real(*a, **k)
+
+    monkeypatch.setattr(rl_step, "grpo_rollout", counted)
+    out, _, _ = _run(tmp, sids, val_prompts, rows, 0, monkeypatch, rollout="sample", updates_per_rollout=2,
+                     grad_accum=grad_accum, reward={"hit": 1.0, "prefix": 0.5})
+    h = out["history"]
+    assert out["step"] == 4 and len(calls) == 2 * grad_accum == len(set(calls))
+    st = {k: dict((s, v) for s, v in pts) for k, pts in h["stats"].items()}
+    assert [st["ratio_mean"][s] for s in (1, 3)] == [1.0, 1.0]
+    assert [st["clip_fraction"][s] for s in (1, 3)] == [0.0, 0.0]
+    assert all(st["ratio_mean"][s] != 1.0 for s in (2, 4))
+    assert max(st["clip_fraction"][s] for s in (2, 4)) > 0.0, st["clip_fraction"]
+    assert all(st["rollout_s"][s] > 0 for s in (1, 3)) and all(st["rollout_s"][s] == 0.0 for s in (2, 4))
+    assert st["reward_mean"][2] == st["reward_mean"][1] and st["reward_mean"][4] == st["reward_mean"][3]

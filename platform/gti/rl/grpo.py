@@ -11,9 +11,15 @@ nothing is predicted, so only the SID tokens of a completion count); `grpo_loss`
                                             - kl_coef * k3 )
     ratio = exp(logp - logp_old),  k3 = exp(logp_ref - logp) - (logp_ref - logp) - 1
 
-with A the advantage of the token's completion (the same for its L tokens). On policy (one
-update per rollout, `old_logp=None`) logp_old is logp detached, so ratio == 1 in value and the
-policy gradient is REINFORCE with group baselines. `reward_stats` summarises a batch's rewards.
+with A the advantage of the token's completion (the same for its L tokens) and logp_old the
+log-probs of the policy that produced the rollouts, before any update on them. On policy
+(`old_logp=None`: the first update of a rollout batch, and every update with
+`rl.updates_per_rollout` 1) logp_old is logp detached, so ratio == 1 in value, nothing is clipped
+and the policy gradient is REINFORCE with group baselines. With several updates per rollout
+batch (`gti.rl.step`), the later updates pass the first one's detached log-probs as `old_logp`:
+the ratio moves off 1 as the policy does, and the clip stops a token's ratio from pushing past
+1 +- eps in the direction its advantage favours (PPO's trust region). `reward_stats` summarises
+a batch's rewards.
 
 Every log-prob here is the full-vocabulary log-softmax at temperature 1, the same quantity the
 beam search scores and SFT's cross-entropy use; the trie mask and the sampling temperature are

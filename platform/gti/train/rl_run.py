@@ -8,7 +8,9 @@ target's SID tokens (`gti.train.rl_task.rl_row`); and
 (`WorkerConfig.build("rl", ...)`), the Ray dataset of the rows (materialised, in file order),
 the Train run (`gti.train.runner.train`: a second call with the same storage path and name
 resumes) and the facts (`TrainResult.facts`): SFT's history facts, plus the best validation
-(step 0 is the SFT model), the early stop and the mean of each step statistic.
+(step 0 is the SFT model), the early stop, the mean of each step statistic and the rollout
+batches' reuse. Steps are optimizer steps (`rl.steps`); with `rl.updates_per_rollout` K a rollout
+batch serves K of them (`gti.train.rl_task`), so a run of S steps rolls out ceil(S / K) times.
 
 What it does not know: where the SFT rows or the model came from (the caller keeps valid and
 test targets out of the rows), the validation users, where the model is exported, Ray's API.
@@ -92,8 +94,9 @@ def run_rl(
     storage_path, name, start_ray, tracker, callbacks: as `gti.train.sft_run.run_sft`.
     Returns the best validation's tensors ({name: fp32 tensor}; the SFT model's own when no step
     beat it), the history and the facts: `history_facts` + best {metric, start, value, step},
-    stopped_at (the step of an early stop, or None), step_stats (means), time_shares (rollout /
-    reward / update), trainable_params, precision, timing.
+    stopped_at (the step of an early stop, or None), step_stats (means over optimizer steps; a
+    reused rollout's reward figures count once per step it served), time_shares (rollout /
+    reward / update), updates_per_rollout, trainable_params, precision, timing.
     """
     rc = inputs.run_cfg.rl
     if not inputs.val.mrr:
@@ -114,6 +117,7 @@ def run_rl(
         "stopped_at": res.history.get("stopped_at"),
         "step_stats": step_stat_means(res.history),
         "time_shares": time_shares(res.history, (res.timing or {}).get("compute_s"), rc.grad_accum),
+        "updates_per_rollout": rc.updates_per_rollout,
         "trainable_params": int(sum(t.numel() for t in res.state_dict.values())),
         "precision": res.precision or rc.precision,
         "timing": res.timing,

@@ -3,12 +3,23 @@
 What it is for: `HOOKS` for `gti.train.loop` (task "rl"). The model is the SFT export with every
 parameter trainable; `rl_step_loss` replaces the teacher-forced loss: for a micro-batch of
 training prompts it rolls out `rl.group_size` candidate SIDs per prompt under the trie, rewards
-them against each prompt's target, and returns the clipped GRPO loss with a KL penalty to the
-frozen SFT model (`gti.rl.step.grpo_step_loss`); validation is SFT's (Recall@10, loss and the
-exact MRR, which `keep_best` uses to keep the best checkpoint and stop a run that falls below
-the SFT model). Rows: `rl_row` packs a prompt and its target SID into the loop's row shape
+them against each prompt's target (`gti.rl.step.grpo_rollout`), and returns the clipped GRPO
+loss with a KL penalty to the frozen SFT model (`gti.rl.step.grpo_update_loss`); validation is
+SFT's (Recall@10, loss and the exact MRR, which `keep_best` uses to keep the best checkpoint and
+stop a run that falls below the SFT model). Rows: `rl_row` packs a prompt and its target SID into the loop's row shape
 ({"input_ids", "labels"}, the labels holding only the target on the prompt's last L positions,
 so the loop's padding and sharding carry it unchanged); `split_batch` unpacks a padded batch.
+
+Steps: `rl.steps` counts optimizer steps, as the loop does for every task. With
+`rl.updates_per_rollout` K, optimizer steps s = cK .. cK + K - 1 form rollout cycle c: step cK
+rolls out its micro-batches (one rollout per micro-batch slot of `rl.grad_accum`) and updates on
+policy; steps cK + 1 .. cK + K - 1 update again on the same rollouts, each micro-step reusing
+its slot's batch, with the ratio to the log-probs of step cK (old log-probs, detached). The
+loop still hands those later micro-steps a fresh micro-batch, which goes unused (the prompts are
+a sample of training windows; nothing else depends on them). The rollouts live in the worker
+process only, so `rl.checkpoint_every` is a multiple of K (`RlConfig`) and a resume starts a
+cycle; validation between the steps of a cycle does not touch them. The schedule, checkpoint
+and validation cadences stay in optimizer steps.
 
 What it does not know: where prompts come from (the caller keeps valid/test targets out), how
 the loop steps or checkpoints, Ray, or where the model is exported.
@@ -16,7 +27,7 @@ the loop steps or checkpoints, Ray, or where the model is exported.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,7 +45,10 @@ if TYPE_CHECKING:
 BEST_METRIC = "val_mrr"
 # Per micro-step: the rewards' summary, the objective's terms, and the seconds of the rollout and
 # reward phases (what a step's compute time holds besides the update: gti.train.rl_run.time_shares).
-STAT_KEYS = ("reward_mean", "reward_std", "zero_std_share", "kl", "clip_fraction", "pg_loss", "rollout_s", "reward_s")
+# The reward figures of a step that reuses a rollout are that rollout's; its rollout_s and
+# reward_s are 0 (nothing was rolled out), so their sums stay the time actually spent.
+STAT_KEYS = ("reward_mean", "reward_std", "zero_std_share", "kl", "clip_fraction", "ratio_mean", "pg_loss",
+             "rollout_s", "reward_s")
 
 
 def rl_row(prompt: list[int], target_sid: list[int]) -> dict[str, list[int]]:
@@ -65,17 +79,19 @@ def grpo_settings(cfg: C.RunConfig) -> "GrpoSettings":
     r = cfg.rl
     return GrpoSettings(group_size=r.group_size, rollout=r.rollout, beam_width=r.beam_width,
                         temperature=r.temperature, reward=r.reward, clip_eps=r.clip_eps, kl_coef=r.kl_coef,
-                        batch_users=r.rollout_batch)
+                        batch_users=r.rollout_batch, updates_per_rollout=r.updates_per_rollout)
 
 
 @dataclass
 class _Context:
-    """What a worker loads once per fit: the run config, the trie, the settings, the reference."""
+    """What a worker loads once per fit: the run config, the trie, the settings, the reference;
+    and the current rollout cycle's batches: {micro-batch slot: (cycle, RolloutBatch)}."""
 
     cfg: C.RunConfig
     trie: Any
     settings: "GrpoSettings"
     reference: torch.nn.Module | None
+    rollouts: dict[int, tuple[int, Any]] = field(default_factory=dict)
 
 
 _CONTEXT: dict[tuple, _Context] = {}
@@ -95,20 +111,40 @@ def _context(config: "WorkerConfig", device: torch.device) -> _Context:
     return _CONTEXT[key]
 
 
+def rollout_cycle(micro_step: int, grad_accum: int, updates_per_rollout: int) -> tuple[int, int, int]:
+    """(cycle, update, slot) of a 0-based micro-step: optimizer step s = micro_step // grad_accum
+    is update s % K of rollout cycle s // K (K = updates_per_rollout), and the micro-step fills
+    slot micro_step % grad_accum of that step (the same slot reuses the same rollout)."""
+    step, slot = divmod(int(micro_step), int(grad_accum))
+    cycle, update = divmod(step, int(updates_per_rollout))
+    return cycle, update, slot
+
+
 def rl_step_loss(engine, batch: dict[str, torch.Tensor], config: "WorkerConfig", rank: int,
                  micro_step: int) -> tuple[torch.Tensor, dict[str, float]]:
-    """Loop hook: the GRPO loss of one micro-batch of `rl_row`s and its statistics.
+    """Loop hook: the GRPO loss of one micro-step and its statistics.
 
+    The first update of a rollout cycle (see the module docstring) rolls out this micro-batch of
+    `rl_row`s; the later ones reuse the cycle's rollout of the same slot and ignore `batch`.
     micro_step: the run's 0-based micro-batch index (the same after a resume), which with the
     seed and the rank seeds sampling rollouts."""
-    from gti.rl.step import PhaseClock, grpo_step_loss
+    from gti.rl.step import PhaseClock, grpo_rollout, grpo_update_loss
 
     ctx = _context(config, engine.device)
-    prompts, targets = split_batch(batch, int(config.rl.levels))
+    cycle, update, slot = rollout_cycle(micro_step, ctx.cfg.rl.grad_accum, ctx.settings.updates_per_rollout)
     clock = PhaseClock()
-    seed = int(ctx.cfg.seed) * 1_000_003 + int(micro_step) * 7919 + int(rank)
-    out = grpo_step_loss(engine, ctx.reference, prompts, targets, ctx.trie, ctx.settings,
-                         levels=int(config.rl.levels), pad_id=int(config.pad_id), seed=seed, clock=clock)
+    cached = ctx.rollouts.get(slot)
+    if update == 0 or cached is None or cached[0] != cycle:
+        # A new cycle; or (not reachable when checkpoints fall on cycle starts) a worker that lost
+        # its rollouts mid-cycle, which starts afresh from this batch rather than fail.
+        prompts, targets = split_batch(batch, int(config.rl.levels))
+        seed = int(ctx.cfg.seed) * 1_000_003 + int(micro_step) * 7919 + int(rank)
+        rb = grpo_rollout(engine, ctx.reference, prompts, targets, ctx.trie, ctx.settings,
+                          levels=int(config.rl.levels), pad_id=int(config.pad_id), seed=seed, clock=clock)
+        ctx.rollouts[slot] = (cycle, rb)
+    else:
+        rb = cached[1]
+    out = grpo_update_loss(engine, rb, ctx.settings, clock=clock)
     stats = {**out.stats, "rollout_s": clock.seconds.get("rollout", 0.0), "reward_s": clock.seconds.get("reward", 0.0)}
     return out.loss, {k: float(stats[k]) for k in STAT_KEYS}
 
