@@ -242,18 +242,10 @@ def render_compact_prompt(tokenizer, history_sid_ids: Sequence[Sequence[int]], t
                           system_prompt: str = "", *,
                           sid_wrap: tuple[int, int] | None = None) -> list[int]:
     """The compact recommendation prompt (`sft.prompt_style: compact`): the history's SID ids
-    back to back (each wrapped in the markers when the vocabulary has them), then the chat
-    template's assistant header (`ChatSkeleton.suffix_ids`, e.g. `<|im_end|>\n<|im_start|>
-    assistant\n`); no system prompt, no template text.
-
-    Same signature as `render_rec_prompt` so a renderer can take either; `template` and
-    `system_prompt` are ignored. SID tokens delimit themselves (one token per level), so no
-    separator is needed between items; the header marks where the history ends, so the model
-    knows when the answer (next SID + end of turn) starts and when to stop; without it the
-    end of turn would be unpredictable. A chat prompt spends most of its tokens on scaffolding
-    and template text, often more than the history (bench/RESULTS.md, "Training step
-    throughput (issue 13)").
-    """
+    back to back (`render_sequence_prompt`), then the chat template's assistant header
+    (`ChatSkeleton.suffix_ids`), which marks where the answer (next SID + end of turn) starts;
+    no system prompt, no template text (`template`, `system_prompt` are ignored). A chat prompt
+    spends most of its tokens on scaffolding (bench/RESULTS.md, "Training step throughput")."""
     ids = render_sequence_prompt(tokenizer, history_sid_ids, sid_wrap=sid_wrap)
     ids.extend(chat_skeleton(tokenizer, "").suffix_ids)
     return ids
@@ -277,10 +269,8 @@ def render_sequence_prompt(tokenizer, history_sid_ids: Sequence[Sequence[int]], 
     return ids
 
 
-# `sequence` is not a `sft.prompt_style` value: `sft.objective: sequence` implies it
-# (`SftConfig.render_style`).
-PROMPT_RENDERERS = {"chat": render_rec_prompt, "compact": render_compact_prompt,
-                    "sequence": render_sequence_prompt}
+# "sequence" is implied by `sft.objective: sequence`, not a `sft.prompt_style` value.
+PROMPT_RENDERERS = {"chat": render_rec_prompt, "compact": render_compact_prompt, "sequence": render_sequence_prompt}
 
 
 # --------------------------------------------------------------------------- SID ids
@@ -330,12 +320,14 @@ class RecRenderer:
             return list(self.render(self.tokenizer, hist, template, self.system_prompt))
         return list(self.render(self.tokenizer, hist, template, self.system_prompt, sid_wrap=self.sid_wrap))
 
+    def item_ids(self, item: str) -> list[int]:
+        """One item's SID ids, wrapped in the markers if any."""
+        sid = self.sid_ids[item].tolist()
+        return [self.sid_wrap[0], *sid, self.sid_wrap[1]] if self.sid_wrap is not None else sid
+
     def answer_ids(self, target: str) -> list[int]:
-        """SID ids of `target` (wrapped in markers if any) + end of turn."""
-        sid = self.sid_ids[target].tolist()
-        if self.sid_wrap is not None:
-            sid = [self.sid_wrap[0], *sid, self.sid_wrap[1]]
-        return sid + list(self.eot_ids)
+        """`item_ids(target)` + end of turn (none for the sequence style)."""
+        return self.item_ids(target) + list(self.eot_ids)
 
     def _prompt(self, history: Sequence[str], template: str, budget: int) -> tuple[list[int], int]:
         """Prompt ids with as many of the newest history items as fit in `budget` tokens.
@@ -387,19 +379,11 @@ class RecRenderer:
             "history_kept": kept,
         }
 
-    def item_ids(self, item: str) -> list[int]:
-        """One item's tokens inside a sequence row: its SID ids, wrapped in the markers if any."""
-        sid = self.sid_ids[item].tolist()
-        return [self.sid_wrap[0], *sid, self.sid_wrap[1]] if self.sid_wrap is not None else sid
-
     def sequence_row(self, items: Sequence[str]) -> dict[str, Any]:
         """One training row of the `sequence` objective: `items` (oldest first, >= 2) as SID
         tokens back to back, labels on every item's tokens but the first item's, so one forward
-        pass trains len(items) - 1 targets. Item t's tokens are preceded by exactly
-        `render_sequence_prompt(items[:t])` (+ <sid_start> when wrapped), the evaluation prompt
-        of the history items[:t]: the row is every window's prompt and answer at once.
-        `prompt_ids` holds the first item, `answer_ids` the rest (the row format's columns).
-        ConfigError when the row does not fit `max_len` (the chunking sizes rows to fit)."""
+        pass trains len(items) - 1 targets; item t follows exactly `prompt(items[:t])`.
+        prompt_ids = the first item, answer_ids = the rest; ConfigError past `max_len`."""
         if len(items) < 2:
             raise DataError(f"a sequence row needs >= 2 items, got {len(items)}")
         parts = [self.item_ids(i) for i in items]
@@ -418,17 +402,14 @@ class RecRenderer:
             "history_kept": len(items) - 1,
         }
 
-    def render_sequences(self, chunks: dict[str, Any]) -> dict[str, list]:
-        """Batch form of `sequence_row` (column items), same columns as `render_windows`."""
-        rows = [self.sequence_row([str(i) for i in items]) for items in chunks["items"]]
-        return {c: [r[c] for r in rows] for c in (*ROW_COLUMNS, "history_kept")}
-
     def render_windows(self, windows: dict[str, Any]) -> dict[str, list]:
-        """Batch form (columns history, target, template) for `map_batches` / plain use."""
-        rows = [
-            self.example(list(h), str(t), int(k))
-            for h, t, k in zip(windows["history"], windows["target"], windows["template"])
-        ]
+        """Batch form for `map_batches` / plain use: columns history, target, template (one
+        `example` each), or items (sequence chunks, one `sequence_row` each)."""
+        if "items" in windows:
+            rows = [self.sequence_row([str(i) for i in items]) for items in windows["items"]]
+        else:
+            rows = [self.example(list(h), str(t), int(k))
+                    for h, t, k in zip(windows["history"], windows["target"], windows["template"])]
         return {c: [r[c] for r in rows] for c in (*ROW_COLUMNS, "history_kept")}
 
     def render_prompts(self, windows: dict[str, Any]) -> dict[str, list]:

@@ -86,7 +86,7 @@ class RenderWindows:
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         if "items" in batch.column_names:  # sft.objective: sequence (chunks, not windows)
-            rows = self.renderer.render_sequences({"items": batch.column("items").to_pylist()})
+            rows = self.renderer.render_windows({"items": batch.column("items").to_pylist()})
             lengths = [len(h) - 1 for h in batch.column("items").to_pylist()]
         else:
             rows = self.renderer.render_windows(
