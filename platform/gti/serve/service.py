@@ -27,6 +27,7 @@ What it does NOT know: HTTP, tokens, reloading (gti.serve.reload), or Ray.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Sequence
@@ -94,7 +95,8 @@ class RecommenderService:
                  max_k: int = MAX_K) -> None:
         self.run, self.version, self.map_hash = run, int(version), str(map_hash)
         self.unknown_items, self.max_k = unknown_items, min(int(max_k), MAX_K)
-        self._index: list[tuple[str, str]] | None = None
+        self._index: Any = None  # gti.serve.search.CatalogIndex, built at the first search
+        self._index_lock = threading.Lock()
 
     @classmethod
     def load(cls, run_dir: str | Path, version: int | None = None, *, device: str | None = None,
@@ -127,16 +129,16 @@ class RecommenderService:
 
     def search(self, text: str, limit: int) -> list[dict[str, Any]]:
         """Up to `limit` catalog items whose title or id contains `text` (case-insensitive):
-        the item with that id first, then titles starting with it, then catalog order."""
-        needle = text.strip().lower()
-        if self._index is None:  # built once per loaded run: titles do not change under it
-            run = self.run
-            self._index = [(i.lower(), f"{run.titles.get(i, '')}\n{i}".lower()) for i in run.item_ids]
-        hits = [(item != needle, not key.startswith(needle), row)
-                for row, (item, key) in enumerate(self._index) if needle in key]
+        the item with that id first, then titles starting with it, then catalog order
+        (`gti.serve.search`: a compact index, no sort of every hit)."""
+        from gti.serve.search import CatalogIndex
+
         run = self.run
+        with self._index_lock:  # built once per loaded run (titles do not change under it), by one thread
+            if self._index is None:
+                self._index = CatalogIndex.build(run.item_ids, run.titles)
         return [{"item_id": run.item_ids[row], "title": run.titles.get(run.item_ids[row], ""), "sid": run.sids[row]}
-                for *_, row in sorted(hits)[:limit]]
+                for row in self._index.search(text, limit)]
 
     # ------------------------------------------------------------------ requests
     def prepare(self, query: Query) -> Prepared:
