@@ -16,19 +16,26 @@ drive with FastAPI's TestClient:
   `stats()`, e.g. the replica's batching counts);
 - `POST /admin/reload` {"version": k | null, "wait": false} -> 202 (200 with wait) and the
   reload status (`gti.serve.reload`); 409 while one runs.
-Bad requests get a JSON {"error": message, "status": code} and never a traceback: 400
-malformed JSON or not an object, 413 body over `serve.max_body_bytes`, 422 a wrong field, an
-empty history, unknown ids (with `serve.unknown_items: error`), k < 1 or over `serve.max_k` or
-the catalog, too many histories; 401 a missing or wrong bearer token (needed by /admin/*
-always, by every endpoint with `serve.token_required`), 403 /admin/* when no token is set; 503
-while no run is loaded.
+Bad requests get a JSON {"error": one line naming the problem, "status": code} and never a
+traceback: 400 a body that is not UTF-8, malformed JSON (NaN and Infinity included), JSON the
+parser cannot hold (an integer of more than 4,300 digits, nesting deeper than the recursion
+limit), a string with an unpaired surrogate, not an object, or a query string that is not UTF-8;
+413 a body over `serve.max_body_bytes`; 415 a Content-Type other than application/json (or a
+charset other than UTF-8; no Content-Type is taken as JSON); 422 a wrong field, an empty
+history, unknown ids (with `serve.unknown_items: error`), k < 1 or over `serve.max_k` or the
+catalog, too many histories, and on every GET route a query parameter it does not take, one
+given twice, or a bad value (`limit` not an ASCII integer in range); 404 / 405 an unknown path or
+method; 401 a missing or wrong bearer token (needed by /admin/* always, by every endpoint with
+`serve.token_required`), 403 /admin/* when no token is set; 503 while no run is loaded.
+`GET /info` names the run's folders only to a caller holding the token.
 
 `decode(queries) -> awaitable list of answers | RequestError`: how a replica decodes (Ray
 Serve: a `gti.serve.gather.Gatherer` gathering concurrent requests); None = in this process, one
 request at a time.
 
 What it does NOT know: Ray, model loading (gti.serve.service), or where the token comes from
-(`read_token`: an environment variable or a file, never the config).
+(`read_token`: an environment variable or a file, never the config; `take_token` also removes
+it from the environment, before `gti serve` starts any process).
 `call_asgi(app, ...)` runs one HTTP request through the app in this process (what a replica
 does with a request the ingress forwards).
 """
@@ -41,13 +48,16 @@ import hmac
 import json
 import logging
 import os
+import re
 import threading
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Mapping
+from typing import Any, Awaitable, Callable, Mapping, MutableMapping
+from urllib.parse import parse_qsl
 
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
+from starlette.exceptions import HTTPException
 
 from gti.config_serve import ServeConfig
 from gti.errors import ConfigError
@@ -75,7 +85,7 @@ class BatchBody(_Body):
 
 
 class ReloadBody(_Body):
-    version: StrictInt | None = None
+    version: StrictInt | None = Field(None, ge=0)
     wait: StrictBool = False
 
 
@@ -96,16 +106,82 @@ def read_token(cfg: ServeConfig, env: Mapping[str, str] | None = None) -> str | 
     return token or None
 
 
+def take_token(cfg: ServeConfig, env: MutableMapping[str, str] | None = None) -> str | None:
+    """`read_token`, then $<token_env> and $<token_env>_FILE removed from `env` (os.environ).
+    Every process started after this one inherits its environment: the local Ray `gti serve`
+    starts, its workers, Serve's replicas; they are to hold only the token's digest."""
+    env = os.environ if env is None else env
+    token = read_token(cfg, env)
+    for name in (cfg.token_env, f"{cfg.token_env}_FILE"):
+        env.pop(name, None)
+    return token
+
+
 def token_digest(token: str | None) -> str | None:
     """sha256 hex of the token (what the app and the replicas hold; None: no token)."""
     return hashlib.sha256(token.encode()).hexdigest() if token else None
 
 
+def _cut(text: str, n: int = 40) -> str:
+    """`text` for a one-line message, cut to about `n` characters (a client may send a
+    4,000-digit integer or a 60 kB key: the message names it, it does not repeat it)."""
+    return text if len(text) <= n else f"{text[:n]}... ({len(text)} characters)"
+
+
+def _short(value: Any, n: int = 40) -> str:
+    return _cut(repr(value), n)
+
+
+def _check_content_type(value: str) -> None:
+    """415 unless `value` is empty (taken as JSON: what a bare HTTP client sends) or a JSON media
+    type (application/json, or application/<x>+json) with no charset or UTF-8's."""
+    if not value.strip():
+        return
+    media, *params = [part.strip() for part in value.split(";")]
+    media = media.lower()
+    if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+        raise RequestError(415, f"Content-Type must be application/json, got {_short(value)} "
+                                "(curl: -H 'Content-Type: application/json')")
+    for param in params:
+        name, _, val = param.partition("=")
+        if name.strip().lower() == "charset" and val.strip().strip('"').lower() not in ("utf-8", "utf8"):
+            raise RequestError(415, f"the body must be UTF-8, Content-Type says charset={_short(val.strip())}")
+
+
+def _reject_constant(name: str) -> Any:
+    # Python's json takes NaN and Infinity, which JSON does not have and no field takes.
+    raise ValueError(f"{name} is not JSON")
+
+
+def _no_surrogates(data: Any) -> None:
+    """400 naming where a string (or key) holds an unpaired surrogate (a \\ud800 escape is valid
+    JSON syntax but not Unicode text: it would fail later, when an answer echoing it is encoded)."""
+    stack: list[tuple[str, Any]] = [("body", data)]
+    while stack:  # iterative: the parser already accepted the nesting, a walk must not recurse
+        where, value = stack.pop()
+        texts: list[str] = []
+        if isinstance(value, str):
+            texts = [value]
+        elif isinstance(value, dict):
+            texts = list(value)
+            stack += [(f"{where}.{_cut(k, 20)}", v) for k, v in value.items()]
+        elif isinstance(value, list):
+            stack += [(f"{where}[{i}]", v) for i, v in enumerate(value)]
+        for text in texts:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as err:
+                raise RequestError(400, f"{where}: a string holds an unpaired surrogate "
+                                        f"({text[err.start]!a}), which is not Unicode text") from None
+
+
 async def read_json(request: Request, limit: int, required: bool = True) -> dict[str, Any]:
-    """The body as a JSON object; 413 over `limit` bytes, 400 malformed or not an object."""
+    """The body as a JSON object: 413 over `limit` bytes; 415 not declared as JSON in UTF-8;
+    400 not UTF-8, malformed, beyond what the parser holds, or not an object (each one line)."""
     too_big = RequestError(413, f"request body over {limit} bytes (serve.max_body_bytes)")
     length = request.headers.get("content-length", "")
-    if length.isdigit() and int(length) > limit:
+    # ASCII digits only ("²".isdigit() is True, int("²") raises), and no int() of 4,300 of them
+    if length.isascii() and length.isdigit() and (len(length) > 18 or int(length) > limit):
         raise too_big
     body = bytearray()
     async for chunk in request.stream():
@@ -116,13 +192,58 @@ async def read_json(request: Request, limit: int, required: bool = True) -> dict
         if required:
             raise RequestError(400, "empty body: send a JSON object")
         return {}
+    _check_content_type(request.headers.get("content-type", ""))
     try:
-        data = json.loads(bytes(body))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        text = bytes(body).decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise RequestError(400, f"the body is not UTF-8 (byte 0x{body[err.start]:02x} at offset {err.start})") from None
+    try:
+        data = json.loads(text, parse_constant=_reject_constant)
+    except json.JSONDecodeError as err:
         raise RequestError(400, f"malformed JSON: {err}") from None
+    except RecursionError:
+        raise RequestError(400, "malformed JSON: nested deeper than the parser allows") from None
+    except ValueError as err:  # an integer of more than sys.get_int_max_str_digits() digits; NaN
+        raise RequestError(400, f"malformed JSON: {str(err).split(';')[0]}") from None
     if not isinstance(data, dict):
         raise RequestError(400, f"the body must be a JSON object, got {type(data).__name__}")
+    _no_surrogates(data)
     return data
+
+
+def read_query(request: Request, allowed: tuple[str, ...] = ()) -> dict[str, str]:
+    """The query parameters of a GET route taking `allowed`: 400 a query string that is not
+    UTF-8, 422 a parameter it does not take or one given twice."""
+    route = f"{request.method} {request.url.path}"
+    raw = request.scope.get("query_string", b"")
+    try:
+        # errors="strict": Starlette's own parse replaces bad bytes and would search for U+FFFD
+        pairs = parse_qsl(raw.decode("utf-8"), keep_blank_values=True, errors="strict",
+                          max_num_fields=max(8, 2 * len(allowed)))
+    except UnicodeDecodeError:
+        raise RequestError(400, f"{route}: the query string is not UTF-8 (percent-encode UTF-8 bytes)") from None
+    except ValueError:  # more fields than max_num_fields
+        raise RequestError(422, f"{route}: too many query parameters") from None
+    takes = f"takes {' and '.join(allowed)}" if allowed else "takes no query parameters"
+    unknown = sorted({name for name, _ in pairs} - set(allowed))
+    if unknown:
+        raise RequestError(422, f"unknown query parameter(s): {', '.join(_cut(u, 30) for u in unknown[:5])} "
+                                f"({route} {takes})")
+    out: dict[str, str] = {}
+    for name, value in pairs:
+        if name in out:
+            raise RequestError(422, f"query parameter {name} given more than once ({route})")
+        out[name] = value
+    return out
+
+
+def int_param(query: dict[str, str], name: str, default: int, lo: int, hi: int, what: str = "") -> int:
+    """Query parameter `name` as an integer in [lo, hi]; 422 naming it otherwise. Only ASCII
+    digits count: "²".isdigit() is True and int("²") raises."""
+    raw = query.get(name, str(default))
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= 9 and lo <= int(raw) <= hi):
+        raise RequestError(422, f"{name} must be an integer from {lo} to {hi}{what}, got {_short(raw)}")
+    return int(raw)
 
 
 def parse(model: type[BaseModel], data: dict[str, Any]) -> Any:
@@ -130,13 +251,50 @@ def parse(model: type[BaseModel], data: dict[str, Any]) -> Any:
     try:
         return model.model_validate(data)
     except ValidationError as err:
-        parts = [f"{'.'.join(str(x) for x in e['loc']) or 'body'}: {e['msg']}" for e in err.errors()[:5]]
+        parts = [f"{'.'.join(_cut(str(x), 30) for x in e['loc']) or 'body'}: {e['msg']}" for e in err.errors()[:5]]
         raise RequestError(422, "; ".join(parts)) from None
+
+
+class _AsciiJSON(JSONResponse):
+    """An error's JSON, escaped to ASCII: it renders whatever text the message quotes."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
+def holds_token(request: Request, token_sha256: str | None) -> bool:
+    """Whether the request carries the bearer token (never, when none is set)."""
+    if token_sha256 is None:
+        return False
+    scheme, _, value = request.headers.get("authorization", "").partition(" ")
+    given = token_digest(value.strip()) or ""
+    return scheme.lower() == "bearer" and hmac.compare_digest(given, token_sha256)
+
+
+_PATH = re.compile(r"(?<![\w.~<>/-])(?:~|\.{1,2})?/[^\s'\"`,;()\[\]{}]+")
+
+
+def without_paths(value: Any, known: Mapping[str, str]) -> Any:
+    """`value` (a JSON-like structure) with no filesystem path left for a caller without the
+    token: `known` paths become their names ({"<run_dir>": "/abs/run"}: "<run_dir>/sid"), any
+    other absolute path "<path>"; keys ending in _dir or _path are dropped. A path says where
+    the service runs, under whose home, and what the disk holds: not for anonymous readers."""
+    if isinstance(value, dict):
+        return {k: without_paths(v, known) for k, v in value.items()
+                if not (isinstance(k, str) and k.endswith(("_dir", "_path")))}
+    if isinstance(value, list):
+        return [without_paths(v, known) for v in value]
+    if isinstance(value, str):
+        for name, path in sorted(known.items(), key=lambda kv: -len(kv[1])):  # the longest first
+            if path and path != "/":
+                value = value.replace(path, name)
+        return _PATH.sub("<path>", value)
+    return value
 
 
 def _error(err: RequestError) -> JSONResponse:
     headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
-    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+    return _AsciiJSON(err.body(), status_code=err.status, headers=headers)
 
 
 def _local_decode(holder: ServiceHolder) -> Decode:
@@ -173,15 +331,22 @@ def create_app(holder: ServiceHolder, cfg: ServeConfig, token_sha256: str | None
         if token_sha256 is None:
             raise RequestError(403, f"{request.url.path} needs a bearer token and none is set: put it in "
                                     f"${cfg.token_env} (or a file named by ${cfg.token_env}_FILE) and restart")
-        got = request.headers.get("authorization", "")
-        scheme, _, value = got.partition(" ")
-        given = token_digest(value.strip()) or ""
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given, token_sha256):
+        if not holds_token(request, token_sha256):
             raise RequestError(401, "missing or wrong bearer token (Authorization: Bearer <token>)")
 
     @app.exception_handler(RequestError)
     async def _request_error(_: Request, err: RequestError) -> JSONResponse:
         return _error(err)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, err: HTTPException) -> JSONResponse:
+        # the router's own 404/405: the same one-line JSON as every other error, not {"detail"}
+        what = {404: f"no such path: {_short(request.url.path, 80)}",
+                405: f"{request.method} is not allowed on {_short(request.url.path, 80)}"}
+        resp = _error(RequestError(err.status_code, what.get(err.status_code, str(err.detail))))
+        for key, value in (err.headers or {}).items():  # 405's Allow
+            resp.headers[key] = value
+        return resp
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, err: Exception) -> JSONResponse:  # pragma: no cover - a bug, logged
@@ -189,7 +354,7 @@ def create_app(holder: ServiceHolder, cfg: ServeConfig, token_sha256: str | None
         return JSONResponse({"error": "internal error", "status": 500}, status_code=500)
 
     _add_query_routes(app, holder, cfg, auth, decode)
-    _add_status_routes(app, holder, cfg, auth, stats)
+    _add_status_routes(app, holder, cfg, auth, stats, lambda request: holds_token(request, token_sha256))
     _add_page_routes(app, holder, cfg, auth)
     return app
 
@@ -199,25 +364,21 @@ def _add_page_routes(app: FastAPI, holder: ServiceHolder, cfg: ServeConfig, auth
     from gti.serve.page import PAGE
 
     @app.get("/")
-    async def page() -> HTMLResponse:
+    async def page(request: Request) -> HTMLResponse:
+        read_query(request)
         return HTMLResponse(PAGE)
 
     @app.get("/items")
     async def items(request: Request) -> JSONResponse:
         auth(request)
-        extra = sorted(set(request.query_params) - {"q", "limit"})
-        if extra:
-            raise RequestError(422, f"unknown query parameter(s): {', '.join(extra)} (GET /items takes q and limit)")
-        q = request.query_params.get("q", "")
+        query = read_query(request, ("q", "limit"))
+        q = query.get("q", "")
         if len(q) > 200:
             raise RequestError(422, f"q is {len(q)} characters long; at most 200")
-        raw = request.query_params.get("limit", "20")
-        if not raw.isdigit() or not 1 <= int(raw) <= cfg.max_search_results:
-            raise RequestError(422, f"limit must be an integer from 1 to {cfg.max_search_results} "
-                                    f"(serve.max_search_results), got {raw!r}")
+        limit = int_param(query, "limit", 20, 1, cfg.max_search_results, " (serve.max_search_results)")
         svc = _service(holder)  # once: the hits and the version named come from the same run
-        hits = await asyncio.to_thread(svc.search, q, int(raw))
-        return JSONResponse({"items": hits, "q": q, "limit": int(raw), **svc.identity})
+        hits = await asyncio.to_thread(svc.search, q, limit)
+        return JSONResponse({"items": hits, "q": q, "limit": limit, **svc.identity})
 
 
 async def call_asgi(app: Any, method: str, path: str, query: bytes, headers: list[tuple[bytes, bytes]],
@@ -259,8 +420,10 @@ def _add_query_routes(app: FastAPI, holder: ServiceHolder, cfg: ServeConfig, aut
         return cfg.exclude_history if flag is None else flag
 
     def check_k(k: int) -> None:
+        if k < 1:
+            raise RequestError(422, f"k must be an integer >= 1, got {_short(k)}")
         if k > cfg.max_k:
-            raise RequestError(422, f"k={k} exceeds the limit of {cfg.max_k} (serve.max_k)")
+            raise RequestError(422, f"k={_short(k)} exceeds the limit of {cfg.max_k} (serve.max_k)")
 
     @app.post("/recommend")
     async def recommend(request: Request) -> JSONResponse:
@@ -294,30 +457,38 @@ def _add_query_routes(app: FastAPI, holder: ServiceHolder, cfg: ServeConfig, aut
 
 
 def _add_status_routes(app: FastAPI, holder: ServiceHolder, cfg: ServeConfig, auth,
-                       stats: Callable[[], dict] | None) -> None:
+                       stats: Callable[[], dict] | None, trusted: Callable[[Request], bool]) -> None:
     """GET /healthz, /readyz, /info and POST /admin/reload."""
 
     @app.get("/healthz")
     async def healthz(request: Request) -> dict:
         auth(request)
+        read_query(request)
         return {"status": "ok"}
 
     @app.get("/readyz")
     async def readyz(request: Request) -> JSONResponse:
         auth(request)
+        read_query(request)
         svc = _service(holder)
         return JSONResponse({"status": "ready", **svc.identity})
 
     @app.get("/info")
     async def info(request: Request) -> JSONResponse:
         auth(request)
+        read_query(request)
         svc = _service(holder)
         limits = {key: getattr(cfg, key) for key in ("max_k", "max_body_bytes", "max_batch_histories",
                                                      "unknown_items", "exclude_history", "max_batch_size",
                                                      "batch_wait_timeout_s", "token_required",
                                                      "reload_poll_s", "max_search_results")}
         extra = {"replica": stats()} if stats is not None else {}
-        return JSONResponse({**svc.info(), "reload": holder.status(), "serve": limits, **extra})
+        body = {**svc.info(), "reload": holder.status(), "serve": limits, **extra}
+        if not trusted(request):  # the folders only to a caller holding the token
+            run = svc.run
+            body = without_paths(body, {"<run_dir>": str(getattr(run, "run_dir", "") or holder.run_dir),
+                                        "<model_dir>": str(getattr(run, "model_dir", "") or "")})
+        return JSONResponse(body)
 
     @app.post("/admin/reload")
     async def reload(request: Request) -> JSONResponse:
