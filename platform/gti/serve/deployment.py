@@ -21,8 +21,9 @@ settings come from the defaults, the `serve:` section of `--config`, the overrid
 (`gti.ray_start`: 127.0.0.1 only, no dashboard, a fresh auth token of its own) or joins
 `--ray-address`, and runs the application until
 interrupted, mounted at `serve.route_prefix` (the ingress hands the app paths relative to it:
-`app_path`). The bearer token is read here (`gti.serve.app.read_token`) and the replicas get
-only its sha256.
+`app_path`). The bearer token is read here and removed from the environment before Ray starts
+(`gti.serve.app.take_token`): no Ray worker or replica inherits it; the replicas get only its
+sha256.
 
 What it does NOT know: how requests are checked or decoded (gti.serve.app, gti.serve.service).
 """
@@ -208,7 +209,7 @@ def app_builder(args: dict[str, Any]):
 
     from gti.errors import ConfigError
     from gti.run_versions import RunDirError, chosen_version
-    from gti.serve.app import read_token, token_digest
+    from gti.serve.app import take_token, token_digest
 
     args = dict(args or {})
     unknown = sorted(set(args) - APP_ARGS)
@@ -221,7 +222,8 @@ def app_builder(args: dict[str, Any]):
     if not run_dir.is_dir():
         raise RunDirError(f"run directory not found: {run_dir}")
     chosen_version(run_dir, version)  # a missing version fails here, in one line
-    return build_app(run_dir, version, cfg, token_digest(read_token(cfg)), bool(args.get("trust_remote_code")))
+    # taken out of this process's environment: what it starts later does not inherit it
+    return build_app(run_dir, version, cfg, token_digest(take_token(cfg)), bool(args.get("trust_remote_code")))
 
 
 def serve_config(args) -> ServeConfig:
@@ -299,14 +301,16 @@ def start_serve(host: str, port: int, wait_s: float = PROXY_WAIT_S, echo=None, s
 def cli_main(args) -> int:
     """`gti serve` (see the module docstring): blocks until interrupted."""
     from gti.run_versions import RunDirError, chosen_version
-    from gti.serve.app import read_token, token_digest
+    from gti.serve.app import take_token, token_digest
 
     cfg = serve_config(args)
     run_dir = Path(args.run_dir).expanduser().resolve()
     if not run_dir.is_dir():
         raise RunDirError(f"run directory not found: {run_dir}")
     chosen_version(run_dir, args.version)  # a missing version fails here, in one line
-    digest = token_digest(read_token(cfg))
+    # Out of the environment before Ray starts: the local Ray's workers (the replicas among
+    # them) would inherit it, and the replicas are to hold only its digest.
+    digest = token_digest(take_token(cfg))
     start_ray(getattr(args, "ray_address", None))
     start_serve(cfg.host, cfg.port)
     app = build_app(run_dir, args.version, cfg, digest, bool(getattr(args, "trust_remote_code", False)))
