@@ -120,8 +120,21 @@ def test_bad_requests_and_the_token(live):
         (c.post("/recommend", json={"history": ["it1"] * 12000}), 413, "over 65536 bytes"),
         (c.get("/items", params={"limit": 0}), 422, "limit must be an integer"),
         (c.post("/admin/reload", json={"wait": True}), 401, "bearer token"),
+        # issue 51: what the parser cannot hold, other types and encodings, bad query values
+        (c.post("/recommend", content=b'{"history": ["it1"], "k": ' + b"9" * 5000 + b"}",
+                headers={"Content-Type": "application/json"}), 400, "4300 digits"),
+        (c.post("/recommend", content=b'{"history": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+                headers={"Content-Type": "application/json"}), 400, "nested deeper"),
+        (c.post("/recommend", content=b'{"history": ["it1"]}', headers={"Content-Type": "text/plain"}),
+         415, "Content-Type must be application/json"),
+        (c.post("/recommend", content=b'{"history": ["it\xff"]}', headers={"Content-Type": "application/json"}),
+         400, "not UTF-8"),
+        (c.get("/items", params={"limit": "\u00b2"}), 422, "limit must be an integer"),
+        (c.get("/healthz", params={"x": "1"}), 422, "takes no query parameters"),
     ]:
         assert resp.status_code == status and message in resp.json()["error"], resp.text
+    assert "run_dir" not in c.get("/info").json()  # no path without the token
+    assert c.get("/info", headers={"Authorization": f"Bearer {TOKEN}"}).json()["run_dir"] == str(live["run"].resolve())
     ok = c.post("/admin/reload", json={"wait": True}, headers={"Authorization": f"Bearer {TOKEN}"})
     assert ok.status_code == 200 and ok.json()["state"] == "unchanged"
 
