@@ -1,9 +1,11 @@
 """Stage `rl`: GRPO after SFT (`rl.enabled`, off by default), on Ray Train + DeepSpeed.
 
 What it is for: starting from the SFT model (`sft/model/`), train every parameter with GRPO
-(`gti.train.rl_run.run_rl`: per step, `rl.group_size` candidate SIDs per training prompt by
-trie-constrained decoding, rewards `rl.reward` against the prompt's target, group-normalised
-advantages, the clipped objective with `rl.kl_coef` x KL to the SFT model) and export the best
+(`gti.train.rl_run.run_rl`: per rollout batch, `rl.group_size` candidate SIDs per training
+prompt by trie-constrained decoding, rewards `rl.reward` against the prompt's target,
+group-normalised advantages; then `rl.updates_per_rollout` optimizer steps on the clipped
+objective with `rl.kl_coef` x KL to the SFT model: with 1, REINFORCE with group baselines, the
+clip never binding) and export the best
 validation's model to `model/` (a standard HF folder; the SFT model itself when no RL step beat
 it on the validation users' exact MRR). The prompts are `rl.steps` x `rl.batch_size` sampled
 training windows (training items only: validation and test items never reach a rollout),
@@ -114,7 +116,8 @@ def _train(ctx: StageContext, sft_dir, fault_injection: FaultInjection | None) -
     inputs = RlInputs(run_cfg=cfg, train_path=rows_path, pad_id=int(pad_id), val=val, fault=fault_injection,
                       start=RlStart(str(sft_dir), str(sids_path), new_start, new_end, levels))
     ctx.log(f"RL: {n_rows:,} prompts, {rc.steps} steps x {rc.batch_size} prompts x {rc.group_size} {rc.rollout} "
-            f"rollouts, reward {rc.reward}, kl_coef {rc.kl_coef}, on {rc.num_workers} worker(s)")
+            f"rollouts, {rc.updates_per_rollout} update(s) per rollout, reward {rc.reward}, kl_coef {rc.kl_coef}, "
+            f"on {rc.num_workers} worker(s)")
     t0 = time.time()
     res = run_rl(inputs, storage_path=(ctx.work_dir / STORAGE_DIR).resolve(), name=TASK,
                  start_ray=lambda: ensure_ray(cfg), log=ctx.log, tracker=lambda: open_tracker(ctx))
