@@ -72,3 +72,14 @@ def test_dump_round_trips():
 def test_dump_redacts_secrets():
     cfg = C.load(None, ["data.items.storage_options={api_key: k}"])
     assert REDACTED in C.dump(cfg) and "api_key: k" not in C.dump(cfg)
+
+
+def test_sid_seed_is_typed_and_dumped_only_when_set():
+    """None (the run's seed) stays out of dumps, so the sid section of every earlier config is
+    unchanged; a set value round-trips; a bad one names the key."""
+    assert "seed" not in C.load(None).model_dump(mode="json")["sid"]
+    cfg = C.load(CONFIGS / "tiny.yaml", ["sid.seed=7"])
+    assert cfg.sid.seed == 7 and cfg.model_dump(mode="json")["sid"]["seed"] == 7
+    assert C.validate(yaml.safe_load(C.dump(cfg))) == cfg
+    with pytest.raises(ConfigError, match="sid.seed"):
+        C.load(None, ["sid.seed=-1"])

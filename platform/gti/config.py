@@ -163,6 +163,13 @@ class SidConfig(_Strict):
 
     method: Literal["rqvae", "rqkmeans"] = Field(
         "rqvae", description="rqvae (residual-quantisation VAE, trained on Ray Train) or rqkmeans (residual k-means)")
+    # Left out of dumps while None, so the sid section (and with it the stage fingerprint of
+    # every map made before this key) is unchanged; a set value enters the fingerprint.
+    seed: Seed | None = Field(
+        None, exclude_if=lambda v: v is None,
+        description="seed of every random draw that makes the SID map (k-means sample and seeding, RQ-VAE "
+        "init and batches, Sinkhorn samples); None: the run's `seed`. Another value gives another map of the "
+        "same catalog (`gti compare --sid-seeds N` trains on N of them)")
     levels: int = Field(
         4, ge=1, le=26, description="code levels per item (one token each; de-duplication may add one)")
     codebook_size: int = Field(256, ge=2, le=MAX_CODEBOOK_SIZE, description="codes per level (new tokens per level)")

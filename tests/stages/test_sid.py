@@ -380,3 +380,34 @@ def test_fingerprint_holds_the_sinkhorn_resolve_version(tmp_path, monkeypatch):
         monkeypatch.setattr(sid_stage, "SINKHORN_RESOLVE_VERSION", "next")
         assert fp(f"sid.method={method}")[0] != before[0]
         monkeypatch.undo()
+
+
+def test_sid_seed_makes_another_map_and_none_is_the_run_seed(tmp_path):
+    """`sid.seed` seeds every draw of the map: another value, another map of the same catalog;
+    None is the run's `seed`, bit for bit (the maps made before the key existed)."""
+    vecs = clustered(n=200, dim=16, k=30, seed=3)
+    base = ["seed=5", "sid.method=rqkmeans", "sid.gates.min_utilisation=0.0"]
+
+    def made(name, *over):
+        run = tmp_path / name
+        _stage_without_ray(run, _cfg(tmp_path, *base, *over), vecs)
+        return (run / "sid_map.parquet").read_bytes(), (run / "quantizer.safetensors").read_bytes()
+
+    none = made("none")
+    assert made("five", "sid.seed=5") == none
+    other = made("six", "sid.seed=6")
+    assert other[0] != none[0] and other[1] != none[1]
+
+
+def test_fingerprint_holds_sid_seed_and_none_leaves_it_as_before(tmp_path):
+    from gti.pipeline import fingerprint
+
+    def fp(*over):
+        cfg = _cfg(tmp_path, *over)
+        return fingerprint(spec("sid"), cfg, cfg.resolved_run_dir())[0]
+
+    write_embed_stage(_cfg(tmp_path).resolved_run_dir(), clustered(n=20))
+    # None is not in the sid section at all, so the fingerprints of earlier maps stand.
+    assert "seed" not in _cfg(tmp_path).model_dump(mode="json")["sid"]
+    assert len({fp(), fp("sid.seed=1"), fp("sid.seed=2")}) == 3
+    assert fp("sid.seed=1") == fp("sid.seed=1")

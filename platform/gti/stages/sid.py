@@ -28,6 +28,10 @@ SID per item and the artefacts later stages need:
    Sinkhorn sample and window, and the residual cache (`sid.resolve_cache_mb`): nothing that
    grows with the catalog (bench/RESULTS.md, "A sid driver that does not grow").
 
+Every random draw (the k-means sample, k-means++ seeding, RQ-VAE init and batches, the
+Sinkhorn samples) is seeded by `map_seed`: `sid.seed`, or the run's `seed` when it is None, so
+that several maps of one catalog can be made under one run seed (`gti compare --sid-seeds`).
+
 The fingerprint holds the resolved `sid.assign_dtype` (`input_fingerprints`); the facts hold
 `sid_map_hash` and the machine (CPU model, SIMD flags, threads). facts.timing: wall seconds of
 the embedding check, the Ray start, the sample read, the k-means (init or fit), the RQ-VAE
@@ -114,6 +118,13 @@ SINKHORN_RESOLVE_VERSION = "2"
 KMEANS_SEEDING_VERSION = "2"
 
 
+def map_seed(cfg) -> int:
+    """The seed of the SID map: `sid.seed`, or the run's `seed` where it is None (the maps made
+    before `sid.seed` existed, bit for bit). A set `sid.seed` is in the sid section and so in
+    the stage's fingerprint; None is left out of it (`gti.config.SidConfig.seed`)."""
+    return cfg.seed if cfg.sid.seed is None else cfg.sid.seed
+
+
 def input_fingerprints(cfg) -> dict[str, str]:
     """The resolved assignment precision: codes made in bf16 are never up to date for a config
     that would make them in float32 here (`auto` resolves per machine); the version of k-means++
@@ -193,12 +204,13 @@ def _train(ctx: StageContext, emb_path: Path, rows_reader: EmbeddingRows, n_item
     gets the phases sample_read, kmeans and rqvae_train."""
     cfg, s = ctx.cfg, ctx.cfg.sid
     timer = timer or Timer()
-    rng = np.random.default_rng(cfg.seed)
+    seed = map_seed(cfg)
+    rng = np.random.default_rng(seed)
     sample_rows = np.sort(rng.choice(n_items, size=min(n_items, s.kmeans_sample), replace=False))
     with timer.phase("sample_read"):
         sample = rows_reader.read(sample_rows)
-    gen = torch.Generator().manual_seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
     q = build_quantizer(s, dim)
     t0 = time.time()
     history: list[dict] = []
@@ -212,7 +224,7 @@ def _train(ctx: StageContext, emb_path: Path, rows_reader: EmbeddingRows, n_item
             q.fit(sample, iters=s.kmeans_iters, generator=gen, log=ctx.log)
     if s.method == "rqvae":
         with timer.phase("rqvae_train"):  # Ray Train start-up, epochs, reports and checkpoints
-            q, history = train_rqvae(s, cfg.seed, emb_path, q, n_items, ctx.work_dir / STORAGE_DIR, ctx.log)
+            q, history = train_rqvae(s, seed, emb_path, q, n_items, ctx.work_dir / STORAGE_DIR, ctx.log)
     train_s = time.time() - t0
     q.eval()
     if s.method == "rqvae":
@@ -247,7 +259,7 @@ def _resolve(ctx: StageContext, q, scan: CodeScan, rows_reader: EmbeddingRows,
                                                 every_n=1) as rounds:
             out = sinkhorn_rounds(
                 store, cost, s.sinkhorn_epsilon, s.sinkhorn_iters, s.sinkhorn_rounds,
-                sample_rows=s.sinkhorn_sample_rows, seed=cfg.seed, min_gain=s.sinkhorn_min_gain,
+                sample_rows=s.sinkhorn_sample_rows, seed=map_seed(cfg), min_gain=s.sinkhorn_min_gain,
                 log=lambda msg: rounds.update(1, msg))
         ctx.log(f"last residuals: {last_residuals.encoded:,} encodes, {last_residuals.used:,} items cached "
                 f"(sid.resolve_cache_mb={s.resolve_cache_mb:g})")
