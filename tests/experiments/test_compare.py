@@ -587,3 +587,102 @@ def test_compare_tiny_end_to_end(tmp_path, tiny_upstream, ray_start_4_cpus):
     assert er[("mean", "init")] < 1.5  # mean init: (nearly) one point
     assert er[("gti", "ground")] > er[("gti", "init")]
     assert "<th>gti</th>" in paths["html"].read_text()
+
+
+# --------------------------------------------------------------------------- several SID maps
+def test_default_plan_is_one_map_in_todays_folders(tmp_path):
+    """Without --sid-seeds nothing moves: one map (sid.seed unset), runs/<arm>/seed<s>,
+    shared/, records/<arm>/seed<s>.json, run keys (arm, seed)."""
+    cfg = _base_cfg(tmp_path)
+    out = tmp_path / "out"
+    runs = CMP.plan(cfg, ["mean", "gti"], 2, out)
+    assert runs == CMP.plan(cfg, ["mean", "gti"], 2, out, n_maps=1)
+    assert [(r.key, r.run_dir, r.sid_seed, r.cfg.sid.seed) for r in runs] == [
+        ((a, s), out / "runs" / a / f"seed{s}", None, None) for s in (0, 1) for a in ("mean", "gti")]
+    assert "seed" not in runs[0].cfg.model_dump(mode="json")["sid"]
+    assert CMP.map_dirs(out, None) == (out / "shared", out / "runs")
+    assert record_path(tmp_path / "rec", "gti", 1, runs[1].sid_seed) == tmp_path / "rec" / "gti" / "seed1.json"
+    assert [r.name for r in runs[:2]] == ["mean seed 0", "gti seed 0"]
+
+
+def test_plan_on_three_sid_maps(tmp_path):
+    """--sid-seeds 3: three shared folders, every arm x seed on each map with that map's
+    sid.seed in its config, seed-major then map; no two runs share a folder or a record."""
+    from gti.experiments.shared_stages import shared_config
+
+    cfg = _base_cfg(tmp_path, "seed=4")
+    out = tmp_path / "out"
+    runs = CMP.plan(cfg, ["mean", "gti"], 2, out, n_maps=3)
+    assert len(runs) == 2 * 2 * 3
+    assert [(r.seed, r.sid_seed, r.arm) for r in runs[:6]] == [
+        (4, m, a) for m in (4, 5, 6) for a in ("mean", "gti")]
+    for r in runs:
+        assert r.cfg.sid.seed == r.sid_seed and r.cfg.seed == r.seed
+        assert r.run_dir == out / "runs" / f"sid{r.sid_seed}" / r.arm / f"seed{r.seed}"
+        assert r.cfg.resolved_run_dir() == r.run_dir.resolve()
+    assert len({r.run_dir for r in runs}) == len(runs) == len({r.key for r in runs})
+    rdir = tmp_path / "rec"
+    assert len({record_path(rdir, r.arm, r.seed, r.sid_seed) for r in runs}) == len(runs)
+    assert record_path(rdir, "gti", 4, 5) == rdir / "sid5" / "gti" / "seed4.json"
+    shared = [shared_config(cfg, out, m) for m in (4, 5, 6)]
+    assert [c.resolved_run_dir() for c in shared] == [(out / "shared" / f"sid{m}").resolve() for m in (4, 5, 6)]
+    assert [c.sid.seed for c in shared] == [4, 5, 6] and {c.seed for c in shared} == {4}
+    assert runs[1].name == "gti seed 4 on sid4"
+    with pytest.raises(CompareError, match="--sid-seeds must be >= 1"):
+        CMP.plan(cfg, ["mean"], 1, out, n_maps=0)
+
+
+def test_compare_on_two_sid_maps_reports_each_map_and_the_mean(tmp_path, fake_stages):
+    """The harness on 2 maps with fake stages: ingest and embed made once (linked into the
+    second map's shared folder), sid and pairs once per map with its sid.seed, every arm on
+    every map, records per map, and compare.json's `maps` summary over them."""
+    from gti.experiments.sid_maps import HEADLINE
+
+    def sid(ctx):  # codebooks from the map's seed, so the maps (and their hashes) differ
+        fake_stages._note(ctx)
+        g = torch.Generator().manual_seed(ctx.cfg.sid.seed)
+        save_file({f"level_{i}": torch.randn(k, 3, generator=g) for i, k in enumerate(SIZES)},
+                  str(ctx.work_dir / "codebooks.safetensors"))
+        tokens = [f"<{c}_{i}>" for c, k in zip("ab", SIZES) for i in range(k)]
+        return StageResult({"codebooks": "codebooks.safetensors"},
+                           {"codebook_sizes": SIZES, "new_tokens": tokens, "levels": 2})
+
+    def evaluate(ctx):  # per-user hits that depend on the arm and the map
+        fake_stages._note(ctx)
+        rng = np.random.default_rng([ctx.cfg.seed, ctx.cfg.sid.seed, ctx.cfg.ground.enabled])
+        hit = (rng.random(30) < (0.3 if ctx.cfg.ground.enabled else 0.1) + 0.1 * ctx.cfg.sid.seed).astype(float)
+        (ctx.work_dir / "metrics.json").write_text(json.dumps({
+            "splits": {"test": {"recall@10": {"value": float(hit.mean()), "ci": [0.0, 1.0]}}},
+            "baselines": {}, "per_user": {"test": {"user_ids": [f"u{i}" for i in range(30)],
+                                                   "recall@10": hit.tolist()}}}))
+        return StageResult({"metrics": "metrics.json"}, {})
+
+    fake_stages.sid, fake_stages.evaluate = sid, evaluate
+    out = tmp_path / "cmp"
+    msgs: list[str] = []
+    paths = CMP.compare(_base_cfg(tmp_path), ["mean", "gti"], 1, out, echo=msgs.append, n_maps=2)
+    calls = [(c[0], Path(c[1]).relative_to(out).as_posix()) for c in fake_stages.calls if c[0] in SHARED_STAGES]
+    assert calls == [("ingest", "shared/sid0"), ("embed", "shared/sid0"), ("sid", "shared/sid0"),
+                     ("pairs", "shared/sid0"), ("sid", "shared/sid1"), ("pairs", "shared/sid1")]
+    grounded = sorted(Path(c[1]).relative_to(out).as_posix() for c in fake_stages.calls if c[0] == "ground")
+    assert grounded == ["runs/sid0/gti/seed0", "runs/sid0/mean/seed0", "runs/sid1/gti/seed0", "runs/sid1/mean/seed0"]
+    for m in (0, 1):
+        assert config.load(out / "runs" / f"sid{m}" / "gti" / "seed0" / "config.yaml").sid.seed == m
+    assert sorted(p.relative_to(out / "records").as_posix() for p in (out / "records").rglob("*.json")) == [
+        "sid0/gti/seed0.json", "sid0/mean/seed0.json", "sid1/gti/seed0.json", "sid1/mean/seed0.json"]
+    plan_doc = json.loads((out / "compare.json").read_text())
+    assert plan_doc["sid_seeds"] == [0, 1] and set(plan_doc["shared_run_dirs"]) == {"sid0", "sid1"}
+    assert plan_doc["shared_identity"]["sid0"] != plan_doc["shared_identity"]["sid1"]
+    assert [r["sid_seed"] for r in plan_doc["runs"]] == [0, 0, 1, 1]
+    maps = plan_doc["maps"]
+    fig = maps["mean"]["arms"]["gti"]["recall@10"]
+    per_map = [maps["per_map"][t]["arms"]["gti"]["recall@10"]["value"] for t in ("sid0", "sid1")]
+    assert fig["mean"] == pytest.approx(np.mean(per_map)) and fig["per_map"] == dict(zip(("sid0", "sid1"), per_map))
+    assert set(maps["per_map"]["sid1"]["paired"]["gti - mean"]) == {"recall@10"} and HEADLINE[0] == "recall@10"
+    assert all(Path(p).is_file() for p in maps["reports"].values()) and set(maps["reports"]) == {"sid0", "sid1"}
+    doc = json.loads(paths["json"].read_text())
+    assert doc["seeds_per_arm"] == {"mean": 2, "gti": 2} and "on 2 SID maps" in doc["title"]
+    assert any(m.startswith("gti recall@10:") and "mean over 2 SID maps" in m for m in msgs)
+    fake_stages.calls.clear()  # rerun: everything up to date
+    CMP.compare(_base_cfg(tmp_path), ["mean", "gti"], 1, out, echo=lambda m: None, n_maps=2)
+    assert fake_stages.calls == []

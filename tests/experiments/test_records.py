@@ -36,6 +36,8 @@ def test_records_live_under_out_or_compare_records_dir(tmp_path):
     cfg2 = C.validate({"compare": {"records_dir": str(tmp_path / "kept")}}, "t")
     assert records_dir(cfg2, tmp_path) == (tmp_path / "kept").resolve()
     assert record_path(Path("/r"), "gti+multitask", 3) == Path("/r/gti_multitask/seed3.json")
+    # on one of several SID maps the map is part of the path, so maps never share a record
+    assert record_path(Path("/r"), "gti+multitask", 3, 2) == Path("/r/sid2/gti_multitask/seed3.json")
 
 
 def test_old_records_without_an_rl_section_still_stand_for_non_rl_arms(tmp_path):

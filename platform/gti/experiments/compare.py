@@ -1,6 +1,7 @@
 """`gti compare`: every initialisation arm x seed on identical data, SIDs, budgets; one report.
 
     gti compare --config X --arms mean,random,description,gti,gti+multitask,gti+rl,lcrec --seeds 3 [--out DIR]
+    gti compare --config X --arms mean,gti --seeds 2 --sid-seeds 3   # on 3 SID maps
 
 Arms are sets of config overrides applied on top of the user's config (every arm sets the
 same keys, so nothing leaks from the base config into one arm and not another):
@@ -30,6 +31,16 @@ Layout under `--out` (default `<run_dir>/compare`):
   ground -> sft -> rl -> evaluate -> report with that arm's overrides and seed.
 - `report.html|json|csv`, `plots/`, `compare.json`: one report over all arms x seeds.
 
+SID maps (`--sid-seeds N`, default 1): with N > 1 every arm x seed trains on each of N maps of
+the same catalog, `sid.seed` = base, base+1, ... (base: `sid.seed`, else `seed`;
+`gti.experiments.sid_maps`). Each map has its own `shared/sid<m>/` (ingest and embed linked from
+the first map's, so made once), `runs/sid<m>/<arm>/seed<s>/` and `records/sid<m>/`; the report
+in `--out` pools every map (an arm's figure: the mean over maps x seeds), `maps/sid<m>/` holds
+one report per map, and compare.json's `maps` gives per map each arm's Recall@10, NDCG@10 and
+MRR with CIs and the paired differences between arms, then the mean over maps with sd, min,
+max and every map's figure beside it (`compare_report.write_maps_report`). Runs are seed-major,
+then map, then arm. N = 1 is the layout and compare.json above, unchanged.
+
 Seeds are `seed, seed+1, ..., seed+N-1`. The seed enters every stage fingerprint, so the
 linked shared stages (fingerprinted with the base seed) would look stale to a run with another
 seed. The harness therefore starts each arm run at `--from <first incomplete stage from
@@ -48,7 +59,8 @@ be for any multi-node run): an arm task may land on any node.
 
 Records (resuming on another machine or in a later session): as each arm run finishes, its
 report record (metrics with per-user values, diagnostics, curves, timing, config) is written to
-`compare.records_dir` (default `<out>/records`) as `<arm>/seed<s>.json`, beside the content
+`compare.records_dir` (default `<out>/records`) as `<arm>/seed<s>.json` (`sid<m>/<arm>/seed<s>.json`
+on one of several maps), beside the content
 hashes of what it inherited (catalog, sequences, SID map, codebooks, grounding pairs). A later
 `gti compare` whose run folder for that arm x seed is missing takes the record instead of
 rerunning it when the record's config equals the run's (after validating it with today's code,
@@ -66,7 +78,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 import time
 import traceback
@@ -77,10 +88,12 @@ from gti import config as C
 from gti import pipeline
 from gti.config_io import apply_overrides
 from gti.errors import GtiError
-from gti.experiments.records import (
-    load_record, read_record, record_path, records_dir, run_facts, shared_identity, write_record,
+from gti.experiments.compare_report import write_maps_report, write_report
+from gti.experiments.records import read_record, record_path, records_dir, shared_identity, write_record
+from gti.experiments.shared_stages import (
+    SHARED_STAGES, ArmRun, CompareError, adopt_shared, map_dirs, map_overrides, map_tag, run_shared, slug,
 )
-from gti.experiments.shared_stages import SHARED_STAGES, ArmRun, CompareError, adopt_shared, slug
+from gti.experiments.sid_maps import sid_seeds
 from gti.files import atomic_write_json
 from gti.train import resources
 
@@ -161,33 +174,34 @@ def parse_seeds(spec: int | str | Mapping[str, int], arms: Sequence[str]) -> dic
     return counts
 
 
-def arm_config(cfg: C.RunConfig, arm: str, seed: int, run_dir: Path) -> C.RunConfig:
-    """The validated config of one arm x seed run in `run_dir`."""
+def arm_config(cfg: C.RunConfig, arm: str, seed: int, run_dir: Path, sid_seed: int | None = None) -> C.RunConfig:
+    """The validated config of one arm x seed run in `run_dir` (on map `sid.seed=sid_seed`)."""
     raw = cfg.model_dump(mode="json")
-    ov = arm_overrides(cfg, arm) + [f"seed={seed}", f"run_dir={run_dir}"]
-    return C.validate(apply_overrides(raw, ov), f"arm '{arm}' seed {seed}")
+    ov = arm_overrides(cfg, arm) + [f"seed={seed}", f"run_dir={run_dir}"] + map_overrides(sid_seed)
+    where = "" if sid_seed is None else f" sid.seed {sid_seed}"
+    return C.validate(apply_overrides(raw, ov), f"arm '{arm}' seed {seed}{where}")
 
 
-def plan(cfg: C.RunConfig, arms: Sequence[str], n_seeds: int | str | Mapping[str, int], out: Path) -> list[ArmRun]:
-    """All arm x seed runs, seed-major (every arm of seed s before any arm of seed s+1; an arm
-    with fewer seeds, `parse_seeds`, drops out after its last), with their configs and run
-    folders. Seed-major so that a comparison stopped part-way (a long CPU run spans sessions)
-    always holds complete, paired seeds to report on."""
+def plan(cfg: C.RunConfig, arms: Sequence[str], n_seeds: int | str | Mapping[str, int], out: Path,
+         n_maps: int = 1) -> list[ArmRun]:
+    """All arm x seed runs on each of `n_maps` SID maps (`sid_seeds`), seed-major (every arm of
+    seed s on every map before any run of seed s+1; an arm with fewer seeds, `parse_seeds`,
+    drops out after its last), with their configs and run folders
+    (`<runs root>/<arm>/seed<s>`, `map_dirs`). Seed-major so that a comparison stopped
+    part-way (a long CPU run spans sessions) always holds complete, paired seeds to report on."""
     counts = parse_seeds(n_seeds, arms)
+    maps = sid_seeds(cfg, n_maps)
     runs = []
     for seed in seeds_for(cfg, max(counts.values())):
-        for arm in arms:
-            if seed - cfg.seed < counts[arm]:
-                rd = out / "runs" / slug(arm) / f"seed{seed}"
-                runs.append(ArmRun(arm, seed, rd, arm_config(cfg, arm, seed, rd)))
+        for m in maps:
+            for arm in arms:
+                if seed - cfg.seed < counts[arm]:
+                    rd = map_dirs(out, m)[1] / slug(arm) / f"seed{seed}"
+                    runs.append(ArmRun(arm, seed, rd, arm_config(cfg, arm, seed, rd, m), m))
     return runs
 
 
-# --------------------------------------------------------------------------- shared stages
-def shared_config(cfg: C.RunConfig, out: Path) -> C.RunConfig:
-    return C.validate(apply_overrides(cfg.model_dump(mode="json"), [f"run_dir={out / 'shared'}"]))
-
-
+# --------------------------------------------------------------------------- arm runs
 def first_incomplete(cfg: C.RunConfig, run_dir: Path) -> str | None:
     """First of ground..report that is missing or stale in run_dir (None: all up to date)."""
     for name in ARM_STAGES:
@@ -224,11 +238,11 @@ def auto_parallel(cfg: C.RunConfig, cluster: dict[str, float]) -> int:
 def execute(
     runs: Sequence[ArmRun], cfg: C.RunConfig, echo: Callable[[str], None] = _echo,
     on_done: Callable[[ArmRun], None] = lambda r: None,
-) -> dict[tuple[str, int], str]:
-    """Run every arm x seed; returns {(arm, seed): error text} for the runs that failed.
+) -> dict[tuple, str]:
+    """Run every arm x seed; returns {ArmRun.key: error text} for the runs that failed.
     `on_done(run)` is called as soon as each run has finished (the record is kept then, so a
     session that ends mid-comparison loses only the run in progress)."""
-    failures: dict[tuple[str, int], str] = {}
+    failures: dict[tuple, str] = {}
     width = 1
     if cfg.compare.parallel and len(runs) > 1:
         from gti.ray_start import ensure_ray
@@ -239,14 +253,14 @@ def execute(
         width = cfg.compare.max_parallel or auto_parallel(cfg, ray.cluster_resources())
     if width <= 1:
         for r in runs:
-            echo(f"{r.arm} seed {r.seed}: running in {r.run_dir}")
+            echo(f"{r.name}: running in {r.run_dir}")
             try:
                 info = run_arm(r.cfg.model_dump(mode="json"))
-                echo(f"{r.arm} seed {r.seed}: {'up to date' if info['skipped'] else 'done'}")
+                echo(f"{r.name}: {'up to date' if info['skipped'] else 'done'}")
                 on_done(r)
             except Exception as err:  # one failed arm must not lose the others
-                failures[(r.arm, r.seed)] = _describe(err)
-                echo(f"{r.arm} seed {r.seed}: FAILED: {failures[(r.arm, r.seed)].splitlines()[0]}")
+                failures[r.key] = _describe(err)
+                echo(f"{r.name}: FAILED: {failures[r.key].splitlines()[0]}")
         return failures
 
     import ray
@@ -262,7 +276,7 @@ def execute(
     while queue or pending:
         while queue and len(pending) < width:
             r = queue.pop(0)
-            echo(f"{r.arm} seed {r.seed}: submitted ({r.run_dir})")
+            echo(f"{r.name}: submitted ({r.run_dir})")
             ref = task.remote(r.cfg.model_dump(mode="json"), os.getcwd())
             pending[ref], deadline[ref] = r, time.monotonic() + cfg.compare.arm_timeout_s
         wait_s = max(0.0, min(min(deadline.values()) - time.monotonic(), WAIT_POLL_S))
@@ -272,20 +286,20 @@ def execute(
                 r = pending.pop(ref)
                 del deadline[ref]
                 ray.cancel(ref, force=True)  # its worker (and the Train run it drives) goes with it
-                failures[(r.arm, r.seed)] = (f"compare.arm_timeout_s: not finished {cfg.compare.arm_timeout_s:g}s "
+                failures[r.key] = (f"compare.arm_timeout_s: not finished {cfg.compare.arm_timeout_s:g}s "
                                              "after its submission, cancelled (raise it for longer arm runs)")
-                echo(f"{r.arm} seed {r.seed}: FAILED: {failures[(r.arm, r.seed)]}")
+                echo(f"{r.name}: FAILED: {failures[r.key]}")
             continue
         r = pending.pop(done[0])
         del deadline[done[0]]
         try:
             info = ray.get(done[0])
-            echo(f"{r.arm} seed {r.seed}: {'up to date' if info['skipped'] else 'done in %.0fs' % info['seconds']}")
+            echo(f"{r.name}: {'up to date' if info['skipped'] else 'done in %.0fs' % info['seconds']}")
             on_done(r)
         except Exception as err:
             cause = getattr(err, "cause", None) or err
-            failures[(r.arm, r.seed)] = _describe(cause)
-            echo(f"{r.arm} seed {r.seed}: FAILED: {failures[(r.arm, r.seed)].splitlines()[0]}")
+            failures[r.key] = _describe(cause)
+            echo(f"{r.name}: FAILED: {failures[r.key].splitlines()[0]}")
     return failures
 
 
@@ -295,56 +309,16 @@ def _describe(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}\n" + "".join(traceback.format_exception(err))
 
 
-def write_report(
-    runs: Sequence[ArmRun], cfg: C.RunConfig, out: Path, title: str,
-    stored: dict[tuple[str, int], tuple[Any, dict[str, Any]]] | None = None,
-) -> dict[str, Path]:
-    """The cross-arm report over the finished runs and the stored records standing for runs
-    not here (`stored`: {(arm, seed): (RunRecord, run facts)}), in plan order: spectra per
-    phase, SFT learning curves, heat maps per arm (from runs whose folders are here)."""
-    from gti.diagnostics.report_files import build_report, learning_curve_plots, spectra_plots
-
-    stored = stored or {}
-    done = [r for r in runs if (r.run_dir / "report" / "_manifest.json").is_file()]
-    done_keys = {(r.arm, r.seed) for r in done}
-    records, facts = [], []
-    for r in runs:
-        if (r.arm, r.seed) in done_keys:
-            records.append(load_record(r))
-            facts.append(run_facts(r))
-        elif (r.arm, r.seed) in stored:
-            records.append(stored[(r.arm, r.seed)][0])
-            facts.append(stored[(r.arm, r.seed)][1])
-    if not records:
-        raise CompareError(f"no finished arm runs under {out / 'runs'} (nor records) to report on")
-    plot_dir = out / "plots"
-    plot_dir.mkdir(parents=True, exist_ok=True)
-    plots = dict(spectra_plots(records, plot_dir))
-    plots.update(learning_curve_plots(records, plot_dir))
-    for arm in dict.fromkeys(r.arm for r in done):
-        first = next(r for r in done if r.arm == arm)
-        for name, caption in (("sid_sid_init", "SID-SID cosine at init"),
-                              ("sid_sid_sft", "SID-SID cosine after SFT"),
-                              ("sid_text_sft", "SID-text cosine after SFT")):
-            src = first.run_dir / "report" / "plots" / f"{name}.png"
-            if src.is_file():
-                dst = plot_dir / f"{slug(arm)}_seed{first.seed}_{name}.png"
-                shutil.copyfile(src, dst)
-                plots[f"{arm} (seed {first.seed}): {caption}"] = dst
-    return build_report(
-        records, out, plots=plots, title=title, baseline_arm=cfg.report.baseline_arm,
-        n_boot=cfg.report.bootstrap, seed=cfg.seed, run_facts=facts,
-    )
-
-
 # --------------------------------------------------------------------------- entry points
 def compare(
     cfg: C.RunConfig, arms: Sequence[str], n_seeds: int | str | Mapping[str, int],
     out: str | Path | None = None, echo: Callable[[str], None] = _echo, report_only: bool = False,
+    n_maps: int = 1,
 ) -> dict[str, Path]:
-    """Shared stages once, every arm x seed (or its stored record), one report; returns the
-    report paths. `report_only`: run nothing, report on what is finished or recorded. A run
-    (not `report_only`, a reader) holds `out`'s writer lock (`gti.runlock`) throughout."""
+    """Shared stages once per SID map (`n_maps`, `sid_seeds`), every arm x seed on each (or its
+    stored record), one report; returns the report paths. `report_only`: run nothing, report on
+    what is finished or recorded. A run (not `report_only`, a reader) holds `out`'s writer lock
+    (`gti.runlock`) throughout."""
     from contextlib import nullcontext
 
     from gti.runlock import RunLock
@@ -352,59 +326,70 @@ def compare(
     arms = parse_arms(list(arms))
     out = Path(out).expanduser().resolve() if out else cfg.resolved_run_dir() / "compare"
     with nullcontext() if report_only else RunLock(out):
-        return _compare(cfg, arms, n_seeds, out, echo, report_only)
+        return _compare(cfg, arms, n_seeds, out, echo, report_only, n_maps)
 
 
-def _compare(cfg: C.RunConfig, arms: list[str], n_seeds, out: Path, echo: Callable[[str], None],
-             report_only: bool) -> dict[str, Path]:
-    runs = plan(cfg, arms, n_seeds, out)  # validates every arm config before any work
-    shared = shared_config(cfg, out)
-    shared_dir = shared.resolved_run_dir()
-    if report_only:
-        missing = [s for s in SHARED_STAGES if not (shared_dir / s / "_manifest.json").is_file()]
-        if missing:
-            raise CompareError(f"--report-only: shared stage(s) {', '.join(missing)} not run in {shared_dir}")
-    else:
-        echo(f"shared stages ({', '.join(SHARED_STAGES)}) in {shared_dir}")
-        pipeline.run(shared, to_stage=SHARED_STAGES[-1], echo=echo)
-    identity = shared_identity(shared_dir)
-    rdir = records_dir(cfg, out)
+def _sort_runs(runs: Sequence[ArmRun], rdir: Path, identities: Mapping[int | None, dict[str, str]],
+               echo: Callable[[str], None]) -> tuple[list[ArmRun], dict[tuple, Any], set[tuple]]:
+    """(the runs still to run, {key: (record, facts)} of the runs a stored record stands for,
+    keys of the runs complete in their folders here)."""
     todo, stored, complete = [], {}, set()
     for r in runs:
         if first_incomplete(r.cfg, r.run_dir) is None:
-            complete.add((r.arm, r.seed))
+            complete.add(r.key)
         else:
-            rec, facts, why = read_record(r, rdir, identity)
+            rec, facts, why = read_record(r, rdir, identities[r.sid_seed])
             if rec is not None:
-                stored[(r.arm, r.seed)] = (rec, facts)
-                echo(f"{r.arm} seed {r.seed}: finished earlier, taken from {record_path(rdir, r.arm, r.seed)}")
+                stored[r.key] = (rec, facts)
+                echo(f"{r.name}: finished earlier, taken from {record_path(rdir, r.arm, r.seed, r.sid_seed)}")
                 continue
             if why:
-                echo(f"{r.arm} seed {r.seed}: record not used, the run goes again: {why}")
+                echo(f"{r.name}: record not used, the run goes again: {why}")
         todo.append(r)
+    return todo, stored, complete
+
+
+def _plan_doc(cfg: C.RunConfig, arms: list[str], n_seeds, runs: Sequence[ArmRun], dirs: Mapping[int | None, Path],
+              identities: Mapping[int | None, dict[str, str]], rdir: Path, stored) -> dict[str, Any]:
+    """compare.json as the runs start: one map, the keys it always had; several, each map's
+    shared folder and hashes by `sid<m>` and each run's `sid_seed`."""
+    doc: dict[str, Any] = {
+        "arms": {a: arm_overrides(cfg, a) for a in arms},
+        "seeds": {a: seeds_for(cfg, n) for a, n in parse_seeds(n_seeds, arms).items()},
+        "equal_budget": cfg.compare.equal_budget,
+    }
+    if list(dirs) == [None]:
+        doc.update(shared_run_dir=str(dirs[None]), shared_identity=identities[None])
+    else:
+        doc.update(sid_seeds=list(dirs), shared_run_dirs={map_tag(m): str(d) for m, d in dirs.items()},
+                   shared_identity={map_tag(m): identities[m] for m in dirs})
+    doc["records_dir"] = str(rdir)
+    doc["runs"] = [{"arm": r.arm, "seed": r.seed, **({} if r.sid_seed is None else {"sid_seed": r.sid_seed}),
+                    "run_dir": str(r.run_dir), "from_record": r.key in stored} for r in runs]
+    return doc
+
+
+def _compare(cfg: C.RunConfig, arms: list[str], n_seeds, out: Path, echo: Callable[[str], None],
+             report_only: bool, n_maps: int = 1) -> dict[str, Path]:
+    runs = plan(cfg, arms, n_seeds, out, n_maps)  # validates every arm config before any work
+    dirs = run_shared(cfg, out, sid_seeds(cfg, n_maps), report_only, echo)
+    identities = {m: shared_identity(d) for m, d in dirs.items()}
+    rdir = records_dir(cfg, out)
+    todo, stored, complete = _sort_runs(runs, rdir, identities, echo)
     if not report_only:
         # Only into runs that still have stages to run: re-linking the shared stages into a
         # finished run (e.g. one left from an earlier session, whose shared folder has been
         # rebuilt since) would make its ground stage look stale and run the whole arm again.
         for r in todo:
-            if (r.arm, r.seed) not in complete:
-                adopt_shared(shared_dir, r.run_dir)
-    atomic_write_json(out / "compare.json", {
-        "arms": {a: arm_overrides(cfg, a) for a in arms},
-        "seeds": {a: seeds_for(cfg, n) for a, n in parse_seeds(n_seeds, arms).items()},
-        "equal_budget": cfg.compare.equal_budget,
-        "shared_run_dir": str(shared_dir),
-        "shared_identity": identity,
-        "records_dir": str(rdir),
-        "runs": [{"arm": r.arm, "seed": r.seed, "run_dir": str(r.run_dir),
-                  "from_record": (r.arm, r.seed) in stored} for r in runs],
-    })
+            if r.key not in complete:
+                adopt_shared(dirs[r.sid_seed], r.run_dir)
+    atomic_write_json(out / "compare.json", _plan_doc(cfg, arms, n_seeds, runs, dirs, identities, rdir, stored))
 
     def keep(r: ArmRun) -> None:
         try:
-            echo(f"{r.arm} seed {r.seed}: record kept in {write_record(r, rdir, identity)}")
+            echo(f"{r.name}: record kept in {write_record(r, rdir, identities[r.sid_seed])}")
         except (OSError, GtiError) as err:  # the run itself is fine; say so and go on
-            echo(f"{r.arm} seed {r.seed}: could not keep its record: {err}")
+            echo(f"{r.name}: could not keep its record: {err}")
 
     if report_only:  # a run with a report stands as made (even by older code): keep it
         failures = {}
@@ -413,14 +398,20 @@ def _compare(cfg: C.RunConfig, arms: list[str], n_seeds, out: Path, echo: Callab
                 keep(r)
     else:
         failures = execute(todo, cfg, echo, on_done=keep)
-    ok = [r for r in runs if (r.arm, r.seed) not in failures]
+    ok = [r for r in runs if r.key not in failures]
     counts = parse_seeds(n_seeds, arms)
     title = f"gti comparison: {', '.join(f'{a} x {counts[a]}' for a in arms)} seed(s)"
-    paths = write_report(ok, cfg, out, title, stored) if ok else {}
+    if len(dirs) > 1:
+        title += f" on {len(dirs)} SID maps (sid.seed {', '.join(str(m) for m in dirs)})"
+        paths = write_maps_report(ok, cfg, out, title, stored, echo) if ok else {}
+    else:
+        paths = write_report(ok, cfg, out, title, stored) if ok else {}
     if failures:
-        for (arm, seed), msg in failures.items():
-            print(f"--- {arm} seed {seed} failed:\n{msg}", file=sys.stderr)
-        names = ", ".join(f"{a}/seed{s}" for a, s in failures)
+        failed = [r for r in runs if r.key in failures]
+        for r in failed:
+            print(f"--- {r.name} failed:\n{failures[r.key]}", file=sys.stderr)
+        names = ", ".join(("" if r.sid_seed is None else f"{map_tag(r.sid_seed)}/") + f"{r.arm}/seed{r.seed}"
+                          for r in failed)
         where = f"; report over the others: {paths['html']}" if paths else ""
         raise CompareError(f"{len(failures)} of {len(runs)} arm runs failed ({names}){where}")
     return paths
@@ -444,7 +435,9 @@ def cli_main(args) -> int:
     cfg = C.load(args.config, list(getattr(args, "overrides", None) or []))
     arms = parse_arms(args.arms)
     n_seeds = parse_seeds(args.seeds, arms)  # CompareError naming the bad part, before any work
+    n_maps = 1 if getattr(args, "sid_seeds", None) is None else int(args.sid_seeds)
+    sid_seeds(cfg, n_maps)  # likewise for --sid-seeds
     paths = compare(cfg, arms, n_seeds, getattr(args, "out", None),
-                    report_only=bool(getattr(args, "report_only", False)))
+                    report_only=bool(getattr(args, "report_only", False)), n_maps=n_maps)
     print(paths["html"])
     return 0

@@ -2,7 +2,8 @@
 
 What it is for: as each arm run of `gti compare` finishes, its report record (metrics with
 per-user values, diagnostics, SFT curves, timing, the config it ran with) is kept as
-`<records_dir>/<arm>/seed<s>.json` beside the content hashes of the shared tables it inherited
+`<records_dir>/<arm>/seed<s>.json` (`<records_dir>/sid<m>/<arm>/seed<s>.json` on one of
+several SID maps, `record_path`) beside the content hashes of the shared tables it inherited
 (`shared_identity`). `read_record` says whether a stored record stands for a planned run: same
 record format, same shared hashes, and the same config once both are validated with today's
 code and the placement and shared-stage sections (`NON_SEMANTIC_KEYS`) are left out.
@@ -23,7 +24,7 @@ from typing import Any
 
 from gti import config as C
 from gti.errors import GtiError
-from gti.experiments.shared_stages import ArmRun, CompareError, slug
+from gti.experiments.shared_stages import ArmRun, CompareError, map_tag, slug
 from gti.manifest import Manifest, ManifestError, file_fingerprint
 from gti.files import atomic_write_json
 
@@ -46,8 +47,11 @@ def records_dir(cfg: C.RunConfig, out: Path) -> Path:
     return Path(cfg.compare.records_dir).expanduser().resolve() if cfg.compare.records_dir else out / "records"
 
 
-def record_path(rdir: Path, arm: str, seed: int) -> Path:
-    return rdir / slug(arm) / f"seed{seed}.json"
+def record_path(rdir: Path, arm: str, seed: int, sid_seed: int | None = None) -> Path:
+    """`<rdir>/<arm>/seed<s>.json`; on one of several SID maps `<rdir>/sid<m>/<arm>/seed<s>.json`,
+    so the runs of one arm x seed on different maps never share a record."""
+    base = rdir if sid_seed is None else rdir / map_tag(sid_seed)
+    return base / slug(arm) / f"seed{seed}.json"
 
 
 def table_hash(path: Path) -> str:
@@ -113,7 +117,7 @@ def write_record(r: ArmRun, rdir: Path, identity: dict[str, str]) -> Path:
     there is never rewritten: one that stands for this run is left as it is (a `--report-only`
     pass does not touch committed records), one for another run (other config or shared data,
     e.g. a committed one while a run with overrides finishes) raises CompareError naming both."""
-    path = record_path(rdir, r.arm, r.seed)
+    path = record_path(rdir, r.arm, r.seed, r.sid_seed)
     if path.is_file():
         stored, _, why = read_record(r, rdir, identity)
         if why:
@@ -122,7 +126,8 @@ def write_record(r: ArmRun, rdir: Path, identity: dict[str, str]) -> Path:
             return path
     rec = load_record(r)
     atomic_write_json(path, {
-        "format": RECORD_FORMAT, "arm": r.arm, "seed": r.seed, "shared": identity,
+        "format": RECORD_FORMAT, "arm": r.arm, "seed": r.seed,
+        **({} if r.sid_seed is None else {"sid_seed": r.sid_seed}), "shared": identity,
         "facts": run_facts(r), "record": dataclasses.asdict(rec),
         "written": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     })
@@ -134,7 +139,7 @@ def read_record(r: ArmRun, rdir: Path, identity: dict[str, str]):
     not) otherwise ("" when there is no record at all)."""
     from gti.diagnostics.runs import RunRecord
 
-    path = record_path(rdir, r.arm, r.seed)
+    path = record_path(rdir, r.arm, r.seed, r.sid_seed)
     if not path.is_file():
         return None, None, ""
     try:
