@@ -294,6 +294,9 @@ def _add_compare_command(sub) -> None:
     p.add_argument("--arms", default="mean,gti")
     p.add_argument("--seeds", default="1",
                    help="seeds per arm: N, or N,ARM=M,... (e.g. 3,random=1)")
+    p.add_argument("--sid-seeds", type=int, default=1,
+                   help="SID maps to train every arm x seed on (sid.seed = base, base+1, ...; base: sid.seed, "
+                   "else seed); compare.json gives each map's figures and their mean over maps with the spread")
     p.add_argument("--out", default=None, help="output folder (default: <run_dir>/compare)")
     p.add_argument("--report-only", action="store_true",
                    help="run nothing: report on the finished runs and stored records")
