@@ -2,7 +2,8 @@
 `eval.baselines` and `eval.sasrec`) and `report:`.
 
 What it is for: `EvalConfig` (beam search, K values, splits, user sample, bootstrap, exact
-ranks, the cold-item slice), `SasrecConfig` (the SASRec reference row, `gti.eval.sasrec`) and
+ranks, the cold-item slice), `SasrecConfig` (the SASRec reference row, `gti.eval.sasrec`) with
+its `SasrecSweepConfig` (the settings it is tuned over, on the valid split) and
 `ReportConfig` (the report stage's plots and CIs), kept out of `gti.config` (which holds them
 in `RunConfig`) so that module stays small. Unknown keys are rejected like every other section
 (`gti.config_io.StrictModel`).
@@ -23,8 +24,9 @@ from gti.config_io import StrictModel as _Strict
 BASELINES = ("mostpop", "markov", "sasrec")
 BASELINES_HELP = (
     "reference rows scored on the same users and splits as the model: mostpop and markov (fitted "
-    "per split on its training data), sasrec (trained once on the SFT windows, selected on valid; "
-    "with eval.exact_rank also ranked over the whole catalog)"
+    "per split on its training data), sasrec (trained once on the training items, its settings "
+    "and checkpoint chosen on valid only: eval.sasrec.sweep; with eval.exact_rank also ranked over the "
+    "whole catalog)"
 )
 
 
@@ -38,13 +40,58 @@ def _unique(names: list[str]) -> list[str]:
 BaselineNames = Annotated[list[Literal["mostpop", "markov", "sasrec"]], AfterValidator(_unique)]
 
 
+# eval.sasrec.sweep.max_len: an int, or "history" = data.max_history (the LM's prompt length).
+MaxLen = int | Literal["history"]
+
+
+def _positive_lens(lens: list) -> list:
+    bad = [v for v in lens if isinstance(v, int) and v < 1]
+    if bad:
+        raise ValueError(f"max_len values must be >= 1 or 'history', got {bad}")
+    return lens
+
+
+class SasrecSweepConfig(_Strict):
+    """eval.sasrec.sweep: the settings SASRec is tuned over, on the VALID split only
+    (`gti.eval.sasrec.tune_sasrec`). Every candidate trains on the training items alone and is
+    scored on the valid items (`metric`, whole-catalog ranks); the best is kept for every row.
+    Keys not swept (blocks, heads, lr, batch_size, n_sample, loss, val_every, val_users) come
+    from eval.sasrec. Default cost on the demo data (2,559 users, 1,000 items, 2 cores): see
+    the `gti.eval.sasrec` docstring."""
+
+    enabled: bool = Field(True, description="tune on valid (false: train eval.sasrec's own epochs, dim, "
+                          "dropout and max_len once, e.g. for fast tests)")
+    search: Literal["axes", "grid"] = Field(
+        "axes", description="axes: one axis at a time in the order dropout, dim, epochs, max_len (the "
+        "longest inputs cost the most: tried once, with the best of the rest), each trying its values with "
+        "the best values found so far, the others at their first value (1 + sum(len - 1) candidates: 6 by "
+        "default); grid: every combination (prod(len) candidates: 24)")
+    max_len: Annotated[list[MaxLen], AfterValidator(_positive_lens)] = Field(
+        default_factory=lambda: ["history", 20, 50], min_length=1,
+        description="SASRec's input length: a user's last max_len items (history = data.max_history)")
+    epochs: list[PositiveInt] = Field(default_factory=lambda: [10, 20], min_length=1,
+                                      description="training epochs (the best valid checkpoint within is kept)")
+    dim: list[PositiveInt] = Field(default_factory=lambda: [64, 128], min_length=1,
+                                   description="item embedding / hidden size")
+    dropout: list[Annotated[float, Field(ge=0.0, lt=1.0)]] = Field(
+        default_factory=lambda: [0.2, 0.5], min_length=1, description="dropout rate")
+    metric: Literal["mrr", "recall@10"] = Field(
+        "mrr", description="what picks the candidate: MRR of the valid item's exact rank over the whole "
+        "catalog (every user counts, hit or not), or Recall@10 on the same ranks")
+    val_users: int | None = Field(None, ge=1, description="valid users each candidate is scored on (seeded "
+                                  "sample; None: every user)")
+
+
 class SasrecConfig(_Strict):
     """The SASRec reference row (`gti.eval.sasrec`: cornac's PyTorch SASRec), trained in the
-    evaluate stage on the SFT training windows (train items, history data.max_history), the
-    checkpoint picked on the valid split only."""
+    evaluate stage on the training items only (valid and test items never train it), its
+    settings chosen on the valid split by `sweep` and its checkpoint picked on the valid split.
+    With the sweep off it trains once with the settings below."""
 
-    epochs: int = Field(10, ge=1, description="training epochs over the SFT windows (all run; the "
-                        "best valid checkpoint is kept)")
+    max_len: int | None = Field(None, ge=1, description="input length with the sweep off: a user's last "
+                                "max_len items (None: data.max_history)")
+    epochs: int = Field(10, ge=1, description="training epochs over the training windows (all run; "
+                        "the best valid checkpoint is kept)")
     dim: int = Field(64, ge=1, description="item embedding / hidden size")
     blocks: int = Field(2, ge=1, description="self-attention blocks")
     heads: int = Field(1, ge=1, description="attention heads (dim must be divisible by it)")
@@ -63,10 +110,15 @@ class SasrecConfig(_Strict):
                                 "the process's setting); 1 is fastest at these model sizes (measured: "
                                 "2 threads were ~10x slower on a loaded 2-core machine)")
 
+    sweep: SasrecSweepConfig = Field(default_factory=SasrecSweepConfig,
+                                     description="tuning on the valid split (enabled by default)")
+
     @model_validator(mode="after")
     def _heads_divide_dim(self) -> "SasrecConfig":
-        if self.dim % self.heads:
-            raise ValueError(f"dim {self.dim} is not divisible by heads {self.heads}")
+        dims = [self.dim] + (list(self.sweep.dim) if self.sweep.enabled else [])
+        bad = [d for d in dims if d % self.heads]
+        if bad:
+            raise ValueError(f"dim {bad[0]} is not divisible by heads {self.heads}")
         return self
 
 

@@ -6,11 +6,16 @@ compare like with like.
 
 - mostpop / markov (`gti.eval.baselines`) are fitted per split on that split's training data
   (`split_train_sequences`: valid -> train items; test -> train items + valid item).
-- sasrec (`gti.eval.sasrec`) is trained ONCE per evaluation (`fit_reference_models`) on exactly
-  the SFT training windows (train items, history data.max_history), its checkpoint picked on the
-  valid split only; test items are never read. `add_reference_columns` puts its top-K lists
-  (and, with exact ranks, each target's rank over the whole catalog) into a split frame as
-  columns, so any slice of the frame (the cold-item slice) carries them.
+- sasrec (`gti.eval.sasrec`) is trained ONCE per evaluation (`fit_reference_models`) on the
+  training items only, its settings (eval.sasrec.sweep: max_len, epochs, dim, dropout) and its
+  checkpoint chosen on the valid split only; test items are never read. Its input is the
+  user's last max_len items of the split's training sequence (`sasrec_histories`, the same
+  sequence mostpop/markov learn from), not the LM's data.max_history window.
+  `add_reference_columns` puts its top-K lists (and, with exact ranks, each target's rank over
+  the whole catalog) into a split frame as columns, so any slice of the frame (the cold-item
+  slice) carries them.
+- paired differences (`paired_differences`): the model minus each reference row, per user on
+  the same users, with a paired bootstrap CI (`gti.eval.metrics.paired_bootstrap_ci`).
 
 What it does not know: Ray, files, the LM, decoding. Pure polars/numpy (+ torch via SASRec).
 """
@@ -20,6 +25,7 @@ from __future__ import annotations
 import time
 from typing import Any, Mapping, Sequence
 
+import numpy as np
 import polars as pl
 
 from gti.errors import ConfigError, DataError
@@ -92,29 +98,44 @@ def fit_reference_models(seqs: pl.DataFrame, catalog: list[str], names: Sequence
     """The reference models trained once per evaluation (not per split): {"sasrec": fitted
     `gti.eval.sasrec.SasrecRecommender`} when `names` has sasrec, else {}.
 
-    SASRec learns from exactly the SFT training windows (`train_items`, history `max_history`
-    = data.max_history) and picks its checkpoint on the valid items only; test items are never
-    read. `sasrec`: the eval.sasrec settings (`gti.eval.sasrec.SasrecParams` fields).
+    SASRec learns from the training items only (`train_items`) and is selected on the valid
+    items only (its settings by eval.sasrec.sweep when enabled, `tune_sasrec`; its checkpoint in
+    any case); test items are never read. `sasrec`: the eval.sasrec block (`SasrecParams`
+    fields, max_len (None: `max_history` = data.max_history) and sweep).
     """
     if "sasrec" not in names:
         return {}
-    from gti.eval.sasrec import SasrecParams, fit_sasrec
+    from gti.eval.sasrec import SasrecParams, fit_sasrec, tune_sasrec
 
-    model = fit_sasrec(
-        seqs["user_id"].to_list(), seqs["train_items"].to_list(), seqs["valid_item"].to_list(), catalog,
-        max_history, SasrecParams(**(sasrec or {})), seed=seed, log=log,
-    )
+    cfg = dict(sasrec or {})
+    sweep, max_len = cfg.pop("sweep", None), cfg.pop("max_len", None) or max_history
+    args = (seqs["user_id"].to_list(), seqs["train_items"].to_list(), seqs["valid_item"].to_list(), catalog)
+    if sweep and sweep.get("enabled"):
+        model = tune_sasrec(*args, max_history, SasrecParams(**cfg), sweep, seed=seed, log=log)
+    else:
+        model = fit_sasrec(*args, max_len, SasrecParams(**cfg), seed=seed, log=log)
     return {"sasrec": model}
 
 
-def add_reference_columns(frame: pl.DataFrame, models: dict[str, Any], k: int, exact_rank: bool) -> pl.DataFrame:
+def sasrec_histories(seqs: pl.DataFrame, frame: pl.DataFrame, split: str) -> list[list[str]]:
+    """Per row of a split frame, the whole history SASRec reads (it keeps its own last max_len,
+    not the LM's data.max_history): the split's training sequence (`split_train_sequences`:
+    valid -> train items; test -> train items + valid item), so no split sees its own target."""
+    full = dict(zip(seqs["user_id"].to_list(), split_train_sequences(seqs, split)))
+    return [full[u] for u in frame["user_id"].to_list()]
+
+
+def add_reference_columns(frame: pl.DataFrame, models: dict[str, Any], k: int, exact_rank: bool,
+                          histories: list[list[str]] | None = None) -> pl.DataFrame:
     """`frame` (history, target) plus, when models has "sasrec", its top-k lists (sasrec_items
-    list<str>) and, with exact_rank, each target's exact rank over the whole catalog (sasrec_rank)."""
+    list<str>) and, with exact_rank, each target's exact rank over the whole catalog (sasrec_rank).
+    `histories`: SASRec's input per row (`sasrec_histories`; None: the frame's history)."""
     if "sasrec" not in models:
         return frame
     try:
         ranked, ranks = models["sasrec"].ranked_and_ranks(
-            frame["history"].to_list(), frame["target"].to_list(), k, exact_rank)
+            histories if histories is not None else frame["history"].to_list(), frame["target"].to_list(), k,
+            exact_rank)
     except KeyError as e:
         raise DataError(f"evaluate: SASRec: {e.args[0]}") from None
     out = frame.with_columns(pl.Series(SASREC_ITEMS, ranked, dtype=pl.List(pl.String)))
@@ -127,15 +148,19 @@ def reference_frames(frames: dict[str, pl.DataFrame], seqs: pl.DataFrame, catalo
                      names: Sequence[str], max_history: int, sasrec: Mapping[str, Any] | None, seed: int,
                      k: int, exact_rank: bool, log=lambda m: None) -> tuple[dict[str, pl.DataFrame], dict[str, Any]]:
     """Train the once-per-evaluation reference models (`fit_reference_models`) and add their
-    columns to every split frame (`add_reference_columns`).
-    -> (frames, facts {"sasrec": {train_seconds, score_seconds, ...}} or {})."""
+    columns to every split frame (`add_reference_columns`, SASRec reading `sasrec_histories`).
+    -> (frames, facts {"sasrec": {label, train_seconds, score_seconds, max_len, sweep, ...}} or {})."""
     models = fit_reference_models(seqs, catalog, names, max_history, sasrec, seed, log)
     if not models:
         return frames, {}
     t0 = time.time()
-    frames = {s: add_reference_columns(f, models, k, exact_rank) for s, f in frames.items()}
+    frames = {s: add_reference_columns(f, models, k, exact_rank, sasrec_histories(seqs, f, s))
+              for s, f in frames.items()}
     facts = dict(models["sasrec"].facts, score_seconds=round(time.time() - t0, 2))
-    log(f"SASRec: trained in {facts['train_seconds']:.1f}s, scored {sum(f.height for f in frames.values()):,} "
+    sweep = facts.get("sweep")
+    trained = (f"tuned on valid ({len(sweep['candidates'])} candidates) in {sweep['wall_seconds']:.1f}s" if sweep
+               else f"trained in {facts['train_seconds']:.1f}s")
+    log(f"{facts['label']}: {trained}, max_len {facts['max_len']}, scored {sum(f.height for f in frames.values()):,} "
         f"prompts in {facts['score_seconds']:.1f}s")
     return frames, {"sasrec": facts}
 
@@ -154,3 +179,62 @@ def reference_block(seqs: pl.DataFrame, split: str, frame: pl.DataFrame, ks: lis
     if "sasrec" in pu and "sasrec" in ranks:
         pu["sasrec"]["exact_rank"] = frame[SASREC_RANK].to_list()
     return {"baselines": rows, "ranks": ranks, "per_user": pu}
+
+
+# --------------------------------------------------------------------------- paired differences
+def paired_k(ks: Sequence[int]) -> int:
+    """The K of the headline columns (Recall@K, NDCG@K, MRR@K): 10 when eval.ks has it, else the largest."""
+    return 10 if 10 in ks else max(ks)
+
+
+def reciprocal_ranks_at_k(ndcg: Sequence[float]) -> np.ndarray:
+    """Per-user reciprocal rank within the top K from per-user NDCG@K of one target per user:
+    a hit at 0-based rank r has NDCG 1/log2(r + 2), so its reciprocal rank is 1/(r + 1); a
+    miss (NDCG 0) counts 0. -> float64 [U]."""
+    v = np.asarray(ndcg, dtype=np.float64)
+    hit = v > 0
+    rank = np.rint(np.exp2(1.0 / np.where(hit, v, 1.0)) - 2.0)  # 0-based, exact for a hit
+    return np.where(hit, 1.0 / (rank + 1.0), 0.0)
+
+
+def paired_differences(model: Mapping[str, Any], baselines: Mapping[str, Mapping[str, Any]], ks: Sequence[int],
+                       n_boot: int, seed: int) -> dict[str, dict[str, dict[str, Any]]]:
+    """The model minus each reference row on the same users: {name: {metric: {"value": mean of
+    the per-user differences, "ci": [lo, hi] (paired user bootstrap, `paired_bootstrap_ci`),
+    "n_users"}}}.
+
+    model / baselines[name]: per-user blocks as metrics.json holds them ({"user_ids", "recall@k":
+    [...], "ndcg@k": [...], optionally "exact_rank": [...]}); a baseline's users are matched to
+    the model's by id (DataError when they are not the same users). Metrics: recall@k and ndcg@k
+    for every k in `ks`, then one MRR: "mrr" (1 / exact rank over the whole catalog) when both
+    sides have exact ranks, else "mrr@K" (K = `paired_k(ks)`, from the top-K lists).
+    """
+    from gti.eval.metrics import paired_bootstrap_ci
+
+    users = list(model["user_ids"])
+    k0 = paired_k(ks)
+
+    def diff(a, b) -> dict[str, Any]:
+        a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+        lo, hi = paired_bootstrap_ci(a, b, n_boot=n_boot, seed=seed)
+        return {"value": float((a - b).mean()) if a.size else 0.0, "ci": [lo, hi], "n_users": int(a.size)}
+
+    out = {}
+    for name, base in baselines.items():
+        pos = {u: i for i, u in enumerate(base["user_ids"])}
+        if len(pos) != len(users) or any(u not in pos for u in users):
+            raise DataError(f"evaluate: paired differences: the {name} row was scored on other users")
+        order = [pos[u] for u in users]
+
+        def of(key: str, vals=base):
+            return [vals[key][i] for i in order]
+
+        block = {m: diff(model[m], of(m)) for m in [f"{n}@{k}" for n in ("recall", "ndcg") for k in ks]}
+        if model.get("exact_rank") is not None and base.get("exact_rank") is not None:
+            block["mrr"] = diff(1.0 / np.asarray(model["exact_rank"], dtype=np.float64),
+                                1.0 / np.asarray(of("exact_rank"), dtype=np.float64))
+        else:
+            block[f"mrr@{k0}"] = diff(reciprocal_ranks_at_k(model[f"ndcg@{k0}"]),
+                                      reciprocal_ranks_at_k(of(f"ndcg@{k0}")))
+        out[name] = block
+    return out

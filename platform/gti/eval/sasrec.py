@@ -1,38 +1,62 @@
-"""SASRec reference recommender: cornac's native-PyTorch SASRec, trained on the SFT windows.
+"""SASRec reference recommender: cornac's native-PyTorch SASRec, tuned on the valid split.
 
 What it is for: the reference row every sequential recommender is compared with (SASRec, Kang &
 McAuley, ICDM 2018), computed beside MostPop and Markov on the same users, split, metric code
 and (with exact ranks) the same whole-catalog ranking as the generative model, so a reader can
-tell whether gti's model is any good.
+tell whether gti's model is any good. A bar is only fair when it is tuned: `tune_sasrec` picks
+its settings on the valid split (the row is then named TUNED_LABEL, "SASRec (tuned on valid)").
 
 The implementation is cornac's (`cornac.models.SASRec`, cornac==3.0.1, pure PyTorch: causal
 self-attention blocks, learned positional embeddings, point-wise feed-forward, item embeddings
-shared between input and output). This module only feeds it and reads it:
+shared between input and output). This module only feeds it, tunes it and reads it:
 
-- Training data = exactly the SFT training windows (`gti.train.sft_data.training_windows`):
-  each user's TRAINING items form one cornac session, and cornac's session iterator turns a
-  session [i0..iT] into the windows (history items[:t][-max_len:], target items[t]) for
-  t = 1..T with `max_len = data.max_history`, the same windows SFT trains on (cornac skips an
-  epoch's last batch when it holds a single window). Valid and test
-  items are never in a training session (`training_sessions`), so they are never a target, a
-  history item or a sampled negative (negatives are drawn from training items only).
+- Training data = each user's TRAINING items as one cornac session; cornac's session iterator
+  turns a session [i0..iT] into the windows (history items[:t][-max_len:], target items[t]) for
+  t = 1..T: one window per SFT target, its history SASRec's own `max_len` (decoupled from
+  data.max_history; the LM's windows are cut at that). cornac skips an epoch's last batch when
+  it holds a single window. Valid and test items are never in a training session
+  (`training_sessions`), so they are never a target, a history item or a sampled negative
+  (negatives are drawn from training items only).
 - Loss: cornac's "ce" by default: softmax cross-entropy over the batch's own targets plus
   `n_sample` shared negatives drawn by popularity^0.5 (sampled softmax, not the paper's BCE).
-- Model selection: on the VALID split only. A seeded sample of `val_users` users, each one
-  cornac session = last max_history training items + the valid item (`validation_sessions`),
-  scored every `val_every` epochs with Recall@10 (cornac's `model_selection="best"`); the best
-  checkpoint is kept. Training always runs `epochs` epochs (no patience stop); the valid item of
-  these users is scored, never trained on. The valid split's SASRec row therefore is the split
-  the checkpoint was picked on (like the SFT model's validation); the test row is untouched.
+- Checkpoint: on the VALID split only. A seeded sample of `val_users` users, each one cornac
+  session = last max_len training items + the valid item (`validation_sessions`), scored every
+  `val_every` epochs with Recall@10 (cornac's `model_selection="best"`); the best checkpoint is
+  kept, so `epochs` is a cap. Training always runs `epochs` epochs (no patience stop).
+- Settings (`tune_sasrec`, eval.sasrec.sweep): on the VALID split only. Each candidate (epochs,
+  dim, dropout, max_len) is trained as above and scored by `valid_scores`: every user's valid
+  item ranked over the whole catalog from the user's training items (the valid split's own
+  prompt), MRR of those exact ranks by default (every user counts, hit or not, so it separates
+  candidates that Recall@10 ties; `recall@10` is the other choice). The best candidate is kept
+  as trained. The `axes` search (default) tunes dropout, dim and epochs one at a time at the
+  first max_len, then tries the other lengths once; `grid` tries every combination. Test items
+  are not an argument of any of these functions. The valid split's SASRec row therefore scores
+  the split its settings were chosen on (as the SFT model's validation does); the test row is
+  untouched by selection.
 - Scoring (`SasrecRecommender.scores`): one batched forward per `batch_users` histories
   (left-padded to max_len, as cornac's own `score`), dot product with every item embedding.
   Items unknown to training (catalog items never seen among training items) score -inf: they
   rank last, tied (mid-rank under `gti.eval.rank.exact_ranks`); history items unknown to
-  training are dropped from the input. Top-K lists break score ties by catalog order.
+  training are dropped from the input, then the last max_len kept. The caller passes each
+  split's whole training sequence (valid: train items; test: train items + valid item).
+  Top-K lists break score ties by catalog order.
+
+Cost of the default sweep (6 candidates: dropout 0.2/0.5, dim 64/128, epochs 10/20 at max_len
+= data.max_history, then max_len 20 and 50 once), measured on the demo's data (2,559 users,
+1,000 items, 8,997 windows; its dense subset rebuilt with `gti.data.dense`) with one torch
+thread on a 2-core EPYC (AVX-512) that other jobs kept loaded (load 2-7): an epoch at dim 64
+took ~2 s at max_len 3, ~4.5 s at 20 and ~11 s at 50 (cornac pads every window to max_len;
+dim 128 ~1.3x); scoring every valid user ~1 s a candidate. Estimate from those: 21 + 27 + 42
++ 21 s for the four candidates at max_len 3, 45 s at 20, 115 s at 50: ~4.5 min. Measured, the
+whole sweep: 285 s (load 3-5), against 26-63 s for the one fixed setting it replaces; the
+demo picked dropout 0.5, dim 64, 10 epochs, max_len 3 (valid MRR .0955 vs .0892 for the old
+fixed setting; 20 and 50 scored .0922 and .0947: only 5 demo users have more than 20 training
+items). Every run records its own figures (facts "sasrec".sweep: each candidate's
+train_seconds, the total wall_seconds). `eval.sasrec.sweep.enabled: false` trains one setting.
 
 Determinism: cornac seeds torch (`torch.manual_seed(seed)`, init and dropout) and its own numpy
 RandomState (session order, negatives); on CPU with a fixed thread count the same seed gives
-the same model and scores.
+the same model and scores, so a candidate kept from the sweep is the model a retrain would give.
 
 What it does NOT know: SIDs, the LM, metrics (`gti.eval.metrics`, `gti.eval.rank`), files,
 Ray. cornac is imported lazily, so importing this module is cheap.
@@ -40,10 +64,11 @@ Ray. cornac is imported lazily, so importing this module is cheap.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -78,9 +103,9 @@ def training_sessions(train_items: Sequence[Sequence[str]], user_ids: Sequence[s
 
 def validation_sessions(
     train_items: Sequence[Sequence[str]], valid_items: Sequence[str], user_ids: Sequence[str],
-    known: set[str], max_history: int, max_users: int | None, seed: int,
+    known: set[str], max_len: int, max_users: int | None, seed: int,
 ) -> list[tuple]:
-    """cornac USIT rows for best-on-valid selection: per sampled user the last `max_history`
+    """cornac USIT rows for best-on-valid selection: per sampled user the last `max_len`
     known training items followed by the valid item (cornac scores the session's last item).
 
     Users whose valid item is not a training item (unknown to the model) or whose history has no
@@ -92,7 +117,7 @@ def validation_sessions(
         idx = [idx[i] for i in np.sort(pick)]
     rows = []
     for i in idx:
-        hist = [str(t) for t in train_items[i] if t in known][-max_history:]
+        hist = [str(t) for t in train_items[i] if t in known][-max_len:]
         for t, item in enumerate(hist + [str(valid_items[i])]):
             rows.append((str(user_ids[i]), str(user_ids[i]), item, t))
     return rows
@@ -103,12 +128,13 @@ class SasrecRecommender:
     """A fitted SASRec over a fixed catalog.
 
     model: the fitted `cornac.models.SASRec`; catalog: N item ids (the ranking's columns, their
-    order the tie-break); max_history: the input length; facts: what `fit_sasrec` measured.
+    order the tie-break); max_len: the input length (a history's last max_len known items);
+    facts: what `fit_sasrec` (and `tune_sasrec`) measured.
     """
 
     model: Any
     catalog: list[str]
-    max_history: int
+    max_len: int
     params: SasrecParams
     facts: dict[str, Any] = field(default_factory=dict)
 
@@ -119,8 +145,8 @@ class SasrecRecommender:
         self.known = self.col >= 0
 
     def _encode_histories(self, histories: Sequence[Sequence[str]]) -> np.ndarray:
-        """-> int64 [U, max_history]: known history items' cornac indices, left-padded."""
-        iid, pad, h = self.model.iid_map, self.model.pad_idx, self.max_history
+        """-> int64 [U, max_len]: known history items' cornac indices, left-padded."""
+        iid, pad, h = self.model.iid_map, self.model.pad_idx, self.max_len
         out = np.full((len(histories), h), pad, dtype=np.int64)
         for r, hist in enumerate(histories):
             ids = [iid[str(i)] for i in hist if str(i) in iid][-h:]
@@ -131,7 +157,7 @@ class SasrecRecommender:
     def scores(self, histories: Sequence[Sequence[str]]) -> np.ndarray:
         """Scores of every catalog item for each history. -> float32 [U, N]; -inf = unknown item.
 
-        histories: U lists of item ids, oldest first (only the last max_history known ones are
+        histories: U lists of item ids, oldest first (only the last max_len known ones are
         read). Higher = better, as `gti.eval.rank.exact_ranks` expects.
         """
         import torch
@@ -204,18 +230,20 @@ def fit_sasrec(
     train_items: Sequence[Sequence[str]],
     valid_items: Sequence[str] | None,
     catalog: Sequence[str],
-    max_history: int,
+    max_len: int,
     params: SasrecParams | None = None,
     seed: int = 0,
     log: Callable[[str], None] = lambda m: None,
 ) -> SasrecRecommender:
-    """Train cornac's SASRec on the SFT windows of `train_items`, pick the best checkpoint on the
-    valid items (None: no selection, the last epoch), and wrap it for scoring over `catalog`.
+    """Train cornac's SASRec on the windows of `train_items` (histories of at most `max_len`
+    items), pick the best checkpoint on the valid items (None: no selection, the last epoch),
+    and wrap it for scoring over `catalog`.
 
     user_ids: U ids; train_items: U lists (oldest first; valid/test items must NOT be in them,
     as in ingest's `train_items`); valid_items: U ids or None; catalog: N item ids.
-    facts: train_seconds (wall time of building the data and fitting), epochs, n_windows,
-    n_train_items, n_val_users, loss, selection, implementation, max_history, seed, torch_threads.
+    facts: train_seconds (wall time of building the data and fitting), epochs, dim, dropout,
+    n_windows, n_train_items, n_val_users, loss, selection, implementation, max_len, seed,
+    torch_threads.
     """
     from cornac.data import SequentialDataset
     from cornac.models import SASRec
@@ -231,7 +259,7 @@ def fit_sasrec(
     val = None
     n_val = 0
     if valid_items is not None and p.val_users != 0:
-        vrows = validation_sessions(train_items, valid_items, user_ids, known, max_history, p.val_users, seed)
+        vrows = validation_sessions(train_items, valid_items, user_ids, known, max_len, p.val_users, seed)
         n_val = len({r[0] for r in vrows})
         if vrows:
             val = SequentialDataset.build(vrows, fmt="USIT", global_uid_map=OrderedDict(train.uid_map),
@@ -239,13 +267,13 @@ def fit_sasrec(
             assert len(iid_map) == len(known), "validation added items to the training map"
     model = SASRec(
         embedding_dim=p.dim, loss=p.loss, batch_size=p.batch_size, learning_rate=p.lr, n_sample=p.n_sample,
-        n_epochs=p.epochs, max_len=max_history, num_blocks=p.blocks, num_heads=p.heads, dropout=p.dropout,
+        n_epochs=p.epochs, max_len=max_len, num_blocks=p.blocks, num_heads=p.heads, dropout=p.dropout,
         seed=seed, model_selection="best" if val is not None else "last", val_eval_every=p.val_every,
         val_k=10, val_metric="recall", verbose=False,
     )
     n_windows = sum(max(0, len(t) - 1) for t in train_items)
-    log(f"SASRec (cornac): {n_windows:,} SFT windows of {len(known):,} training items, history {max_history}, "
-        f"{p.epochs} epochs, best of every {p.val_every} on {n_val:,} valid users")
+    log(f"SASRec (cornac): {n_windows:,} windows of {len(known):,} training items, max_len {max_len}, "
+        f"dim {p.dim}, dropout {p.dropout}, {p.epochs} epochs, best of every {p.val_every} on {n_val:,} valid users")
     with _threads(p.threads):
         import torch
 
@@ -255,15 +283,110 @@ def fit_sasrec(
     facts = {
         "implementation": "cornac 3.0.1 SASRec (PyTorch)",
         "train_seconds": round(seconds, 2),
-        "epochs": p.epochs,
+        "epochs": p.epochs, "dim": p.dim, "dropout": p.dropout,
         "n_windows": n_windows,
         "n_train_items": len(known),
         "n_val_users": n_val,
         "loss": p.loss,
         "selection": f"best valid Recall@10 every {p.val_every} epochs" if val is not None else "last epoch",
-        "max_history": max_history,
+        "max_len": max_len,
         "seed": seed,
         "torch_threads": threads,
+        "label": LABEL,
     }
     log(f"SASRec trained in {seconds:.1f}s")
-    return SasrecRecommender(model, [str(i) for i in catalog], max_history, p, facts)
+    return SasrecRecommender(model, [str(i) for i in catalog], max_len, p, facts)
+
+
+# --------------------------------------------------------------------------- tuning on valid
+LABEL, TUNED_LABEL = "SASRec", "SASRec (tuned on valid)"  # the row's name in tables (facts["label"])
+# Swept keys, in the order the `axes` search visits them: regularisation, then capacity, then the
+# epoch cap (cornac keeps the best valid checkpoint within it, so more epochs pay only when the
+# others let the model improve longer), and max_len last: the others are tuned at the first,
+# cheapest length (data.max_history), since cornac pads every window to max_len and an epoch at
+# 50 costs ~5x one at 3 (measured; module docstring); each longer length is then tried once.
+SWEEP_AXES = ("dropout", "dim", "epochs", "max_len")
+
+
+def sweep_axes(sweep: Mapping[str, Any], history: int) -> dict[str, list]:
+    """{axis: distinct values in config order} of an eval.sasrec.sweep block; max_len "history"
+    is `history` (= data.max_history)."""
+    out = {}
+    for axis in SWEEP_AXES:
+        vals = [history if v == "history" else v for v in sweep[axis]]
+        out[axis] = list(dict.fromkeys(vals))  # "history" may equal a listed length: train it once
+    return out
+
+
+def valid_scores(model: SasrecRecommender, train_items: Sequence[Sequence[str]],
+                 valid_items: Sequence[str]) -> dict[str, float]:
+    """{"mrr", "recall@10", "n_users"} of each valid item's exact rank over the whole catalog
+    (mid-rank on ties; items unknown to training tie last), the history being the user's
+    training items (the model reads the last max_len known ones), as the valid split's row."""
+    _, ranks = model.ranked_and_ranks(list(train_items), list(valid_items), 10, exact=True)
+    r = np.asarray(ranks, dtype=np.float64)
+    return {"mrr": float((1.0 / r).mean()), "recall@10": float((r <= 10).mean()), "n_users": int(r.size)}
+
+
+def tune_sasrec(
+    user_ids: Sequence[str],
+    train_items: Sequence[Sequence[str]],
+    valid_items: Sequence[str],
+    catalog: Sequence[str],
+    history: int,
+    params: SasrecParams,
+    sweep: Mapping[str, Any],
+    seed: int = 0,
+    log: Callable[[str], None] = lambda m: None,
+) -> SasrecRecommender:
+    """SASRec with its settings chosen on the VALID split: every candidate of `sweep` (the
+    eval.sasrec.sweep block: axes max_len/epochs/dim/dropout, search, metric, val_users) is
+    trained by `fit_sasrec` on the training items (the rest of `params` shared) and scored by
+    `valid_scores` on the valid items of every user (or a seeded sample of val_users); the
+    candidate with the highest `metric` (ties: the first tried) is returned, as trained (the
+    same seed and data would retrain it bit for bit). Test items are never read: no argument
+    holds them. facts: the kept model's, label TUNED_LABEL, and "sweep": {search, metric,
+    n_users, candidates [{settings, valid, train_seconds, score_seconds}], chosen, wall_seconds}.
+    """
+    t0 = time.time()
+    axes, metric = sweep_axes(sweep, history), sweep["metric"]
+    idx = np.arange(len(user_ids))
+    if sweep.get("val_users") is not None and sweep["val_users"] < len(idx):
+        idx = np.sort(np.random.default_rng([seed, 0x5EE9]).choice(len(idx), size=sweep["val_users"], replace=False))
+    hist, targets = [train_items[i] for i in idx], [valid_items[i] for i in idx]
+    tried: dict[tuple, dict] = {}
+    best: dict[str, Any] = {}  # "record", "model" of the best candidate so far
+
+    def trial(settings: dict[str, Any]) -> None:
+        key = tuple(settings[a] for a in SWEEP_AXES)
+        if key in tried:
+            return
+        t1 = time.time()
+        p = replace(params, epochs=settings["epochs"], dim=settings["dim"], dropout=settings["dropout"])
+        model = fit_sasrec(user_ids, train_items, valid_items, catalog, settings["max_len"], p, seed)
+        t2 = time.time()
+        scores = valid_scores(model, hist, targets)
+        tried[key] = rec = {"settings": dict(settings), "valid": scores, "train_seconds": round(t2 - t1, 2),
+                            "score_seconds": round(time.time() - t2, 2)}
+        log(f"SASRec sweep {len(tried)}: {settings} -> valid MRR {scores['mrr']:.4f}, Recall@10 "
+            f"{scores['recall@10']:.4f} ({t2 - t1:.0f}s)")
+        if not best or scores[metric] > best["record"]["valid"][metric]:
+            best.update(record=rec, model=model)
+
+    if sweep["search"] == "grid":
+        for values in itertools.product(*(axes[a] for a in SWEEP_AXES)):
+            trial(dict(zip(SWEEP_AXES, values)))
+    else:  # one axis at a time, the others at the best values found so far
+        current = {a: axes[a][0] for a in SWEEP_AXES}
+        for axis in SWEEP_AXES:
+            for v in axes[axis]:
+                trial({**current, axis: v})
+            current = dict(best["record"]["settings"])
+    model, chosen = best["model"], best["record"]
+    seconds = time.time() - t0
+    model.facts.update(label=TUNED_LABEL, sweep={
+        "search": sweep["search"], "metric": metric, "n_users": len(idx), "candidates": list(tried.values()),
+        "chosen": chosen["settings"], "chosen_valid": chosen["valid"], "wall_seconds": round(seconds, 2)})
+    log(f"SASRec tuned on valid: {len(tried)} candidates in {seconds:.0f}s; chosen {chosen['settings']} "
+        f"(valid {metric} {chosen['valid'][metric]:.4f})")
+    return model
