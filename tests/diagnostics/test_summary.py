@@ -84,6 +84,34 @@ def test_one_table_model_sasrec_markov_mostpop_with_cis_and_mrr(tmp_path):
     assert any(ln.startswith("MRR: from the true item's exact rank among all 1,000 catalog items") for ln in lines)
 
 
+def test_tuned_sasrec_label_and_paired_difference_rows(tmp_path):
+    """metrics.json's "reference".sasrec.label names the SASRec row; "paired" gives the rows
+    gti - SASRec / gti - Markov-1 / gti - MostPop (signed, with the paired CI), '-' where a
+    column has no paired value (Markov's exact MRR: it ranks only its top K)."""
+    m = _metrics(exact_rank=True)
+    m["reference"] = {"sasrec": {"label": "SASRec (tuned on valid)", "sweep": {"chosen": {"max_len": 20}}}}
+    cell = lambda v: {"value": v, "ci": [v - 0.02, v + 0.01], "n_users": 3}  # noqa: E731
+    m["paired"] = {"test": {
+        "sasrec": {"recall@5": cell(0.02), "recall@10": cell(-0.063), "ndcg@10": cell(0.01), "mrr": cell(0.009)},
+        "markov": {"recall@5": cell(0.07), "recall@10": cell(0.1), "ndcg@10": cell(-0.033), "mrr@10": cell(0.2)},
+        "mostpop": {"recall@10": cell(0.15)}}}
+    run = _run(tmp_path)
+    (run / "evaluate" / "metrics.json").write_text(json.dumps(m))
+    lines = S.format_summary(S.read_run(run, STAGES)).splitlines()
+    header = next(ln for ln in lines if "Recall@5" in ln)
+    rows = [ln.split("  ")[0].strip() for ln in lines[lines.index(header) + 1: lines.index(header) + 8]]
+    assert rows == ["gti (SFT model)", "SASRec (tuned on valid)", "Markov-1", "MostPop", "gti - SASRec",
+                    "gti - Markov-1", "gti - MostPop"]
+    table = dict(S.table_rows(m, "test"))
+    assert table["gti - SASRec"] == ["+0.020 [+0.000, +0.030]", "-0.063 [-0.083, -0.053]",
+                                     "+0.010 [-0.010, +0.020]", "+0.009 [-0.011, +0.019]"]
+    assert table["gti - Markov-1"][2] == "-0.033 [-0.053, -0.023]" and table["gti - Markov-1"][3] == "-"
+    assert table["gti - MostPop"] == ["-", "+0.150 [+0.130, +0.160]", "-", "-"]
+    assert any(ln.startswith("gti - X: the model minus row X user by user") for ln in lines)
+    # Without the reference block (an older metrics.json, or the sweep off) the row is "SASRec".
+    assert "SASRec" in dict(S.table_rows(_metrics(), "test")) and S.row_name({}, "markov") == "Markov-1"
+
+
 def test_the_sample_user_with_titles_beside_the_true_next_item(tmp_path):
     text = S.format_summary(S.read_run(_run(tmp_path), STAGES, shown="runs/demo"))
     lines = text.splitlines()

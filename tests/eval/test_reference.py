@@ -25,7 +25,7 @@ ITEMS = [f"i{j}" for j in range(12)]
 CATALOG = ITEMS + ["VALID_ONLY", "TEST_ONLY"]
 SMALL = ["eval.sasrec.epochs=2", "eval.sasrec.dim=16", "eval.sasrec.batch_size=32", "eval.sasrec.n_sample=8",
          "eval.sasrec.val_every=1", "eval.sasrec.threads=1", "eval.bootstrap=20", "data.max_history=5",
-         "eval.ks=[2,5]"]
+         "eval.ks=[2,5]", "eval.sasrec.sweep.enabled=false"]
 
 
 def _seqs() -> pl.DataFrame:
@@ -84,6 +84,7 @@ def test_stage_metrics_have_the_sasrec_row(exact_rank):
     out = E._metrics(ctx, inp, recs)
 
     assert list(out["baselines"]) == ["mostpop", "markov", "sasrec"]
+    assert facts["sasrec"]["label"] == "SASRec" and "sweep" not in facts["sasrec"]  # sweep off: one setting
     names = {f"{m}@{k}" for m in ("recall", "ndcg", "precision") for k in KS}
     for split in ("valid", "test"):
         assert set(out["baselines"]["sasrec"][split]) == names
@@ -91,8 +92,19 @@ def test_stage_metrics_have_the_sasrec_row(exact_rank):
             pu = out["baseline_per_user"][name][split]
             assert pu["user_ids"] == out["per_user"][split]["user_ids"]  # same users, same order: pairs up
             assert np.mean(pu["recall@5"]) == pytest.approx(out["baselines"][name][split]["recall@5"]["value"])
+            # Paired: model - row, the mean of the per-user differences, inside its bootstrap CI.
+            model = out["per_user"][split]
+            for metric in ("recall@5", "ndcg@5", "recall@2"):
+                cell = out["paired"][split][name][metric]
+                assert cell["value"] == pytest.approx(np.mean(np.subtract(model[metric], pu[metric])))
+                assert cell["ci"][0] <= cell["value"] <= cell["ci"][1] and cell["n_users"] == seqs.height
+            mrr = "mrr" if exact_rank and name == "sasrec" else "mrr@5"  # exact only where both rank everything
+            assert set(out["paired"][split][name]) == {f"{m}@{k}" for m in ("recall", "ndcg") for k in KS} | {mrr}
     # The cold slice gets the row too (its frames carry SASRec's lists).
     assert "sasrec" in out["slices"]["cold"]["test"]["baselines"]
+    paired = E.format_paired(out)  # logged after the table: the headline K (5 here), model - row
+    assert any(ln.startswith(f"test: model - sasrec (paired, {seqs.height} users): Recall@5 ") for ln in paired)
+    assert len(paired) == 2 * 3 and all("NDCG@5" in ln and "MRR" in ln for ln in paired)
     text = format_table(out, KS)
     for row in ("test/sft", "test/mostpop", "test/markov", "test/sasrec", "valid/sasrec"):
         assert any(line.split()[0] == row for line in text.splitlines()), text
@@ -107,3 +119,54 @@ def test_stage_metrics_have_the_sasrec_row(exact_rank):
         assert "sasrec" in out["slices"]["cold"]["test"]["baseline_ranks"]
     else:
         assert out["baseline_ranks"] == {} and "exact_rank" not in out["baseline_per_user"]["sasrec"]["test"]
+
+
+def test_paired_differences_match_per_user_differences_on_the_same_users():
+    rng = np.random.default_rng(0)
+    users = [f"u{i}" for i in range(50)]
+    model = {"user_ids": users, "recall@10": rng.integers(0, 2, 50).tolist(),
+             "ndcg@10": (rng.integers(0, 2, 50) / np.log2(rng.integers(0, 10, 50) + 2)).tolist(),
+             "exact_rank": rng.integers(1, 100, 50).astype(float).tolist()}
+    base = {k: list(v) for k, v in model.items()}
+    base["recall@10"] = rng.integers(0, 2, 50).tolist()
+    base["exact_rank"] = rng.integers(1, 100, 50).astype(float).tolist()
+    flip = list(range(50))[::-1]  # the row lists its users in another order: matched by id
+    shuffled = {k: [v[i] for i in flip] for k, v in base.items()}
+    out = R.paired_differences(model, {"sasrec": shuffled, "markov": {k: v for k, v in shuffled.items()
+                                                                     if k != "exact_rank"}}, [10], 200, 0)
+    d = out["sasrec"]["recall@10"]
+    assert d["value"] == pytest.approx(np.mean(np.subtract(model["recall@10"], base["recall@10"])))
+    assert d["ci"][0] <= d["value"] <= d["ci"][1] < 1 and d["n_users"] == 50
+    assert out["sasrec"]["ndcg@10"]["value"] == 0.0 and out["sasrec"]["ndcg@10"]["ci"] == [0.0, 0.0]
+    exact = out["sasrec"]["mrr"]["value"]  # both sides rank the whole catalog: exact MRR
+    assert exact == pytest.approx(np.mean(1 / np.array(model["exact_rank"]) - 1 / np.array(base["exact_rank"])))
+    assert "mrr" not in out["markov"] and out["markov"]["mrr@10"]["value"] == 0.0  # same top-10 ranks
+    assert set(out["markov"]) == {"recall@10", "ndcg@10", "mrr@10"}
+    with pytest.raises(DataError, match="other users"):
+        R.paired_differences(model, {"markov": dict(base, user_ids=users[:-1] + ["x"])}, [10], 10, 0)
+    nd = [0.0, 1.0, 1 / np.log2(3), 1 / np.log2(11)]  # misses, ranks 1, 2 and 10
+    np.testing.assert_allclose(R.reciprocal_ranks_at_k(nd), [0.0, 1.0, 0.5, 0.1])
+
+
+def test_sasrec_reads_its_own_history_not_the_lm_window(monkeypatch):
+    """SASRec's input per split is the split's whole training sequence (it keeps its own last
+    max_len): valid -> train items, test -> train items + valid item; never the target, and
+    not the LM's data.max_history window of the split frame."""
+    seqs = _seqs()
+    seen = {}
+
+    class Fake:
+        facts = {"train_seconds": 1.0, "label": "SASRec", "max_len": 50}
+
+        def ranked_and_ranks(self, histories, targets, k, exact):
+            seen[targets[0]] = histories
+            return [["i0"] * k] * len(histories), ([1.0] * len(histories) if exact else None)
+
+    monkeypatch.setattr(R, "fit_reference_models", lambda *a, **k: {"sasrec": Fake()})
+    frames = {s: S.eval_windows(seqs, s, 2).reverse() for s in ("valid", "test")}  # the LM's window: 2 items
+    R.reference_frames(frames, seqs, CATALOG, ["sasrec"], 2, None, 0, 5, True)
+    for split in ("valid", "test"):
+        hist = seen[frames[split]["target"][0]]
+        for h, row in zip(hist, seqs.reverse().iter_rows(named=True)):
+            assert h == row["train_items"] + ([row["valid_item"]] if split == "test" else [])
+        assert max(len(h) for h in hist) > 2

@@ -75,7 +75,8 @@ def eval_cfg(run_dir, *overrides):
         ROOT / "jobs" / "configs" / "tiny.yaml",
         [f"run_dir={run_dir}", "eval.max_users=12", "eval.beam_width=6", "eval.ks=[1,5]",
          "eval.bootstrap=50", "eval.batch_users=5", "sft.max_len=160",
-         "eval.baselines=[mostpop,markov,sasrec]", "eval.sasrec.epochs=2", *overrides],
+         "eval.baselines=[mostpop,markov,sasrec]", "eval.sasrec.epochs=2", "eval.sasrec.sweep.enabled=false",
+         *overrides],
     )
 
 
@@ -119,6 +120,9 @@ def test_evaluate_writes_metrics_recs_and_baselines(eval_run):
         assert np.mean(per["recall@5"]) == pytest.approx(table["recall@5"]["value"])
     # The same deterministic user sample in both splits.
     assert metrics["per_user"]["valid"]["user_ids"] == metrics["per_user"]["test"]["user_ids"]
+    # Paired differences model - row for every reference row; the SASRec row's label and settings.
+    assert set(metrics["paired"]["test"]) == {"mostpop", "markov", "sasrec"} and m.facts["paired"] == metrics["paired"]
+    assert metrics["reference"]["sasrec"]["label"] == "SASRec" and m.facts["sasrec"]["max_len"] == 5
 
     recs = pl.read_parquet(out / "recs.parquet")
     assert recs.columns == ["user_id", "split", "target", "items", "scores"]

@@ -5,7 +5,11 @@ What it is for: one screen that a new user reads at the end of `make demo`:
   `eval.baselines` present) on the same test users: Recall@5, Recall@10, NDCG@10 and MRR, each
   with its bootstrap CI, from the evaluate stage's metrics.json (columns at other K when
   `eval.ks` lacks 5 or 10; MRR from exact ranks where metrics.json has them, the model and
-  SASRec with `eval.exact_rank`, else MRR@K of every row's top K, said under the table);
+  SASRec with `eval.exact_rank`, else MRR@K of every row's top K, said under the table); the
+  SASRec row is named by its label ("SASRec (tuned on valid)" when its settings were swept on
+  the valid split); then the paired differences "gti - SASRec", "gti - Markov-1", "gti -
+  MostPop" (metrics.json's "paired": per-user differences on the same users, paired bootstrap
+  CI; '-' where metrics.json has no paired value for a column);
 - one real test user: the end of their history, their true next item and the model's top
   items, with titles (the first test user of recs.parquet, the evaluate stage's deterministic
   sample: not chosen for looking good), and where the true item ranked;
@@ -179,6 +183,10 @@ def table_rows(metrics: dict[str, Any], split: str, model_row: str = MODEL_ROW) 
         ((metrics.get("per_user") or {}).get(split) or {}).get(ndcg), n_boot)
     rows = [(model_row, [_cell((metrics["splits"].get(split) or {}).get(c)) for c in cols] + [_cell(model_mrr)])]
     order = [b for b in ROW_NAMES if b in baselines] + [b for b in baselines if b not in ROW_NAMES]
+    paired = (metrics.get("paired") or {}).get(split) or {}
+    mrr_key = "mrr" if exact else f"mrr@{ndcg.split('@')[1]}"
+    diffs = [(f"gti - {ROW_NAMES.get(name, name)}", [_signed(paired[name].get(c)) for c in cols + [mrr_key]])
+             for name in order if name in paired]
     for name in order:
         table = baselines[name].get(split) or {}
         if exact:
@@ -186,8 +194,24 @@ def table_rows(metrics: dict[str, Any], split: str, model_row: str = MODEL_ROW) 
         else:
             mrr = mrr_at_k((((metrics.get("baseline_per_user") or {}).get(name) or {}).get(split) or {}).get(ndcg),
                            n_boot)
-        rows.append((ROW_NAMES.get(name, name), [_cell(table.get(c)) for c in cols] + [_cell(mrr)]))
-    return rows
+        rows.append((row_name(metrics, name), [_cell(table.get(c)) for c in cols] + [_cell(mrr)]))
+    return rows + diffs
+
+
+def row_name(metrics: dict[str, Any], name: str) -> str:
+    """A reference row's name: the label the evaluate stage recorded (SASRec: "SASRec (tuned on
+    valid)" after its sweep), else ROW_NAMES's, else the config name."""
+    label = (((metrics.get("reference") or {}).get(name)) or {}).get("label")
+    return label or ROW_NAMES.get(name, name)
+
+
+def _signed(entry: Any) -> str:
+    """A paired difference: +0.012 [-0.010, +0.034]; '-' when absent."""
+    if not isinstance(entry, dict) or "value" not in entry:
+        return "-"
+    lo, hi = (entry.get("ci") or [None, None])[:2]
+    ci = f" [{lo:+.3f}, {hi:+.3f}]" if lo is not None and hi is not None else ""
+    return f"{entry['value']:+.3f}{ci}"
 
 
 def mrr_at_k(ndcg: Sequence[float] | None, n_boot: int) -> dict[str, Any] | None:
@@ -196,14 +220,10 @@ def mrr_at_k(ndcg: Sequence[float] | None, n_boot: int) -> dict[str, Any] | None
     (NDCG 0) counts 0. None without per-user values (an older metrics.json)."""
     if ndcg is None:
         return None
-    import numpy as np
-
     from gti.eval.metrics import bootstrap_ci
+    from gti.eval.reference import reciprocal_ranks_at_k
 
-    v = np.asarray(ndcg, dtype=np.float64)
-    hit = v > 0
-    rank = np.rint(np.exp2(1.0 / np.where(hit, v, 1.0)) - 2.0)  # 0-based, exact for a hit
-    rr = np.where(hit, 1.0 / (rank + 1.0), 0.0)
+    rr = reciprocal_ranks_at_k(ndcg)
     return {"value": float(rr.mean()) if rr.size else 0.0, "ci": list(bootstrap_ci(rr, n_boot=n_boot, seed=0))}
 
 
@@ -236,6 +256,13 @@ def _mrr_note(metrics: dict[str, Any], split: str) -> str:
     n = ranks.get("n_items")
     return (f"MRR: from the true item's exact rank among all {f'{n:,} ' if n else ''}catalog items; '-': a row "
             "that ranks only its top K (MostPop, Markov-1)")
+
+
+def _paired_note(metrics: dict[str, Any], split: str) -> list[str]:
+    if not (metrics.get("paired") or {}).get(split):
+        return []
+    return ["gti - X: the model minus row X user by user on the same users, with a paired bootstrap CI "
+            "(a CI above 0: the model is better)"]
 
 
 def _title(item: tuple[str, str], id_width: int = 0) -> str:
@@ -328,7 +355,7 @@ def format_summary(s: RunSummary) -> str:
     n_users = (m.get("n_users") or {}).get(split)
     lines = [f"Run {s.run_dir}: {split} split, {n_users if n_users is not None else '?'} users, the same users "
              "in every row; [95% bootstrap CI]", "", format_table(m, split, RL_ROW if s.rl else MODEL_ROW),
-             _mrr_note(m, split)]
+             _mrr_note(m, split)] + _paired_note(m, split)
     if s.sample is not None:
         lines += [""] + format_sample(s.sample)
     grounding = format_grounding(s.grounding) if s.grounding else None

@@ -13,9 +13,15 @@ over the catalog's SID trie, and score them against the held-out item.
   driver before any actor starts).
 - Metrics: Recall/NDCG/Precision@K for K in `eval.ks` with bootstrap CIs over users
   (`gti.eval.metrics`), plus the reference rows of `eval.baselines` on the same users
-  (`gti.eval.reference`): MostPop and Markov fitted per split, SASRec trained once on the SFT
-  windows (wall time under the facts' "sasrec"). The invalid-SID rate is reported (0 by
-  construction when `eval.constrained`).
+  (`gti.eval.reference`): MostPop and Markov fitted per split, SASRec trained once on the
+  training items with its settings tuned on the valid split (`eval.sasrec.sweep`; every
+  candidate's settings, valid score and wall time, the chosen settings and the total under the
+  facts' "sasrec".sweep, also in metrics.json's "reference".sasrec). The invalid-SID rate is
+  reported (0 by construction when `eval.constrained`).
+- Paired differences: per split, the model minus each reference row on the same users
+  (Recall@K and NDCG@K for every K, and MRR: exact with exact ranks on both sides, else MRR@K),
+  mean and paired user-bootstrap CI, under metrics.json's "paired".<split>.<name>
+  (`gti.eval.reference.paired_differences`), logged after the table.
 - Exact ranks (`eval.exact_rank`, off by default): the actor also scores EVERY catalog SID for
   each user (`gti.eval.rank.score_catalog`: one prefill plus one token per distinct SID prefix)
   and reports the target's rank among all items; per split MRR, mean percentile rank (with
@@ -58,7 +64,7 @@ from gti.chunked_output import ChunkedOutput
 from gti.contract import StageContext, StageResult
 from gti.data.sequences import check_sequences
 from gti.errors import ConfigError, DataError
-from gti.eval.reference import metric_block, reference_block, reference_frames
+from gti.eval.reference import metric_block, paired_differences, paired_k, reference_block, reference_frames
 from gti.eval.slices import cold_users, eval_users, n_cold_items, slice_metrics, split_frame
 from gti.eval.tables import format_ranks, format_table
 from gti.files import atomic_write_json
@@ -154,15 +160,18 @@ def run(ctx: StageContext) -> StageResult:
         inp = _read_inputs(ctx)
     with timer.phase("decode"):
         recs, decode_facts = _decode(ctx, inp)
-    with timer.phase("reference"):  # SASRec: trained once, on the SFT windows
+    with timer.phase("reference"):  # SASRec: tuned on valid and trained once, on the training items
         inp.frames, reference_facts = reference_frames(
             inp.frames, inp.seqs, inp.catalog, ec.baselines, ctx.cfg.data.max_history, ec.sasrec.model_dump(),
             ctx.cfg.seed, max(ks), ec.exact_rank, ctx.log)
     with timer.phase("metrics"):
         out = _metrics(ctx, inp, recs)
+    out["reference"] = reference_facts  # the SASRec row's label, settings and sweep, for the summary
     with timer.phase("write"):
         _write_outputs(ctx, out, recs)
     for line in format_table(out, ks).splitlines():
+        ctx.log(line)
+    for line in format_paired(out):
         ctx.log(line)
     return StageResult(
         outputs={"metrics": METRICS_FILE, "recommendations": RECS_FILE},
@@ -171,7 +180,8 @@ def run(ctx: StageContext) -> StageResult:
             "baselines": out["baselines"],
             "ranks": out["ranks"],
             "baseline_ranks": out["baseline_ranks"],
-            **reference_facts,  # sasrec: train_seconds, epochs, windows, selection, ...
+            **reference_facts,  # sasrec: label, train_seconds, max_len, selection, sweep, ...
+            "paired": out["paired"],
             "slices": out["slices"],
             "invalid_sid_rate": out["invalid_sid_rate"],
             "n_users": out["n_users"],
@@ -309,7 +319,7 @@ def _metrics(ctx: StageContext, inp: _Inputs, recs: pl.DataFrame) -> dict[str, A
     n_returned, n_invalid = int(recs["n_returned"].sum()), int(recs["n_invalid"].sum())
     out: dict[str, Any] = {
         "splits": {}, "baselines": {b: {} for b in ec.baselines}, "ranks": {},
-        "baseline_ranks": {}, "baseline_per_user": {},
+        "baseline_ranks": {}, "baseline_per_user": {}, "paired": {},
         "slices": {"cold": {"definition": {"max_sft_targets": ec.cold_max_sft_targets,
                                            "n_cold_items": inp.n_cold, "n_items": len(inp.catalog)}}},
         "invalid_sid_rate": n_invalid / n_returned if n_returned else 0.0, "n_users": {}, "per_user": {},
@@ -342,6 +352,8 @@ def _split_metrics(ctx: StageContext, inp: _Inputs, split: str, part: pl.DataFra
         ctx.log(format_ranks(split, out["ranks"][split]))
         for name, ranks in ref["ranks"].items():
             ctx.log(format_ranks(split, ranks, f"/{name}"))
+    # After exact ranks: with them on both sides (the model, SASRec) MRR is the exact one.
+    out["paired"][split] = paired_differences(out["per_user"][split], ref["per_user"], ks, ec.bootstrap, cfg.seed)
     # Masks per table (both carry the target), so the slice never depends on row order.
     cold_part = pl.Series(cold_users(part, inp.sft_counts, ec.cold_max_sft_targets), dtype=pl.Boolean)
     cold_frame = pl.Series(cold_users(frame, inp.sft_counts, ec.cold_max_sft_targets), dtype=pl.Boolean)
@@ -362,3 +374,18 @@ def _write_outputs(ctx: StageContext, out: dict[str, Any], recs: pl.DataFrame) -
         tracker.scalars(eval_tags(out), int(ctx.manifest("sft").facts.get("steps_done") or 0))
     recs.select("user_id", "split", "target", "items", "scores").write_parquet(ctx.work_dir / RECS_FILE)
     shutil.rmtree(ctx.work_dir / DECODED_DIR)  # recs.parquet holds them now
+
+
+def format_paired(out: dict[str, Any]) -> list[str]:
+    """Log lines of the paired differences: per split and reference row, model - row at the
+    headline K (Recall@K, NDCG@K, MRR), mean [paired bootstrap CI]."""
+    k = paired_k(list(out["config"]["ks"]))
+    lines = []
+    for split, rows in out["paired"].items():
+        for name, block in rows.items():
+            cells = [f"{m.replace('recall', 'Recall').replace('ndcg', 'NDCG').replace('mrr', 'MRR')} "
+                     f"{c['value']:+.4f} [{c['ci'][0]:+.4f}, {c['ci'][1]:+.4f}]"
+                     for m, c in block.items() if m in (f"recall@{k}", f"ndcg@{k}", "mrr", f"mrr@{k}")]
+            lines.append(f"{split}: model - {name} (paired, {next(iter(block.values()))['n_users']} users): "
+                         + ", ".join(cells))
+    return lines
