@@ -27,7 +27,9 @@ catalog, too many histories, and on every GET route a query parameter it does no
 given twice, or a bad value (`limit` not an ASCII integer in range); 404 / 405 an unknown path or
 method; 401 a missing or wrong bearer token (needed by /admin/* always, by every endpoint with
 `serve.token_required`), 403 /admin/* when no token is set; 503 while no run is loaded.
-`GET /info` names the run's folders only to a caller holding the token.
+`GET /info` names the run's folders only to a caller holding the token. Reading and checking
+a body or a query string (the 400/413/415/422 above, but the limits per route) is
+`gti.serve.requests`.
 
 `decode(queries) -> awaitable list of answers | RequestError`: how a replica decodes (Ray
 Serve: a `gti.serve.gather.Gatherer` gathering concurrent requests); None = in this process, one
@@ -52,41 +54,19 @@ import re
 import threading
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Mapping, MutableMapping
-from urllib.parse import parse_qsl
 
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
 from starlette.exceptions import HTTPException
 
 from gti.config_serve import ServeConfig
 from gti.errors import ConfigError
 from gti.serve.reload import ReloadBusy, ServiceHolder
+from gti.serve.requests import BatchBody, RecommendBody, ReloadBody, int_param, parse, read_json, read_query, short
 from gti.serve.service import Query, RequestError
 
 log = logging.getLogger("gti.serve")
 Decode = Callable[[list[Query]], Awaitable[list[Any]]]
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class RecommendBody(_Body):
-    history: list[str]
-    k: StrictInt = 10
-    exclude_history: StrictBool | None = None
-
-
-class BatchBody(_Body):
-    histories: list[list[str]]
-    k: StrictInt = 10
-    exclude_history: StrictBool | None = None
-
-
-class ReloadBody(_Body):
-    version: StrictInt | None = Field(None, ge=0)
-    wait: StrictBool = False
 
 
 def read_token(cfg: ServeConfig, env: Mapping[str, str] | None = None) -> str | None:
@@ -121,138 +101,6 @@ def token_digest(token: str | None) -> str | None:
     """sha256 hex of the token (what the app and the replicas hold; None: no token)."""
     return hashlib.sha256(token.encode()).hexdigest() if token else None
 
-
-def _cut(text: str, n: int = 40) -> str:
-    """`text` for a one-line message, cut to about `n` characters (a client may send a
-    4,000-digit integer or a 60 kB key: the message names it, it does not repeat it)."""
-    return text if len(text) <= n else f"{text[:n]}... ({len(text)} characters)"
-
-
-def _short(value: Any, n: int = 40) -> str:
-    return _cut(repr(value), n)
-
-
-def _check_content_type(value: str) -> None:
-    """415 unless `value` is empty (taken as JSON: what a bare HTTP client sends) or a JSON media
-    type (application/json, or application/<x>+json) with no charset or UTF-8's."""
-    if not value.strip():
-        return
-    media, *params = [part.strip() for part in value.split(";")]
-    media = media.lower()
-    if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
-        raise RequestError(415, f"Content-Type must be application/json, got {_short(value)} "
-                                "(curl: -H 'Content-Type: application/json')")
-    for param in params:
-        name, _, val = param.partition("=")
-        if name.strip().lower() == "charset" and val.strip().strip('"').lower() not in ("utf-8", "utf8"):
-            raise RequestError(415, f"the body must be UTF-8, Content-Type says charset={_short(val.strip())}")
-
-
-def _reject_constant(name: str) -> Any:
-    # Python's json takes NaN and Infinity, which JSON does not have and no field takes.
-    raise ValueError(f"{name} is not JSON")
-
-
-def _no_surrogates(data: Any) -> None:
-    """400 naming where a string (or key) holds an unpaired surrogate (a \\ud800 escape is valid
-    JSON syntax but not Unicode text: it would fail later, when an answer echoing it is encoded)."""
-    stack: list[tuple[str, Any]] = [("body", data)]
-    while stack:  # iterative: the parser already accepted the nesting, a walk must not recurse
-        where, value = stack.pop()
-        texts: list[str] = []
-        if isinstance(value, str):
-            texts = [value]
-        elif isinstance(value, dict):
-            texts = list(value)
-            stack += [(f"{where}.{_cut(k, 20)}", v) for k, v in value.items()]
-        elif isinstance(value, list):
-            stack += [(f"{where}[{i}]", v) for i, v in enumerate(value)]
-        for text in texts:
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError as err:
-                raise RequestError(400, f"{where}: a string holds an unpaired surrogate "
-                                        f"({text[err.start]!a}), which is not Unicode text") from None
-
-
-async def read_json(request: Request, limit: int, required: bool = True) -> dict[str, Any]:
-    """The body as a JSON object: 413 over `limit` bytes; 415 not declared as JSON in UTF-8;
-    400 not UTF-8, malformed, beyond what the parser holds, or not an object (each one line)."""
-    too_big = RequestError(413, f"request body over {limit} bytes (serve.max_body_bytes)")
-    length = request.headers.get("content-length", "")
-    # ASCII digits only ("²".isdigit() is True, int("²") raises), and no int() of 4,300 of them
-    if length.isascii() and length.isdigit() and (len(length) > 18 or int(length) > limit):
-        raise too_big
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise too_big
-    if not body.strip():
-        if required:
-            raise RequestError(400, "empty body: send a JSON object")
-        return {}
-    _check_content_type(request.headers.get("content-type", ""))
-    try:
-        text = bytes(body).decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise RequestError(400, f"the body is not UTF-8 (byte 0x{body[err.start]:02x} at offset {err.start})") from None
-    try:
-        data = json.loads(text, parse_constant=_reject_constant)
-    except json.JSONDecodeError as err:
-        raise RequestError(400, f"malformed JSON: {err}") from None
-    except RecursionError:
-        raise RequestError(400, "malformed JSON: nested deeper than the parser allows") from None
-    except ValueError as err:  # an integer of more than sys.get_int_max_str_digits() digits; NaN
-        raise RequestError(400, f"malformed JSON: {str(err).split(';')[0]}") from None
-    if not isinstance(data, dict):
-        raise RequestError(400, f"the body must be a JSON object, got {type(data).__name__}")
-    _no_surrogates(data)
-    return data
-
-
-def read_query(request: Request, allowed: tuple[str, ...] = ()) -> dict[str, str]:
-    """The query parameters of a GET route taking `allowed`: 400 a query string that is not
-    UTF-8, 422 a parameter it does not take or one given twice."""
-    route = f"{request.method} {request.url.path}"
-    raw = request.scope.get("query_string", b"")
-    try:
-        # errors="strict": Starlette's own parse replaces bad bytes and would search for U+FFFD
-        pairs = parse_qsl(raw.decode("utf-8"), keep_blank_values=True, errors="strict",
-                          max_num_fields=max(8, 2 * len(allowed)))
-    except UnicodeDecodeError:
-        raise RequestError(400, f"{route}: the query string is not UTF-8 (percent-encode UTF-8 bytes)") from None
-    except ValueError:  # more fields than max_num_fields
-        raise RequestError(422, f"{route}: too many query parameters") from None
-    takes = f"takes {' and '.join(allowed)}" if allowed else "takes no query parameters"
-    unknown = sorted({name for name, _ in pairs} - set(allowed))
-    if unknown:
-        raise RequestError(422, f"unknown query parameter(s): {', '.join(_cut(u, 30) for u in unknown[:5])} "
-                                f"({route} {takes})")
-    out: dict[str, str] = {}
-    for name, value in pairs:
-        if name in out:
-            raise RequestError(422, f"query parameter {name} given more than once ({route})")
-        out[name] = value
-    return out
-
-
-def int_param(query: dict[str, str], name: str, default: int, lo: int, hi: int, what: str = "") -> int:
-    """Query parameter `name` as an integer in [lo, hi]; 422 naming it otherwise. Only ASCII
-    digits count: "²".isdigit() is True and int("²") raises."""
-    raw = query.get(name, str(default))
-    if not (raw.isascii() and raw.isdigit() and len(raw) <= 9 and lo <= int(raw) <= hi):
-        raise RequestError(422, f"{name} must be an integer from {lo} to {hi}{what}, got {_short(raw)}")
-    return int(raw)
-
-
-def parse(model: type[BaseModel], data: dict[str, Any]) -> Any:
-    """`data` as `model`; 422 naming each wrong field."""
-    try:
-        return model.model_validate(data)
-    except ValidationError as err:
-        parts = [f"{'.'.join(_cut(str(x), 30) for x in e['loc']) or 'body'}: {e['msg']}" for e in err.errors()[:5]]
-        raise RequestError(422, "; ".join(parts)) from None
 
 
 class _AsciiJSON(JSONResponse):
@@ -341,8 +189,8 @@ def create_app(holder: ServiceHolder, cfg: ServeConfig, token_sha256: str | None
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, err: HTTPException) -> JSONResponse:
         # the router's own 404/405: the same one-line JSON as every other error, not {"detail"}
-        what = {404: f"no such path: {_short(request.url.path, 80)}",
-                405: f"{request.method} is not allowed on {_short(request.url.path, 80)}"}
+        what = {404: f"no such path: {short(request.url.path, 80)}",
+                405: f"{request.method} is not allowed on {short(request.url.path, 80)}"}
         resp = _error(RequestError(err.status_code, what.get(err.status_code, str(err.detail))))
         for key, value in (err.headers or {}).items():  # 405's Allow
             resp.headers[key] = value
@@ -421,9 +269,9 @@ def _add_query_routes(app: FastAPI, holder: ServiceHolder, cfg: ServeConfig, aut
 
     def check_k(k: int) -> None:
         if k < 1:
-            raise RequestError(422, f"k must be an integer >= 1, got {_short(k)}")
+            raise RequestError(422, f"k must be an integer >= 1, got {short(k)}")
         if k > cfg.max_k:
-            raise RequestError(422, f"k={_short(k)} exceeds the limit of {cfg.max_k} (serve.max_k)")
+            raise RequestError(422, f"k={short(k)} exceeds the limit of {cfg.max_k} (serve.max_k)")
 
     @app.post("/recommend")
     async def recommend(request: Request) -> JSONResponse:
