@@ -17,12 +17,14 @@ What it does:
    and the evaluate stage's user sample of these sequences against the records' users.
 2. Test users: the records' per_user.test.user_ids (the same list in every record, checked);
    the split frame by the evaluate stage's `split_frame` (`gti.eval.slices`; history: the last
-   data.max_history items before the target); the catalog in the SID map's row order, which is
+   data.max_history items before the target, the LM's prompt; SASRec reads each user's whole
+   training sequence instead, `sasrec_histories`, keeping its own last max_len); the catalog in the SID map's row order, which is
    items.parquet's (the embed stage keeps it, the sid stage keeps embed's), or the sid map
    itself beside `--run-dir`.
 3. SASRec: `gti.eval.reference.fit_reference_models` with the config's eval.sasrec (the proof
-   config sets none: today's defaults) and seed, scored with exact ranks by
-   `add_reference_columns`, its rows and MostPop's and Markov's by `reference_block`
+   config sets none: today's defaults, i.e. tuned on the valid split by eval.sasrec.sweep) and
+   seed, scored with exact ranks by `add_reference_columns` on `sasrec_histories` (as the
+   evaluate stage's `reference_frames`), its rows and MostPop's and Markov's by `reference_block`
    (eval.bootstrap resamples, the config's seed). MostPop and Markov are recomputed on all
    the records' users with each record's seed and checked against that record's figures.
 4. Paired differences arm - SASRec on the same users (`gti.eval.metrics.paired_bootstrap_ci`),
@@ -32,8 +34,9 @@ What it does:
    (arm "sasrec"), so bench/proof/proof_summary.py and the report read SASRec as one more arm;
    prints a markdown table for bench/RESULTS.md and the paired differences.
 
-`--quick` (what `make bench` passes): the first 30 test users and 2 SASRec epochs, written
-under --work (the committed sasrec.json is left alone); under a minute.
+`--quick` (what `make bench` passes): the first 30 test users and 2 SASRec epochs (the sweep
+off: one fixed setting, `sasrec_params`), written under --work (the committed sasrec.json is
+left alone); under a minute.
 
 What it does not know: the LM, SIDs, Ray. The arms' figures are read from the records, never
 recomputed. SASRec is trained once (one seed), so its CIs cover users, not SASRec's seeds.
@@ -161,23 +164,32 @@ def data_identity(d: Path, recs, seqs, cfg, users: list[str]) -> dict:
 
 
 # --------------------------------------------------------------------------- SASRec and baselines
+def sasrec_params(params: dict, epochs: int | None) -> dict:
+    """eval.sasrec's block (`params`, its model_dump) with `epochs` set when given: then the
+    valid-split sweep (eval.sasrec.sweep, on by default) is turned off, or its own epochs values
+    would override these; one fixed setting trains (max_len: eval.sasrec.max_len)."""
+    if epochs is None:
+        return params
+    return {**params, "epochs": epochs, "sweep": {**params["sweep"], "enabled": False}}
+
+
 def reference(seqs, catalog: list[str], users: list[str], cfg, epochs: int | None):
     """The evaluate stage's reference rows on `users` (test split): SASRec fitted and scored as
     `reference_frames` does, then `reference_block` for sasrec, mostpop and markov.
     -> (reference_block's dict, SASRec's facts)."""
-    from gti.eval.reference import add_reference_columns, fit_reference_models, reference_block
+    from gti.eval.reference import add_reference_columns, fit_reference_models, reference_block, sasrec_histories
     from gti.eval.slices import split_frame
 
     ec, ks = cfg.eval, list(cfg.eval.ks)
     frame = split_frame(seqs, "test", users, cfg.data.max_history)
     if frame["user_id"].to_list() != users:
         sys.exit("proof_sasrec: the split frame's users are not the records' (order or set)")
-    params = ec.sasrec.model_dump()
-    if epochs is not None:
-        params["epochs"] = epochs
+    params = sasrec_params(ec.sasrec.model_dump(), epochs)
     models = fit_reference_models(seqs, catalog, ["sasrec"], cfg.data.max_history, params, cfg.seed, log)
     t0 = time.time()
-    frame = add_reference_columns(frame, models, max(ks), ec.exact_rank)
+    # SASRec reads each user's whole training sequence (train items + valid item), keeping its own
+    # last max_len, as the evaluate stage's reference_frames passes it; not the LM's history column
+    frame = add_reference_columns(frame, models, max(ks), ec.exact_rank, sasrec_histories(seqs, frame, "test"))
     facts = dict(models["sasrec"].facts, score_seconds=round(time.time() - t0, 2), params=params)
     ref = reference_block(seqs, "test", frame, ks, ec.bootstrap, cfg.seed, catalog, list(REF_ROWS), ec.exact_rank)
     return ref, facts

@@ -55,6 +55,57 @@ def test_records_with_other_test_users_are_refused():
         ps.test_users(recs)
 
 
+
+def test_given_epochs_turn_the_valid_sweep_off():
+    """--quick's 2 epochs train: eval.sasrec.sweep (on by default, its own epochs values) is off
+    whenever epochs are given; without them the config's block is passed as it is."""
+    from gti.config_eval import SasrecConfig
+
+    ps = load_bench("proof/proof_sasrec")
+    block = SasrecConfig().model_dump()
+    assert block["sweep"]["enabled"]
+    assert ps.sasrec_params(block, None) == block
+    quick = ps.sasrec_params(block, 2)
+    assert quick["epochs"] == 2 and quick["sweep"]["enabled"] is False
+    assert {**quick, "epochs": block["epochs"], "sweep": block["sweep"]} == block
+    assert block["sweep"]["enabled"] and block["epochs"] == SasrecConfig().epochs  # not changed in place
+
+
+def test_reference_feeds_sasrec_its_own_histories(monkeypatch):
+    """SASRec reads each test user's whole training sequence (train items + valid item), as the
+    evaluate stage's `reference_frames` passes it, not the LM's last data.max_history items."""
+    from types import SimpleNamespace
+
+    import polars as pl
+
+    from gti.config_eval import EvalConfig
+    from gti.eval import reference as R
+
+    seqs = pl.DataFrame({"user_id": ["u1", "u2"], "train_items": [["a", "b", "c", "d"], ["b", "c"]],
+                         "valid_item": ["e", "d"], "test_item": ["f", "a"]})
+    seen: dict = {}
+
+    class Model:
+        facts = {"epochs": 2, "train_seconds": 0.1}
+
+        def ranked_and_ranks(self, histories, targets, k, exact_rank):
+            seen["histories"], seen["targets"] = histories, targets
+            return [["a"] * k for _ in targets], [1.0 for _ in targets]
+
+    def fit(seqs_, catalog, names, max_history, params, seed, log):
+        seen["params"] = params
+        return {"sasrec": Model()}
+
+    monkeypatch.setattr(R, "fit_reference_models", fit)
+    monkeypatch.setattr(R, "reference_block", lambda *a: {"baselines": {}})
+    cfg = SimpleNamespace(eval=EvalConfig(), data=SimpleNamespace(max_history=2), seed=0)
+    ps = load_bench("proof/proof_sasrec")
+    ref, facts = ps.reference(seqs, ["a", "b", "c", "d", "e", "f"], ["u1", "u2"], cfg, 2)
+    assert seen["histories"] == [["a", "b", "c", "d", "e"], ["b", "c", "d"]] and seen["targets"] == ["f", "a"]
+    assert seen["params"]["epochs"] == 2 and not seen["params"]["sweep"]["enabled"]
+    assert facts["params"] is seen["params"] and ref == {"baselines": {}}
+
+
 @pytest.mark.bench
 @pytest.mark.slow
 @pytest.mark.timeout(600)
