@@ -224,7 +224,6 @@ def _retrain(run, stage: str = "sft", fingerprint: str = "f-new") -> None:
     man.write(run / stage)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 51 item 3: the job key lacks the model's fingerprint")
 def test_a_retrained_model_never_resumes_the_old_models_parts(seq_run, services, tmp_path):
     """Issue 51 item 3: the key held stage, map hash, version and users, so after a retrain on
     the same map a rerun into the same --out took every old part as done. The model's manifest
@@ -244,3 +243,25 @@ def test_a_retrained_model_never_resumes_the_old_models_parts(seq_run, services,
     assert I.read_manifest(job.out)["state"] == "complete"  # refused: the old output is left as it was
     assert I.prepare_out(again.out, again.key, force=True) is None  # --force: a new output
     assert I.finished_parts(again.out, again.users, again.parts) == set()
+
+
+def test_the_key_holds_the_model_and_the_decode_settings(seq_run, tmp_path):
+    """Every setting a part's rows depend on is in the key: the model's fingerprint and time,
+    k, the beam width, history exclusion and length; a changed one is another job."""
+    from gti import config as C
+
+    run = tmp_path / "run"
+    shutil.copytree(seq_run, run)
+    job = I.plan_job(run, "all", tmp_path / "out", k=3, version=0)
+    assert job.key["model_fingerprint"] == "f" and isinstance(job.key["model_created"], float)
+    assert (job.key["beam_width"], job.key["max_history"], job.key["exclude_history"]) == (20, 4, False)
+    v1 = I.plan_job(run, "all", tmp_path / "out", k=3)  # refresh/v1: its manifest has no fingerprint
+    assert v1.key["model_fingerprint"].startswith("files:")
+    (run / "config.yaml").write_text(C.dump(C.load(None, ["data.max_history=4", "eval.beam_width=24"])))
+    wider = I.plan_job(run, "all", tmp_path / "out", k=3, version=0)
+    assert wider.key["beam_width"] == 24 and wider.key["model_fingerprint"] == "f"
+    I.prepare_out(job.out, job.key)
+    with pytest.raises(I.InferOutputError, match="beam_width: 20 -> 24"):
+        I.prepare_out(job.out, wider.key)
+    with pytest.raises(I.InferOutputError, match="exclude_history: False -> True"):
+        I.prepare_out(job.out, dict(job.key, exclude_history=True))

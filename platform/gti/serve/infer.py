@@ -8,7 +8,12 @@ key. `decode_part` answers one part with a `RecommenderService` (the decode of `
 a part decodes the same whether or not the job was resumed. `write_part` writes it atomically
 (a temp `.part-*.tmp` in the output folder, renamed into place); `finished_parts` takes a part as
 done only when its file reads back with the plan's user ids (a temp never counts);
-`prepare_out` refuses to mix two jobs' parts in one folder (the key in `_gti_infer.json`).
+`prepare_out` refuses to mix two jobs' parts in one folder (the key in `_gti_infer.json`). The
+key holds everything a row depends on: the version, the model stage AND its fingerprint
+(`model_fingerprint`: a model retrained on the same map is another model), the map hash, k,
+the beam width, history exclusion and length, the users and how they are cut. A rerun whose
+key differs is refused with one line naming what changed (`--force` replaces the old parts):
+never resumed onto parts another model or setting wrote.
 
 The output folder: `part-<i:05d>.parquet`, rows in input order with the columns of `OUT_SCHEMA`
 (user_id, item_ids best first (<= k), sids, scores = sum of the SID tokens' log-probs,
@@ -190,6 +195,28 @@ def model_identity(run_dir: Path, version: int | None) -> tuple[int, str, str, i
     return at.k, at.stage, at.map_hash, pq.read_metadata(at.map_path).num_rows
 
 
+def model_fingerprint(run_dir: Path, stage: str) -> dict[str, Any]:
+    """Which model `stage` ("sft", "refresh/v<k>") of `run_dir` is: its manifest's fingerprint
+    and creation time. The stage name and map hash do not say it: `gti run --from sft` with new
+    settings (the same map) retrains the model under both, and `gti run --force` retrains with
+    the same fingerprint (the time differs). Without a manifest fingerprint, the model folder's
+    files stand for it (`file_fingerprint`: small files by content, weights by size and mtime)."""
+    import json
+
+    from gti.manifest import MANIFEST_NAME, file_fingerprint
+
+    stage_dir = run_dir / stage
+    try:
+        raw = json.loads((stage_dir / MANIFEST_NAME).read_text())
+    except (OSError, ValueError):
+        raw = {}
+    fp, created = raw.get("fingerprint"), raw.get("created")
+    if not fp:
+        model_dir = stage_dir / "model"
+        fp = f"files:{file_fingerprint(model_dir)}" if model_dir.is_dir() else None
+    return {"model_fingerprint": fp, "model_created": created}
+
+
 def plan_job(run_dir: str | Path, users: str, out: str | Path, *, k: int, version: int | None = None,
              exclude_history: bool = False, part_rows: int | None = None,
              batch_users: int | None = None) -> InferJob:
@@ -211,9 +238,13 @@ def plan_job(run_dir: str | Path, users: str, out: str | Path, *, k: int, versio
     batch_users = run_cfg.serve.infer_batch_users if batch_users is None else int(batch_users)
     if batch_users < 1:
         raise ConfigError(f"--batch-users must be >= 1, got {batch_users}")
-    key = {"run_dir": str(run_dir), "version": v, "model": stage, "map_hash": map_hash, "k": int(k),
-           "exclude_history": bool(exclude_history), "users": source, "users_sha256": users_hash(frame),
-           "n_users": frame.height, "part_rows": part_rows, "batch_users": batch_users}
+    # Everything a part's rows depend on: the model (not only its stage's name), the map, the
+    # decode settings and the users. A part is taken as done only under an equal key.
+    key = {"run_dir": str(run_dir), "version": v, "model": stage, **model_fingerprint(run_dir, stage),
+           "map_hash": map_hash, "k": int(k), "exclude_history": bool(exclude_history),
+           "beam_width": int(ec.beam_width), "max_history": int(run_cfg.data.max_history), "users": source,
+           "users_sha256": users_hash(frame), "n_users": frame.height, "part_rows": part_rows,
+           "batch_users": batch_users}
     return InferJob(run_dir, Path(out).expanduser().resolve(), frame, plan_parts(frame.height, part_rows), key, ec)
 
 
