@@ -215,6 +215,8 @@ def _add_trained_run_commands(sub) -> None:
     p.add_argument("--run-dir", required=True)
     p.add_argument("--history", required=True, help="comma-separated item ids, oldest first")
     p.add_argument("--k", type=_top_k, default=10, help="items to return (1 to 1000; default 10)")
+    p.add_argument("--exclude-history", action="store_true",
+                   help="leave the history's items out of the list, as gti serve does by default (default: kept)")
     p.add_argument("--version", type=int, default=None,
                    help="refresh version k (default: the newest; 0: the run before any refresh)")
     p.add_argument("--trust-remote-code", action="store_true",

@@ -188,12 +188,14 @@ class LoadedRun:
             pad_id=int(pad if pad is not None else 0), levels=int(mat.shape[1]), **where,
         )
 
-    def recommend(self, history: Sequence[str], k: int = 10) -> list[dict[str, Any]]:
+    def recommend(self, history: Sequence[str], k: int = 10, *,
+                  exclude_history: bool = False) -> list[dict[str, Any]]:
         """Top-k items for `history` (item ids, oldest first), best first:
-        [{"item_id", "title", "score", "sid"}]; score = sum of the SID tokens' log-probs."""
+        [{"item_id", "title", "score", "sid"}]; score = sum of the SID tokens' log-probs.
+        `exclude_history`: leave the history's items out (`gti serve`'s default; off here)."""
         from gti.eval.recommend import top_k
 
-        return top_k(self, history, k, where=f"{self.run_dir or self.model_dir}/sid")
+        return top_k(self, history, k, where=f"{self.run_dir or self.model_dir}/sid", exclude_history=exclude_history)
 
 
 def check_render_style(model_dir: Path, cfg: C.RunConfig) -> None:
@@ -226,13 +228,13 @@ def recommend(run_dir: str | Path, history: Sequence[str], k: int = 10) -> list[
 
 
 def cli_main(args) -> int:
-    """`gti recommend`: args.run_dir, args.history (comma-separated ids), args.k."""
+    """`gti recommend`: args.run_dir, args.history (comma-separated ids), args.k, args.exclude_history."""
     from gti.eval.recommend import format_recommendations
 
     history = [h.strip() for h in str(args.history).split(",") if h.strip()]
     run = LoadedRun.open(args.run_dir, version=getattr(args, "version", None),
                          trust_remote_code=bool(getattr(args, "trust_remote_code", False)))
-    recs = run.recommend(history, int(args.k))
+    recs = run.recommend(history, int(args.k), exclude_history=bool(getattr(args, "exclude_history", False)))
     print(f"run {run.run_dir} (model: {run.model_stage}), history: {', '.join(history)}")
     print(format_recommendations(recs))
     return 0

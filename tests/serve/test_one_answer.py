@@ -99,6 +99,37 @@ def test_the_three_paths_answer_the_same_lists(services, k):
     assert rec == served == inferred
 
 
+def _cli_recommend(monkeypatch, run, history, k, *flags) -> list[str]:
+    """`gti recommend --history ... --k k [flags]` through the CLI's parser and `cli_main`, on
+    `run` (LoadedRun.open handed the loaded run: nothing reloaded) -> the item ids it prints."""
+    from gti import loaded_run as L
+    from gti.cli import main
+
+    shown: list = []
+    monkeypatch.setattr(L.LoadedRun, "open", classmethod(lambda cls, *a, **kw: run))
+    monkeypatch.setattr("gti.eval.recommend.format_recommendations", lambda recs: shown.append(recs) or "")
+    assert main(["recommend", "--run-dir", str(run.run_dir), "--history", ",".join(history), "--k", str(k),
+                 *flags]) == 0
+    return [r["item_id"] for r in shown[0]]
+
+
+@pytest.mark.parametrize("k", [5, 8])
+def test_gti_recommend_exclude_history_answers_as_gti_serve(services, monkeypatch, k):
+    """`gti recommend --exclude-history` (LoadedRun.recommend(exclude_history=True)) lists what
+    `gti serve`'s decode answers for the same history and k (it excludes by default); without
+    the flag it keeps the history items, as before."""
+    run = _narrow(services[0].run)
+    served = [[r["item_id"] for r in a["items"]]
+              for a in RecommenderService(run, 0, "h", max_k=100).answer([Query(tuple(h), k, True) for h in HISTORIES])]
+    kept = []
+    for h, want in zip(HISTORIES, served):
+        assert [r["item_id"] for r in run.recommend(h, k, exclude_history=True)] == want
+        assert _cli_recommend(monkeypatch, run, h, k, "--exclude-history") == want
+        kept.append(_cli_recommend(monkeypatch, run, h, k))
+        assert kept[-1] == [r["item_id"] for r in top_k(run, h, k)]  # the default: history items kept
+    assert any(set(h) & set(items) for h, items in zip(HISTORIES, kept))  # the flag changes a list here
+
+
 def test_scores_agree_across_paths(services):
     run = _narrow(services[0].run)
     hist = HISTORIES[0]
