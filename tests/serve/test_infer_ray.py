@@ -167,3 +167,116 @@ def test_interrupted_infer_resumes_to_the_same_output(seq_run, tmp_path, monkeyp
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
     man = I.read_manifest(out)
     assert man["state"] == "complete" and man["resumed_parts"] == len(kept) and not list(out.glob(".part-*.tmp"))
+
+
+class _FakeRoll:
+    """Stands in for `R.DecoderRoll` (no Ray): records when `stop` begins and returns."""
+
+    def __init__(self, events: list, name: str = "roll-test") -> None:
+        self.events, self.name = events, name
+
+    def stop(self, log, timeout_s: float = 0.0) -> list:
+        import time
+
+        self.events.append("stop: begin")
+        time.sleep(0.05)  # the decoders exiting
+        self.events.append("stop: returned")
+        return []
+
+
+def test_ctrl_c_unlocks_the_output_only_after_the_decoders_exited(seq_run, tmp_path, monkeypatch):
+    """Interrupted on the pool path: the executor is closed, then the roll's stop (kill and
+    wait) returns, and only then is the output's run lock released (fakes for Ray and the lock)."""
+    import pyarrow as pa
+
+    import gti.ray_start as ray_start
+    import gti.runlock as runlock
+
+    events: list[str] = []
+
+    class FakeDataset:
+        def iter_batches(self, **kw):
+            try:
+                events.append("pool: first part")
+                yield pa.table({"part": [0], "rows": [2], "errors": [0], "seconds": [0.1]})
+                yield pa.table({"part": [1], "rows": [2], "errors": [0], "seconds": [0.1]})
+            finally:
+                events.append("pool: closed")
+
+    class FakeLock:
+        def __init__(self, folder, what=None):
+            self.folder = folder
+
+        def __enter__(self):
+            events.append("lock: held")
+            return self
+
+        def __exit__(self, *exc):
+            events.append("lock: released")
+            return False
+
+    def interrupt(part):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ray_start, "ensure_ray", lambda cfg: None)
+    monkeypatch.setattr(runlock, "RunLock", FakeLock)
+    monkeypatch.setattr(R, "_pool", lambda job, todo, conc, gpus, trc, roll=None: FakeDataset())
+    monkeypatch.setattr(R.DecoderRoll, "start", classmethod(lambda cls: _FakeRoll(events)))
+    monkeypatch.setattr(R, "_on_part", interrupt)
+    assert _infer(seq_run, tmp_path / "out") == 130
+    assert events == ["lock: held", "pool: first part", "pool: closed", "stop: begin", "stop: returned",
+                      "lock: released"]
+    assert I.read_manifest(tmp_path / "out")["state"] == "running"  # not marked complete
+
+
+def test_the_roll_is_stopped_when_the_pool_fails_too(seq_run, tmp_path, monkeypatch):
+    """A decoder error (not a Ctrl-C): the same order, and the error reaches the caller."""
+    import gti.ray_start as ray_start
+
+    events: list[str] = []
+
+    class Failing:
+        def iter_batches(self, **kw):
+            events.append("pool: started")
+            raise RuntimeError("a decoder died")
+            yield  # pragma: no cover - a generator
+
+    monkeypatch.setattr(ray_start, "ensure_ray", lambda cfg: None)
+    monkeypatch.setattr(R, "_pool", lambda *a, **kw: Failing())
+    monkeypatch.setattr(R.DecoderRoll, "start", classmethod(lambda cls: _FakeRoll(events)))
+    job = I.plan_job(seq_run, "all", tmp_path / "out", k=3, part_rows=2, batch_users=2)
+    with pytest.raises(RuntimeError, match="a decoder died"):
+        R.run_parts(job, job.parts, 0, concurrency=1, num_gpus=0.0, log=lambda m: None)
+    assert events == ["pool: started", "stop: begin", "stop: returned"]
+
+
+def test_wait_exited_kills_each_and_waits_for_every_one_through_a_second_ctrl_c():
+    """`wait_exited` with fake members: each is killed once, the wait lasts until the last one
+    is seen gone (a Ctrl-C meanwhile does not end it), a member that never exits is reported."""
+    killed, polls, said = [], {"a": 2, "b": 5}, []
+    interrupted = []
+
+    def exited(m):
+        polls[m[0]] -= 1
+        if m[0] == "b" and polls["b"] == 3 and not interrupted:
+            interrupted.append(True)
+            raise KeyboardInterrupt
+        return polls[m[0]] <= 0
+
+    members = [("a", "node", 11), ("b", "node", 12)]
+    left = R.wait_exited(members, 30.0, said.append, kill=killed.append, exited=exited, sleep=lambda s: None)
+    assert left == [] and killed == members and interrupted
+    assert polls["b"] == 0 and polls["a"] <= 0  # polled until the last one was gone
+    assert said == ["stopping: waiting for 2 decoder(s) to exit before the output is unlocked"]
+    said.clear()
+    left = R.wait_exited([("c", "node", 13)], 0.05, said.append, kill=lambda m: None, exited=lambda m: False)
+    assert left == [("c", "node", 13)] and "1 decoder(s) not seen to exit within 0 s (pids 13)" in said[0]
+
+
+def test_a_decoder_refuses_a_model_changed_since_the_plan(seq_run, tmp_path):
+    job = I.plan_job(seq_run, "all", tmp_path / "out", k=3, part_rows=2, batch_users=2)
+    planned = {"model_fingerprint": job.key["model_fingerprint"], "model_created": job.key["model_created"]}
+    R.PartDecoder(str(seq_run), 1, job.key["map_hash"], str(job.out), 3, False, 2, model=planned)
+    with pytest.raises(GtiError, match="the model changed since the job was planned \\(fingerprint old -> "):
+        R.PartDecoder(str(seq_run), 1, job.key["map_hash"], str(job.out), 3, False, 2,
+                      model=dict(planned, model_fingerprint="old"))
