@@ -109,3 +109,34 @@ def test_an_error_reaches_its_batch_only_and_the_next_batch_is_decoded():
 def test_max_batch_size_must_be_positive():
     with pytest.raises(ValueError, match="max_batch_size"):
         Gatherer(SlowDecode(), max_batch_size=0, wait_s=0.0)
+
+
+def test_a_batch_counts_sizes_not_items_and_never_splits_one():
+    """Items of several units (a request's histories): a batch holds at most max_batch_size
+    units in arrival order; an item larger than that goes alone, whole."""
+    fn = SlowDecode(secs=0.05)
+
+    async def main():
+        g = Gatherer(fn, max_batch_size=4, wait_s=0.0, size=lambda i: i)
+        return await asyncio.gather(*(g(i) for i in (1, 2, 3, 9, 1, 1, 2)))
+
+    assert asyncio.run(main()) == [2, 4, 6, 18, 2, 2, 4]
+    assert fn.calls == [[1, 2], [3], [9], [1, 1, 2]]
+    assert all(sum(c) <= 4 for c in fn.calls if len(c) > 1)
+
+
+def test_the_wait_ends_when_the_sizes_fill_the_batch():
+    fn = SlowDecode(secs=0.0)
+
+    async def main():
+        g = Gatherer(fn, max_batch_size=6, wait_s=30.0, size=lambda i: 3)
+
+        async def late(i):
+            await asyncio.sleep(0.02)
+            return await g(i)
+        t = time.perf_counter()
+        out = await asyncio.gather(g(0), late(1))
+        return out, time.perf_counter() - t
+
+    out, secs = asyncio.run(main())
+    assert out == [0, 2] and fn.calls == [[0, 1]] and secs < 5.0  # two items of 3 fill 6: no 30 s wait

@@ -6,7 +6,10 @@ Ray Serve's `@serve.batch` forms a batch when its first request arrives (then wa
 batches queue up small, one behind the other (bench/RESULTS.md, "gti serve on an idle machine").
 `Gatherer` forms the next batch only when the decoder is free: everything queued by then, up to
 `max_batch_size`, goes into one call, after at most `wait_s` for the batch to fill (no wait
-once it is full).
+once it is full). The batch is measured by `size(item)` (a replica: the histories of a request,
+so 16 requests of 64 histories are not one batch of 1,024); an item is never split, and one
+larger than `max_batch_size` alone goes into a batch of its own. Items are taken in arrival
+order: the batch ends at the first one that does not fit.
 
 What it does not know: Serve, models, what an item is. One decode at a time per Gatherer, in a
 worker thread (the event loop keeps taking requests meanwhile).
@@ -24,20 +27,26 @@ R = TypeVar("R")
 
 class Gatherer(Generic[T, R]):
     """`await gatherer(item)` -> `fn([..., item, ...])[its index]`; `fn` maps a list of items
-    to a list of results of the same length and runs in a worker thread."""
+    to a list of results of the same length and runs in a worker thread. A batch holds items of
+    at most `max_batch_size` in all, each counted `size(item)` (default 1)."""
 
-    def __init__(self, fn: Callable[[list[T]], Sequence[R]], max_batch_size: int, wait_s: float) -> None:
+    def __init__(self, fn: Callable[[list[T]], Sequence[R]], max_batch_size: int, wait_s: float,
+                 size: Callable[[T], int] | None = None) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.fn, self.max_batch_size, self.wait_s = fn, int(max_batch_size), max(float(wait_s), 0.0)
-        self._queue: list[tuple[T, asyncio.Future]] = []
+        self.size = size or (lambda item: 1)
+        self._queue: list[tuple[T, asyncio.Future, int]] = []
+        self._queued = 0  # the queue's total size
         self._worker: asyncio.Task | None = None
         self._full: asyncio.Event | None = None  # set when the queue reaches max_batch_size
 
     async def __call__(self, item: T) -> R:
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._queue.append((item, fut))
-        if self._full is not None and len(self._queue) >= self.max_batch_size:
+        n = max(1, int(self.size(item)))
+        self._queue.append((item, fut, n))
+        self._queued += n
+        if self._full is not None and self._queued >= self.max_batch_size:
             self._full.set()
         if self._worker is None or self._worker.done():
             self._worker = asyncio.create_task(self._drain())
@@ -46,13 +55,24 @@ class Gatherer(Generic[T, R]):
     async def _drain(self) -> None:
         """Decode batches until the queue is empty (a new request then starts a new drain)."""
         while self._queue:
-            if len(self._queue) < self.max_batch_size and self.wait_s > 0:
+            if self._queued < self.max_batch_size and self.wait_s > 0:
                 await self._fill()
-            batch = self._queue[: self.max_batch_size]
-            del self._queue[: self.max_batch_size]
-            batch = [(item, fut) for item, fut in batch if not fut.cancelled()]
+            batch = [(item, fut) for item, fut in self._take() if not fut.cancelled()]
             if batch:
                 await self._decode(batch)
+
+    def _take(self) -> list[tuple[T, asyncio.Future]]:
+        """The next batch off the queue: items in arrival order while their sizes fit in
+        `max_batch_size` (the first item always: a larger one goes alone)."""
+        n = total = 0
+        for _, _, size in self._queue:
+            if n and total + size > self.max_batch_size:
+                break
+            n, total = n + 1, total + size
+        batch = [(item, fut) for item, fut, _ in self._queue[:n]]
+        del self._queue[:n]
+        self._queued -= total
+        return batch
 
     async def _fill(self) -> None:
         """Let requests arriving together join: wait `wait_s`, or less if the batch fills."""
