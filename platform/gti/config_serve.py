@@ -1,8 +1,11 @@
 """The `serve:` section of the run config: how `gti serve` runs the recommender online.
 
 What it is for: `ServeConfig`, every setting of the service (where it listens and the path it is
-mounted at, replicas and threads per replica, autoscaling bounds, request batching, request
-limits, what to do with unknown item ids, whether every endpoint needs the bearer token).
+mounted at, replicas and threads per replica, autoscaling bounds, request batching, the memory
+one decode may hold, request limits, what to do with unknown item ids, whether every endpoint
+needs the bearer token). `decode_budget(kv_bytes_per_token, memory_bytes, share)` is the default
+of `serve.decode_budget_tokens` (a pure function: the replica supplies the model's figure and
+its memory).
 `gti.config.RunConfig` holds it as `serve`; it enters no stage's fingerprint.
 
 What it does NOT know: the token itself (only the NAME of the environment variable holding
@@ -44,7 +47,22 @@ class ServeConfig(StrictModel):
     target_ongoing_requests: float = Field(
         2.0, gt=0, description="autoscaling target: requests in flight per replica")
     max_batch_size: int = Field(
-        16, ge=1, description="requests a replica gathers into one constrained beam search (1: no batching)")
+        16, ge=1, description="histories a replica gathers from concurrent requests into one batch (counted in "
+                              "histories, not requests; a request is never split: one with more histories is "
+                              "batched alone; 1: no batching). A batch runs as one or more decodes of at most "
+                              "decode_budget_tokens")
+    decode_budget_tokens: int | None = Field(
+        None, ge=1, description="the most key/value-cache tokens one decode (one constrained beam search) may hold: "
+                                "histories x beam width x (prompt + SID tokens), each history repeated once per "
+                                "beam. A larger batch runs as several decodes; a single history over it is refused "
+                                "with 413. None: decode_memory_share of the replica's memory over the model's "
+                                "cache bytes per token (`decode_budget`)")
+    decode_memory_share: float = Field(
+        0.25, gt=0, le=0.9, description="share of a replica's memory one decode's key/value cache may take when "
+                                        "decode_budget_tokens is unset: of the GPU's (times num_gpus below 1), or on "
+                                        "CPU of the machine's RAM divided by the replicas (max_replicas with "
+                                        "autoscaling: they may all share one machine). The rest holds the weights, "
+                                        "the step's logits and the other requests")
     batch_wait_timeout_s: float | None = Field(
         None, ge=0, description="longest a request waits for others to fill its batch (a full batch goes at once); "
                                 "None: 0.25 s on CPU, where a decode takes seconds and the clients it answered "
@@ -94,8 +112,28 @@ class ServeConfig(StrictModel):
     def autoscaling(self) -> bool:
         return self.min_replicas is not None
 
+    def decode_budget_for(self, kv_bytes_per_token: int, device_memory_bytes: int, device_type: str) -> int:
+        """`decode_budget_tokens`, or its default for a replica decoding on `device_type` whose
+        device (GPU, or on CPU the machine) has `device_memory_bytes` (see the fields)."""
+        if self.decode_budget_tokens is not None:
+            return self.decode_budget_tokens
+        if device_type == "cpu":
+            memory = device_memory_bytes / max(1, self.max_replicas or self.replicas)
+        else:
+            memory = device_memory_bytes * min(1.0, self.num_gpus or 1.0)
+        return decode_budget(kv_bytes_per_token, int(memory), self.decode_memory_share)
+
     def batch_wait_for(self, device_type: str) -> float:
         """`batch_wait_timeout_s` resolved for a replica decoding on `device_type` ("cpu", "cuda")."""
         if self.batch_wait_timeout_s is not None:
             return self.batch_wait_timeout_s
         return DEFAULT_BATCH_WAIT_S["cpu" if device_type == "cpu" else "gpu"]
+
+
+def decode_budget(kv_bytes_per_token: int, memory_bytes: int, share: float) -> int:
+    """Key/value-cache tokens that fit in `share` of `memory_bytes`, each token taking
+    `kv_bytes_per_token` (keys and values of every layer: 2 x layers x kv heads x head dim x
+    dtype bytes; SmolLM2-135M in float32: 2 x 30 x 3 x 64 x 4 = 46,080). At least 1 token."""
+    if kv_bytes_per_token < 1:
+        raise ValueError(f"kv_bytes_per_token must be >= 1, got {kv_bytes_per_token}")
+    return max(1, int(memory_bytes * share) // int(kv_bytes_per_token))

@@ -8,8 +8,10 @@ app of `gti.serve.app` (the same app the tests drive, built per replica around i
 replica that dies mid-request answers 503 + Retry-After while the others keep answering (Serve's
 own proxy would answer 500). Concurrent requests of a replica are gathered by
 `gti.serve.gather.Gatherer` (`serve.max_batch_size`, `serve.batch_wait_timeout_s`; the batch is
-formed when the decoder is free, which `@serve.batch` does not do) into one `answer_batches`
-call: one constrained beam search for all of them, all answered by the same loaded version.
+formed when the decoder is free, which `@serve.batch` does not do; a batch counts histories, not
+requests) into one `answer_batches` call, all answered by the same loaded version, in as few
+constrained beam searches as `serve.decode_budget_tokens` allows (`replica_decode_budget`: the
+setting, or a share of the replica's memory over the model's cache bytes per token).
 `deployment_options(cfg)` maps the `serve:` section to Serve's options (replicas or autoscaling
 bounds, CPUs = torch threads, GPUs per replica). `app_builder(args)` is the import path of a
 Serve config (jobs/serve.yaml: `serve run` / `serve deploy`).
@@ -75,15 +77,21 @@ class GtiRecommender:
 
         from gti.serve.app import create_app
         from gti.serve.reload import ServiceHolder
-        from gti.serve.service import RecommenderService
+        from gti.serve.service import RecommenderService, replica_decode_budget
 
         self.cfg = cfg = ServeConfig.model_validate(serve_cfg)
         torch.set_num_threads(cfg.threads)
         device = None if cfg.device == "auto" else cfg.device
 
         def load(v: int | None) -> RecommenderService:
-            return RecommenderService.load(run_dir, v, device=device, trust_remote_code=trust_remote_code,
-                                           unknown_items=cfg.unknown_items, max_k=cfg.max_k)
+            svc = RecommenderService.load(run_dir, v, device=device, trust_remote_code=trust_remote_code,
+                                          unknown_items=cfg.unknown_items, max_k=cfg.max_k)
+            svc.decode_budget = replica_decode_budget(svc.run, cfg)
+            if svc.worst_case() > svc.decode_budget:  # said once per load, not per refused request
+                log.warning("gti serve: the largest request history needs %s decode tokens, over the budget of "
+                            "%s (serve.decode_budget_tokens): such requests are refused with 413",
+                            f"{svc.worst_case():,}", f"{svc.decode_budget:,}")
+            return svc
 
         self.holder = ServiceHolder(load, run_dir)
         svc = self.holder.load_initial(version)  # raises if the run cannot be loaded
@@ -91,15 +99,21 @@ class GtiRecommender:
         on = next(svc.run.model.parameters()).device.type
         # /info reports the wait in force, not `None`
         self.cfg = cfg = cfg.model_copy(update={"batch_wait_timeout_s": cfg.batch_wait_for(on)})
-        self._gather = Gatherer(self._decode_batch, cfg.max_batch_size, cfg.batch_wait_timeout_s)
+        # a batch is measured in histories (a request's queries): 16 requests of 64 histories
+        # are not gathered into 1,024, and each batch runs within the decode budget
+        self._gather = Gatherer(self._decode_batch, cfg.max_batch_size, cfg.batch_wait_timeout_s, size=len)
         # the replica's actor name (namespace "serve"): which replica answered /info
         self._stats = {"id": serve.get_replica_context().replica_id.to_full_id_str(),
-                       "decodes": 0, "requests": 0, "largest_batch": 0, "decode_s": 0.0}
+                       "decodes": 0, "requests": 0, "largest_batch": 0, "largest_batch_histories": 0,
+                       "decode_s": 0.0}
         self.app = create_app(self.holder, cfg, token_sha256, decode=self._batched, stats=self.stats)
 
     def stats(self) -> dict[str, Any]:
-        """This replica's batching so far (GET /info "replica"): decodes < requests = gathered."""
-        return dict(self._stats)
+        """This replica's batching so far (GET /info "replica"): batches ("decodes", each one or
+        more searches) < requests = gathered; the loaded version's searches and their peak tokens."""
+        svc = self.holder.current
+        searches = dict(svc.decodes, budget_tokens=svc.decode_budget) if svc is not None else {}
+        return {**self._stats, "searches": searches}
 
     async def forward(self, method: str, path: str, query: bytes, headers: list, body: bytes) -> tuple:
         """One HTTP request the ingress forwards, answered by this replica's app."""
@@ -122,6 +136,7 @@ class GtiRecommender:
         st = self._stats
         st["decodes"], st["requests"] = st["decodes"] + 1, st["requests"] + len(requests)
         st["largest_batch"] = max(st["largest_batch"], len(requests))
+        st["largest_batch_histories"] = max(st["largest_batch_histories"], sum(len(r) for r in requests))
         t0 = time.perf_counter()
         try:
             return answer_batches(svc, requests)

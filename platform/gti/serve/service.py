@@ -5,9 +5,15 @@ What it is for: `RecommenderService.load(run_dir, version)` holds ONE loaded run
 `gti.run_versions.resolve`'s answer, the map checked against the model there) with the version
 that answers (`version`: 0 = the run's own stages, k = `gti refresh` v<k>; `map_hash`).
 `answer(queries)` checks every query against this run's catalog (`prepare`: empty history,
-unknown ids, k, history longer than `max_history`), then decodes all valid ones in ONE batched
-`constrained_beam_search` per beam width (prefill once per request, the beams of a request
+unknown ids, k, history longer than `max_history`), then decodes all valid ones in batched
+`constrained_beam_search` calls per beam width (prefill once per request, the beams of a request
 share the trie mask), and returns per query either an answer dict or the `RequestError` for it.
+Memory is bounded by `decode_budget` (tokens; None: unbounded): the search repeats each prompt's
+key/value cache once per beam, so one decode holds histories x width x (padded prompt + SID
+tokens) (`decode_tokens`); consecutive histories are packed into decodes within the budget
+(`pack`), and a history that alone exceeds it gets a 413 naming the limit
+(`serve.decode_budget_tokens`; `replica_decode_budget` sizes the default from the model's
+cache bytes per token, `kv_bytes_per_token`, and the replica's memory).
 The prompt, beam width, history exclusion and scores are those of `gti recommend`: both take
 them from `gti.eval.recommend.decode_plan` and `answer_items`, so an answer equals
 `top_k(run, history, k, exclude_history=...)` for the same history (same top-K, scores within
@@ -84,6 +90,59 @@ class Prepared:
         return self.plan.k_decode
 
 
+def decode_tokens(histories: int, width: int, prompt_tokens: int, levels: int) -> int:
+    """Key/value-cache tokens one decode holds: every history's left-padded prompt plus the SID
+    tokens the search appends, once per beam."""
+    return int(histories) * int(width) * (int(prompt_tokens) + int(levels))
+
+
+def pack(lengths: Sequence[int], width: int, levels: int, budget: int | None) -> list[list[int]]:
+    """Consecutive runs of the indexes of prompts of `lengths` tokens, each run's
+    `decode_tokens` (at its longest prompt) within `budget` (None: one run). A prompt over the
+    budget alone is a run of its own (the caller refuses it before)."""
+    runs: list[list[int]] = []
+    longest = 0
+    for i, n in enumerate(lengths):
+        if runs and (budget is None or decode_tokens(len(runs[-1]) + 1, width, max(longest, n), levels) <= budget):
+            runs[-1].append(i)
+            longest = max(longest, n)
+        else:
+            runs.append([i])
+            longest = n
+    return runs
+
+
+def kv_bytes_per_token(model: Any) -> int:
+    """Bytes of keys and values one token takes in `model`'s cache: 2 x layers x key/value heads
+    x head dim x the weights' dtype size (what `DynamicCache` stores)."""
+    c = model.config
+    heads = int(getattr(c, "num_attention_heads"))
+    kv_heads = int(getattr(c, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(c, "head_dim", None) or c.hidden_size // heads)
+    dtype_bytes = next(model.parameters()).element_size()
+    return 2 * int(c.num_hidden_layers) * kv_heads * head_dim * dtype_bytes
+
+
+def device_memory_bytes(device: Any) -> int:
+    """The memory of `device`: a GPU's total, else the machine's physical RAM."""
+    import os
+
+    import torch
+
+    if getattr(device, "type", str(device)) == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def replica_decode_budget(run: Any, cfg: Any) -> int:
+    """`serve.decode_budget_tokens` of `cfg` (a ServeConfig), or its default for `run`'s model
+    on its device (`ServeConfig.decode_budget_for`)."""
+    if cfg.decode_budget_tokens is not None:
+        return int(cfg.decode_budget_tokens)
+    device = next(run.model.parameters()).device
+    return cfg.decode_budget_for(kv_bytes_per_token(run.model), device_memory_bytes(device), device.type)
+
+
 def _shown(ids: Sequence[str], n: int = 10) -> str:
     return ", ".join(ids[:n]) + (f" (+{len(ids) - n} more)" if len(ids) > n else "")
 
@@ -92,9 +151,11 @@ class RecommenderService:
     """A loaded run and the version that answers (see the module docstring)."""
 
     def __init__(self, run: Any, version: int, map_hash: str, *, unknown_items: UnknownPolicy = "ignore",
-                 max_k: int = MAX_K) -> None:
+                 max_k: int = MAX_K, decode_budget: int | None = None) -> None:
         self.run, self.version, self.map_hash = run, int(version), str(map_hash)
         self.unknown_items, self.max_k = unknown_items, min(int(max_k), MAX_K)
+        self.decode_budget = decode_budget  # tokens per decode (`decode_tokens`); None: unbounded
+        self.decodes = {"decodes": 0, "peak_tokens": 0}  # what ran: GET /info, the replica's stats
         self._index: Any = None  # gti.serve.search.CatalogIndex, built at the first search
         self._index_lock = threading.Lock()
 
@@ -125,7 +186,16 @@ class RecommenderService:
                 "catalog_size": self.catalog_size, "levels": run.levels,
                 "decoder": {"beam_width": run.beam_width, "constrained": True, "max_history": run.max_history,
                             "max_len": run.cfg.sft.max_len, "max_k": self.max_k,
+                            "decode_budget_tokens": self.decode_budget, "largest_history_tokens": self.worst_case(),
+                            **self.decodes,
                             "scores": "sum of the SID tokens' log-probs (full-vocabulary log-softmax)"}}
+
+    def worst_case(self) -> int:
+        """`decode_tokens` of the largest single history a request may send: k = max_k with the
+        newest max_history items excluded (the widest beam), a prompt of sft.max_len tokens."""
+        run = self.run
+        width = max(min(self.max_k + run.max_history, self.catalog_size), run.beam_width)
+        return decode_tokens(1, width, run.cfg.sft.max_len, run.levels)
 
     def search(self, text: str, limit: int) -> list[dict[str, Any]]:
         """Up to `limit` catalog items whose title or id contains `text` (case-insensitive):
@@ -168,7 +238,8 @@ class RecommenderService:
                         truncated=len(known) > run.max_history)
 
     def answer(self, queries: Sequence[Query]) -> list[dict[str, Any] | RequestError]:
-        """Per query an answer dict or its RequestError; the valid ones decoded together."""
+        """Per query an answer dict or its RequestError; the valid ones decoded together, in
+        decodes of at most `decode_budget` tokens."""
         out: list[dict[str, Any] | RequestError] = []
         ready: list[tuple[int, Prepared]] = []
         for i, q in enumerate(queries):
@@ -191,9 +262,10 @@ class RecommenderService:
         return res  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ decoding
-    def _decode(self, ready: list[tuple[int, Prepared]]) -> list[tuple[int, dict[str, Any]]]:
-        """One `constrained_beam_search` per beam width of the queries' plans (one call when
-        every k plus its excluded items fits in the configured width, the usual case)."""
+    def _decode(self, ready: list[tuple[int, Prepared]]) -> list[tuple[int, Any]]:
+        """`constrained_beam_search` per beam width of the queries' plans (one width when every
+        k plus its excluded items fits in the configured width), in as many decodes as the
+        budget asks; -> (index, answer or RequestError)."""
         groups: dict[int, list[tuple[int, Prepared]]] = {}
         for i, p in ready:
             groups.setdefault(p.plan.width, []).append((i, p))
@@ -202,18 +274,47 @@ class RecommenderService:
             out += self._search(width, group)
         return out
 
-    def _search(self, width: int, group: list[tuple[int, Prepared]]) -> list[tuple[int, dict[str, Any]]]:
-        from gti.eval.decode import constrained_beam_search
+    def _too_large(self, width: int, prompt_tokens: int) -> RequestError | None:
+        """413 when one history alone needs more than the decode budget (it can never run)."""
+        need = decode_tokens(1, width, prompt_tokens, self.run.levels)
+        if self.decode_budget is None or need <= self.decode_budget:
+            return None
+        return RequestError(413, f"this history needs {need:,} decode tokens (beam width {width} x "
+                                 f"{prompt_tokens + self.run.levels} prompt and SID tokens), over this replica's "
+                                 f"limit of {self.decode_budget:,} (serve.decode_budget_tokens); ask for a smaller k "
+                                 "or send fewer history items")
 
+    def _search(self, width: int, group: list[tuple[int, Prepared]]) -> list[tuple[int, Any]]:
+        """The group's queries (one beam width) in decodes within the budget (`pack`)."""
         run = self.run
-        prompts, kept = [], []
-        for _, p in group:
+        out: list[tuple[int, Any]] = []
+        fits, prompts, kept = [], [], []
+        for i, p in group:
             ids, n_kept = run.renderer.prompt(p.used)
+            err = self._too_large(width, len(ids))
+            if err is not None:
+                out.append((i, err))
+                continue
+            fits.append((i, p))
             prompts.append(ids)
             kept.append(n_kept)
         # The most any query of the group asks for: the others take a prefix of the same
         # sorted beams, which is what a search of their own k would return.
-        k_dec = min(max(p.k_decode for _, p in group), width)
+        k_dec = min(max((p.k_decode for _, p in fits), default=1), width)
+        for run_idx in pack([len(ids) for ids in prompts], width, run.levels, self.decode_budget):
+            out += self._decode_run(width, k_dec, [fits[u] for u in run_idx], [prompts[u] for u in run_idx],
+                                    [kept[u] for u in run_idx])
+        return out
+
+    def _decode_run(self, width: int, k_dec: int, group: list[tuple[int, Prepared]], prompts: list[list[int]],
+                    kept: list[int]) -> list[tuple[int, dict[str, Any]]]:
+        """ONE decode of `prompts` (already within the budget: `batch_users` = all of them)."""
+        from gti.eval.decode import constrained_beam_search
+
+        run = self.run
+        tokens = decode_tokens(len(prompts), width, max(len(ids) for ids in prompts), run.levels)
+        self.decodes["decodes"] += 1
+        self.decodes["peak_tokens"] = max(self.decodes["peak_tokens"], tokens)
         res = constrained_beam_search(run.model, prompts, run.trie, beam_width=width, k=k_dec, levels=run.levels,
                                       pad_id=run.pad_id, constrained=True, batch_users=len(prompts))
         out = []
@@ -227,8 +328,9 @@ class RecommenderService:
 
 def answer_batches(service: RecommenderService, batches: Sequence[Sequence[Query]]) -> list[list[Any]]:
     """Several requests' queries (a request = a list of queries) answered in ONE `answer`
-    call of one service, then split back per request: what a replica's `Gatherer` runs.
-    Each answer says how many requests shared its decode (`batch_requests`)."""
+    call of one service (one version; as many decodes as its budget asks), then split back per
+    request: what a replica's `Gatherer` runs. Each answer says how many requests were gathered
+    with it (`batch_requests`)."""
     flat = [q for batch in batches for q in batch]
     res = service.answer(flat)
     for r in res:
