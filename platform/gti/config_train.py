@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from gti.config_io import StrictModel
 
@@ -114,15 +114,6 @@ class SftConfig(TrainConfig):
     epochs: float | None = Field(
         None, gt=0, description="budget in passes over the SFT training rows: steps = ceil(epochs * rows / "
         "batch_size), resolved once the rows exist (recorded in the stage's facts); None: `steps` as given")
-
-    @model_validator(mode="after")
-    def _objective_prompt(self) -> "SftConfig":
-        # A chat prompt asked for explicitly cannot hold with the sequence objective: say so
-        # rather than silently render something else.
-        if self.objective == "sequence" and "prompt_style" in self.model_fields_set and self.prompt_style == "chat":
-            raise ValueError("sft.prompt_style: chat does not apply to sft.objective: sequence (its prompts are "
-                             "the bare history SIDs); drop prompt_style or use objective: window")
-        return self
 
     @property
     def render_style(self) -> str:

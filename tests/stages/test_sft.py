@@ -355,7 +355,7 @@ def test_sft_model_is_loaded_in_model_dtype(tmp_path, dtype):
 SFT_FACTS = {"steps_done", "final_loss", "first_loss", "loss_history", "val_recall@10", "val_history", "sid_map_hash",
              "new_token_ids", "trainable_params", "lora", "zero_stage", "precision", "precision_setting", "timing",
              "prompt_style", "num_workers", "n_windows", "n_train_rows", "truncated_examples", "tasks", "multitask",
-             "val_users", "mean_tokens"}
+             "val_users", "mean_tokens", "objective", "render_style", "n_targets", "steps_resolved", "epochs"}
 
 
 def test_a_killed_sft_is_finished_in_its_partial_dir_with_the_same_run_without_ray(tmp_path, monkeypatch):
@@ -409,3 +409,50 @@ def test_a_killed_sft_is_finished_in_its_partial_dir_with_the_same_run_without_r
     ground = AutoModelForCausalLM.from_pretrained(run_dir / "ground" / "model", use_safetensors=True)
     e_new = load_file(str(run_dir / "sft" / "e_new_sft.safetensors"))["e_new"]
     torch.testing.assert_close(e_new, ground.get_input_embeddings().weight[first:end].detach() + 0.01)
+
+
+def test_the_sequence_objective_trains_every_item_in_epochs_without_ray(tmp_path, monkeypatch):
+    """`sft.objective: sequence` through the stage (no Ray: `fit` faked, rows rendered in this
+    process by the stage's own code): one row per chunk of training items, labels on every
+    item after the first and on nothing else, no valid or test item in any row, the epoch
+    budget resolved into the steps the loop gets, and the exported model marked as trained on
+    sequence prompts."""
+    import json
+    import math
+
+    from testkit import fake_data, finished_fit, no_ray
+
+    from gti.lm.new_rows import META_NAME
+    from gti.stages import sft
+    from gti.train import loop
+
+    run_dir = tmp_path / "run"
+    make_upstream(run_dir, n_users=12)
+    cfg = sft_cfg(run_dir, "sft.num_workers=1", "sft.objective=sequence", "sft.epochs=2", "sft.batch_size=4",
+                  "data.max_history=3")
+    calls = []
+
+    def fit(config, train_ds, train_cfg, **kw):
+        calls.append(int(train_cfg.steps))
+        return finished_fit(config, train_ds, train_cfg, **kw)
+
+    monkeypatch.setattr(loop, "fit", fit)
+    fake_data(monkeypatch), no_ray(monkeypatch)
+    m = pipeline.run_stage(pipeline.spec("sft"), cfg, run_dir)
+    f = m.facts
+    seqs = pl.read_parquet(run_dir / "ingest" / "sequences.parquet")
+    n_targets = sum(max(len(t) - 1, 0) for t in seqs["train_items"])
+    assert f["objective"] == "sequence" and f["render_style"] == "sequence"
+    assert f["n_targets"] == n_targets and f["n_train_rows"] < n_targets
+    assert f["steps_resolved"] == calls[0] == math.ceil(2 * f["n_train_rows"] / 4) and f["epochs"] == 2
+    rows = pl.read_parquet(run_dir / "sft" / "data" / "sft_train.parquet") if (run_dir / "sft" / "data").is_dir() \
+        else pl.read_parquet(next(run_dir.rglob("sft_train.parquet")))
+    sid = pl.read_parquet(run_dir / "sid" / "sid_map.parquet")
+    levels = len(sid["codes"][0])
+    labelled = 0
+    for ids, labels in zip(rows["input_ids"], rows["labels"]):
+        assert len(ids) % levels == 0 and 2 * levels <= len(ids) <= 4 * levels  # 2..max_history + 1 items
+        assert list(labels[:levels]) == [-100] * levels and list(labels[levels:]) == list(ids[levels:])
+        labelled += len(ids) // levels - 1
+    assert labelled == n_targets  # every training target once per epoch
+    assert json.loads((run_dir / "sft" / "model" / META_NAME).read_text())["render_style"] == "sequence"
