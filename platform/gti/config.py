@@ -161,8 +161,20 @@ class SidGates(_Strict):
 class SidConfig(_Strict):
     """The sid stage: item embeddings -> semantic IDs (L codes per item, one token each)."""
 
-    method: Literal["rqvae", "rqkmeans"] = Field(
-        "rqvae", description="rqvae (residual-quantisation VAE, trained on Ray Train) or rqkmeans (residual k-means)")
+    method: Literal["rqvae", "rqkmeans", "file"] = Field("rqvae", description="rqvae (residual-quantisation VAE, "
+        "trained on Ray Train), rqkmeans (residual k-means) or file (read from sid.path, docs/data.md)")
+    path: str | None = Field(None, exclude_if=lambda v: v is None, validate_default=True, description="method "
+        "file: the map, JSON {item: [codes or tokens]} (MiniOneRec/LC-Rec index.json) or parquet (item_id, codes)")
+    item_json: str | None = Field(None, exclude_if=lambda v: v is None, description="method file: item.json (or "
+        "LC-Rec .item2id) naming the items sid.path's keys index (None: its keys are item ids)")
+    token_pattern: str | None = Field(None, exclude_if=lambda v: v is None, description="method file: regex of one "
+        "token, groups code and level (a letter or a number; none: the position); None: token_format")
+    file_codebook_size: PositiveInt | list[PositiveInt] | None = Field(None, exclude_if=lambda v: v is None,
+        description="method file: codes per level (one, or one per level); None: each level's largest code + 1")
+    missing: Literal["error", "quarantine"] | None = Field(None, exclude_if=lambda v: v is None, description="method "
+        "file: catalog items sid.path lacks: error (None) or quarantine (left out, in sid/quarantine.parquet)")
+    duplicates: Literal["append_level", "error"] | None = Field(None, exclude_if=lambda v: v is None, description=(
+        "method file: items sharing a SID: append_level (None: a level more numbers them by item id) or error"))
     # Left out of dumps while None, so the sid section (and with it the stage fingerprint of
     # every map made before this key) is unchanged; a set value enters the fingerprint.
     seed: Seed | None = Field(
@@ -276,6 +288,13 @@ class SidConfig(_Strict):
     token_format: str = Field(
         "<{level}_{code}>", description="SID token string; {level} is a letter a, b, c, ...; {code} the code index")
     gates: SidGates = Field(default_factory=SidGates, description="quality gates of the codes")
+
+    @field_validator("path")
+    @classmethod
+    def _path_iff_file(cls, v: str | None, info) -> str | None:
+        if (v is None) == (info.data.get("method") == "file"):
+            raise ValueError("sid.method=file needs sid.path; the other methods read none")
+        return v
 
     @field_validator("token_format")
     @classmethod

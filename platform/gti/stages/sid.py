@@ -45,6 +45,10 @@ codebooks.safetensors (level_l: [K, code_dim]), quantizer.safetensors + quantize
 Pure helpers live in `gti.sid` (`embeddings`: reading and residuals; `mapfile`: SID strings and
 the map's hash; `collide`: the codes file and the colliding subset; `resolve`, `quality`, `quantizer`).
 
+`sid.method: file` reads the map instead (`gti.sid.from_file` checks it, `gti.sid.file_map`
+writes the same map, codec facts and hash, and residual means as codebooks): no quantiser, no
+Ray; the embeddings give the catalog's ids and order and the code vectors.
+
 What it does not know: how embeddings were made, tokenizers (the codec spells tokens only).
 """
 
@@ -131,6 +135,14 @@ def input_fingerprints(cfg) -> dict[str, str]:
     seeding; for balanced residual k-means, the version of its algorithm; with Sinkhorn
     spreading, the version of that."""
     s = cfg.sid
+    if s.method == "file":  # the map file (and item.json) are the inputs; nothing is fitted
+        from gti.manifest import file_fingerprint
+
+        files = {k: Path(p).expanduser() for k, p in (("path", s.path), ("item_json", s.item_json)) if p is not None}
+        for key, p in files.items():
+            if not p.is_file():
+                raise DataError(f"sid.{key} {p}: no such file")
+        return {f"sid_{key}": file_fingerprint(p) for key, p in files.items()}
     out = {"kmeans_seeding": KMEANS_SEEDING_VERSION}
     if s.sinkhorn_last_level and s.sinkhorn_rounds > 0:
         out["sinkhorn_resolve"] = SINKHORN_RESOLVE_VERSION
@@ -327,6 +339,8 @@ def run(ctx: StageContext) -> StageResult:
     ctx.log(f"{n_items} items, dim {dim}, method {s.method}, {s.levels} levels x {s.codebook_size} codes")
     if n_items < 2:
         raise DataError(f"{emb_path}: sid needs at least 2 items, got {n_items}")
+    if s.method == "file":
+        return _file_map(ctx, emb_path)
     with timer.phase("ray_start"):  # a no-op after an earlier stage of the same `gti run` started it
         ensure_ray(cfg)
 
@@ -371,6 +385,19 @@ def run(ctx: StageContext) -> StageResult:
         },
         facts=facts,
     )
+
+
+def _file_map(ctx: StageContext, emb_path: Path) -> StageResult:
+    """`sid.method: file`: the map read and checked, written as a built one (`gti.sid.file_map`)."""
+    from gti.manifest import ManifestError
+    from gti.sid.file_map import make_file_map
+
+    try:  # quarantined items must be in no interaction
+        interactions = ctx.input("ingest", "interactions")
+    except ManifestError:
+        interactions = None
+    outputs, facts = make_file_map(ctx.cfg.sid, emb_path, ctx.work_dir, ctx.log, interactions)
+    return StageResult(outputs=outputs, facts=facts)
 
 
 def _facts(s, q, res: Resolved, codec: SidCodec, resolved: dict, history: list[dict], timer: Timer, *,
