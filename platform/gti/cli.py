@@ -141,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_trained_run_commands(sub)  # recommend, summary, refresh, serve, infer
     _add_compare_command(sub)
     _add_vocab_commands(sub)  # vocab ground
+    _add_sid_commands(sub)  # sid export
     _add_tune_command(sub)
     return ap
 
@@ -324,6 +325,36 @@ def _add_vocab_commands(sub) -> None:
     s.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. ground.steps=50")
     s.add_argument("--no-preflight", action="store_true", help="skip the checks of gti doctor")
     s.set_defaults(func=_delegate("gti.vocab_ground", "cli_main", preflight="gti.doctor:for_vocab_ground"))
+
+
+def _add_sid_commands(sub) -> None:
+    """`gti sid export`: a run's SID map in the index.json form MiniOneRec and LC-Rec read."""
+    p = sub.add_parser("sid", help="SID map utilities")
+    ssub = p.add_subparsers(dest="sid_command", required=True)
+    s = ssub.add_parser("export", help='write a run\'s SID map as index.json (item -> ["<a_12>", "<b_3>", ...])')
+    s.add_argument("--run-dir", required=True, help="a run whose sid stage has completed")
+    s.add_argument("--out", required=True, help="the index.json to write (replaced if it exists)")
+    s.add_argument("--item-json", default=None,
+                   help="their item.json (or .item2id): keys become its indices; a path that does not exist is "
+                        "written first (indices 0.. in item id order, with titles and descriptions)")
+    s.set_defaults(func=cmd_sid_export)
+
+
+def cmd_sid_export(args) -> int:
+    """`gti sid export`: the run's sid stage map (not a refresh version's) as index.json."""
+    from pathlib import Path
+
+    from gti.manifest import Manifest
+    from gti.sid.from_file import export_index_json
+
+    run = Path(args.run_dir).expanduser()
+    sid = Manifest.read(run / "sid")
+    item_json = Path(args.item_json).expanduser() if args.item_json else None
+    got = export_index_json(sid.output(run / "sid", "sid_map"), sid.facts["token_format"], Path(args.out).expanduser(),
+                            item_json, run / "ingest" / "items.parquet")
+    print(f"{args.out}: {got['items']} items, {got['levels']} levels (map {sid.facts['sid_map_hash']})"
+          + (f"; wrote {args.item_json}" if got["item_json_written"] else ""))
+    return 0
 
 
 def _add_tune_command(sub) -> None:
