@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The figure over several SID maps (issue 50): the same config on sid.seed = 0, 1, ... N-1, each
+# a whole pipeline run into OUT/sid<k> (ingest and embed do not depend on the SID seed, so map
+# k > 0 hard-links them from map 0), then one line per map appended to OUT/maps.jsonl: the
+# model's and every baseline's figures and the paired differences, per split.
+#
+#   bench/quality/maps.sh CONFIG OUT N [key=value ...]
+#
+# Resumable: a map whose metrics exist is skipped; an interrupted run continues where it stopped.
+# `gti compare --arms gti --sid-seeds N` does the same through Ray (docs/commands.md); this script
+# runs one map at a time, in the foreground of a 2-core machine.
+set -euo pipefail
+config=$1; out=$2; n=$3; shift 3
+gti=${GTI:-.venv/bin/gti}
+mkdir -p "$out"
+for k in $(seq 0 $((n - 1))); do
+  dir=$out/sid$k
+  if [ -f "$dir/evaluate/metrics.json" ]; then echo "skip map $k (done)"; continue; fi
+  mkdir -p "$dir"
+  if [ "$k" -gt 0 ] && [ -f "$out/sid0/embed/_manifest.json" ]; then
+    for st in ingest embed; do [ -e "$dir/$st" ] || cp -al "$out/sid0/$st" "$dir/$st"; done
+  fi
+  echo "== map $k ($(date -u +%H:%M:%S), load $(cut -d' ' -f1-3 /proc/loadavg), $(grep -c avx512f /proc/cpuinfo | sed 's/^0$/no AVX-512/;s/^[1-9][0-9]*$/AVX-512/'))"
+  # shellcheck disable=SC2086
+  $gti run --config "$config" run_dir="$dir" sid.seed=$k "$@" --to evaluate
+  python3 - "$dir" "$k" >> "$out/maps.jsonl" <<'PY'
+import json, sys
+d, k = sys.argv[1:3]
+m = json.load(open(f"{d}/evaluate/metrics.json"))
+short = lambda row: {key: v["value"] for key, v in row.items() if isinstance(v, dict) and "value" in v}
+splits = list(m["splits"])
+print(json.dumps({"sid_seed": int(k), "run_dir": d,
+                  "model": {s: short(m["splits"][s]) for s in splits},
+                  "ci": {s: {key: v.get("ci") for key, v in m["splits"][s].items() if isinstance(v, dict)} for s in splits},
+                  "baselines": {b: {s: short(r.get(s, {})) for s in splits} for b, r in m.get("baselines", {}).items()},
+                  "paired": m.get("paired", {})}, default=str))
+PY
+done
