@@ -1,16 +1,20 @@
 """gti/train/worker_config.py: the typed config every worker of the shared loop gets, built in
 one place (`WorkerConfig.build`), and the one boundary where it becomes Ray Train's dict
-(`gti.train.ray_train.run_trainer`) and comes back (`from_loop_dict`)."""
+(`gti.train.ray_train.run_trainer`) and comes back (`from_loop_dict`). It finds a task's hooks
+through `gti.train.task.hooks_for`, so it imports no task module (no import circle in train/)."""
 
 from __future__ import annotations
 
+import ast
 import pickle
+import subprocess
+import sys
 from dataclasses import FrozenInstanceError, replace
 
 import pytest
 
 from gti import config as C
-from gti.train import ground_task, rl_task, sft_task
+from gti.train import ground_task, rl_task, sft_task, worker_config
 from gti.train.worker_config import FaultInjection, GroundRows, RlStart, SftStart, ValSet, WorkerConfig, from_loop_dict
 
 
@@ -60,3 +64,37 @@ def test_ray_trains_dict_carries_the_config_and_the_worker_rebuilds_it(tmp_path)
     assert back == replace(c, progress_file=str(pf))
     assert from_loop_dict(back) is back
     assert _train_loop_config({"seed": 1}, pf) == {"seed": 1, "progress_file": str(pf)}
+
+
+def test_worker_config_imports_no_task_module():
+    """The task modules import worker_config (for its types); it must not import them back."""
+    imported = []
+    for node in ast.walk(ast.parse(open(worker_config.__file__).read())):
+        if isinstance(node, ast.Import):
+            imported += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            imported += [node.module or ""] + [f"{node.module or ''}.{a.name}" for a in node.names]
+    assert "gti.train.task.hooks_for" in imported  # the lookup it uses instead
+    assert not [m for m in imported if m.rsplit(".", 1)[-1].endswith("_task")], imported
+
+
+def test_a_fresh_process_finds_each_tasks_hooks_by_name_and_a_worker_unpickles_them():
+    """No task module imported beforehand (a Ray Train worker's start): `build` imports the task
+    by name; the config's pickle (what Ray ships) brings the same hooks back in another process
+    that imported only worker_config."""
+    build = ("import pickle, sys\n"
+             "from gti import config as C\n"
+             "from gti.train.worker_config import RlStart, WorkerConfig\n"
+             "assert not [m for m in sys.modules if m.startswith('gti.train.') and m.endswith('_task')]\n"
+             "c = WorkerConfig.build('rl', C.RunConfig(), 0, rl=RlStart('m', 's.safetensors', 64, 88, 3))\n"
+             "from gti.train import rl_task\n"
+             "assert c.hooks is rl_task.HOOKS\n"
+             "sys.stdout.buffer.write(pickle.dumps(c))\n")
+    blob = subprocess.run([sys.executable, "-c", build], capture_output=True, check=True).stdout
+    load = ("import pickle, sys\n"
+            "import gti.train.worker_config\n"
+            "c = pickle.loads(sys.stdin.buffer.read())\n"
+            "from gti.train import rl_task\n"
+            "print(c.task, c.hooks == rl_task.HOOKS, c.hooks.step_loss is rl_task.rl_step_loss)\n")
+    out = subprocess.run([sys.executable, "-c", load], input=blob, capture_output=True, check=True).stdout
+    assert out.decode().split() == ["rl", "True", "True"]  # a copy of the hooks, the same functions

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from gti.train.task import TaskHooks, full_fp32_cpu, load_trie, rank_share
+from gti.train.task import TaskHooks, full_fp32_cpu, load_trie, rank_share, register
 
 if TYPE_CHECKING:
     from gti.train.worker_config import WorkerConfig
@@ -100,9 +100,9 @@ def export_grounded(model: torch.nn.Module, tokenizer, first: int, init: dict[st
     new_rows.export_model(model, tokenizer, out_dir, meta)
 
 
-HOOKS = TaskHooks(
+HOOKS = register("ground", TaskHooks(
     build_model=build_ground_model,
     trainable_state=ground_trainable_state,
     validate=validate_ground,
     grad_norm_key="grad_norm_new_rows",
-)
+))

@@ -36,7 +36,7 @@ from gti import config as C
 from gti.errors import DataError
 from gti.train.loss import IGNORE_INDEX
 from gti.train.sft_task import load_causal_lm, sft_trainable_state, validate_sft
-from gti.train.task import TaskHooks, load_trie
+from gti.train.task import TaskHooks, load_trie, register
 
 if TYPE_CHECKING:
     from gti.rl.step import GrpoSettings
@@ -170,11 +170,11 @@ def rebuild_trained(model_dir, cfg: C.RunConfig, state: dict[str, torch.Tensor])
     return model
 
 
-HOOKS = TaskHooks(
+HOOKS = register("rl", TaskHooks(
     build_model=build_rl_model,
     trainable_state=sft_trainable_state,
     validate=validate_sft,
     grad_norm_key="grad_norm",
     step_loss=rl_step_loss,
     keep_best=BEST_METRIC,
-)
+))

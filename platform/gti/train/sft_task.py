@@ -23,7 +23,7 @@ import torch
 from gti import config as C
 from gti.config_train import LoraConfig, SftConfig
 from gti.errors import ConfigError, DataError
-from gti.train.task import TaskHooks, full_fp32_cpu, load_trie, rank_share
+from gti.train.task import TaskHooks, full_fp32_cpu, load_trie, rank_share, register
 
 if TYPE_CHECKING:
     from gti.train.worker_config import ValSet, WorkerConfig
@@ -208,9 +208,9 @@ def rebuild_trained(ground_dir: Path, cfg: C.RunConfig, state: dict[str, torch.T
     return model
 
 
-HOOKS = TaskHooks(
+HOOKS = register("sft", TaskHooks(
     build_model=build_sft_model,
     trainable_state=sft_trainable_state,
     validate=validate_sft,
     grad_norm_key="grad_norm",
-)
+))

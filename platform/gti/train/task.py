@@ -2,17 +2,20 @@
 tasks' hooks share.
 
 What it is for: `TaskHooks` (build the model, hand back its trainable tensors, validate),
-which each task defines in its own module (`gti.train.ground_task`, `gti.train.sft_task`,
-`gti.train.rl_task`) and
-`gti.train.worker_config.WorkerConfig.build` puts into the worker config; and the helpers both tasks' hooks use:
-`full_fp32_cpu` (a parameter's full fp32 copy, ZeRO-aware), `rank_share` (equal validation
-shares per rank) and `load_trie` (the catalog's SID trie, cached per worker).
+which each task `name` of `TASKS` defines in its own module `gti.train.<name>_task` and
+registers there (`HOOKS = register(name, TaskHooks(...))`); `hooks_for(name)` looks them up,
+importing that module by name on the first lookup, which is how
+`gti.train.worker_config.WorkerConfig.build` puts them into the worker config without
+importing any task module. And the helpers the tasks' hooks share: `full_fp32_cpu` (a
+parameter's full fp32 copy, ZeRO-aware), `rank_share` (equal validation shares per rank) and
+`load_trie` (the catalog's SID trie, cached per worker).
 
-What it does not know: how the loop steps, or any task's data.
+What it does not know: how the loop steps, or any task's data; it imports no task module.
 """
 
 from __future__ import annotations
 
+import importlib
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -48,6 +51,28 @@ class TaskHooks:
     grad_norm_key: str = "grad_norm"
     step_loss: Callable[[Any, dict[str, torch.Tensor], Any, int, int], tuple[torch.Tensor, dict[str, float]]] | None = None
     keep_best: str | None = None
+
+
+TASKS = ("ground", "sft", "rl")  # the training tasks; task `name`'s hooks live in gti.train.<name>_task
+_HOOKS: dict[str, TaskHooks] = {}  # filled by the task modules as they are imported
+
+
+def register(name: str, hooks: TaskHooks) -> TaskHooks:
+    """Record `hooks` as task `name`'s (its module calls this once, at import) and return them."""
+    if name not in TASKS:
+        raise ValueError(f"unknown training task '{name}' (one of {', '.join(TASKS)})")
+    _HOOKS[name] = hooks
+    return hooks
+
+
+def hooks_for(name: str) -> TaskHooks:
+    """Task `name`'s hooks, importing `gti.train.<name>_task` (which registers them) the first
+    time; ValueError for a name not in `TASKS`."""
+    if name not in TASKS:
+        raise ValueError(f"unknown training task '{name}' (one of {', '.join(TASKS)})")
+    if name not in _HOOKS:
+        importlib.import_module(f"gti.train.{name}_task")
+    return _HOOKS[name]
 
 
 def full_fp32_cpu(p: torch.nn.Parameter) -> torch.Tensor:

@@ -21,9 +21,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from gti.train.task import TaskHooks
 
-TASKS = ("ground", "sft", "rl")  # the tasks with hooks
-
-
 @dataclass(frozen=True)
 class GroundRows:
     """The grounding task's trainable rows: ids [first_new_id, first_new_id + n_new)."""
@@ -81,8 +78,8 @@ class FaultInjection:
 class WorkerConfig:
     """What `gti.train.loop.train_loop_per_worker` runs. Everything in it must pickle."""
 
-    task: str  # "ground" | "sft": names the run in errors; `run_config[task]` is its TrainConfig
-    hooks: "TaskHooks"  # the task's hooks (gti.train.ground_task.HOOKS, gti.train.sft_task.HOOKS)
+    task: str  # "ground" | "sft" | "rl": names the run in errors; `run_config[task]` is its TrainConfig
+    hooks: "TaskHooks"  # the task's hooks (`gti.train.task.hooks_for(task)`); their functions pickle by reference
     run_config: dict[str, Any]  # RunConfig.model_dump(mode="json"), validated again in each worker
     pad_id: int  # right-pads every batch ([B, T] input_ids / labels / attention_mask) and val prompts
     ground: GroundRows | None = None  # task "ground" only
@@ -99,11 +96,9 @@ class WorkerConfig:
               fault: FaultInjection | None = None) -> "WorkerConfig":
         """The worker config of `task` on `run_cfg` (a RunConfig; its `task` section is the
         TrainConfig), with the task's hooks; ValueError when the task's input is missing."""
-        from gti.train import ground_task, rl_task, sft_task
+        from gti.train.task import hooks_for
 
-        hooks = {"ground": ground_task.HOOKS, "sft": sft_task.HOOKS, "rl": rl_task.HOOKS}.get(task)
-        if hooks is None:
-            raise ValueError(f"unknown training task '{task}' (one of {', '.join(TASKS)})")
+        hooks = hooks_for(task)  # the task module registers them; this module imports none
         given = {"ground": ground, "sft": sft, "rl": rl}
         if any((name == task) != (inp is not None) for name, inp in given.items()):
             raise ValueError(f"training task '{task}' takes its own input only (ground= for ground, sft= for sft, "
