@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The figure over several SID maps (issue 50): the same config on sid.seed = 0, 1, ... N-1, each
 # a whole pipeline run into OUT/sid<k> (ingest and embed do not depend on the SID seed, so map
-# k > 0 hard-links them from map 0), then one line per map appended to OUT/maps.jsonl: the
+# k > 0 hard-links them from map 0), then one line per map in OUT/maps.jsonl: the
 # model's and every baseline's figures and the paired differences, per split.
 #
 #   bench/quality/maps.sh CONFIG OUT N [key=value ...]
@@ -23,16 +23,18 @@ for k in $(seq 0 $((n - 1))); do
   echo "== map $k ($(date -u +%H:%M:%S), load $(cut -d' ' -f1-3 /proc/loadavg), $(grep -c avx512f /proc/cpuinfo | sed 's/^0$/no AVX-512/;s/^[1-9][0-9]*$/AVX-512/'))"
   # shellcheck disable=SC2086
   $gti run --config "$config" run_dir="$dir" sid.seed=$k "$@" --to evaluate
-  python3 - "$dir" "$k" >> "$out/maps.jsonl" <<'PY'
-import json, sys
-d, k = sys.argv[1:3]
-m = json.load(open(f"{d}/evaluate/metrics.json"))
-short = lambda row: {key: v["value"] for key, v in row.items() if isinstance(v, dict) and "value" in v}
-splits = list(m["splits"])
-print(json.dumps({"sid_seed": int(k), "run_dir": d,
-                  "model": {s: short(m["splits"][s]) for s in splits},
-                  "ci": {s: {key: v.get("ci") for key, v in m["splits"][s].items() if isinstance(v, dict)} for s in splits},
-                  "baselines": {b: {s: short(r.get(s, {})) for s in splits} for b, r in m.get("baselines", {}).items()},
-                  "paired": m.get("paired", {})}, default=str))
-PY
 done
+# One line per finished map (rewritten each time, so a resumed run lists every map once).
+python3 - "$out" > "$out/maps.jsonl" <<'PY'
+import glob, json, re, sys
+short = lambda row: {key: v["value"] for key, v in row.items() if isinstance(v, dict) and "value" in v}
+for f in sorted(glob.glob(f"{sys.argv[1]}/sid*/evaluate/metrics.json")):
+    m = json.load(open(f))
+    splits = list(m["splits"])
+    print(json.dumps({"sid_seed": int(re.search(r"/sid(\d+)/", f).group(1)), "run_dir": f.rsplit("/evaluate/", 1)[0],
+                      "model": {s: short(m["splits"][s]) for s in splits},
+                      "ci": {s: {key: v.get("ci") for key, v in m["splits"][s].items() if isinstance(v, dict)}
+                             for s in splits},
+                      "baselines": {b: {s: short(r.get(s, {})) for s in splits} for b, r in m.get("baselines", {}).items()},
+                      "paired": m.get("paired", {})}, default=str))
+PY
