@@ -12,6 +12,7 @@
 set -euo pipefail
 config=$1; out=$2; n=$3; shift 3
 gti=${GTI:-.venv/bin/gti}
+py=${PY:-.venv/bin/python}
 mkdir -p "$out"
 for k in $(seq 0 $((n - 1))); do
   dir=$out/sid$k
@@ -37,4 +38,61 @@ for f in sorted(glob.glob(f"{sys.argv[1]}/sid*/evaluate/metrics.json")):
                              for s in splits},
                       "baselines": {b: {s: short(r.get(s, {})) for s in splits} for b, r in m.get("baselines", {}).items()},
                       "paired": m.get("paired", {})}, default=str))
+PY
+# The table: per map and the mean over maps, the model beside each baseline, and the paired
+# differences (user-bootstrap CIs from evaluate's metrics.json).
+$py - "$out/maps.jsonl" <<'PY'
+import json, statistics, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+for split in rows[0]["model"] if rows else []:
+    print(f"split {split}: {len(rows)} SID maps")
+    for r in rows:
+        ci = r["ci"][split]
+        lo, hi = ci["recall@10"]
+        line = f"  sid.seed={r['sid_seed']}: model R@10 {r['model'][split]['recall@10']:.3f} [{lo:.3f}, {hi:.3f}]"
+        line += f" NDCG@10 {r['model'][split]['ndcg@10']:.3f}"
+        for b, v in r["baselines"].items():
+            line += f" | {b} {v[split].get('recall@10', float('nan')):.3f} / {v[split].get('ndcg@10', float('nan')):.3f}"
+        print(line)
+        for b, p in r["paired"].get(split, {}).items():
+            print("     model - " + b + ": " + ", ".join(
+                f"{k} {p[k]['value']:+.3f} [{p[k]['ci'][0]:+.3f}, {p[k]['ci'][1]:+.3f}]"
+                for k in ("recall@10", "ndcg@10", "mrr@10") if k in p))
+    mean = lambda xs: statistics.fmean(xs)
+    for k in ("recall@10", "ndcg@10"):
+        xs = [r["model"][split][k] for r in rows]
+        print(f"  mean over maps: model {k} {mean(xs):.3f} (min {min(xs):.3f}, max {max(xs):.3f})", end="")
+        for b in rows[0]["baselines"]:
+            print(f"; {b} {mean([r['baselines'][b][split][k] for r in rows]):.3f}", end="")
+        print()
+        for b in rows[0]["paired"].get(split, {}):
+            ds = [r["paired"][split][b][k]["value"] for r in rows]
+            print(f"    model - {b} {k}: mean {mean(ds):+.3f} over maps ({', '.join(f'{d:+.3f}' for d in ds)}); "
+                  f"maps with the paired CI above 0: {sum(r['paired'][split][b][k]['ci'][0] > 0 for r in rows)} of {len(rows)}")
+PY
+# The mean over maps with one CI: each user's figure averaged over the maps (same users in
+# every map; the baselines do not depend on the map), minus the baseline's, resampled by user.
+$py - "$out" <<'PY'
+import glob, json, sys
+import numpy as np
+runs = [json.load(open(f)) for f in sorted(glob.glob(f"{sys.argv[1]}/sid*/evaluate/metrics.json"))]
+if not runs:
+    sys.exit()
+rng = np.random.default_rng(0)
+for split in runs[0]["per_user"]:
+    users = runs[0]["per_user"][split]["user_ids"]
+    if any(r["per_user"][split]["user_ids"] != users for r in runs):
+        sys.exit(f"split {split}: the maps were evaluated on different users")
+    for k in ("recall@10", "ndcg@10"):
+        model = np.mean([r["per_user"][split][k] for r in runs], axis=0)
+        for b, per in runs[0].get("baseline_per_user", {}).items():
+            if split not in per or k not in per[split]:
+                continue
+            order = {u: i for i, u in enumerate(per[split]["user_ids"])}
+            base = np.asarray(per[split][k])[[order[u] for u in users]]
+            d = model - base
+            boots = d[rng.integers(0, len(d), (2000, len(d)))].mean(axis=1)
+            lo, hi = np.quantile(boots, [0.025, 0.975])
+            print(f"{split} {k}: mean over {len(runs)} maps, model - {b} {d.mean():+.3f} [{lo:+.3f}, {hi:+.3f}] "
+                  f"(paired by user, {len(d)} users)")
 PY
