@@ -370,14 +370,7 @@ class RecRenderer:
         """One training row: input_ids = prompt + answer, labels = -100 on the prompt."""
         answer = self.answer_ids(target)
         prompt, kept = self._prompt(history, self.templates[template_idx], self.max_len - len(answer))
-        return {
-            "task": SEQ_TASK,
-            "input_ids": prompt + answer,
-            "labels": [IGNORE] * len(prompt) + answer,
-            "prompt_ids": prompt,
-            "answer_ids": answer,
-            "history_kept": kept,
-        }
+        return _rec_row(prompt, answer, kept)
 
     def sequence_row(self, items: Sequence[str]) -> dict[str, Any]:
         """One training row of the `sequence` objective: `items` (oldest first, >= 2) as SID
@@ -393,14 +386,7 @@ class RecRenderer:
                 f"sft.max_len={self.max_len} is too small for a sequence row of {len(items)} items "
                 f"({len(first) + len(rest)} tokens)"
             )
-        return {
-            "task": SEQ_TASK,
-            "input_ids": first + rest,
-            "labels": [IGNORE] * len(first) + rest,
-            "prompt_ids": first,
-            "answer_ids": rest,
-            "history_kept": len(items) - 1,
-        }
+        return _rec_row(first, rest, len(items) - 1)
 
     def render_windows(self, windows: dict[str, Any]) -> dict[str, list]:
         """Batch form for `map_batches` / plain use: columns history, target, template (one
@@ -422,6 +408,12 @@ class RecRenderer:
             out["prompt_ids"].append(ids)
             out["target"].append(str(t))
         return out
+
+
+def _rec_row(prompt: list[int], answer: list[int], kept: int) -> dict[str, Any]:
+    """A recommendation training row: the answer labelled, the prompt not."""
+    return {"task": SEQ_TASK, "input_ids": prompt + answer, "labels": [IGNORE] * len(prompt) + answer,
+            "prompt_ids": prompt, "answer_ids": answer, "history_kept": kept}
 
 
 def make_renderer(
