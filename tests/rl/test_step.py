@@ -15,7 +15,14 @@ import pytest
 import torch
 from gti.eval.decode import score_all_sids
 from gti.rl.grpo import grpo_loss, labelled_logprobs
-from gti.rl.step import PHASES, GrpoSettings, PhaseClock, grpo_rollout, grpo_step_loss, grpo_update_loss
+from gti.rl.step import PHASES, GrpoSettings, PhaseClock, grpo_rollout, grpo_update_loss
+
+
+def grpo_step_loss(policy, reference, prompt_ids, target_sids, trie, settings, *, clock=None, **kw):
+    """One rollout and its first (on-policy) update, as `gti.train.rl_task` runs a cycle's first step."""
+    clock = clock or PhaseClock()
+    batch = grpo_rollout(policy, reference, prompt_ids, target_sids, trie, settings, clock=clock, **kw)
+    return grpo_update_loss(policy, batch, settings, clock=clock)
 
 
 def test_settings_are_checked():

@@ -44,7 +44,6 @@ def test_every_training_target_is_in_exactly_one_chunk(h):
 
 def test_sequence_chunks_never_hold_a_valid_or_test_item():
     seqs = _seqs(80, seed=3)
-    # plant the held-out items among the training items' names to make a leak visible
     chunks = S.training_sequences(seqs, 3)
     held_out = set(seqs["valid_item"]) | set(seqs["test_item"])
     assert not held_out & set(chunks["items"].explode().to_list())

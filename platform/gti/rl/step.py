@@ -10,7 +10,7 @@ returns the clipped GRPO loss (`gti.rl.grpo`) of one update with its statistics;
 `settings.updates_per_rollout` times per rollout, one optimizer step after each. The first
 update is on policy: its log-probs, detached, become the batch's old log-probs (the policy
 before any update of this batch), so its ratio is exactly 1; the later updates' ratios move
-away from 1 and `clip_eps` bounds them. `grpo_step_loss` is one rollout and its first update.
+away from 1 and `clip_eps` bounds them.
 `GrpoSettings` holds the knobs of the `rl` config section; `PhaseClock` times the phases
 (rollout / reward / update, the caller adding its backward and optimizer step to "update") and
 reports each one's share of the step.
@@ -212,24 +212,3 @@ def grpo_update_loss(policy: Any, batch: RolloutBatch, settings: GrpoSettings, *
     batch.updates += 1
     return StepOutput(loss=loss, stats={**batch.stats, **got["obj"].stats}, rollouts=batch.rollouts,
                       rewards=batch.rewards, advantages=batch.advantages)
-
-
-def grpo_step_loss(
-    policy: Any,
-    reference: Any | None,
-    prompt_ids: Sequence[Sequence[int]],
-    target_sids: Sequence[Sequence[int]],
-    trie: TrieLike,
-    settings: GrpoSettings,
-    *,
-    levels: int,
-    pad_id: int,
-    seed: int | None = None,
-    clock: PhaseClock | None = None,
-) -> StepOutput:
-    """One rollout and its first (on-policy) update: `grpo_rollout` then `grpo_update_loss`,
-    with the same arguments (no backward here)."""
-    clock = clock or PhaseClock()
-    batch = grpo_rollout(policy, reference, prompt_ids, target_sids, trie, settings, levels=levels,
-                         pad_id=pad_id, seed=seed, clock=clock)
-    return grpo_update_loss(policy, batch, settings, clock=clock)

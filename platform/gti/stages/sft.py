@@ -134,7 +134,6 @@ def _prepare_data(ctx: StageContext, tokenizer, sid_ids: dict[str, np.ndarray],
     mixed.write_parquet(train_path)
     n_val_users = _write_val_prompts(ctx, seqs, tokenizer, sid_ids, val_info["item_ids"], data_dir / VAL_FILE)
     stats = {
-        "objective": sc.objective,
         # windows: one target per row; sequence: the chunks, and the targets they hold
         "n_windows": windows.height,
         "n_targets": int(windows["items"].list.len().sum() - windows.height) if "items" in windows.columns
