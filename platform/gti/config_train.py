@@ -111,6 +111,13 @@ class SftConfig(TrainConfig):
         "epoch), the loss on every item after the first: one forward pass trains every target of the chunk. "
         "Prompts everywhere (evaluate, recommend, serve, infer, rl) are then the bare history SIDs "
         "(gti.lm.templates.render_sequence_prompt); sft.prompt_style does not apply")
+    freeze_layers: int = Field(
+        0, ge=0, description="the first N decoder layers (and the token embedding's input side) stay as grounded: "
+        "backward stops at layer N, so a step costs less, and fewer weights fit the small SFT data; with tied "
+        "embeddings the SID rows still train through the output head (gti.lm.regularise)")
+    dropout: float = Field(
+        0.0, ge=0, lt=1, description="dropout on the token embeddings and the attention probabilities while SFT "
+        "trains (the pretrained decoder has none)")
     epochs: float | None = Field(
         None, gt=0, description="budget in passes over the SFT training rows: steps = ceil(epochs * rows / "
         "batch_size), resolved once the rows exist (recorded in the stage's facts); None: `steps` as given")

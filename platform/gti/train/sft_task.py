@@ -23,6 +23,7 @@ import torch
 from gti import config as C
 from gti.config_train import LoraConfig, SftConfig
 from gti.errors import ConfigError, DataError
+from gti.lm.regularise import add_dropout, freeze_lower_layers
 from gti.train.task import TaskHooks, full_fp32_cpu, load_trie, rank_share, register
 
 if TYPE_CHECKING:
@@ -36,6 +37,9 @@ def check_lora_supported(sc: SftConfig) -> None:
     """ConfigError unless the requested LoRA/QLoRA variant can run here (checked on the driver
     and again in every worker, where the GPU actually is)."""
     lo = sc.lora
+    if lo.enabled and (sc.freeze_layers or sc.dropout):
+        raise ConfigError("sft.freeze_layers and sft.dropout apply to full fine-tuning; with sft.lora.enabled "
+                          "use sft.lora.dropout and leave them 0")
     if not lo.enabled:
         if lo.quantize_4bit:
             raise ConfigError("sft.lora.quantize_4bit needs sft.lora.enabled=true")
@@ -108,7 +112,13 @@ def build_sft_model(config: "WorkerConfig", cfg: C.RunConfig) -> torch.nn.Module
         return wrap_lora(model, sc.lora, quantized=q4)
     for p in model.parameters():
         p.requires_grad_(True)
-    return model
+    return regularise(model, sc)
+
+
+def regularise(model: torch.nn.Module, sc: SftConfig) -> torch.nn.Module:
+    """`sft.freeze_layers` and `sft.dropout` applied to the full model (gti.lm.regularise);
+    the export applies the same, so its trainable set matches the checkpoint's."""
+    return add_dropout(freeze_lower_layers(model, sc.freeze_layers), sc.dropout)
 
 
 def sft_trainable_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -192,6 +202,8 @@ def rebuild_trained(ground_dir: Path, cfg: C.RunConfig, state: dict[str, torch.T
     model = load_causal_lm(ground_dir, cfg)
     if cfg.sft.lora.enabled:
         model = wrap_lora(model, cfg.sft.lora)
+    else:
+        model = regularise(model, cfg.sft)
     own = dict(model.named_parameters())
     unknown = sorted(set(state) - set(own))
     if unknown:
