@@ -1,7 +1,8 @@
 """gti/serve/app.py through FastAPI's TestClient on the tiny run of conftest.py (no Ray):
 every endpoint, equality with `gti recommend`'s code path, every bad request's 4xx and
 message, the bearer token, and reloads (a swap between requests; a map that does not descend
-from the serving model's is refused with one log line while the old version keeps serving)."""
+from the serving model's is refused with one log line while the old version keeps serving; a
+rollback to an ancestor version is accepted)."""
 
 from __future__ import annotations
 
@@ -199,11 +200,15 @@ def test_non_descendant_map_is_refused_and_the_old_one_keeps_serving(bad_run, se
     ans = c.post("/recommend", json={"history": ["it1"], "k": 3})
     assert ans.status_code == 200 and ans.json()["version"] == 1
     assert c.get("/info").json()["reload"]["state"] == "refused"
-    # Going back to the run's own map is refused too: v1's model map does not lead back there.
-    r = c.post("/admin/reload", json={"version": 0, "wait": True}, headers=AUTH)
-    assert r.json()["state"] == "refused" and holder.current.version == 1 and len(logs) == 2
     r = c.post("/admin/reload", json={"version": 7, "wait": True}, headers=AUTH)
     assert r.json()["state"] == "failed" and "no finished refresh version 7" in r.json()["message"]
+    assert holder.current.version == 1 and len(logs) == 2
+    # A rollback to the run's own stages is accepted (issue 51: replicas converge on a pinned
+    # rollback): v1's map descends from v0's, so every item v0 knows keeps its SID, and v0
+    # comes with its own model. Forward again to v1 is the ordinary descent.
+    r = c.post("/admin/reload", json={"version": 0, "wait": True}, headers=AUTH)
+    assert r.json()["state"] == "swapped" and holder.current.version == 0, r.json()
+    assert c.post("/admin/reload", json={"version": 1, "wait": True}, headers=AUTH).json()["state"] == "swapped"
 
 
 def test_call_asgi_answers_as_the_http_client_does(client):

@@ -5,8 +5,10 @@ endpoint and the page, equality with `gti recommend` (LoadedRun), the same run m
 route prefix (a second application at /gti in the same Serve instance, for one test), a few
 4xx, the token on /admin, concurrent requests gathered into fewer decodes by the replica's `Gatherer`, a version published
 while requests are in flight (picked up by the replicas' poll: none fails, the answers switch
-version), and a replica killed mid-request (its requests get 503 + Retry-After, the other
-replica keeps answering). No Ray Train run."""
+version), a pinned rollback through /admin/reload (reaching one replica) and a publish after it
+(both replicas converge on each, /info naming each one's version), and a replica killed
+mid-request (its requests get 503 + Retry-After, the other replica keeps answering; Serve's
+replacement joins the agreed version). No Ray Train run."""
 
 from __future__ import annotations
 
@@ -185,6 +187,49 @@ def test_a_published_version_is_picked_up_while_requests_are_in_flight(live):
                                                                  "message": ""}
 
 
+def _fleet(c, n=12):
+    """{replica id: version} as the replicas reported to the app's version board, read through
+    /info on whichever replica answers, and the versions the answers themselves came from."""
+    infos = [c.get("/info").json() for _ in range(n)]
+    answered = {r.json()["version"] for r in (_rec(c, history=["it2"], k=3) for _ in range(n))}
+    each = {rid: rep["version"] for info in infos for rid, rep in info["replicas"]["each"].items()}
+    return each, {i["version"] for i in infos} | answered, all(i["replicas"]["agree"] for i in infos)
+
+
+def _converge(c, version, within_s):
+    """Seconds until both replicas report `version` and every answer comes from it."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < within_s:
+        each, served, agree = _fleet(c)
+        if len(each) == 2 and set(each.values()) == {version} and served == {version} and agree:
+            return time.monotonic() - t0
+        time.sleep(0.2)
+    raise AssertionError(f"replicas did not agree on version {version} within {within_s} s: {_fleet(c)}")
+
+
+def test_replicas_agree_after_a_pinned_rollback_and_a_publish(live):
+    """POST /admin/reload reaches ONE replica; the app's version board carries the pin to the
+    other at its next poll (serve.reload_poll_s = 0.5 s here): both serve the pinned version, a
+    publish then moves both on, and /info names each replica's version. Stated: within one poll
+    plus one load (the tiny model loads in well under a second); 60 s allowed on a loaded CI box."""
+    c, auth = live["client"], {"Authorization": f"Bearer {TOKEN}"}
+    _converge(c, 2, 60)  # where the publish test left them
+    r = c.post("/admin/reload", json={"version": 1}, headers=auth)
+    assert r.status_code == 202, r.text
+    took = _converge(c, 1, 60)
+    print(f"pinned rollback to v1: both replicas within {took:.1f} s")
+    time.sleep(1.5)  # 3 more polls: the pin holds, nobody drifts back to the newest (v2)
+    each, served, _ = _fleet(c)
+    assert set(each.values()) == {1} and served == {1}
+    live["publish"](3, ["new2", "new3"])  # a publish ends the pin
+    took = _converge(c, 3, 60)
+    print(f"publish of v3: both replicas within {took:.1f} s")
+    info = c.get("/info").json()["replicas"]
+    assert info["pin"]["version"] == 1 and info["pin"]["published"] == 2  # the old pin, outdated by v3
+    r = c.post("/admin/reload", json={}, headers=auth)  # back to following the newest: nothing moves
+    assert r.status_code == 202 and _converge(c, 3, 60) >= 0
+
+
 def test_a_replica_dying_mid_request_is_a_retryable_503(live):
     import ray
 
@@ -205,3 +250,10 @@ def test_a_replica_dying_mid_request_is_a_retryable_503(live):
     assert failed and all(a.headers["retry-after"] == "1" and "retry" in a.json()["error"] for a in failed)
     # The other replica keeps answering (Serve restarts the dead one).
     assert all(_rec(c, history=["it4"], k=3).status_code == 200 for _ in range(4))
+    # Serve's replacement loads the version the board holds (v3 since the test above), not
+    # the app's start version.
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and len(
+            {c.get("/info").json()["replica"]["id"] for _ in range(10)} - {sorted(names)[0]}) < 2:
+        time.sleep(1)
+    assert {r.json()["version"] for r in (_rec(c, history=["it4"], k=3) for _ in range(10))} == {3}

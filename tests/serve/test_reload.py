@@ -1,8 +1,11 @@
 """gti/serve/reload.py with stand-in services (no model): the first load, a swap, a reload
 already under way (ReloadBusy), a load that fails keeps the old version with one log line,
 "unchanged" when the newest version is the one served, and `poll()` following publishes (a
-new version is loaded once; a refused one is logged once and not retried). The lineage refusal on a real run
-is in test_app.py."""
+new version is loaded once; a refused one is logged once and not retried), and replicas that
+agree: `desired_version`'s rule, the `VersionBoard`, and two holders sharing one board (two
+replicas) converging on one version after a pinned reload on one of them, a publish and a pinned
+rollback, with `replicas()` naming each one's version. The lineage refusal on a real run is in
+test_app.py; the same on two live Serve replicas in test_deployment_live.py."""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from gti.errors import DataError
-from gti.serve.reload import ReloadBusy, ServiceHolder
+from gti.serve.reload import ReloadBusy, ServiceHolder, VersionBoard, desired_version
 
 
 def _fake(version):
@@ -96,7 +99,7 @@ def test_poll_refuses_a_non_descendant_version_once(bad_run, serve_run):
     h = ServiceHolder(lambda v: SimpleNamespace(version=v, map_hash="h", run=SimpleNamespace(model_dir=model_dir)),
                       bad_run["run"], logger=logs.append)
     h.load_initial(1)
-    h._seen = 1  # as if v2 were published after the start
+    h._board.pin(1, 1)  # as if v2 were published after the start (pinned while v1 was the newest)
     assert h.poll() is True
     h._thread.join(10)
     assert h.status()["state"] == "refused" and h.current.version == 1 and len(logs) == 1
@@ -113,3 +116,89 @@ def test_watch_polls_until_closed(run_dir, monkeypatch):
     h.close()
     thread.join(5)
     assert not thread.is_alive()
+
+
+def test_desired_version_follows_a_pin_until_the_next_publish():
+    assert desired_version(None, 3) == 3
+    assert desired_version({"version": None, "published": 3}, 3) == 3  # no pin: the newest
+    assert desired_version({"version": 1, "published": 3}, 3) == 1  # pinned (a rollback)
+    assert desired_version({"version": 0, "published": 3}, 3) == 0  # the run's own stages
+    assert desired_version({"version": 1, "published": 3}, 4) == 4  # published since: the newest
+
+
+def test_the_board_keeps_the_pin_and_forgets_silent_replicas(monkeypatch):
+    import gti.serve.reload as R
+
+    now = [1000.0]
+    monkeypatch.setattr(R.time, "time", lambda: now[0])
+    b = VersionBoard(2, 3, forget_s=10)
+    assert b.sync("a", None) == {"pin": {"version": 2, "published": 3, "seq": 0}, "replicas": {}}
+    b.sync("a", {"version": 2, "state": "idle"})
+    now[0] += 4
+    seen = b.sync("b", {"version": 3, "state": "swapped"})
+    assert seen["replicas"] == {"a": {"version": 2, "state": "idle", "age_s": 4.0},
+                                "b": {"version": 3, "state": "swapped", "age_s": 0.0}}
+    assert b.pin(None, 3) == {"version": None, "published": 3, "seq": 1}
+    now[0] += 8  # a: 12 s without a word (dead, or replaced by Serve)
+    assert list(b.sync("b", None)["replicas"]) == ["b"]
+
+
+def test_two_replicas_on_one_board_converge_after_any_reload(publishable, monkeypatch):
+    """Replicas a and b share one board (as the Serve replicas share gti-versions). A pinned
+    reload reaching a alone, a publish, a pinned rollback and a reload to the newest: after each,
+    one poll of each replica and both serve the same version, and replicas() says so."""
+    run, publish = publishable["run"], publishable["publish"]
+    monkeypatch.setattr(ServiceHolder, "_check_descends", lambda self, target: None)
+    board = VersionBoard(None, 1)  # started without --version; v1 published
+    a, b = (ServiceHolder(_fake, run, board=board, replica=r) for r in "ab")
+
+    def settle():
+        for h in (a, b):
+            h.poll()
+            if h._thread is not None:
+                h._thread.join(10)
+        a.poll(), b.poll()  # report what each serves now
+        return a.current.version, b.current.version
+
+    assert a.load_initial(None).version == 1 and b.load_initial(None).version == 1
+    a.reload(0, wait=True)  # POST /admin/reload {"version": 0} reaches a only
+    assert a.current.version == 0 and b.current.version == 1  # b moves at its next poll
+    assert settle() == (0, 0)
+    seen = a.replicas()
+    assert seen["agree"] and seen["pin"] == {"version": 0, "published": 1, "seq": 1}
+    assert {r: (v["version"], v["map_hash"], v["state"]) for r, v in seen["each"].items()} \
+        == {"a": (0, "h0", "swapped"), "b": (0, "h0", "swapped")}
+    publish(2, ["new2"])  # a publish ends the pin: both move to it
+    assert settle() == (2, 2)
+    b.reload(1, wait=True)  # a pinned rollback through b
+    assert settle() == (1, 1)
+    assert settle() == (1, 1)  # and it stays (no flapping back to the newest)
+    a.reload(None, wait=True)  # back to following the newest
+    assert settle() == (2, 2) and a.replicas()["agree"] and b.replicas()["agree"]
+    # A replica that (re)starts later joins the agreed version, not its start one.
+    b.reload(1, wait=True)
+    c = ServiceHolder(_fake, run, board=board, replica="c")
+    assert c.load_initial(None).version == 1
+
+
+def test_a_replica_that_cannot_load_the_pin_keeps_its_version_and_says_so(publishable, monkeypatch):
+    run = publishable["run"]
+    monkeypatch.setattr(ServiceHolder, "_check_descends", lambda self, target: None)
+    board, logs = VersionBoard(None, 1), []
+
+    def broken_v0(v):
+        if v == 0:
+            raise DataError("model folder unreadable on this node")
+        return _fake(v)
+
+    a = ServiceHolder(_fake, run, board=board, replica="a")
+    b = ServiceHolder(broken_v0, run, board=board, replica="b", logger=logs.append)
+    a.load_initial(None), b.load_initial(None)
+    a.reload(0, wait=True)
+    assert b.poll() is True
+    b._thread.join(10)
+    assert b.current.version == 1 and b.status()["state"] == "failed" and len(logs) == 1
+    assert b.poll() is False and len(logs) == 1  # not retried every poll
+    a.poll()
+    rep = a.replicas()
+    assert rep["agree"] is False and rep["each"]["b"]["state"] == "failed" and rep["each"]["b"]["version"] == 1

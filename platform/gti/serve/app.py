@@ -12,10 +12,12 @@ drive with FastAPI's TestClient:
 - `POST /recommend/batch` {"histories": [[ids], ...], "k", "exclude_history"} ->
   {"results": [answer, ...]} (one decode, one version for all of them);
 - `GET /healthz` (process up), `GET /readyz` (a run is loaded; 503 before), `GET /info` (the
-  loaded run: version, map hash, catalog size, levels, decoder; the last reload; the limits;
+  loaded run: version, map hash, catalog size, levels, decoder; the last reload; "replicas":
+  the version each replica of the app last reported and whether they agree; the limits;
   `stats()`, e.g. the replica's batching counts);
 - `POST /admin/reload` {"version": k | null, "wait": false} -> 202 (200 with wait) and the
-  reload status (`gti.serve.reload`); 409 while one runs.
+  reload status (`gti.serve.reload`); 409 while one runs. The version is pinned for every
+  replica (each moves to it at its next poll), not only the one that answers.
 Bad requests get a JSON {"error": one line naming the problem, "status": code} and never a
 traceback: 400 a body that is not UTF-8, malformed JSON (NaN and Infinity included), JSON the
 parser cannot hold (an integer of more than 4,300 digits, nesting deeper than the recursion
@@ -331,7 +333,8 @@ def _add_status_routes(app: FastAPI, holder: ServiceHolder, cfg: ServeConfig, au
                                                      "batch_wait_timeout_s", "token_required",
                                                      "reload_poll_s", "max_search_results")}
         extra = {"replica": stats()} if stats is not None else {}
-        body = {**svc.info(), "reload": holder.status(), "serve": limits, **extra}
+        # "replicas": the version every replica of the app reported last (the shared board)
+        body = {**svc.info(), "reload": holder.status(), "replicas": holder.replicas(), "serve": limits, **extra}
         if not trusted(request):  # the folders only to a caller holding the token
             run = svc.run
             body = without_paths(body, {"<run_dir>": str(getattr(run, "run_dir", "") or holder.run_dir),

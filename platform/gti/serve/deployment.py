@@ -6,7 +6,11 @@ folder for versions `gti refresh` publishes, every `serve.reload_poll_s`) and ru
 app of `gti.serve.app` (the same app the tests drive, built per replica around its holder);
 `GtiIngress` in front takes the HTTP requests and forwards each to a replica (`forward`), so a
 replica that dies mid-request answers 503 + Retry-After while the others keep answering (Serve's
-own proxy would answer 500). Concurrent requests of a replica are gathered by
+own proxy would answer 500). `GtiVersions` (one replica, no CPU) holds the app's
+`gti.serve.reload.VersionBoard`: the version pinned by `--version` or POST /admin/reload and
+what each replica last served; every model replica reports to it and reads the pin back at each
+poll (`BoardClient`), so all replicas converge on one version within `serve.reload_poll_s` plus
+one load, and a replica Serve restarts loads the agreed version, not the start one. Concurrent requests of a replica are gathered by
 `gti.serve.gather.Gatherer` (`serve.max_batch_size`, `serve.batch_wait_timeout_s`; the batch is
 formed when the decoder is free, which `@serve.batch` does not do; a batch counts histories, not
 requests) into one `answer_batches` call, all answered by the same loaded version, in as few
@@ -72,7 +76,7 @@ class GtiRecommender:
     folder for versions `gti refresh` publishes), the app, and the batched decode."""
 
     def __init__(self, run_dir: str, version: int | None, serve_cfg: dict, token_sha256: str | None,
-                 trust_remote_code: bool = False) -> None:
+                 trust_remote_code: bool = False, board: Any = None) -> None:
         import torch
 
         from gti.serve.app import create_app
@@ -93,7 +97,9 @@ class GtiRecommender:
                             f"{svc.worst_case():,}", f"{svc.decode_budget:,}")
             return svc
 
-        self.holder = ServiceHolder(load, run_dir)
+        replica = serve.get_replica_context().replica_id.to_full_id_str()
+        self.holder = ServiceHolder(load, run_dir, board=BoardClient(board) if board is not None else None,
+                                    replica=replica)
         svc = self.holder.load_initial(version)  # raises if the run cannot be loaded
         self.holder.watch(cfg.reload_poll_s)
         on = next(svc.run.model.parameters()).device.type
@@ -103,7 +109,7 @@ class GtiRecommender:
         # are not gathered into 1,024, and each batch runs within the decode budget
         self._gather = Gatherer(self._decode_batch, cfg.max_batch_size, cfg.batch_wait_timeout_s, size=len)
         # the replica's actor name (namespace "serve"): which replica answered /info
-        self._stats = {"id": serve.get_replica_context().replica_id.to_full_id_str(),
+        self._stats = {"id": replica,
                        "decodes": 0, "requests": 0, "largest_batch": 0, "largest_batch_histories": 0,
                        "decode_s": 0.0}
         self.app = create_app(self.holder, cfg, token_sha256, decode=self._batched, stats=self.stats)
@@ -147,6 +153,47 @@ class GtiRecommender:
         holder = getattr(self, "holder", None)
         if holder is not None:
             holder.close()
+
+
+class BoardClient:
+    """The `GtiVersions` handle as the board `ServiceHolder` calls (`pin`, `sync`): blocking,
+    each call in a helper thread (the replica's constructor runs in its event loop, where a
+    handle's `.result()` is refused) and bounded by `timeout_s` (the holder keeps its last pin)."""
+
+    def __init__(self, handle: Any, timeout_s: float = 10.0) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.handle, self.timeout_s = handle, timeout_s
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="gti-board")
+
+    def _call(self, method: str, *args: Any) -> Any:
+        def call() -> Any:
+            return getattr(self.handle, method).remote(*args).result(timeout_s=self.timeout_s)
+        return self._pool.submit(call).result(timeout=self.timeout_s + 5)
+
+    def pin(self, version: int | None, published: int | None) -> dict[str, Any]:
+        return self._call("pin", version, published)
+
+    def sync(self, replica: str, report: dict[str, Any] | None) -> dict[str, Any]:
+        return self._call("sync", replica, report)
+
+
+@serve.deployment(name="gti-versions", num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=64)
+class GtiVersions:
+    """The app's version board (`gti.serve.reload.VersionBoard`): one replica, no CPU. If Serve
+    restarts it, it starts again from the app's start pin; the replicas keep what they serve
+    until a reload or publish after that."""
+
+    def __init__(self, version: int | None, published: int | None, forget_s: float) -> None:
+        from gti.serve.reload import VersionBoard
+
+        self.board = VersionBoard(version, published, forget_s)
+
+    def pin(self, version: int | None, published: int | None) -> dict[str, Any]:
+        return self.board.pin(version, published)
+
+    def sync(self, replica: str, report: dict[str, Any] | None) -> dict[str, Any]:
+        return self.board.sync(replica, report)
 
 
 @serve.deployment(name="gti-ingress")
@@ -206,10 +253,16 @@ def ingress_options(cfg: ServeConfig) -> dict[str, Any]:
 def build_app(run_dir: str | Path, version: int | None, cfg: ServeConfig, token_sha256: str | None,
               trust_remote_code: bool = False):
     """The bound Serve application (what `serve.run` and a Serve config's import path take):
-    the ingress over the model replicas."""
+    the ingress over the model replicas, which share one version board (the start pin:
+    `version` as of the newest version published now; None follows the newest)."""
+    from gti.run_versions import chosen_version
+
+    run_dir = Path(run_dir).expanduser().resolve()
+    newest = chosen_version(run_dir, None, note=lambda line: None)
+    # a replica not heard from in 5 polls (at least 30 s) has left: Serve replaced it
+    board = GtiVersions.bind(version, newest.k if newest is not None else 0, max(30.0, 5 * cfg.reload_poll_s))
     model = GtiRecommender.options(**deployment_options(cfg)).bind(
-        str(Path(run_dir).expanduser().resolve()), version, cfg.model_dump(mode="json"), token_sha256,
-        trust_remote_code)
+        str(run_dir), version, cfg.model_dump(mode="json"), token_sha256, trust_remote_code, board)
     return GtiIngress.options(**ingress_options(cfg)).bind(model, cfg.max_body_bytes)
 
 

@@ -8,23 +8,37 @@ batch) takes `current` once and is answered wholly by that run, so no answer mix
 a map of different versions, and none fails because of the swap. Before loading, the new
 version's SID map must descend from the serving model's map (`gti.run_versions.check_model_map`
 on the serving model folder, the run's lineage folder; a map that only adds code tokens the
-serving model lacks still descends: the new version brings its own model with them). A map
-that does not descend (or a version that fails to load) is refused with ONE log line and the
-old version keeps serving. `watch(interval_s)` follows `gti refresh` publishes: a daemon thread
-calls `poll()` every interval, which starts a reload when the newest finished version differs
-from the newest one it saw before (a refused or failed one is not retried until a newer one is
-published; a version pinned by /admin/reload stays until the next publish). `status()` is
-what `/info` reports about reloads: {"state": "idle" | "loading" | "swapped" | "unchanged" |
-"refused" | "failed", "from", "to", "message"}.
+serving model lacks still descends: the new version brings its own model with them), or, for a
+rollback, the serving map must descend from the map of the older version's own model. A map
+that does neither (or a version that fails to load) is refused with ONE log line and the
+old version keeps serving.
+
+Replicas that agree: which version is served is decided by one rule over one shared record,
+`desired_version(pin, newest)`: a version pinned by /admin/reload (or `gti serve --version`)
+while the newest published version is still the one published when it was pinned; else the
+newest. The pin lives on a `VersionBoard` (a shared one for all replicas of a Serve app: the
+`gti-versions` deployment of gti.serve.deployment; an in-process one otherwise), so a reload
+that reaches one replica reaches all: `watch(interval_s)` runs `poll()` every interval, which
+reports this replica's version to the board, reads the pin back and starts a reload when the
+desired version differs from the served one. Every replica therefore serves the same version
+within one poll interval plus one load after any reload, publish or pinned rollback (a version
+that is refused or fails to load is not retried until the pin or the newest version changes:
+the replica keeps its version and says so in `/info`). `status()` is what `/info` reports
+about this replica's reloads: {"state": "idle" | "loading" | "swapped" | "unchanged" |
+"refused" | "failed", "from", "to", "message"}; `replicas()` what the board last heard from
+every replica (version, state, seconds since).
 
 What it does NOT know: HTTP, batching, or Ray. `load(version)` is any callable returning a
-service for a version (`RecommenderService.load` with the replica's settings).
+service for a version (`RecommenderService.load` with the replica's settings); the board is any
+object with `pin(version, published)` and `sync(replica, report)` (a Ray handle's adapter lives
+in gti.serve.deployment).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -37,45 +51,115 @@ class ReloadBusy(GtiError):
     """A reload is already in progress."""
 
 
+def desired_version(pin: dict[str, Any] | None, newest: int) -> int:
+    """The version every replica should serve: the pinned one while `newest` is still the
+    version that was newest when it was pinned (a pin lasts until the next publish), else the
+    newest. The same inputs give every replica the same answer."""
+    if pin and pin.get("version") is not None and pin.get("published") == newest:
+        return int(pin["version"])
+    return newest
+
+
+class VersionBoard:
+    """The record every replica of one app reads: the pin, and what each replica last reported.
+    Plain state (no Ray): the Serve deployment `gti-versions` holds one for the replicas; a
+    holder without a shared board keeps one of its own. `forget_s`: a replica not heard from
+    for that long (dead, or replaced by Serve) leaves the table."""
+
+    def __init__(self, version: int | None = None, published: int | None = None, forget_s: float = 60.0) -> None:
+        self._pin: dict[str, Any] | None = {"version": version, "published": published, "seq": 0}
+        self._seen: dict[str, dict[str, Any]] = {}
+        self.forget_s = float(forget_s)
+
+    def pin(self, version: int | None, published: int | None) -> dict[str, Any]:
+        """Pin `version` (None: follow the newest) as of the newest version `published` now."""
+        seq = (self._pin or {}).get("seq", 0) + 1
+        self._pin = {"version": version, "published": published, "seq": seq}
+        return dict(self._pin)
+
+    def sync(self, replica: str, report: dict[str, Any] | None) -> dict[str, Any]:
+        """Record `replica`'s report (None: only read) and return the pin and every replica
+        heard from within `forget_s`, with the seconds since."""
+        now = time.time()
+        if report is not None:
+            self._seen[replica] = {**report, "at": now}
+        self._seen = {r: v for r, v in self._seen.items() if now - v["at"] <= self.forget_s}
+        replicas = {r: {**{k: v for k, v in rep.items() if k != "at"}, "age_s": round(now - rep["at"], 1)}
+                    for r, rep in sorted(self._seen.items())}
+        return {"pin": dict(self._pin) if self._pin else None, "replicas": replicas}
+
+
 class ServiceHolder:
     """The served `RecommenderService` and its reloads (see the module docstring)."""
 
     def __init__(self, load: Callable[[int | None], Any], run_dir: str | Path,
-                 logger: Callable[[str], None] | None = None) -> None:
+                 logger: Callable[[str], None] | None = None, board: Any = None, replica: str = "local") -> None:
         self._load, self.run_dir = load, Path(run_dir).expanduser().resolve()
         self._log = logger or log.warning
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self.current: Any = None
-        self._seen: int | None = None  # the newest published version seen by poll()
+        # a shared board (Serve) already holds the app's starting pin; an own one gets it in load_initial
+        self._shared, self._board, self.replica = board is not None, board or VersionBoard(), replica
+        self._last: dict[str, Any] = {"pin": None, "replicas": {}}  # the board's last answer
+        self._tried: int | None = None  # a desired version that was refused or failed: not retried
         self._stop = threading.Event()
         self._status: dict[str, Any] = {"state": "idle", "from": None, "to": None, "message": ""}
 
     def load_initial(self, version: int | None = None) -> Any:
-        """Load the first version (blocking); errors propagate (the service cannot start)."""
-        try:  # what is published now: poll() acts on what comes after
-            self._seen = self._target(None, quiet=True)
+        """Load the first version (blocking); errors propagate (the service cannot start). With
+        a shared board the board's pin decides (a replica Serve restarts joins the others);
+        else `version` is pinned as of the newest version published now."""
+        try:
+            newest: int | None = self._target(None, quiet=True)
         except Exception:  # noqa: BLE001 - the load below says what is wrong with the folder
-            self._seen = None
+            newest = None
+        if not self._shared:
+            self._board.pin(version, newest)
+        pin = self._sync(report=False)
+        if newest is not None and pin is not None:
+            version = desired_version(pin, newest)
         self.current = self._load(version)
+        self._sync()
         return self.current
 
     def poll(self) -> bool:
-        """One look at the run folder: start a reload (not waiting) when a version newer than
-        the last one seen is published; True when it started one."""
+        """One look at the run folder and the board: report this replica's version, and start
+        a reload (not waiting) when the desired version differs from the served one; True when
+        it started one."""
         try:
             newest = self._target(None, quiet=True)
         except Exception as err:  # noqa: BLE001 - a half-written folder: look again next time
             log.debug("gti serve: poll: %s", err)
             return False
-        if newest == self._seen:
+        want = desired_version(self._sync(), newest)
+        if (self.current is not None and want == self.current.version) or want == self._tried:
             return False
         try:
-            self.reload(newest)
+            self._start(want)
         except ReloadBusy:
             return False  # look again after the reload under way
-        self._seen = newest
+        self._tried = want
         return True
+
+    def _sync(self, report: bool = True) -> dict[str, Any] | None:
+        """Report this replica to the board and keep its answer; the pin (the last one known
+        when the board cannot be reached: a replica keeps its version rather than guess)."""
+        cur = self.current
+        rep = {"version": cur.version, "map_hash": getattr(cur, "map_hash", None),
+               "state": self.status()["state"]} if report and cur is not None else None
+        try:
+            self._last = self._board.sync(self.replica, rep)
+        except Exception as err:  # noqa: BLE001 - the board restarting: try again at the next poll
+            log.debug("gti serve: version board: %s", err)
+        return self._last.get("pin")
+
+    def replicas(self) -> dict[str, Any]:
+        """What the board last heard from each replica (GET /info "replicas"), and whether
+        they all serve the same version."""
+        table = self._last.get("replicas") or {}
+        versions = {r.get("version") for r in table.values()}
+        return {"agree": len(versions) <= 1, "pin": self._last.get("pin"), "each": table}
 
     def watch(self, interval_s: float) -> threading.Thread | None:
         """Poll every `interval_s` seconds in a daemon thread until `close()` (0: no thread)."""
@@ -101,8 +185,28 @@ class ServiceHolder:
             return dict(self._status)
 
     def reload(self, version: int | None = None, wait: bool = False) -> dict[str, Any]:
-        """Start loading `version` (None: the newest) in the background; with `wait`, return
-        only once it is swapped in or refused. ReloadBusy while one is in progress."""
+        """POST /admin/reload: pin `version` (None: follow the newest) on the board, so every
+        replica moves to it at its next poll, and start loading it here in the background; with
+        `wait`, return only once it is swapped in or refused. ReloadBusy while one is in
+        progress. A version that does not exist is not pinned (the load says why it failed)."""
+        with self._lock:
+            if self._thread is not None and self._thread.is_alive():
+                raise ReloadBusy(f"a reload to version {self._status['to']} is in progress")
+        try:
+            newest = self._target(None, quiet=True)
+            if version is not None:
+                self._target(version, quiet=True)
+        except Exception:  # noqa: BLE001 - reported by the load below, in one line
+            newest = None
+        if newest is not None:
+            try:
+                self._board.pin(version, newest)
+            except Exception as err:  # noqa: BLE001 - this replica still reloads; said once
+                self._log(f"gti serve: the other replicas were not told of this reload: {one_line(str(err))}")
+        self._tried = None  # asked for by hand: tried again even if it failed before
+        return self._start(version, wait)
+
+    def _start(self, version: int | None, wait: bool = False) -> dict[str, Any]:
         with self._lock:
             if self._thread is not None and self._thread.is_alive():
                 raise ReloadBusy(f"a reload to version {self._status['to']} is in progress")
@@ -138,6 +242,7 @@ class ServiceHolder:
             return
         self.current = new  # one assignment: requests after it see the new run, earlier ones the old
         self._set(state="swapped", message=f"now serving version {new.version} (map {new.map_hash})")
+        self._sync()  # the board hears of the swap now, not a poll later
 
     def _set(self, **kv: Any) -> None:
         with self._lock:
@@ -152,18 +257,29 @@ class ServiceHolder:
 
     def _check_descends(self, target: int) -> None:
         """UnrelatedSidMapError unless version `target`'s map descends from the map the serving
-        model was trained with (codes it adds are fine: the new version has its own model)."""
+        model was trained with (codes it adds are fine: the new version has its own model), or,
+        for a rollback, the serving map descends from the map `target`'s own model was trained
+        with (an older version of the same lineage: every item it knows keeps its SID)."""
         if self.current is None:
             return
         from gti.run_versions import check_model_map, lineage_dir, resolve
-        from gti.sid.versions import MissingSidTokensError
+        from gti.sid.versions import MissingSidTokensError, UnrelatedSidMapError
 
         at = resolve(self.run_dir, target, note=lambda line: None, find_model=False)
+        lineage = lineage_dir(self.run_dir)
         try:
-            check_model_map(self.current.run.model_dir, at.map_hash, map_path=at.map_path,
-                            lineage=lineage_dir(self.run_dir))
+            check_model_map(self.current.run.model_dir, at.map_hash, map_path=at.map_path, lineage=lineage)
         except MissingSidTokensError:
             pass
+        except UnrelatedSidMapError as first:
+            now = resolve(self.run_dir, self.current.version, note=lambda line: None, find_model=False)
+            older = resolve(self.run_dir, target, note=lambda line: None)
+            try:  # the rollback direction
+                check_model_map(older.model_dir, now.map_hash, map_path=now.map_path, lineage=lineage)
+            except MissingSidTokensError:
+                pass
+            except UnrelatedSidMapError:
+                raise first from None  # the forward refusal is the one worth reading
 
 
 def _is_lineage_error(err: Exception) -> bool:
