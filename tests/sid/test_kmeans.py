@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 import gti.sid.kmeans as km
@@ -217,33 +218,14 @@ def test_kmeans_plus_plus_does_not_draw_a_copy_twice():
         assert torch.unique(seeds, dim=0).shape[0] == 8
 
 
-def test_small_fits_keep_the_maps_made_before_candidate_seeding():
-    """Up to EXACT_FIT_PAIRS row-code pairs (the demo's 1,000 x 32, the learnability gate's)
-    a plain fit is the one every map before KMEANS_SEEDING_VERSION 2 was built with: the codes
-    for this input are ddcb28b's (`bench/sid/sid.py --plain-ab`-style check: same centroids, codes
-    and inertia at 1 and 25 steps for 1,000 x 32 / k 32, 4,000 x 384 / k 256 and 5 x 3 / k 8)."""
-    import hashlib
-
-    n, d, k = 1000, 32, 32
-    x = torch.randn(n, d, generator=torch.Generator().manual_seed(n)) * torch.rand(d, generator=torch.Generator().manual_seed(1))
-    assert n * k <= km.EXACT_FIT_PAIRS
-    res = kmeans(x, k, iters=25, generator=torch.Generator().manual_seed(0))
-    assert hashlib.sha256(res.assign.numpy().tobytes()).hexdigest()[:16] == "1a703d8096af21ff"
-    assert abs(res.inertia - 7.519025802612305) < 1e-5
-
-
-def test_large_fits_seed_from_candidates(monkeypatch):
-    """Above EXACT_FIT_PAIRS k-means++ seeds from KPP_CANDIDATES_PER_CODE * k random rows and
-    never runs the every-row seeding; below it, only the every-row seeding runs."""
-    x = torch.randn(3000, 8, generator=torch.Generator().manual_seed(0))
-    calls = []
-    real = km._kmeans_plus_plus_every_row
-    monkeypatch.setattr(km, "_kmeans_plus_plus_every_row", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    small = kmeans(x, 16, iters=2, generator=torch.Generator().manual_seed(0))
-    assert calls == [1]
-    monkeypatch.setattr(km, "EXACT_FIT_PAIRS", 3000 * 16 - 1)
-    large = kmeans(x, 16, iters=2, generator=torch.Generator().manual_seed(0))
-    assert calls == [1] and not torch.equal(small.centroids, large.centroids)
-    seeds = kmeans_plus_plus(x, 16, torch.Generator().manual_seed(0))
+@pytest.mark.parametrize("n,k", [(40, 8), (1000, 32), (3000, 16), (70000, 16)])
+def test_one_seeding_algorithm_at_every_size(n, k):
+    """No size threshold picks the algorithm (issue 50): at 320 to 1.1M row-code pairs (below
+    and above the 2^20 where two algorithms used to meet) the default seeding is the candidate
+    k-means++ over KPP_CANDIDATES_PER_CODE * k random rows, and the seeds are data points."""
+    x = torch.randn(n, 8, generator=torch.Generator().manual_seed(n))
+    seeds = kmeans_plus_plus(x, k, torch.Generator().manual_seed(0))
+    explicit = kmeans_plus_plus(x, k, torch.Generator().manual_seed(0), candidates=km.KPP_CANDIDATES_PER_CODE * k)
+    assert torch.equal(seeds, explicit)
     rows = (seeds[:, None, :] == x[None, :, :]).all(-1).float().argmax(1)
-    assert torch.equal(seeds, x[rows])  # still data points
+    assert torch.equal(seeds, x[rows])

@@ -70,15 +70,6 @@ def row_min(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # measurable change in reconstruction over 10 paired seeds). faiss seeds from k random rows;
 # k-means++ over 4k of them still spreads the seeds out.
 KPP_CANDIDATES_PER_CODE = 4
-# Up to EXACT_FIT_PAIRS row-code pairs (N * k) a plain fit runs as every map before
-# KMEANS_SEEDING_VERSION 2 (gti/stages/sid.py) was built: k-means++ over every row, exact
-# differences, torch.multinomial draws, and Lloyd distances with |x|^2 in before the argmin
-# (`_kmeans_plus_plus_every_row`, `_nearest_full`). There it costs little, and small fits keep
-# their maps: the demo's and the proof configuration's (1,000 x 32), the learnability gate's.
-# The demo's test Recall@10 fell from .157 to MostPop's .060 on the map the candidate seeding
-# gave it (one run; bench/RESULTS.md, "Plain k-means at faiss speed"); the bundled catalog at
-# 256 codes (1.12M pairs) is above it.
-EXACT_FIT_PAIRS = 1 << 20
 
 
 def nearest(x: torch.Tensor, c: torch.Tensor, x_sq: torch.Tensor | None = None,
@@ -95,8 +86,8 @@ def nearest(x: torch.Tensor, c: torch.Tensor, x_sq: torch.Tensor | None = None,
 def kmeans_plus_plus(x: torch.Tensor, k: int, generator: torch.Generator | None = None,
                      candidates: int | None = None) -> torch.Tensor:
     """k-means++ seeds [k, D] drawn from `candidates` (default KPP_CANDIDATES_PER_CODE * k)
-    rows of x [N, D] chosen at random, or from every row when there are no more than that; with
-    no `candidates` and N * k <= EXACT_FIT_PAIRS, `_kmeans_plus_plus_every_row`.
+    rows of x [N, D] chosen at random, or from every row when there are no more than that: one
+    algorithm for every catalog size.
 
     Each seed is drawn with probability proportional to its squared distance to the nearest
     seed so far (|x|^2 - 2 x.c + |c|^2, then the cumulative sum searched at one uniform draw).
@@ -106,8 +97,6 @@ def kmeans_plus_plus(x: torch.Tensor, k: int, generator: torch.Generator | None 
     n, dim = x.shape
     if n == 0:
         raise ValueError("k-means on an empty set")
-    if candidates is None and n * k <= EXACT_FIT_PAIRS:
-        return _kmeans_plus_plus_every_row(x, k, generator)
     m = KPP_CANDIDATES_PER_CODE * k if candidates is None else candidates
     cand = x if n <= m else x[torch.randperm(n, generator=generator, device="cpu")[:m].to(x.device)]
     nc = cand.shape[0]
@@ -136,30 +125,6 @@ def kmeans_plus_plus(x: torch.Tensor, k: int, generator: torch.Generator | None 
     return _pad_seeds(x, centers, filled, generator)
 
 
-def _kmeans_plus_plus_every_row(x: torch.Tensor, k: int, generator: torch.Generator | None = None) -> torch.Tensor:
-    """k-means++ seeds [k, D] drawn from every row of x [N, D] (exact differences, one
-    torch.multinomial draw per seed), as maps before KMEANS_SEEDING_VERSION 2 were seeded.
-
-    With fewer distinct points than k, the remaining seeds are copies of data points plus
-    noise at 1e-3 of the data scale, so that no two codes start identical.
-    """
-    n, dim = x.shape
-    centers = torch.empty(k, dim, dtype=x.dtype, device=x.device)
-    first = int(torch.randint(n, (1,), generator=generator, device="cpu"))
-    centers[0] = x[first]
-    closest = _sq_dist_to(x, centers[0])
-    filled = 1
-    for i in range(1, k):
-        total = float(closest.sum())
-        if total <= 0.0:
-            break  # every point already coincides with a centre
-        j = int(torch.multinomial(closest.double().cpu(), 1, generator=generator))
-        centers[i] = x[j]
-        closest = torch.minimum(closest, _sq_dist_to(x, centers[i]))
-        filled = i + 1
-    return _pad_seeds(x, centers, filled, generator)
-
-
 def _pad_seeds(x: torch.Tensor, centers: torch.Tensor, filled: int,
                generator: torch.Generator | None) -> torch.Tensor:
     """centers [k, D] with rows filled.. set to random rows of x [N, D] plus noise at 1e-3 of
@@ -173,30 +138,6 @@ def _pad_seeds(x: torch.Tensor, centers: torch.Tensor, filled: int,
         noise = torch.randn(k - filled, dim, generator=generator, device="cpu").to(x.device, x.dtype)
         centers[filled:] = x[pick] + 1e-3 * scale * noise
     return centers
-
-
-# Rows per chunk of the exact fit's distance passes: [2048, K] stays in cache.
-CHUNK_ROWS = 2048
-
-
-def _sq_dist_to(x: torch.Tensor, c: torch.Tensor, chunk: int = CHUNK_ROWS) -> torch.Tensor:
-    """((x - c) ** 2).sum(1) [N] for x [N, D] and one centre c [D], a chunk of rows at a time:
-    the same floats as one pass, without an [N, D] temporary per centre."""
-    out = torch.empty(x.shape[0], dtype=x.dtype, device=x.device)
-    for s in range(0, x.shape[0], chunk):
-        out[s : s + chunk] = ((x[s : s + chunk] - c) ** 2).sum(1)
-    return out
-
-
-def _nearest_full(x: torch.Tensor, c: torch.Tensor, chunk: int = CHUNK_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
-    """`nearest` with |x_i|^2 added to every distance before the argmin (`sq_dists`), as the
-    Lloyd steps of maps before KMEANS_SEEDING_VERSION 2 ran it."""
-    c_sq = (c * c).sum(1)
-    idx = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
-    dist = torch.empty(x.shape[0], dtype=x.dtype, device=x.device)
-    for s in range(0, x.shape[0], chunk):
-        idx[s : s + chunk], dist[s : s + chunk] = row_min(sq_dists(x[s : s + chunk], c, c_sq))
-    return idx, dist
 
 
 @dataclass
@@ -217,8 +158,7 @@ def kmeans(
     sinkhorn_iters: int = 50,
     tol: float = 1e-6,
 ) -> KMeansResult:
-    """Lloyd's k-means on x [N, D] (float32) with k-means++ seeding (up to EXACT_FIT_PAIRS
-    row-code pairs, seeds and distances as maps before KMEANS_SEEDING_VERSION 2 had them).
+    """Lloyd's k-means on x [N, D] (float32) with k-means++ seeding (`kmeans_plus_plus`).
 
     Empty clusters are re-seeded from the points farthest from their centroid (so all k codes
     stay in use while N >= k). With `balanced`, `balanced_kmeans` (clusters of roughly N/k
@@ -227,11 +167,8 @@ def kmeans(
     if balanced:
         return balanced_kmeans(x, k, iters, generator, sinkhorn_epsilon, sinkhorn_iters)
     x = x.float().contiguous()
-    if x.shape[0] * k <= EXACT_FIT_PAIRS:
-        near = lambda c: _nearest_full(x, c)  # noqa: E731
-    else:
-        x_sq = (x * x).sum(1)
-        near = lambda c: nearest(x, c, x_sq)  # noqa: E731
+    x_sq = (x * x).sum(1)
+    near = lambda c: nearest(x, c, x_sq)  # noqa: E731
     c = kmeans_plus_plus(x, k, generator)
     prev = float("inf")
     it = 0

@@ -116,10 +116,10 @@ BALANCED_KMEANS_VERSION = "5"
 SINKHORN_RESOLVE_VERSION = "2"
 # k-means++ seeding (gti.sid.kmeans.kmeans_plus_plus) by version, in every method's fingerprint:
 # it seeds each RQ-VAE codebook, plain RQ-KMeans, and balanced RQ-KMeans on fewer rows than
-# codes (v2, in fits above gti.sid.kmeans.EXACT_FIT_PAIRS row-code pairs: seeds from 4k random
-# candidate rows, distances as |x|^2 - 2 x.c + |c|^2, one uniform draw per seed, plain Lloyd's
-# argmin before |x|^2 is added; smaller fits give v1's maps): other seeds, other maps.
-KMEANS_SEEDING_VERSION = "2"
+# codes (v3: one algorithm at every size, seeds from KPP_CANDIDATES_PER_CODE * k random
+# candidate rows; v2 kept v1's every-row seeding for fits up to 2^20 row-code pairs): other
+# seeds, other maps.
+KMEANS_SEEDING_VERSION = "3"
 
 
 def map_seed(cfg) -> int:
