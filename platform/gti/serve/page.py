@@ -9,7 +9,9 @@ and SIDs, and the version that answered). Every call is relative to the page's o
 "/gti/" or as "/gti" (where a plain relative URL would resolve against "/"). A bearer token
 typed into the page is sent with each call (needed when `serve.token_required` is set). Titles
 and ids are inserted as text, never as HTML. A link `<page>#q=text&history=id1,id2` opens the
-page with that search and history.
+page with that search and history. When its first calls (info, search, recommend) have
+answered, it sets `<body data-state="ready">` and dispatches a `gti-ready` event on the
+document: the signal its test (and a browser check) waits on instead of a fixed delay.
 
 What it does NOT know: the run, the endpoints' rules (gti.serve.app), or any data: the page
 is static, so serving it reveals nothing.
@@ -114,6 +116,9 @@ async function fromHash() {  // a link such as <page>#q=filament&history=0,2 ope
   }
   showHistory();
 }
-info(); fromHash().then(() => { search(); recommend(); });
+// The page's own completion signal: <body data-state="ready"> and a "gti-ready" event once the
+// first info, search and recommend calls have answered (a test or a monitor waits on it).
+Promise.all([info(), fromHash().then(() => Promise.all([search(), recommend()]))]).then(() => {
+  document.body.dataset.state = "ready"; document.dispatchEvent(new Event("gti-ready")); });
 </script></body></html>
 """
