@@ -7,7 +7,7 @@ file could not. Every field says what it means where it is declared (`Field(desc
 `gti config show --explain` prints them, `gti.config_explain`). The sections of this module:
 data, embed, sid, model, init, pairs, and the run itself. The others live beside it and are
 held here by `RunConfig`: training (`TrainConfig`, `GroundConfig`, `SftConfig`, `LoraConfig`, `RlConfig`)
-in `gti.config_train`, evaluation and report in `gti.config_eval`, serving in
+in `gti.config_train`, data in `gti.config_data`, evaluation and report in `gti.config_eval`, serving in
 `gti.config_serve`, compare / tune / tracking / refresh in `gti.config_commands`; the
 schema-free file machinery (strict base model, YAML reading, overrides, redaction, error lines,
 the shared bounded types) in `gti.config_io`. Each name is imported from the module that
@@ -32,6 +32,8 @@ from gti.config_io import StrictModel as _Strict
 from gti.config_io import format_error as _format_error
 from gti.config_train import GroundConfig, RlConfig, SftConfig
 from gti.config_eval import EvalConfig, ReportConfig
+from gti.config_data import DataConfig, DenseSubset, InteractionColumns, InteractionsSource  # noqa: F401
+from gti.config_data import ItemColumns, ItemsSource  # noqa: F401  (re-exported: `from gti.config import ...`)
 from gti.config_commands import CompareConfig, RefreshConfig, TrackingConfig, TuneConfig
 from gti.config_serve import ServeConfig
 from gti.errors import ConfigError
@@ -40,93 +42,6 @@ from gti.arms import DEFAULT_GROUNDING_TEMPLATES, INIT_METHODS
 # A codebook of millions of tokens would fail hours into a run, in the vocabulary: checked when
 # the config is validated, naming the key (the shared bounds, Seed and PositiveInt: gti.config_io).
 MAX_CODEBOOK_SIZE = 65536  # codes per level: each one is a new token of the LM's vocabulary
-
-
-# --------------------------------------------------------------------------- data
-class ItemColumns(_Strict):
-    """Maps the user's column names to ours."""
-
-    id: str = Field("item_id", description="column of the item id")
-    title: str | None = Field("title", description="column of the item title (None: the data has none)")
-    description: str | None = Field(
-        "description", description="column of the item description (None: the data has none)")
-    category: str | None = Field("category", description="column of the item category (None: the data has none)")
-    attributes: list[str] = Field(
-        default_factory=lambda: ["brand"],
-        description="extra attribute columns, used for pseudo-text when title and description are missing")
-
-
-class InteractionColumns(_Strict):
-    """Maps the user's interaction column names to ours."""
-
-    user: str = Field("user_id", description="column of the user id")
-    item: str = Field("item_id", description="column of the item id (the items' id values)")
-    ts: str | None = Field("ts", description="column of the timestamp (None: file order is chronological order)")
-
-
-_PATH_HELP = ("a local path, glob, directory or any URI pyarrow/fsspec understands, or bundled:<name> for a "
-              "data set shipped inside the package")
-_FORMAT_HELP = "reader of the files (auto: from the file extension; u.item/u.data are movielens)"
-_STORAGE_HELP = "fsspec/pyarrow filesystem options (e.g. credentials for s3://); redacted in manifests"
-
-
-class ItemsSource(_Strict):
-    """Where the item catalog comes from."""
-
-    path: str = Field("bundled:amazon-scientific", description=_PATH_HELP)
-    format: Literal["auto", "parquet", "csv", "jsonl", "json", "amazon", "amazon2023", "movielens"] = Field(
-        "auto", description=_FORMAT_HELP)
-    columns: ItemColumns = Field(default_factory=ItemColumns, description="the item file's column names")
-    storage_options: dict[str, str] = Field(default_factory=dict, description=_STORAGE_HELP)
-
-
-class InteractionsSource(_Strict):
-    """Where the user-item interactions come from."""
-
-    path: str = Field("bundled:amazon-scientific", description=_PATH_HELP)
-    format: Literal["auto", "parquet", "csv", "jsonl", "json", "amazon2023", "movielens"] = Field(
-        "auto", description=_FORMAT_HELP)
-    columns: InteractionColumns = Field(
-        default_factory=InteractionColumns, description="the interaction file's column names")
-    storage_options: dict[str, str] = Field(default_factory=dict, description=_STORAGE_HELP)
-
-
-class DenseSubset(_Strict):
-    """A dense subset of the data, built by ingest (`gti.data.dense`, as `gti data dense` does)."""
-
-    top_items: int | None = Field(
-        None, gt=0, description="keep only the N items with the most valid interactions (ties: catalog order) "
-        "and the users active on them; the rest are quarantined as outside_dense (None: no subset, all data)")
-    min_user_len: int = Field(
-        5, ge=1, description="with top_items: keep users with at least this many interactions on those items "
-        "(cut repeatedly until it holds; data.min_seq_len still applies after)")
-
-
-class DataConfig(_Strict):
-    """The ingest stage: sources, text limits, caps and sequence lengths."""
-
-    items: ItemsSource = Field(default_factory=ItemsSource, description="the item catalog")
-    interactions: InteractionsSource = Field(default_factory=InteractionsSource, description="the interactions")
-    max_text_chars: int = Field(
-        2000, gt=0, description="characters kept per text field; longer text is cut and the row flagged truncated")
-    min_seq_len: int = Field(
-        3, ge=1, description="users with fewer valid interactions are dropped (3 at least: leave-one-out needs "
-        "train, valid and test items)")
-    max_history: int = Field(
-        20, ge=1, description="most recent items in a user's history prompt (SFT windows and evaluation)")
-    max_items: int | None = Field(
-        None, gt=0, description="use only the first N valid items (None: all); handy for quick runs")
-    max_users: int | None = Field(
-        None, gt=0, description="use only the first N users (in file order) with enough interactions (None: all)")
-    dense: DenseSubset = Field(
-        default_factory=DenseSubset, description="a dense subset (top items and their active users) built "
-        "by ingest from these keys, for small training budgets; off unless dense.top_items is set")
-    parallelism: int | None = Field(
-        None, gt=0, description="Ray Data read/processing parallelism (None: Ray decides)")
-    on_unreadable_file: Literal["error", "skip"] = Field(
-        "error", description="a file that cannot be read (damaged page, truncated gzip, zero bytes, ragged CSV "
-        "row): error stops the stage with one line naming it; skip leaves the whole file out and records it in "
-        "the ingest manifest (facts.skipped_files)")
 
 
 # --------------------------------------------------------------------------- embed

@@ -17,7 +17,7 @@ def test_ingest_outputs_have_the_documented_columns():
     assert S.INTER_OUT_SCHEMA.names == ["user_id", "item_id", "ts"]
     assert S.INTER_OUT_SCHEMA.field("ts").type == pa.int64()
     assert S.INTER_Q_SCHEMA.names == ["source_file", "source_row", "user_id", "item_id", "reason", "detail", "raw"]
-    assert S.SEQ_SCHEMA.names == ["user_id", "train_items", "valid_item", "test_item"]
+    assert S.SEQ_SCHEMA.names == ["user_id", "train_items", "valid_item", "test_item", "valid_items", "test_items"]
     assert S.SEQ_SCHEMA.field("train_items").type == pa.list_(pa.string())
 
 

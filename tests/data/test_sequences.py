@@ -7,7 +7,8 @@ import polars as pl
 import pytest
 
 from gti.data.catalog import OUTSIDE_MAX_USERS, SHORT_SEQUENCE
-from gti.data.sequences import build_sequences, check_sequences
+from gti.data.schemas import SEQ_SCHEMA
+from gti.data.sequences import build_sequences, check_sequences, split_lists
 from gti.errors import DataError
 
 
@@ -68,3 +69,55 @@ def test_check_sequences_names_the_missing_columns_and_the_file():
     check_sequences(ok)
     with pytest.raises(DataError, match=r"s\.parquet: missing column\(s\) \['valid_item', 'test_item'\]"):
         check_sequences(ok.drop("valid_item", "test_item"), "s.parquet")
+
+
+# --------------------------------------------------------------------------- global time split
+def test_global_time_cuts_all_interactions_8_1_1_by_time_ties_in_file_order():
+    # 20 interactions: train = the first int(20 * .8) = 16 by (ts, file order), valid the next 2.
+    rows = [("a", f"a{i}", i) for i in range(8)] + [("b", f"b{i}", i) for i in range(8)]
+    rows += [("a", "a8", 8), ("b", "b8", 8), ("b", "b9", 8), ("a", "a9", 9)]  # a tie at ts 8 across the cut
+    res = build_sequences(_df(rows), 2, None, "global_time")
+    s = {r["user_id"]: r for r in res.sequences.iter_rows(named=True)}
+    assert s["a"]["train_items"] == [f"a{i}" for i in range(8)] and s["b"]["train_items"] == [f"b{i}" for i in range(8)]
+    assert s["a"]["valid_items"] == ["a8"] and s["b"]["valid_items"] == ["b8"]  # file order breaks the ts-8 tie
+    assert s["a"]["test_items"] == ["a9"] and s["b"]["test_items"] == ["b9"]
+    assert s["a"]["valid_item"] is None and s["a"]["test_item"] is None
+    assert res.split == {"name": "global_time", "by": "position", "ratios": [8.0, 1.0, 1.0],
+                         "cut_positions": [16, 18], "interactions": {"train": 16, "valid": 2, "test": 2}}
+    assert res.sequences.columns == SEQ_SCHEMA.names
+    # The same rows in another file order (the order column follows them): the same split.
+    again = build_sequences(_df(rows).sample(fraction=1.0, shuffle=True, seed=1), 2, None, "global_time")
+    assert again.sequences.sort("user_id").equals(res.sequences.sort("user_id"))
+
+
+def test_global_time_a_users_periods_follow_each_other_and_short_users_go():
+    rows = [("u", "x", 1), ("v", "y", 2), ("v", "z", 3), ("v", "w", 30), ("u", "q", 40), ("u", "r", 50)]
+    res = build_sequences(_df(rows), 2, None, "global_time", ratios=(1, 1, 1))
+    s = {r["user_id"]: r for r in res.sequences.iter_rows(named=True)}
+    assert (s["u"]["train_items"], s["u"]["valid_items"], s["u"]["test_items"]) == (["x"], [], ["q", "r"])
+    assert (s["v"]["train_items"], s["v"]["valid_items"], s["v"]["test_items"]) == (["y"], ["z", "w"], [])
+    short = build_sequences(_df(rows + [("lone", "x", 5)]), 2, None, "global_time", ratios=(1, 1, 1))
+    assert short.dropped["reason"].to_list() == [SHORT_SEQUENCE]
+    # Leave-one-out still needs 3 items; global_time 2.
+    assert build_sequences(_df(rows), 1, None).min_seq_len == 3
+    assert build_sequences(_df(rows), 1, None, "global_time").min_seq_len == 2
+
+
+def test_global_time_by_given_cut_timestamps_and_empty_periods_are_named():
+    rows = [("u", "a", 0), ("u", "b", 1), ("u", "c", 4), ("u", "d", 6)]
+    res = build_sequences(_df(rows), 2, None, "global_time", cuts=(4, 6))
+    r = res.sequences.row(0, named=True)
+    assert (r["train_items"], r["valid_items"], r["test_items"]) == (["a", "b"], ["c"], ["d"])
+    assert res.split["by"] == "timestamp" and res.split["cut_ts"] == [4, 6]
+    with pytest.raises(DataError, match=r"data.split=global_time: the valid period\(s\) of the 4 kept"):
+        build_sequences(_df(rows), 2, None, "global_time", cuts=(4, 4))
+    with pytest.raises(DataError, match="data.split must be one of"):
+        build_sequences(_df(rows), 2, None, "random")
+
+
+def test_split_lists_fills_the_lists_of_an_older_table():
+    old = pl.DataFrame({"user_id": ["u"], "train_items": [["a"]], "valid_item": ["b"], "test_item": ["c"]})
+    got = split_lists(old).row(0, named=True)
+    assert (got["valid_items"], got["test_items"]) == (["b"], ["c"])
+    loo = build_sequences(_df([("u", "a", 0), ("u", "b", 1), ("u", "c", 2)]), 3).sequences.row(0, named=True)
+    assert (loo["valid_item"], loo["valid_items"], loo["test_items"]) == ("b", ["b"], ["c"])

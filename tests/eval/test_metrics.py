@@ -128,3 +128,40 @@ def test_metrics_table_and_format():
     assert len(lines) == 3 and "recall@3" in lines[0] and lines[1].startswith("sft")
     assert "0.7500" in lines[1] and "0.5000" in lines[2]
     assert "[" in M.format_table({"sft": table}, ci=True)
+
+
+def test_hr_at_3_hand_computed_over_rows_of_several_users():
+    """Four rows of three users (the time split gives a user several): HR@3 is the share of
+    rows whose target is in the top 3, NDCG@3 the mean of 1/log2(rank + 2) over those hits."""
+    ranked = [["a", "b", "c", "d"], ["x", "y", "z", "t"], ["p", "q", "r", "s"], ["m", "n", "o", "k"]]
+    targets = ["c", "t", "p", "n"]  # ranks 2 (hit), 3 (miss at 3), 0 (hit), 1 (hit)
+    users = ["u1", "u1", "u2", "u3"]
+    table, per_row = M.metrics_table(ranked, targets, [3], n_boot=200, seed=0, return_per_user=True, groups=users)
+    assert table["hr@3"]["value"] == pytest.approx(3 / 4)
+    assert table["hr@3"] == table["recall@3"] and "hr@3" not in per_row  # one target: the same figure
+    assert list(table)[0] == "hr@3"
+    assert table["ndcg@3"]["value"] == pytest.approx((1 / math.log2(4) + 1 + 1 / math.log2(3)) / 4)
+    assert "hr@3" not in M.metrics_table(ranked, relevance=[{t: 1} for t in targets], ks=[3], n_boot=0)
+
+
+def test_bootstrap_resamples_users_with_all_their_rows():
+    rng = np.random.default_rng(0)
+    v = rng.random(40)
+    # Every row its own user: the plain bootstrap, draw for draw.
+    assert M.bootstrap_ci(v, 300, seed=4, groups=[f"u{i}" for i in range(40)]) == M.bootstrap_ci(v, 300, seed=4)
+    # Four users of ten rows: each replicate draws 4 users and averages their rows.
+    users = [f"u{i // 10}" for i in range(40)]
+    sums = np.array([v[i * 10:(i + 1) * 10].sum() for i in range(4)])
+    draws = np.random.default_rng(4).integers(0, 4, size=(300, 4))
+    want = np.quantile(sums[draws].sum(axis=1) / (10 * 4), [0.025, 0.975])
+    assert M.bootstrap_ci(v, 300, seed=4, groups=users) == pytest.approx(tuple(want))
+    # A user with one row and a user with nine: a replicate is the mean over the rows drawn,
+    # 0 (b, b), 1/10 (a, b) or 1 (a, a), never a mean over users.
+    lo, hi = M.bootstrap_ci([1.0] + [0.0] * 9, 500, seed=0, groups=["a"] + ["b"] * 9)
+    assert (lo, hi) == (0.0, 1.0)
+    assert M.bootstrap_ci([1.0] + [0.0] * 9, 500, seed=0, alpha=0.6, groups=["a"] + ["b"] * 9) == (
+        pytest.approx(0.1), pytest.approx(0.1))
+    with pytest.raises(ValueError, match="groups"):
+        M.bootstrap_ci(v, 10, groups=users[:3])
+    a, b = rng.random(40), rng.random(40)
+    assert M.paired_bootstrap_ci(a, b, 100, seed=1, groups=users) == M.bootstrap_ci(a - b, 100, seed=1, groups=users)

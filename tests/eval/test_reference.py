@@ -85,7 +85,7 @@ def test_stage_metrics_have_the_sasrec_row(exact_rank):
 
     assert list(out["baselines"]) == ["mostpop", "markov", "sasrec"]
     assert facts["sasrec"]["label"] == "SASRec" and "sweep" not in facts["sasrec"]  # sweep off: one setting
-    names = {f"{m}@{k}" for m in ("recall", "ndcg", "precision") for k in KS}
+    names = {f"{m}@{k}" for m in ("hr", "recall", "ndcg", "precision") for k in KS}
     for split in ("valid", "test"):
         assert set(out["baselines"]["sasrec"][split]) == names
         for name in ("mostpop", "markov", "sasrec"):  # every reference row keeps its per-user values
@@ -170,3 +170,73 @@ def test_sasrec_reads_its_own_history_not_the_lm_window(monkeypatch):
         for h, row in zip(hist, seqs.reverse().iter_rows(named=True)):
             assert h == row["train_items"] + ([row["valid_item"]] if split == "test" else [])
         assert max(len(h) for h in hist) > 2
+
+
+def _time_split_seqs() -> pl.DataFrame:
+    """40 users of 4..7 items on the 12-item cycle, cut 6:2:2 by time (several rows per user)."""
+    from gti.data.sequences import build_sequences
+
+    rows = [(f"u{u}", ITEMS[(u + t) % 12], t * 40 + u) for u in range(40) for t in range(4 + u % 4)]
+    df = pl.DataFrame({"user_id": [r[0] for r in rows], "item_id": [r[1] for r in rows],
+                       "ts": [r[2] for r in rows], "order": list(range(len(rows)))})
+    return build_sequences(df, 2, None, "global_time", ratios=(6, 2, 2)).sequences
+
+
+def test_time_split_every_row_scored_paired_by_row_and_sasrec_reads_all_before_it(monkeypatch):
+    cfg = C.load(None, SMALL + ["eval.baselines=[mostpop,markov,sasrec]"])
+    seqs = _time_split_seqs()
+    seen: dict[str, list] = {}
+
+    class Fake:
+        facts = {"train_seconds": 1.0, "label": "SASRec", "max_len": 50}
+
+        def ranked_and_ranks(self, histories, targets, k, exact):
+            seen.setdefault("h", []).extend(histories)
+            return [["i0"] * k] * len(histories), None
+
+    monkeypatch.setattr(R, "fit_reference_models", lambda *a, **k: {"sasrec": Fake()})
+    users = S.eval_users(seqs, None, 0)
+    frames = {s: S.split_frame(seqs, s, users, 5) for s in ("valid", "test")}
+    assert frames["test"].height > frames["test"]["user_id"].n_unique()  # several rows of a user
+    counts = sft_data.sft_target_counts(seqs)
+    inp = E._Inputs(model_dir=None, sid_map_path=None, sid_facts={}, catalog=CATALOG, seqs=seqs, frames=frames,
+                    rows=pl.concat(list(frames.values())), sft_counts=counts, n_cold=0)
+    inp.frames, _ = R.reference_frames(frames, seqs, CATALOG, cfg.eval.baselines, 5, None, 0, 5, False)
+    # SASRec reads every item before the row's target, not the LM's last 5.
+    full = {r["user_id"]: r["train_items"] + r["valid_items"] + r["test_items"] for r in seqs.iter_rows(named=True)}
+    f = pl.concat([inp.frames["valid"], inp.frames["test"]])
+    assert seen["h"] == [full[u][:p] for u, p in zip(f["user_id"].to_list(), f["pos"].to_list())]
+    assert max(len(h) for h in seen["h"]) > 5
+    recs = pl.concat([_decoded(inp.frames[s]) for s in ("valid", "test")])
+    out = E._metrics(SimpleNamespace(cfg=cfg, log=lambda m: None), inp, recs)
+    for split in ("valid", "test"):
+        n_rows, n_users = frames[split].height, frames[split]["user_id"].n_unique()
+        assert (out["n_rows"][split], out["n_users"][split]) == (n_rows, n_users)
+        assert len(out["per_user"][split]["user_ids"]) == n_rows  # one value per row
+        cell = out["paired"][split]["markov"]["recall@5"]
+        assert (cell["n_users"], cell["n_rows"]) == (n_users, n_rows)
+        assert out["splits"][split]["hr@5"]["value"] == pytest.approx(np.mean(out["per_user"][split]["recall@5"]))
+    assert f"test={out['n_users']['test']} ({out['n_rows']['test']} rows)" in format_table(out, KS)
+
+
+def test_paired_differences_pair_rows_of_a_repeated_user_in_order():
+    model = {"user_ids": ["a", "a", "b"], "recall@5": [1, 0, 1], "ndcg@5": [1.0, 0.0, 0.5]}
+    base = {"user_ids": ["b", "a", "a"], "recall@5": [0, 0, 1], "ndcg@5": [0.0, 0.0, 1.0]}
+    out = R.paired_differences(model, {"markov": base}, [5], 50, 0)["markov"]
+    assert out["recall@5"]["value"] == pytest.approx(((1 - 0) + (0 - 1) + (1 - 0)) / 3)
+    assert (out["recall@5"]["n_users"], out["recall@5"]["n_rows"]) == (2, 3)
+    assert R.row_keys(["a", "b", "a"]) == [("a", 0), ("b", 0), ("a", 1)]
+    with pytest.raises(DataError, match="other users"):
+        R.paired_differences(model, {"markov": dict(base, user_ids=["b", "a", "b"])}, [5], 10, 0)
+
+
+def test_sasrec_valid_rows_are_every_valid_row_with_all_before_it():
+    seqs = _time_split_seqs()
+    ids, hist, targets = R.valid_rows(seqs)
+    w = S.eval_windows(seqs, "valid", 100)
+    assert targets == w["target"].to_list() and hist == w["history"].to_list()
+    assert len(set(ids)) == len(ids) and ids[0].startswith(w["user_id"][0] + "#")
+    loo = _seqs()
+    ids, hist, targets = R.valid_rows(loo)  # leave-one-out: one per user, the user id, as before
+    assert ids == loo["user_id"].to_list() and hist == loo["train_items"].to_list()
+    assert targets == loo["valid_item"].to_list()

@@ -273,3 +273,26 @@ def test_sweep_config_default_and_checks():
     assert C.load(None, ["eval.sasrec.heads=3", "eval.sasrec.dim=63", "eval.sasrec.sweep.enabled=false"])
     with pytest.raises(ConfigError, match="max_len"):
         C.load(None, ["eval.sasrec.sweep.max_len=[0,20]"])
+
+
+def test_valid_rows_of_the_time_split_select_the_checkpoint(monkeypatch):
+    """With valid_histories / valid_ids (the global time split's valid rows, several per user,
+    session ids `user#pos`), cornac's validation set is those rows: each history + its target."""
+    from cornac.models import SASRec
+
+    seqs, catalog = _planted()
+    seen = {}
+    real_fit = SASRec.fit
+
+    def spy(self, train_set, val_set=None):
+        seen["val_users"] = None if val_set is None else set(val_set.uid_map)
+        return real_fit(self, train_set, val_set)
+
+    monkeypatch.setattr(SASRec, "fit", spy)
+    hists = [["i1", "i2"], ["i1", "i2", "i3"], ["i5"]]
+    ids = ["u1#2", "u1#3", "u7#1"]
+    params = SasrecParams(epochs=1, dim=8, batch_size=16, n_sample=4, val_every=1, threads=1)
+    model = fit_sasrec(seqs["user_id"].to_list(), seqs["train_items"].to_list(), ["i3", "i4", "i6"], catalog, 5,
+                       params, valid_histories=hists, valid_ids=ids)
+    assert set(ids) <= seen["val_users"] and model.facts["n_val_users"] == 3
+    assert model.facts["selection"].startswith("best valid")

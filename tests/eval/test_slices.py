@@ -43,10 +43,28 @@ def test_eval_windows_valid_and_test():
     )
     v = S.eval_windows(seqs, "valid", max_history=3)
     t = S.eval_windows(seqs, "test", max_history=3)
-    assert v.row(0, named=True) == {"user_id": "a", "split": "valid", "history": ["2", "3", "4"], "target": "5"}
-    assert t.row(0, named=True) == {"user_id": "a", "split": "test", "history": ["3", "4", "5"], "target": "6"}
+    assert v.row(0, named=True) == {"user_id": "a", "split": "valid", "history": ["2", "3", "4"], "target": "5",
+                                    "pos": 4}
+    assert t.row(0, named=True) == {"user_id": "a", "split": "test", "history": ["3", "4", "5"], "target": "6",
+                                    "pos": 5}
     with pytest.raises(ConfigError, match="split"):
         S.eval_windows(seqs, "train", 3)
+
+
+def test_eval_windows_of_the_time_split_are_every_period_item_with_all_before_it():
+    """valid_items / test_items of the global time split: one row per item, its history the
+    last max_history items before it (earlier items of its own period included); a target with
+    nothing before it is no row."""
+    seqs = pl.DataFrame({
+        "user_id": ["a", "b", "c"], "train_items": [["1", "2", "3"], ["4"], []],
+        "valid_item": [None] * 3, "test_item": [None] * 3,
+        "valid_items": [["5"], [], []], "test_items": [["6", "7"], ["8"], ["9", "10"]],
+    }, schema_overrides={"valid_item": pl.Utf8, "test_item": pl.Utf8})
+    v = S.eval_windows(seqs, "valid", 2)
+    assert v.select("user_id", "history", "target", "pos").rows() == [("a", ["2", "3"], "5", 3)]
+    t = S.eval_windows(seqs, "test", 2)
+    assert t.select("user_id", "history", "target", "pos").rows() == [
+        ("a", ["3", "5"], "6", 4), ("a", ["5", "6"], "7", 5), ("b", ["4"], "8", 1), ("c", ["9"], "10", 1)]
 
 
 def test_sample_users_deterministic():
@@ -87,7 +105,7 @@ def test_metric_and_rank_blocks_on_zero_users_do_not_crash():
     from gti.eval.rank import rank_metrics
 
     table, per_user = metric_block([], [], KS, 50, 0)
-    assert set(table) == {f"{m}@{k}" for m in ("recall", "ndcg", "precision") for k in KS}
+    assert set(table) == {f"{m}@{k}" for m in ("hr", "recall", "ndcg", "precision") for k in KS}
     assert all(c == {"value": 0.0, "ci": [0.0, 0.0]} for c in table.values())
     assert all(v == [] for v in per_user.values())
     r = rank_metrics(np.array([]), len(CATALOG), 50, 0)
@@ -127,4 +145,4 @@ def test_slice_metrics_with_no_cold_user_gives_empty_blocks():
     frame = S.eval_windows(seqs, "valid", 5)
     none = pl.Series([False] * frame.height)
     got = S.slice_metrics(_recs(frame).filter(none), frame.filter(none), seqs, "valid", KS, 50, 0, CATALOG, True)
-    assert got == {"n_users": 0, "model": {}, "baselines": {"mostpop": {}, "markov": {}}, "ranks": {}}
+    assert got == {"n_users": 0, "n_rows": 0, "model": {}, "baselines": {"mostpop": {}, "markov": {}}, "ranks": {}}

@@ -102,7 +102,7 @@ def test_evaluate_writes_metrics_recs_and_baselines(eval_run):
     run_dir, cfg, m, items = eval_run
     out = run_dir / "evaluate"
     metrics = json.loads((out / "metrics.json").read_text())
-    names = [f"{n}@{k}" for n in ("recall", "ndcg", "precision") for k in (1, 5)]
+    names = [f"{n}@{k}" for n in ("hr", "recall", "ndcg", "precision") for k in (1, 5)]
     assert set(metrics["splits"]) == {"valid", "test"}
     assert metrics["n_users"] == {"valid": 12, "test": 12}
     assert metrics["invalid_sid_rate"] == 0.0
@@ -193,7 +193,7 @@ def _check_cold_slice(metrics, seqs, max_targets, names, exact_rank=False):
 def test_evaluate_exact_ranks_and_cold_slice(eval_run):
     run_dir, cfg, m, _ = eval_run
     metrics = json.loads((run_dir / "evaluate" / "metrics.json").read_text())
-    names = [f"{n}@{k}" for n in ("recall", "ndcg", "precision") for k in (1, 5)]
+    names = [f"{n}@{k}" for n in ("hr", "recall", "ndcg", "precision") for k in (1, 5)]
     assert metrics["config"]["exact_rank"] is True
     for split in ("valid", "test"):
         r = metrics["ranks"][split]

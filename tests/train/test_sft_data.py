@@ -319,3 +319,40 @@ def test_val_prompt_table_samples_validation_users_with_their_valid_items_row():
     for u, prompt, row in t.iter_rows():
         k = int(u[1:])
         assert row == k + 2 and prompt == [2, k, k + 1]
+
+
+@pytest.mark.parametrize("objective", ["window", "sequence"])
+def test_time_split_a_marker_planted_in_the_test_period_reaches_no_training_row(objective):
+    """data.split=global_time: an item that occurs only in the test period (planted in several
+    users' histories there) is in no training row of either objective, no target count, no
+    baseline's or SASRec's training data, yet is a test target and in test histories."""
+    from gti.data.sequences import build_sequences
+    from gti.eval.reference import split_train_sequences
+    from gti.eval.sasrec import training_sessions
+    from gti.eval.slices import eval_windows
+
+    rng = np.random.default_rng(3)
+    rows = []
+    for u in range(12):
+        for t in sorted(rng.integers(0, 100, size=8).tolist()):
+            rows.append((f"u{u}", f"i{rng.integers(0, 15)}", t))
+    for u in range(0, 12, 2):  # the marker, twice per user, after everything else
+        rows += [(f"u{u}", "MARKER", 200 + u), (f"u{u}", f"i{u}", 201 + u), (f"u{u}", "MARKER", 202 + u)]
+    df = pl.DataFrame({"user_id": [r[0] for r in rows], "item_id": [r[1] for r in rows],
+                       "ts": [r[2] for r in rows], "order": list(range(len(rows)))})
+    seqs = build_sequences(df, 2, None, "global_time", ratios=(6, 2, 2)).sequences
+    assert all("MARKER" in t for t in seqs.filter(pl.col("user_id") == "u0")["test_items"].to_list())
+    if objective == "window":
+        w = S.training_windows(seqs, 4)
+        seen = set(w["target"].to_list()) | set(w["history"].explode().drop_nulls().to_list())
+    else:
+        c = S.training_sequences(seqs, 4)
+        seen = set(c["items"].explode().drop_nulls().to_list())
+    assert seen and "MARKER" not in seen
+    assert "MARKER" not in S.sft_target_counts(seqs)
+    assert not any("MARKER" in s for s in split_train_sequences(seqs, "valid"))
+    assert not any(r[2] == "MARKER" for r in training_sessions(seqs["train_items"].to_list(),
+                                                                 seqs["user_id"].to_list()))
+    test = eval_windows(seqs, "test", 4)
+    assert "MARKER" in test["target"].to_list() and "MARKER" in test["history"].explode().to_list()
+    assert "MARKER" not in eval_windows(seqs, "valid", 4)["history"].explode().to_list()

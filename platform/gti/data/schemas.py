@@ -25,7 +25,9 @@ INTER_OUT_SCHEMA = pa.schema([("user_id", pa.string()), ("item_id", pa.string())
 INTER_Q_SCHEMA = pa.schema([cat.INTERACTION_BATCH_SCHEMA.field(c) for c in cat.INTERACTIONS_QUARANTINE_COLUMNS])
 SEQ_SCHEMA = pa.schema(
     [("user_id", pa.string()), ("train_items", pa.list_(pa.string())),
-     ("valid_item", pa.string()), ("test_item", pa.string())]
+     ("valid_item", pa.string()), ("test_item", pa.string()),
+     # The periods' lists (gti.data.sequences): one item each for leave-one-out, any for global_time.
+     ("valid_items", pa.list_(pa.string())), ("test_items", pa.list_(pa.string()))]
 )
 
 PAIR_TOKEN_COLUMNS = ("input_ids", "labels", "prompt_ids", "answer_ids")

@@ -1,15 +1,27 @@
-"""Per-user chronological sequences and the leave-one-out split (polars, one process).
+"""Per-user chronological sequences and their split into periods (polars, one process).
 
 What it is for: from validated interactions (user_id, item_id, ts, order = global file row),
 build each user's sequence sorted by (ts, file order) — ties keep file order, so the result is
-deterministic — and split it leave-one-out: the last item is `test_item`, the second-last
-`valid_item`, everything before is `train_items`.
+deterministic — and split it (`data.split`):
+- leave_one_out: the last item is `test_item`, the second-last `valid_item`, everything before
+  is `train_items`;
+- global_time: every kept interaction, sorted by (ts, file order), gets a period by its position:
+  the first int(N * r_train / sum) train, up to int(N * (r_train + r_valid) / sum) valid, the
+  rest test (`data.split_ratios`, 8:1:1 by default, MiniOneRec's arithmetic); or, for files
+  split already (`gti.data.minionerec`), by two timestamps (`cuts`). Each user's train-period
+  items are `train_items`, the others `valid_items` / `test_items` (lists, oldest first);
+  `valid_item` / `test_item` are null (a user has several or none).
+Both layouts carry `valid_items` and `test_items` (leave-one-out: one item each), so readers of
+the periods never ask which split made them; `split_lists` adds them to a table written before
+they existed. A user's periods follow each other (a global sort restricted to one user is that
+user's order), so train_items never holds an item later than a valid or test item.
 
 Decisions:
 - `train_items` keeps the whole history; `data.max_history` is applied later, when SFT and
   evaluation cut windows, so one ingest output serves any history length.
-- A user needs at least max(3, data.min_seq_len) interactions (one to train on, plus valid and
-  test); shorter users are returned as dropped rows with reason `short_sequence`, so the ingest
+- A user needs at least max(3, data.min_seq_len) interactions for leave_one_out (one to train
+  on, plus valid and test), max(2, data.min_seq_len) for global_time; shorter users are
+  returned as dropped rows with reason `short_sequence`, so the ingest
   stage can quarantine them and keep rows_in == ok + quarantined.
 - `data.max_users` keeps the first N eligible users by first appearance in file order; the rest
   are dropped with reason `outside_max_users`.
@@ -25,7 +37,8 @@ What it does not know: files, Ray, or item validity (unknown items are removed b
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Sequence
 
 import polars as pl
 
@@ -34,7 +47,11 @@ from gti.data.schemas import SEQ_SCHEMA
 from gti.errors import DataError
 
 MIN_LEAVE_ONE_OUT = 3
-_SEQ_COLUMNS = tuple(SEQ_SCHEMA.names)  # user_id, train_items, valid_item, test_item
+MIN_GLOBAL_TIME = 2  # one item of history and one target
+SPLITS = ("leave_one_out", "global_time")
+# What every reader needs; valid_items / test_items are added by `split_lists` when absent.
+_SEQ_COLUMNS = ("user_id", "train_items", "valid_item", "test_item")
+PERIODS = ("train", "valid", "test")
 
 
 def check_sequences(seqs: pl.DataFrame, source: str = "sequences.parquet") -> None:
@@ -44,18 +61,35 @@ def check_sequences(seqs: pl.DataFrame, source: str = "sequences.parquet") -> No
         raise DataError(f"{source}: missing column(s) {missing}; expected {list(_SEQ_COLUMNS)}")
 
 
+def split_lists(seqs: pl.DataFrame) -> pl.DataFrame:
+    """`seqs` with the period lists valid_items / test_items: as they are, or (a table written
+    before they existed, always leave-one-out) the one valid / test item as a list."""
+    add = [pl.concat_list(pl.col(one)).alias(many) for one, many in (("valid_item", "valid_items"),
+                                                                    ("test_item", "test_items"))
+           if many not in seqs.columns]
+    return seqs.with_columns(add) if add else seqs
+
+
 @dataclass
 class SequenceResult:
     interactions: pl.DataFrame  # kept rows: user_id, item_id, ts (users in first-seen order, then chronological)
-    sequences: pl.DataFrame  # user_id, train_items list[str], valid_item, test_item
+    sequences: pl.DataFrame  # SEQ_SCHEMA: user_id, train_items, valid_item, test_item, valid_items, test_items
     dropped: pl.DataFrame  # the input rows that were not kept, plus a `reason` column
     min_seq_len: int  # the effective minimum that was applied
+    split: dict = field(default_factory=dict)  # the split's facts: name, interactions per period, cuts
 
 
-def build_sequences(df: pl.DataFrame, min_seq_len: int, max_users: int | None = None) -> SequenceResult:
+def build_sequences(df: pl.DataFrame, min_seq_len: int, max_users: int | None = None,
+                    split: str = "leave_one_out", ratios: Sequence[float] = (8, 1, 1),
+                    cuts: tuple[int, int] | None = None) -> SequenceResult:
     """df: user_id str, item_id str, ts int64, order int64 (global file row), any extra columns
-    (carried into `dropped`). Returns kept interactions, sequences and dropped rows."""
-    need = max(MIN_LEAVE_ONE_OUT, min_seq_len)
+    (carried into `dropped`). Returns kept interactions, sequences and dropped rows.
+
+    split: "leave_one_out" or "global_time" (by `ratios` of all kept interactions, or, given
+    `cuts` = (first valid ts, first test ts), by timestamp)."""
+    if split not in SPLITS:
+        raise DataError(f"data.split must be one of {list(SPLITS)}, got '{split}'")
+    need = max(MIN_LEAVE_ONE_OUT if split == "leave_one_out" else MIN_GLOBAL_TIME, min_seq_len)
     users = (
         df.group_by("user_id")
         .agg(pl.col("order").min().alias("_first"), pl.len().alias("_n"))
@@ -79,19 +113,61 @@ def build_sequences(df: pl.DataFrame, min_seq_len: int, max_users: int | None = 
         tagged.filter(pl.col("reason").is_null())
         .sort(["_first", "ts", "order"])  # users in first-seen order; ties by file order
     )
-    sequences = (
-        kept.group_by("_first", maintain_order=True)
-        .agg(pl.col("user_id").first(), pl.col("item_id").alias("_items"))
-        .select(
-            "user_id",
-            pl.col("_items").list.slice(0, pl.col("_items").list.len() - 2).alias("train_items"),
-            pl.col("_items").list.get(-2).alias("valid_item"),
-            pl.col("_items").list.get(-1).alias("test_item"),
+    if split == "leave_one_out":
+        sequences = (
+            kept.group_by("_first", maintain_order=True)
+            .agg(pl.col("user_id").first(), pl.col("item_id").alias("_items"))
+            .select(
+                "user_id",
+                pl.col("_items").list.slice(0, pl.col("_items").list.len() - 2).alias("train_items"),
+                pl.col("_items").list.get(-2).alias("valid_item"),
+                pl.col("_items").list.get(-1).alias("test_item"),
+            )
         )
-    )
+        sequences, facts = split_lists(sequences), {"name": split}
+    else:
+        sequences, facts = _global_time(kept, ratios, cuts)
     return SequenceResult(
         interactions=kept.select("user_id", "item_id", pl.col("ts").cast(pl.Int64)),
-        sequences=sequences,
+        sequences=sequences.select(SEQ_SCHEMA.names),
         dropped=dropped,
         min_seq_len=need,
+        split=facts,
     )
+
+
+def _global_time(kept: pl.DataFrame, ratios: Sequence[float], cuts: tuple[int, int] | None
+                 ) -> tuple[pl.DataFrame, dict]:
+    """Periods of the kept interactions (sorted by user, then ts and file order) -> sequences
+    with the period lists, and the facts (interactions per period, the cuts)."""
+    n = kept.height
+    if cuts is None:
+        total = float(sum(ratios))
+        c1, c2 = int(n * (ratios[0] / total)), int(n * ((ratios[0] + ratios[1]) / total))
+        # The position in the global (ts, file order) sort decides, so equal timestamps on a
+        # boundary are split by file order: deterministic, and never a later row in training.
+        order_rank = kept.select("ts", "order").with_row_index("_i").sort(["ts", "order"]).with_row_index("_g")
+        period = (pl.when(pl.col("_g") < c1).then(0).when(pl.col("_g") < c2).then(1).otherwise(2))
+        periods = order_rank.select("_i", period.cast(pl.Int8).alias("_p")).sort("_i")["_p"]
+        by = {"by": "position", "ratios": [float(r) for r in ratios], "cut_positions": [c1, c2]}
+    else:
+        periods = kept.select(pl.when(pl.col("ts") < cuts[0]).then(0).when(pl.col("ts") < cuts[1]).then(1)
+                              .otherwise(2).cast(pl.Int8).alias("_p"))["_p"]
+        by = {"by": "timestamp", "cut_ts": [int(cuts[0]), int(cuts[1])]}
+    counts = [int((periods == p).sum()) for p in range(3)]
+    empty = [PERIODS[p] for p in range(3) if counts[p] == 0]
+    if empty:
+        raise DataError(f"data.split=global_time: the {' and '.join(empty)} period(s) of the {n:,} kept "
+                        f"interactions are empty ({dict(zip(PERIODS, counts))}); add data or change "
+                        f"data.split_ratios")
+    p = pl.col("_p")
+    sequences = (
+        kept.with_columns(periods.alias("_p"))
+        .group_by("_first", maintain_order=True)
+        .agg(pl.col("user_id").first(),
+             pl.col("item_id").filter(p == 0).alias("train_items"),
+             pl.col("item_id").filter(p == 1).alias("valid_items"),
+             pl.col("item_id").filter(p == 2).alias("test_items"))
+        .with_columns(pl.lit(None, pl.Utf8).alias("valid_item"), pl.lit(None, pl.Utf8).alias("test_item"))
+    )
+    return sequences, {"name": "global_time", **by, "interactions": dict(zip(PERIODS, counts))}

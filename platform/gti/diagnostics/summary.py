@@ -131,7 +131,9 @@ def read_sample(run_dir: Path, metrics: dict[str, Any]) -> Sample | None:
         history = []
         if user.height:
             u = user.row(0, named=True)
-            history = list(u["train_items"]) + ([u["valid_item"]] if split == "test" else [])
+            # The first row of a period: everything before the period (older tables: valid_item only).
+            valid = u.get("valid_items") if u.get("valid_items") is not None else [u["valid_item"]]
+            history = list(u["train_items"]) + (list(valid) if split == "test" else [])
         wanted = set(history[-SAMPLE_HISTORY:]) | {row["target"]} | set(row["items"][:SAMPLE_RECS])
         titles = dict(pl.read_parquet(items_path, columns=["item_id", "title"])
                       .filter(pl.col("item_id").is_in(list(wanted))).iter_rows())

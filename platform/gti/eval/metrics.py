@@ -17,6 +17,12 @@ Two kinds of truth:
 A ranked list shorter than K (a user with fewer valid items) simply has fewer hits; an item
 repeated in a list counts once (at its first rank). Users are never dropped.
 
+Rows and users: a value is per ROW (one history, one target). Leave-one-out has one row per
+user; the global time split has several (every interaction of the period), and, as the field
+reports, the metric is the mean over rows while the CI resamples USERS with all their rows
+(`groups`: each row's user; a cluster bootstrap). With one target per row Recall@K is HR@K, and
+the tables carry both names (`hr@K`, the field's, and `recall@K`, which earlier readers use).
+
 What it does NOT know: models, decoding, ids' meaning, Ray. Pure numpy.
 """
 
@@ -168,28 +174,51 @@ def per_user_metrics(
     return out
 
 
+def _user_sums(v: np.ndarray, groups: Sequence[Hashable] | None) -> tuple[np.ndarray, np.ndarray] | None:
+    """(sum, row count) per user, users in first-seen order; None when every row is its own
+    user (the plain bootstrap, kept draw for draw)."""
+    if groups is None:
+        return None
+    if len(groups) != v.size:
+        raise ValueError(f"{len(groups)} groups for {v.size} values")
+    first: dict = {}
+    inv = np.fromiter((first.setdefault(g, len(first)) for g in groups), dtype=np.int64, count=v.size)
+    if len(first) == v.size:
+        return None
+    return np.bincount(inv, weights=v), np.bincount(inv).astype(np.float64)
+
+
 def bootstrap_ci(
     values: Sequence[float] | np.ndarray,
     n_boot: int = 1000,
     alpha: float = 0.05,
     seed: int = 0,
     chunk: int = 256,
+    groups: Sequence[Hashable] | None = None,
 ) -> tuple[float, float]:
-    """Percentile bootstrap CI of the mean of per-user `values` [U], resampling users with
+    """Percentile bootstrap CI of the mean of per-row `values` [R], resampling users with
     replacement `n_boot` times from `np.random.default_rng(seed)` (same seed, same CI).
-    n_boot == 0 or one user gives the degenerate interval (mean, mean); no users gives (0, 0)."""
+    `groups` [R]: each row's user; a user drawn brings all their rows, and a replicate's value is
+    the mean over the rows drawn (None, or all distinct: each row is a user).
+    n_boot == 0 or one user gives the degenerate interval (mean, mean); no rows gives (0, 0)."""
     v = np.asarray(values, dtype=np.float64)
     if v.size == 0:
         return 0.0, 0.0
     mean = float(v.mean())
-    if n_boot <= 0 or v.size == 1:
+    sums = _user_sums(v, groups)
+    n_units = v.size if sums is None else sums[0].size
+    if n_boot <= 0 or n_units == 1:
         return mean, mean
     rng = np.random.default_rng(seed)
     means = np.empty(n_boot)
     # Chunks bound memory at chunk x U indices (8k users x 256 = 16 MB).
     for start in range(0, n_boot, chunk):
         n = min(chunk, n_boot - start)
-        means[start : start + n] = v[rng.integers(0, v.size, size=(n, v.size))].mean(axis=1)
+        idx = rng.integers(0, n_units, size=(n, n_units))
+        if sums is None:
+            means[start : start + n] = v[idx].mean(axis=1)
+        else:
+            means[start : start + n] = sums[0][idx].sum(axis=1) / sums[1][idx].sum(axis=1)
     lo, hi = np.quantile(means, [alpha / 2, 1 - alpha / 2])
     return float(lo), float(hi)
 
@@ -200,13 +229,15 @@ def paired_bootstrap_ci(
     n_boot: int = 1000,
     alpha: float = 0.05,
     seed: int = 0,
+    groups: Sequence[Hashable] | None = None,
 ) -> tuple[float, float]:
-    """CI of mean(a) - mean(b) for per-user values of two arms on the SAME users (same order):
-    users are resampled jointly, so the user-to-user variance common to both arms cancels."""
+    """CI of mean(a) - mean(b) for per-row values of two arms on the SAME rows (same order):
+    users (`groups`, as in `bootstrap_ci`) are resampled jointly, so the user-to-user variance
+    common to both arms cancels."""
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
     if a.shape != b.shape:
         raise ValueError(f"paired values need the same users: shapes {a.shape} and {b.shape}")
-    return bootstrap_ci(a - b, n_boot=n_boot, alpha=alpha, seed=seed)
+    return bootstrap_ci(a - b, n_boot=n_boot, alpha=alpha, seed=seed, groups=groups)
 
 
 def stratified_bootstrap_ci(
@@ -249,13 +280,19 @@ def metrics_table(
     alpha: float = 0.05,
     seed: int = 0,
     return_per_user: bool = False,
+    groups: Sequence[Hashable] | None = None,
 ) -> dict[str, Any] | tuple[dict[str, Any], dict[str, list[float]]]:
-    """{"recall@10": {"value": mean, "ci": [lo, hi]}, ...} (+ per-user lists if asked)."""
+    """{"hr@10": {"value": mean, "ci": [lo, hi]}, "recall@10": ..., ...} (+ per-row lists if
+    asked). Means over rows; CIs resample `groups` (each row's user; None: rows are users).
+    With `targets` (one per row) every recall@K is also given as hr@K (the same cell), first;
+    the per-row lists keep recall@K only."""
     per_user = per_user_metrics(ranked, targets, ks, relevance=relevance, metrics=metrics)
     table = {}
     for name, vals in per_user.items():
-        lo, hi = bootstrap_ci(vals, n_boot=n_boot, alpha=alpha, seed=seed)
+        lo, hi = bootstrap_ci(vals, n_boot=n_boot, alpha=alpha, seed=seed, groups=groups)
         table[name] = {"value": float(vals.mean()) if vals.size else 0.0, "ci": [lo, hi]}
+    if targets is not None and "recall" in metrics:
+        table = {**{f"hr@{k}": dict(table[f"recall@{k}"]) for k in ks}, **table}
     if return_per_user:
         return table, {name: vals.tolist() for name, vals in per_user.items()}
     return table

@@ -269,8 +269,10 @@ def rank_metrics(
     n_items: int,
     bootstrap: int = 1000,
     seed: int = 0,
+    groups: Sequence[Any] | None = None,
 ) -> dict[str, Any]:
-    """Rank metrics over U users from their targets' ranks (1 = best, [U], mid-ranks allowed).
+    """Rank metrics over U rows from their targets' ranks (1 = best, [U], mid-ranks allowed);
+    `groups`: each row's user, whom the CIs resample (`gti.eval.metrics.bootstrap_ci`).
 
     Returns {"mrr": {"value", "ci": [lo, hi]}, "mean_percentile_rank": {"value", "ci"},
     "median_rank": float, "mean_rank": float, "n_users": U, "n_items": N}:
@@ -289,7 +291,7 @@ def rank_metrics(
     pct = (r - 1.0) / (n_items - 1) if n_items > 1 else np.zeros_like(r)
 
     def table(v: np.ndarray) -> dict[str, Any]:
-        lo, hi = bootstrap_ci(v, n_boot=bootstrap, seed=seed)
+        lo, hi = bootstrap_ci(v, n_boot=bootstrap, seed=seed, groups=groups)
         return {"value": float(v.mean()) if v.size else 0.0, "ci": [lo, hi]}
 
     return {

@@ -5,17 +5,20 @@ metric code (`gti.eval.metrics`) on the same users and split frames as the model
 compare like with like.
 
 - mostpop / markov (`gti.eval.baselines`) are fitted per split on that split's training data
-  (`split_train_sequences`: valid -> train items; test -> train items + valid item).
+  (`split_train_sequences`: valid -> train items; test -> train items + valid items) and
+  recommend from each row's history, the model's rows exactly.
 - sasrec (`gti.eval.sasrec`) is trained ONCE per evaluation (`fit_reference_models`) on the
   training items only, its settings (eval.sasrec.sweep: max_len, epochs, dim, dropout) and its
-  checkpoint chosen on the valid split only; test items are never read. Its input is the
-  user's last max_len items of the split's training sequence (`sasrec_histories`, the same
-  sequence mostpop/markov learn from), not the LM's data.max_history window.
+  checkpoint chosen on the valid rows only; test items are never read. Its input is every
+  item before the row's target (`sasrec_histories`: leave-one-out, the split's training
+  sequence), of which it keeps its own last max_len, not the LM's data.max_history window.
   `add_reference_columns` puts its top-K lists (and, with exact ranks, each target's rank over
   the whole catalog) into a split frame as columns, so any slice of the frame (the cold-item
   slice) carries them.
-- paired differences (`paired_differences`): the model minus each reference row, per user on
-  the same users, with a paired bootstrap CI (`gti.eval.metrics.paired_bootstrap_ci`).
+- paired differences (`paired_differences`): the model minus each reference row, per row on
+  the same rows, with a paired bootstrap CI over users (`gti.eval.metrics.paired_bootstrap_ci`).
+Rows, not users: a split frame may hold several rows of a user (the global time split); means
+are over rows and every CI resamples users (`groups`, `gti.eval.metrics`).
 
 What it does not know: Ray, files, the LM, decoding. Pure polars/numpy (+ torch via SASRec).
 """
@@ -28,21 +31,26 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import polars as pl
 
+from gti.data.sequences import split_lists
 from gti.errors import ConfigError, DataError
 
 
 def split_train_sequences(seqs: pl.DataFrame, split: str) -> list[list[str]]:
-    """Per-user chronological sequences the baselines may learn from for `split`."""
+    """Per-user chronological sequences the baselines may learn from for `split`: valid ->
+    train items; test -> train items + valid items."""
     if split == "valid":
         return seqs["train_items"].to_list()
-    return [t + [v] for t, v in zip(seqs["train_items"].to_list(), seqs["valid_item"].to_list())]
+    s = split_lists(seqs)
+    return [t + v for t, v in zip(s["train_items"].to_list(), s["valid_items"].to_list())]
 
 
-def metric_block(ranked: list[list[str]], targets: list[str], ks: list[int], n_boot: int, seed: int):
-    """({metric@k: {"value", "ci"}}, {metric@k: per-user values}) for ranked lists."""
+def metric_block(ranked: list[list[str]], targets: list[str], ks: list[int], n_boot: int, seed: int,
+                 groups: Sequence[str] | None = None):
+    """({metric@k: {"value", "ci"}}, {metric@k: per-row values}) for ranked lists; `groups`:
+    each row's user, whom the CIs resample."""
     from gti.eval import metrics as M
 
-    return M.metrics_table(ranked, targets, ks, n_boot=n_boot, seed=seed, return_per_user=True)
+    return M.metrics_table(ranked, targets, ks, n_boot=n_boot, seed=seed, return_per_user=True, groups=groups)
 
 
 SASREC_ITEMS, SASREC_RANK = "sasrec_items", "sasrec_rank"  # split-frame columns (add_reference_columns)
@@ -63,6 +71,7 @@ def baseline_rows(seqs: pl.DataFrame, split: str, frame: pl.DataFrame, ks: list[
 
     histories = frame["history"].to_list()
     targets = frame["target"].to_list()
+    users = frame["user_id"].to_list()
     k = max(ks)
     out = {}
     train = None
@@ -77,7 +86,7 @@ def baseline_rows(seqs: pl.DataFrame, split: str, frame: pl.DataFrame, ks: list[
             ranked = model.fit(train).recommend(histories, k)
         else:
             raise ConfigError(f"eval.baselines: unknown baseline '{name}'")
-        out[name], pu = metric_block(ranked, targets, ks, n_boot, seed)
+        out[name], pu = metric_block(ranked, targets, ks, n_boot, seed, users)
         if per_user is not None:
             per_user[name] = pu
     return out
@@ -89,7 +98,8 @@ def baseline_rank_rows(frame: pl.DataFrame, n_items: int, n_boot: int, seed: int
         return {}
     from gti.eval.rank import rank_metrics
 
-    return {"sasrec": rank_metrics(frame[SASREC_RANK].to_numpy(), n_items, n_boot, seed)}
+    return {"sasrec": rank_metrics(frame[SASREC_RANK].to_numpy(), n_items, n_boot, seed,
+                                   groups=frame["user_id"].to_list())}
 
 
 def fit_reference_models(seqs: pl.DataFrame, catalog: list[str], names: Sequence[str], max_history: int,
@@ -99,9 +109,10 @@ def fit_reference_models(seqs: pl.DataFrame, catalog: list[str], names: Sequence
     `gti.eval.sasrec.SasrecRecommender`} when `names` has sasrec, else {}.
 
     SASRec learns from the training items only (`train_items`) and is selected on the valid
-    items only (its settings by eval.sasrec.sweep when enabled, `tune_sasrec`; its checkpoint in
-    any case); test items are never read. `sasrec`: the eval.sasrec block (`SasrecParams`
-    fields, max_len (None: `max_history` = data.max_history) and sweep).
+    rows only (every valid-period target with the items before it, `valid_rows`; its settings
+    by eval.sasrec.sweep when enabled, `tune_sasrec`; its checkpoint in any case); test items
+    are never read. `sasrec`: the eval.sasrec block (`SasrecParams` fields, max_len (None:
+    `max_history` = data.max_history) and sweep).
     """
     if "sasrec" not in names:
         return {}
@@ -109,20 +120,43 @@ def fit_reference_models(seqs: pl.DataFrame, catalog: list[str], names: Sequence
 
     cfg = dict(sasrec or {})
     sweep, max_len = cfg.pop("sweep", None), cfg.pop("max_len", None) or max_history
-    args = (seqs["user_id"].to_list(), seqs["train_items"].to_list(), seqs["valid_item"].to_list(), catalog)
+    val_ids, val_hist, val_targets = valid_rows(seqs)
+    users = seqs["user_id"].to_list()
+    args = (users, seqs["train_items"].to_list(), val_targets, catalog)
+    # One valid row per user, in user order (leave-one-out): the per-user call, as before.
+    valid = {} if val_ids == users else dict(valid_histories=val_hist, valid_ids=val_ids)
     if sweep and sweep.get("enabled"):
-        model = tune_sasrec(*args, max_history, SasrecParams(**cfg), sweep, seed=seed, log=log)
+        model = tune_sasrec(*args, max_history, SasrecParams(**cfg), sweep, seed=seed, log=log, **valid)
     else:
-        model = fit_sasrec(*args, max_len, SasrecParams(**cfg), seed=seed, log=log)
+        model = fit_sasrec(*args, max_len, SasrecParams(**cfg), seed=seed, log=log, **valid)
     return {"sasrec": model}
+
+
+def valid_rows(seqs: pl.DataFrame) -> tuple[list[str], list[list[str]], list[str]]:
+    """The valid split's rows for SASRec's selection: (a session id per row, every item before
+    the target, the target). Leave-one-out: per user (user id, train items, valid item)."""
+    from gti.eval.slices import eval_windows
+
+    w = eval_windows(seqs, "valid", 1)
+    hist = sasrec_histories(seqs, w, "valid")
+    users = w["user_id"].to_list()
+    one_each = len(set(users)) == len(users)  # leave-one-out: the session is the user, as before
+    ids = users if one_each else [f"{u}#{p}" for u, p in zip(users, w["pos"].to_list())]
+    return ids, hist, w["target"].to_list()
 
 
 def sasrec_histories(seqs: pl.DataFrame, frame: pl.DataFrame, split: str) -> list[list[str]]:
     """Per row of a split frame, the whole history SASRec reads (it keeps its own last max_len,
-    not the LM's data.max_history): the split's training sequence (`split_train_sequences`:
-    valid -> train items; test -> train items + valid item), so no split sees its own target."""
-    full = dict(zip(seqs["user_id"].to_list(), split_train_sequences(seqs, split)))
-    return [full[u] for u in frame["user_id"].to_list()]
+    not the LM's data.max_history): every item of the user before the row's target (the
+    frame's `pos`); leave-one-out: the split's training sequence (`split_train_sequences`:
+    valid -> train items; test -> train items + valid item). No row sees its own target."""
+    if "pos" not in frame.columns:  # a frame from before `pos`: one row per user
+        full = dict(zip(seqs["user_id"].to_list(), split_train_sequences(seqs, split)))
+        return [full[u] for u in frame["user_id"].to_list()]
+    s = split_lists(seqs)
+    full = dict(zip(s["user_id"].to_list(), (t + v + x for t, v, x in zip(
+        s["train_items"].to_list(), s["valid_items"].to_list(), s["test_items"].to_list()))))
+    return [full[u][:p] for u, p in zip(frame["user_id"].to_list(), frame["pos"].to_list())]
 
 
 def add_reference_columns(frame: pl.DataFrame, models: dict[str, Any], k: int, exact_rank: bool,
@@ -182,6 +216,17 @@ def reference_block(seqs: pl.DataFrame, split: str, frame: pl.DataFrame, ks: lis
 
 
 # --------------------------------------------------------------------------- paired differences
+def row_keys(user_ids: Sequence[str]) -> list[tuple[str, int]]:
+    """(user, n-th row of that user) per row: the rows of two tables built from the same split
+    frame pair up by it (one row per user: the user alone decides, as before)."""
+    seen: dict[str, int] = {}
+    out = []
+    for u in user_ids:
+        out.append((u, seen.get(u, 0)))
+        seen[u] = seen.get(u, 0) + 1
+    return out
+
+
 def paired_k(ks: Sequence[int]) -> int:
     """The K of the headline columns (Recall@K, NDCG@K, MRR@K): 10 when eval.ks has it, else the largest."""
     return 10 if 10 in ks else max(ks)
@@ -203,28 +248,32 @@ def paired_differences(model: Mapping[str, Any], baselines: Mapping[str, Mapping
     the per-user differences, "ci": [lo, hi] (paired user bootstrap, `paired_bootstrap_ci`),
     "n_users"}}}.
 
-    model / baselines[name]: per-user blocks as metrics.json holds them ({"user_ids", "recall@k":
-    [...], "ndcg@k": [...], optionally "exact_rank": [...]}); a baseline's users are matched to
-    the model's by id (DataError when they are not the same users). Metrics: recall@k and ndcg@k
+    model / baselines[name]: per-row blocks as metrics.json holds them ({"user_ids", "recall@k":
+    [...], "ndcg@k": [...], optionally "exact_rank": [...]}); a baseline's rows are matched to
+    the model's by (user, n-th row of the user) (`row_keys`; DataError when they are not the
+    same rows); the CIs resample users, and a cell has "n_rows" where rows outnumber users. Metrics: recall@k and ndcg@k
     for every k in `ks`, then one MRR: "mrr" (1 / exact rank over the whole catalog) when both
     sides have exact ranks, else "mrr@K" (K = `paired_k(ks)`, from the top-K lists).
     """
     from gti.eval.metrics import paired_bootstrap_ci
 
     users = list(model["user_ids"])
+    keys = row_keys(users)
     k0 = paired_k(ks)
+    n_users = len(set(users))
 
     def diff(a, b) -> dict[str, Any]:
         a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-        lo, hi = paired_bootstrap_ci(a, b, n_boot=n_boot, seed=seed)
-        return {"value": float((a - b).mean()) if a.size else 0.0, "ci": [lo, hi], "n_users": int(a.size)}
+        lo, hi = paired_bootstrap_ci(a, b, n_boot=n_boot, seed=seed, groups=users)
+        cell = {"value": float((a - b).mean()) if a.size else 0.0, "ci": [lo, hi], "n_users": n_users}
+        return cell if n_users == a.size else {**cell, "n_rows": int(a.size)}
 
     out = {}
     for name, base in baselines.items():
-        pos = {u: i for i, u in enumerate(base["user_ids"])}
-        if len(pos) != len(users) or any(u not in pos for u in users):
+        pos = {key: i for i, key in enumerate(row_keys(list(base["user_ids"])))}
+        if len(pos) != len(keys) or any(key not in pos for key in keys):
             raise DataError(f"evaluate: paired differences: the {name} row was scored on other users")
-        order = [pos[u] for u in users]
+        order = [pos[key] for key in keys]
 
         def of(key: str, vals=base):
             return [vals[key][i] for i in order]

@@ -234,13 +234,17 @@ def fit_sasrec(
     params: SasrecParams | None = None,
     seed: int = 0,
     log: Callable[[str], None] = lambda m: None,
+    valid_histories: Sequence[Sequence[str]] | None = None,
+    valid_ids: Sequence[str] | None = None,
 ) -> SasrecRecommender:
     """Train cornac's SASRec on the windows of `train_items` (histories of at most `max_len`
     items), pick the best checkpoint on the valid items (None: no selection, the last epoch),
     and wrap it for scoring over `catalog`.
 
     user_ids: U ids; train_items: U lists (oldest first; valid/test items must NOT be in them,
-    as in ingest's `train_items`); valid_items: U ids or None; catalog: N item ids.
+    as in ingest's `train_items`); valid_items: U ids or None; catalog: N item ids. With
+    `valid_histories` (and `valid_ids`, one session id each), valid_items are the targets of
+    those V rows instead of one per user (the global time split's valid rows).
     facts: train_seconds (wall time of building the data and fitting), epochs, dim, dropout,
     n_windows, n_train_items, n_val_users, loss, selection, implementation, max_len, seed,
     torch_threads.
@@ -259,7 +263,8 @@ def fit_sasrec(
     val = None
     n_val = 0
     if valid_items is not None and p.val_users != 0:
-        vrows = validation_sessions(train_items, valid_items, user_ids, known, max_len, p.val_users, seed)
+        vrows = validation_sessions(train_items if valid_histories is None else valid_histories, valid_items,
+                                    user_ids if valid_ids is None else valid_ids, known, max_len, p.val_users, seed)
         n_val = len({r[0] for r in vrows})
         if vrows:
             val = SequentialDataset.build(vrows, fmt="USIT", global_uid_map=OrderedDict(train.uid_map),
@@ -338,8 +343,11 @@ def tune_sasrec(
     sweep: Mapping[str, Any],
     seed: int = 0,
     log: Callable[[str], None] = lambda m: None,
+    valid_histories: Sequence[Sequence[str]] | None = None,
+    valid_ids: Sequence[str] | None = None,
 ) -> SasrecRecommender:
-    """SASRec with its settings chosen on the VALID split: every candidate of `sweep` (the
+    """SASRec with its settings chosen on the VALID split (`valid_histories` / `valid_ids`:
+    its rows, as in `fit_sasrec`; None: one per user, the training items before it): every candidate of `sweep` (the
     eval.sasrec.sweep block: axes max_len/epochs/dim/dropout, search, metric, val_users) is
     trained by `fit_sasrec` on the training items (the rest of `params` shared) and scored by
     `valid_scores` on the valid items of every user (or a seeded sample of val_users); the
@@ -350,10 +358,12 @@ def tune_sasrec(
     """
     t0 = time.time()
     axes, metric = sweep_axes(sweep, history), sweep["metric"]
-    idx = np.arange(len(user_ids))
+    v_hist = train_items if valid_histories is None else valid_histories
+    valid = {} if valid_histories is None else dict(valid_histories=valid_histories, valid_ids=valid_ids)
+    idx = np.arange(len(valid_items))
     if sweep.get("val_users") is not None and sweep["val_users"] < len(idx):
         idx = np.sort(np.random.default_rng([seed, 0x5EE9]).choice(len(idx), size=sweep["val_users"], replace=False))
-    hist, targets = [train_items[i] for i in idx], [valid_items[i] for i in idx]
+    hist, targets = [v_hist[i] for i in idx], [valid_items[i] for i in idx]
     tried: dict[tuple, dict] = {}
     best: dict[str, Any] = {}  # "record", "model" of the best candidate so far
 
@@ -363,7 +373,7 @@ def tune_sasrec(
             return
         t1 = time.time()
         p = replace(params, epochs=settings["epochs"], dim=settings["dim"], dropout=settings["dropout"])
-        model = fit_sasrec(user_ids, train_items, valid_items, catalog, settings["max_len"], p, seed)
+        model = fit_sasrec(user_ids, train_items, valid_items, catalog, settings["max_len"], p, seed, **valid)
         t2 = time.time()
         scores = valid_scores(model, hist, targets)
         tried[key] = rec = {"settings": dict(settings), "valid": scores, "train_seconds": round(t2 - t1, 2),

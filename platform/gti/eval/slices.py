@@ -2,10 +2,13 @@
 
 What it is for: the evaluate stage's user slicing, pure polars, for every caller that must
 score the same users the same way (the stage, SFT's validation users, bench scripts):
-- `eval_windows(seqs, split, max_history)`: one prompt per user of ingest's sequences.parquet
-  (leave-one-out): split "valid" has history = the train items (last `max_history`), target =
-  valid_item; split "test" has history = train items + [valid_item] (last `max_history`),
-  target = test_item.
+- `eval_windows(seqs, split, max_history)`: one prompt per item of the split's period in
+  ingest's sequences.parquet (`valid_items` / `test_items`): its history is everything the
+  user did before it (train items, then the earlier items of the periods before, then the
+  earlier items of its own period), last `max_history`; rows without history are left out.
+  Leave-one-out has one row per user: valid = (train items, valid item), test = (train items
+  + valid item, test item); global_time one per valid/test interaction (docs/data.md, Splits).
+  `pos` is the target's index in the user's whole sequence (SASRec reads the full prefix).
 - `sample_users(user_ids, n, seed)` / `eval_users(seqs, max_users, seed)`: a deterministic
   sample (all users, in input order, when n is None); `split_frame` is one split's prompts of
   the sampled users, in sequences order.
@@ -27,29 +30,37 @@ from typing import Any, Sequence
 import numpy as np
 import polars as pl
 
-from gti.data.sequences import check_sequences
+from gti.data.sequences import check_sequences, split_lists
 from gti.errors import ConfigError, DataError
 from gti.eval.reference import DEFAULT_BASELINES, baseline_rank_rows, baseline_rows, metric_block
 
 
 def eval_windows(seqs: pl.DataFrame, split: str, max_history: int) -> pl.DataFrame:
-    """Evaluation prompts for one split: user_id, split, history list<str>, target str.
-
-    valid: history = last `max_history` of train_items, target = valid_item.
-    test:  history = last `max_history` of train_items + [valid_item], target = test_item.
+    """Evaluation prompts for one split: user_id, split, history list<str>, target str, pos
+    int32 (the target's index in the user's train + valid + test items), in user order, then
+    time. Every item of the split's period is a target; its history is the last `max_history`
+    items before it (leave-one-out: valid = train items -> valid item, test = train items +
+    valid item -> test item). Targets with nothing before them are left out.
     """
     check_sequences(seqs)
-    if split == "valid":
-        hist, target = pl.col("train_items"), pl.col("valid_item")
-    elif split == "test":
-        hist, target = pl.concat_list(pl.col("train_items"), pl.col("valid_item")), pl.col("test_item")
-    else:
+    if split not in ("valid", "test"):
         raise ConfigError(f"eval split must be 'valid' or 'test', got '{split}'")
-    return seqs.select(
-        "user_id",
-        split=pl.lit(split),
-        history=hist.list.tail(max_history),
-        target=target,
+    s = split_lists(seqs)
+    start = pl.col("train_items").list.len().cast(pl.Int64)
+    if split == "test":
+        start = start + pl.col("valid_items").list.len().cast(pl.Int64)
+    pos, h = pl.col("pos"), pl.lit(max_history)
+    return (
+        s.select("user_id", full=pl.concat_list("train_items", "valid_items", "test_items"), start=start,
+                 target=pl.col(f"{split}_items"))
+        .with_columns(j=pl.int_ranges(0, pl.col("target").list.len()))
+        .explode(["target", "j"])
+        .drop_nulls("j")  # a user without an item in this period (explode of [] -> null)
+        .with_columns(pos=pl.col("start") + pl.col("j"))
+        .filter(pos > 0)
+        .select("user_id", split=pl.lit(split),
+                history=pl.col("full").list.slice(pl.max_horizontal(pos - h, pl.lit(0)), pl.min_horizontal(pos, h)),
+                target="target", pos=pos.cast(pl.Int32))
     )
 
 
@@ -63,7 +74,8 @@ def sample_users(user_ids: Sequence[str], n: int | None, seed: int) -> list[str]
 
 
 def eval_users(seqs: pl.DataFrame, max_users: int | None, seed: int) -> list[str]:
-    """The deterministic user sample shared by every split (all users when max_users is None)."""
+    """The deterministic user sample shared by every split (all users when max_users is None);
+    every row of a sampled user is scored."""
     return sample_users(seqs["user_id"].to_list(), max_users, seed)
 
 
@@ -90,22 +102,24 @@ def slice_metrics(part: pl.DataFrame, frame: pl.DataFrame, seqs: pl.DataFrame, s
 
     part: the slice's decoded rows (items, target, exact_rank); frame: the same users' split
     frame (history, target; sasrec columns when `names` has sasrec) for the baselines.
-    -> {"n_users", "model": metric@k table, "baselines": {name: table}, "ranks": rank_metrics
+    -> {"n_users", "n_rows", "model": metric@k table, "baselines": {name: table}, "ranks": rank_metrics
     or {}} (+ "baseline_ranks" {"sasrec": rank_metrics} when the frame has SASRec's exact
     ranks); empty blocks for 0 users.
     """
     if part.height != frame.height:
         raise DataError(f"evaluate: slice of {part.height} decoded rows but {frame.height} prompts")
     if part.height == 0:
-        return {"n_users": 0, "model": {}, "baselines": {b: {} for b in names}, "ranks": {}}
-    model, _ = metric_block(part["items"].to_list(), part["target"].to_list(), ks, n_boot, seed)
+        return {"n_users": 0, "n_rows": 0, "model": {}, "baselines": {b: {} for b in names}, "ranks": {}}
+    users = part["user_id"].to_list()  # the CIs resample users, with all their rows
+    model, _ = metric_block(part["items"].to_list(), part["target"].to_list(), ks, n_boot, seed, users)
     ranks = {}
     if exact_rank:
         from gti.eval.rank import rank_metrics
 
-        ranks = rank_metrics(part["exact_rank"].to_numpy(), len(catalog), n_boot, seed)
+        ranks = rank_metrics(part["exact_rank"].to_numpy(), len(catalog), n_boot, seed, groups=users)
     out = {
-        "n_users": part.height,
+        "n_users": len(set(users)),
+        "n_rows": part.height,
         "model": model,
         "baselines": baseline_rows(seqs, split, frame, ks, n_boot, seed, catalog, names),
         "ranks": ranks,

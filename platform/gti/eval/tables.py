@@ -25,10 +25,15 @@ def format_table(metrics: dict[str, Any], ks: list[int]) -> str:
         rows[f"{split}/sft[cold]"] = block["model"]
         for b, vals in block["baselines"].items():
             rows[f"{split}/{b}[cold]"] = vals
-    cols = [f"{m}@{k}" for m in M.METRICS for k in ks]
+    # HR@K (one target per row, = Recall@K) under the field's name; older metrics have recall only.
+    first = next(iter(rows.values()), {})
+    names = [("hr" if f"hr@{ks[0]}" in first else "recall"), *M.METRICS[1:]]
+    cols = [f"{m}@{k}" for m in names for k in ks]
+    n_rows = metrics.get("n_rows") or {}
     text = M.format_table(rows, cols) + (
         f"\ninvalid SID rate: {metrics['invalid_sid_rate']:.4f}   users: "
-        + ", ".join(f"{s}={n}" for s, n in metrics["n_users"].items())
+        + ", ".join(f"{s}={n}" + (f" ({n_rows[s]} rows)" if n_rows.get(s, n) != n else "")
+                    for s, n in metrics["n_users"].items())
     )
     if cold:
         d = cold.get("definition", {})

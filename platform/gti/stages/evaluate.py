@@ -1,9 +1,13 @@
-"""Stage `evaluate`: leave-one-out metrics of the SFT model with constrained beam search.
+"""Stage `evaluate`: top-K metrics of the SFT model with constrained beam search.
 
 What it is for: for the valid and test splits (`eval.splits`) of a deterministic sample of
-users (`eval.max_users`, seeded), render each user's history prompt (the first retrieval
+users (`eval.max_users`, seeded), render every row's history prompt (the first retrieval
 template, as in training), decode the top-K items with `gti.eval.decode.constrained_beam_search`
-over the catalog's SID trie, and score them against the held-out item.
+over the catalog's SID trie, and score them against the row's target. A row is one held-out
+interaction with the history before it (`gti.eval.slices.eval_windows`): one per user and
+split with leave-one-out, every interaction of the period with `data.split: global_time`.
+Metrics are means over rows, CIs resample users (with all their rows); `n_users` and `n_rows`
+count both. HR@K (= Recall@K, one target per row) is in every table beside recall@K.
 
 - Decoding runs in a Ray Data actor pool (`eval.concurrency` actors, `eval.num_gpus` GPUs each,
   `eval.batch_users` users per call). Every actor loads the exported SFT model folder once
@@ -322,7 +326,8 @@ def _metrics(ctx: StageContext, inp: _Inputs, recs: pl.DataFrame) -> dict[str, A
         "baseline_ranks": {}, "baseline_per_user": {}, "paired": {},
         "slices": {"cold": {"definition": {"max_sft_targets": ec.cold_max_sft_targets,
                                            "n_cold_items": inp.n_cold, "n_items": len(inp.catalog)}}},
-        "invalid_sid_rate": n_invalid / n_returned if n_returned else 0.0, "n_users": {}, "per_user": {},
+        "invalid_sid_rate": n_invalid / n_returned if n_returned else 0.0, "n_users": {}, "n_rows": {},
+        "per_user": {},
         "config": {"beam_width": ec.beam_width, "ks": list(ec.ks), "constrained": ec.constrained,
                    "bootstrap": ec.bootstrap, "max_users": ec.max_users, "exact_rank": ec.exact_rank,
                    "cold_max_sft_targets": ec.cold_max_sft_targets, "baselines": list(ec.baselines)},
@@ -336,9 +341,12 @@ def _split_metrics(ctx: StageContext, inp: _Inputs, split: str, part: pl.DataFra
     """Fill `out` with one split's metrics; `part` = that split's decoded rows."""
     cfg, ec = ctx.cfg, ctx.cfg.eval
     ks, catalog, seqs, frame = list(ec.ks), inp.catalog, inp.seqs, inp.frames[split]
-    summary, per_user = metric_block(part["items"].to_list(), part["target"].to_list(), ks, ec.bootstrap, cfg.seed)
+    users = part["user_id"].to_list()  # several rows per user with data.split=global_time
+    summary, per_user = metric_block(part["items"].to_list(), part["target"].to_list(), ks, ec.bootstrap, cfg.seed,
+                                     users)
     out["splits"][split] = summary
-    out["n_users"][split] = part.height
+    out["n_users"][split] = len(set(users))
+    out["n_rows"][split] = part.height
     out["per_user"][split] = {"user_ids": part["user_id"].to_list(), **per_user}
     ref = reference_block(seqs, split, frame, ks, ec.bootstrap, cfg.seed, catalog, ec.baselines, ec.exact_rank)
     for key, dest in (("baselines", "baselines"), ("ranks", "baseline_ranks"), ("per_user", "baseline_per_user")):
@@ -347,7 +355,8 @@ def _split_metrics(ctx: StageContext, inp: _Inputs, split: str, part: pl.DataFra
     if ec.exact_rank:
         from gti.eval.rank import rank_metrics
 
-        out["ranks"][split] = rank_metrics(part["exact_rank"].to_numpy(), len(catalog), ec.bootstrap, cfg.seed)
+        out["ranks"][split] = rank_metrics(part["exact_rank"].to_numpy(), len(catalog), ec.bootstrap, cfg.seed,
+                                           groups=users)
         out["per_user"][split]["exact_rank"] = part["exact_rank"].to_list()
         ctx.log(format_ranks(split, out["ranks"][split]))
         for name, ranks in ref["ranks"].items():

@@ -39,6 +39,10 @@ module: the reading half in `gti.data.batches` (`Source`, `local_stream`, `itera
 its quarantine, `ItemCounts`), the output schemas in `gti.data.schemas` and the input files'
 fingerprint in `gti.input_files`.
 
+With `data.root` (MiniOneRec's train/valid/test CSVs and item.json, `gti.data.minionerec`)
+the folder is first converted to a catalog and interactions under `source/` in the stage's
+folder, read from there like any parquet source, and split by the files' own periods.
+
 What it does not know: embeddings or anything downstream.
 """
 
@@ -77,6 +81,13 @@ CAP_KEYS = {cat.OUTSIDE_MAX_ITEMS: "data.max_items", cat.OUTSIDE_MAX_USERS: "dat
 # --------------------------------------------------------------------------- fingerprints
 def input_fingerprints(cfg) -> dict[str, str]:
     d = cfg.data
+    if d.root is not None:  # MiniOneRec's folder: its files are the input, not data.items/interactions
+        from dataclasses import astuple
+
+        from gti.data.minionerec import find_files
+
+        found = [str(p) for p in astuple(find_files(d.root, d.dataset))[:4]]
+        return {"root": "|".join(fingerprint_files(p, "data.root") for p in found)}
     return {
         "items": fingerprint_files(d.items.path, "items", d.items.storage_options),
         "interactions": fingerprint_files(d.interactions.path, "interactions", d.interactions.storage_options),
@@ -129,15 +140,15 @@ def _small_local_stream(tasks: list[ReadTask], kind: str, columns, max_text_char
 
 # --------------------------------------------------------------------------- interactions
 def _ingest_interactions(ctx: StageContext, out: Path, kept_ids: IdSet, items_limited: bool,
-                         stream, source: Source | None = None) -> dict:
+                         stream, source: Source | None = None, cuts: tuple[int, int] | None = None) -> dict:
     source = source or Source(ctx.cfg.data, "interactions", ctx.log)
     ctx.log(f"interactions: {len(source.files)} file(s) from {redact_text(ctx.cfg.data.interactions.path)}")
     return source.passes(lambda tasks: _interactions_pass(ctx, out, kept_ids, items_limited, stream,
-                                                          tasks, source.skip))
+                                                          tasks, source.skip, cuts))
 
 
 def _interactions_pass(ctx: StageContext, out: Path, kept_ids: IdSet, items_limited: bool,
-                       stream, tasks, skip: bool) -> dict:
+                       stream, tasks, skip: bool, cuts: tuple[int, int] | None = None) -> dict:
     d = ctx.cfg.data
     src = d.interactions
     reasons: Counter[str] = Counter()
@@ -182,7 +193,8 @@ def _interactions_pass(ctx: StageContext, out: Path, kept_ids: IdSet, items_limi
         df = pl.from_arrow(pa.concat_tables(kept_parts))
         kept_parts.clear()
         cut = _dense_cut(ctx, out, df)
-        res = build_sequences(df if cut is None else cut.interactions, d.min_seq_len, d.max_users)
+        res = build_sequences(df if cut is None else cut.interactions, d.min_seq_len, d.max_users,
+                              d.split, d.split_ratios, cuts)
         dropped = res.dropped.with_columns(pl.lit("user_id").alias("detail"))
         if cut is not None:  # the dense cut's rows first: they left before the sequence filters
             dropped = pl.concat([cut.dropped.select(dropped.columns), dropped])
@@ -210,7 +222,7 @@ def _interactions_pass(ctx: StageContext, out: Path, kept_ids: IdSet, items_limi
     return dict(
         rows_in=rows_in, ok=res.interactions.height, quarantined=quarantined, reasons=dict(reasons),
         n_users=res.sequences.height, min_seq_len=res.min_seq_len,
-        n_items_interacted=res.interactions.get_column("item_id").n_unique(), dense=cut,
+        n_items_interacted=res.interactions.get_column("item_id").n_unique(), dense=cut, split=res.split,
     )
 
 
@@ -242,10 +254,41 @@ def cap_warnings(cfg, rows_in: int, reasons: dict[str, int], share: float = 0.5)
     return out
 
 
+# --------------------------------------------------------------------------- data.root
+def _from_root(ctx: StageContext) -> tuple[StageContext, tuple[int, int] | None, dict | None]:
+    """With `data.root` (MiniOneRec's layout, `gti.data.minionerec`): its catalog and
+    interactions written to `source/` in the work dir, and a context whose data block reads
+    them like any parquet source, so every row check applies; plus the cut timestamps of the
+    files' split and the reader's facts. Without it: (ctx, None, None)."""
+    d = ctx.cfg.data
+    if d.root is None:
+        return ctx, None, None
+    from dataclasses import replace
+
+    from gti.config import InteractionsSource, ItemColumns, ItemsSource
+    from gti.data import minionerec
+
+    conv = minionerec.read(minionerec.find_files(d.root, d.dataset))
+    src = ctx.work_dir / "source"
+    src.mkdir(parents=True, exist_ok=True)
+    conv.items.write_parquet(src / "items.parquet")
+    conv.interactions.write_parquet(src / "interactions.parquet")
+    ctx.log(f"data.root {d.root}: {conv.facts['rows']} rows of {conv.facts['users']:,} users, "
+            f"{conv.items.height:,} items ({conv.facts['item_json']})")
+    data = d.model_copy(update={
+        "root": None,  # the staged files are the sources now
+        "items": ItemsSource(path=str(src / "items.parquet"), format="parquet",
+                             columns=ItemColumns(attributes=["brand"])),
+        "interactions": InteractionsSource(path=str(src / "interactions.parquet"), format="parquet"),
+    })
+    return replace(ctx, cfg=ctx.cfg.model_copy(update={"data": data})), conv.cuts, conv.facts
+
+
 # --------------------------------------------------------------------------- stage
 def run(ctx: StageContext) -> StageResult:
     from gti.ray_start import ensure_ray
 
+    ctx, cuts, root_facts = _from_root(ctx)
     # Both sources' files and headers are checked before Ray starts and any row is read.
     sources = _sources(ctx)
     t0 = time.perf_counter()
@@ -254,7 +297,8 @@ def run(ctx: StageContext) -> StageResult:
 
     # Input order matters: "first kept" for duplicates and ties in sequences follow file order.
     ray.data.DataContext.get_current().execution_options.preserve_order = True
-    res = ingest(ctx, ray_stream if ctx.cfg.local_max_items == 0 else _small_local_stream, sources)
+    res = ingest(ctx, ray_stream if ctx.cfg.local_max_items == 0 else _small_local_stream, sources,
+                 cuts, root_facts)
     res.facts["timing"]["ray_start_s"] = round(time.perf_counter() - t0 - res.facts["timing"]["total_s"], 3)
     return res
 
@@ -263,9 +307,13 @@ def _sources(ctx: StageContext) -> dict[str, Source]:
     return {kind: Source(ctx.cfg.data, kind, ctx.log) for kind in ("items", "interactions")}
 
 
-def ingest(ctx: StageContext, stream=local_stream, sources: dict[str, Source] | None = None) -> StageResult:
+def ingest(ctx: StageContext, stream=local_stream, sources: dict[str, Source] | None = None,
+           cuts: tuple[int, int] | None = None, root_facts: dict | None = None) -> StageResult:
     """The stage body; `stream` yields validated batches in input order (`ray_stream` in the
-    pipeline, `local_stream` in-process)."""
+    pipeline, `local_stream` in-process); `cuts` / `root_facts` from `_from_root` (called
+    here when the caller has not)."""
+    if ctx.cfg.data.root is not None:
+        ctx, cuts, root_facts = _from_root(ctx)
     out = ctx.work_dir
     timer = Timer()
     sources = sources or _sources(ctx)  # files and headers of both, before any row is read
@@ -273,7 +321,8 @@ def ingest(ctx: StageContext, stream=local_stream, sources: dict[str, Source] | 
         items, kept_ids = ingest_items(ctx, out, stream, sources["items"])
     ctx.log(f"items: {items.ok:,} ok, {items.quarantined:,} quarantined in {timer.seconds['items']:.1f}s")
     with timer.phase("interactions"):
-        inter = _ingest_interactions(ctx, out, kept_ids, items.limit_reached, stream, sources["interactions"])
+        inter = _ingest_interactions(ctx, out, kept_ids, items.limit_reached, stream, sources["interactions"],
+                                     cuts)
     ctx.log(f"interactions: {inter['ok']:,} ok, {inter['quarantined']:,} quarantined; {inter['n_users']:,} users")
     cut = inter.pop("dense")
     if cut is not None:  # items outside the subset leave items.parquet for its quarantine
@@ -305,9 +354,11 @@ def ingest(ctx: StageContext, stream=local_stream, sources: dict[str, Source] | 
         "items_missing_columns": items.missing_columns,  # type: ignore[attr-defined]
         "min_seq_len_effective": inter["min_seq_len"],
         "max_history": ctx.cfg.data.max_history,
+        "split": inter["split"],  # name; global_time: interactions per period and where it cut
         "skipped_files": skipped,
         "warnings": warnings,
         "dense": None if cut is None else cut.facts,
+        "root": root_facts,  # data.root: the files read, their rows and users
         "timing": timer.facts(),
     }
     if any(skipped.values()):
