@@ -88,11 +88,21 @@ for split in runs[0]["per_user"]:
         for b, per in runs[0].get("baseline_per_user", {}).items():
             if split not in per or k not in per[split]:
                 continue
-            order = {u: i for i, u in enumerate(per[split]["user_ids"])}
-            base = np.asarray(per[split][k])[[order[u] for u in users]]
+            if per[split]["user_ids"] == users:  # row-aligned (also the time split's several rows per user)
+                base = np.asarray(per[split][k])
+            elif len(set(users)) == len(users):
+                order = {u: i for i, u in enumerate(per[split]["user_ids"])}
+                base = np.asarray(per[split][k])[[order[u] for u in users]]
+            else:
+                sys.exit(f"split {split}: {b}'s rows are not in the model's order and users repeat")
             d = model - base
-            boots = d[rng.integers(0, len(d), (2000, len(d)))].mean(axis=1)
+            # Resample users with all their rows (as evaluate's CIs do): rows of one user are not
+            # independent draws.
+            uid, inv = np.unique(np.asarray(users, dtype=str), return_inverse=True)
+            sums, counts = np.bincount(inv, weights=d), np.bincount(inv)
+            pick = rng.integers(0, len(uid), (2000, len(uid)))
+            boots = sums[pick].sum(axis=1) / counts[pick].sum(axis=1)
             lo, hi = np.quantile(boots, [0.025, 0.975])
             print(f"{split} {k}: mean over {len(runs)} maps, model - {b} {d.mean():+.3f} [{lo:+.3f}, {hi:+.3f}] "
-                  f"(paired by user, {len(d)} users)")
+                  f"(paired by row, {len(d)} rows of {len(uid)} users)")
 PY

@@ -101,6 +101,20 @@ def test_users_all_are_the_runs_whole_sequences(seq_run):
     assert users["history"].to_list() == [_history(u) for u in SEQS]
 
 
+def test_users_all_on_a_time_split_run_see_every_period(seq_run, tmp_path):
+    """data.split: global_time writes valid_items / test_items lists (valid_item / test_item
+    null): a user's history is train + every valid-period + every test-period item."""
+    run = tmp_path / "run"
+    shutil.copytree(seq_run, run)
+    frame = pl.DataFrame({"user_id": ["a", "b"], "train_items": [["it1", "it2"], ["it3"]],
+                          "valid_item": [None, None], "test_item": [None, None],
+                          "valid_items": [["it4"], []], "test_items": [["it5", "it6"], ["it7"]]},
+                         schema_overrides={"valid_item": pl.Utf8, "test_item": pl.Utf8})
+    frame.write_parquet(run / "ingest" / "sequences.parquet")
+    users, _ = I.read_users("all", run, 0)
+    assert users["history"].to_list() == [["it1", "it2", "it4", "it5", "it6"], ["it3", "it7"]]
+
+
 def test_users_from_files(seq_run, tmp_path):
     pq.write_table(pl.DataFrame({"user_id": ["x", "y"], "history": [["it1", "it2"], ["it3"]]}).to_arrow(),
                    tmp_path / "u.parquet")

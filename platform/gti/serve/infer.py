@@ -96,8 +96,12 @@ def run_sequences(run_dir: Path, version: int) -> tuple[pl.DataFrame, Path]:
     if path is None:
         raise DataError(f"{run_dir}: no ingest sequences to take the users from; "
                         "give --users FILE with user_id and history columns")
-    seqs = pl.read_parquet(path)
-    hist = pl.concat_list(pl.col("train_items"), pl.col("valid_item"), pl.col("test_item")).list.drop_nulls()
+    from gti.data.sequences import split_lists
+
+    # The period lists: one item each under leave-one-out, every valid/test-period item under
+    # the global time split (where valid_item / test_item are null).
+    seqs = split_lists(pl.read_parquet(path))
+    hist = pl.concat_list(pl.col("train_items"), pl.col("valid_items"), pl.col("test_items")).list.drop_nulls()
     return seqs.select(pl.col("user_id").cast(pl.Utf8), history=hist), path
 
 
