@@ -4,7 +4,8 @@ a reload under load, and `gti infer` against the evaluate stage's decode (issue 
 All on 127.0.0.1, in one process and one local Ray. Arms, interleaved in rounds whose order
 rotates (A B C, B C A, ...):
   A `batched`: the `gti serve` application (gti/serve/deployment.py: ingress + one replica with
-    `serve.threads` torch threads), `serve.max_batch_size` 16, `serve.batch_wait_timeout_s` the config's default on CPU (`--batch-wait`);
+    `serve.threads` torch threads), `serve.max_batch_size` 16 histories (each request here holds
+    one), `serve.batch_wait_timeout_s` the config's default on CPU (`--batch-wait`);
   B `unbatched`: the same with `serve.max_batch_size: 1`;
   C `recommend`: `gti recommend`'s path per history, IN PROCESS: `LoadedRun.open(run_dir,
     version=0).recommend(history, k)` per history, as its cli_main does, without a new
@@ -34,8 +35,11 @@ Usage:  python bench/serve/serve.py [--quick] [--rounds R] [--requests16 N] [--r
 The last line is one JSON object: `requests_per_s`, `p50_ms`, `p99_ms` per arm (`batched@16`,
 `unbatched@16`, `batched@64`, `unbatched@64`, `recommend`); `batched_over_unbatched` (requests/s
 at 16 clients; target >= 4) and `_64`; `errors` (non-200 answers and failed calls, all arms;
-target 0); `largest_batch` (the replica's count); `replica_busy` (per service arm: the
-replica's seconds in the decode over the wall time) and `mean_batch` (requests per decode);
+target 0); `largest_batch` (the replica's count, in requests); `replica_busy` (per service
+arm: the replica's seconds in the decode over the wall time) and `mean_batch` (requests per
+gathered batch; a batch is counted in histories, up to `serve.max_batch_size`, and one request
+here is one history; a batch may run as several decodes within the decode budget:
+bench/serve/plan.py reports the decode sizes);
 `identical_topk`, `max_score_diff`;
 `reload_failed_requests` (target 0), `reload_version_switch_seen` ("0->1": answers went from
 version 0 to 1 once, never back), `reload_bad_identity` (answers naming a version and map hash

@@ -90,6 +90,9 @@ def test_answers_do_not_depend_on_the_budget(services):
     svc = RecommenderService(services[1].run, 1, "h", max_k=100, decode_budget=5_000)
     tight = svc.answer(queries)
     assert svc.decodes["decodes"] > 2 and svc.decodes["peak_tokens"] <= 5_000
+    # each decode's size is counted (GET /info "searches" "sizes": histories in one decode)
+    sizes = svc.decodes["sizes"]
+    assert sum(sizes.values()) == svc.decodes["decodes"] and sum(int(n) * c for n, c in sizes.items()) == 12
     for a, b in zip(free, tight):
         assert [r["item_id"] for r in a["items"]] == [r["item_id"] for r in b["items"]]
         np.testing.assert_allclose([r["score"] for r in a["items"]], [r["score"] for r in b["items"]], atol=1e-4)

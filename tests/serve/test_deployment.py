@@ -178,6 +178,8 @@ def test_cli_main_wires_the_app_without_starting_ray(serve_run, monkeypatch, cap
     assert bound.name == "gti-recommender" and bound.num_replicas == 2
     assert args[0] == run and args[1] is None and args[2]["max_k"] == 5 and args[2]["replicas"] == 2
     assert args[3] == __import__("hashlib").sha256(b"tok").hexdigest() and args[4] is False
+    board = args[5]._bound_deployment  # the replicas' shared version board: start pin, newest, forget_s
+    assert board.name == "gti-versions" and board.num_replicas == 1 and board.init_args == (None, 1, 30.0)
     assert "http://127.0.0.1:8123/" in capsys.readouterr().err
     # A missing version or run folder is one line, before Ray starts.
     assert main(["serve", "--run-dir", run, "--version", "9"]) == 2
@@ -266,3 +268,35 @@ def test_start_serve_passes_other_errors_and_a_quick_start_through(monkeypatch):
     monkeypatch.setattr(D.serve, "start", refused)
     with pytest.raises(ValueError, match="port in use"):
         D.start_serve("127.0.0.1", 8123)
+
+
+def test_rss_and_the_board_client():
+    """A replica's memory for GET /info; the board handle called from a helper thread (as in
+    the replica's constructor, where the event loop refuses a blocking `.result()`)."""
+    import threading
+
+    assert D.rss_mb() > 10
+
+    class _Resp:
+        def __init__(self, value):
+            self.value = value
+
+        def result(self, timeout_s=None):
+            return self.value
+
+    calls = []
+
+    class _Method:
+        def __init__(self, name):
+            self.name = name
+
+        def remote(self, *args):
+            calls.append((self.name, args, threading.current_thread().name))
+            return _Resp({"pin": {"version": args[0] if self.name == "pin" else 1}, "replicas": {}})
+
+    class _Handle:
+        pin, sync = _Method("pin"), _Method("sync")
+
+    c = D.BoardClient(_Handle())
+    assert c.pin(3, 4)["pin"]["version"] == 3 and c.sync("r", None)["pin"]["version"] == 1
+    assert [n for n, _, _ in calls] == ["pin", "sync"] and all(t.startswith("gti-board") for _, _, t in calls)

@@ -116,10 +116,12 @@ class GtiRecommender:
 
     def stats(self) -> dict[str, Any]:
         """This replica's batching so far (GET /info "replica"): batches ("decodes", each one or
-        more searches) < requests = gathered; the loaded version's searches and their peak tokens."""
+        more searches) < requests = gathered; the loaded version's searches, their peak tokens
+        and how many histories each held ("sizes"); the replica's resident memory ("rss_mb")."""
         svc = self.holder.current
-        searches = dict(svc.decodes, budget_tokens=svc.decode_budget) if svc is not None else {}
-        return {**self._stats, "searches": searches}
+        searches = dict(svc.decodes, sizes=dict(svc.decodes["sizes"]), budget_tokens=svc.decode_budget) \
+            if svc is not None else {}
+        return {**self._stats, "searches": searches, "rss_mb": rss_mb()}
 
     async def forward(self, method: str, path: str, query: bytes, headers: list, body: bytes) -> tuple:
         """One HTTP request the ingress forwards, answered by this replica's app."""
@@ -153,6 +155,18 @@ class GtiRecommender:
         holder = getattr(self, "holder", None)
         if holder is not None:
             holder.close()
+
+
+def rss_mb() -> float | None:
+    """This process's resident memory now, in MiB (Linux /proc; None elsewhere): GET /info
+    "replica" reports it so that a soak can see a replica's memory over hours."""
+    import os
+
+    try:
+        with open("/proc/self/statm") as f:
+            return round(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20, 1)
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 class BoardClient:

@@ -155,7 +155,8 @@ class RecommenderService:
         self.run, self.version, self.map_hash = run, int(version), str(map_hash)
         self.unknown_items, self.max_k = unknown_items, min(int(max_k), MAX_K)
         self.decode_budget = decode_budget  # tokens per decode (`decode_tokens`); None: unbounded
-        self.decodes = {"decodes": 0, "peak_tokens": 0}  # what ran: GET /info, the replica's stats
+        # what ran: GET /info, the replica's stats; "sizes": {histories in one decode: decodes}
+        self.decodes: dict[str, Any] = {"decodes": 0, "peak_tokens": 0, "sizes": {}}
         self._index: Any = None  # gti.serve.search.CatalogIndex, built at the first search
         self._index_lock = threading.Lock()
 
@@ -315,6 +316,8 @@ class RecommenderService:
         tokens = decode_tokens(len(prompts), width, max(len(ids) for ids in prompts), run.levels)
         self.decodes["decodes"] += 1
         self.decodes["peak_tokens"] = max(self.decodes["peak_tokens"], tokens)
+        sizes = self.decodes["sizes"]  # str keys: what JSON makes of them anyway
+        sizes[str(len(prompts))] = sizes.get(str(len(prompts)), 0) + 1
         res = constrained_beam_search(run.model, prompts, run.trie, beam_width=width, k=k_dec, levels=run.levels,
                                       pad_id=run.pad_id, constrained=True, batch_users=len(prompts))
         out = []
