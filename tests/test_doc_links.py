@@ -9,7 +9,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", ROOT / "bench" / "RESULTS.md", ROOT / "tests" / "README.md",
-        *sorted((ROOT / "docs").glob("*.md"))]
+        *sorted((ROOT / "bench").glob("*/*.md")), *sorted((ROOT / "docs").glob("*.md"))]
 LINK = re.compile(r"\]\(([^)\s]*)\)")
 
 
