@@ -53,7 +53,7 @@ demo: $(STAMP)
 # counts (held to the budget in tests/conftest.py) under runs/ci/ (printed by .ci/run).
 # Both halves run on $(TEST_WORKERS) pytest-xdist workers, a whole test file per worker at a time
 # (tests/conftest.py: LONGEST_FIRST); on the 2-core machine one worker left a third of the
-# cores idle while Ray Train workers started (bench/RESULTS.md "Test suite").
+# cores idle while Ray Train workers started (bench/test-suite/RESULTS.md "Test suite").
 TEST_WORKERS ?= 2
 XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 

@@ -31,7 +31,7 @@ os.environ.setdefault(SERVE_PROXY_READY_ENV, LOCAL_SERVE_PROXY_READY_S)
 
 # What the slow suite may start in one session (tests/run_budget.py; issue 27). Counted, not
 # timed: each Ray Train run costs ~25-35 s of worker start-up on the 2-core machine and each Ray
-# instance ~3-5 s. Set from the measured suite (bench/RESULTS.md "Test suite", issue 27): 23
+# instance ~3-5 s. Set from the measured suite (bench/test-suite/RESULTS.md "Test suite", issue 27): 23
 # Train runs (39 before), 24 with the rl stage's (tests/stages/test_rl.py; the RL loop's
 # resume and best-checkpoint rules run in one process, tests/train/test_rl_task.py), 23 since the
 # two-node job test trains no SFT; Ray: one session Ray per xdist worker, two gti commands' own and the
@@ -59,7 +59,7 @@ def free_port() -> int:
 # at a time (`--dist loadfile`: module fixtures, such as one `gti vocab ground` run serving four
 # tests, stay in one process), in collection order (`--no-loadscope-reorder`). The longest
 # slow files go first, so that neither worker is left with a long file when the other is done
-# (durations: runs/ci/slow-durations.txt, bench/RESULTS.md "Test suite"). Order only: a file
+# (durations: runs/ci/slow-durations.txt, bench/test-suite/RESULTS.md "Test suite"). Order only: a file
 # missing here still runs, after these.
 LONGEST_FIRST = [
     "tests/e2e/test_multinode.py", "tests/train/test_loop.py", "tests/experiments/test_tune.py",

@@ -32,7 +32,7 @@ What it does:
    report's `_user_means`).
 5. Writes bench/proof/smollm2/sasrec.json, whose "record" block has a run record's layout
    (arm "sasrec"), so bench/proof/proof_summary.py and the report read SASRec as one more arm;
-   prints a markdown table for bench/RESULTS.md and the paired differences.
+   prints a markdown table for bench/proof/RESULTS.md and the paired differences.
 
 `--quick` (what `make bench` passes): the first 30 test users and 2 SASRec epochs (the sweep
 off: one fixed setting, `sasrec_params`), written under --work (the committed sasrec.json is

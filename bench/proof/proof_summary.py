@@ -1,5 +1,5 @@
 """The proof comparison's figures from its committed records, whatever runs have finished
-(bench/RESULTS.md, "All seven runs"): per-seed test metrics, the report's own metrics table with
+(bench/proof/RESULTS.md, "All seven runs"): per-seed test metrics, the report's own metrics table with
 `mean`, then `random`, then `sasrec` as the reference arm (2,000 user-bootstrap resamples, lifts
 paired over users, an arm's seeds pooled per user), the geometry after grounding and SFT, and how
 much of the histories the proof config's `data.max_history` keeps (when its dense subset, `gti

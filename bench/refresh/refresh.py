@@ -394,7 +394,7 @@ def _cell(c: dict | None, digits: int = 3) -> str:
 
 
 def markdown_table(out: dict) -> str:
-    """The bench's JSON as markdown for bench/RESULTS.md: per slice, every arm and baseline
+    """The bench's JSON as markdown for bench/refresh/RESULTS.md: per slice, every arm and baseline
     (Recall@K, MRR and the new items' share of the top K with CIs, users, wall time), then the
     paired differences."""
     cols = [*(f"recall@{k}" for k in out["ks"]), "mrr", f"new_share@{max(out['ks'])}"]

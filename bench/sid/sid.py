@@ -14,7 +14,7 @@ Data sets (identical arrays go to both sides):
 - `synthetic`: hash-embedded synthetic items (`gti.embed.encoders.HashEncoder`, 128-d): each
   item is 12 words of one of 2,000 topics plus 4 random words, so there is cluster structure.
 
-Compared (4 levels x 256 codes; one torch thread each, as in bench/RESULTS.md "Semantic IDs"):
+Compared (4 levels x 256 codes; one torch thread each, as in bench/sid/RESULTS.md "Semantic IDs"):
 - ours RQ-VAE (`gti.sid.rqvae` with the `sid` stage's defaults: Xavier init, k-means init on
   real residuals, STE, every level trained on Sinkhorn-balanced codes, dead-code revival every
   epoch and, after the last, of the codes the greedy assignment leaves unused) vs peer
@@ -316,7 +316,7 @@ FITS = {"ours": fit_ours, "faiss": fit_faiss, "plain": fit_plain}
 
 def interleaved_fits(x: np.ndarray, rounds: int, fit_n: int = 65536) -> dict:
     """Our balanced fit, faiss's and our plain one, in turn `rounds` times, the order rotated
-    every round: this VM's speed moves by up to 2x within minutes (bench/RESULTS.md, "Balanced
+    every round: this VM's speed moves by up to 2x within minutes (bench/sid/RESULTS.md, "Balanced
     k-means in faiss's iterations"), so fit times measured minutes apart do not make a ratio.
     -> {"ours": [s, ...], "faiss": [s, ...], "plain": [s, ...]}"""
     names = list(FITS)

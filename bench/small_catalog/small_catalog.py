@@ -13,7 +13,7 @@ content hashes of every output table: the key changes where work runs, never wha
     python bench/small_catalog/small_catalog.py --quick    # 1 round, tiny.yaml
 
 Last line: JSON with `<arm>_<stage>_s`, `<arm>_total_s`, `local_over_ray_<stage>` (below 1 =
-faster in the driver), `same_outputs` and the load average. Record figures in bench/RESULTS.md
+faster in the driver), `same_outputs` and the load average. Record figures in bench/small_catalog/RESULTS.md
 with the machine's load (`uptime`).
 """
 

@@ -22,7 +22,7 @@ Variants (interleaved: A B C D E, A B C D E, ... `--rounds` times):
 
 Prints one line per trial and a last JSON line: per variant the median seconds of the first
 run and of the later runs in a trial, and each variant's ratio to `runtime_env`
-(`<variant>_over_runtime_env`, below 1 = faster). Record figures in bench/RESULTS.md with the
+(`<variant>_over_runtime_env`, below 1 = faster). Record figures in bench/train_startup/RESULTS.md with the
 machine's load (`uptime`).
 """
 

@@ -85,11 +85,14 @@ class RefreshConfig(_Strict):
     <run_dir>/refresh/)."""
 
     on_full_group: Literal["error", "add_tokens"] = Field(
-        "error",
+        "add_tokens",
         description="a new item whose prefix group has no free code needs a token the vocabulary lacks (always "
-        "listed in needs_new_tokens.json): error stops the refresh with one line; add_tokens grows the last level "
-        "by as many codes as the fullest group needs (old SIDs unchanged), appends the tokens to the tokenizer "
-        "and model (rows start at their level's mean), and the parent's model then refuses the grown map",
+        "listed in needs_new_tokens.json): add_tokens (the default) grows the last level by as many codes as the "
+        "fullest group needs (old SIDs unchanged), appends the tokens to the tokenizer and model (rows start at "
+        "their level's mean; the refresh's grounding trains them with the other SID rows), and the parent's "
+        "model then refuses the grown map (the refresh's own model serves it); error stops the refresh with one "
+        "line. Chosen over moving such items to the nearest group with a free code by "
+        "bench/refresh/full_group.py (docs/refresh.md#full-prefix-groups)",
     )
     replay_ratio: float = Field(
         1.0, ge=0, description="old grounding pairs replayed per new-item pair in the grounding pass (0: new only)")
@@ -98,7 +101,7 @@ class RefreshConfig(_Strict):
         "assign SIDs only (the model is exported unchanged with the new map version)")
     ground_lr: float | None = Field(
         None, gt=0, description="grounding lr (None: REFRESH_LR_SCALE = 0.1 x ground.lr: a refresh continues from "
-        "trained rows, and at the full lr old items lost recall; bench/RESULTS.md \"New items\")")
+        "trained rows, and at the full lr old items lost recall; bench/refresh/RESULTS.md \"New items\")")
     sft_steps: int = Field(0, ge=0, description="short SFT on the new interactions (0 = off; needs --interactions)")
     sft_lr: float | None = Field(None, gt=0, description="lr of that SFT (None: sft.lr)")
     sft_replay_ratio: float = Field(

@@ -66,7 +66,7 @@ class ServeConfig(StrictModel):
     batch_wait_timeout_s: float | None = Field(
         None, ge=0, description="longest a request waits for others to fill its batch (a full batch goes at once); "
                                 "None: 0.25 s on CPU, where a decode takes seconds and the clients it answered "
-                                "come back together (bench/RESULTS.md, \"gti serve at the decode ceiling\"), "
+                                "come back together (bench/serve/RESULTS.md, \"gti serve at the decode ceiling\"), "
                                 "0.01 s on a GPU")
     max_k: int = Field(100, ge=1, le=MAX_K_LIMIT, description="largest k a request may ask for")
     max_body_bytes: int = Field(65536, ge=64, description="larger request bodies are refused with 413")
@@ -74,7 +74,7 @@ class ServeConfig(StrictModel):
     infer_batch_users: int = Field(
         32, ge=1, description="histories per constrained beam search in `gti infer` (a throughput job: larger than "
                               "eval.batch_users, which bounds the evaluate stage's memory per actor; --batch-users "
-                              "overrides; bench/RESULTS.md, \"gti serve at the decode ceiling\")")
+                              "overrides; bench/serve/RESULTS.md, \"gti serve at the decode ceiling\")")
     unknown_items: Literal["ignore", "error"] = Field(
         "ignore", description="history ids not in the catalog: 'ignore' drops and reports them, 'error' answers 422")
     exclude_history: bool = Field(

@@ -3,7 +3,7 @@
 What it is for: every pass over a catalog-sized parquet file (embeddings, codes, maps, items).
 Arrow's `ParquetFile` pre-buffers column chunks by default, and `iter_batches` then reads ahead
 of what it hands out: one pass over a 10M-row embeddings file held 2.2 GB, against 0.86 GB
-without pre-buffering and 0.84 GB for a 1M-row file (bench/RESULTS.md, "A sid driver that does
+without pre-buffering and 0.84 GB for a 1M-row file (bench/scale_memory/RESULTS.md, "A sid driver that does
 not grow"). `open_parquet` opens a file with pre-buffering off; `iter_parquet` streams its
 record batches.
 

@@ -26,7 +26,7 @@ per-operator progress bars when stdout is not a terminal, so logs stay readable 
   of Ray's 2 s (`RAY_TRAIN_HEALTH_CHECK_INTERVAL_S`, inherited by the processes Ray starts),
   unless the user set that variable: Ray Train V2's `ray.train.report()` waits for the
   controller's next poll, so every metric report and checkpoint of a short run idled up to 2 s
-  (bench/RESULTS.md, "Demo and test-suite wall times"). A
+  (bench/test-suite/RESULTS.md, "Demo and test-suite wall times"). A
   poll is one small actor call per worker, so 2 a second cost little. A joined cluster keeps
   its own setting (the controller runs there, with the cluster's environment). Likewise Ray
   Serve's controller gives a new HTTP proxy `LOCAL_SERVE_PROXY_READY_S` to start instead of 5 s.

@@ -6,7 +6,7 @@ ranks highest, with their scores (sum of log-probabilities of the L SID tokens, 
 log-softmax over the FULL vocabulary, so scores equal those of transformers `generate` with
 `length_penalty=0`).
 
-How it is fast (bench/RESULTS.md, "Constrained decoding"): transformers `generate` copies
+How it is fast (bench/decode/RESULTS.md, "Constrained decoding"): transformers `generate` copies
 every prompt to all beams before the prefill (U users x W beams prompt rows, most of its time).
 Here the prompts are left-padded into one batch and prefilled ONCE per user; the KV cache is
 then repeated across the W beams (`DynamicCache.batch_repeat_interleave`) and only L-1

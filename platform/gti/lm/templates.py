@@ -245,7 +245,7 @@ def render_compact_prompt(tokenizer, history_sid_ids: Sequence[Sequence[int]], t
     back to back (`render_sequence_prompt`), then the chat template's assistant header
     (`ChatSkeleton.suffix_ids`), which marks where the answer (next SID + end of turn) starts;
     no system prompt, no template text (`template`, `system_prompt` are ignored). A chat prompt
-    spends most of its tokens on scaffolding (bench/RESULTS.md, "Training step throughput")."""
+    spends most of its tokens on scaffolding (bench/train_throughput/RESULTS.md, "Training step throughput")."""
     ids = render_sequence_prompt(tokenizer, history_sid_ids, sid_wrap=sid_wrap)
     ids.extend(chat_skeleton(tokenizer, "").suffix_ids)
     return ids

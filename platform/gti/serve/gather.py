@@ -3,7 +3,7 @@
 What it is for: a replica's constrained beam search is compute-bound on CPU (seconds per call).
 Ray Serve's `@serve.batch` forms a batch when its first request arrives (then waits
 `batch_wait_timeout_s`) even while the previous batch is still decoding, so under load the
-batches queue up small, one behind the other (bench/RESULTS.md, "gti serve on an idle machine").
+batches queue up small, one behind the other (bench/serve/RESULTS.md, "gti serve on an idle machine").
 `Gatherer` forms the next batch only when the decoder is free: everything queued by then, up to
 `max_batch_size`, goes into one call, after at most `wait_s` for the batch to fill (no wait
 once it is full). The batch is measured by `size(item)` (a replica: the histories of a request,

@@ -6,7 +6,7 @@ Plain k-means computes distances in chunks so that N x K never has to fit in mem
 Balanced k-means (`balanced_kmeans`) runs plain Lloyd steps until inertia stops falling, then a
 few balanced steps whose Sinkhorn prices are learned on a fixed row sample and warm-started from
 the step before: as fast as faiss's plain k-means at equal iterations, with lower reconstruction
-error and fewer SID collisions than 25 fully balanced steps (bench/RESULTS.md, "Balanced k-means
+error and fewer SID collisions than 25 fully balanced steps (bench/sid/RESULTS.md, "Balanced k-means
 at faiss speed").
 
 What it does not know: which level or residual it is clustering, training, Ray. Randomness comes
@@ -51,7 +51,7 @@ def sq_dists(x: torch.Tensor, c: torch.Tensor, c_sq: torch.Tensor | None = None)
 def row_argmin(m: torch.Tensor) -> torch.Tensor:
     """LongTensor [N]: the first index of each row's minimum of m [N, K], as torch.argmin gives
     it. On CPU float32 / float64 numpy's SIMD argmin finds it (~9x faster than torch's row
-    argmin on [1024, 256]: bench/RESULTS.md, "Balanced k-means with a scaling-domain
+    argmin on [1024, 256]: bench/sid/RESULTS.md, "Balanced k-means with a scaling-domain
     Sinkhorn"); elsewhere torch's."""
     if m.device.type != "cpu" or m.dtype not in (torch.float32, torch.float64):
         return m.argmin(dim=1)
@@ -66,7 +66,7 @@ def row_min(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 # k-means++ draws its seeds from at most KPP_CANDIDATES_PER_CODE * k rows, chosen at random: its
 # k sequential passes then cost the same at 4,385 rows as at 65,536, where over every row they
-# took as long as all 25 Lloyd steps (bench/RESULTS.md, "Plain k-means at faiss speed": no
+# took as long as all 25 Lloyd steps (bench/sid/RESULTS.md, "Plain k-means at faiss speed": no
 # measurable change in reconstruction over 10 paired seeds). faiss seeds from k random rows;
 # k-means++ over 4k of them still spreads the seeds out.
 KPP_CANDIDATES_PER_CODE = 4
@@ -208,9 +208,9 @@ def _lloyd_update(x: torch.Tensor, assign: torch.Tensor, dist: torch.Tensor,
 # BALANCE_SINKHORN_ITERS iterations (warm-started: the prices move little between steps) or
 # until the column masses are within SINKHORN_TOL of uniform, on PRICE_SAMPLE evenly spaced
 # rows; the final assignment gets the config's `sinkhorn_iters`. Chosen on the bundled catalog
-# and the 1M synthetic set (bench/RESULTS.md, "Balanced k-means at faiss speed"). The Sinkhorn
+# and the 1M synthetic set (bench/sid/RESULTS.md, "Balanced k-means at faiss speed"). The Sinkhorn
 # runs in the scaling domain (two matrix-vector products per iteration, not two log-sum-exps:
-# bench/RESULTS.md, "Balanced k-means with a scaling-domain Sinkhorn").
+# bench/sid/RESULTS.md, "Balanced k-means with a scaling-domain Sinkhorn").
 BALANCED_TOL = 1e-4
 BALANCE_STEPS = 8
 BALANCE_SINKHORN_ITERS = 10

@@ -43,7 +43,7 @@ def resolve_encode_dtype(setting: str, device: str = "cpu") -> str:
 
     bf16 changes the greedy code of some items whose two nearest codes are near-equidistant
     for equally good ones: recon MSE, utilisation and collisions were unchanged on the bench's
-    MiniLM set (bench/RESULTS.md, "Semantic IDs").
+    MiniLM set (bench/sid/RESULTS.md, "Semantic IDs").
     """
     if setting == "auto":
         return "bfloat16" if native_bf16(device) else "float32"
@@ -205,7 +205,7 @@ class RQVAE(nn.Module):
         assignment batch sizes each [B, hidden] temporary is megabytes, and allocating it
         once instead of twice per layer is a measurable part of assignment time. With dtype
         bfloat16 the weights are cast per call (cheap next to a batch) and the MLP runs in
-        bf16, faster on CPUs with native bf16 (bench/RESULTS.md, "Semantic IDs"); the output
+        bf16, faster on CPUs with native bf16 (bench/sid/RESULTS.md, "Semantic IDs"); the output
         returns to float32.
         """
         lins = [m for m in self.encoder if isinstance(m, nn.Linear)]

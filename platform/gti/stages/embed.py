@@ -225,7 +225,7 @@ def run(ctx: StageContext) -> StageResult:
                   device=device, items_path=str(items_path), parts_dir=str(parts_dir))
     if n_items <= cfg.local_max_items and cfg.embed.concurrency == 1 and not cfg.embed.num_gpus:
         # One CPU actor would do all of it: the same class here, without its start-up
-        # (bench/RESULTS.md, "Small catalogs without Ray Data").
+        # (bench/small_catalog/RESULTS.md, "Small catalogs without Ray Data").
         ctx.log(f"{n_items:,} items <= local_max_items ({cfg.local_max_items:,}): embedded in this process")
         results = _local_results(kwargs, ranges)
     else:

@@ -130,7 +130,7 @@ def ray_stream(tasks: list[ReadTask], kind: str, columns, max_text_chars: int, p
 
 def _small_local_stream(tasks: list[ReadTask], kind: str, columns, max_text_chars: int, parallelism):
     """A source of one read task (one small file) has nothing for Ray Data to run in parallel,
-    and a task's start-up is most of its time (bench/RESULTS.md, "Small catalogs without Ray
+    and a task's start-up is most of its time (bench/small_catalog/RESULTS.md, "Small catalogs without Ray
     Data"): it is read in this process, the same batches. More tasks: `ray_stream`."""
     if len(tasks) <= 1:
         yield from local_stream(tasks, kind, columns, max_text_chars, parallelism)

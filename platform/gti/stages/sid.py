@@ -26,7 +26,7 @@ SID per item and the artefacts later stages need:
    embeddings' ids), hashed as it is written when the ids come sorted, else from the finished
    file by sorted runs. The driver holds one bucket of the colliding prefix groups, one
    Sinkhorn sample and window, and the residual cache (`sid.resolve_cache_mb`): nothing that
-   grows with the catalog (bench/RESULTS.md, "A sid driver that does not grow").
+   grows with the catalog (bench/scale_memory/RESULTS.md, "A sid driver that does not grow").
 
 Every random draw (the k-means sample, k-means++ seeding, RQ-VAE init and batches, the
 Sinkhorn samples) is seeded by `map_seed`: `sid.seed`, or the run's `seed` when it is None, so
@@ -168,7 +168,7 @@ def assign_all(ctx: StageContext, emb_path: Path, qdir: Path, n_items: int, out:
     kwargs = {"weights": (qdir / WEIGHTS_NAME).read_bytes(), "meta": (qdir / CONFIG_NAME).read_text(),
               "device": "cuda" if s.use_gpu else "cpu"}
     if n_items <= ctx.cfg.local_max_items:
-        # The pool's start-up is most of a small catalog's assignment (bench/RESULTS.md, "Small
+        # The pool's start-up is most of a small catalog's assignment (bench/small_catalog/RESULTS.md, "Small
         # catalogs without Ray Data"). One thread, as in a one-CPU actor: a near tie must not
         # depend on where the codes were computed.
         ctx.log(f"{n_items:,} items <= local_max_items ({ctx.cfg.local_max_items:,}): assigned in this process")
