@@ -1,0 +1,47 @@
+"""bench/serve/soak.py: how a cycle's version mix is read from the answers (pure), and (bench) the
+--quick soak end to end (the tiny run, 2 replicas, 16 clients, ~50 s, refreshes published and
+reloaded every 15 s): no failed request, every cycle settled with one version, RSS reported."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from testkit import load_bench
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_a_cycle_is_mixed_when_answers_after_settling_name_two_versions():
+    b = load_bench("serve/soak")
+    marks = [{"version": 2, "refresh_s": 3.0, "reload_status": 202, "settle_s": 1.0, "t_start": 7.0,
+              "t_reload": 10.0, "t_settled": 11.0, "rss_mb": {}},
+             {"version": 3, "refresh_s": 3.0, "reload_status": 202, "settle_s": 1.0, "t_start": 17.0,
+              "t_reload": 20.0, "t_settled": 21.0, "rss_mb": {}}]
+    # 18.5: v3 published by the second cycle's refresh, taken by a poll before its reload: not a mix
+    answers = [(10.5, True, 1, 0.1), (11.5, True, 2, 0.1), (15.0, True, 2, 0.1), (16.9, True, 2, 0.1),
+               (18.5, True, 3, 0.1), (20.5, True, 2, 0.1), (21.5, True, 3, 0.1), (22.0, True, 2, 0.1),
+               (23.0, False, None, 0.1)]
+    out = b.summarise(answers, marks, end=30.0)
+    assert [c["versions_after_settle"] for c in out] == [[2], [2, 3]]
+    assert [c["mixed"] for c in out] == [False, True]
+
+
+@pytest.mark.bench
+@pytest.mark.slow
+@pytest.mark.ray
+@pytest.mark.timeout(1500)
+def test_serve_soak_quick(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "serve" / "soak.py"), "--quick", "--work",
+                           str(tmp_path)], capture_output=True, text=True, timeout=1450, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["bench"] == "serve-soak" and out["replicas"] == 2 and out["clients"] == 16
+    assert out["requests"] > 0 and out["failed_requests"] == 0 and out["cycle_errors"] == []
+    assert len(out["cycles"]) >= 1 and out["mixed_cycles"] == 0
+    assert all(c["reload_status"] == 202 and len(c["versions_after_settle"]) <= 1 for c in out["cycles"])
+    assert len(out["rss_mb_start"]) == 2 and all(v for v in out["rss_mb_end"].values())
+    assert not list(tmp_path.glob("soak-*"))  # the run's copy is gone
