@@ -303,7 +303,7 @@ def test_full_prefix_group_fails_with_one_line(base_run, data, tmp_path, capsys)
     copies = pl.concat([row.with_columns(pl.lit(f"copy{i}").alias("item_id")) for i in range(extra + 1)])
     copies.write_parquet(tmp_path / "copies.parquet")
     rc = main(["refresh", "--run-dir", str(run), "--items", str(tmp_path / "copies.parquet"),
-               "refresh.ground_steps=0"])
+               "refresh.ground_steps=0", "refresh.on_full_group=error"])  # the opt-in stop
     err = capsys.readouterr().err.strip().splitlines()
     # Progress lines ([refresh] ...) come first; the error is one line, the last.
     errors = [ln for ln in err if ln.startswith("gti: error:")]
@@ -317,11 +317,15 @@ def test_full_prefix_group_fails_with_one_line(base_run, data, tmp_path, capsys)
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_full_prefix_group_with_add_tokens_grows_the_last_level(base_run, data, tmp_path, capsys):
-    """The full group of the test above with `refresh.on_full_group=add_tokens` and 8 grounding
-    steps on the copies' pairs: every copy gets a unique SID (old ones unchanged), the version records the grown
-    size, the model has the added tokens (rows trained from their level's mean), `gti recommend
-    --version 1` loads it, and the run's own model refuses the grown map naming the tokens."""
+def test_a_full_prefix_group_is_served_by_default(base_run, data, tmp_path, capsys):
+    """A product line: 12 near-identical new items (one item's text, each title with its own
+    size) on the small map, refreshed with the DEFAULTS but 8 grounding steps (issue 51 item
+    10: `refresh.on_full_group` is `add_tokens` by default, chosen on bench/refresh/full_group.py):
+    the group overflows and the last level grows instead of the refresh stopping; every item gets
+    a unique SID (old ones unchanged), the version records the grown size, the model has the
+    added tokens (rows trained from their level's mean), `gti recommend --version 1` loads it, a
+    serving replica's poll swaps it in and knows every new item, and the run's own model
+    refuses the grown map naming the tokens."""
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
@@ -335,19 +339,23 @@ def test_full_prefix_group_with_add_tokens_grows_the_last_level(base_run, data, 
     run = _copy(base_run, tmp_path / "run")
     sizes = [int(k) for k in Manifest.read(run / "sid").fact("codebook_sizes")]
     row = pl.read_parquet(data[0] / "base_items.parquet").head(1)
-    copies = pl.concat([row.with_columns(pl.lit(f"copy{i}").alias("item_id")) for i in range(sizes[-1] + 1)])
+    n_new = max(12, sizes[-1] + 1)  # more than the de-duplication level holds
+    copies = pl.concat([row.with_columns(pl.lit(f"copy{i}").alias("item_id"),
+                                         (pl.col("title") + f" ({50 * (i + 1)} ml)").alias("title"))
+                        for i in range(n_new)])
     copies.write_parquet(tmp_path / "copies.parquet")
+    assert C.load(None, []).refresh.on_full_group == "add_tokens"
     res = refresh(run, tmp_path / "copies.parquet", None,
-                  ["refresh.on_full_group=add_tokens", "refresh.ground_steps=8", "refresh.replay_ratio=0",
-                   "ground.batch_size=4"], log=lambda m: None)
+                  ["refresh.ground_steps=8", "refresh.replay_ratio=0", "ground.batch_size=4"], log=lambda m: None)
     base, new = _map(run / "sid" / "sid_map.parquet"), _map(res.map_path)
     assert all(new[i] == s for i, s in base.items()) and len(set(new.values())) == len(new)
     assert set(new) - set(base) == set(copies["item_id"]) and res.facts["assigned"] == copies.height
     listed = json.loads((res.dir / "needs_new_tokens.json").read_text())
-    n_add = len(listed)  # identical copies: one prefix group, so it grows by as many as it lacked
+    n_listed = len(listed)  # near-identical: one group (or a few), grown by what the fullest lacked
     v = read_version(res.map_path)
-    assert n_add >= 1 and list(v.codebook_sizes) == sizes[:-1] + [sizes[-1] + n_add]
-    assert res.facts["codebook_sizes"] == list(v.codebook_sizes) and res.facts["full_groups"] == n_add
+    n_add = v.codebook_sizes[-1] - sizes[-1]
+    assert n_listed >= 1 and 1 <= n_add <= n_listed and list(v.codebook_sizes[:-1]) == sizes[:-1]
+    assert res.facts["codebook_sizes"] == list(v.codebook_sizes) and res.facts["full_groups"] == n_listed
     added = res.facts["added_tokens"]
     assert len(added) == n_add and res.facts["steps"]["ground"] == 8
     # the tokenizer and the embedding have the added tokens, after the parent's
@@ -370,7 +378,19 @@ def test_full_prefix_group_with_add_tokens_grows_the_last_level(base_run, data, 
     assert rec.model_dir == res.model_dir and set(copies["item_id"]) <= set(rec.item_ids)
     on_new = json.loads((res.dir / "sid" / "new_items.json").read_text())["on_new_codes"]
     sid_ids = dict(zip(rec.item_ids, rec.sid_matrix.tolist()))
-    assert len(on_new) == n_add and all(end0 <= sid_ids[i][-1] < end0 + n_add for i in on_new)
+    assert len(on_new) == n_listed and all(end0 <= sid_ids[i][-1] < end0 + n_add for i in on_new)
+    # A serving replica started on the run's own stages swaps v1 in at its poll and serves them.
+    from gti.serve.reload import ServiceHolder
+    from gti.serve.service import RecommenderService
+
+    holder = ServiceHolder(lambda k: RecommenderService.load(run, k), run)
+    assert holder.load_initial(0).version == 0
+    holder._board.pin(0, 0)  # as if v1 were published after the start (pinned while 0 was the newest)
+    assert holder.poll() is True
+    holder._thread.join(120)
+    assert holder.status()["state"] == "swapped" and holder.current.version == 1, holder.status()
+    ans = holder.current.recommend([["copy0", "copy1"]], 3)[0]
+    assert ans["unknown_items"] == [] and set(copies["item_id"]) <= set(holder.current.run.item_ids)
     capsys.readouterr()
     assert main(["recommend", "--run-dir", str(run), "--version", "1", "--history", "copy0", "--k", "3"]) == 0
     assert "refresh/v1" in capsys.readouterr().out
@@ -386,7 +406,7 @@ def test_refresh_config_keys_are_validated():
     with pytest.raises(ConfigError, match="refresh.on_full_group"):
         C.load(None, ["refresh.on_full_group=grow"])
     assert C.load(None, ["refresh.on_full_group=add_tokens"]).refresh.on_full_group == "add_tokens"
-    assert C.load(None, []).refresh.on_full_group == "error"
+    assert C.load(None, []).refresh.on_full_group == "add_tokens"
     with pytest.raises(ConfigError, match="unknown key 'refresh.nope'"):
         C.load(None, ["refresh.nope=1"])
     with pytest.raises(ConfigError, match="refresh.replay_ratio"):

@@ -1,6 +1,6 @@
 """gti.refresh.new_items: embeddings by the run's encoder, SIDs from the frozen quantiser that never
-move an old one (a full prefix group stops the refresh with the list written, or with
-`refresh.on_full_group=add_tokens` grows the last level for it), and the replay
+move an old one (a full prefix group grows the last level for it by default,
+`refresh.on_full_group=add_tokens`, or with `error` stops the refresh with the list written), and the replay
 sample of old training pairs (on the fake run of conftest.py: codes (a, b) for a vector
 (10a, b); the map's de-duplication level holds 2 items per group, (0, 0) is full)."""
 
@@ -64,7 +64,7 @@ def test_assign_keeps_old_sids_and_records_the_version(make_job, fake_run):
 
 
 def test_a_full_prefix_group_stops_with_the_list_written(make_job):
-    job = make_job()
+    job = make_job("unused.csv", None, "refresh.on_full_group=error")  # opt-in since issue 51
     _embeddings(job, {"n1": (0, 0), "n2": (10, 2)})
     with pytest.raises(RefreshError, match=r"1 new item\(s\) need a SID token the vocabulary lacks \(e.g. 'n1'.*"
                                            r"refresh.on_full_group=error \(set refresh.on_full_group=add_tokens"):
@@ -77,7 +77,7 @@ def test_a_full_prefix_group_stops_with_the_list_written(make_job):
 def test_add_tokens_grows_the_last_level_for_a_full_group(make_job, fake_run):
     from gti.sid.versions import read_version
 
-    job = make_job("unused.csv", None, "refresh.on_full_group=add_tokens")
+    job = make_job()  # the default: refresh.on_full_group=add_tokens
     # (0, 0) holds a0 and a1: both codes of the de-duplication level; n1, n4 and n5 need one more each
     _embeddings(job, {"n1": (0, 0), "n2": (10, 2), "n4": (0, 0), "n5": (0, 0), "n6": (30, 3)})
     f = assign_step(job)

@@ -2,7 +2,7 @@
 
 What it is for: a catalog gains items after a run has trained. `refresh(run_dir, items,
 interactions)` gives them SIDs made of the run's existing code tokens (plus a few added ones
-where a prefix group is full and `refresh.on_full_group: add_tokens`), teaches the model what
+where a prefix group is full: `refresh.on_full_group: add_tokens`, the default), teaches the model what
 they mean with a short grounding pass, and writes a new SID-map version that descends from the
 run's (so evaluation and `gti recommend` accept it for the old model as well as for the new):
 
@@ -22,9 +22,11 @@ run's (so evaluation and `gti recommend` accept it for the old model as well as 
    map (with the parent version's codebook sizes) without changing any existing SID (the
    de-duplication level takes the smallest free code of the prefix group). Items that would
    need a new token (a full prefix group) are listed in `needs_new_tokens.json`. With
-   `refresh.on_full_group: error` (the default) the refresh then stops with one line. With
-   `add_tokens`, `gti.sid.map_edits.add_last_level_codes` grows the last level by as many codes
-   as the fullest group needs and puts those items on them (old SIDs still unchanged). The new
+   `refresh.on_full_group: add_tokens` (the default: bench/refresh/full_group.py measured it
+   against moving them to the nearest group with a free code),
+   `gti.sid.map_edits.add_last_level_codes` grows the last level by as many codes as the
+   fullest group needs and puts those items on them (old SIDs still unchanged); with `error`
+   the refresh stops with one line instead. The new
    map is written with its version record (parent hash, codebook sizes, grown or not) and added
    to `<run>/refresh/lineage/`; a grown map still descends from its parent
    (`gti.sid.versions.identity_problem`), but a model whose vocabulary lacks the added tokens

@@ -10,7 +10,7 @@ What it is for:
   `new_items.json`. The parent map's sizes are the parent version's (an earlier refresh may
   have grown the last level). Items that would need a new token are listed in
   `needs_new_tokens.json`; with `refresh.on_full_group: error` the refresh stops with one
-  RefreshError line, with `add_tokens` `gti.sid.map_edits.add_last_level_codes` puts them on
+  RefreshError line, with `add_tokens` (the default) `gti.sid.map_edits.add_last_level_codes` puts them on
   added last-level codes and the version records the grown sizes (the tokens step,
   `gti.refresh.tokens`, then adds the tokens to the model).
 - `pairs_step(job)`: the new items' grounding pairs (the pairs stage's renderer
