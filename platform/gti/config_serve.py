@@ -85,7 +85,9 @@ class ServeConfig(StrictModel):
         "GTI_SERVE_TOKEN", min_length=1,
         description="name of the environment variable holding the bearer token (<name>_FILE: a file holding it)")
     reload_poll_s: float = Field(
-        2.0, ge=0, description="how often each replica looks for a newly published refresh version (0: never)")
+        2.0, ge=0, description="how often each replica looks for a newly published refresh version and for the "
+                               "version POST /admin/reload pinned for all replicas: every replica serves the same "
+                               "version within this plus one model load (0: never; replicas then follow neither)")
     max_search_results: int = Field(50, ge=1, le=MAX_K_LIMIT, description="largest limit of GET /items")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="where replicas decode (auto: cuda if present)")
 
