@@ -202,3 +202,18 @@ def test_a_replica_that_cannot_load_the_pin_keeps_its_version_and_says_so(publis
     a.poll()
     rep = a.replicas()
     assert rep["agree"] is False and rep["each"]["b"]["state"] == "failed" and rep["each"]["b"]["version"] == 1
+
+
+def test_a_replica_starting_while_the_board_is_down_loads_the_apps_start_version(publishable):
+    """The shared board not answering yet (Serve still starting it): the replica loads the
+    version the app was started with (its --version), not the newest, and joins the board later."""
+    class _Down:
+        def pin(self, version, published):
+            raise TimeoutError("board not up")
+
+        def sync(self, replica, report):
+            raise TimeoutError("board not up")
+
+    h = ServiceHolder(_fake, publishable["run"], board=_Down(), replica="a")
+    assert h.load_initial(0).version == 0  # the newest is 1
+    assert h.poll() is False and h.current.version == 0  # no pin known: it keeps what it serves

@@ -174,7 +174,7 @@ class BoardClient:
     each call in a helper thread (the replica's constructor runs in its event loop, where a
     handle's `.result()` is refused) and bounded by `timeout_s` (the holder keeps its last pin)."""
 
-    def __init__(self, handle: Any, timeout_s: float = 10.0) -> None:
+    def __init__(self, handle: Any, timeout_s: float = 30.0) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
         self.handle, self.timeout_s = handle, timeout_s

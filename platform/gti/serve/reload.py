@@ -102,6 +102,7 @@ class ServiceHolder:
         # a shared board (Serve) already holds the app's starting pin; an own one gets it in load_initial
         self._shared, self._board, self.replica = board is not None, board or VersionBoard(), replica
         self._last: dict[str, Any] = {"pin": None, "replicas": {}}  # the board's last answer
+        self._board_ok = False  # whether the last call to the board answered
         self._tried: int | None = None  # a desired version that was refused or failed: not retried
         self._stop = threading.Event()
         self._status: dict[str, Any] = {"state": "idle", "from": None, "to": None, "message": ""}
@@ -117,6 +118,8 @@ class ServiceHolder:
         if not self._shared:
             self._board.pin(version, newest)
         pin = self._sync(report=False)
+        if self._shared and not self._board_ok:  # the board not up yet: the app's start pin
+            pin = {"version": version, "published": newest}
         if newest is not None and pin is not None:
             version = desired_version(pin, newest)
         self.current = self._load(version)
@@ -132,7 +135,10 @@ class ServiceHolder:
         except Exception as err:  # noqa: BLE001 - a half-written folder: look again next time
             log.debug("gti serve: poll: %s", err)
             return False
-        want = desired_version(self._sync(), newest)
+        pin = self._sync()
+        if self._shared and not self._board_ok and pin is None:
+            return False  # never heard from the board: keep the start version rather than guess
+        want = desired_version(pin, newest)
         if (self.current is not None and want == self.current.version) or want == self._tried:
             return False
         try:
@@ -149,8 +155,9 @@ class ServiceHolder:
         rep = {"version": cur.version, "map_hash": getattr(cur, "map_hash", None),
                "state": self.status()["state"]} if report and cur is not None else None
         try:
-            self._last = self._board.sync(self.replica, rep)
+            self._last, self._board_ok = self._board.sync(self.replica, rep), True
         except Exception as err:  # noqa: BLE001 - the board restarting: try again at the next poll
+            self._board_ok = False
             log.debug("gti serve: version board: %s", err)
         return self._last.get("pin")
 
