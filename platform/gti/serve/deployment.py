@@ -195,8 +195,8 @@ class BoardClient:
 @serve.deployment(name="gti-versions", num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=64)
 class GtiVersions:
     """The app's version board (`gti.serve.reload.VersionBoard`): one replica, no CPU. If Serve
-    restarts it, it starts again from the app's start pin; the replicas keep what they serve
-    until a reload or publish after that."""
+    restarts it, it starts again from the app's start pin: a pin set by POST /admin/reload since
+    is lost, and the replicas follow the start pin again, together (they still agree)."""
 
     def __init__(self, version: int | None, published: int | None, forget_s: float) -> None:
         from gti.serve.reload import VersionBoard
