@@ -145,7 +145,7 @@ def _init_ray_4_cpus() -> None:
         ray.shutdown()
         time.sleep(5)
         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    from gti import ledger
+    from gti.common import ledger
 
     ledger.note("ray", "tests:ray_start_4_cpus")
 

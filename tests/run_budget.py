@@ -1,7 +1,7 @@
 """The test session's budget of Ray Train runs and Ray instances (issue 27).
 
 Every Train run (`gti.train.ray_train.run_trainer`) and every Ray instance a test starts appends a
-line to the session's ledger (`gti.ledger`, file named by $GTI_RUN_LEDGER, inherited by
+line to the session's ledger (`gti.common.ledger`, file named by $GTI_RUN_LEDGER, inherited by
 subprocesses and Ray workers). At the end of the session the counts are printed with the tests
 that started them, written to `$GTI_TEST_LEDGER_REPORT` (if set), and the session FAILS when a
 count exceeds the budget (`BUDGET` in tests/conftest.py). A new slow test must reuse what exists
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from gti import ledger
+from gti.common import ledger
 
 _STATE: dict = {}
 

@@ -7,8 +7,8 @@ import pytest
 import yaml
 
 from gti import config as C
-from gti.errors import ConfigError
-from gti.redact import REDACTED
+from gti.common.errors import ConfigError
+from gti.common.redact import REDACTED
 
 CONFIGS = Path(__file__).resolve().parents[1] / "jobs" / "configs"
 

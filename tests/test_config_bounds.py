@@ -8,7 +8,7 @@ import pytest
 
 from gti import config as C
 from gti.eval.recommend import MAX_K, check_k
-from gti.errors import ConfigError
+from gti.common.errors import ConfigError
 
 
 @pytest.mark.parametrize("override,key", [

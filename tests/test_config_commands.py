@@ -8,7 +8,7 @@ import pytest
 from gti import config as C
 from gti import config_commands as CC
 from gti.config_commands import TuneConfig
-from gti.errors import ConfigError
+from gti.common.errors import ConfigError
 
 
 def test_run_config_holds_the_command_sections():

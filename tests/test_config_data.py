@@ -7,7 +7,7 @@ import pytest
 
 from gti import config as C
 from gti.config_data import DataConfig
-from gti.errors import ConfigError
+from gti.common.errors import ConfigError
 
 
 def test_split_defaults_to_leave_one_out_and_stays_out_of_the_dump():

@@ -8,7 +8,7 @@ import pytest
 
 from gti import config as C
 from gti.config_eval import BASELINES
-from gti.errors import ConfigError
+from gti.common.errors import ConfigError
 
 
 def test_baselines_default_to_all_three_rows():

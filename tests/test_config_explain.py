@@ -15,7 +15,7 @@ from gti import config as C
 from gti import config_explain as X
 from gti.cli import main
 from gti.config_io import StrictModel
-from gti.redact import REDACTED
+from gti.common.redact import REDACTED
 
 CONFIGS = Path(__file__).resolve().parents[1] / "jobs" / "configs"
 SHIPPED = sorted(CONFIGS.glob("*.yaml"))

@@ -7,8 +7,8 @@ import pytest
 from pydantic import ValidationError
 
 from gti import config_io as IO
-from gti.redact import REDACTED
-from gti.errors import ConfigError
+from gti.common.redact import REDACTED
+from gti.common.errors import ConfigError
 
 
 class _Section(IO.StrictModel):

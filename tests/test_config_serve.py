@@ -9,7 +9,7 @@ import yaml
 
 from gti import config as C
 from gti.config_serve import ServeConfig
-from gti.errors import ConfigError
+from gti.common.errors import ConfigError
 
 
 def test_defaults_are_local_and_in_the_run_config():

@@ -7,7 +7,7 @@ from pydantic import ValidationError
 from gti import config as C
 from gti import config_train as T
 from gti.config_train import GroundConfig, LoraConfig, SftConfig, TrainConfig
-from gti.errors import ConfigError
+from gti.common.errors import ConfigError
 
 
 def test_grounding_and_sft_share_the_training_fields_with_their_own_defaults():

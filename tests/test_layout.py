@@ -79,10 +79,9 @@ def test_pure_modules_never_import_ray():
     Train driver does, under gti/serve/ only the Serve deployment and gti infer's actor pool
     (gti/stages, gti/experiments, gti/train/ray_train.py, gti/serve/deployment.py and
     gti/serve/infer_ray.py are the Ray shell; gti/ray_start.py starts Ray for all of them)."""
-    bottom = ["config.py", "config_io.py", "config_train.py", "manifest.py", "pipeline.py", "cli.py", "errors.py",
-              "contract.py", "arms.py", "files.py", "loaded_run.py", "run_versions.py", "progress.py", "tracking.py",
-              "preflight.py", "devices.py", "config_serve.py", "config_eval.py", "config_commands.py",
-              "config_explain.py", "runlock.py", "ledger.py", "redact.py", "chunked_output.py"]
+    bottom = ["common", "config.py", "config_io.py", "config_train.py", "manifest.py", "pipeline.py", "cli.py",
+              "contract.py", "loaded_run.py", "run_versions.py", "preflight.py", "config_serve.py", "config_eval.py",
+              "config_commands.py", "config_explain.py", "runlock.py", "chunked_output.py"]
     train = [f for f in _files("train") if f.relative_to(PKG).as_posix() != TRAIN_RAY_MODULE]
     serve = [f for f in _files("serve") if f.relative_to(PKG).as_posix() not in (SERVE_RAY_MODULE, INFER_RAY_MODULE)]
     offenders = _offenders(_files(*PURE, *bottom) + train + serve, _is_ray)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from gti.config import ModelConfig
-from gti.errors import DataError
+from gti.common.errors import DataError
 from gti.eval.decode import score_all_sids
 from gti.eval.recommend import format_recommendations
 from gti.loaded_run import LoadedRun, recommend

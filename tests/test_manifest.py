@@ -6,7 +6,7 @@ import os
 import pytest
 
 from gti.manifest import Manifest, ManifestError, file_fingerprint, stable_hash
-from gti.files import atomic_write_bytes
+from gti.common.files import atomic_write_bytes
 
 
 def test_manifest_round_trip(tmp_path):

@@ -201,7 +201,7 @@ def main(argv=None) -> int:
 
 
 def measure(work: Path, n_new: int, steps: int) -> dict:
-    from gti.errors import GtiError
+    from gti.common.errors import GtiError
     from gti.manifest import Manifest
     from gti.refresh.command import refresh
     from gti.serve.service import RecommenderService

@@ -44,7 +44,7 @@ import numpy as np  # noqa: E402
 import polars as pl  # noqa: E402
 import torch  # noqa: E402
 
-from gti.devices import resolve_precision  # noqa: E402
+from gti.common.devices import resolve_precision  # noqa: E402
 from gti.lm import new_rows, templates  # noqa: E402
 from gti.train import sft_data  # noqa: E402
 from gti.train.batching import length_grouped_batches, padded_tokens  # noqa: E402
@@ -95,7 +95,7 @@ def sft_rows(tok, items, sid, style: str, n: int, seed: int) -> list[dict]:
 
 
 def ground_rows(tok, items, sid, n: int, seed: int) -> list[dict]:
-    from gti.arms import DEFAULT_GROUNDING_TEMPLATES
+    from gti.common.arms import DEFAULT_GROUNDING_TEMPLATES
 
     pr = templates.PairRenderer(tok, dict(DEFAULT_GROUNDING_TEMPLATES), common.SYSTEM, 128)
     idx = np.random.default_rng(seed).permutation(items.height)[: max(1, n // 6 + 1)]

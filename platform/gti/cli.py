@@ -3,7 +3,7 @@
 What it is for: turning arguments into calls of `gti.pipeline`, `gti.config` and the stage
 modules. It holds no ML logic. A user mistake (any `GtiError`) and a file-system error (disk
 full, permission denied: any `OSError`) print one line and exit 2, also when Ray raised them
-around a task's error (`gti.errors.user_error` unwraps them).
+around a task's error (`gti.common.errors.user_error` unwraps them).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import importlib
 import sys
 from typing import Callable, Sequence
 
-from gti.errors import GtiError, one_line, user_error
+from gti.common.errors import GtiError, one_line, user_error
 
 
 def _top_k(text: str) -> int:
@@ -88,7 +88,7 @@ def cmd_stage(args) -> int:
 
 def cmd_config(args) -> int:
     from gti import config
-    from gti.errors import ConfigError
+    from gti.common.errors import ConfigError
 
     if args.explain and args.action != "show":
         raise ConfigError("--explain goes with 'gti config show'")
@@ -403,7 +403,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         os_err = next((e for e in (getattr(err, "cause", None), err) if isinstance(e, OSError)), None)
         if user is None and os_err is None:
             raise
-        from gti.redact import redact_text  # a URI's credentials quoted in an error
+        from gti.common.redact import redact_text  # a URI's credentials quoted in an error
 
         print(f"gti: error: {redact_text(one_line(str(user) if user is not None else os_error_line(os_err)))}",
               file=sys.stderr)

@@ -11,7 +11,7 @@ in `gti.config_train`, data in `gti.config_data`, evaluation and report in `gti.
 `gti.config_serve`, compare / tune / tracking / refresh in `gti.config_commands`; the
 schema-free file machinery (strict base model, YAML reading, overrides, redaction, error lines,
 the shared bounded types) in `gti.config_io`. Each name is imported from the module that
-defines it (`gti.config_train.SftConfig`, `gti.errors.ConfigError`, `gti.config_io.read_yaml`).
+defines it (`gti.config_train.SftConfig`, `gti.common.errors.ConfigError`, `gti.config_io.read_yaml`).
 
 What it does not know: how stages run, where outputs go (that is `pipeline`/`manifest`), or
 anything about Ray. It never imports ray or torch.
@@ -36,8 +36,8 @@ from gti.config_data import DataConfig, DenseSubset, InteractionColumns, Interac
 from gti.config_data import ItemColumns, ItemsSource  # noqa: F401  (re-exported: `from gti.config import ...`)
 from gti.config_commands import CompareConfig, RefreshConfig, TrackingConfig, TuneConfig
 from gti.config_serve import ServeConfig
-from gti.errors import ConfigError
-from gti.arms import DEFAULT_GROUNDING_TEMPLATES, INIT_METHODS
+from gti.common.errors import ConfigError
+from gti.common.arms import DEFAULT_GROUNDING_TEMPLATES, INIT_METHODS
 
 # A codebook of millions of tokens would fail hours into a run, in the vocabulary: checked when
 # the config is validated, naming the key (the shared bounds, Seed and PositiveInt: gti.config_io).

@@ -7,7 +7,7 @@ and `TrackingConfig` (the TensorBoard / MLflow sinks of every stage). `gti.confi
 holds them; tracking and refresh enter no stage's fingerprint.
 
 What it does NOT know: how those commands run (`gti.experiments`, `gti.refresh`,
-`gti.tracking`) or YAML loading (`gti.config_io`). It never imports ray or torch.
+`gti.common.tracking`) or YAML loading (`gti.config_io`). It never imports ray or torch.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class TuneConfig(_Strict):
 
 
 class TrackingConfig(_Strict):
-    """Where training and evaluation metrics go (gti/tracking.py). Not part of any stage's
+    """Where training and evaluation metrics go (gti/common/tracking.py). Not part of any stage's
     fingerprint: turning a sink on or off never reruns a stage."""
 
     tensorboard: bool = Field(

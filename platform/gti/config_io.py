@@ -5,7 +5,7 @@ loudly instead of being ignored); `read_yaml` (a file -> its top-level mapping, 
 ConfigError); `apply_overrides` (`a.b.c=value` onto a raw mapping, values parsed the way YAML
 would by `parse_scalar`); `format_error` (a pydantic ValidationError -> one line naming the key
 and the file); `redact` (secret-looking keys masked, and credentials inside URIs, before
-anything reaches a manifest or log; the rules are `gti.redact`'s).
+anything reaches a manifest or log; the rules are `gti.common.redact`'s).
 `Seed` and `PositiveInt`, the bounded types several sections share. `gti.config` builds the
 run config from these; `gti.vocab_ground` builds its own.
 
@@ -23,8 +23,8 @@ from typing import Annotated, Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from gti.errors import ConfigError
-from gti.redact import REDACTED, is_secret_key, redact_text
+from gti.common.errors import ConfigError
+from gti.common.redact import REDACTED, is_secret_key, redact_text
 
 
 # Bounds that would otherwise fail hours into a run (a negative seed in the first Ray Data

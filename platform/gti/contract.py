@@ -60,6 +60,6 @@ class StageContext:
         return self.manifest(stage).output(self.stage_dir(stage), output)
 
     def log(self, msg: str) -> None:
-        from gti.redact import redact_text  # a data URI's credentials never reach the log
+        from gti.common.redact import redact_text  # a data URI's credentials never reach the log
 
         print(f"[{self.name}] {redact_text(msg)}", file=sys.stderr, flush=True)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 
 from gti.data.sources import READ_ERRORS, error_reason, expand_paths, filesystem
-from gti.errors import UnreadableFileError
+from gti.common.errors import UnreadableFileError
 from gti.manifest import file_fingerprint, stable_hash
 
 

@@ -203,7 +203,7 @@ def check_render_style(model_dir: Path, cfg: C.RunConfig) -> None:
     render them (`render_style` in its gti_meta.json: "chat", "compact" or "sequence"): a model
     fine-tuned on one form scores another form's prompts as noise. Models exported before the
     style was recorded carry none and are not checked."""
-    from gti.errors import ConfigError
+    from gti.common.errors import ConfigError
     from gti.lm.new_rows import read_meta
 
     trained = read_meta(model_dir).get("render_style")

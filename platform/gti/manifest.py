@@ -19,8 +19,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from gti.errors import GtiError
-from gti.files import atomic_write_json
+from gti.common.errors import GtiError
+from gti.common.files import atomic_write_json
 
 MANIFEST_NAME = "_manifest.json"
 _VERSIONED = ["gti", "torch", "ray", "transformers", "deepspeed", "pyarrow", "polars", "pydantic"]
@@ -94,8 +94,8 @@ class Manifest:
 
     def write(self, stage_dir: str | Path) -> Path:
         """Write `_manifest.json`; every string in it has the credentials of its URIs removed
-        (`gti.redact.redact_text`: a path or an error quoted in the facts)."""
-        from gti.redact import redact_strings
+        (`gti.common.redact.redact_text`: a path or an error quoted in the facts)."""
+        from gti.common.redact import redact_strings
 
         path = Path(stage_dir) / MANIFEST_NAME
         atomic_write_json(path, redact_strings(self.to_json()))

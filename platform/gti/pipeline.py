@@ -25,10 +25,10 @@ from typing import Any, Callable
 
 from gti import config as C
 from gti.config_io import redact
-from gti.errors import GtiError
+from gti.common.errors import GtiError
 from gti.contract import StageContext, StageResult, StageSpec
 from gti.manifest import MANIFEST_NAME, Manifest, ManifestError, stable_hash
-from gti.files import atomic_write_bytes
+from gti.common.files import atomic_write_bytes
 
 
 STAGES: list[StageSpec] = [
@@ -114,7 +114,7 @@ def check_stage_folder(run_dir: Path, name: str) -> None:
     """PipelineError when `<run_dir>/<name>` is a non-empty folder that is not a stage folder
     (no manifest: e.g. a user's own `report/` in a run_dir set to an existing folder). Stages
     replace their folder whole, so gti must never take one it did not make."""
-    from gti.files import UnsafeReplaceError, check_replaceable_dir
+    from gti.common.files import UnsafeReplaceError, check_replaceable_dir
 
     try:
         check_replaceable_dir(run_dir / name, is_ours=lambda p: (p / MANIFEST_NAME).is_file(),
@@ -127,7 +127,7 @@ def check_stage_folder(run_dir: Path, name: str) -> None:
 def run_stage(s: StageSpec, cfg: C.RunConfig, run_dir: Path) -> Manifest:
     """Run one stage into its partial dir, write its manifest, swap it into place (an old
     complete folder is exchanged for the new one: `<stage>/` is never missing)."""
-    from gti.files import replace_dir
+    from gti.common.files import replace_dir
 
     check_stage_folder(run_dir, s.name)
     fp, inputs = fingerprint(s, cfg, run_dir)

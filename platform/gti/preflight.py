@@ -33,7 +33,7 @@ from typing import Any, Sequence
 
 from gti import config as C
 from gti.config_train import TrainConfig
-from gti.errors import GtiError
+from gti.common.errors import GtiError
 from gti.train.resources import workers_need
 
 OK, WARN, ERROR, SKIP = "ok", "warn", "error", "skip"
@@ -122,7 +122,7 @@ def gather_facts(cfg: C.RunConfig, cluster: dict[str, float] | None = None, clus
     import torch
     import torch.distributed as dist
 
-    from gti.devices import native_bf16
+    from gti.common.devices import native_bf16
 
     cuda = torch.cuda.is_available()
     n_dev = torch.cuda.device_count() if cuda else 0
@@ -419,7 +419,7 @@ def _check_tracking(cfg: C.RunConfig, facts: Facts) -> Check:
     if t.mlflow and not facts.packages.get("mlflow", False):
         return Check("tracking", ERROR, "tracking.mlflow: true needs the mlflow package, which is not installed "
                                         "(pip install mlflow), or set tracking.mlflow: false")
-    from gti.redact import redact_text  # user:password or a token in the tracking URI
+    from gti.common.redact import redact_text  # user:password or a token in the tracking URI
 
     sinks = (["tensorboard"] if t.tensorboard else []) + (
         [f"mlflow ({redact_text(t.mlflow_uri) or 'run_dir/mlruns'})"] if t.mlflow else [])

@@ -44,8 +44,8 @@ import socket
 import sys
 import time
 
-from gti import ledger
-from gti.errors import GtiError, one_line
+from gti.common import ledger
+from gti.common.errors import GtiError, one_line
 
 START_RETRY_WAIT_S = 5.0
 _JOB_CONFIG_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # set by `ray job submit` for the driver

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from gti.errors import GtiError
+from gti.common.errors import GtiError
 from gti.manifest import MANIFEST_NAME, Manifest
 from gti.sid.versions import (
     LineageDir, MissingSidTokensError, SidMapVersion, UnrelatedSidMapError, check_map_for_model, read_version,
@@ -106,7 +106,7 @@ class RefreshVersion:
         """The version record of its SID map (DataError when it has none)."""
         v = read_version(self.map_path)
         if v is None:
-            from gti.errors import DataError
+            from gti.common.errors import DataError
 
             raise DataError(f"{self.map_path}: refreshed SID map without its version record")
         return v

@@ -10,7 +10,7 @@ process may take the same folder's lock again (a Tune sweep runs the base run's 
 its own lock): the lock is counted per process and released with the last holder.
 
 Readers (`gti recommend`, `serve`, `infer`, `report-only`) never take it and never wait on it:
-stage folders and refresh versions are swapped into place whole (`gti.files.replace_dir`).
+stage folders and refresh versions are swapped into place whole (`gti.common.files.replace_dir`).
 
 What it does not know: what is in the folder. `flock` is advisory and local to one kernel: two
 machines writing one folder on shared storage are not stopped by it (on a cluster only the
@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from gti.errors import GtiError
+from gti.common.errors import GtiError
 
 LOCK_FILE = ".gti.lock"
 

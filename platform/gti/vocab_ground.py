@@ -24,11 +24,11 @@ same call after a killed driver resumes from the last checkpoint; the default wo
 removed once the model is exported (only when it carries the marker: a folder of that name
 gti did not make is refused, never emptied).
 
-What `out_dir` may be (checked before any work, `gti.files.check_replaceable_dir`): a new or
+What `out_dir` may be (checked before any work, `gti.common.files.check_replaceable_dir`): a new or
 empty folder, or an earlier gti export (it holds `gti_meta.json`), which is replaced whole;
 any other non-empty folder only with `force` (`gti vocab ground --force`). Never the model
 folder, the tokens file, the work dir, the current or home directory, or a folder above one of
-them. The export is written beside `out_dir` and swapped in (`gti.files.replace_dir`): there is
+them. The export is written beside `out_dir` and swapped in (`gti.common.files.replace_dir`): there is
 no moment without a complete folder at `out_dir`.
 
 Settings: `VocabGroundConfig` (YAML for `gti vocab ground --config`): `seed`, `ray_address`,
@@ -55,7 +55,7 @@ from gti import config as C
 from gti.config_train import GroundConfig
 from gti.config_io import Seed, StrictModel, apply_overrides, format_error, read_yaml
 from gti.train.ray_train import STORAGE_DIR
-from gti.errors import ConfigError, DataError
+from gti.common.errors import ConfigError, DataError
 from gti.lm.described_tokens import DEFAULT_TEMPLATES, NewToken
 
 MODEL_META_STAGE = "vocab_ground"
@@ -224,7 +224,7 @@ def _protected(model: str | Path, tokens: Any, work: Path | None) -> dict[str, P
 
 
 def _check_out(out_dir: Path, force: bool, protected: dict[str, Path | None]) -> None:
-    from gti.files import check_replaceable_dir
+    from gti.common.files import check_replaceable_dir
     from gti.lm.new_rows import is_export
 
     check_replaceable_dir(out_dir, is_ours=is_export, force=force, protected=protected, what="--out",

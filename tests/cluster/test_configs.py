@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from gti import config
-from gti.errors import ConfigError
+from gti.common.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "jobs" / "configs").glob("*.yaml"))

@@ -13,7 +13,7 @@ import pytest
 from gti.config import InteractionColumns, ItemColumns
 from gti.data import adapters
 from gti.data.sources import ReadTask, expand_paths, plan_tasks
-from gti.errors import DataError
+from gti.common.errors import DataError
 
 from .conftest import FIXTURES
 

@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from gti.data import catalog as C
-from gti.errors import DataError, UnreadableFileError
+from gti.common.errors import DataError, UnreadableFileError
 
 GOOD_ITEMS = "item_id,title\n1,Beaker\n2,Flask\n3,Pipette\n"
 GOOD_INTER = "user_id,item_id,ts\n" + "".join(f"u,{i},{t}\n" for t, i in enumerate([1, 2, 3, 1]))

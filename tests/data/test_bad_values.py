@@ -22,7 +22,7 @@ from gti.data import readers
 from gti.data.sources import plan_tasks
 from gti.data import catalog as cat
 from gti.data.batches import local_stream, raise_file_error
-from gti.errors import UnreadableFileError
+from gti.common.errors import UnreadableFileError
 
 ITEMS = "item_id,title\n1,Beaker\n2,Flask\n3,Pipette\n"
 HUGE = 99999999999999999999  # > 2**63 - 1

@@ -17,7 +17,7 @@ from gti.data.batches import (
     FILE_ERROR, UNREADABLE_FILE, SkipFile, Source, fill_interaction_raw, fill_item_raw, iterate, local_stream,
     raise_file_error, validated_batches,
 )
-from gti.errors import DataError, UnreadableFileError
+from gti.common.errors import DataError, UnreadableFileError
 
 
 def _data(items, interactions="unused.csv", *overrides):

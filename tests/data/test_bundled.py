@@ -7,7 +7,7 @@ import pytest
 
 import gti
 from gti.data import bundled
-from gti.errors import DataError
+from gti.common.errors import DataError
 
 
 def test_bundled_resolves_inside_package():

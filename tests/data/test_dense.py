@@ -13,7 +13,7 @@ import pytest
 from gti import cli
 from gti.data.catalog import OUTSIDE_DENSE
 from gti.data.dense import cut_interactions, dense_subset, quarantine_items
-from gti.errors import DataError
+from gti.common.errors import DataError
 
 
 def _data():

@@ -15,7 +15,7 @@ from gti import config
 from gti.data.batches import local_stream
 from gti.data.items import ingest_items
 from gti.data.schemas import ITEMS_OUT_SCHEMA, ITEMS_Q_SCHEMA
-from gti.errors import DataError
+from gti.common.errors import DataError
 
 ITEMS = "item_id,title\n1,Beaker\n2,Flask\n1,Again\n3,Pipette\n"
 

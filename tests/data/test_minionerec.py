@@ -14,7 +14,7 @@ import pytest
 
 from gti.data import minionerec as M
 from gti.data.sequences import build_sequences
-from gti.errors import DataError
+from gti.common.errors import DataError
 from gti.eval.slices import eval_windows
 from gti.train.sft_data import training_windows
 

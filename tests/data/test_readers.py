@@ -12,7 +12,7 @@ from gti.config import InteractionColumns, ItemColumns
 from gti.data import readers
 from gti.data.catalog import INVALID_UTF8, MALFORMED_RECORD, READ_ERROR
 from gti.data.sources import ReadTask
-from gti.errors import DataError, UnreadableFileError
+from gti.common.errors import DataError, UnreadableFileError
 
 from .conftest import FIXTURES
 

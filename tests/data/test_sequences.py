@@ -9,7 +9,7 @@ import pytest
 from gti.data.catalog import OUTSIDE_MAX_USERS, SHORT_SEQUENCE
 from gti.data.schemas import SEQ_SCHEMA
 from gti.data.sequences import build_sequences, check_sequences, split_lists
-from gti.errors import DataError
+from gti.common.errors import DataError
 
 
 def _df(rows):

@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from gti.data import sources
-from gti.errors import DataError, UnreadableFileError
+from gti.common.errors import DataError, UnreadableFileError
 
 
 def test_directory_walk_skips_marker_and_hidden_files_and_folders(tmp_path):

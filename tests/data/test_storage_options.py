@@ -11,8 +11,8 @@ import pytest
 
 from gti.data import sources
 from gti.data.sources import expand_paths, plan_tasks
-from gti.errors import DataError
-from gti.redact import REDACTED
+from gti.common.errors import DataError
+from gti.common.redact import REDACTED
 
 TOKEN = "tok-s3cr3t"
 PASSWORD = "pw-s3cr3t"

@@ -111,7 +111,7 @@ def _checkpoints(stage_dir: Path) -> list[Path]:
 
 def _recorded_steps(run_dir: Path) -> list[int]:
     """Steps of the ground stage's train/loss curve, in the order both attempts wrote them."""
-    from gti.tracking import read_scalars
+    from gti.common.tracking import read_scalars
 
     return [step for step, _ in read_scalars(run_dir / "tensorboard" / "ground")["train/loss"]]
 
@@ -191,7 +191,7 @@ def two_node_cluster(tmp_path):
     )
     started = run("start", "--workers", "2", "--cpus", "2", "--timeout", "150")
     pids = [int(p) for p in (d / "pids").read_text().split()] if (d / "pids").exists() else []
-    from gti import ledger
+    from gti.common import ledger
 
     for pid in pids:  # a head and two worker nodes: three Ray nodes for the session's budget
         ledger.note("ray", f"tests:local_cluster.sh node {pid}")
@@ -332,7 +332,7 @@ def _check_ground_stage(run_dir: Path) -> None:
 def _check_tracking(run_dir: Path, logs: str) -> None:
     """After the pipeline, `tensorboard --logdir <run_dir>` has every training stage's curves and
     the evaluation's metrics, and the driver printed step progress with rate and ETA."""
-    from gti.tracking import read_scalars
+    from gti.common.tracking import read_scalars
 
     tb = run_dir / "tensorboard"
     assert sorted(p.name for p in tb.iterdir()) == ["evaluate", "ground"]  # SFT trained no step

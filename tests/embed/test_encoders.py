@@ -7,7 +7,7 @@ import pytest
 
 from gti.config import EmbedConfig, ModelConfig
 from gti.embed import encoders as E
-from gti.errors import GtiError
+from gti.common.errors import GtiError
 
 TEXTS = [
     "Stainless steel laboratory beaker 250 ml",

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from gti.errors import DataError, GtiError
+from gti.common.errors import DataError, GtiError
 from gti.eval.recommend import format_recommendations, top_k
 
 

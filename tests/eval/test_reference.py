@@ -14,7 +14,7 @@ import pytest
 
 from gti import config as C
 from gti.eval import reference as R
-from gti.errors import ConfigError, DataError
+from gti.common.errors import ConfigError, DataError
 from gti.eval import slices as S
 from gti.eval.tables import format_table
 from gti.stages import evaluate as E

@@ -263,7 +263,7 @@ def test_sweep_config_default_and_checks():
     import pytest
 
     from gti import config as C
-    from gti.errors import ConfigError
+    from gti.common.errors import ConfigError
 
     sw = C.load(None).eval.sasrec.sweep
     assert sw.enabled and sw.max_len == ["history", 20, 50] and sw.metric == "mrr" and sw.search == "axes"

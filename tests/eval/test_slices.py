@@ -9,7 +9,7 @@ import numpy as np
 import polars as pl
 import pytest
 
-from gti.errors import ConfigError
+from gti.common.errors import ConfigError
 from gti.eval import slices as S
 from gti.eval.reference import baseline_rows, metric_block
 from gti.train import sft_data

@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from gti import config, pipeline
 from gti.contract import StageResult
-from gti.errors import ConfigError
+from gti.common.errors import ConfigError
 from gti.experiments import compare as CMP
 from gti.experiments.records import RECORD_FORMAT, config_diff, load_record, read_record, record_path, run_facts
 from gti.experiments.shared_stages import SHARED_STAGES, CompareError

@@ -15,7 +15,7 @@ from gti import config as C
 from gti.config_io import apply_overrides, read_yaml
 from gti.experiments import tune as T
 from gti.experiments.tune_space import TuneError, parse_search_space
-from gti.tracking import read_scalars
+from gti.common.tracking import read_scalars
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "jobs" / "configs" / "tiny.yaml"
@@ -91,7 +91,7 @@ def test_trial_curves_are_rewritten_from_the_progress_file(base, tmp_path):
     live curve; after the sweep the driver rewrites it from the progress file, every step once."""
     from types import SimpleNamespace
 
-    from gti.tracking import Tracker
+    from gti.common.tracking import Tracker
 
     run_dir = tmp_path / "run"
     cfg = base.model_copy(update={"run_dir": str(run_dir)})

@@ -11,7 +11,7 @@ import yaml
 from gti import config as C
 from gti.config_commands import TuneConfig
 from gti.config_io import apply_overrides
-from gti.errors import ConfigError, GtiError
+from gti.common.errors import ConfigError, GtiError
 from gti.experiments import tune_space as T
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gti.errors import ConfigError
+from gti.common.errors import ConfigError
 from gti.lm.chat import fit_segments, parse_template
 
 

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from gti.errors import ConfigError, DataError
+from gti.common.errors import ConfigError, DataError
 from gti.lm import described_tokens, models, new_rows
 
 

@@ -3,7 +3,7 @@
 `gti vocab ground --out D` (and every `export_model`) replaces D whole, so a non-empty folder
 that is not a gti export is refused unless forced, a folder that is or contains the model, the
 tokens file, the current or the home directory is refused always, and the swap leaves no moment
-without a complete folder at D (gti.files.replace_dir). Also the stage swap of `gti run`
+without a complete folder at D (gti.common.files.replace_dir). Also the stage swap of `gti run`
 (gti.pipeline) and the default work dir of vocab ground."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from gti import files
-from gti.files import UnsafeReplaceError, check_replaceable_dir, replace_dir
+from gti.common import files
+from gti.common.files import UnsafeReplaceError, check_replaceable_dir, replace_dir
 from gti.lm import models
 from gti.lm import new_rows as V
 
@@ -250,7 +250,7 @@ def test_smollm2_cache_folder_is_protected(tmp_path, monkeypatch):
 
 
 def test_default_work_dir_of_another_owner_is_refused_and_never_removed(tmp_path):
-    from gti.errors import DataError
+    from gti.common.errors import DataError
     from gti.vocab_ground import WORK_MARKER, _open_work
 
     work = _foreign(tmp_path / ".out.work")

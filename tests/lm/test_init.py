@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gti.errors import ConfigError
+from gti.common.errors import ConfigError
 from gti.lm.init import init_rows, vocab_stats
 
 

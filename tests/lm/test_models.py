@@ -81,7 +81,7 @@ def test_smollm2_converts_once_into_the_cache(tmp_path, monkeypatch):
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
     assert len(tok) == 49152 and tok.chat_template
     # Its chat template renders through gti.lm.templates exactly like the whole-text render.
-    from gti.arms import DEFAULT_GROUNDING_TEMPLATES
+    from gti.common.arms import DEFAULT_GROUNDING_TEMPLATES
     from gti.lm.templates import PairRenderer
     from gti.lm.chat import end_of_turn_ids
     from gti.lm.new_rows import extend_tokenizer

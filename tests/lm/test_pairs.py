@@ -23,7 +23,7 @@ def test_val_items_are_seeded_and_order_free():
 
 
 def test_item_without_sid_is_named(tmp_path):
-    from gti.errors import DataError, user_error
+    from gti.common.errors import DataError, user_error
     from gti.lm.models import build_tiny_tokenizer
     from gti.lm.new_rows import extend_tokenizer
     from gti.sid.codec import SidCodec
@@ -43,5 +43,5 @@ def test_item_without_sid_is_named(tmp_path):
     ok = fn(batch.slice(0, 1))
     assert ok.num_rows == 6 and set(ok.column("split").to_pylist()) == {"train"}
     # Ray Data keeps a worker's DataError only as traceback text; the stage recovers it.
-    wrapped = RuntimeError("UDF failed\nTraceback ...\ngti.errors.DataError: pairs: item_id 'it007' has no SID")
+    wrapped = RuntimeError("UDF failed\nTraceback ...\ngti.common.errors.DataError: pairs: item_id 'it007' has no SID")
     assert str(user_error(wrapped)) == "pairs: item_id 'it007' has no SID"

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gti import config as C
-from gti.errors import ConfigError
+from gti.common.errors import ConfigError
 from gti.lm.models import build_tiny
 from gti.lm.regularise import add_dropout, decoder_layers, freeze_lower_layers
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gti.arms import DEFAULT_GROUNDING_TEMPLATES
-from gti.errors import ConfigError
+from gti.common.arms import DEFAULT_GROUNDING_TEMPLATES
+from gti.common.errors import ConfigError
 from gti.lm import templates as T
 from gti.lm.chat import IGNORE, end_of_turn_ids, fit_segments
 from gti.lm import new_rows as V

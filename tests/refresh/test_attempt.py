@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from gti import config as C
-from gti.errors import ConfigError
+from gti.common.errors import ConfigError
 from gti.refresh.attempt import Job, RefreshError, RefreshResult, find_parent, load_run_config, read_manifest
 
 

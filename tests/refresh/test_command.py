@@ -34,7 +34,7 @@ import torch
 from testkit import FailOnceFit, WorkerDied
 
 from gti import config as C
-from gti.errors import ConfigError
+from gti.common.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "jobs" / "configs"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pyarrow.parquet as pq
 import pytest
 
-from gti.errors import DataError
+from gti.common.errors import DataError
 from gti.refresh.ingest import ingest_step
 
 ITEMS = "item_id,title\nn1,New beaker\nn2,New flask\nn1,Duplicate\n,No id\n"

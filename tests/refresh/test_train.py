@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from gti.errors import DataError
+from gti.common.errors import DataError
 from gti.refresh.train import ground_step, select_windows, sft_step, val_source
 
 

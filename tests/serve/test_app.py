@@ -13,7 +13,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from gti.config_serve import ServeConfig
-from gti.errors import ConfigError
+from gti.common.errors import ConfigError
 from gti.loaded_run import LoadedRun
 from gti.serve.app import create_app, read_token, token_digest
 from gti.serve.reload import ServiceHolder

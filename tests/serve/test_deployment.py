@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("ray.serve")
 
 from gti.config_serve import ServeConfig  # noqa: E402
-from gti.errors import ConfigError  # noqa: E402
+from gti.common.errors import ConfigError  # noqa: E402
 from gti.serve import deployment as D  # noqa: E402
 
 
@@ -242,7 +242,7 @@ def test_start_serve_waits_for_a_proxy_that_serve_start_gave_up_on(monkeypatch):
 
 
 def test_start_serve_names_the_port_when_no_proxy_gets_healthy(monkeypatch):
-    from gti.errors import GtiError
+    from gti.common.errors import GtiError
 
     calls = []
 

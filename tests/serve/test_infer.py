@@ -13,7 +13,7 @@ import polars as pl
 import pyarrow.parquet as pq
 import pytest
 
-from gti.errors import ConfigError, DataError
+from gti.common.errors import ConfigError, DataError
 from gti.manifest import Manifest
 from gti.run_versions import RunDirError
 from gti.serve import infer as I

@@ -12,7 +12,7 @@ import polars as pl
 import pytest
 
 from gti import cli
-from gti.errors import GtiError
+from gti.common.errors import GtiError
 from gti.manifest import Manifest
 from gti.serve import infer as I
 from gti.serve import infer_ray as R

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from gti.errors import DataError
+from gti.common.errors import DataError
 from gti.serve.reload import ReloadBusy, ServiceHolder, VersionBoard, desired_version
 
 

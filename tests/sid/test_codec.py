@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from gti.errors import DataError
+from gti.common.errors import DataError
 from gti.sid.codec import SidCodec, SidFormatError, codes_added
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from gti import config as C
-from gti.errors import DataError
+from gti.common.errors import DataError
 from gti.sid import file_map as M
 from gti.sid.mapfile import sid_map_hash
 

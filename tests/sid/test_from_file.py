@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from gti import config as C
-from gti.errors import DataError
+from gti.common.errors import DataError
 from gti.sid import from_file as F
 
 

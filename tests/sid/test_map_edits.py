@@ -10,7 +10,7 @@ import pyarrow as pa
 import pytest
 import torch
 
-from gti.errors import DataError
+from gti.common.errors import DataError
 from gti.sid.codec import SidCodec
 from gti.sid.map_edits import add_last_level_codes, assign_new_items, codes_matrix, map_table, remove_items
 from gti.sid.resolve import dedup_extra_level

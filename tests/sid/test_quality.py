@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from gti.errors import GateError
+from gti.common.errors import GateError
 from gti.sid.quality import check_gates, level_usage
 
 

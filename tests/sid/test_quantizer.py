@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gti import config as C
-from gti.errors import DataError
+from gti.common.errors import DataError
 from gti.sid.quantizer import build_quantizer, codebooks_tensor, load_quantizer, save_quantizer
 from gti.sid.rqkmeans import RQKMeansConfig, ResidualKMeans
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from gti.errors import GateError
+from gti.common.errors import GateError
 from gti.sid.quality import check_gates, level_usage
 from gti.sid.balance import sinkhorn_assign
 from gti.sid.resolve import (collision_rate, colliding_rows, dedup_extra_level, dedup_reassign,

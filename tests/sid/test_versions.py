@@ -8,7 +8,7 @@ import pyarrow as pa
 import pytest
 import torch
 
-from gti.errors import DataError
+from gti.common.errors import DataError
 from gti.sid.codec import SidCodec
 from gti.sid.resolve import dedup_extra_level
 from gti.sid.map_edits import add_last_level_codes, assign_new_items, map_table, remove_items

@@ -7,7 +7,7 @@ import pyarrow as pa
 import pytest
 
 from gti import config
-from gti.errors import DataError
+from gti.common.errors import DataError
 from gti.stages import embed
 
 

@@ -149,7 +149,7 @@ def test_errors_inside_ray_tasks_are_one_line(tmp_path, ray_start_4_cpus):
     """A file-level problem found inside a Ray Data task reaches the user as the same one-line
     DataError as in-process (no Ray traceback)."""
     from gti import config
-    from gti.errors import DataError
+    from gti.common.errors import DataError
     from gti.stages import ingest
 
     items = tmp_path / "items.jsonl"

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from gti import config as C
-from gti.arms import DEFAULT_GROUNDING_TEMPLATES
+from gti.common.arms import DEFAULT_GROUNDING_TEMPLATES
 from gti.data.descriptions import description_text
 from gti.lm.pairs import is_val_item
 from gti.manifest import Manifest

@@ -15,7 +15,7 @@ from testkit import stage_manifest
 from gti import config, pipeline
 from gti.manifest import Manifest
 from gti.stages import report as R
-from gti.errors import DataError
+from gti.common.errors import DataError
 
 SIZES = [8, 8]
 D, N_OLD = 16, 40

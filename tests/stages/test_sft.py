@@ -124,7 +124,7 @@ def test_sft_two_workers_deepspeed_lowers_loss_and_exports(sft_run):
     assert np.mean(last_losses) < 0.8 * np.mean(first_losses), f["loss_history"]
     assert [v["step"] for v in f["val_recall@10"]] == [4, 8]
     assert all(0.0 <= v["value"] <= 1.0 for v in f["val_recall@10"])
-    from gti.devices import resolve_precision
+    from gti.common.devices import resolve_precision
 
     # precision: auto resolved in the worker and recorded; where the time went, too.
     assert f["precision_setting"] == "auto" and f["precision"] == resolve_precision("auto")
@@ -150,7 +150,7 @@ def test_sft_two_workers_deepspeed_lowers_loss_and_exports(sft_run):
     assert f["n_train_rows"] == f["n_windows"] == f["tasks"]["seqrec"]
     # `tensorboard --logdir <run_dir>`: the SFT curves, one point per step although the first
     # attempt died (the two-node job test checked these until its SFT stopped training).
-    from gti.tracking import read_scalars
+    from gti.common.tracking import read_scalars
 
     tb = read_scalars(run_dir / "tensorboard" / "sft")
     assert [s for s, _ in tb["train/loss"]] == list(range(1, 9)), tb["train/loss"]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gti import config as C
-from gti.errors import DataError, GateError
+from gti.common.errors import DataError, GateError
 from gti.manifest import Manifest
 from gti.pipeline import run_stage, spec
 
@@ -79,7 +79,7 @@ def test_two_worker_rqvae_assigns_every_item(tmp_path, ray_start_4_cpus, capsys)
     _check_outputs(m, run_dir, len(vecs))
     # Tracking: `tensorboard --logdir <run_dir>` has the RQ-VAE's curves (one point per epoch)
     # and the stage's quality figures; the driver printed epoch progress.
-    from gti.tracking import read_scalars
+    from gti.common.tracking import read_scalars
 
     tb = read_scalars(run_dir / "tensorboard" / "sid")
     assert [s for s, _ in tb["train/loss"]] == [1, 2, 3]
@@ -101,7 +101,7 @@ def test_two_worker_rqvae_assigns_every_item(tmp_path, ray_start_4_cpus, capsys)
     # where the map was made.
     assert m.facts["encode_dtype"] == q.cfg.encode_dtype == "float32"
     assert m.facts["machine"]["fit_threads"] == 1 and "cpu_model" in m.facts["machine"]
-    # Where the stage's wall time went (facts.timing, gti.timing).
+    # Where the stage's wall time went (facts.timing, gti.common.timing).
     assert {"check_s", "ray_start_s", "sample_read_s", "kmeans_s", "rqvae_train_s", "assign_s", "scan_s",
             "resolve_s", "sinkhorn_s", "write_s", "total_s"} <= set(m.facts["timing"])
     # The driver's peak memory per phase (Linux /proc), so a scale run shows which phase holds it.

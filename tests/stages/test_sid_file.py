@@ -13,7 +13,7 @@ import pytest
 
 from gti import config as C
 from gti.cli import main
-from gti.errors import ConfigError, DataError
+from gti.common.errors import ConfigError, DataError
 from gti.manifest import Manifest
 from gti.pipeline import fingerprint, run_stage, spec
 

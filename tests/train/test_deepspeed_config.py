@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from gti.config_train import GroundConfig, SftConfig
-from gti.errors import ConfigError
+from gti.common.errors import ConfigError
 from gti.train.deepspeed_config import build_ds_config, micro_batch
 
 

@@ -14,7 +14,7 @@ from testkit import FailOnceFit, RowsDataset, WorkerDied, dataset_rows, fake_dat
 
 from gti import config as C
 from gti.config_train import GroundConfig
-from gti.errors import ConfigError, DataError
+from gti.common.errors import ConfigError, DataError
 from gti.train import loop
 from gti.train.ground_run import GroundingInputs, check_pairs, count_train_pairs, run_grounding, write_val_set
 from gti.train.worker_config import GroundRows, ValSet, WorkerConfig

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from gti.errors import GtiError, NonFiniteError, user_error
+from gti.common.errors import GtiError, NonFiniteError, user_error
 from gti.train import nonfinite
 from gti.train.nonfinite import check_finite
 
@@ -50,7 +50,7 @@ def test_user_error_finds_it_inside_a_ray_train_failure():
             self.worker_failures = {0: err}
 
     assert user_error(TrainingFailedError()) is err
-    text = RuntimeError("Traceback ...\ngti.errors.NonFiniteError: sft: training stopped at step 3: loss is nan\n")
+    text = RuntimeError("Traceback ...\ngti.common.errors.NonFiniteError: sft: training stopped at step 3: loss is nan\n")
     found = user_error(text)
     assert found is not None and str(found) == "sft: training stopped at step 3: loss is nan"
 

@@ -42,7 +42,7 @@ def _worker(config):
     import json
     import tempfile
 
-    from gti.errors import DataError
+    from gti.common.errors import DataError
     from gti.train import ray_train
 
     if config.get("fail"):
@@ -62,7 +62,7 @@ def test_run_trainer_reads_the_final_checkpoint_and_unwraps_user_errors(tmp_path
 
     import ray
 
-    from gti.errors import DataError
+    from gti.common.errors import DataError
     from gti.train.ray_train import progress_path, registered_checkpoint_step, run_trainer
 
     seen = []

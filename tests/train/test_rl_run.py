@@ -10,7 +10,7 @@ import polars as pl
 import pytest
 
 from gti import config as C
-from gti.errors import ConfigError
+from gti.common.errors import ConfigError
 from gti.train.loss import IGNORE_INDEX
 from gti.train.rl_run import RlInputs, rl_prompt_rows, run_rl, step_stat_means, time_shares
 from gti.train.worker_config import RlStart, ValSet

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from gti import config as C
-from gti.errors import DataError
+from gti.common.errors import DataError
 from gti.train import loop, ray_train, rl_task
 from gti.train.loss import IGNORE_INDEX
 from gti.train.rl_task import STAT_KEYS, grpo_settings, rl_row, rollout_cycle, split_batch

@@ -7,7 +7,7 @@ import numpy as np
 import polars as pl
 import pytest
 
-from gti.errors import ConfigError, DataError
+from gti.common.errors import ConfigError, DataError
 from gti.lm import templates as T
 from gti.train import sft_data as S
 from gti.lm.chat import IGNORE

@@ -9,7 +9,7 @@ import polars as pl
 import pytest
 import torch
 
-from gti.errors import ConfigError, DataError
+from gti.common.errors import ConfigError, DataError
 from gti.lm import templates as T
 from gti.lm.chat import IGNORE
 from gti.train import sft_data as S

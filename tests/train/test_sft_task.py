@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gti.config_train import SftConfig
-from gti.errors import ConfigError
+from gti.common.errors import ConfigError
 
 HASH = "hash-sft-task"
 

@@ -23,7 +23,7 @@ def test_pad_collate_right_pads_and_masks():
 
 
 def test_pad_collate_rejects_length_mismatch():
-    from gti.errors import DataError
+    from gti.common.errors import DataError
 
     batch = {"input_ids": [[1, 2]], "labels": [[1]]}
     with pytest.raises(DataError, match="row 0"):

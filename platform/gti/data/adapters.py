@@ -52,7 +52,7 @@ from gti.data.readers import (
     item_mapping,
 )
 from gti.data.sources import ReadTask, _parquet_file
-from gti.errors import DataError
+from gti.common.errors import DataError
 
 
 def iter_task(task: ReadTask, kind: str, columns, batch_rows: int = 8192) -> Iterator[tuple[RawBatch, int]]:

@@ -32,8 +32,8 @@ import pyarrow.compute as pc
 from gti.data import adapters
 from gti.data.sources import READ_ERRORS, ReadTask, error_reason, expand_paths, plan_tasks
 from gti.data import catalog as cat
-from gti.errors import DataError, GtiError, UnreadableFileError
-from gti.redact import redact_text
+from gti.common.errors import DataError, GtiError, UnreadableFileError
+from gti.common.redact import redact_text
 
 FILE_ERROR = "__file_error__"  # marker row: a reader failed on a whole file (see validated_batches)
 UNREADABLE_FILE = "__unreadable_file__"  # marker row: the same, for a file that may be skipped

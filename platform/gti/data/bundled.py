@@ -13,7 +13,7 @@ from __future__ import annotations
 from importlib import resources
 from pathlib import Path
 
-from gti.errors import DataError
+from gti.common.errors import DataError
 
 PREFIX = "bundled:"
 # Which file of a bundled folder answers which kind of source.

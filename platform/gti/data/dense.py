@@ -31,7 +31,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from gti.data import catalog as cat
-from gti.errors import DataError
+from gti.common.errors import DataError
 
 
 def dense_subset(items: pl.DataFrame, interactions: pl.DataFrame, n_items: int, min_user_len: int,

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import polars as pl
 
-from gti.errors import DataError
+from gti.common.errors import DataError
 
 
 @dataclass

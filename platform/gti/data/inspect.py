@@ -35,7 +35,7 @@ from gti.data import adapters
 from gti.data.readers import _csv_header, _json_records, _movielens_records
 from gti.data.sources import ReadTask, _open, _parquet_file, detect_format, expand_paths, plan_tasks
 from gti.data import catalog as cat
-from gti.errors import DataError
+from gti.common.errors import DataError
 
 EXAMPLES = 3
 # Candidate column names per field, most specific first (normalised: see _norm).

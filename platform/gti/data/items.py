@@ -29,8 +29,8 @@ from gti.data import catalog as cat
 from gti.data.batches import Source, fill_item_raw, iterate, raise_file_error
 from gti.data.idset import IdSet
 from gti.data.schemas import ITEMS_OUT_SCHEMA, ITEMS_Q_SCHEMA
-from gti.errors import DataError
-from gti.redact import redact_text
+from gti.common.errors import DataError
+from gti.common.redact import redact_text
 
 ROW_GROUP = 65_536  # rows per row group of the ingest outputs
 

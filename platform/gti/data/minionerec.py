@@ -29,7 +29,7 @@ from pathlib import Path
 
 import polars as pl
 
-from gti.errors import DataError
+from gti.common.errors import DataError
 
 SPLIT_DIRS = ("train", "valid", "test")
 REQUIRED = ("user_id", "history_item_id", "item_id")

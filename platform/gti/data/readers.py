@@ -25,7 +25,7 @@ import pyarrow.csv as pacsv
 
 from gti.data.catalog import INVALID_UTF8, MALFORMED_RECORD, READ_ERROR
 from gti.data.sources import READ_ERRORS, ReadTask, _open, _parquet_file, error_reason
-from gti.errors import DataError, UnreadableFileError
+from gti.common.errors import DataError, UnreadableFileError
 
 MOVIELENS_GENRES = [
     "unknown", "Action", "Adventure", "Animation", "Children's", "Comedy", "Crime", "Documentary",

@@ -44,7 +44,7 @@ import polars as pl
 
 from gti.data.catalog import OUTSIDE_MAX_USERS, SHORT_SEQUENCE
 from gti.data.schemas import SEQ_SCHEMA
-from gti.errors import DataError
+from gti.common.errors import DataError
 
 MIN_LEAVE_ONE_OUT = 3
 MIN_GLOBAL_TIME = 2  # one item of history and one target

@@ -31,7 +31,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from gti.data import bundled
-from gti.errors import DataError, UnreadableFileError
+from gti.common.errors import DataError, UnreadableFileError
 
 _EXT_FORMAT = {
     ".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".tsv": "csv",
@@ -54,7 +54,7 @@ def _data_file(name: str) -> bool:
 
 
 def _options(storage_options: Mapping[str, str] | None) -> dict[str, str]:
-    from gti.redact import REDACTED
+    from gti.common.redact import REDACTED
 
     return {k: v for k, v in (storage_options or {}).items() if v != REDACTED}
 
@@ -79,7 +79,7 @@ def expand_paths(path: str, kind: str, storage_options: Mapping[str, str] | None
     `storage_options`: the source's file-system options for a URI (see the module docstring)."""
     path = bundled.resolve(path, kind)
     if _is_uri(path):
-        from gti.redact import redact_text
+        from gti.common.redact import redact_text
 
         try:
             files = _expand_uri(path, storage_options)
@@ -117,7 +117,7 @@ def _expand_uri(uri: str, storage_options: Mapping[str, str] | None = None) -> l
     fs, p = filesystem(uri, storage_options)
     info = fs.get_file_info(p)
     if info.type == pafs.FileType.NotFound:
-        from gti.redact import redact_text
+        from gti.common.redact import redact_text
 
         raise DataError(f"no such file or directory: {redact_text(uri)}")
     if info.type == pafs.FileType.Directory:

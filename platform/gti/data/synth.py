@@ -275,7 +275,7 @@ def generate_walk(n_items: int, n_users: int | None, out: str | Path, seed: int 
 
 def cli_main(args) -> int:
     """`gti data synth --items N [--users M] --out DIR --seed S --format F [--walk --min-len A --max-len B]`."""
-    from gti.errors import GtiError
+    from gti.common.errors import GtiError
 
     if args.items < 1 or (args.users is not None and args.users < 0):
         raise GtiError("gti data synth: --items must be >= 1 and --users >= 0")

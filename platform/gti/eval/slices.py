@@ -31,7 +31,7 @@ import numpy as np
 import polars as pl
 
 from gti.data.sequences import check_sequences, split_lists
-from gti.errors import ConfigError, DataError
+from gti.common.errors import ConfigError, DataError
 from gti.eval.reference import DEFAULT_BASELINES, baseline_rank_rows, baseline_rows, metric_block
 
 

@@ -87,14 +87,14 @@ from typing import Any, Callable, Mapping, Sequence
 from gti import config as C
 from gti import pipeline
 from gti.config_io import apply_overrides
-from gti.errors import GtiError
+from gti.common.errors import GtiError
 from gti.experiments.compare_report import write_maps_report, write_report
 from gti.experiments.records import read_record, record_path, records_dir, shared_identity, write_record
 from gti.experiments.shared_stages import (
     SHARED_STAGES, ArmRun, CompareError, adopt_shared, map_dirs, map_overrides, map_tag, run_shared, slug,
 )
 from gti.experiments.sid_maps import sid_seeds
-from gti.files import atomic_write_json
+from gti.common.files import atomic_write_json
 from gti.train import resources
 
 ARMS: dict[str, dict[str, Any]] = {

@@ -23,7 +23,7 @@ from gti import config as C
 from gti.experiments.records import load_record, run_facts
 from gti.experiments.shared_stages import ArmRun, CompareError, map_tag, slug
 from gti.experiments.sid_maps import headline, summarize
-from gti.files import atomic_write_json
+from gti.common.files import atomic_write_json
 
 # {ArmRun.key: (RunRecord, run facts)} of the runs taken from stored records.
 Stored = dict[tuple, tuple[Any, dict[str, Any]]]

@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from gti import config as C
-from gti.errors import GtiError
+from gti.common.errors import GtiError
 from gti.experiments.shared_stages import ArmRun, CompareError, map_tag, slug
 from gti.manifest import Manifest, ManifestError, file_fingerprint
-from gti.files import atomic_write_json
+from gti.common.files import atomic_write_json
 
 
 RECORD_FORMAT = 1

@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 from gti import config as C
 from gti import pipeline
 from gti.config_io import apply_overrides
-from gti.errors import GtiError
+from gti.common.errors import GtiError
 from gti.manifest import Manifest, ManifestError
 
 SHARED_STAGES = ("ingest", "embed", "sid", "pairs")
@@ -72,7 +72,7 @@ def link_tree(src: Path, dst: Path) -> None:
         except OSError:
             shutil.copy2(s, d)
 
-    from gti.files import replace_dir
+    from gti.common.files import replace_dir
 
     tmp = dst.with_name(f".{dst.name}.linking")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -63,7 +63,7 @@ import yaml
 from gti import config as C
 from gti import pipeline
 from gti.config_io import apply_overrides, read_yaml
-from gti.errors import ConfigError
+from gti.common.errors import ConfigError
 from gti.experiments.shared_stages import adopt_shared
 from gti.experiments.tune_space import (
     RANK_METRICS,
@@ -280,8 +280,8 @@ def rewrite_trial_curves(cfg: C.RunConfig, run_dir: Path, grid, keys: list[str])
     The progress file on disk holds every reported step, so the driver replays it once the
     sweep is over (TensorBoard only: an MLflow run of a stopped trial keeps its live points).
     """
-    from gti.progress import JsonlFollower
-    from gti.tracking import Tracker
+    from gti.common.progress import JsonlFollower
+    from gti.common.tracking import Tracker
     from gti.train.ray_train import STORAGE_DIR, progress_path
 
     tb_only = cfg.model_copy(update={"tracking": cfg.tracking.model_copy(update={"mlflow": False})})

@@ -21,7 +21,7 @@ from typing import Any
 from gti import config as C
 from gti import pipeline
 from gti.config_io import apply_overrides
-from gti.errors import ConfigError, GtiError
+from gti.common.errors import ConfigError, GtiError
 from gti.experiments.shared_stages import SHARED_STAGES
 
 SPACE_TYPES = ("loguniform", "uniform", "choice", "randint", "grid")

@@ -18,7 +18,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from gti.errors import ConfigError
+from gti.common.errors import ConfigError
 
 IGNORE = -100
 _PH_USER = "\ue000gti-user\ue001"

@@ -34,8 +34,8 @@ from typing import Any, Sequence
 
 import torch
 
-from gti.errors import ConfigError
-from gti.errors import DataError
+from gti.common.errors import ConfigError
+from gti.common.errors import DataError
 
 DEFAULT_TEMPLATES: dict[str, str] = {
     "desc2token": "Which token is described here? {description}",

@@ -35,9 +35,9 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from gti.errors import ConfigError
+from gti.common.errors import ConfigError
 
-from gti.arms import INIT_METHODS
+from gti.common.arms import INIT_METHODS
 
 
 def _level_offsets(codebook_sizes: Sequence[int]) -> list[int]:

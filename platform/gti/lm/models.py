@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gti.errors import ConfigError
+from gti.common.errors import ConfigError
 
 SMOLLM2_NAME = "smollm2-135m"
 TINY_NAME = "tiny"
@@ -132,7 +132,7 @@ def _convert_gguf(gguf: Path, out_dir: Path, log=print) -> None:
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
-        from gti.files import replace_dir
+        from gti.common.files import replace_dir
 
         # An existing folder here is an incomplete one from an older, interrupted layout (the
         # caller found no complete one under the lock): swapped out, then removed.

@@ -43,7 +43,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from gti.errors import ConfigError
+from gti.common.errors import ConfigError
 
 SID_START = "<sid_start>"
 SID_END = "<sid_end>"
@@ -372,14 +372,14 @@ def export_model(model, tokenizer, out_dir: str | Path, meta: dict[str, Any], *,
 
     A split model is merged on a deep copy, so `model` itself keeps training as it was. The
     folder is written in a temp dir beside `out_dir` (`extra(tmp)` may add files to it) and
-    swapped into place (`gti.files.replace_dir`), so a crash never leaves a folder that looks
+    swapped into place (`gti.common.files.replace_dir`), so a crash never leaves a folder that looks
     complete and `out_dir` is never missing. An existing `out_dir` is replaced only when it is
     empty or a gti export (`is_export`), or with `force`; never when it is or contains the
     current or home directory or one of `protected` ({label: path}): `UnsafeReplaceError`,
     raised before anything is written. Under ZeRO-3 call it on rank 0 with the module's
     parameters gathered.
     """
-    from gti.files import check_replaceable_dir, replace_dir
+    from gti.common.files import check_replaceable_dir, replace_dir
 
     out_dir = Path(out_dir)
     check_replaceable_dir(out_dir, is_ours=is_export, force=force, protected=protected, ours="a gti export")

@@ -29,7 +29,7 @@ import pyarrow as pa
 
 from gti.data.descriptions import description_text
 from gti.data.schemas import PAIR_TOKEN_COLUMNS, PAIRS_SCHEMA
-from gti.errors import DataError
+from gti.common.errors import DataError
 
 ITEM_COLUMNS = ["item_id", "title", "description", "category", "attributes_text"]  # read from items.parquet
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from gti.errors import ConfigError
+from gti.common.errors import ConfigError
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:

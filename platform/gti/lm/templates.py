@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
-from gti.errors import ConfigError, DataError
+from gti.common.errors import ConfigError, DataError
 from gti.lm.chat import (
     IGNORE,
     _encode,

@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 
 from gti import config as C
 from gti.config_io import apply_overrides, read_yaml
-from gti.errors import ConfigError, GtiError
+from gti.common.errors import ConfigError, GtiError
 from gti.manifest import MANIFEST_NAME, Manifest
 from gti.train.ray_train import STORAGE_DIR
 
@@ -63,7 +63,7 @@ class RefreshResult:
 
 
 def log_default(msg: str) -> None:
-    from gti.redact import redact_text  # a data URI's credentials never reach the log
+    from gti.common.redact import redact_text  # a data URI's credentials never reach the log
 
     print(f"[refresh] {redact_text(msg)}", file=sys.stderr, flush=True)
 

@@ -28,10 +28,10 @@ from typing import Any, Callable, Sequence
 
 from gti import config as C
 from gti.config_io import redact
-from gti.errors import ConfigError
+from gti.common.errors import ConfigError
 from gti.input_files import fingerprint_files
 from gti.manifest import MANIFEST_NAME, Manifest, stable_hash
-from gti.files import atomic_write_bytes, atomic_write_json
+from gti.common.files import atomic_write_bytes, atomic_write_json
 from gti.refresh.ingest import ingest_step
 from gti.refresh.attempt import (
     FINGERPRINT_FILE, GROWN_MODEL, RAY_DIR, STEPS_FILE, Job, Parent, RefreshError, RefreshResult, find_parent,

@@ -33,7 +33,7 @@ from gti.data.idset import IdSet
 from gti.data.items import ingest_items
 from gti.data.schemas import INTER_OUT_SCHEMA, INTER_Q_SCHEMA, SEQ_SCHEMA
 from gti.data.sequences import build_sequences
-from gti.errors import DataError
+from gti.common.errors import DataError
 from gti.refresh.attempt import Job
 
 

@@ -23,8 +23,8 @@ What it does not know: training, the model's weights, Ray.
 
 from __future__ import annotations
 
-from gti.errors import DataError
-from gti.files import atomic_write_json
+from gti.common.errors import DataError
+from gti.common.files import atomic_write_json
 from gti.manifest import Manifest
 from gti.refresh.attempt import NEEDS_NEW_TOKENS, Job, RefreshError
 

@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from gti.errors import DataError
+from gti.common.errors import DataError
 from gti.refresh.attempt import GROUND_RUN, RAY_DIR, SFT_RUN, Job
 from gti.train.worker_config import FaultInjection
 

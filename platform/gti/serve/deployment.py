@@ -45,7 +45,7 @@ from typing import Any
 from ray import serve
 
 from gti.config_serve import ServeConfig
-from gti.errors import GtiError
+from gti.common.errors import GtiError
 from gti.serve.gather import Gatherer
 
 APP_NAME = "gti"
@@ -289,7 +289,7 @@ def app_builder(args: dict[str, Any]):
     trust_remote_code}; the token from $GTI_SERVE_TOKEN (or _FILE) where the app is built."""
     from argparse import Namespace
 
-    from gti.errors import ConfigError
+    from gti.common.errors import ConfigError
     from gti.run_versions import RunDirError, chosen_version
     from gti.serve.app import take_token, token_digest
 
@@ -314,7 +314,7 @@ def serve_config(args) -> ServeConfig:
 
     from gti import config as C
     from gti.config_io import format_error
-    from gti.errors import ConfigError
+    from gti.common.errors import ConfigError
 
     overrides = list(getattr(args, "overrides", None) or [])
     bad = [o for o in overrides if not o.startswith("serve.")]

@@ -38,8 +38,8 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from gti.errors import ConfigError, DataError, GtiError, one_line
-from gti.files import atomic_write_bytes, atomic_write_json
+from gti.common.errors import ConfigError, DataError, GtiError, one_line
+from gti.common.files import atomic_write_bytes, atomic_write_json
 from gti.runlock import LOCK_FILE
 
 MANIFEST = "_gti_infer.json"

@@ -30,7 +30,7 @@ import polars as pl
 import pyarrow as pa
 import ray
 
-from gti.errors import ConfigError, GtiError
+from gti.common.errors import ConfigError, GtiError
 from gti.serve import infer as I
 
 _on_part = None  # test hook: called with each part index the driver sees written (e.g. to interrupt)
@@ -51,7 +51,7 @@ class PartDecoder:
             register(roll)
         device = "cuda" if num_gpus > 0 and torch.cuda.is_available() else "cpu"
         if device == "cpu":
-            from gti.devices import use_cpu_threads
+            from gti.common.devices import use_cpu_threads
 
             use_cpu_threads(cpu_threads)
         self.svc = RecommenderService.load(run_dir, version, device=device, trust_remote_code=trust_remote_code)
@@ -244,7 +244,7 @@ def run_parts(job: I.InferJob, todo: list[I.Part], done_rows: int, *, concurrenc
               trust_remote_code: bool = False, log=None, here: bool = False) -> dict[str, Any]:
     """Decode and write the `todo` parts (`here`: in this process, else on an actor pool of
     `concurrency`); -> {decoded_users, error_rows, seconds, users_per_s}."""
-    from gti.progress import Progress
+    from gti.common.progress import Progress
 
     t0, n, errors = time.time(), 0, 0
     bar = Progress(job.users.height, "infer", "users", initial=done_rows, log=log)

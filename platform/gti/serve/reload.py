@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from gti.errors import GtiError, one_line
+from gti.common.errors import GtiError, one_line
 
 log = logging.getLogger("gti.serve")
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
-from gti.errors import GtiError
+from gti.common.errors import GtiError
 from gti.eval.recommend import MAX_K, DecodePlan, answer_items, decode_plan
 
 UnknownPolicy = Literal["ignore", "error"]

@@ -24,7 +24,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from gti.errors import DataError
+from gti.common.errors import DataError
 
 
 class SidFormatError(DataError, ValueError):

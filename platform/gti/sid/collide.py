@@ -40,7 +40,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from gti.parquet_stream import open_parquet
+from gti.common.parquet_stream import open_parquet
 from gti.sid.buckets import ROWS, BucketCodes, SBuckets, SortedPieces
 from gti.sid.quality import usage_from_counts
 from gti.sid.resolve import LastCodes, LastCost, dedup_extra_level, dedup_reassign, group_ids

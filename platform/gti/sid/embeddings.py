@@ -22,8 +22,8 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from gti.errors import DataError
-from gti.parquet_stream import open_parquet
+from gti.common.errors import DataError
+from gti.common.parquet_stream import open_parquet
 from gti.sid.quantizer import CONFIG_NAME, WEIGHTS_NAME, load_quantizer
 
 def embedding_matrix(col: pa.ChunkedArray | pa.Array, path: str) -> np.ndarray:

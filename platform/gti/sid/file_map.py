@@ -33,14 +33,14 @@ import pyarrow.parquet as pq
 import torch
 
 from gti.data.schemas import SID_MAP_SCHEMA
-from gti.errors import DataError
-from gti.parquet_stream import iter_parquet
+from gti.common.errors import DataError
+from gti.common.parquet_stream import iter_parquet
 from gti.sid.codec import SidCodec
 from gti.sid.embeddings import embedding_matrix
 from gti.sid.from_file import FileMap, read_file_map
 from gti.sid.mapfile import sid_map_hash, sid_strings
 from gti.sid.quality import level_usage
-from gti.timing import Timer
+from gti.common.timing import Timer
 
 QUARANTINE_FILE = "quarantine.parquet"
 _BATCH = 65536

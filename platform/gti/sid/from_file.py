@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from gti.errors import DataError
+from gti.common.errors import DataError
 
 # Fields of an item.json record that hold the item's id, in the order they are looked for.
 ID_FIELDS = ("item_id", "asin", "parent_asin", "id")

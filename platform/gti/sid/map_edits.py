@@ -40,7 +40,7 @@ import pyarrow.compute as pc
 import torch
 
 from gti.data.schemas import SID_MAP_SCHEMA
-from gti.errors import DataError
+from gti.common.errors import DataError
 from gti.sid.codec import SidCodec
 
 

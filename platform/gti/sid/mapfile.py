@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from gti.parquet_stream import iter_parquet
+from gti.common.parquet_stream import iter_parquet
 from gti.sid.codec import SidCodec
 
 

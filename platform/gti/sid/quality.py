@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from gti.errors import GateError
+from gti.common.errors import GateError
 
 
 def level_usage(codes: torch.Tensor, sizes: list[int]) -> tuple[list[float], list[float]]:

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from gti.errors import DataError
+from gti.common.errors import DataError
 from gti.sid.rqkmeans import RQKMeansConfig, ResidualKMeans
 from gti.sid.rqvae import RQVAE, RQVAEConfig
 

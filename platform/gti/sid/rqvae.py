@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gti.devices import native_bf16
+from gti.common.devices import native_bf16
 from gti.sid.balance import sinkhorn_assign
 from gti.sid.kmeans import kmeans, row_argmin
 

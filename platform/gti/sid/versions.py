@@ -39,7 +39,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from gti.errors import DataError
+from gti.common.errors import DataError
 from gti.sid.mapfile import sid_map_hash
 
 VERSION_SUFFIX = ".version.json"
@@ -134,7 +134,7 @@ def version_path(map_path: str | Path) -> Path:
 
 def write_version(map_path: str | Path, version: SidMapVersion) -> Path:
     """Write the record beside the map (atomically) and return its path."""
-    from gti.files import atomic_write_bytes
+    from gti.common.files import atomic_write_bytes
 
     path = version_path(map_path)
     atomic_write_bytes(path, (json.dumps(version.to_dict(), indent=1, sort_keys=True) + "\n").encode())
@@ -169,7 +169,7 @@ class LineageDir:
         self.folder = Path(folder)
 
     def add(self, version: SidMapVersion, table: pa.Table | None = None) -> None:
-        from gti.files import atomic_write_bytes
+        from gti.common.files import atomic_write_bytes
 
         if version.parent_hash == version.hash:
             raise DataError(f"lineage {self.folder}: version {version.hash} names itself as its parent")

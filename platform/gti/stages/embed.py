@@ -36,10 +36,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from gti.errors import DataError
-from gti.parquet_stream import iter_parquet, open_parquet
+from gti.common.errors import DataError
+from gti.common.parquet_stream import iter_parquet, open_parquet
 from gti.contract import StageContext, StageResult
-from gti.timing import Timer, rate
+from gti.common.timing import Timer, rate
 
 _TEXT_COLUMNS = ["item_id", "title", "description", "category", "attributes_text"]
 
@@ -275,7 +275,7 @@ def _local_results(kwargs: dict, ranges: list[list[int]]):
 def _stream(ctx: StageContext, results, n_items: int, timer: Timer) -> tuple[int, set[int]]:
     """Run the pool (or the local ranges): `results` yields one row per part; -> (items
     embedded, dims seen). The actors' seconds go to `timer`."""
-    from gti.progress import Progress
+    from gti.common.progress import Progress
 
     done, dims = 0, set()
     bar = Progress(n_items, "embed", "items", log=ctx.log)

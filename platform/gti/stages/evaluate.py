@@ -67,12 +67,12 @@ from gti import config as C
 from gti.chunked_output import ChunkedOutput
 from gti.contract import StageContext, StageResult
 from gti.data.sequences import check_sequences
-from gti.errors import ConfigError, DataError
+from gti.common.errors import ConfigError, DataError
 from gti.eval.reference import metric_block, paired_differences, paired_k, reference_block, reference_frames
 from gti.eval.slices import cold_users, eval_users, n_cold_items, slice_metrics, split_frame
 from gti.eval.tables import format_ranks, format_table
-from gti.files import atomic_write_json
-from gti.timing import Timer
+from gti.common.files import atomic_write_json
+from gti.common.timing import Timer
 from gti.train import sft_data
 
 METRICS_FILE = "metrics.json"
@@ -99,7 +99,7 @@ class Recommender:
         self.ec = cfg.eval
         self.device = torch.device("cuda" if self.ec.num_gpus > 0 and torch.cuda.is_available() else "cpu")
         if self.device.type == "cpu":
-            from gti.devices import use_cpu_threads
+            from gti.common.devices import use_cpu_threads
 
             use_cpu_threads(self.ec.cpu_threads)
         run = LoadedRun.open(model_dir=model_dir, sid_map_path=sid_map_path, sid_facts=sid_facts,
@@ -261,7 +261,7 @@ def _decode(ctx: StageContext, inp: _Inputs) -> tuple[pl.DataFrame, dict[str, An
         ctx.log(f"resuming: {resumed:,} of {rows.height:,} prompts already decoded by an interrupted attempt")
     todo = rows.slice(resumed)
     blocks = _recommendation_blocks(ctx, inp, todo) if todo.height else []
-    from gti.progress import Progress
+    from gti.common.progress import Progress
 
     bar = Progress(todo.height, "decode", "prompts", log=ctx.log)  # a resumed run decodes only the rest
     t0 = time.time()
@@ -377,7 +377,7 @@ def _split_metrics(ctx: StageContext, inp: _Inputs, split: str, part: pl.DataFra
 def _write_outputs(ctx: StageContext, out: dict[str, Any], recs: pl.DataFrame) -> None:
     """metrics.json, the tracker's scalars and recs.parquet; the decoded chunks are then removed."""
     atomic_write_json(ctx.work_dir / METRICS_FILE, out)
-    from gti.tracking import eval_tags, open_tracker
+    from gti.common.tracking import eval_tags, open_tracker
 
     with open_tracker(ctx) as tracker:
         tracker.scalars(eval_tags(out), int(ctx.manifest("sft").facts.get("steps_done") or 0))

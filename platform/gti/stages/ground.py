@@ -38,8 +38,8 @@ import torch
 
 from gti.train.ray_train import STORAGE_DIR
 from gti.data.descriptions import description_text
-from gti.errors import DataError, GateError
-from gti.arms import arm_name
+from gti.common.errors import DataError, GateError
+from gti.common.arms import arm_name
 from gti.contract import StageContext, StageResult
 
 MODEL_DIR = "model"
@@ -201,7 +201,7 @@ def _ground(ctx: StageContext, init, first, end, first_sid, end_sid, codec, toke
     from safetensors.torch import save_file
 
     from gti.ray_start import ensure_ray
-    from gti.tracking import open_tracker
+    from gti.common.tracking import open_tracker
     from gti.train.ground_run import GroundingInputs, run_grounding, write_val_set
     from gti.train.worker_config import GroundRows, ValSet
 

@@ -68,10 +68,10 @@ from gti.data.idset import IdSet
 from gti.data.items import ROW_GROUP, ingest_items
 from gti.data.schemas import INTER_OUT_SCHEMA, INTER_Q_SCHEMA, SEQ_SCHEMA
 from gti.data.sequences import build_sequences
-from gti.errors import DataError, user_error
+from gti.common.errors import DataError, user_error
 from gti.input_files import fingerprint_files
-from gti.redact import redact_text
-from gti.timing import Timer
+from gti.common.redact import redact_text
+from gti.common.timing import Timer
 
 # Caps and filters that can silently remove most of a data set: quarantine reason -> config key.
 CAP_KEYS = {cat.OUTSIDE_MAX_ITEMS: "data.max_items", cat.OUTSIDE_MAX_USERS: "data.max_users",

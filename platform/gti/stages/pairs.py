@@ -51,10 +51,10 @@ import pyarrow.parquet as pq
 
 from gti.contract import StageContext, StageResult
 from gti.data.schemas import PAIRS_SCHEMA
-from gti.errors import DataError, user_error
+from gti.common.errors import DataError, user_error
 from gti.lm.pairs import ITEM_COLUMNS, RenderPairs
-from gti.parquet_stream import open_parquet
-from gti.timing import Timer, rate
+from gti.common.parquet_stream import open_parquet
+from gti.common.timing import Timer, rate
 
 TOKENIZER_DIR = "tokenizer"
 PAIRS_FILE = "pairs.parquet"
@@ -302,7 +302,7 @@ def _write_pairs(ctx: StageContext, blocks, n_items: int) -> _PairCounts:
     """Stream the rendered blocks (pyarrow tables) into pairs.parquet, counting them; a user
     error raised in an actor is re-raised as itself."""
     counts = _PairCounts(tasks={t: 0 for t in ctx.cfg.pairs.templates})
-    from gti.progress import Progress
+    from gti.common.progress import Progress
 
     bar = Progress(n_items, "pairs", "items", log=ctx.log)
     writer = pq.ParquetWriter(ctx.work_dir / PAIRS_FILE, PAIRS_SCHEMA)

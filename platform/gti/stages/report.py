@@ -32,8 +32,8 @@ from gti.diagnostics import geometry as G
 from gti.diagnostics import plots as P
 from gti.diagnostics.report_files import build_report
 from gti.diagnostics.runs import PHASES, RunRecord
-from gti.errors import DataError
-from gti.arms import arm_name
+from gti.common.errors import DataError
+from gti.common.arms import arm_name
 from gti.manifest import ManifestError, package_versions
 from gti.contract import StageContext, StageResult
 
@@ -48,7 +48,7 @@ _PHASE_MODEL = {"init": "ground", "ground": "ground", "sft": "sft"}
 
 
 def arm_label(cfg) -> str:
-    """The run's name in reports: `report.label`, else its arm (`gti.arms.arm_name`)."""
+    """The run's name in reports: `report.label`, else its arm (`gti.common.arms.arm_name`)."""
     if cfg.report.label:
         return cfg.report.label
     return arm_name(cfg.init.method, cfg.ground.enabled and cfg.ground.steps > 0, cfg.sft.multitask, cfg.rl.trains)

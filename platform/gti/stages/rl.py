@@ -28,7 +28,7 @@ import polars as pl
 import torch
 
 from gti.contract import StageContext, StageResult
-from gti.errors import DataError
+from gti.common.errors import DataError
 from gti.train.ray_train import STORAGE_DIR
 from gti.train.rl_run import RlInputs, rl_prompt_rows, run_rl
 from gti.train.sft_task import VAL_K
@@ -98,7 +98,7 @@ def _train(ctx: StageContext, sft_dir, fault_injection: FaultInjection | None) -
     from transformers import AutoTokenizer
 
     from gti.ray_start import ensure_ray
-    from gti.tracking import open_tracker
+    from gti.common.tracking import open_tracker
 
     cfg, rc = ctx.cfg, ctx.cfg.rl
     ensure_ray(cfg)

@@ -48,8 +48,8 @@ import pyarrow as pa
 import torch
 
 from gti.train.ray_train import STORAGE_DIR
-from gti.errors import DataError, GtiError
-from gti.files import atomic_write_json
+from gti.common.errors import DataError, GtiError
+from gti.common.files import atomic_write_json
 from gti.contract import StageContext, StageResult
 from gti.data.sequences import check_sequences
 from gti.lm import templates
@@ -333,7 +333,7 @@ def _train(ctx: StageContext, tokenizer, pad_id: int, ground_dir: Path, sids: _S
     from safetensors.torch import save_file
 
     from gti.ray_start import ensure_ray
-    from gti.tracking import open_tracker
+    from gti.common.tracking import open_tracker
 
     cfg, sc = ctx.cfg, ctx.cfg.sft
     ensure_ray(cfg)

@@ -64,9 +64,9 @@ import torch
 
 from gti.train.ray_train import STORAGE_DIR
 from gti.contract import StageContext, StageResult
-from gti.devices import cpu_facts
-from gti.errors import DataError
-from gti.parquet_stream import iter_parquet
+from gti.common.devices import cpu_facts
+from gti.common.errors import DataError
+from gti.common.parquet_stream import iter_parquet
 from gti.sid.codec import SidCodec
 from gti.sid.collide import CodeScan, CodesWriter, Resolved, fixed_batches, iter_resolved, resolve_subset, scan_codes
 from gti.sid.embeddings import AssignBatch, EmbeddingRows, LastResiduals, check_embeddings
@@ -76,7 +76,7 @@ from gti.sid.quality import check_gates
 from gti.sid.quantizer import CONFIG_NAME, WEIGHTS_NAME, build_quantizer, codebooks_tensor, save_quantizer
 from gti.sid.resolve import LastCodes, sinkhorn_rounds
 from gti.sid.rqvae import resolve_encode_dtype
-from gti.timing import Timer
+from gti.common.timing import Timer
 from gti.train.rqvae_task import train_rqvae
 
 
@@ -84,7 +84,7 @@ def track_sid(ctx: StageContext, history: list[dict], facts: dict) -> None:
     """TensorBoard (and MLflow) scalars of the stage: RQ-VAE training per epoch (train/*) and
     the final SID quality (sid/*: reconstruction, collisions, utilisation and perplexity per
     level), at step = epochs (0 for residual k-means)."""
-    from gti.tracking import metric_tags, open_tracker
+    from gti.common.tracking import metric_tags, open_tracker
 
     with open_tracker(ctx) as tracker:
         for m in history:
@@ -194,7 +194,7 @@ def assign_all(ctx: StageContext, emb_path: Path, qdir: Path, n_items: int, out:
 def _write_codes(ctx: StageContext, batches, n_items: int, out: Path) -> Path:
     """The `codes` of each batch ({"codes": int [B, L]}) appended to `out` in order (int32
     [n_items, L] in all); one batch in memory at a time."""
-    from gti.progress import Progress
+    from gti.common.progress import Progress
 
     t0 = time.time()
     with Progress(n_items, "assign", "items", log=ctx.log) as bar, CodesWriter(out) as writer:
@@ -264,7 +264,7 @@ def _resolve(ctx: StageContext, q, scan: CodeScan, rows_reader: EmbeddingRows,
         return sq_dists(last_residuals(rows.numpy()), last_cb)
 
     def spread(store: LastCodes, cost) -> int:
-        from gti.progress import Progress
+        from gti.common.progress import Progress
 
         # Rounds stop early when they stop helping, so the ETA is an upper bound.
         with timer.phase("sinkhorn"), Progress(s.sinkhorn_rounds, "sinkhorn", "rounds", log=ctx.log,

@@ -30,7 +30,7 @@ from __future__ import annotations
 from typing import Any
 
 from gti.config_train import GroundConfig, RlConfig, SftConfig, TrainConfig
-from gti.errors import ConfigError
+from gti.common.errors import ConfigError
 
 # Bucket sizes (elements) for ZeRO gradient reduction / parameter all-gather. DeepSpeed's defaults
 # (5e8) allocate 2 GB fp32 buffers; these keep CPU workers small without measurable slowdown at

@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from gti.errors import DataError
+from gti.common.errors import DataError
 from gti.train import ray_train, runner
 from gti.train.runner import TrainResult, curve, loss_ends
 from gti.train.worker_config import FaultInjection, GroundRows, ValSet, WorkerConfig

@@ -52,8 +52,8 @@ import torch
 
 from gti import config as C
 from gti.config_train import TrainConfig
-from gti.errors import ConfigError
-from gti.devices import resolve_precision, use_cpu_threads
+from gti.common.errors import ConfigError
+from gti.common.devices import resolve_precision, use_cpu_threads
 from gti.train import faults, nonfinite, ray_train, safe_checkpoint
 from gti.train.best import BEST_FILE, BestKeeper
 from gti.train.shards import PadCollate, ShardStream
@@ -347,13 +347,13 @@ class FitResult:
 
 class _ProgressTail:
     """Driver side of training progress: every step's metrics (from rank 0's progress file,
-    followed by `gti.train.ray_train.run_trainer`) drawn with rate and ETA (`gti.progress.Progress`:
+    followed by `gti.train.ray_train.run_trainer`) drawn with rate and ETA (`gti.common.progress.Progress`:
     a bar on a TTY, else a line every `every` steps through `log`) and handed to `on_metrics`
     (the stage's tracker)."""
 
     def __init__(self, log: Callable[[str], None], every: int, total: int,
                  on_metrics: Callable[[dict], None] | None = None) -> None:
-        from gti.progress import Progress
+        from gti.common.progress import Progress
 
         self.bar = Progress(total, "training", "steps", log=log, every_n=max(1, every))
         self.on_metrics = on_metrics

@@ -5,7 +5,7 @@ What it is for: `gti.train.loop` calls `check_step(config, rank, step, loss, gra
 bad_ranks)` after every optimizer step, on values all-reduced over the ranks (so every rank
 stops at the same step, before that step's checkpoint: no NaN row is ever exported and
 evaluated as zeros). `check_finite` is the pure test (`NonFiniteError`, a `GtiError`: the CLI
-prints it as one line, `gti.errors.user_error` finds it inside Ray Train's failure). Rank 0
+prints it as one line, `gti.common.errors.user_error` finds it inside Ray Train's failure). Rank 0
 also records the stop next to the run's progress file (`mark`), keyed by the `fit` call's id:
 a worker group Ray Train restarts within the same call (`train.max_failures`) fails at once
 with the same line (`raise_if_marked`) instead of replaying the steps since the last
@@ -22,7 +22,7 @@ from pathlib import Path
 
 from typing import TYPE_CHECKING
 
-from gti.errors import NonFiniteError
+from gti.common.errors import NonFiniteError
 
 if TYPE_CHECKING:
     from gti.train.worker_config import WorkerConfig

@@ -5,10 +5,10 @@ builds a `TorchTrainer`: its ScalingConfig (workers, GPUs, resources per worker)
 (run name and storage path, so a run re-created with both resumes from its latest checkpoint:
 Ray Train V2 has no `Trainer.restore`), FailureConfig (worker failures retried from the latest
 checkpoint), CheckpointConfig (two kept), the workers' environment and the progress file rank
-0 appends to (followed on the driver, one JSON line per step or epoch, `gti.progress`). It is
+0 appends to (followed on the driver, one JSON line per step or epoch, `gti.common.progress`). It is
 also the one place a typed worker config (`gti.train.worker_config.WorkerConfig`) becomes the
 dict Ray Train takes as `train_loop_config` (`_train_loop_config`). A
-`GtiError` raised in a worker comes back as itself (`gti.errors.user_error`), so the CLI prints
+`GtiError` raised in a worker comes back as itself (`gti.common.errors.user_error`), so the CLI prints
 its one line. It returns the final checkpoint's contents through the caller's `read` function.
 
 Worker side (called inside `worker_fn`): `worker_rank_world()`, `latest_checkpoint()` (a
@@ -104,9 +104,9 @@ def run_trainer(
     from ray.data import ExecutionOptions
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from gti import ledger
-    from gti.errors import user_error
-    from gti.progress import JsonlFollower
+    from gti.common import ledger
+    from gti.common.errors import user_error
+    from gti.common.progress import JsonlFollower
 
     storage = Path(spec.storage_path)
     storage.mkdir(parents=True, exist_ok=True)

@@ -25,7 +25,7 @@ from typing import Any, Callable, ContextManager
 import numpy as np
 import polars as pl
 
-from gti.errors import ConfigError
+from gti.common.errors import ConfigError
 from gti.train import ray_train, runner
 from gti.train.rl_task import BEST_METRIC, rl_row
 from gti.train.runner import TrainResult

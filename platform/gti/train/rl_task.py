@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from gti import config as C
-from gti.errors import DataError
+from gti.common.errors import DataError
 from gti.train.loss import IGNORE_INDEX
 from gti.train.sft_task import load_causal_lm, sft_trainable_state, validate_sft
 from gti.train.task import TaskHooks, load_trie, register

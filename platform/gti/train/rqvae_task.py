@@ -118,7 +118,7 @@ def _save(core, opt, device, epoch: int, history: list[dict], metrics: dict, con
     """Rank 0: the epoch's progress line and, when `checkpoint`, its checkpoint (quantiser,
     optimizer, history); otherwise only the metrics are reported."""
     if config.get("progress_file"):
-        # The driver follows this file for the epoch progress line (gti.progress).
+        # The driver follows this file for the epoch progress line (gti.common.progress).
         with open(config["progress_file"], "a") as fh:
             fh.write(json.dumps({**metrics, "wall_time": time.time()}) + "\n")
     if not checkpoint:
@@ -299,7 +299,7 @@ def train_rqvae(s, seed: int, emb_path: Path, init_model, n_items: int, storage:
                 log: Callable[[str], None]):
     """Distributed RQ-VAE training (`s` = the `sid` config section); returns (trained model,
     epoch history). A rerun with the same `storage` resumes from the last epoch."""
-    from gti.progress import Progress
+    from gti.common.progress import Progress
 
     ds = ray_train.read_parquet_dataset(emb_path, ["embedding"])
     per_worker = max(1, s.batch_size // s.num_workers)

@@ -27,7 +27,7 @@ import re
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-from gti.errors import GtiError
+from gti.common.errors import GtiError
 
 
 class UnsafeCheckpointError(GtiError):

@@ -35,8 +35,8 @@ import numpy as np
 import polars as pl
 
 from gti.data.sequences import check_sequences
-from gti.errors import ConfigError
-from gti.errors import DataError
+from gti.common.errors import ConfigError
+from gti.common.errors import DataError
 from gti.lm.templates import REC_TEMPLATES, ROW_COLUMNS
 
 

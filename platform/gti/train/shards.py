@@ -18,7 +18,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from gti.errors import DataError
+from gti.common.errors import DataError
 from gti.train.batching import length_grouped_batches
 
 IGNORE_INDEX = -100

@@ -1,4 +1,4 @@
-"""gti.tracking: event files with the expected tags, tag mapping, the MLflow key's message,
+"""gti.common.tracking: event files with the expected tags, tag mapping, the MLflow key's message,
 and the warn-once policy for failed writes."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import importlib.util
 import pytest
 
 from gti import config
-from gti.errors import ConfigError
-from gti.tracking import (
+from gti.common.errors import ConfigError
+from gti.common.tracking import (
     Tracker, TrackingError, check_available, eval_tags, metric_tags, mlflow_key, read_scalars,
 )
 

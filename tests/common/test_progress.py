@@ -1,10 +1,10 @@
-"""gti.progress: the plain (non-TTY) lines, rate and ETA, and the JSON-lines follower."""
+"""gti.common.progress: the plain (non-TTY) lines, rate and ETA, and the JSON-lines follower."""
 
 from __future__ import annotations
 
 import json
 
-from gti.progress import JsonlFollower, Progress, format_duration
+from gti.common.progress import JsonlFollower, Progress, format_duration
 
 
 class Clock:

@@ -1,4 +1,4 @@
-"""gti/files.py: atomic writes leave the old file or the new one, never half."""
+"""gti/common/files.py: atomic writes leave the old file or the new one, never half."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from gti.files import atomic_write_bytes, atomic_write_json
+from gti.common.files import atomic_write_bytes, atomic_write_json
 
 
 def test_write_replaces_and_a_failed_write_keeps_the_old_file(tmp_path):

@@ -1,4 +1,4 @@
-"""gti/redact.py (issue 30, item 8): secrets stay secret.
+"""gti/common/redact.py (issue 30, item 8): secrets stay secret.
 
 Key names are secret in any spelling (`apiKey`, `api-key`, `auth`, `passphrase`,
 `connection_string`), credentials inside URIs (`user:pass@`, presigned query strings) are
@@ -20,9 +20,9 @@ from gti import pipeline as P
 from gti.config_io import redact
 from gti.contract import StageResult, StageSpec
 from gti.manifest import Manifest
-from gti.redact import REDACTED, is_secret_key, redact_strings, redact_text
+from gti.common.redact import REDACTED, is_secret_key, redact_strings, redact_text
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SECRET = "hunter2-s3cr3t"
 URI = f"https://alice:{SECRET}@data.example.com/catalog/items.parquet"
 PRESIGNED = ("https://bucket.s3.amazonaws.com/items.parquet?X-Amz-Algorithm=AWS4-HMAC-SHA256"
@@ -128,7 +128,7 @@ def test_manifest_write_removes_uri_credentials_from_any_string(tmp_path):
 
 def test_the_cli_error_line_has_no_uri_credentials(capsys, monkeypatch):
     from gti import cli
-    from gti.errors import DataError
+    from gti.common.errors import DataError
 
     def fail(args):
         raise DataError(f"data.items.path: cannot list {URI}: access denied")

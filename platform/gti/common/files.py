@@ -26,7 +26,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from gti.errors import GtiError
+from gti.common.errors import GtiError
 
 
 class UnsafeReplaceError(GtiError):

@@ -1,4 +1,4 @@
-"""gti.ledger: the append-only record of Train runs and Ray instances a command started."""
+"""gti.common.ledger: the append-only record of Train runs and Ray instances a command started."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 
 def test_ledger_notes_only_when_its_variable_is_set(tmp_path, monkeypatch):
-    from gti import ledger
+    from gti.common import ledger
 
     path = tmp_path / "ledger.jsonl"
     monkeypatch.delenv(ledger.ENV, raising=False)

@@ -1,4 +1,4 @@
-"""gti.timing: named phases add up, seconds measured elsewhere are added, facts end in _s."""
+"""gti.common.timing: named phases add up, seconds measured elsewhere are added, facts end in _s."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from gti.timing import Timer, peak_rss_mb, rate, reset_peak_rss
+from gti.common.timing import Timer, peak_rss_mb, rate, reset_peak_rss
 
 
 def test_phases_add_up_and_total_covers_them():

@@ -55,7 +55,7 @@ class NonFiniteError(GtiError):
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 # A chained worker exception survives a Ray Data task only as traceback text, e.g.
-# "gti.errors.DataError: x.parquet: ..." or "gti.errors.ConfigError: ...".
+# "gti.common.errors.DataError: x.parquet: ..." or "gti.common.errors.ConfigError: ...".
 _TRACEBACK_LINE = re.compile(r"^\s*(gti(?:\.\w+)+)\.(\w+): (.+)$", re.MULTILINE)
 
 

@@ -1,10 +1,10 @@
-"""gti.devices: `precision: auto` resolves to bf16 exactly where bf16 is native."""
+"""gti.common.devices: `precision: auto` resolves to bf16 exactly where bf16 is native."""
 
 from __future__ import annotations
 
 import pytest
 
-from gti import devices
+from gti.common import devices
 
 
 @pytest.mark.parametrize("native", [True, False])

@@ -1,4 +1,4 @@
-"""gti.errors.user_error: the one unwrapping of Ray's exception wrappers (no Ray cluster needed:
+"""gti.common.errors.user_error: the one unwrapping of Ray's exception wrappers (no Ray cluster needed:
 Ray's exception classes are built directly, as Ray builds them on the driver)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pickle
 
 import pytest
 
-from gti.errors import ConfigError, DataError, GtiError, UnreadableFileError, one_line, user_error
+from gti.common.errors import ConfigError, DataError, GtiError, UnreadableFileError, one_line, user_error
 
 ANSI_PROCTITLE = "\x1b[36mray::MapBatches(_read_validate)()\x1b[39m (pid=123, ip=10.0.0.1)"
 
@@ -42,7 +42,7 @@ def test_ray_data_user_code_exception_keeps_only_text():
     from ray.exceptions import RayTaskError, UserCodeException
 
     tb = ("Traceback (most recent call last):\n  File \"adapters.py\", line 9\n"
-          "gti.errors.UnreadableFileError: /d/b.csv.gz: cannot read: Truncated compressed stream\n\n"
+          "gti.common.errors.UnreadableFileError: /d/b.csv.gz: cannot read: Truncated compressed stream\n\n"
           "The above exception was the direct cause of the following exception:\n\n"
           f"{ANSI_PROCTITLE}\nray.exceptions.UserCodeException: UDF failed to process a data block.")
     err = RayTaskError("MapBatches(_read_validate)", tb, UserCodeException("UDF failed"), ANSI_PROCTITLE,
@@ -51,7 +51,7 @@ def test_ray_data_user_code_exception_keeps_only_text():
     assert isinstance(got, DataError)
     assert str(got) == "/d/b.csv.gz: cannot read: Truncated compressed stream"
     # Other user errors (config, gates) come back as GtiError with their message.
-    cfg = RayTaskError("f", "x\ngti.errors.ConfigError: eval.ks: too large\n", RuntimeError("x"), "p", 1, "i")
+    cfg = RayTaskError("f", "x\ngti.common.errors.ConfigError: eval.ks: too large\n", RuntimeError("x"), "p", 1, "i")
     got = user_error(cfg)
     assert type(got) is GtiError and str(got) == "eval.ks: too large"
 

@@ -1,4 +1,4 @@
-"""gti/parquet_stream.py: the same batches as Arrow's iter_batches, from a file opened without
+"""gti/common/parquet_stream.py: the same batches as Arrow's iter_batches, from a file opened without
 pre-buffering (Arrow's read-ahead made one pass over a 10M-row file hold 2.2 GB)."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from gti import parquet_stream
-from gti.parquet_stream import iter_parquet, open_parquet
+from gti.common import parquet_stream
+from gti.common.parquet_stream import iter_parquet, open_parquet
 
 
 def _file(tmp_path):

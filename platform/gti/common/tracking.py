@@ -32,7 +32,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gti.errors import GtiError
+from gti.common.errors import GtiError
 
 TB_DIR = "tensorboard"
 _SKIP_KEYS = {"step", "epoch", "trial_id", "training_iteration", "wall_time"}
@@ -168,7 +168,7 @@ class Tracker:
     def _warn(self, sink: str, err: BaseException) -> None:
         if sink not in self._warned:
             self._warned.add(sink)
-            from gti.redact import redact_text  # the error may quote tracking.mlflow_uri
+            from gti.common.redact import redact_text  # the error may quote tracking.mlflow_uri
 
             first = redact_text((str(err).strip() or type(err).__name__).splitlines()[0])
             print(f"gti: warning: tracking ({sink}, {self.logdir}): {first}; "

@@ -1,4 +1,4 @@
-"""gti/arms.py: the init methods, default templates and arm names are defined once and every user
+"""gti/common/arms.py: the init methods, default templates and arm names are defined once and every user
 agrees with them."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from gti import config as C
-from gti.errors import ConfigError
-from gti.arms import DEFAULT_GROUNDING_TEMPLATES, INIT_METHODS, arm_name
+from gti.common.errors import ConfigError
+from gti.common.arms import DEFAULT_GROUNDING_TEMPLATES, INIT_METHODS, arm_name
 
 
 def test_arm_names():
