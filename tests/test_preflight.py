@@ -7,7 +7,7 @@ import time
 import pytest
 
 from gti import config, preflight
-from gti.config_io import apply_overrides
+from gti.config.io import apply_overrides
 from gti.preflight import ERROR, OK, SKIP, WARN, Facts
 
 TINY = config.load(None, ["model.name=tiny", "embed.encoder=hash", "sid.method=rqkmeans"])

@@ -111,7 +111,7 @@ def deploy(run_dir: Path, port: int, warm: list[str], version: int | None = 0, *
     import httpx
     from ray import serve
 
-    from gti.config_serve import ServeConfig
+    from gti.config.serve import ServeConfig
     from gti.serve.app import token_digest
     from gti.serve.deployment import build_app
 
@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     figures["catalog"] = catalog_figures(work, args.catalog_items or mode["catalog_items"], args.device, args.reps)
     load_end = os.getloadavg()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
-    from gti.config_serve import ServeConfig
+    from gti.config.serve import ServeConfig
 
     d = ServeConfig()
     print(json.dumps({"bench": "serve-plan", "mode": "quick" if args.quick else "full", "device": args.device,

@@ -151,7 +151,7 @@ def deploy(run_dir: Path, port: int, batch: int, threads: int, warm: list[str], 
     import httpx
     from ray import serve
 
-    from gti.config_serve import ServeConfig
+    from gti.config.serve import ServeConfig
     from gti.serve.app import token_digest
     from gti.serve.deployment import build_app
 
@@ -454,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
     mode["requests"] = {16: args.requests16 or mode["requests"][16], 64: args.requests64 or mode["requests"][64]}
     for key in ("rounds", "recommend_calls", "users"):
         mode[key] = getattr(args, key) or mode[key]
-    from gti.config_serve import ServeConfig
+    from gti.config.serve import ServeConfig
 
     mode["batch_wait"] = ServeConfig(batch_wait_timeout_s=args.batch_wait).batch_wait_for("cpu")
     load_start, t0 = os.getloadavg(), time.perf_counter()

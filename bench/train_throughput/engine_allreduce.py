@@ -32,7 +32,7 @@ import numpy as np  # noqa: E402
 import polars as pl  # noqa: E402
 import torch  # noqa: E402
 
-from gti.config_train import SftConfig  # noqa: E402
+from gti.config.train import SftConfig  # noqa: E402
 from gti.common.devices import resolve_precision  # noqa: E402
 from gti.lm import templates  # noqa: E402
 from gti.train import sft_data  # noqa: E402

@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True)
 
     from gti import config as C
-    from gti.config_io import apply_overrides, read_yaml
+    from gti.config.io import apply_overrides, read_yaml
     from gti import pipeline
     from gti.experiments import tune as T
     from gti.ray_start import ensure_ray

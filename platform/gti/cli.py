@@ -94,7 +94,7 @@ def cmd_config(args) -> int:
         raise ConfigError("--explain goes with 'gti config show'")
     cfg = _cfg(args)
     if args.action == "show" and args.explain:
-        from gti.config_explain import explain
+        from gti.config.explain import explain
 
         print(explain(cfg), end="")
     elif args.action == "show":

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from gti import config as C
-from gti.config_io import redact
+from gti.config.io import redact
 from gti.common.errors import GtiError
 from gti.contract import StageContext, StageResult, StageSpec
 from gti.manifest import MANIFEST_NAME, Manifest, ManifestError, stable_hash

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from gti import config as C
-from gti.config_train import TrainConfig
+from gti.config.train import TrainConfig
 from gti.common.errors import GtiError
 from gti.train.resources import workers_need
 

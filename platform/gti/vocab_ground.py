@@ -52,8 +52,8 @@ from typing import Any, Callable, Literal, Sequence
 from pydantic import Field, ValidationError
 
 from gti import config as C
-from gti.config_train import GroundConfig
-from gti.config_io import Seed, StrictModel, apply_overrides, format_error, read_yaml
+from gti.config.train import GroundConfig
+from gti.config.io import Seed, StrictModel, apply_overrides, format_error, read_yaml
 from gti.train.ray_train import STORAGE_DIR
 from gti.common.errors import ConfigError, DataError
 from gti.lm.described_tokens import DEFAULT_TEMPLATES, NewToken

@@ -59,7 +59,7 @@ def test_records_with_other_test_users_are_refused():
 def test_given_epochs_turn_the_valid_sweep_off():
     """--quick's 2 epochs train: eval.sasrec.sweep (on by default, its own epochs values) is off
     whenever epochs are given; without them the config's block is passed as it is."""
-    from gti.config_eval import SasrecConfig
+    from gti.config.eval import SasrecConfig
 
     ps = load_bench("proof/proof_sasrec")
     block = SasrecConfig().model_dump()
@@ -78,7 +78,7 @@ def test_reference_feeds_sasrec_its_own_histories(monkeypatch):
 
     import polars as pl
 
-    from gti.config_eval import EvalConfig
+    from gti.config.eval import EvalConfig
     from gti.eval import reference as R
 
     seqs = pl.DataFrame({"user_id": ["u1", "u2"], "train_items": [["a", "b", "c", "d"], ["b", "c"]],

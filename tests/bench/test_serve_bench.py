@@ -70,7 +70,7 @@ def test_serve_bench_quick(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["bench"] == "serve" and out["mode"] == "quick"
-    from gti.config_serve import ServeConfig
+    from gti.config.serve import ServeConfig
     assert out["batch_wait_timeout_s"] == ServeConfig().batch_wait_for("cpu") == 0.25  # no --batch-wait: the default
     arms = {"batched@16", "unbatched@16", "batched@64", "unbatched@64", "recommend"}
     assert set(out["requests_per_s"]) == set(out["p50_ms"]) == set(out["p99_ms"]) == arms

@@ -46,7 +46,7 @@ def test_native_bf16_where_the_cpu_has_bf16_instructions():
 
 
 def test_config_default_is_auto():
-    from gti.config_train import GroundConfig, SftConfig
+    from gti.config.train import GroundConfig, SftConfig
 
     assert GroundConfig().precision == "auto" and SftConfig().precision == "auto"
 

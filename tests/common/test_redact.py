@@ -17,7 +17,7 @@ import pytest
 
 from gti import config as C
 from gti import pipeline as P
-from gti.config_io import redact
+from gti.config.io import redact
 from gti.contract import StageResult, StageSpec
 from gti.manifest import Manifest
 from gti.common.redact import REDACTED, is_secret_key, redact_strings, redact_text

@@ -258,7 +258,7 @@ def test_sweep_off_trains_one_fixed_setting(monkeypatch):
 
 
 def test_sweep_config_default_and_checks():
-    """eval.sasrec.sweep (gti.config_eval): on by default with max_len {history, 20, 50}, MRR on
+    """eval.sasrec.sweep (gti.config.eval): on by default with max_len {history, 20, 50}, MRR on
     valid; every swept dim must split into the heads; a max_len below 1 is refused."""
     import pytest
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from gti import config as C
-from gti.config_io import apply_overrides, read_yaml
+from gti.config.io import apply_overrides, read_yaml
 from gti.experiments import tune as T
 from gti.experiments.tune_space import TuneError, parse_search_space
 from gti.common.tracking import read_scalars

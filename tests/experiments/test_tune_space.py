@@ -9,8 +9,8 @@ import pytest
 import yaml
 
 from gti import config as C
-from gti.config_commands import TuneConfig
-from gti.config_io import apply_overrides
+from gti.config.commands import TuneConfig
+from gti.config.io import apply_overrides
 from gti.common.errors import ConfigError, GtiError
 from gti.experiments import tune_space as T
 

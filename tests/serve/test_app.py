@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from gti.config_serve import ServeConfig
+from gti.config.serve import ServeConfig
 from gti.common.errors import ConfigError
 from gti.loaded_run import LoadedRun
 from gti.serve.app import create_app, read_token, token_digest

@@ -14,7 +14,7 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
-from gti.config_serve import ServeConfig
+from gti.config.serve import ServeConfig
 from gti.serve.app import call_asgi, create_app, token_digest, without_paths
 from gti.serve.reload import ServiceHolder
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from gti.config_serve import ServeConfig, decode_budget
+from gti.config.serve import ServeConfig, decode_budget
 from gti.serve.service import (
     Query, RecommenderService, RequestError, decode_tokens, kv_bytes_per_token, pack, replica_decode_budget,
 )

@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("ray.serve")
 
-from gti.config_serve import ServeConfig  # noqa: E402
+from gti.config.serve import ServeConfig  # noqa: E402
 from gti.common.errors import ConfigError  # noqa: E402
 from gti.serve import deployment as D  # noqa: E402
 

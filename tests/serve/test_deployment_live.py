@@ -38,7 +38,7 @@ def _free_port() -> int:
 def live(ray_start_4_cpus, serve_run, publishable_factory, tmp_path_factory):
     from ray import serve
 
-    from gti.config_serve import ServeConfig
+    from gti.config.serve import ServeConfig
     from gti.serve.app import token_digest
     from gti.serve.deployment import build_app, start_serve
 
@@ -83,7 +83,7 @@ def test_mounted_at_a_route_prefix(live):
     at "/", deleted at the end. Its endpoints and page answer under /gti, as the one at "/" does."""
     from ray import serve
 
-    from gti.config_serve import ServeConfig
+    from gti.config.serve import ServeConfig
     from gti.serve.app import token_digest
     from gti.serve.deployment import build_app
 

@@ -18,7 +18,7 @@ import subprocess
 import pytest
 from fastapi.testclient import TestClient
 
-from gti.config_serve import ServeConfig
+from gti.config.serve import ServeConfig
 from gti.serve.app import create_app, token_digest
 from gti.serve.page import PAGE
 from gti.serve.reload import ServiceHolder

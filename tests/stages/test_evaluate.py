@@ -333,7 +333,7 @@ def test_the_rl_model_is_evaluated_when_rl_trained(tmp_path):
 def test_chunks_are_whole_batches_and_smaller_with_exact_ranks():
     """A resumed evaluation must decode the same batches: chunks are whole eval.batch_users
     batches; exact ranks (seconds per prompt) get short chunks, so a kill loses minutes."""
-    from gti.config_eval import EvalConfig
+    from gti.config.eval import EvalConfig
     from gti.stages import evaluate as E
 
     for batch in (1, 5, 8, 16, 300):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from gti.config_train import GroundConfig, SftConfig
+from gti.config.train import GroundConfig, SftConfig
 from gti.common.errors import ConfigError
 from gti.train.deepspeed_config import build_ds_config, micro_batch
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gti.config import ModelConfig
-from gti.config_train import SftConfig
+from gti.config.train import SftConfig
 from gti.lm import models
 from gti.train.deepspeed_config import build_ds_config
 from gti.train.engine import SchedulerFactory, make_engine, skips_gradient_allreduce

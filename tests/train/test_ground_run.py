@@ -13,7 +13,7 @@ import torch
 from testkit import FailOnceFit, RowsDataset, WorkerDied, dataset_rows, fake_data, finished_fit
 
 from gti import config as C
-from gti.config_train import GroundConfig
+from gti.config.train import GroundConfig
 from gti.common.errors import ConfigError, DataError
 from gti.train import loop
 from gti.train.ground_run import GroundingInputs, check_pairs, count_train_pairs, run_grounding, write_val_set

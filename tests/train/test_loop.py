@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gti.config import ModelConfig
-from gti.config_train import GroundConfig
+from gti.config.train import GroundConfig
 from gti.lm import models, new_rows
 from gti.train.deepspeed_config import build_ds_config
 from gti.train.ground_task import ground_trainable_state
@@ -77,7 +77,7 @@ FAIL_AT = 12  # between the checkpoints at 10 and 15: the restart replays steps 
 FAIL_AGAIN = 17  # between 15 and 20: the retried worker group replays steps 16-17
 def _loop_setup(problem: dict, fault=None, **ground_kw):
     from gti.config import RunConfig
-    from gti.config_train import GroundConfig
+    from gti.config.train import GroundConfig
     from gti.train.worker_config import WorkerConfig
 
     g = dict(steps=STEPS, batch_size=8, num_workers=2, lr=LR, zero_stage=2, checkpoint_every=CKPT,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gti.config import ModelConfig
-from gti.config_train import GroundConfig
+from gti.config.train import GroundConfig
 from gti.lm import models, new_rows
 from gti.train.deepspeed_config import build_ds_config
 from gti.train.loss import check_labelled_loss, labelled_loss, supports_labelled_loss

@@ -88,7 +88,7 @@ def test_nan_loss_stops_the_loop_at_its_step_before_any_checkpoint_of_it(single_
     import pyarrow.parquet as pq
 
     from gti.config import RunConfig
-    from gti.config_train import GroundConfig
+    from gti.config.train import GroundConfig
     from gti.train import loop, ray_train
     from gti.train.loss import make_forward
     from gti.train.worker_config import WorkerConfig

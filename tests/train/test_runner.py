@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from types import SimpleNamespace
 
 from gti import config as C
-from gti.config_train import GroundConfig
+from gti.config.train import GroundConfig
 from gti.train import loop, runner
 from gti.train.worker_config import GroundRows, WorkerConfig
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from gti.config import ModelConfig
-from gti.config_train import GroundConfig
+from gti.config.train import GroundConfig
 from gti.lm import models, new_rows
 from gti.train import loop, ray_train, safe_checkpoint
 from gti.train.engine import make_engine

@@ -12,7 +12,7 @@ import pytest
 from testkit import FailOnceFit, RowsDataset, WorkerDied, dataset_rows, fake_data, finished_fit
 
 from gti import config as C
-from gti.config_train import SftConfig
+from gti.config.train import SftConfig
 from gti.train import loop
 from gti.train.sft_run import SftInputs, history_facts, run_sft
 from gti.train.worker_config import FaultInjection, SftStart, ValSet, WorkerConfig

@@ -135,7 +135,7 @@ def test_sequence_row_scores_each_target_as_evaluation_scores_its_window(markers
 
 
 def test_objective_config():
-    from gti.config_train import SftConfig
+    from gti.config.train import SftConfig
 
     assert SftConfig().render_style == "chat"
     assert SftConfig(prompt_style="compact").render_style == "compact"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gti.config_train import SftConfig
+from gti.config.train import SftConfig
 from gti.common.errors import ConfigError
 
 HASH = "hash-sft-task"

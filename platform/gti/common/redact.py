@@ -5,7 +5,7 @@ in any spelling: `api_key`, `apiKey`, `api-key`, `auth`, `passphrase`, `connecti
 `X-Amz-Signature`, `AWSAccessKeyId`), `redact_text(text)` (the credentials inside every URI in a
 text: `https://user:pass@host/x` -> `https://***@host/x`, presigned query values such as
 `X-Amz-Signature`, `X-Amz-Credential`, `sig`, `token` -> `***`) and `redact_strings(obj)` (that, on
-every string of a nested structure). `gti.config_io.redact` masks whole config values with them.
+every string of a nested structure). `gti.config.io.redact` masks whole config values with them.
 Used where a value leaves the process: manifests (`Manifest.write`), stage and refresh logs,
 the CLI's error line, the ingest quarantine's `source_file` and skipped-file facts.
 

@@ -75,7 +75,7 @@ import numpy as np
 
 @dataclass
 class SasrecParams:
-    """Hyper-parameters passed to cornac's SASRec (names as in `gti.config_eval.SasrecConfig`)."""
+    """Hyper-parameters passed to cornac's SASRec (names as in `gti.config.eval.SasrecConfig`)."""
 
     epochs: int = 10
     dim: int = 64

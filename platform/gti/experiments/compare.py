@@ -86,7 +86,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from gti import config as C
 from gti import pipeline
-from gti.config_io import apply_overrides
+from gti.config.io import apply_overrides
 from gti.common.errors import GtiError
 from gti.experiments.compare_report import write_maps_report, write_report
 from gti.experiments.records import read_record, record_path, records_dir, shared_identity, write_record

@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 
 from gti import config as C
 from gti import pipeline
-from gti.config_io import apply_overrides
+from gti.config.io import apply_overrides
 from gti.common.errors import GtiError
 from gti.manifest import Manifest, ManifestError
 

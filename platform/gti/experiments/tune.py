@@ -62,7 +62,7 @@ import yaml
 
 from gti import config as C
 from gti import pipeline
-from gti.config_io import apply_overrides, read_yaml
+from gti.config.io import apply_overrides, read_yaml
 from gti.common.errors import ConfigError
 from gti.experiments.shared_stages import adopt_shared
 from gti.experiments.tune_space import (

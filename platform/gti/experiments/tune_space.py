@@ -20,7 +20,7 @@ from typing import Any
 
 from gti import config as C
 from gti import pipeline
-from gti.config_io import apply_overrides
+from gti.config.io import apply_overrides
 from gti.common.errors import ConfigError, GtiError
 from gti.experiments.shared_stages import SHARED_STAGES
 
@@ -128,7 +128,7 @@ def parse_search_space(space: dict[str, dict[str, Any]], base: C.RunConfig) -> l
 
 
 def _fmt(v: Any) -> str:
-    """A value as override text that `config._parse_scalar` reads back to the same value."""
+    """A value as override text that `gti.config.io.parse_scalar` reads back to the same value."""
     return json.dumps(v) if not isinstance(v, str) else v
 
 

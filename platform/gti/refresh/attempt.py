@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from gti import config as C
-from gti.config_io import apply_overrides, read_yaml
+from gti.config.io import apply_overrides, read_yaml
 from gti.common.errors import ConfigError, GtiError
 from gti.manifest import MANIFEST_NAME, Manifest
 from gti.train.ray_train import STORAGE_DIR

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from gti import config as C
-from gti.config_io import redact
+from gti.config.io import redact
 from gti.common.errors import ConfigError
 from gti.input_files import fingerprint_files
 from gti.manifest import MANIFEST_NAME, Manifest, stable_hash

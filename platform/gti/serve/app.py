@@ -61,7 +61,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse
 from starlette.exceptions import HTTPException
 
-from gti.config_serve import ServeConfig
+from gti.config.serve import ServeConfig
 from gti.common.errors import ConfigError
 from gti.serve.reload import ReloadBusy, ServiceHolder
 from gti.serve.requests import BatchBody, RecommendBody, ReloadBody, int_param, parse, read_json, read_query, short

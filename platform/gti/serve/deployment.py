@@ -44,7 +44,7 @@ from typing import Any
 
 from ray import serve
 
-from gti.config_serve import ServeConfig
+from gti.config.serve import ServeConfig
 from gti.common.errors import GtiError
 from gti.serve.gather import Gatherer
 
@@ -313,7 +313,7 @@ def serve_config(args) -> ServeConfig:
     from pydantic import ValidationError
 
     from gti import config as C
-    from gti.config_io import format_error
+    from gti.config.io import format_error
     from gti.common.errors import ConfigError
 
     overrides = list(getattr(args, "overrides", None) or [])

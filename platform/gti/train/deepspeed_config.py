@@ -1,7 +1,7 @@
 """The DeepSpeed config dict, built from the typed training config (pure function).
 
 What it is for: `build_ds_config(train_cfg, world_size, use_gpu=...)` turns a
-`gti.config_train.TrainConfig` (grounding or SFT) into the dict handed to `deepspeed.initialize`, and
+`gti.config.train.TrainConfig` (grounding or SFT) into the dict handed to `deepspeed.initialize`, and
 checks the batch arithmetic first, so a bad combination fails with a one-line `ConfigError`
 naming the key instead of a DeepSpeed assertion deep inside a Ray worker.
 
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gti.config_train import GroundConfig, RlConfig, SftConfig, TrainConfig
+from gti.config.train import GroundConfig, RlConfig, SftConfig, TrainConfig
 from gti.common.errors import ConfigError
 
 # Bucket sizes (elements) for ZeRO gradient reduction / parameter all-gather. DeepSpeed's defaults

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from gti.config_train import TrainConfig
+from gti.config.train import TrainConfig
 from gti.train.deepspeed_config import build_ds_config
 from gti.train.schedule import LrMultiplier
 

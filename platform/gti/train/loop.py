@@ -51,7 +51,7 @@ from typing import Any, Callable
 import torch
 
 from gti import config as C
-from gti.config_train import TrainConfig
+from gti.config.train import TrainConfig
 from gti.common.errors import ConfigError
 from gti.common.devices import resolve_precision, use_cpu_threads
 from gti.train import faults, nonfinite, ray_train, safe_checkpoint

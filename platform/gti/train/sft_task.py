@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 import torch
 
 from gti import config as C
-from gti.config_train import LoraConfig, SftConfig
+from gti.config.train import LoraConfig, SftConfig
 from gti.common.errors import ConfigError, DataError
 from gti.lm.regularise import add_dropout, freeze_lower_layers
 from gti.train.task import TaskHooks, full_fp32_cpu, load_trie, rank_share, register

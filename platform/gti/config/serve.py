@@ -19,7 +19,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from gti.config_io import StrictModel
+from gti.config.io import StrictModel
 
 MAX_K_LIMIT = 1000  # as gti.eval.recommend.MAX_K (not imported: config sits below eval)
 

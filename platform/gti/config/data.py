@@ -16,7 +16,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from gti.config_io import StrictModel as _Strict
+from gti.config.io import StrictModel as _Strict
 
 # --------------------------------------------------------------------------- data
 class ItemColumns(_Strict):

@@ -7,7 +7,7 @@ and `TrackingConfig` (the TensorBoard / MLflow sinks of every stage). `gti.confi
 holds them; tracking and refresh enter no stage's fingerprint.
 
 What it does NOT know: how those commands run (`gti.experiments`, `gti.refresh`,
-`gti.common.tracking`) or YAML loading (`gti.config_io`). It never imports ray or torch.
+`gti.common.tracking`) or YAML loading (`gti.config.io`). It never imports ray or torch.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from gti.config_io import StrictModel as _Strict
+from gti.config.io import StrictModel as _Strict
 
 REFRESH_LR_SCALE = 0.1  # refresh.ground_lr's default, as a share of ground.lr (see ground_lr)
 

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 from pydantic import BaseModel
 from pydantic_core import to_jsonable_python
 
-from gti.config_io import redact
+from gti.config.io import redact
 
 LEGEND = "# key = value  (default: ...)  meaning; * marks a value that differs from its default"
 

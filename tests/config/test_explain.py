@@ -1,6 +1,6 @@
 """Issue 31, item 6: every config field is documented where it is declared, and
 `gti config show --explain` prints each resolved key with its value, default and meaning
-(gti/config_explain.py), on every shipped config."""
+(gti/config/explain.py), on every shipped config."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ import pytest
 from pydantic import BaseModel
 
 from gti import config as C
-from gti import config_explain as X
+from gti.config import explain as X
 from gti.cli import main
-from gti.config_io import StrictModel
+from gti.config.io import StrictModel
 from gti.common.redact import REDACTED
 
-CONFIGS = Path(__file__).resolve().parents[1] / "jobs" / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "jobs" / "configs"
 SHIPPED = sorted(CONFIGS.glob("*.yaml"))
 TINY = CONFIGS / "tiny.yaml"
 

@@ -1,4 +1,4 @@
-"""The sections of the commands beside the pipeline (gti/config_commands.py): held by
+"""The sections of the commands beside the pipeline (gti/config/commands.py): held by
 RunConfig, validated like every section, and the refresh lr's default."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from gti import config as C
-from gti import config_commands as CC
-from gti.config_commands import TuneConfig
+from gti.config import commands as CC
+from gti.config.commands import TuneConfig
 from gti.common.errors import ConfigError
 
 

@@ -1,4 +1,4 @@
-"""The evaluation's reference-row config (gti/config_eval.py, held by gti.config's RunConfig):
+"""The evaluation's reference-row config (gti/config/eval.py, held by gti.config's RunConfig):
 `eval.baselines` defaults to MostPop, Markov and SASRec, names are checked, and `eval.sasrec`
 rejects settings SASRec cannot run; the exact-rank and cold-slice keys' defaults and bounds."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from gti import config as C
-from gti.config_eval import BASELINES
+from gti.config.eval import BASELINES
 from gti.common.errors import ConfigError
 
 

@@ -9,7 +9,7 @@ anything reaches a manifest or log; the rules are `gti.common.redact`'s).
 `Seed` and `PositiveInt`, the bounded types several sections share. `gti.config` builds the
 run config from these; `gti.vocab_ground` builds its own.
 
-What it does NOT know: any config section or its defaults (`gti.config`, `gti.config_train`),
+What it does NOT know: any config section or its defaults (`gti.config`, `gti.config.train`),
 how stages run, or anything about Ray. It never imports ray or torch.
 """
 

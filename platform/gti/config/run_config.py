@@ -1,20 +1,13 @@
-"""Typed run configuration: pydantic models per stage, YAML loading, key=value overrides.
+"""The run's configuration: `RunConfig`, the sections that have no module of their own (embed,
+sid, model, init, pairs), and `load` / `validate` / `dump`.
 
-What it is for: one validated object (`RunConfig`) that every stage reads. Unknown keys are
-rejected with the key and the file named; `key=value` overrides are applied to the raw mapping
-and the whole config is validated again, so an override can never produce a state that a YAML
-file could not. Every field says what it means where it is declared (`Field(description=...)`;
-`gti config show --explain` prints them, `gti.config_explain`). The sections of this module:
-data, embed, sid, model, init, pairs, and the run itself. The others live beside it and are
-held here by `RunConfig`: training (`TrainConfig`, `GroundConfig`, `SftConfig`, `LoraConfig`, `RlConfig`)
-in `gti.config_train`, data in `gti.config_data`, evaluation and report in `gti.config_eval`, serving in
-`gti.config_serve`, compare / tune / tracking / refresh in `gti.config_commands`; the
-schema-free file machinery (strict base model, YAML reading, overrides, redaction, error lines,
-the shared bounded types) in `gti.config_io`. Each name is imported from the module that
-defines it (`gti.config_train.SftConfig`, `gti.common.errors.ConfigError`, `gti.config_io.read_yaml`).
+What it is for: one validated object that every stage reads. Unknown keys are rejected with the
+key and the file named; `key=value` overrides are applied to the raw mapping and the whole
+config is validated again, so an override can never produce a state a YAML file could not.
+Every field says what it means where it is declared (`Field(description=...)`, printed by
+`gti config show --explain`). The other sections live beside it in `gti.config`.
 
-What it does not know: how stages run, where outputs go (that is `pipeline`/`manifest`), or
-anything about Ray. It never imports ray or torch.
+What it does not know: how stages run, where outputs go (`gti.run`), or Ray; no torch either.
 """
 
 from __future__ import annotations
@@ -26,21 +19,20 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, ValidationError, field_validator
 
-from gti.config_io import apply_overrides, read_yaml, redact
-from gti.config_io import PositiveInt, Seed
-from gti.config_io import StrictModel as _Strict
-from gti.config_io import format_error as _format_error
-from gti.config_train import GroundConfig, RlConfig, SftConfig
-from gti.config_eval import EvalConfig, ReportConfig
-from gti.config_data import DataConfig, DenseSubset, InteractionColumns, InteractionsSource  # noqa: F401
-from gti.config_data import ItemColumns, ItemsSource  # noqa: F401  (re-exported: `from gti.config import ...`)
-from gti.config_commands import CompareConfig, RefreshConfig, TrackingConfig, TuneConfig
-from gti.config_serve import ServeConfig
+from gti.config.io import apply_overrides, read_yaml, redact
+from gti.config.io import PositiveInt, Seed
+from gti.config.io import StrictModel as _Strict
+from gti.config.io import format_error as _format_error
+from gti.config.train import GroundConfig, RlConfig, SftConfig
+from gti.config.eval import EvalConfig, ReportConfig
+from gti.config.data import DataConfig
+from gti.config.commands import CompareConfig, RefreshConfig, TrackingConfig, TuneConfig
+from gti.config.serve import ServeConfig
 from gti.common.errors import ConfigError
 from gti.common.arms import DEFAULT_GROUNDING_TEMPLATES, INIT_METHODS
 
 # A codebook of millions of tokens would fail hours into a run, in the vocabulary: checked when
-# the config is validated, naming the key (the shared bounds, Seed and PositiveInt: gti.config_io).
+# the config is validated, naming the key (the shared bounds, Seed and PositiveInt: gti.config.io).
 MAX_CODEBOOK_SIZE = 65536  # codes per level: each one is a new token of the LM's vocabulary
 
 

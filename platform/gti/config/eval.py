@@ -6,7 +6,7 @@ ranks, the cold-item slice), `SasrecConfig` (the SASRec reference row, `gti.eval
 its `SasrecSweepConfig` (the settings it is tuned over, on the valid split) and
 `ReportConfig` (the report stage's plots and CIs), kept out of `gti.config` (which holds them
 in `RunConfig`) so that module stays small. Unknown keys are rejected like every other section
-(`gti.config_io.StrictModel`).
+(`gti.config.io.StrictModel`).
 
 What it does not know: how metrics or rows are computed (`gti.eval`, `gti.stages.evaluate`),
 Ray, torch.
@@ -18,8 +18,8 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field, model_validator
 
-from gti.config_io import PositiveInt, Seed
-from gti.config_io import StrictModel as _Strict
+from gti.config.io import PositiveInt, Seed
+from gti.config.io import StrictModel as _Strict
 
 BASELINES = ("mostpop", "markov", "sasrec")
 BASELINES_HELP = (

@@ -1,4 +1,4 @@
-"""The data section of the run config (gti/config_data.py): the split keys, data.root, and
+"""The data section of the run config (gti/config/data.py): the split keys, data.root, and
 defaults left out of the dump (so older runs keep their ingest fingerprint)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from gti import config as C
-from gti.config_data import DataConfig
+from gti.config.data import DataConfig
 from gti.common.errors import ConfigError
 
 

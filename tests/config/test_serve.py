@@ -1,4 +1,4 @@
-"""gti/config_serve.py: the serve: section's defaults (safe: 127.0.0.1, no token needed
+"""gti/config/serve.py: the serve: section's defaults (safe: 127.0.0.1, no token needed
 except for /admin, mounted at /), its bounds, the route prefix's form, its place in RunConfig
 (overrides, a dump that loads back), and a description on every field."""
 
@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from gti import config as C
-from gti.config_serve import ServeConfig
+from gti.config.serve import ServeConfig
 from gti.common.errors import ConfigError
 
 

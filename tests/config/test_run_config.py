@@ -1,5 +1,5 @@
 """Config loading, validation errors that name the key, overrides, redaction in the dump
-(redaction and the file machinery are tested in test_config_io.py)."""
+(redaction and the file machinery are tested in test_io.py)."""
 
 from pathlib import Path
 
@@ -10,7 +10,7 @@ from gti import config as C
 from gti.common.errors import ConfigError
 from gti.common.redact import REDACTED
 
-CONFIGS = Path(__file__).resolve().parents[1] / "jobs" / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "jobs" / "configs"
 
 
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)

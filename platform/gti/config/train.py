@@ -6,7 +6,7 @@ precision, checkpoints, validation cadence), and each one's own defaults: `Groun
 users and the prompt style). `RlConfig` (`rl:`, GRPO after SFT, off by default). `gti.config.RunConfig` holds
 them; `gti.vocab_ground` reuses `GroundConfig`.
 
-What it does NOT know: the other sections or YAML loading (`gti.config`, `gti.config_io`), or
+What it does NOT know: the other sections or YAML loading (`gti.config`, `gti.config.io`), or
 how training runs (`gti.train`). It never imports ray or torch.
 """
 
@@ -16,7 +16,7 @@ from typing import Literal
 
 from pydantic import Field, ValidationInfo, field_validator
 
-from gti.config_io import StrictModel
+from gti.config.io import StrictModel
 
 MAX_TRAIN_FAILURES = 100  # the most restarts `ground/sft.max_failures` may ask for
 

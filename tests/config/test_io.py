@@ -1,4 +1,4 @@
-"""The schema-free config machinery (gti/config_io.py): strict models, YAML reading, key=value
+"""The schema-free config machinery (gti/config/io.py): strict models, YAML reading, key=value
 overrides with YAML-typed values, one-line validation errors, redaction of secrets."""
 
 from typing import Literal
@@ -6,7 +6,7 @@ from typing import Literal
 import pytest
 from pydantic import ValidationError
 
-from gti import config_io as IO
+from gti.config import io as IO
 from gti.common.redact import REDACTED
 from gti.common.errors import ConfigError
 

@@ -1,12 +1,12 @@
-"""The training sections of the run config (gti/config_train.py): shared fields, each stage's
+"""The training sections of the run config (gti/config/train.py): shared fields, each stage's
 own defaults, bounds, and their place in RunConfig (reached through gti.config as before)."""
 
 import pytest
 from pydantic import ValidationError
 
 from gti import config as C
-from gti import config_train as T
-from gti.config_train import GroundConfig, LoraConfig, SftConfig, TrainConfig
+from gti.config import train as T
+from gti.config.train import GroundConfig, LoraConfig, SftConfig, TrainConfig
 from gti.common.errors import ConfigError
 
 
