@@ -102,7 +102,8 @@ def tiny_upstream(tmp_path_factory, ray_start_4_cpus) -> Path:
     folder with `testkit.adopt_tiny_upstream` (hard links, `gti.experiments.shared_stages.adopt_shared`) and the
     pipeline finds them up to date, for any overrides that leave those stages' keys alone.
     Treat the folder as read-only: stages replace their outputs by renaming, never in place."""
-    from gti import config, pipeline
+    from gti import config
+    from gti.run import pipeline
 
     run = tmp_path_factory.mktemp("tiny_upstream") / "run"
     pipeline.run(config.load(CONFIGS / "tiny.yaml", [f"run_dir={run}"]), to_stage="pairs", echo=lambda m: None)

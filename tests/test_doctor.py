@@ -85,7 +85,7 @@ def test_doctor_lists_every_problem_and_exits_2(tmp_path, capsys, simulated):
 def test_no_preflight_flag_skips_the_checks(tmp_path, monkeypatch):
     called = []
     monkeypatch.setattr(doctor, "preflight_or_raise", lambda cfg: called.append(cfg))
-    from gti import pipeline
+    from gti.run import pipeline
 
     monkeypatch.setattr(pipeline, "run", lambda *a, **k: {})
     assert cli.main(["run", "-c", str(CONFIGS / "tiny.yaml"), f"run_dir={tmp_path}", "--no-preflight"]) == 0

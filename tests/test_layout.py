@@ -79,8 +79,7 @@ def test_pure_modules_never_import_ray():
     Train driver does, under gti/serve/ only the Serve deployment and gti infer's actor pool
     (gti/stages, gti/experiments, gti/train/ray_train.py, gti/serve/deployment.py and
     gti/serve/infer_ray.py are the Ray shell; gti/ray_start.py starts Ray for all of them)."""
-    bottom = ["common", "config", "manifest.py", "pipeline.py", "cli.py", "contract.py", "loaded_run.py",
-              "run_versions.py", "preflight.py", "runlock.py", "chunked_output.py"]
+    bottom = ["common", "config", "run", "cli.py", "preflight.py"]
     train = [f for f in _files("train") if f.relative_to(PKG).as_posix() != TRAIN_RAY_MODULE]
     serve = [f for f in _files("serve") if f.relative_to(PKG).as_posix() not in (SERVE_RAY_MODULE, INFER_RAY_MODULE)]
     offenders = _offenders(_files(*PURE, *bottom) + train + serve, _is_ray)
@@ -103,12 +102,12 @@ def _is_stage(mod: str) -> bool:
 
 
 def test_a_stage_imports_no_other_stage_and_never_the_pipeline():
-    """What two stages share lives in a block below them (`gti.ray_start`, `gti.chunked_output`,
+    """What two stages share lives in a block below them (`gti.ray_start`, `gti.run.chunked_output`,
     `gti.data.schemas`, ...), never in a stage module."""
     stages = [f for f in _files("stages") if f.name != "__init__.py"]
 
     def bad(mod: str) -> bool:
-        return (mod in ("gti.pipeline", "gti.experiments") or mod.startswith(("gti.pipeline.", "gti.experiments."))
+        return (mod in ("gti.run.pipeline", "gti.experiments") or mod.startswith(("gti.run.pipeline.", "gti.experiments."))
                 or _is_stage(mod))
 
     offenders = _offenders(stages, bad)
@@ -116,7 +115,7 @@ def test_a_stage_imports_no_other_stage_and_never_the_pipeline():
 
 
 def test_stage_modules_are_only_stages():
-    """Issue 31, item 3: the pipeline runs the stage modules (by name, `gti.pipeline.STAGES`) and
+    """Issue 31, item 3: the pipeline runs the stage modules (by name, `gti.run.pipeline.STAGES`) and
     no module outside gti/stages/ imports one; above all the commands beside the pipeline,
     gti/refresh/ and gti/vocab_ground.py, reuse the blocks below the stages (the Ray helper
     included: it is `gti.ray_start`, not a stage module)."""
@@ -128,8 +127,7 @@ def test_stage_modules_are_only_stages():
 
 
 def test_pure_blocks_import_neither_config_nor_manifest_nor_the_driver():
-    heavy = ("gti.config", "gti.manifest", "gti.pipeline", "gti.contract", "gti.stages", "gti.experiments",
-             "gti.loaded_run", "gti.run_versions")
+    heavy = ("gti.config", "gti.run", "gti.stages", "gti.experiments")
     offenders = _offenders(_files(*PURE), lambda m: m in heavy or m.startswith(tuple(h + "." for h in heavy)))
     assert not offenders, offenders
 

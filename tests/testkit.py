@@ -178,7 +178,7 @@ def finished_fit(config, train_ds, train_cfg, **kw):
 
 def stage_manifest(run_dir: Path, stage: str, outputs: dict, facts: dict) -> Path:
     """run_dir/<stage>/ with a manifest of these outputs and facts (fingerprint `fp-<stage>`)."""
-    from gti.manifest import Manifest
+    from gti.run.manifest import Manifest
 
     d = Path(run_dir) / stage
     d.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,7 @@
 
 Measures, side by side in one run:
 - ingest items/s and hash-embedding items/s on synthetic catalogs of two sizes (10x apart:
-  100k and 1M items; --quick: 5k and 50k), each size run by `gti.pipeline.run(to_stage="embed")`
+  100k and 1M items; --quick: 5k and 50k), each size run by `gti.run.pipeline.run(to_stage="embed")`
   in its own subprocess with its own local Ray (2 CPUs);
 - peak memory of each run's whole process tree (driver + Ray raylet/GCS/workers), sampled every
   0.25 s as the sum of PSS (proportional set size, so the shared object store is not counted
@@ -78,7 +78,8 @@ def _run_once(n_items: int, workdir: Path, batch_size: int) -> dict:
 
 def _worker(args) -> None:
     """Inside the subprocess: run ingest -> embed on the synthetic data and report timings."""
-    from gti import config, pipeline
+    from gti import config
+    from gti.run import pipeline
     from gti.ray_start import ensure_ray
 
     cfg = config.load(None, [

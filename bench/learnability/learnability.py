@@ -31,7 +31,8 @@ CONFIG = common.CONFIGS / "learnability.yaml"
 
 
 def one(n_items: int, seed: int, overrides: list[str], work: Path) -> dict:
-    from gti import config, pipeline
+    from gti import config
+    from gti.run import pipeline
     from gti.data import synth
 
     data = work / f"walk-{n_items}-{seed}"

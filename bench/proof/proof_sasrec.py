@@ -105,8 +105,8 @@ def test_users(recs: list[tuple[dict, RunRecord]]) -> list[str]:
 
 def build_ingest(cfg_path: Path, work: Path) -> Path:
     """data/dense-1000 and its ingest output, made in process under `work`; -> the ingest folder."""
-    from gti import pipeline
-    from gti.contract import StageContext
+    from gti.run import pipeline
+    from gti.run.contract import StageContext
     from gti.data import dense
     from gti.stages import ingest
     from gti.data.batches import local_stream

@@ -31,7 +31,7 @@ RANK_METRICS = ("mrr", "mean_percentile_rank")
 
 def evaluate_output(run_dir: Path) -> dict:
     """The evaluate stage's metrics.json of a finished run."""
-    from gti.manifest import Manifest
+    from gti.run.manifest import Manifest
 
     stage = run_dir / "evaluate"
     return json.loads(Path(Manifest.read(stage).output(stage, "metrics")).read_text())
@@ -86,7 +86,7 @@ def baselines(metrics: dict) -> dict:
 
 
 def rl_facts(run_dir: Path) -> dict:
-    from gti.manifest import Manifest
+    from gti.run.manifest import Manifest
 
     facts = Manifest.read(run_dir / "rl").facts
     keep = ("best", "stopped_at", "steps_done", "val_history", "step_stats", "time_shares", "n_prompts",

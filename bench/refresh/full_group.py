@@ -75,7 +75,7 @@ def write_data(d: Path, n_new: int):
 
 def base_run(work: Path, paths: dict) -> Path:
     from gti import config as C
-    from gti import pipeline
+    from gti.run import pipeline
 
     run = work / "base"
     cfg = C.load(common.CONFIGS / "tiny.yaml", [f"run_dir={run}", f"data.items.path={paths['items']}",
@@ -134,7 +134,7 @@ def widen(run: Path, emb_new: dict, parent_map: Path):
     import pyarrow.parquet as pq
     import torch
 
-    from gti.manifest import Manifest
+    from gti.run.manifest import Manifest
     from gti.sid.kmeans import sq_dists
     from gti.sid.map_edits import assign_new_items, codes_matrix
     from gti.sid.quantizer import load_quantizer
@@ -202,7 +202,7 @@ def main(argv=None) -> int:
 
 def measure(work: Path, n_new: int, steps: int) -> dict:
     from gti.common.errors import GtiError
-    from gti.manifest import Manifest
+    from gti.run.manifest import Manifest
     from gti.refresh.command import refresh
     from gti.serve.service import RecommenderService
 

@@ -126,7 +126,7 @@ def write_data(work: Path, quick: bool, n_new: int, seed: int):
 def run_pipeline(config: Path, run_dir: Path, items: Path, inter: Path, overrides: list[str],
                  to_stage: str = "sft") -> float:
     from gti import config as C
-    from gti import pipeline
+    from gti.run import pipeline
 
     cfg = C.load(config, [f"run_dir={run_dir}", f"data.items.path={items}", f"data.interactions.path={inter}",
                           *overrides])
@@ -579,7 +579,7 @@ def run_bench(args, mode: dict, arms: list[str], n_new: int, n_users: int, ov: l
     recorded arm, not only this part's)."""
     import polars as pl
 
-    from gti.loaded_run import load_recommender
+    from gti.run.loaded import load_recommender
 
     paths, h = write_data(work, args.quick, n_new, args.seed)
     catalog = pl.read_parquet(paths["all_items"], columns=["item_id"])["item_id"].cast(pl.Utf8).to_list()

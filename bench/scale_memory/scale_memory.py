@@ -5,7 +5,7 @@ stages ingest, embed (hash encoder, dim 256) and sid (rqkmeans, 4 levels x 256 c
 `sid.kmeans_sample` items, then the same Ray Data actor-pool assignment as rqvae, then
 collision resolution on the driver) run in its OWN subprocess with its own local Ray
 (2 CPUs), so each stage has its own memory peak:
-- `gti.pipeline.run(cfg, to_stage=<stage>)` without force on one run dir per size; the stages
+- `gti.run.pipeline.run(cfg, to_stage=<stage>)` without force on one run dir per size; the stages
   before <stage> must be skipped as up to date, and the worker checks that only <stage> ran;
 - wall s (the stage's manifest duration, Ray start-up excluded) and items/s;
 - peak memory of the subprocess tree (driver + raylet/GCS/workers) sampled every 0.25 s as the
@@ -78,7 +78,8 @@ def parse_echo(lines: list[str]) -> tuple[list[str], list[str]]:
 
 def _worker(args) -> None:
     """Inside the subprocess: run the pipeline up to args.stage (earlier stages skipped)."""
-    from gti import config, pipeline
+    from gti import config
+    from gti.run import pipeline
     from gti.ray_start import ensure_ray
 
     cfg = config.load(None, stage_overrides(args))

@@ -202,7 +202,7 @@ def write_catalog_run(run: Path, n_items: int, codebook: int = 128, seed: int = 
     from gti import config as C
     from gti.lm.models import build_tiny
     from gti.lm.new_rows import export_model, extend_tokenizer
-    from gti.manifest import Manifest
+    from gti.run.manifest import Manifest
     from gti.sid.codec import SidCodec
     from gti.sid.versions import map_hash
 

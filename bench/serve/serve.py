@@ -99,8 +99,8 @@ def build_run(mode: dict, work: Path) -> Path:
     import polars as pl
 
     from gti.data import bundled
-    from gti.manifest import Manifest
-    from gti.run_versions import current_versions
+    from gti.run.manifest import Manifest
+    from gti.run.versions import current_versions
 
     run_dir = (work / mode["run"]).resolve()
     items = pl.read_parquet(bundled.resolve("bundled:amazon-scientific", "items"))
@@ -122,8 +122,8 @@ def windows(run_dir: Path, n: int | None = None):
     """The first `n` test-split windows (user_id, split, history, target), as evaluate's."""
     import polars as pl
 
-    from gti.manifest import Manifest
-    from gti.loaded_run import run_config
+    from gti.run.manifest import Manifest
+    from gti.run.loaded import run_config
     from gti.eval.slices import eval_windows
 
     seqs = pl.read_parquet(Manifest.read(run_dir / "ingest").output(run_dir / "ingest", "sequences"))
@@ -238,7 +238,7 @@ def serve_turn(arm: str, run_dir: Path, port: int, hist: list, mode: dict, threa
 
 
 def recommend_turn(run_dir: Path, hist: list, n: int, acc: dict) -> None:
-    from gti.loaded_run import LoadedRun
+    from gti.run.loaded import LoadedRun
 
     a = acc.setdefault("recommend", {"ok": 0, "wall": 0.0, "lat": [], "errors": 0})
     for i, h in enumerate(hist[:n]):
@@ -312,7 +312,7 @@ def reload_under_load(run_dir: Path, port: int, hist: list, threads: int, wait_s
     `2 * clients` answers are of the new version (or after 600 s)."""
     import httpx
 
-    from gti.run_versions import current_versions, resolve
+    from gti.run.versions import current_versions, resolve
 
     new = current_versions(run_dir, note=lambda line: None)[-1].k
     deploy(run_dir, port, 16, threads, hist[0], wait_s)
@@ -349,8 +349,8 @@ def reload_under_load(run_dir: Path, port: int, hist: list, threads: int, wait_s
 def evaluate_decode(run_dir: Path, frame) -> tuple[float, dict]:
     """The evaluate stage's decode (`Recommender` over `frame`: its actor pool, or in the driver
     for a catalog under `local_max_items`, as the stage chooses) -> (s, {user: items})."""
-    from gti.manifest import Manifest
-    from gti.loaded_run import run_config
+    from gti.run.manifest import Manifest
+    from gti.run.loaded import run_config
     from gti.stages.evaluate import _recommendation_blocks
 
     sid = Manifest.read(run_dir / "sid")
@@ -384,7 +384,7 @@ def infer_vs_evaluate(run_dir: Path, work: Path, n_users: int, rounds: int) -> d
     """Both decodes on the same users (version 0, k = max(eval.ks)), interleaved."""
     import ray
 
-    from gti.loaded_run import run_config
+    from gti.run.loaded import run_config
 
     frame = windows(run_dir, n_users)
     users = work / f"{run_dir.name}-infer-users.parquet"

@@ -87,7 +87,7 @@ def new_items(run: Path, n: int, used: set[str]):
     import polars as pl
 
     from gti.data import bundled
-    from gti.run_versions import resolve
+    from gti.run.versions import resolve
 
     held = set(pl.read_parquet(resolve(run, None, note=lambda line: None, find_model=False).map_path,
                                columns=["item_id"])["item_id"].to_list())
@@ -122,7 +122,7 @@ def _cycles(run: Path, url: str, every: float, until: float, marks: list, stop: 
     """The refresh + reload cycles (a thread beside the load): each appends its record to `marks`."""
     import httpx
 
-    from gti.run_versions import current_versions
+    from gti.run.versions import current_versions
 
     used: set[str] = set()
     tick = time.monotonic() + every

@@ -57,8 +57,8 @@ def overrides(quick: bool, out: Path) -> tuple[Path, list[str]]:
 
 def run_sequential(cfg, base_raw: dict, trials: list[dict], out: Path) -> float:
     """The same settings, one after another, full step counts, no Tune."""
-    from gti import pipeline
-    from gti.contract import StageContext
+    from gti.run import pipeline
+    from gti.run.contract import StageContext
     from gti.stages import ground
     from gti.experiments.tune_space import apply_params
 
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from gti import config as C
     from gti.config.io import apply_overrides, read_yaml
-    from gti import pipeline
+    from gti.run import pipeline
     from gti.experiments import tune as T
     from gti.ray_start import ensure_ray
 

@@ -1,6 +1,6 @@
 """The `gti` command line: argparse subcommands, each handler a few lines.
 
-What it is for: turning arguments into calls of `gti.pipeline`, `gti.config` and the stage
+What it is for: turning arguments into calls of `gti.run.pipeline`, `gti.config` and the stage
 modules. It holds no ML logic. A user mistake (any `GtiError`) and a file-system error (disk
 full, permission denied: any `OSError`) print one line and exit 2, also when Ray raised them
 around a task's error (`gti.common.errors.user_error` unwraps them).
@@ -43,7 +43,7 @@ def _preflight(cfg, args) -> None:
 
 
 def cmd_run(args) -> int:
-    from gti import pipeline
+    from gti.run import pipeline
 
     cfg = _cfg(args)
     _preflight(cfg, args)
@@ -61,7 +61,7 @@ def _summary(run_dir, shown: str, config: str | None) -> str:
     from pathlib import Path
 
     from gti.diagnostics.summary import format_summary, read_run
-    from gti.pipeline import STAGE_NAMES
+    from gti.run.pipeline import STAGE_NAMES
 
     if not (Path(run_dir) / "evaluate" / "_manifest.json").is_file():
         raise GtiError(f"{shown}: no finished evaluate stage (evaluate/_manifest.json missing); gti run makes one")
@@ -78,7 +78,7 @@ def cmd_summary(args) -> int:
 
 
 def cmd_stage(args) -> int:
-    from gti import pipeline
+    from gti.run import pipeline
 
     cfg = _cfg(args)
     _preflight(cfg, args)
@@ -132,7 +132,7 @@ def _add_config_args(p: argparse.ArgumentParser, required: bool = True) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from gti.pipeline import STAGE_NAMES
+    from gti.run.pipeline import STAGE_NAMES
 
     ap = argparse.ArgumentParser(prog="gti", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
@@ -222,7 +222,7 @@ def _add_trained_run_commands(sub) -> None:
                    help="refresh version k (default: the newest; 0: the run before any refresh)")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="allow the model's own code (never taken from the run folder)")
-    p.set_defaults(func=_delegate("gti.loaded_run", "cli_main"))
+    p.set_defaults(func=_delegate("gti.run.loaded", "cli_main"))
 
     p = sub.add_parser("summary", help="what gti run prints at the end: the model beside SASRec, Markov-1 "
                                        "and MostPop, a sample user, the time per stage, the next commands")
@@ -344,7 +344,7 @@ def cmd_sid_export(args) -> int:
     """`gti sid export`: the run's sid stage map (not a refresh version's) as index.json."""
     from pathlib import Path
 
-    from gti.manifest import Manifest
+    from gti.run.manifest import Manifest
     from gti.sid.from_file import export_index_json
 
     run = Path(args.run_dir).expanduser()

@@ -167,7 +167,7 @@ def ground_vocabulary(
         else out_dir.with_name(f".{out_dir.name}.work")
     protected = _protected(model, tokens, None if own_work else work)
     _check_out(out_dir, force, protected)  # before any work: a refused folder costs nothing
-    from gti.runlock import RunLock
+    from gti.run.runlock import RunLock
 
     # One writer per output: a second `gti vocab ground --out` of the same folder is refused.
     with RunLock(out_dir.parent, name=f".{out_dir.name}.gti.lock"):

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 from gti import config as C
-from gti import pipeline as P
+from gti.run import pipeline as P
 from gti.config.io import redact
-from gti.contract import StageResult, StageSpec
-from gti.manifest import Manifest
+from gti.run.contract import StageResult, StageSpec
+from gti.run.manifest import Manifest
 from gti.common.redact import REDACTED, is_secret_key, redact_strings, redact_text
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -56,7 +56,7 @@ def test_vocab_ground_seed_is_bounded_too():
 
 @pytest.mark.parametrize("k", ["0", "-3", str(MAX_K + 1), "ten"])
 def test_recommend_k_out_of_range_fails_before_the_run_is_opened(k, tmp_path, capsys, monkeypatch):
-    from gti import loaded_run
+    from gti.run import loaded as loaded_run
     from gti.cli import main
 
     monkeypatch.setattr(loaded_run.LoadedRun, "open", classmethod(lambda *a, **kw: pytest.fail("opened")))

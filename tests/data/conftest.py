@@ -33,8 +33,9 @@ class IngestRun:
 @pytest.fixture
 def run_ingest(tmp_path):
     """run_ingest(items_path, interactions_path, *overrides) -> IngestRun (in-process stream)."""
-    from gti import config, pipeline
-    from gti.contract import StageContext
+    from gti import config
+    from gti.run import pipeline
+    from gti.run.contract import StageContext
     from gti.stages import ingest
     from gti.data.batches import local_stream
 

@@ -102,8 +102,8 @@ def test_quarantine_items_moves_the_other_items_with_their_text(tmp_path):
 
 
 def _ingest(tmp_path, cfg, name):
-    from gti import pipeline
-    from gti.contract import StageContext
+    from gti.run import pipeline
+    from gti.run.contract import StageContext
     from gti.stages import ingest
     from gti.data.batches import local_stream
 
@@ -117,7 +117,8 @@ def test_a_run_config_with_dense_keys_builds_the_subset_in_ingest(tmp_path):
     """The config keys alone (no `gti data dense` step) give the subset `gti data dense` writes
     (on the bundled data, whose rows are all valid); what is left out is quarantined, counted,
     and the subset is part of the ingest fingerprint."""
-    from gti import config, pipeline
+    from gti import config
+    from gti.run import pipeline
     from gti.data import bundled
 
     conf = tmp_path / "dense.yaml"

@@ -11,8 +11,9 @@ import shutil
 import pytest
 import yaml
 
-from gti import cli, config, pipeline
-from gti.contract import StageContext
+from gti import cli, config
+from gti.run import pipeline
+from gti.run.contract import StageContext
 from gti.data import inspect as I
 from gti.stages import ingest
 from gti.data.batches import local_stream

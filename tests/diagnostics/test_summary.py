@@ -196,7 +196,7 @@ def test_a_missing_sample_file_drops_the_sample_not_the_table(tmp_path):
 
 
 def test_gti_run_prints_it_when_the_evaluation_is_complete(tmp_path, monkeypatch, capsys):
-    from gti import pipeline
+    from gti.run import pipeline
 
     run = _run(tmp_path)
     conf = tmp_path / "c.yaml"

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from gti import config, pipeline
+from gti import config
+from gti.run import pipeline
 from gti.data import synth
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -264,7 +264,7 @@ def test_pipeline_job_on_two_nodes_survives_a_killed_driver(upstream_done, two_n
     assert rc == 0 and "SUCCEEDED" in logs, logs[-4000:]
     for stage in ("ingest", "embed", "sid", "pairs"):  # linked from the shared upstream, not redone
         assert f"{stage}: up to date" in logs, stage
-    from gti.pipeline import STAGE_NAMES
+    from gti.run.pipeline import STAGE_NAMES
 
     for stage in STAGE_NAMES:
         manifest = json.loads((run_dir / stage / "_manifest.json").read_text())

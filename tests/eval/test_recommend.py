@@ -1,5 +1,5 @@
 """gti/eval/recommend.py: the pure top-K over any loaded run (a stand-in here, no model) and the
-text table. The real model path is tested with a tiny run in tests/test_loaded_run.py."""
+text table. The real model path is tested with a tiny run in tests/run/test_loaded.py."""
 
 from __future__ import annotations
 

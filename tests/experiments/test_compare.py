@@ -18,8 +18,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from gti import config, pipeline
-from gti.contract import StageResult
+from gti import config
+from gti.run import pipeline
+from gti.run.contract import StageResult
 from gti.common.errors import ConfigError
 from gti.experiments import compare as CMP
 from gti.experiments.records import RECORD_FORMAT, config_diff, load_record, read_record, record_path, run_facts
@@ -450,7 +451,7 @@ def test_cli_main_prints_report_path_and_reports_failed_arms(tmp_path, fake_stag
 # --------------------------------------------------------------------------- report inputs
 def _write_run(r, *, new_fields=True, n_items=50):
     """The manifests/files write_report reads from one finished arm run (no stage runs)."""
-    from gti.manifest import Manifest
+    from gti.run.manifest import Manifest
 
     def manifest(stage, outputs=None, facts=None, duration=0.0):
         d = r.run_dir / stage
@@ -529,7 +530,7 @@ def test_write_report_has_ranks_cold_curves_and_wall_time(tmp_path):
 
 
 def test_run_facts_and_timing_carry_rl_only_when_it_trained(tmp_path):
-    from gti.manifest import Manifest
+    from gti.run.manifest import Manifest
 
     cfg = _base_cfg(tmp_path, "rl.steps=4")
     gti, gti_rl = CMP.plan(cfg, ["gti", "gti+rl"], 1, tmp_path / "cmp")

@@ -12,7 +12,7 @@ from gti import config
 from gti.diagnostics.runs import RunRecord
 from gti.experiments import compare as CMP
 from gti.experiments.compare_report import gather, write_maps_report
-from gti.manifest import Manifest
+from gti.run.manifest import Manifest
 
 USERS = [f"u{i}" for i in range(30)]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from gti.experiments.shared_stages import SHARED_STAGES, adopt_shared, slug
-from gti.manifest import Manifest
+from gti.run.manifest import Manifest
 
 
 def _stage(root, name, fp):

@@ -4,7 +4,7 @@
 that is not a gti export is refused unless forced, a folder that is or contains the model, the
 tokens file, the current or the home directory is refused always, and the swap leaves no moment
 without a complete folder at D (gti.common.files.replace_dir). Also the stage swap of `gti run`
-(gti.pipeline) and the default work dir of vocab ground."""
+(gti.run.pipeline) and the default work dir of vocab ground."""
 
 from __future__ import annotations
 
@@ -266,7 +266,7 @@ def test_default_work_dir_of_another_owner_is_refused_and_never_removed(tmp_path
 # --------------------------------------------------------------------------- gti run's stage swap
 def test_a_run_dir_with_a_users_folder_named_like_a_stage_is_refused_before_anything_runs(tmp_path):
     from gti import config as C
-    from gti import pipeline as P
+    from gti.run import pipeline as P
 
     run_dir = tmp_path / "project"
     _foreign(run_dir / "ingest")

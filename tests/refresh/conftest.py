@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from gti import config as C
-from gti.manifest import Manifest
+from gti.run.manifest import Manifest
 
 SIZES = [4, 4, 2]
 OLD = {"a0": [0, 0, 0], "a1": [0, 0, 1], "a2": [1, 2, 0], "a3": [2, 1, 0], "a4": [3, 3, 0]}

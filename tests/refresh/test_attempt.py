@@ -116,7 +116,7 @@ def _version(run, k: int, base: dict | None) -> None:
     as a version written by an older gti)."""
     import pyarrow.parquet as pq
 
-    from gti.manifest import Manifest
+    from gti.run.manifest import Manifest
     from gti.sid.versions import make_version, write_map
 
     table = pq.read_table(str(run / "sid" / "sid_map.parquet"))
@@ -131,8 +131,8 @@ def _version(run, k: int, base: dict | None) -> None:
 def test_a_version_made_on_another_base_is_skipped_and_numbering_continues(fake_run):
     """After the run retrains (its model stage's manifest changes), find_parent skips v1 with
     one line naming it and builds on the run again; the next version is v2, never v1 again."""
-    from gti.manifest import Manifest
-    from gti.run_versions import base_record, next_version
+    from gti.run.manifest import Manifest
+    from gti.run.versions import base_record, next_version
 
     run = fake_run.dir
     _version(run, 1, base_record(run))

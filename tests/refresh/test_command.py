@@ -1,5 +1,5 @@
 """`gti refresh` (gti/refresh/, the command in gti/refresh/command.py) and versioned SID maps in use
-(gti/run_versions.py, evaluate, recommend), on a tiny run: 300 items of the bundled data, 12 of them held out as "new"
+(gti/run/versions.py, evaluate, recommend), on a tiny run: 300 items of the bundled data, 12 of them held out as "new"
 (`gti.data.holdout`), the tiny pipeline run on the rest through sft with 0 training steps (no
 refresh assertion depends on a trained parent: the refresh's own grounding and SFT train).
 
@@ -78,7 +78,7 @@ def data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def base_run(data, tmp_path_factory, ray_start_4_cpus):
-    from gti import pipeline
+    from gti.run import pipeline
 
     d, _, _ = data
     run = tmp_path_factory.mktemp("refresh_base") / "run"
@@ -134,8 +134,8 @@ def _map(path) -> dict[str, str]:
 @pytest.mark.ray
 def test_refresh_keeps_old_sids_gives_unique_new_ones_and_records_the_version(refreshed, data):
     from gti.lm.new_rows import read_meta
-    from gti.manifest import Manifest
-    from gti import run_versions
+    from gti.run.manifest import Manifest
+    from gti.run import versions as run_versions
     from gti.sid.versions import read_version
 
     run, res = refreshed
@@ -211,9 +211,9 @@ def test_killed_refresh_keeps_finished_steps_and_hands_the_loop_the_same_run(ref
 def test_descendant_map_accepted_unrelated_refused_in_recommend_and_evaluate(refreshed, tmp_path):
     import pyarrow as pa
 
-    from gti.loaded_run import load_recommender
-    from gti.manifest import Manifest
-    from gti import run_versions
+    from gti.run.loaded import load_recommender
+    from gti.run.manifest import Manifest
+    from gti.run import versions as run_versions
     from gti.sid.versions import UnrelatedSidMapError, make_version, read_version, write_map
     from gti.stages.evaluate import Recommender as EvalActor
 
@@ -265,9 +265,9 @@ def test_descendant_map_accepted_unrelated_refused_in_recommend_and_evaluate(ref
 @pytest.mark.slow
 @pytest.mark.ray
 def test_second_refresh_chains_versions_and_runs_sft(refreshed, data):
-    from gti.loaded_run import load_recommender
+    from gti.run.loaded import load_recommender
     from gti.refresh.command import refresh
-    from gti import run_versions
+    from gti.run import versions as run_versions
     from gti.sid.versions import read_version
 
     run, res1 = refreshed
@@ -295,7 +295,7 @@ def test_full_prefix_group_fails_with_one_line(base_run, data, tmp_path, capsys)
     """More copies of one item than the de-duplication level holds: one line, exit 2, the list
     written. Needs no training (the refresh stops at the assign step)."""
     from gti.cli import main
-    from gti.manifest import Manifest
+    from gti.run.manifest import Manifest
 
     run = _copy(base_run, tmp_path / "run")
     row = pl.read_parquet(data[0] / "base_items.parquet").head(1)
@@ -331,9 +331,9 @@ def test_a_full_prefix_group_is_served_by_default(base_run, data, tmp_path, caps
 
     from gti.cli import main
     from gti.lm.new_rows import read_meta
-    from gti.manifest import Manifest
+    from gti.run.manifest import Manifest
     from gti.refresh.command import refresh
-    from gti.loaded_run import load_recommender
+    from gti.run.loaded import load_recommender
     from gti.sid.versions import MissingSidTokensError, read_version
 
     run = _copy(base_run, tmp_path / "run")
@@ -562,9 +562,9 @@ def test_refresh_after_a_retrain_starts_from_the_new_base(fake_run, tmp_path, mo
     """Each version records its base; after the run retrains, the next refresh skips v1 with one
     line, builds on the run itself and is numbered v2; recommend's default then takes v2 and
     refuses v1 by name."""
-    from gti.manifest import Manifest
+    from gti.run.manifest import Manifest
     from gti.refresh import command
-    from gti.run_versions import RunDirError, base_record, chosen_version
+    from gti.run.versions import RunDirError, base_record, chosen_version
 
     items = tmp_path / "items.csv"
     items.write_text("item_id,title\nn1,A\n")

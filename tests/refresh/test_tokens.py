@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from gti import config as C
-from gti.manifest import Manifest
+from gti.run.manifest import Manifest
 
 
 def _tiny_parent(fake_run):
@@ -114,8 +114,8 @@ def test_untrained_export_is_the_grown_model_and_only_it_takes_the_grown_map(mak
     from gti.refresh.command import export_step
     from gti.refresh.attempt import RefreshError
     from gti.refresh.tokens import tokens_step
-    from gti.loaded_run import LoadedRun, map_codec
-    from gti.run_versions import check_model_map, check_tokens, lineage_dir
+    from gti.run.loaded import LoadedRun, map_codec
+    from gti.run.versions import check_model_map, check_tokens, lineage_dir
     from gti.sid.versions import MissingSidTokensError, read_version
 
     job, first, end = _grown_job(make_job, fake_run, "refresh.ground_steps=0")

@@ -90,7 +90,7 @@ def _trainable_job(fake_run, make_job):
 
     from gti import config as C
     from gti.lm import models, new_rows
-    from gti.manifest import Manifest
+    from gti.run.manifest import Manifest
     from gti.sid.codec import SidCodec
     from gti.sid.versions import make_version, write_map
     from gti.data.schemas import PAIRS_SCHEMA

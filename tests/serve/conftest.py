@@ -47,7 +47,7 @@ def _base(run: Path):
     from gti import config as C
     from gti.lm.models import build_tiny
     from gti.lm.new_rows import export_model, extend_tokenizer
-    from gti.manifest import Manifest
+    from gti.run.manifest import Manifest
     from gti.sid.codec import SidCodec
     from gti.sid.versions import map_hash
 
@@ -80,7 +80,7 @@ def _base(run: Path):
 def write_version(run: Path, k: int, item_ids, codes, parent) -> str:
     """refresh/v<k>: map (item_ids, codes) with parent `parent` (a SidMapVersion), the
     previous model copied with its meta naming the new map; returns the new map's hash."""
-    from gti.run_versions import lineage_dir
+    from gti.run.versions import lineage_dir
     from gti.sid.versions import make_version, write_map
 
     table = _map_table(item_ids, codes)
@@ -101,7 +101,7 @@ def write_version(run: Path, k: int, item_ids, codes, parent) -> str:
 
 
 def write_serve_run(run: Path) -> dict:
-    from gti.run_versions import lineage_dir
+    from gti.run.versions import lineage_dir
     from gti.sid.versions import make_version
 
     item_ids, codes, base = _base(run)
@@ -115,7 +115,7 @@ def write_serve_run(run: Path) -> dict:
 
 def add_bad_version(info: dict) -> None:
     """v2: v1's items with the SIDs of it0 and it1 swapped, naming v1 as its parent."""
-    from gti.run_versions import refresh_versions
+    from gti.run.versions import refresh_versions
 
     run = info["run"]
     ids = info["item_ids"] + NEW_ITEMS
@@ -146,7 +146,7 @@ def publishable(serve_run, tmp_path) -> dict:
 
 
 def copy_publishable(serve_run: dict, run: Path) -> dict:
-    from gti.run_versions import refresh_versions
+    from gti.run.versions import refresh_versions
 
     info = dict(serve_run, run=run)
     shutil.copytree(serve_run["run"], info["run"])

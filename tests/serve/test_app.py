@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 
 from gti.config.serve import ServeConfig
 from gti.common.errors import ConfigError
-from gti.loaded_run import LoadedRun
+from gti.run.loaded import LoadedRun
 from gti.serve.app import create_app, read_token, token_digest
 from gti.serve.reload import ServiceHolder
 from gti.serve.service import RecommenderService

@@ -60,7 +60,7 @@ def _rec(client, history=HIST, k=5, path="/recommend", **kw):
 
 
 def test_endpoints_answer_as_gti_recommend(live):
-    from gti.loaded_run import LoadedRun
+    from gti.run.loaded import LoadedRun
 
     c = live["client"]
     assert c.get("/").text.startswith("<!doctype html>")

@@ -14,8 +14,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from gti.common.errors import ConfigError, DataError
-from gti.manifest import Manifest
-from gti.run_versions import RunDirError
+from gti.run.manifest import Manifest
+from gti.run.versions import RunDirError
 from gti.serve import infer as I
 
 SEQS = {  # user -> (train items, valid, test): whole histories of 5..8 known items

@@ -13,7 +13,7 @@ import pytest
 
 from gti import cli
 from gti.common.errors import GtiError
-from gti.manifest import Manifest
+from gti.run.manifest import Manifest
 from gti.serve import infer as I
 from gti.serve import infer_ray as R
 
@@ -190,7 +190,7 @@ def test_ctrl_c_unlocks_the_output_only_after_the_decoders_exited(seq_run, tmp_p
     import pyarrow as pa
 
     import gti.ray_start as ray_start
-    import gti.runlock as runlock
+    import gti.run.runlock as runlock
 
     events: list[str] = []
 

@@ -102,7 +102,7 @@ def test_the_three_paths_answer_the_same_lists(services, k):
 def _cli_recommend(monkeypatch, run, history, k, *flags) -> list[str]:
     """`gti recommend --history ... --k k [flags]` through the CLI's parser and `cli_main`, on
     `run` (LoadedRun.open handed the loaded run: nothing reloaded) -> the item ids it prints."""
-    from gti import loaded_run as L
+    from gti.run import loaded as L
     from gti.cli import main
 
     shown: list = []

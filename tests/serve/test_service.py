@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gti.loaded_run import LoadedRun
+from gti.run.loaded import LoadedRun
 from gti.serve.service import Query, RecommenderService, RequestError, answer_batches
 
 N_ITEMS, N_NEW, MAX_HISTORY = 20, 2, 4  # as tests/serve/conftest.py
@@ -131,7 +131,7 @@ def test_trust_remote_code_never_comes_from_the_run_folder(serve_run, tmp_path, 
     """A run whose config says trust_remote_code: true is loaded with it off."""
     import shutil
 
-    import gti.loaded_run as LR
+    import gti.run.loaded as LR
     from gti import config as C
 
     run = tmp_path / "run"

@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from gti.manifest import Manifest
+from gti.run.manifest import Manifest
 
 
 def write_embed_stage(run_dir, vecs: np.ndarray, ids=None):

@@ -1,7 +1,7 @@
 """Tests of gti/stages/evaluate.py on fixture upstream stages (ingest sequences, a SID map, a
 tiny "SFT" model folder with the SID tokens), written with the names of docs/ARCHITECTURE.md:
 
-- the stage through gti.pipeline.run_stage on a local Ray: metrics.json layout, CIs around the
+- the stage through gti.run.pipeline.run_stage on a local Ray: metrics.json layout, CIs around the
   values, per-user values consistent with recs.parquet, baselines on the same users, invalid-SID
   rate 0 when constrained, the same deterministic user sample for both splits, the cold-item
   slice (users whose target is a rare SFT target) and, with eval.exact_rank, the exact-rank
@@ -26,9 +26,10 @@ import torch
 
 from testkit import stage_manifest
 
-from gti import config, pipeline
-from gti.contract import StageContext
-from gti.manifest import Manifest
+from gti import config
+from gti.run import pipeline
+from gti.run.contract import StageContext
+from gti.run.manifest import Manifest
 
 N_ITEMS, SIZES, HASH = 30, [6, 5], "sidhash-eval"
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from gti import config as C
-from gti.manifest import Manifest
+from gti.run.manifest import Manifest
 
 N_ITEMS, LEVELS, K, CODE_DIM = 24, 2, 4, 8
 
@@ -58,7 +58,7 @@ def _write_ingest_and_sid(run) -> None:
 def upstream(tmp_path_factory, ray_start_4_cpus):
     """run_dir with ingest + sid written by hand and `pairs` run for real; returns (run, base
     overrides)."""
-    from gti import pipeline
+    from gti.run import pipeline
 
     run = tmp_path_factory.mktemp("ground_stage") / "run"
     base = [f"run_dir={run}", *BASE]
@@ -68,7 +68,7 @@ def upstream(tmp_path_factory, ray_start_4_cpus):
 
 
 def _run_ground(run, base, overrides):
-    from gti import pipeline
+    from gti.run import pipeline
 
     cfg = C.load(None, base + overrides)
     return cfg, pipeline.run_stage(pipeline.spec("ground"), cfg, run)
@@ -163,7 +163,7 @@ def test_a_killed_grounding_is_finished_in_its_partial_dir_with_the_same_run(tmp
     from safetensors.torch import load_file
     from testkit import FailOnceFit, WorkerDied, fake_data, finished_fit, no_ray
 
-    from gti import pipeline
+    from gti.run import pipeline
     from gti.train import loop
     from gti.train.worker_config import GroundRows
 

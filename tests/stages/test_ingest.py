@@ -9,9 +9,9 @@ import polars as pl
 import pyarrow.parquet as pq
 import pytest
 
-from gti import pipeline
-from gti.contract import StageContext
-from gti.manifest import Manifest
+from gti.run import pipeline
+from gti.run.contract import StageContext
+from gti.run.manifest import Manifest
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 ROOT = Path(__file__).resolve().parents[2]

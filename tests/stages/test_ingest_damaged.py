@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from gti.cli import main
-from gti.manifest import Manifest
+from gti.run.manifest import Manifest
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 

@@ -14,7 +14,7 @@ from gti import config as C
 from gti.common.arms import DEFAULT_GROUNDING_TEMPLATES
 from gti.data.descriptions import description_text
 from gti.lm.pairs import is_val_item
-from gti.manifest import Manifest
+from gti.run.manifest import Manifest
 from gti.stages import pairs as P
 
 N_ITEMS = 24
@@ -73,7 +73,7 @@ def _fixture_run(tmp_path, overrides=(), aligned=False):
 
 
 def _run_stage(cfg, run):
-    from gti import pipeline
+    from gti.run import pipeline
 
     return pipeline.run_stage(pipeline.spec("pairs"), cfg, run)
 

@@ -1,5 +1,5 @@
 """Tests of gti/stages/report.py against fixture upstream stages written with the documented
-names, keys and shapes (docs/ARCHITECTURE.md), run through gti.pipeline.run_stage."""
+names, keys and shapes (docs/ARCHITECTURE.md), run through gti.run.pipeline.run_stage."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ from safetensors.torch import save_file
 
 from testkit import stage_manifest
 
-from gti import config, pipeline
-from gti.manifest import Manifest
+from gti import config
+from gti.run import pipeline
+from gti.run.manifest import Manifest
 from gti.stages import report as R
 from gti.common.errors import DataError
 

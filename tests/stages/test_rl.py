@@ -14,8 +14,9 @@ import pytest
 import torch
 from testkit import FailOnceFit, WorkerDied, stage_manifest, walk_sequences
 
-from gti import config, pipeline
-from gti.run_versions import find_model_dir
+from gti import config
+from gti.run import pipeline
+from gti.run.versions import find_model_dir
 
 HASH, SIZES, N_ITEMS = "sidhash-rl", [4, 4, 4], 24
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,6 +1,6 @@
 """Tests of gti/stages/sft.py on fixture upstream stages (ingest sequences, a SID map, an
 extended tiny tokenizer, a tiny "grounded" model), written with the names of
-docs/ARCHITECTURE.md and run through gti.pipeline.run_stage:
+docs/ARCHITECTURE.md and run through gti.run.pipeline.run_stage:
 
 - 2 Ray Train workers with DeepSpeed ZeRO-2 on CPU lower the loss, the exported folder loads
   with plain transformers and carries sid_map_hash, e_new has the new-row shape;
@@ -21,8 +21,9 @@ import pytest
 import torch
 from testkit import FailOnceFit, WorkerDied, stage_manifest, walk_sequences
 
-from gti import config, pipeline
-from gti.contract import StageContext
+from gti import config
+from gti.run import pipeline
+from gti.run.contract import StageContext
 
 N_ITEMS, SIZES, HASH = 24, [6, 4], "sidhash-test"
 ROOT = Path(__file__).resolve().parents[2]

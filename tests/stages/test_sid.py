@@ -10,8 +10,8 @@ import torch
 
 from gti import config as C
 from gti.common.errors import DataError, GateError
-from gti.manifest import Manifest
-from gti.pipeline import run_stage, spec
+from gti.run.manifest import Manifest
+from gti.run.pipeline import run_stage, spec
 
 
 def write_embed_stage(run_dir, vecs: np.ndarray, ids=None):
@@ -302,7 +302,7 @@ def collide_hash(*a, **k):
 
 
 def test_fingerprint_holds_the_resolved_assign_dtype(tmp_path, monkeypatch):
-    from gti.pipeline import fingerprint
+    from gti.run.pipeline import fingerprint
     import gti.sid.rqvae as rqvae
 
     def fp(native: bool, *over):
@@ -325,7 +325,7 @@ def test_fingerprint_holds_the_resolved_assign_dtype(tmp_path, monkeypatch):
 def test_fingerprint_holds_the_balanced_kmeans_version(tmp_path, monkeypatch):
     """A map fitted by an earlier balanced k-means is not up to date: the algorithm's version
     is in the fingerprint of balanced rqkmeans configs, and only there."""
-    from gti.pipeline import fingerprint
+    from gti.run.pipeline import fingerprint
     from gti.stages import sid as sid_stage
 
     def fp(*over):
@@ -344,7 +344,7 @@ def test_fingerprint_holds_the_balanced_kmeans_version(tmp_path, monkeypatch):
 def test_fingerprint_holds_the_kmeans_seeding_version(tmp_path, monkeypatch):
     """k-means++ seeds every RQ-VAE codebook and RQ-KMeans: a map made with an earlier seeding
     is not up to date for the same config, whatever the method."""
-    from gti.pipeline import fingerprint
+    from gti.run.pipeline import fingerprint
     from gti.stages import sid as sid_stage
 
     def fp(*over):
@@ -364,7 +364,7 @@ def test_fingerprint_holds_the_sinkhorn_resolve_version(tmp_path, monkeypatch):
     """A map whose collisions were spread by an earlier Sinkhorn resolution (v1: the sample by
     position, count chunks) is not up to date: its version is in the fingerprint wherever
     Sinkhorn spreading runs, and only there."""
-    from gti.pipeline import fingerprint
+    from gti.run.pipeline import fingerprint
     from gti.stages import sid as sid_stage
 
     def fp(*over):
@@ -400,7 +400,7 @@ def test_sid_seed_makes_another_map_and_none_is_the_run_seed(tmp_path):
 
 
 def test_fingerprint_holds_sid_seed_and_none_leaves_it_as_before(tmp_path):
-    from gti.pipeline import fingerprint
+    from gti.run.pipeline import fingerprint
 
     def fp(*over):
         cfg = _cfg(tmp_path, *over)

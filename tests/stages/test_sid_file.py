@@ -14,8 +14,8 @@ import pytest
 from gti import config as C
 from gti.cli import main
 from gti.common.errors import ConfigError, DataError
-from gti.manifest import Manifest
-from gti.pipeline import fingerprint, run_stage, spec
+from gti.run.manifest import Manifest
+from gti.run.pipeline import fingerprint, run_stage, spec
 
 IDS = [f"item{i}" for i in range(12)]
 

@@ -166,7 +166,7 @@ def test_loaded_run_refuses_a_model_trained_on_other_prompts(tmp_path):
 
     from gti.config import RunConfig
     from gti.lm.new_rows import META_NAME
-    from gti.loaded_run import check_render_style
+    from gti.run.loaded import check_render_style
 
     (tmp_path / META_NAME).write_text(json.dumps({"render_style": "sequence"}))
     check_render_style(tmp_path, RunConfig.model_validate({"sft": {"objective": "sequence"}}))

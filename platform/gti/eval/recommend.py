@@ -9,7 +9,7 @@ prompt, which are left out of the answer, how many items the search returns, its
 max(k + the excluded items, beam_width)) and `answer_items` applies its exclusion to the
 search's rows: `gti recommend` (here), `gti serve` and `gti infer` (both through
 `gti.serve.service`) call these two, so one request gets one answer whichever path serves it.
-`run` is any object with the attributes of `gti.loaded_run.LoadedRun` (model, trie,
+`run` is any object with the attributes of `gti.run.loaded.LoadedRun` (model, trie,
 renderer, item_ids, sids, sid_ids, titles, max_history, beam_width, pad_id, levels), which is
 where a run directory is loaded and its SID map checked (`gti recommend`).
 

@@ -71,7 +71,7 @@ records folder and a multi-hour CPU comparison can span sessions. `--report-only
 report from finished runs and records without running anything.
 
 What it does not know: what the stages compute; it only prepares configs and run folders,
-drives `gti.pipeline`, and hands the finished runs to `gti.diagnostics.report_files`.
+drives `gti.run.pipeline`, and hands the finished runs to `gti.diagnostics.report_files`.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from gti import config as C
-from gti import pipeline
+from gti.run import pipeline
 from gti.config.io import apply_overrides
 from gti.common.errors import GtiError
 from gti.experiments.compare_report import write_maps_report, write_report
@@ -318,10 +318,10 @@ def compare(
     """Shared stages once per SID map (`n_maps`, `sid_seeds`), every arm x seed on each (or its
     stored record), one report; returns the report paths. `report_only`: run nothing, report on
     what is finished or recorded. A run (not `report_only`, a reader) holds `out`'s writer lock
-    (`gti.runlock`) throughout."""
+    (`gti.run.runlock`) throughout."""
     from contextlib import nullcontext
 
-    from gti.runlock import RunLock
+    from gti.run.runlock import RunLock
 
     arms = parse_arms(list(arms))
     out = Path(out).expanduser().resolve() if out else cfg.resolved_run_dir() / "compare"

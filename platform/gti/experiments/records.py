@@ -25,7 +25,7 @@ from typing import Any
 from gti import config as C
 from gti.common.errors import GtiError
 from gti.experiments.shared_stages import ArmRun, CompareError, map_tag, slug
-from gti.manifest import Manifest, ManifestError, file_fingerprint
+from gti.run.manifest import Manifest, ManifestError, file_fingerprint
 from gti.common.files import atomic_write_json
 
 

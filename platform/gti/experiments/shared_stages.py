@@ -6,7 +6,7 @@ folder and SID map) and `CompareError`; per SID map of a comparison (`gti compar
 its folders (`map_tag`, `map_dirs`), the config of its shared stages (`shared_config`) and the
 stages run once per map (`run_shared`). Used by `gti.experiments.compare`, `records` and `tune`.
 
-What it does not know: what the stages compute (it drives `gti.pipeline`), or how arm runs
+What it does not know: what the stages compute (it drives `gti.run.pipeline`), or how arm runs
 are scheduled.
 """
 
@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from gti import config as C
-from gti import pipeline
+from gti.run import pipeline
 from gti.config.io import apply_overrides
 from gti.common.errors import GtiError
-from gti.manifest import Manifest, ManifestError
+from gti.run.manifest import Manifest, ManifestError
 
 SHARED_STAGES = ("ingest", "embed", "sid", "pairs")
 

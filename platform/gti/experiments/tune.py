@@ -9,7 +9,7 @@ stage>` accepts.
 
 How a trial runs (the Train V2 interop pattern): the trial function is a *driver* that builds
 the grounding `TorchTrainer` itself, through the grounding stage's own code
-(`gti.pipeline.run_detached("ground", cfg, <trial>/ground, run_name=..., callbacks=[TuneReportCallback()])`,
+(`gti.run.pipeline.run_detached("ground", cfg, <trial>/ground, run_name=..., callbacks=[TuneReportCallback()])`,
 which calls the stage's `run(ctx, run_name=..., callbacks=...)`), so the trial
 trains exactly what `gti run` trains. The Train run's name is derived from the trial's index
 and its sampled parameters (`ground-t003-1a2b3c4d`), and its storage is the trial's folder under
@@ -44,7 +44,7 @@ plus a CPU of headroom for its Ray Data tasks: see gti.train.resources), capped 
 `tune.num_samples` and `tune.max_concurrent_trials`.
 
 What it does NOT know: how grounding trains (that is `gti.stages.ground` and
-`gti.train`), or how stages are fingerprinted (that is `gti.pipeline`).
+`gti.train`), or how stages are fingerprinted (that is `gti.run.pipeline`).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ from typing import Any
 import yaml
 
 from gti import config as C
-from gti import pipeline
+from gti.run import pipeline
 from gti.config.io import apply_overrides, read_yaml
 from gti.common.errors import ConfigError
 from gti.experiments.shared_stages import adopt_shared
@@ -198,9 +198,9 @@ def sweep(cfg: C.RunConfig, raw: dict[str, Any] | None = None, echo=_echo) -> di
 
     `raw` is the config mapping the trials start from (default: `cfg` dumped), so best.yaml keeps
     the user's own settings. Upstream stages are run (or found up to date) first. Holds the run
-    folder's writer lock (`gti.runlock`) for the whole sweep.
+    folder's writer lock (`gti.run.runlock`) for the whole sweep.
     """
-    from gti.runlock import RunLock
+    from gti.run.runlock import RunLock
 
     with RunLock(cfg.resolved_run_dir()):
         return _sweep_locked(cfg, raw, echo)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gti import config as C
-from gti import pipeline
+from gti.run import pipeline
 from gti.config.io import apply_overrides
 from gti.common.errors import ConfigError, GtiError
 from gti.experiments.shared_stages import SHARED_STAGES

@@ -56,12 +56,12 @@ run's (so evaluation and `gti recommend` accept it for the old model as well as 
    `codebook_sizes`), `_manifest.json` (facts: parent and new hash, counts, `codebook_sizes`,
    `added_tokens`, steps, wall time of each step) and `config.yaml`. `gti recommend --version k`
    and evaluation spell the map with its version record's sizes
-   (`gti.loaded_run.map_codec`).
+   (`gti.run.loaded.map_codec`).
 
 Output: `<run>/refresh/v<k>/` (k = 1, 2, ..., after the highest published one; layout in
-`gti.run_versions`). Each version's manifest records the base it was made on (`facts.base`: the
+`gti.run.versions`). Each version's manifest records the base it was made on (`facts.base`: the
 run's model stage, its manifest fingerprint and time, the sid map hash; see
-`gti.run_versions.base_record`): after `gti run --force` or a config change retrains the run,
+`gti.run.versions.base_record`): after `gti run --force` or a config change retrains the run,
 older versions are skipped with one line, and the next refresh starts from the new base.
 `model.trust_remote_code` comes from `--trust-remote-code` only, never from the run's config. The work happens in
 `<run>/refresh/.v<k>.partial/`; a rerun of the same command (same inputs and settings) reuses
@@ -77,7 +77,7 @@ Ray: only through `gti.ray_start.ensure_ray` and the training runners
 module: it reads with what the ingest stage reads with, the readers of `gti.data.batches`
 (`Source`, `local_stream`, `iterate`, `raise_file_error`, `fill_interaction_raw`) and the items
 pass `gti.data.items.ingest_items`; the output schemas (`INTER_Q_SCHEMA`, `PAIRS_SCHEMA`, ...)
-are `gti.data.schemas`', the input files' fingerprint `gti.input_files.fingerprint_files`, the pair
+are `gti.data.schemas`', the input files' fingerprint `gti.run.input_files.fingerprint_files`, the pair
 renderer `gti.lm.pairs.RenderPairs`; the validation set (`write_val_set`, `VAL_TASKS`) comes
 from `gti.train.ground_run`, `rebuild_trained` from `gti.train.sft_task`.
 

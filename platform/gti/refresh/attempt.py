@@ -3,7 +3,7 @@
 What it is for: the steps of a refresh (`gti.refresh.ingest`, `.new_items`, `.tokens`,
 `.train`, `.command`) share one `Job`: the run folder, the config the run's model was trained
 with plus the overrides (`load_run_config`; `model.trust_remote_code` only from the caller),
-the version it builds on (`Parent`, from `find_parent`: `gti.run_versions.resolve`'s answer,
+the version it builds on (`Parent`, from `find_parent`: `gti.run.versions.resolve`'s answer,
 the newest refresh made on the run's current base, else the run, with its map's codebook
 sizes, which an earlier refresh may have grown, and that base; plus the pairs and newest
 interactions of the refreshes it builds on), the work folder `<run>/refresh/.v<k>.partial/`,
@@ -14,7 +14,7 @@ codes were added, else the parent's) and `Job.token_range()` its SID rows. Also 
 every step agrees on (files in the work folder, Ray Train run names) and `RefreshError` /
 `RefreshResult`.
 
-What it does not know: which version is current (`gti.run_versions`), how a step does its
+What it does not know: which version is current (`gti.run.versions`), how a step does its
 work, Ray, training.
 """
 
@@ -29,7 +29,7 @@ from typing import Any, Callable, Sequence
 from gti import config as C
 from gti.config.io import apply_overrides, read_yaml
 from gti.common.errors import ConfigError, GtiError
-from gti.manifest import MANIFEST_NAME, Manifest
+from gti.run.manifest import MANIFEST_NAME, Manifest
 from gti.train.ray_train import STORAGE_DIR
 
 STEPS_FILE = "_steps.json"
@@ -82,7 +82,7 @@ def load_run_config(run_dir: Path, items: str, interactions: str | None, overrid
     `<run>/config.yaml`) + overrides, reading the new files. `model.trust_remote_code` is the
     caller's `trust_remote_code` (`--trust-remote-code`), never the run folder's: a `true`
     there is ignored with one `note` line, and an override of it is refused."""
-    from gti.loaded_run import with_trust_remote_code
+    from gti.run.loaded import with_trust_remote_code
 
     path = next((p for p in (run_dir / "sft" / "config.yaml", run_dir / "ground" / "config.yaml")
                  if p.is_file()), run_dir / "config.yaml")
@@ -111,17 +111,17 @@ class Parent:
     interactions_path: Path
     pair_files: list[Path]
     codebook_sizes: tuple[int, ...]  # of the parent's map (its version record, else the sid stage's)
-    # The run's current base (`gti.run_versions.base_record`: model stage output, SID map),
+    # The run's current base (`gti.run.versions.base_record`: model stage output, SID map),
     # recorded in the new version's manifest; a version made on another base is no parent.
     base: dict = field(default_factory=dict)
 
 
 def find_parent(run_dir: Path, note: Callable[[str], None] | None = None) -> Parent:
-    """The version `gti.run_versions.resolve` names for `run_dir` (the newest made on its current
+    """The version `gti.run.versions.resolve` names for `run_dir` (the newest made on its current
     base, one `note` line for each one skipped: made on another base), with every earlier
     refresh's new pairs and the newest interactions of those versions; RefreshError when the
     run lacks a stage or a trained model."""
-    from gti.run_versions import RunDirError, resolve
+    from gti.run.versions import RunDirError, resolve
 
     read_manifest(run_dir, "sid")
     pairs = read_manifest(run_dir, "pairs")

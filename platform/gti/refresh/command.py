@@ -29,8 +29,8 @@ from typing import Any, Callable, Sequence
 from gti import config as C
 from gti.config.io import redact
 from gti.common.errors import ConfigError
-from gti.input_files import fingerprint_files
-from gti.manifest import MANIFEST_NAME, Manifest, stable_hash
+from gti.run.input_files import fingerprint_files
+from gti.run.manifest import MANIFEST_NAME, Manifest, stable_hash
 from gti.common.files import atomic_write_bytes, atomic_write_json
 from gti.refresh.ingest import ingest_step
 from gti.refresh.attempt import (
@@ -93,7 +93,7 @@ def fingerprint(cfg: C.RunConfig, parent: Parent, items: str, interactions: str 
 def _lineage_with_base(run_dir: Path, sid_man: Manifest, cb_hash: str):
     """The run's lineage folder, holding the run's base map (so any later map can be traced
     back to it)."""
-    from gti.run_versions import lineage_dir
+    from gti.run.versions import lineage_dir
     from gti.sid import versions as V
 
     lin = lineage_dir(run_dir)
@@ -127,9 +127,9 @@ def refresh(run_dir: str | Path, items: str | Path, interactions: str | Path | N
     trust_remote_code: the caller's `--trust-remote-code` (the run folder's config never sets it).
     fault_injection (tests): a `gti.train.worker_config.FaultInjection` for the grounding loop.
     Returns a RefreshResult; user mistakes raise GtiError subclasses (one line). Holds the run
-    folder's writer lock (`gti.runlock`): a second refresh (or run) of the folder is refused.
+    folder's writer lock (`gti.run.runlock`): a second refresh (or run) of the folder is refused.
     """
-    from gti.runlock import RunLock
+    from gti.run.runlock import RunLock
 
     run_dir = Path(run_dir).expanduser().resolve()
     if not run_dir.is_dir():
@@ -140,7 +140,7 @@ def refresh(run_dir: str | Path, items: str | Path, interactions: str | Path | N
 
 def _refresh_locked(run_dir: Path, items, interactions, overrides: Sequence[str], log: Callable[[str], None],
                     fault_injection: FaultInjection | None, trust_remote_code: bool = False) -> RefreshResult:
-    from gti.run_versions import next_version, refresh_root
+    from gti.run.versions import next_version, refresh_root
     from gti.sid import versions as V
 
     t_start = time.time()
@@ -192,7 +192,7 @@ def _facts(job: Job, version, done: dict[str, dict], steps: Steps, t_start: floa
         "new_hash": version.hash,
         "parent_version": job.parent.k,
         "parent_model": str(job.parent.model_dir),
-        "base": job.parent.base,  # gti.run_versions.BASE_FACT: which base the version belongs to
+        "base": job.parent.base,  # gti.run.versions.BASE_FACT: which base the version belongs to
         "assigned": f_assign["assigned"],
         "already_present": f_assign["already_present"],
         "prefix_changed": f_assign["prefix_changed"],

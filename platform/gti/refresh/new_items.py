@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from gti.common.errors import DataError
 from gti.common.files import atomic_write_json
-from gti.manifest import Manifest
+from gti.run.manifest import Manifest
 from gti.refresh.attempt import NEEDS_NEW_TOKENS, Job, RefreshError
 
 

@@ -269,7 +269,7 @@ def build_app(run_dir: str | Path, version: int | None, cfg: ServeConfig, token_
     """The bound Serve application (what `serve.run` and a Serve config's import path take):
     the ingress over the model replicas, which share one version board (the start pin:
     `version` as of the newest version published now; None follows the newest)."""
-    from gti.run_versions import chosen_version
+    from gti.run.versions import chosen_version
 
     run_dir = Path(run_dir).expanduser().resolve()
     newest = chosen_version(run_dir, None, note=lambda line: None)
@@ -290,7 +290,7 @@ def app_builder(args: dict[str, Any]):
     from argparse import Namespace
 
     from gti.common.errors import ConfigError
-    from gti.run_versions import RunDirError, chosen_version
+    from gti.run.versions import RunDirError, chosen_version
     from gti.serve.app import take_token, token_digest
 
     args = dict(args or {})
@@ -382,7 +382,7 @@ def start_serve(host: str, port: int, wait_s: float = PROXY_WAIT_S, echo=None, s
 
 def cli_main(args) -> int:
     """`gti serve` (see the module docstring): blocks until interrupted."""
-    from gti.run_versions import RunDirError, chosen_version
+    from gti.run.versions import RunDirError, chosen_version
     from gti.serve.app import take_token, token_digest
 
     cfg = serve_config(args)

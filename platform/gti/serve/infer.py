@@ -40,7 +40,7 @@ import pyarrow.parquet as pq
 
 from gti.common.errors import ConfigError, DataError, GtiError, one_line
 from gti.common.files import atomic_write_bytes, atomic_write_json
-from gti.runlock import LOCK_FILE
+from gti.run.runlock import LOCK_FILE
 
 MANIFEST = "_gti_infer.json"
 PART_ROWS = 4096  # users per part: what a kill can lose, and one actor call
@@ -83,8 +83,8 @@ def plan_parts(n_rows: int, part_rows: int) -> list[Part]:
 def run_sequences(run_dir: Path, version: int) -> tuple[pl.DataFrame, Path]:
     """(user_id, history) of every user of the run's sequences, whole sequence oldest first:
     the newest refresh version <= `version` that wrote sequences, else the ingest stage's."""
-    from gti.manifest import MANIFEST_NAME, Manifest
-    from gti.run_versions import current_versions
+    from gti.run.manifest import MANIFEST_NAME, Manifest
+    from gti.run.versions import current_versions
 
     # Only versions made on the run's current base (a retrained run's old versions are not its).
     cands = [v.sequences_path for v in reversed(current_versions(run_dir, note=lambda line: None))
@@ -193,7 +193,7 @@ class InferJob:
 
 def model_identity(run_dir: Path, version: int | None) -> tuple[int, str, str, int]:
     """(version k, model stage, map hash, catalog size) of what `LoadedRun.open` would load."""
-    from gti.run_versions import resolve
+    from gti.run.versions import resolve
 
     at = resolve(run_dir, version)
     return at.k, at.stage, at.map_hash, pq.read_metadata(at.map_path).num_rows
@@ -207,7 +207,7 @@ def model_fingerprint(run_dir: Path, stage: str) -> dict[str, Any]:
     files stand for it (`file_fingerprint`: small files by content, weights by size and mtime)."""
     import json
 
-    from gti.manifest import MANIFEST_NAME, file_fingerprint
+    from gti.run.manifest import MANIFEST_NAME, file_fingerprint
 
     stage_dir = run_dir / stage
     try:
@@ -226,8 +226,8 @@ def plan_job(run_dir: str | Path, users: str, out: str | Path, *, k: int, versio
              batch_users: int | None = None) -> InferJob:
     """Read the users and fix everything a resumed job must repeat (see the module docstring);
     one-line errors for a missing run or version, a k above the catalog, a bad users file."""
-    from gti.loaded_run import run_config
-    from gti.run_versions import RunDirError
+    from gti.run.loaded import run_config
+    from gti.run.versions import RunDirError
 
     run_dir = Path(run_dir).expanduser().resolve()
     if not run_dir.is_dir():

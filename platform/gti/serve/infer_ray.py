@@ -123,7 +123,7 @@ def decode_here(job: I.InferJob, concurrency: int | None, num_gpus: float) -> bo
     """As the evaluate stage decides (`gti.stages.evaluate`): a catalog of at most the run's
     `local_max_items` items, one CPU decoder and no `--concurrency` asking for a pool -> decode
     in this process, without an actor pool whose start-up costs more than the work there."""
-    from gti.manifest import Manifest
+    from gti.run.manifest import Manifest
 
     if concurrency is not None or job.eval_cfg.concurrency != 1 or num_gpus:
         return False
@@ -277,7 +277,7 @@ def run_parts(job: I.InferJob, todo: list[I.Part], done_rows: int, *, concurrenc
 
 def _ray_config(job: I.InferJob, address: str | None):
     """The run's config (its ray_address and ray_num_cpus), `--ray-address` first."""
-    from gti.loaded_run import run_config
+    from gti.run.loaded import run_config
 
     cfg = run_config(job.run_dir, job.key["model"])
     return cfg.model_copy(update={"ray_address": address}) if address else cfg
@@ -285,7 +285,7 @@ def _ray_config(job: I.InferJob, address: str | None):
 
 def cli_main(args) -> int:
     """`gti infer` (see the module docstring); prints one summary line."""
-    from gti.runlock import RunLock
+    from gti.run.runlock import RunLock
     from gti.ray_start import ensure_ray
 
     log = lambda m: print(f"gti infer: {m}", file=sys.stderr, flush=True)  # noqa: E731

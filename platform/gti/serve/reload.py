@@ -6,7 +6,7 @@ What it is for: `ServiceHolder(load)` holds the `RecommenderService` that answer
 the old one keeps answering, then replaces the reference in one assignment: a request (or a
 batch) takes `current` once and is answered wholly by that run, so no answer mixes a model and
 a map of different versions, and none fails because of the swap. Before loading, the new
-version's SID map must descend from the serving model's map (`gti.run_versions.check_model_map`
+version's SID map must descend from the serving model's map (`gti.run.versions.check_model_map`
 on the serving model folder, the run's lineage folder; a map that only adds code tokens the
 serving model lacks still descends: the new version brings its own model with them), or, for a
 rollback, the serving map must descend from the map of the older version's own model. A map
@@ -256,7 +256,7 @@ class ServiceHolder:
             self._status.update(kv)
 
     def _target(self, version: int | None, quiet: bool = False) -> int:
-        from gti.run_versions import chosen_version
+        from gti.run.versions import chosen_version
 
         # quiet: a poll every few seconds must not repeat the line about a skipped stale version
         chosen = chosen_version(self.run_dir, version, **({"note": lambda line: None} if quiet else {}))
@@ -269,7 +269,7 @@ class ServiceHolder:
         with (an older version of the same lineage: every item it knows keeps its SID)."""
         if self.current is None:
             return
-        from gti.run_versions import check_model_map, lineage_dir, resolve
+        from gti.run.versions import check_model_map, lineage_dir, resolve
         from gti.sid.versions import MissingSidTokensError, UnrelatedSidMapError
 
         at = resolve(self.run_dir, target, note=lambda line: None, find_model=False)

@@ -1,8 +1,8 @@
 """One loaded run answering recommendation requests, many histories in one decode.
 
 What it is for: `RecommenderService.load(run_dir, version)` holds ONE loaded run
-(`gti.loaded_run.LoadedRun`: model, tokenizer, SID map, trie, titles; which model and map are
-`gti.run_versions.resolve`'s answer, the map checked against the model there) with the version
+(`gti.run.loaded.LoadedRun`: model, tokenizer, SID map, trie, titles; which model and map are
+`gti.run.versions.resolve`'s answer, the map checked against the model there) with the version
 that answers (`version`: 0 = the run's own stages, k = `gti refresh` v<k>; `map_hash`).
 `answer(queries)` checks every query against this run's catalog (`prepare`: empty history,
 unknown ids, k, history longer than `max_history`), then decodes all valid ones in batched
@@ -165,7 +165,7 @@ class RecommenderService:
              trust_remote_code: bool = False, **policy: Any) -> "RecommenderService":
         """Load `run_dir` at refresh version `version` (None: the newest, 0: the run's own
         stages) with the existing loader; `trust_remote_code` never comes from the run folder."""
-        from gti.loaded_run import LoadedRun
+        from gti.run.loaded import LoadedRun
 
         run = LoadedRun.open(run_dir, device=device, version=version, trust_remote_code=trust_remote_code)
         return cls(run, run.resolved.k, run.resolved.map_hash, **policy)

@@ -22,7 +22,7 @@ out, is `gti.sid.map_edits`):
 
 A SID map is a pyarrow table `item_id` str, `codes` list<int32>, `sid` str (the `sid` stage's
 sid_map.parquet). What it does not know: how a map is edited (`gti.sid.map_edits`), which
-map and model a run uses and where its versions lie (`gti.run_versions`), embeddings,
+map and model a run uses and where its versions lie (`gti.run.versions`), embeddings,
 quantiser weights, models, Ray.
 """
 

@@ -38,7 +38,7 @@ import pyarrow.parquet as pq
 
 from gti.common.errors import DataError
 from gti.common.parquet_stream import iter_parquet, open_parquet
-from gti.contract import StageContext, StageResult
+from gti.run.contract import StageContext, StageResult
 from gti.common.timing import Timer, rate
 
 _TEXT_COLUMNS = ["item_id", "title", "description", "category", "attributes_text"]
@@ -59,7 +59,7 @@ def input_fingerprints(cfg) -> dict[str, str]:
     """The encoder's weights are an input: a changed model folder or package re-runs the stage."""
     from importlib import metadata
 
-    from gti.manifest import file_fingerprint
+    from gti.run.manifest import file_fingerprint
 
     enc = cfg.embed.encoder
     if enc == "hash":

@@ -12,7 +12,7 @@ count both. HR@K (= Recall@K, one target per row) is in every table beside recal
 - Decoding runs in a Ray Data actor pool (`eval.concurrency` actors, `eval.num_gpus` GPUs each,
   `eval.batch_users` users per call). Every actor loads the exported SFT model folder once
   and checks its `gti_meta.json` `sid_map_hash` against the `sid` stage's map
-  (`gti.run_versions.check_model_map`: that map or a refreshed version descending from it): a
+  (`gti.run.versions.check_model_map`: that map or a refreshed version descending from it): a
   model trained on another SID map is refused with a one-line UnrelatedSidMapError (the check also runs on the
   driver before any actor starts).
 - Metrics: Recall/NDCG/Precision@K for K in `eval.ks` with bootstrap CIs over users
@@ -38,7 +38,7 @@ count both. HR@K (= Recall@K, one target per row) is in every table beside recal
   (`sft_data.sft_target_counts`, counted on training items only, never valid/test), under
   slices.cold.<split>, with the definition under slices.cold.definition. The user sample,
   the split frames, the cold slice and its metrics are `gti.eval.slices`.
-- Resume: decoded rows are kept in the work dir in chunks (`chunk_rows`; `gti.chunked_output`),
+- Resume: decoded rows are kept in the work dir in chunks (`chunk_rows`; `gti.run.chunked_output`),
   each written atomically as it completes. A rerun after an interrupted attempt (same
   fingerprint, so the same work dir) decodes only the prompts after the last whole chunk, in
   the same batches, so its metrics equal an uninterrupted run's.
@@ -64,8 +64,8 @@ import polars as pl
 import pyarrow as pa
 
 from gti import config as C
-from gti.chunked_output import ChunkedOutput
-from gti.contract import StageContext, StageResult
+from gti.run.chunked_output import ChunkedOutput
+from gti.run.contract import StageContext, StageResult
 from gti.data.sequences import check_sequences
 from gti.common.errors import ConfigError, DataError
 from gti.eval.reference import metric_block, paired_differences, paired_k, reference_block, reference_frames
@@ -77,7 +77,7 @@ from gti.train import sft_data
 
 METRICS_FILE = "metrics.json"
 RECS_FILE = "recs.parquet"
-DECODED_DIR = "decoded"  # resumable chunks of decoded rows (gti.chunked_output), in the work dir
+DECODED_DIR = "decoded"  # resumable chunks of decoded rows (gti.run.chunked_output), in the work dir
 CHUNK_ROWS = 256  # prompts per chunk, rounded to a multiple of eval.batch_users
 EXACT_RANK_CHUNK_ROWS = 32  # exact ranks cost seconds a prompt on a CPU: a kill loses minutes, not 1/4 h
 _on_chunk = None  # test hook: called with each chunk index written (e.g. to interrupt the stage)
@@ -93,7 +93,7 @@ class Recommender:
     def __init__(self, model_dir: str, sid_map_path: str, sid_facts: dict, run_config: dict) -> None:
         import torch
 
-        from gti.loaded_run import LoadedRun
+        from gti.run.loaded import LoadedRun
 
         cfg = C.validate(run_config, "<evaluate worker config>")
         self.ec = cfg.eval
@@ -213,7 +213,7 @@ class _Inputs:
 
 def _read_inputs(ctx: StageContext) -> _Inputs:
     """Refuse a stale SID map or a K above the catalog, read the sequences, sample the users."""
-    from gti.run_versions import check_model_map
+    from gti.run.versions import check_model_map
 
     cfg, ec = ctx.cfg, ctx.cfg.eval
     sid_facts = ctx.manifest("sid").facts

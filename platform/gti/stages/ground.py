@@ -40,7 +40,7 @@ from gti.train.ray_train import STORAGE_DIR
 from gti.data.descriptions import description_text
 from gti.common.errors import DataError, GateError
 from gti.common.arms import arm_name
-from gti.contract import StageContext, StageResult
+from gti.run.contract import StageContext, StageResult
 
 MODEL_DIR = "model"
 INIT_FILE = "e_new_init.safetensors"

@@ -37,7 +37,7 @@ module: the reading half in `gti.data.batches` (`Source`, `local_stream`, `itera
 `raise_file_error`, `fill_item_raw` / `fill_interaction_raw`), the items pass in
 `gti.data.items` (`ingest_items`: duplicates first kept, `data.max_items`, items.parquet and
 its quarantine, `ItemCounts`), the output schemas in `gti.data.schemas` and the input files'
-fingerprint in `gti.input_files`.
+fingerprint in `gti.run.input_files`.
 
 With `data.root` (MiniOneRec's train/valid/test CSVs and item.json, `gti.data.minionerec`)
 the folder is first converted to a catalog and interactions under `source/` in the stage's
@@ -59,7 +59,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from gti.contract import StageContext, StageResult
+from gti.run.contract import StageContext, StageResult
 from gti.data.sources import ReadTask
 from gti.data import catalog as cat
 from gti.data.batches import Source, fill_interaction_raw, iterate, local_stream, raise_file_error, validated_batches
@@ -69,7 +69,7 @@ from gti.data.items import ROW_GROUP, ingest_items
 from gti.data.schemas import INTER_OUT_SCHEMA, INTER_Q_SCHEMA, SEQ_SCHEMA
 from gti.data.sequences import build_sequences
 from gti.common.errors import DataError, user_error
-from gti.input_files import fingerprint_files
+from gti.run.input_files import fingerprint_files
 from gti.common.redact import redact_text
 from gti.common.timing import Timer
 

@@ -49,7 +49,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from gti.contract import StageContext, StageResult
+from gti.run.contract import StageContext, StageResult
 from gti.data.schemas import PAIRS_SCHEMA
 from gti.common.errors import DataError, user_error
 from gti.lm.pairs import ITEM_COLUMNS, RenderPairs
@@ -96,7 +96,7 @@ def input_fingerprints(cfg) -> dict[str, str]:
     """The exclusion file and the tokenizer's source are inputs read from outside run_dir."""
     from importlib import metadata
 
-    from gti.manifest import file_fingerprint
+    from gti.run.manifest import file_fingerprint
 
     out: dict[str, str] = {}
     ex = cfg.pairs.exclude_items

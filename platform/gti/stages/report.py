@@ -34,8 +34,8 @@ from gti.diagnostics.report_files import build_report
 from gti.diagnostics.runs import PHASES, RunRecord
 from gti.common.errors import DataError
 from gti.common.arms import arm_name
-from gti.manifest import ManifestError, package_versions
-from gti.contract import StageContext, StageResult
+from gti.run.manifest import ManifestError, package_versions
+from gti.run.contract import StageContext, StageResult
 
 _PHASE_OUTPUT = {
     "init": ("ground", "init_embeddings"),

@@ -12,7 +12,7 @@ training windows (training items only: validation and test items never reach a r
 rendered as evaluate renders its prompts; the validation users are SFT's (`sft.val_users`,
 the same seeded sample). Checkpoints live under `ray_train/` in the stage's work dir, so a rerun
 after a killed driver resumes. Disabled (or `rl.steps` 0), the stage writes only its manifest
-and the SFT model stays the run's model (`gti.run_versions.find_model_dir`, the evaluate stage).
+and the SFT model stays the run's model (`gti.run.versions.find_model_dir`, the evaluate stage).
 
 What it does not know: how SFT trained, the loop's internals, or how the model is evaluated.
 """
@@ -27,7 +27,7 @@ import numpy as np
 import polars as pl
 import torch
 
-from gti.contract import StageContext, StageResult
+from gti.run.contract import StageContext, StageResult
 from gti.common.errors import DataError
 from gti.train.ray_train import STORAGE_DIR
 from gti.train.rl_run import RlInputs, rl_prompt_rows, run_rl
@@ -47,7 +47,7 @@ def run(ctx: StageContext, fault_injection: FaultInjection | None = None) -> Sta
     if not cfg.rl.trains:
         ctx.log("rl.enabled is false (or rl.steps is 0): the SFT model stays the run's model")
         return StageResult(outputs={}, facts={"enabled": False, "steps_done": 0})
-    from gti.run_versions import check_exact_map
+    from gti.run.versions import check_exact_map
 
     sid_map_hash = ctx.manifest("sid").facts["sid_map_hash"]
     sft_dir = ctx.input("sft", "model")

@@ -50,7 +50,7 @@ import torch
 from gti.train.ray_train import STORAGE_DIR
 from gti.common.errors import DataError, GtiError
 from gti.common.files import atomic_write_json
-from gti.contract import StageContext, StageResult
+from gti.run.contract import StageContext, StageResult
 from gti.data.sequences import check_sequences
 from gti.lm import templates
 from gti.train import sft_data
@@ -255,7 +255,7 @@ def _write_val_prompts(ctx: StageContext, seqs: pl.DataFrame, tokenizer, sid_ids
 def run(ctx: StageContext, fault_injection: FaultInjection | None = None) -> StageResult:
     """Run the stage. `fault_injection` (tests only) goes to the worker loop, which kills that
     worker once."""
-    from gti.run_versions import check_exact_map
+    from gti.run.versions import check_exact_map
 
     cfg, sc = ctx.cfg, ctx.cfg.sft
     check_lora_supported(sc)
@@ -389,7 +389,7 @@ def _export(ctx: StageContext, model, tokenizer, ground_dir: Path, sid_map_hash:
     e_new = model.get_input_embeddings().weight[first_new:end_new].detach().float().contiguous()
     meta = dict(new_rows.read_meta(ground_dir))
     # How this model's prompts look: every reader of the model renders them the same way
-    # (gti.loaded_run refuses a config that would render them otherwise).
+    # (gti.run.loaded refuses a config that would render them otherwise).
     meta.update({"sid_map_hash": sid_map_hash, "stage": TASK, "new_token_ids": [first_new, end_new],
                  "render_style": ctx.cfg.sft.render_style})
     new_rows.export_model(model, tokenizer, ctx.work_dir / MODEL_DIR, meta)

@@ -63,7 +63,7 @@ import pyarrow.parquet as pq
 import torch
 
 from gti.train.ray_train import STORAGE_DIR
-from gti.contract import StageContext, StageResult
+from gti.run.contract import StageContext, StageResult
 from gti.common.devices import cpu_facts
 from gti.common.errors import DataError
 from gti.common.parquet_stream import iter_parquet
@@ -136,7 +136,7 @@ def input_fingerprints(cfg) -> dict[str, str]:
     spreading, the version of that."""
     s = cfg.sid
     if s.method == "file":  # the map file (and item.json) are the inputs; nothing is fitted
-        from gti.manifest import file_fingerprint
+        from gti.run.manifest import file_fingerprint
 
         files = {k: Path(p).expanduser() for k, p in (("path", s.path), ("item_json", s.item_json)) if p is not None}
         for key, p in files.items():
@@ -389,7 +389,7 @@ def run(ctx: StageContext) -> StageResult:
 
 def _file_map(ctx: StageContext, emb_path: Path) -> StageResult:
     """`sid.method: file`: the map read and checked, written as a built one (`gti.sid.file_map`)."""
-    from gti.manifest import ManifestError
+    from gti.run.manifest import ManifestError
     from gti.sid.file_map import make_file_map
 
     try:  # quarantined items must be in no interaction

@@ -1,4 +1,4 @@
-"""gti.chunked_output.ChunkedOutput: ordered output rows in atomic chunks, resumed after an
+"""gti.run.chunked_output.ChunkedOutput: ordered output rows in atomic chunks, resumed after an
 interrupted attempt from the chunks that match the expected rows."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from gti.chunked_output import ChunkedOutput
+from gti.run.chunked_output import ChunkedOutput
 
 N = 23
 

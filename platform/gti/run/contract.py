@@ -2,11 +2,11 @@
 
 What it is for: `StageSpec` (a stage's name, module, upstream stages, fingerprinted config
 sections), `StageContext` (the config, the run dir, the work dir the stage writes into, its
-upstream outputs and facts) and `StageResult` (named outputs and facts). `gti.pipeline`
+upstream outputs and facts) and `StageResult` (named outputs and facts). `gti.run.pipeline`
 builds the contexts and the stages read them; a stage imports this module, never the
 pipeline that drives it.
 
-What it does not know: which stages exist or in what order (that is `gti.pipeline.STAGES`).
+What it does not know: which stages exist or in what order (that is `gti.run.pipeline.STAGES`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from gti import config as C
-from gti.manifest import Manifest
+from gti.run.manifest import Manifest
 
 
 @dataclass(frozen=True)

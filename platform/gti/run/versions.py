@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from gti.common.errors import GtiError
-from gti.manifest import MANIFEST_NAME, Manifest
+from gti.run.manifest import MANIFEST_NAME, Manifest
 from gti.sid.versions import (
     LineageDir, MissingSidTokensError, SidMapVersion, UnrelatedSidMapError, check_map_for_model, read_version,
     version_path,

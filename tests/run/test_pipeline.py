@@ -7,9 +7,9 @@ import types
 import pytest
 
 from gti import config as C
-from gti import pipeline as P
-from gti.contract import StageResult, StageSpec
-from gti.manifest import Manifest
+from gti.run import pipeline as P
+from gti.run.contract import StageResult, StageSpec
+from gti.run.manifest import Manifest
 
 CALLS: list[str] = []
 

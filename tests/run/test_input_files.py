@@ -1,9 +1,9 @@
-"""gti/input_files.py: the user's input files fingerprinted file by file, local ones by content
+"""gti/run/input_files.py: the user's input files fingerprinted file by file, local ones by content
 (URIs by size and mtime: tests/refresh/test_command.py, on an in-memory file system)."""
 
 from __future__ import annotations
 
-from gti.input_files import fingerprint_files
+from gti.run.input_files import fingerprint_files
 
 
 def test_input_files_are_fingerprinted_by_content_file_by_file(tmp_path):

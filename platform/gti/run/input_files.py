@@ -5,7 +5,7 @@ fingerprint of `data.items.path` / `data.interactions.path` (its `input_fingerpr
 `gti refresh`'s of its new files (what a work folder may be reused for). The files are the
 ones the readers would read (`gti.data.sources.expand_paths`: a file, a folder, a glob, a
 URI); a local file counts by its content (a large one by size and mtime,
-`gti.manifest.file_fingerprint`), a URI by its size and mtime from its file system (never
+`gti.run.manifest.file_fingerprint`), a URI by its size and mtime from its file system (never
 downloaded; a presigned query is left out, its signature changes with every signing). A URI
 that cannot be stat'ed is an `UnreadableFileError` naming it.
 
@@ -18,12 +18,12 @@ import os
 
 from gti.data.sources import READ_ERRORS, error_reason, expand_paths, filesystem
 from gti.common.errors import UnreadableFileError
-from gti.manifest import file_fingerprint, stable_hash
+from gti.run.manifest import file_fingerprint, stable_hash
 
 
 def fingerprint_files(path: str, kind: str, storage_options=None) -> str:
     """Fingerprint of the files `path` names: a local file by content (large ones by size and
-    mtime, `gti.manifest.file_fingerprint`), a URI by its size and mtime from the file system
+    mtime, `gti.run.manifest.file_fingerprint`), a URI by its size and mtime from the file system
     (never downloaded; `gti refresh` fingerprints its new files the same way)."""
     parts = []
     for f in expand_paths(path, kind, storage_options):

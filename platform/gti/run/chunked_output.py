@@ -4,7 +4,7 @@ What it is for: a stage that turns an ordered list of input rows into one output
 evaluate stage decoding users) keeps every finished chunk as `<folder>/chunk-<i>.parquet`,
 written atomically (temp file + rename), so a driver killed mid-way leaves only whole chunks.
 The pipeline reuses the work dir of an attempt with the same fingerprint
-(`gti.pipeline.run_stage`); on the rerun `resume()` finds the chunks that match the expected
+(`gti.run.pipeline.run_stage`); on the rerun `resume()` finds the chunks that match the expected
 rows and the stage processes only the rest. Chunk i always holds input rows
 [i * chunk_rows, (i + 1) * chunk_rows), so where the work starts again is a chunk boundary: a
 caller that batches rows in multiples dividing `chunk_rows` sees the same batches as an

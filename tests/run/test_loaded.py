@@ -1,4 +1,4 @@
-"""`LoadedRun` / `recommend` / `gti recommend` (gti/loaded_run.py) on a tiny run directory built here:
+"""`LoadedRun` / `recommend` / `gti recommend` (gti/run/loaded.py) on a tiny run directory built here:
 a tiny Llama extended with 2x8 SID tokens, exported with gti_meta.json, a sid_map with its
 manifest, and an ingest items table with titles."""
 
@@ -15,14 +15,14 @@ from gti.config import ModelConfig
 from gti.common.errors import DataError
 from gti.eval.decode import score_all_sids
 from gti.eval.recommend import format_recommendations
-from gti.loaded_run import LoadedRun, recommend
-from gti.run_versions import RunDirError, check_exact_map
+from gti.run.loaded import LoadedRun, recommend
+from gti.run.versions import RunDirError, check_exact_map
 from gti.sid.versions import UnrelatedSidMapError
 
 
 def load_recommender(run_dir):
     return LoadedRun.open(run_dir)
-from gti.manifest import Manifest
+from gti.run.manifest import Manifest
 from gti.sid.codec import SidCodec
 
 N_ITEMS, LEVELS, CODEBOOK = 20, 2, 8
@@ -162,7 +162,7 @@ def test_recommend_takes_trust_remote_code_from_the_flag_only(tmp_path, capsys, 
     import transformers
 
     from gti import config as C
-    from gti import run_versions
+    from gti.run import versions as run_versions
     from gti.cli import main
 
     _write_run(tmp_path)
@@ -192,7 +192,7 @@ def test_a_refresh_version_made_on_another_base_is_not_loaded(tmp_path, capsys, 
     skipped with one note: `LoadedRun.open` loads the run's own model, never the old version."""
     import pyarrow.parquet as pq
 
-    from gti import run_versions
+    from gti.run import versions as run_versions
     from gti.sid.versions import make_version, write_map
 
     _write_run(tmp_path)

@@ -1,12 +1,12 @@
-"""gti/contract.py: what a stage reads through its context (upstream outputs and facts)."""
+"""gti/run/contract.py: what a stage reads through its context (upstream outputs and facts)."""
 
 from __future__ import annotations
 
 import pytest
 
 from gti import config as C
-from gti.contract import StageContext, StageResult, StageSpec
-from gti.manifest import Manifest, ManifestError
+from gti.run.contract import StageContext, StageResult, StageSpec
+from gti.run.manifest import Manifest, ManifestError
 
 
 def test_context_reads_upstream_outputs_and_facts_from_manifests(tmp_path, capsys):

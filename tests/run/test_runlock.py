@@ -1,4 +1,4 @@
-"""gti.runlock: one writer per run folder. A holder in another process refuses a second writer
+"""gti.run.runlock: one writer per run folder. A holder in another process refuses a second writer
 with one line naming it; a killed holder's lock is taken over; the same process may re-enter."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from gti.runlock import LOCK_FILE, RunLock, RunLockedError, held_here, holder
+from gti.run.runlock import LOCK_FILE, RunLock, RunLockedError, held_here, holder
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HOLD = """
 import sys, time
-from gti.runlock import RunLock
+from gti.run.runlock import RunLock
 with RunLock(sys.argv[1], what="gti run --config holder.yaml"):
     print("HELD", flush=True)
     time.sleep(600)
@@ -122,11 +122,11 @@ def test_every_writing_command_is_refused_on_a_held_folder(tmp_path, capsys):
 
 
 def test_vocab_ground_is_refused_while_another_writes_the_same_out(tmp_path, capsys):
-    from gti.runlock import RunLock
+    from gti.run.runlock import RunLock
 
     out = tmp_path / "export"
     env = {**os.environ, "PYTHONPATH": str(ROOT / "platform")}
-    code = ("import sys, time\nfrom gti.runlock import RunLock\n"
+    code = ("import sys, time\nfrom gti.run.runlock import RunLock\n"
             f"with RunLock({str(tmp_path)!r}, what='gti run --config holder.yaml', name='.export.gti.lock'):\n"
             "    print('HELD', flush=True); time.sleep(600)\n")
     p = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)

@@ -26,8 +26,8 @@ from typing import Any, Callable
 from gti import config as C
 from gti.config.io import redact
 from gti.common.errors import GtiError
-from gti.contract import StageContext, StageResult, StageSpec
-from gti.manifest import MANIFEST_NAME, Manifest, ManifestError, stable_hash
+from gti.run.contract import StageContext, StageResult, StageSpec
+from gti.run.manifest import MANIFEST_NAME, Manifest, ManifestError, stable_hash
 from gti.common.files import atomic_write_bytes
 
 
@@ -199,7 +199,7 @@ def run(
     Stages in the slice whose fingerprint matches their manifest are skipped unless `force`
     (or unless they are `from_stage` itself, which the user asked to rerun).
     """
-    from gti.runlock import RunLock
+    from gti.run.runlock import RunLock
 
     run_dir = cfg.resolved_run_dir()
     lo, hi = _select(from_stage, to_stage)

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from gti.manifest import Manifest, ManifestError, file_fingerprint, stable_hash
+from gti.run.manifest import Manifest, ManifestError, file_fingerprint, stable_hash
 from gti.common.files import atomic_write_bytes
 
 

@@ -2,14 +2,14 @@
 catalog's SID trie, the titles and the prompt renderer.
 
 What it is for: `LoadedRun.open(run_dir, version=)` (what `gti recommend`, `gti serve` and
-`gti infer` load: which model and which map is `gti.run_versions.resolve`'s answer, the newest
+`gti infer` load: which model and which map is `gti.run.versions.resolve`'s answer, the newest
 refresh made on the run's current base by default, `version=0` the run's own stages; titles
 from `ingest` and those refreshes' new items; the config the model stage ran with) and
 `LoadedRun.open(model_dir=, sid_map_path=, sid_facts=, cfg=)` (what the evaluate stage's
 actors load: the folders named by the stage context). Either way the map is checked against
-the model before anything loads (`gti.run_versions.check_model_map`: that map or one that
+the model before anything loads (`gti.run.versions.check_model_map`: that map or one that
 descends from it, else one line naming both hashes), and the tokenizer against the map's codec
-(`gti.run_versions.check_tokens`). The codec is the `sid` stage's, with the codebook sizes of
+(`gti.run.versions.check_tokens`). The codec is the `sid` stage's, with the codebook sizes of
 the map's version record when it has one (`map_codec`: a refresh with
 `refresh.on_full_group: add_tokens` grows the last level). `recommend(run_dir, history, k)`
 and `cli_main` are `gti recommend` (decoding through `gti.eval.recommend.top_k`).
@@ -18,7 +18,7 @@ and `cli_main` are `gti recommend` (decoding through `gti.eval.recommend.top_k`)
 Weights load from safetensors only; fp32 on CPU, bf16 on CUDA (or where `model.dtype` says).
 
 What it does NOT know: which version of a run is current or whether a map fits a model
-(`gti.run_versions`), training, metrics, Ray.
+(`gti.run.versions`), training, metrics, Ray.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ import numpy as np
 import polars as pl
 
 from gti import config as C
-from gti.manifest import MANIFEST_NAME, Manifest
-from gti.run_versions import (
+from gti.run.manifest import MANIFEST_NAME, Manifest
+from gti.run.versions import (
     RefreshVersion, ResolvedVersion, RunDirError, check_model_map, check_tokens, lineage_dir, note_once, resolve,
 )
 
@@ -122,10 +122,10 @@ class LoadedRun:
              cfg: C.RunConfig | None = None, device: Any = None, version: int | None = None,
              trust_remote_code: bool | None = None) -> "LoadedRun":
         """Load a run from `run_dir`, or from an explicit model folder, SID map file, sid
-        facts and config; the SID map is checked (`gti.run_versions.check_model_map`) before
+        facts and config; the SID map is checked (`gti.run.versions.check_model_map`) before
         the model is loaded.
 
-        With `run_dir`: `version` as `gti.run_versions.resolve` takes it (None = the newest
+        With `run_dir`: `version` as `gti.run.versions.resolve` takes it (None = the newest
         refresh made on the run's current base, else the run's own stages; 0 = the run's own
         stages; k = refresh v<k>); `model_dir` then pairs another model with that map (accepted
         if the map descends from the model's). `trust_remote_code` is the caller's word: with

@@ -1,4 +1,4 @@
-"""gti.run_versions: which version of a run is current, which model and SID map go together,
+"""gti.run.versions: which version of a run is current, which model and SID map go together,
 and which SID map a model may decode with (run folders written here: manifests, maps, version
 records; no model weights, no Ray)."""
 
@@ -11,8 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from gti import run_versions as R
-from gti.manifest import MANIFEST_NAME, Manifest
+from gti.run import versions as R
+from gti.run.manifest import MANIFEST_NAME, Manifest
 from gti.sid.codec import SidCodec
 from gti.sid.map_edits import add_last_level_codes, assign_new_items, map_table
 from gti.sid.resolve import dedup_extra_level
