@@ -165,8 +165,8 @@ TRAIN_POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
 LOCAL_TRAIN_POLL_S = "0.5"
 # How long Ray Serve's controller waits for a new HTTP proxy to be ready before killing it and
 # starting another (ray.serve._private.constants; Ray's default 5 s). A new worker process can
-# take longer on a loaded machine, and serve.start then fails on the killed one (issue 28's live
-# test in CI). A local Ray's default; a value the user set is kept.
+# take longer on a loaded machine, and serve.start then fails on the killed one (seen in CI).
+# A local Ray's default; a value the user set is kept.
 SERVE_PROXY_READY_ENV = "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"
 LOCAL_SERVE_PROXY_READY_S = "60"
 _PRIVATE_VARS = (LOOPBACK_ENV, "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", TRAIN_POLL_ENV,

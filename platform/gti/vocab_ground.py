@@ -1,6 +1,6 @@
 """Grounding any new vocabulary: new tokens with descriptions -> a standard HF model folder.
 
-What it is for (issue 15, part 4): the GTI grounding stage, for tokens that are not SIDs (tool
+What it is for: the GTI grounding stage, for tokens that are not SIDs (tool
 calls, knowledge-graph nodes, product codes). `ground_vocabulary(model, tokens, out_dir)`:
 1. resolves the model folder (a local HF folder, or `smollm2-135m`), loads its tokenizer and
    adds the new tokens (`gti.lm.new_rows.extend_tokenizer`: one id each, contiguous);

@@ -53,8 +53,8 @@ def cpu_threads(setting: int | None) -> int | None:
 
     Ray sets OMP_NUM_THREADS to the CPUs a worker or actor reserves (1 by default), so a single
     Train worker on a 2-core laptop trains on one core unless the config asks for more (a
-    SmolLM2 SFT step is faster on two threads: bench/train_throughput/RESULTS.md, "Training step throughput
-    (issue 13)"). More threads than the worker reserved only pay when it has the node to
+    SmolLM2 SFT step is faster on two threads: bench/train_throughput/RESULTS.md, "Training step
+    throughput"). More threads than the worker reserved only pay when it has the node to
     itself: several workers, Tune trials or compare arms on one machine would oversubscribe
     the cores, hence no automatic default."""
     return None if setting is None else max(1, int(setting))

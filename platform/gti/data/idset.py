@@ -3,8 +3,8 @@
 What it is for: the catalog check "is this id new?" and the interactions check "is this item
 known?" need every kept id at once, which on a 50M-item catalog is the driver's largest
 object. A Python `set[str]` holds a str object per id, several times the id's bytes
-(bench/scale_memory/RESULTS.md, "Collision resolution that finishes at 5M, and a compact ingest id set
-(2026-11-29, 20:30-21:20 UTC)"). This keeps each id once, in Arrow (8 B offset plus its
+(bench/scale_memory/RESULTS.md, "Collision resolution that finishes at 5M, and a compact ingest
+id set"). This keeps each id once, in Arrow (8 B offset plus its
 bytes), beside a 64-bit hash (8 B). Both sit in sorted runs that merge
 like a binary counter, so adding N ids copies O(N log N) bytes and a lookup is a few
 `searchsorted` calls. A hash match is confirmed by comparing the ids themselves, so two ids

@@ -54,8 +54,8 @@ def decode_plan(history: Sequence[str], k: int, *, exclude_history: bool, beam_w
 
     The search returns k + (the excluded items) so that k remain once they are dropped, and its
     width follows that count: a wider beam can rank the items differently, so every path must
-    take the width from here, not recompute it (issue 51: `gti recommend` and `gti serve`
-    answered k=5 differently). Only the items in the prompt are excluded, which bounds the
+    take the width from here, not recompute it (else `gti recommend` and `gti serve` could
+    answer the same k differently). Only the items in the prompt are excluded, which bounds the
     beams by k + max_history."""
     used = tuple(history[-max_history:])
     exclude = tuple(dict.fromkeys(used)) if exclude_history else ()

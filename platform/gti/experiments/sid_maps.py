@@ -2,7 +2,7 @@
 
 What it is for: `gti compare --sid-seeds N` trains every arm x seed on N SID maps of the same
 catalog (`sid.seed` = base, base+1, ..., base = `sid.seed` or else the run's `seed`), since one
-map can decide a result on its own (issue 50 item 4). `sid_seeds` lists the maps (`[None]`: one
+map can decide a result on its own. `sid_seeds` lists the maps (`[None]`: one
 map, today's layout); `summarize` turns the runs' records into what compare.json keeps under
 `maps`: per map, each arm's figures (Recall@10, NDCG@10 and MRR where the runs have them, with
 user-bootstrap CIs) and the paired difference of every later arm minus every earlier one on the

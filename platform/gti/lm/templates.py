@@ -76,7 +76,7 @@ _REQUIRED = {
 SEQ_TASK = "seqrec"  # the task name of a recommendation (SFT) row
 ROW_COLUMNS = ("task", "input_ids", "labels", "prompt_ids", "answer_ids")
 
-# The paper's three retrieval templates (issue 5); {history} is the SIDs of the history.
+# The paper's three retrieval templates; {history} is the SIDs of the history.
 REC_TEMPLATES: tuple[str, ...] = (
     "The user has interacted with items {history} in chronological order. "
     "Can you predict the next possible item that the user may expect?",

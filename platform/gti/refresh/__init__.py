@@ -1,4 +1,4 @@
-"""`gti refresh`: new items onto a trained run, without retraining it (issue 15, item 1).
+"""`gti refresh`: new items onto a trained run, without retraining it.
 
 What it is for: a catalog gains items after a run has trained. `refresh(run_dir, items,
 interactions)` gives them SIDs made of the run's existing code tokens (plus a few added ones

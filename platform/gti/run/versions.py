@@ -1,7 +1,7 @@
 """Which version of a run is current, which model folder and which SID map go together, and
 whether a SID map is acceptable for a model: the one answer every reader of a run asks for.
 
-What it is for (issue 15, "versioned SID maps in use"; issue 31, item 4):
+What it is for: versioned SID maps in use.
 - The layout `gti refresh` writes: `<run>/refresh/lineage/` (a `gti.sid.versions.LineageDir`:
   `<hash>.json` + `<hash>.parquet` of the run's base map and of every refreshed version) and
   `<run>/refresh/v<k>/` (k = 1, 2, ...), each with `_manifest.json`, `sid/sid_map.parquet` +

@@ -1,4 +1,4 @@
-"""`gti serve`: the recommender of a finished run behind HTTP (issue 28).
+"""`gti serve`: the recommender of a finished run behind HTTP.
 
 `service` (one loaded run answering batches of histories in one constrained beam search),
 `reload` (which version is served, and swapping in a newer one), `app` (the FastAPI app:

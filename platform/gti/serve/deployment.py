@@ -345,7 +345,7 @@ class ServeStartError(GtiError):
 
 
 # How long `start_serve` waits for Serve's HTTP proxy beyond serve.start's own 60 s: on a loaded
-# 2-core machine a new Ray worker process can take minutes to start (CI, issue 28's live test).
+# 2-core machine a new Ray worker process can take minutes to start (seen in CI).
 PROXY_WAIT_S = 300.0
 
 

@@ -78,8 +78,8 @@ class EmbeddingRows:
 
     Why not `pq.read_table(...).column("embedding").take(rows)`: that decodes the whole column
     (N x dim x 4 bytes) and `take` first joins its chunks into a second full copy: at millions of
-    items, gigabytes on the driver (bench/scale_memory/RESULTS.md, "Scale: 5M-item catalog, bounded memory
-    (issue 8)").
+    items, gigabytes on the driver (bench/scale_memory/RESULTS.md, "Scale: 5M-item catalog, bounded
+    memory").
     """
 
     def __init__(self, path: str | Path) -> None:
@@ -115,7 +115,7 @@ class LastResiduals:
     residual depends only on the item and its first L-1 codes, which resolution never changes.
     So the first `cache_mb` MB of residuals are kept, and an item in the cache is read and
     encoded once. Items past the cache are recomputed on each call. Where millions of items
-    collide (bench/scale_memory/RESULTS.md, "Scale: 5M-item catalog, bounded memory (issue 8)"), a round
+    collide (bench/scale_memory/RESULTS.md, "Scale: 5M-item catalog, bounded memory"), a round
     re-reads the uncached ones instead of holding GBs on the driver. The cache is found by
     row (the cached rows, sorted, with their slots: 16 B per cached item, nothing per item of
     the catalog), so rows are the reader's own, any of N. Each call reads and encodes in

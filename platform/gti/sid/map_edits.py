@@ -1,6 +1,6 @@
 """Editing a frozen SID map: new items in, removed items out, never moving an existing SID.
 
-What it is for (issue 15, "catalogs change"):
+What it is for: a catalog changes after a map is frozen.
 - `assign_new_items(existing_map, new_item_ids, new_codes_prefix, codebook_sizes, ...)`: given
   the frozen quantiser's codes for new items (its levels only, without the de-duplication
   level) and the existing map, give every new item a full SID without changing any existing

@@ -1,8 +1,8 @@
 """Versioned SID maps: the record of each version of a map and the lineage that lets a model
 trained on one map version accept a later one.
 
-What it is for (issue 15, "catalogs change"; editing a map, new items in and removed items
-out, is `gti.sid.map_edits`):
+What it is for: a catalog changes, so a map has versions (editing a map, new items in and
+removed items out, is `gti.sid.map_edits`):
 - `SidMapVersion`: the record written beside a map (`<map>.version.json`): its hash
   (`sid_map_hash`, the same function the `sid` stage uses), the parent's hash, item count,
   the codebooks' identity (`codebooks_hash` of codebooks.safetensors, plus the codebook sizes

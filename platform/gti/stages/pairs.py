@@ -164,8 +164,8 @@ def run(ctx: StageContext) -> StageResult:
 
     with timer.phase("render_write"):  # the datasets are lazy: everything runs in _write_pairs
         if n_items <= cfg.local_max_items:
-            # A small catalog renders in this process, faster than an actor pool starts: bench/small_catalog/RESULTS.md,
-            # "Small catalogs without Ray Data (issue 27, fourth session, 2026-12-03)".
+            # A small catalog renders in this process, faster than an actor pool starts
+            # (bench/small_catalog/RESULTS.md, "Small catalogs without Ray Data").
             ctx.log(f"{n_items:,} items <= local_max_items ({cfg.local_max_items:,}): rendered in this process")
             blocks = map(RenderPairs(tok, table, pc.model_dump(), cfg.seed, wrap, exclude),
                          _local_items_with_codes(ctx))

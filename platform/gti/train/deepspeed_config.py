@@ -122,7 +122,7 @@ def build_ds_config(train_cfg: TrainConfig, world_size: int, *, use_gpu: bool,
                 "weight_decay": float(train_cfg.weight_decay),
                 "torch_adam": True,
                 # One fused kernel over all parameters (CPU and CUDA in torch >= 2.4): a much
-                # shorter optimizer step (bench/train_throughput/RESULTS.md, "Training step throughput (issue 13)").
+                # shorter optimizer step (bench/train_throughput/RESULTS.md, "Training step throughput").
                 "fused": True,
             },
         },

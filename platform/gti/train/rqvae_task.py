@@ -109,7 +109,7 @@ def checkpoint_due(epoch: int, epochs: int, since_last_s: float, every_s: float)
     one (the driver reads the model from it), otherwise once `every_s` seconds have passed since
     the last checkpoint (0: every epoch). On a small catalog an epoch takes well under a second
     and a checkpoint (write + Ray Train's registration) longer than that (bench/quality/RESULTS.md,
-    issue 29 item 2); a resumed run redoes at most `every_s` seconds of epochs."""
+    "Stage overhead: the RQ-VAE's epochs"); a resumed run redoes at most `every_s` seconds of epochs."""
     return epoch == epochs - 1 or since_last_s >= every_s
 
 
