@@ -60,9 +60,9 @@ def test_the_synthetic_catalog_run_loads_as_a_replica_loads_it(tmp_path):
 @pytest.mark.slow
 @pytest.mark.ray
 @pytest.mark.timeout(1500)
-def test_serve_plan_quick(tmp_path):
+def test_serve_plan_quick(serve_bench_work):
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "serve" / "plan.py"), "--quick", "--work",
-                           str(tmp_path)], capture_output=True, text=True, timeout=1450, cwd=ROOT)
+                           str(serve_bench_work)], capture_output=True, text=True, timeout=1450, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     arms = {f"{a}@{n}" for a in ("batched", "unbatched") for n in (1, 16, 64)}

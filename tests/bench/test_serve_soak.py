@@ -34,9 +34,9 @@ def test_a_cycle_is_mixed_when_answers_after_settling_name_two_versions():
 @pytest.mark.slow
 @pytest.mark.ray
 @pytest.mark.timeout(1500)
-def test_serve_soak_quick(tmp_path):
+def test_serve_soak_quick(serve_bench_work):
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "serve" / "soak.py"), "--quick", "--work",
-                           str(tmp_path)], capture_output=True, text=True, timeout=1450, cwd=ROOT)
+                           str(serve_bench_work)], capture_output=True, text=True, timeout=1450, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["bench"] == "serve-soak" and out["replicas"] == 2 and out["clients"] == 16
@@ -44,4 +44,4 @@ def test_serve_soak_quick(tmp_path):
     assert len(out["cycles"]) >= 1 and out["mixed_cycles"] == 0
     assert all(c["reload_status"] == 202 and len(c["versions_after_settle"]) <= 1 for c in out["cycles"])
     assert len(out["rss_mb_start"]) == 2 and all(v for v in out["rss_mb_end"].values())
-    assert not list(tmp_path.glob("soak-*"))  # the run's copy is gone
+    assert not list(serve_bench_work.glob("soak-*"))  # the run's copy is gone
