@@ -2,9 +2,9 @@
 
 What it is for: every pass over a catalog-sized parquet file (embeddings, codes, maps, items).
 Arrow's `ParquetFile` pre-buffers column chunks by default, and `iter_batches` then reads ahead
-of what it hands out: one pass over a 10M-row embeddings file held 2.2 GB, against 0.86 GB
-without pre-buffering and 0.84 GB for a 1M-row file (bench/scale_memory/RESULTS.md, "A sid driver that does
-not grow"). `open_parquet` opens a file with pre-buffering off; `iter_parquet` streams its
+of what it hands out, so one pass holds memory that grows with the file; without
+pre-buffering it stays flat (bench/scale_memory/RESULTS.md, "A sid driver that does not grow").
+`open_parquet` opens a file with pre-buffering off; `iter_parquet` streams its
 record batches.
 
 What it does not know: what the columns mean, Ray (Ray Data has its own readers).

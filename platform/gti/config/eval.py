@@ -56,8 +56,8 @@ class SasrecSweepConfig(_Strict):
     (`gti.eval.sasrec.tune_sasrec`). Every candidate trains on the training items alone and is
     scored on the valid items (`metric`, whole-catalog ranks); the best is kept for every row.
     Keys not swept (blocks, heads, lr, batch_size, n_sample, loss, val_every, val_users) come
-    from eval.sasrec. Default cost on the demo data (2,559 users, 1,000 items, 2 cores): see
-    the `gti.eval.sasrec` docstring."""
+    from eval.sasrec. What the default costs: bench/proof/RESULTS.md, "What SASRec's default sweep
+    costs"."""
 
     enabled: bool = Field(True, description="tune on valid (false: train eval.sasrec's own epochs, dim, "
                           "dropout and max_len once, e.g. for fast tests)")
@@ -107,8 +107,8 @@ class SasrecConfig(_Strict):
                                   "None: all; 0: no selection, keep the last epoch)")
     batch_users: int = Field(512, ge=1, description="histories per scoring forward")
     threads: int | None = Field(1, ge=1, description="torch threads while training and scoring (None: "
-                                "the process's setting); 1 is fastest at these model sizes (measured: "
-                                "2 threads were ~10x slower on a loaded 2-core machine)")
+                                "the process's setting); 1 is fastest at these model sizes "
+                                "(bench/proof/RESULTS.md, \"What SASRec's default sweep costs\")")
 
     sweep: SasrecSweepConfig = Field(default_factory=SasrecSweepConfig,
                                      description="tuning on the valid split (enabled by default)")

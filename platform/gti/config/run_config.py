@@ -127,17 +127,17 @@ class SidConfig(_Strict):
     )
     train_sinkhorn_levels: PositiveInt | Literal["all"] = Field(
         "all", description="rqvae: how many of the last levels train on Sinkhorn-balanced codes (1: the last "
-        "only, as LC-Rec; all: every level, which keeps every level's utilisation >= .95 on the bundled "
-        "catalog where 1 leaves the middle levels at .92 / .88: bench/sid/RESULTS.md, \"RQ-VAE: Sinkhorn-balanced "
-        "training codes on more levels\")")
+        "only, as LC-Rec; all: every level, which keeps every level's codes in use where 1 leaves the "
+        "middle levels short: bench/sid/RESULTS.md, \"RQ-VAE: Sinkhorn-balanced training codes on more "
+        "levels\")")
     sinkhorn_epsilon: float = Field(
         0.003, gt=0, description="entropy of the Sinkhorn balancing that spreads colliding items over the last "
         "level, relative to the median distance gap: smaller is closer to hard assignment")
     kmeans_sinkhorn_epsilon: float = Field(
         0.003, gt=0, description="rqkmeans (balanced): entropy of the Sinkhorn prices in the balanced Lloyd "
-        "steps, relative to the median distance gap. 0.05 reconstructs better and collides less on the bundled "
-        "catalog and the 1M synthetic set, but the learnability gate's mean-init walk fell to Recall@10 .75 with "
-        "it (bench/sid/RESULTS.md, \"Sinkhorn without denormals\"), so 0.003, the value from before this key")
+        "steps, relative to the median distance gap. 0.05 reconstructs better and collides less, but the "
+        "learnability gate's mean-init walk fell with it (bench/sid/RESULTS.md, \"Sinkhorn without "
+        "denormals\"), so 0.003, the value from before this key")
     sinkhorn_iters: int = Field(50, ge=1, description="Sinkhorn iterations per balancing (at most; rqkmeans "
                                 "balanced: its final assignment, the warm-started steps before it run at most 10)")
     dedup: Literal["extra_level", "reassign"] = Field(
@@ -168,8 +168,8 @@ class SidConfig(_Strict):
     resolve_bucket_rows: PositiveInt = Field(
         1 << 19, description="catalog rows per bucket of collision resolution: the driver holds one bucket's "
         "colliding items (~100 B each at 4 levels) at a time; smaller buckets, more passes over the codes. "
-        "512k rows and a 128 MB residual cache: driver 2.4 GB at 10M items against 3.5 GB with 2M and 1 GB, "
-        "in the same time (bench/scale_memory/RESULTS.md, \"Smaller buckets and residual cache\")")
+        "These defaults hold the driver's memory lowest at 10M items in the same time "
+        "(bench/scale_memory/RESULTS.md, \"Smaller buckets and residual cache\")")
     sinkhorn_min_gain: float = Field(
         0.01, ge=0, lt=1, description="stop Sinkhorn spreading after a round that frees fewer "
         "than this share of the colliding items (de-duplication resolves the rest)",
@@ -189,8 +189,8 @@ class SidConfig(_Strict):
         512, ge=0, description="rqvae: when a Train worker's shard of the embeddings (rows x dim float32) "
         "fits in this many MB, the worker reads it once into memory and every epoch trains on a full "
         "shuffle of it seeded by (seed, epoch, worker rank): re-reading the shard through Ray Data each "
-        "epoch costs far more than the epoch's compute on catalogs of this size (bench/quality/RESULTS.md, issue "
-        "29 item 2). 0: stream the shard through Ray Data every epoch with a seeded local shuffle buffer "
+        "epoch costs far more than the epoch's compute on catalogs of this size (bench/quality/RESULTS.md, "
+        "\"Stage overhead: the RQ-VAE's epochs\"). 0: stream the shard through Ray Data every epoch with a seeded local shuffle buffer "
         "(the batches of the runs from before this option, bit for bit)")
     token_format: str = Field(
         "<{level}_{code}>", description="SID token string; {level} is a letter a, b, c, ...; {code} the code index")

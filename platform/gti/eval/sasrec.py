@@ -41,17 +41,10 @@ shared between input and output). This module only feeds it, tunes it and reads 
   split's whole training sequence (valid: train items; test: train items + valid item).
   Top-K lists break score ties by catalog order.
 
-Cost of the default sweep (6 candidates: dropout 0.2/0.5, dim 64/128, epochs 10/20 at max_len
-= data.max_history, then max_len 20 and 50 once), measured on the demo's data (2,559 users,
-1,000 items, 8,997 windows; its dense subset rebuilt with `gti.data.dense`) with one torch
-thread on a 2-core EPYC (AVX-512) that other jobs kept loaded (load 2-7): an epoch at dim 64
-took ~2 s at max_len 3, ~4.5 s at 20 and ~11 s at 50 (cornac pads every window to max_len;
-dim 128 ~1.3x); scoring every valid user ~1 s a candidate. Estimate from those: 21 + 27 + 42
-+ 21 s for the four candidates at max_len 3, 45 s at 20, 115 s at 50: ~4.5 min. Measured, the
-whole sweep: 285 s (load 3-5), against 26-63 s for the one fixed setting it replaces; the
-demo picked dropout 0.5, dim 64, 10 epochs, max_len 3 (valid MRR .0955 vs .0892 for the old
-fixed setting; 20 and 50 scored .0922 and .0947: only 5 demo users have more than 20 training
-items). Every run records its own figures (facts "sasrec".sweep: each candidate's
+The default sweep (6 candidates: dropout 0.2/0.5, dim 64/128, epochs 10/20 at max_len =
+data.max_history, then max_len 20 and 50 once) costs minutes on the demo's data, where the one
+fixed setting it replaced took under a minute (bench/proof/RESULTS.md, "What SASRec's default
+sweep costs"). Every run records its own figures (facts "sasrec".sweep: each candidate's
 train_seconds, the total wall_seconds). `eval.sasrec.sweep.enabled: false` trains one setting.
 
 Determinism: cornac seeds torch (`torch.manual_seed(seed)`, init and dropout) and its own numpy
@@ -309,7 +302,8 @@ LABEL, TUNED_LABEL = "SASRec", "SASRec (tuned on valid)"  # the row's name in ta
 # epoch cap (cornac keeps the best valid checkpoint within it, so more epochs pay only when the
 # others let the model improve longer), and max_len last: the others are tuned at the first,
 # cheapest length (data.max_history), since cornac pads every window to max_len and an epoch at
-# 50 costs ~5x one at 3 (measured; module docstring); each longer length is then tried once.
+# 50 costs several times one at 3 (bench/proof/RESULTS.md, "What SASRec's default sweep
+# costs"); each longer length is then tried once.
 SWEEP_AXES = ("dropout", "dim", "epochs", "max_len")
 
 

@@ -83,8 +83,8 @@ def rank_rewards(candidates: Sequence[Sid], target: Sid) -> list[float]:
     separate rule reward): the hit's +1 is included, and wrong candidates below the target are
     not penalised. Groups without a hit stay at 0 on purpose: penalising them by rank would,
     after group normalisation, give the lower wrong candidates positive advantages, which only
-    reshuffles the wrong top-G (measured on a tiny model, target ranked 10th of 12, G = 4: it
-    reached the group in 3 of 9 seed/learning-rate runs); `prefix` is the reward that gives
+    reshuffles the wrong top-G (tried on a tiny model with the target ranked far below the
+    group: it seldom brought the target in); `prefix` is the reward that gives
     all-miss groups a signal.
     """
     cands, tgt = _check_group(candidates, target)

@@ -3,8 +3,8 @@
 What it is for: `CatalogIndex.build(item_ids, titles)` holds, per loaded run, ONE bytes object
 (every item's key, `f"{title}\\n{item_id}".lower()` in UTF-8, between NUL separators), one
 int64 array of where each key starts, and the lowercased ids' hashes sorted (with their rows),
-instead of a Python tuple of two lowercased strings per item (2.7x the memory on a 1M-item
-catalog, and GC-tracked objects per item, at the 1M-10M catalogs `gti serve` targets).
+instead of a Python tuple of two lowercased strings per item (several times the memory, and
+GC-tracked objects per item, at the 1M-10M catalogs `gti serve` targets).
 `search(text, limit)` returns the rows of up to `limit` items whose key contains
 `text.strip().lower()`, ranked as `sorted((item_id.lower() != needle, not
 key.startswith(needle), row))[:limit]` (the item with that id first, then keys starting with the

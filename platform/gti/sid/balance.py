@@ -42,7 +42,7 @@ def normalise_cost(cost: torch.Tensor) -> torch.Tensor:
 
 
 # exp of inputs below about -87 gives a float32 denormal or 0, and on x86 CPUs that path is
-# ~10x slower than a normal result (bench/sid/RESULTS.md, "Sinkhorn without denormals"). Terms
+# many times slower than a normal result (bench/sid/RESULTS.md, "Sinkhorn without denormals"). Terms
 # e^-80 times the row's largest term and below cannot move a float32 sum, which holds a 1.
 EXP_FLOOR = -80.0
 
@@ -70,7 +70,7 @@ def sinkhorn_potentials(
     u = torch.zeros(n, dtype=logits.dtype, device=cost.device)
     v = torch.zeros(k, dtype=logits.dtype, device=cost.device) if v0 is None else v0.to(logits.dtype).clone()
     # One [N, K] buffer for both half-steps: allocating `logits + v` afresh each time cost
-    # ~40% of an iteration on CPU (bench/sid/RESULTS.md, "Balanced k-means in faiss's iterations,
+    # a large share of an iteration on CPU (bench/sid/RESULTS.md, "Balanced k-means in faiss's iterations,
     # v4"); the values, and so u and v, are bit for bit those of the allocating form.
     buf = torch.empty_like(logits)
     for _ in range(iters):
@@ -163,7 +163,7 @@ def sinkhorn_potentials_scaled(
     row's largest, as the log-domain form floors its terms. Returns (u [N], v [K]) with the
     log-domain form's meaning, equal to it up to float32 rounding. Call it with denormals flushed
     (`torch.set_flush_denormal`): a floored entry times a small scaling is denormal, and x86
-    multiplies those ~10x slower."""
+    multiplies those many times slower."""
     n, k = cost.shape
     # Rows sum to 1 and columns to N/K (the plan times N): the scalings stay near 1, so a
     # floored entry times its scaling stays a normal float32.
@@ -171,7 +171,7 @@ def sinkhorn_potentials_scaled(
     v_a = torch.zeros(k, dtype=torch.float32, device=cost.device) if v0 is None else v0.float().clone()
     kernel = torch.empty(n, k, dtype=torch.float32, device=cost.device)
     u_a = _kernel_(cost, epsilon, v_a, kernel)
-    # On CPU the products run in numpy (its BLAS's float32 matrix-vector product is 2x torch's
+    # On CPU the products run in numpy (its BLAS's float32 matrix-vector product beats torch's
     # here; bench/sid/RESULTS.md, "Balanced k-means with a scaling-domain Sinkhorn"); `A` is a view
     # of `kernel`, so an absorption's new kernel is seen at once.
     ops = _NumpyOps(kernel) if cost.device.type == "cpu" else _TorchOps(kernel)

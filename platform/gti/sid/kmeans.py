@@ -50,8 +50,8 @@ def sq_dists(x: torch.Tensor, c: torch.Tensor, c_sq: torch.Tensor | None = None)
 
 def row_argmin(m: torch.Tensor) -> torch.Tensor:
     """LongTensor [N]: the first index of each row's minimum of m [N, K], as torch.argmin gives
-    it. On CPU float32 / float64 numpy's SIMD argmin finds it (~9x faster than torch's row
-    argmin on [1024, 256]: bench/sid/RESULTS.md, "Balanced k-means with a scaling-domain
+    it. On CPU float32 / float64 numpy's SIMD argmin finds it (several times faster than
+    torch's row argmin: bench/sid/RESULTS.md, "Balanced k-means with a scaling-domain
     Sinkhorn"); elsewhere torch's."""
     if m.device.type != "cpu" or m.dtype not in (torch.float32, torch.float64):
         return m.argmin(dim=1)
@@ -65,9 +65,9 @@ def row_min(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # k-means++ draws its seeds from at most KPP_CANDIDATES_PER_CODE * k rows, chosen at random: its
-# k sequential passes then cost the same at 4,385 rows as at 65,536, where over every row they
-# took as long as all 25 Lloyd steps (bench/sid/RESULTS.md, "Plain k-means at faiss speed": no
-# measurable change in reconstruction over 10 paired seeds). faiss seeds from k random rows;
+# k sequential passes then cost the same on a small catalog as on the whole sample, where over
+# every row they took as long as all the Lloyd steps (bench/sid/RESULTS.md, "Plain k-means at
+# faiss speed": no measurable change in reconstruction). faiss seeds from k random rows;
 # k-means++ over 4k of them still spreads the seeds out.
 KPP_CANDIDATES_PER_CODE = 4
 
@@ -217,7 +217,7 @@ BALANCE_SINKHORN_ITERS = 10
 SINKHORN_TOL = 1e-2
 PRICE_SAMPLE = 16384
 # Rows per product in the full assignments: the [chunk, K] block is still in cache for the
-# argmin that follows (1.5x faster than one [N, K] product, then its argmin, at N = 65,536).
+# argmin that follows (faster than one [N, K] product, then its argmin).
 ASSIGN_CHUNK = 1024
 
 

@@ -5,10 +5,9 @@ LR scheduler of `deepspeed.initialize`, with gti's settings (the config dict of
 `gti.train.deepspeed_config`, the schedule of `gti.train.schedule`), and that drops work one
 rank does not need. At ZeRO stage 0 DeepSpeed all-reduces every gradient after backward even
 in a group of one: it flattens the gradients into buckets, all-reduces them over the single
-rank, divides by 1 and copies them back, so they come back bit for bit the same. On
-SmolLM2-135M that copy cost ~0.5 s of a ~2 s SFT step in a Ray Train worker on 2 CPU cores
-(bench/train_throughput/RESULTS.md, "One-rank training step without DeepSpeed's all-reduce"). A one-rank ZeRO-0
-engine here skips it; any other world size or ZeRO stage keeps DeepSpeed's reduction.
+rank, divides by 1 and copies them back, so they come back bit for bit the same; on CPU that
+copy is a large share of a small model's step (bench/train_throughput/RESULTS.md, "One-rank
+training step without DeepSpeed's all-reduce"). A one-rank ZeRO-0 engine here skips it; any other world size or ZeRO stage keeps DeepSpeed's reduction.
 
 What it does NOT know: Ray, tasks, rows, where the model came from.
 """
