@@ -1,44 +1,16 @@
 """Grounding any new vocabulary: new tokens with descriptions -> a standard HF model folder.
 
-What it is for: the GTI grounding stage, for tokens that are not SIDs (tool
-calls, knowledge-graph nodes, product codes). `ground_vocabulary(model, tokens, out_dir)`:
-1. resolves the model folder (a local HF folder, or `smollm2-135m`), loads its tokenizer and
-   adds the new tokens (`gti.lm.new_rows.extend_tokenizer`: one id each, contiguous);
-2. renders the pairs, description -> token and token -> description, through the chat template
-   with answer-only labels (`gti.lm.described_tokens.render_pairs`, i.e. gti's `PairRenderer`);
-3. initialises the new rows with any `init.method` but `codebook`
-   (`gti.lm.described_tokens.initial_rows` over `gti.lm.init.init_rows`);
-4. grounds ONLY the new rows on Ray Train + DeepSpeed (`gti.train.ground_run.run_grounding`,
-   the grounding task: backbone and old rows frozen in a different tensor from the trainable
-   `new_rows`, so they stay bit-identical under AdamW with weight decay, ZeRO-3 included); validation is the
-   exact match of constrained greedy description -> token (on `eval_descriptions` when the
-   tokens file has them, else on the training descriptions);
-5. exports a standard HF folder (`gti.lm.new_rows.export_model`: safetensors, extended tokenizer,
-   `gti_meta.json` with the token -> id map), loadable by `AutoModelForCausalLM.from_pretrained`
-   without gti, plus `e_new_init.safetensors` / `e_new_ground.safetensors` (the rows before and
-   after grounding).
+What it is for: the GTI grounding stage, for tokens that are not SIDs (tool calls,
+knowledge-graph nodes, product codes). `ground_vocabulary(model, tokens, out_dir)` adds the
+tokens to the model's tokenizer, renders description <-> token pairs through the chat template,
+initialises the new rows (any `init.method` but `codebook`), grounds ONLY those rows on Ray
+Train + DeepSpeed (backbone and old rows stay bit-identical) and exports a standard HF folder
+that loads without gti. A rerun after a killed driver resumes from the last checkpoint in the
+work dir; `out_dir` is checked before any work and swapped in whole at the end
+(`gti.common.files`). Usage and settings (`VocabGroundConfig`): docs/vocabulary.md.
 
-The work files (pairs, initial rows, Ray Train checkpoints) go to `work_dir` (default
-`.<out>.work/` beside `out_dir`, marked as gti's by a `.gti-vocab-work` file), so a rerun of the
-same call after a killed driver resumes from the last checkpoint; the default work dir is
-removed once the model is exported (only when it carries the marker: a folder of that name
-gti did not make is refused, never emptied).
-
-What `out_dir` may be (checked before any work, `gti.common.files.check_replaceable_dir`): a new or
-empty folder, or an earlier gti export (it holds `gti_meta.json`), which is replaced whole;
-any other non-empty folder only with `force` (`gti vocab ground --force`). Never the model
-folder, the tokens file, the work dir, the current or home directory, or a folder above one of
-them. The export is written beside `out_dir` and swapped in (`gti.common.files.replace_dir`): there is
-no moment without a complete folder at `out_dir`.
-
-Settings: `VocabGroundConfig` (YAML for `gti vocab ground --config`): `seed`, `ray_address`,
-`ray_num_cpus`, `model` (`dtype`, `trust_remote_code`), `init` (as in run configs), `ground`
-(the run configs' grounding section: steps, lr, batch_size, weight_decay, num_workers,
-zero_stage, precision, ...), `templates` ({desc2token, token2desc}), `system_prompt`, `max_len`.
-
-Ray: only through `gti.ray_start.ensure_ray` and `gti.train.ground_run.run_grounding` (the
-`ground` stage's runner; this module is a driver, like a stage; the pure parts are in
-`gti.lm.described_tokens`).
+What it does not know: stages or run folders. The pure parts are `gti.lm.described_tokens`; Ray
+only through `gti.ray_start.ensure_ray` and `gti.train.ground_run.run_grounding`.
 """
 
 from __future__ import annotations

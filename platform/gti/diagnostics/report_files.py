@@ -1,43 +1,12 @@
 """The run/comparison report: one self-contained HTML file plus the same numbers as JSON and CSV.
 
-What it is for: turning per-run records (evaluation metrics, geometry diagnostics, configs,
-package versions) of one or many arms x seeds into
-- `report.json`: every table, per-run summaries, configs and versions;
-- `report.csv`: the metrics and diagnostics tables in long form (one row per arm x split/phase x
-  quantity), the very numbers the HTML shows;
-- `report.html`: inline CSS, plots embedded as base64 `data:` URIs, no scripts, no external
-  assets -- it opens from disk without a server.
-
-Statistics (documented in the report itself):
-- mean +- std over seeds (sample std, ddof=1; empty with one seed);
-- relative lift against the baseline arm (default `mean`): mean_arm / mean_baseline - 1; the
-  same for each arm against every later non-baseline arm ("pairwise", e.g. gti vs random);
-- 95% bootstrap CIs. When every run's metrics.json carries `per_user` values (see
-  docs/ARCHITECTURE.md, evaluate row), users are resampled: the arm CI resamples users of the
-  per-user mean over seeds, and the lift CI is a *paired* bootstrap over the users both arms
-  evaluated. Otherwise the arm CI averages the per-seed user-bootstrap bounds that the
-  evaluate stage reported, and the lift CI resamples seeds (only with >= 2 seeds per arm).
-  The method used is written next to every CI (`ci_method`).
-- Exact-rank metrics (evaluate with `eval.exact_rank`): MRR and mean percentile rank rows per
-  arm, from metrics.json `ranks[split]`; their per-user values (1/rank and (rank-1)/(N-1)) are
-  derived from `per_user[split].exact_rank`, so the same user/paired bootstraps apply.
-- Direction: every metric row says whether higher is better (`direction`); for
-  mean_percentile_rank and invalid_sid_rate lower is better, so a negative lift is an
-  improvement. `verdict` (better / worse / no clear difference) reads the lift CI with the
-  direction; the "Reading" section of the HTML says the same in words.
-- Cold slice (metrics.json `slices.cold`): per arm x split, mean +- std over seeds of the
-  slice's values, CI = per-seed bounds averaged, lift CI = seed bootstrap (no per-user slice
-  values are stored), with n_users per seed and the definition.
-- Learning curves (RunRecord.curves, e.g. val_loss / val_mrr / val_recall@10 of SFT): mean over
-  the seeds that logged each step, min-max band in the plots; report.json "learning_curves".
-- Wall time (RunRecord.timing): ground and SFT stage seconds per arm (mean over seeds) and
-  their total; report.json "wall_time".
-
-This module is the entry point: `build_report` assembles the document and writes the three
-files, `spectra_plots` / `learning_curve_plots` draw the plots of a set of records. The pieces
-live beside it: `gti.diagnostics.runs` (RunRecord, values of one run), `.stats` (numbers, CIs,
-verdicts), `.tables` (the tables), `.readings` (plain words), `.page` (the HTML); callers import
-each from its own module.
+What it is for: `build_report` turns per-run records (evaluation metrics, geometry diagnostics,
+configs, package versions) of one or many arms x seeds into report.json (every table, per-run
+summaries, configs, versions), report.csv (the tables in long form: the very numbers the HTML
+shows) and report.html (inline CSS and plots, no scripts, no external assets: it opens from
+disk). The statistics (means over seeds, lifts, user or seed bootstrap CIs, verdicts) are
+written out in the report itself. The pieces live beside it: `runs` (a run's values), `stats`
+(numbers, CIs, verdicts), `tables`, `readings` (plain words), `page` (the HTML), `plots`.
 
 What it does not know: how runs were produced, Ray, files of other stages (callers pass plain
 dicts), or how diagnostics are computed (`gti.diagnostics.geometry`).

@@ -1,55 +1,16 @@
 """SASRec reference recommender: cornac's native-PyTorch SASRec, tuned on the valid split.
 
 What it is for: the reference row every sequential recommender is compared with (SASRec, Kang &
-McAuley, ICDM 2018), computed beside MostPop and Markov on the same users, split, metric code
-and (with exact ranks) the same whole-catalog ranking as the generative model, so a reader can
-tell whether gti's model is any good. A bar is only fair when it is tuned: `tune_sasrec` picks
-its settings on the valid split (the row is then named TUNED_LABEL, "SASRec (tuned on valid)").
-
-The implementation is cornac's (`cornac.models.SASRec`, cornac==3.0.1, pure PyTorch: causal
-self-attention blocks, learned positional embeddings, point-wise feed-forward, item embeddings
-shared between input and output). This module only feeds it, tunes it and reads it:
-
-- Training data = each user's TRAINING items as one cornac session; cornac's session iterator
-  turns a session [i0..iT] into the windows (history items[:t][-max_len:], target items[t]) for
-  t = 1..T: one window per SFT target, its history SASRec's own `max_len` (decoupled from
-  data.max_history; the LM's windows are cut at that). cornac skips an epoch's last batch when
-  it holds a single window. Valid and test items are never in a training session
-  (`training_sessions`), so they are never a target, a history item or a sampled negative
-  (negatives are drawn from training items only).
-- Loss: cornac's "ce" by default: softmax cross-entropy over the batch's own targets plus
-  `n_sample` shared negatives drawn by popularity^0.5 (sampled softmax, not the paper's BCE).
-- Checkpoint: on the VALID split only. A seeded sample of `val_users` users, each one cornac
-  session = last max_len training items + the valid item (`validation_sessions`), scored every
-  `val_every` epochs with Recall@10 (cornac's `model_selection="best"`); the best checkpoint is
-  kept, so `epochs` is a cap. Training always runs `epochs` epochs (no patience stop).
-- Settings (`tune_sasrec`, eval.sasrec.sweep): on the VALID split only. Each candidate (epochs,
-  dim, dropout, max_len) is trained as above and scored by `valid_scores`: every user's valid
-  item ranked over the whole catalog from the user's training items (the valid split's own
-  prompt), MRR of those exact ranks by default (every user counts, hit or not, so it separates
-  candidates that Recall@10 ties; `recall@10` is the other choice). The best candidate is kept
-  as trained. The `axes` search (default) tunes dropout, dim and epochs one at a time at the
-  first max_len, then tries the other lengths once; `grid` tries every combination. Test items
-  are not an argument of any of these functions. The valid split's SASRec row therefore scores
-  the split its settings were chosen on (as the SFT model's validation does); the test row is
-  untouched by selection.
-- Scoring (`SasrecRecommender.scores`): one batched forward per `batch_users` histories
-  (left-padded to max_len, as cornac's own `score`), dot product with every item embedding.
-  Items unknown to training (catalog items never seen among training items) score -inf: they
-  rank last, tied (mid-rank under `gti.eval.rank.exact_ranks`); history items unknown to
-  training are dropped from the input, then the last max_len kept. The caller passes each
-  split's whole training sequence (valid: train items; test: train items + valid item).
-  Top-K lists break score ties by catalog order.
-
-The default sweep (6 candidates: dropout 0.2/0.5, dim 64/128, epochs 10/20 at max_len =
-data.max_history, then max_len 20 and 50 once) costs minutes on the demo's data, where the one
-fixed setting it replaced took under a minute (bench/proof/RESULTS.md, "What SASRec's default
-sweep costs"). Every run records its own figures (facts "sasrec".sweep: each candidate's
-train_seconds, the total wall_seconds). `eval.sasrec.sweep.enabled: false` trains one setting.
-
-Determinism: cornac seeds torch (`torch.manual_seed(seed)`, init and dropout) and its own numpy
-RandomState (session order, negatives); on CPU with a fixed thread count the same seed gives
-the same model and scores, so a candidate kept from the sweep is the model a retrain would give.
+McAuley, ICDM 2018), on the same users, split, metric code and (with exact ranks) the same
+whole-catalog ranking as the generative model, so a reader can tell whether gti's model is any
+good. The model is cornac's (`cornac.models.SASRec`; its default loss is a sampled softmax over
+the batch's targets and shared negatives, not the paper's BCE); this module feeds it each
+user's training items as one session (so its windows are the SFT windows), keeps the best
+checkpoint on the valid split, tunes its settings on the valid split (`tune_sasrec`,
+`eval.sasrec.sweep`; test items are an argument of none of these) and scores every catalog item
+(`SasrecRecommender.scores`; items unknown to training tie last). The sweep's cost:
+bench/proof/RESULTS.md, "What SASRec's default sweep costs". On CPU with a fixed thread count
+the same seed gives the same model, so a candidate kept from the sweep is what a retrain gives.
 
 What it does NOT know: SIDs, the LM, metrics (`gti.eval.metrics`, `gti.eval.rank`), files,
 Ray. cornac is imported lazily, so importing this module is cheap.

@@ -1,74 +1,12 @@
 """`gti compare`: every initialisation arm x seed on identical data, SIDs, budgets; one report.
 
-    gti compare --config X --arms mean,random,description,gti,gti+multitask,gti+rl,lcrec --seeds 3 [--out DIR]
-    gti compare --config X --arms mean,gti --seeds 2 --sid-seeds 3   # on 3 SID maps
+    gti compare --config X --arms mean,gti,random --seeds 3 [--sid-seeds 3] [--out DIR]
 
-Arms are sets of config overrides applied on top of the user's config (every arm sets the
-same keys, so nothing leaks from the base config into one arm and not another):
-
-| arm           | init.method | ground.enabled | sft.multitask | rl.enabled | sft.steps (equal_budget on) |
-|---------------|-------------|----------------|---------------|------------|-----------------------------|
-| mean          | mean        | false          | false         | false      | sft.steps + ground.steps    |
-| random        | random      | false          | false         | false      | sft.steps + ground.steps    |
-| description   | description | false          | false         | false      | sft.steps + ground.steps    |
-| gti           | mean        | true           | false         | false      | sft.steps                   |
-| gti+multitask | mean        | true           | true          | false      | sft.steps                   |
-| gti+rl        | mean        | true           | false         | true       | sft.steps (+ rl.steps GRPO) |
-| lcrec         | mean        | false          | true          | false      | sft.steps + ground.steps    |
-| mean_noise    | mean_noise  | false          | false         | false      | sft.steps + ground.steps    |
-| codebook      | codebook    | false          | false         | false      | sft.steps + ground.steps    |
-
-`compare.equal_budget` (default true) gives arms without grounding the grounding steps as extra
-SFT steps, so every arm takes the same number of optimizer steps (steps, not tokens: a
-grounding step and an SFT step see different sequences). RL is outside that budget (a GRPO
-step is another kind of step): `gti+rl` keeps `gti`'s ground and SFT steps and adds `rl.steps`
-on top. Each arm also gets `report.label=<arm>` and `seed=<s>`.
-
-Layout under `--out` (default `<run_dir>/compare`):
-- `shared/`: ingest -> embed -> sid -> pairs, run ONCE with the base seed (`seed` of the
-  config). SIDs and grounding pairs are therefore identical across arms and seeds.
-- `runs/<arm>/seed<s>/`: the shared stage folders hard-linked (copied across file systems), then
-  ground -> sft -> rl -> evaluate -> report with that arm's overrides and seed.
-- `report.html|json|csv`, `plots/`, `compare.json`: one report over all arms x seeds.
-
-SID maps (`--sid-seeds N`, default 1): with N > 1 every arm x seed trains on each of N maps of
-the same catalog, `sid.seed` = base, base+1, ... (base: `sid.seed`, else `seed`;
-`gti.experiments.sid_maps`). Each map has its own `shared/sid<m>/` (ingest and embed linked from
-the first map's, so made once), `runs/sid<m>/<arm>/seed<s>/` and `records/sid<m>/`; the report
-in `--out` pools every map (an arm's figure: the mean over maps x seeds), `maps/sid<m>/` holds
-one report per map, and compare.json's `maps` gives per map each arm's Recall@10, NDCG@10 and
-MRR with CIs and the paired differences between arms, then the mean over maps with sd, min,
-max and every map's figure beside it (`compare_report.write_maps_report`). Runs are seed-major,
-then map, then arm. N = 1 is the layout and compare.json above, unchanged.
-
-Seeds are `seed, seed+1, ..., seed+N-1`. The seed enters every stage fingerprint, so the
-linked shared stages (fingerprinted with the base seed) would look stale to a run with another
-seed. The harness therefore starts each arm run at `--from <first incomplete stage from
-ground on>` (the pipeline takes stages before `--from` as they are) and skips runs whose
-ground..report stages are all up to date, so rerunning `gti compare` resumes where it stopped.
-
-Parallelism: with `compare.parallel` (default) and more than one run allowed at once, every arm
-x seed pipeline is a Ray task (`num_cpus=compare.arm_num_cpus`, default 0: the task only drives
-its stages, whose Ray Data tasks and Train workers request their own resources).
-`compare.max_parallel` caps concurrent runs; None sizes it from the cluster: CPUs (and GPUs when
-training uses them) divided by what one run holds at a time (its Train workers plus a CPU of
-headroom for its Ray Data tasks). An arm task not finished `compare.arm_timeout_s` after its
-submission is cancelled and counted as failed. Otherwise runs go one after another in this
-process. On a multi-node cluster `--out` must be on storage every node sees (as `run_dir` must
-be for any multi-node run): an arm task may land on any node.
-
-Records (resuming on another machine or in a later session): as each arm run finishes, its
-report record (metrics with per-user values, diagnostics, curves, timing, config) is written to
-`compare.records_dir` (default `<out>/records`) as `<arm>/seed<s>.json` (`sid<m>/<arm>/seed<s>.json`
-on one of several maps), beside the content
-hashes of what it inherited (catalog, sequences, SID map, codebooks, grounding pairs). A later
-`gti compare` whose run folder for that arm x seed is missing takes the record instead of
-rerunning it when the record's config equals the run's (after validating it with today's code,
-so keys added since then count at their defaults; placement keys `run_dir`, `ray_*`, `compare`
-are ignored, and so are `embed` and `sid`, which reach an arm run only through the hashed SID
-map and codebooks) and the shared hashes are equal; otherwise it says why and reruns. Commit the
-records folder and a multi-hour CPU comparison can span sessions. `--report-only` rebuilds the
-report from finished runs and records without running anything.
+What it is for: an arm is a set of config overrides on the user's config (`ARMS`: every arm
+sets the same keys). The stages up to pairs run once, shared; each arm x seed (x SID map) runs
+ground..report on them with its overrides and seed, one after another or as Ray tasks, and
+resumes where it stopped; finished runs leave records that a later session can reuse. The
+arms, the step budget, the layout under `--out`, records and parallelism: docs/commands.md.
 
 What it does not know: what the stages compute; it only prepares configs and run folders,
 drives `gti.run.pipeline`, and hands the finished runs to `gti.diagnostics.report_files`.

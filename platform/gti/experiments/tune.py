@@ -1,47 +1,14 @@
 """`gti tune`: a Ray Tune sweep over the grounding stage, or (objective sft) over grounding, SFT
 and evaluation settings scored by the evaluation (Ray Train V2 + Tune interop).
 
-What it is for: sampling settings (`tune.search_space` in the config, e.g. `ground.lr`
-loguniform and `ground.steps` from a list; `gti.experiments.tune_space` parses it), running one
-trial per setting, and writing the best setting as a complete, valid run config to
-`run_dir/tune/best.yaml`, which `gti run --config run_dir/tune/best.yaml --from <first searched
-stage>` accepts.
-
-How a trial runs (the Train V2 interop pattern): the trial function is a *driver* that builds
-the grounding `TorchTrainer` itself, through the grounding stage's own code
-(`gti.run.pipeline.run_detached("ground", cfg, <trial>/ground, run_name=..., callbacks=[TuneReportCallback()])`,
-which calls the stage's `run(ctx, run_name=..., callbacks=...)`), so the trial
-trains exactly what `gti run` trains. The Train run's name is derived from the trial's index
-and its sampled parameters (`ground-t003-1a2b3c4d`), and its storage is the trial's folder under
-`run_dir/tune/trials/<name>/`; with the seeded searcher the same sweep re-creates the same names,
-so rerunning an interrupted `gti tune` resumes every trial's Train run from its checkpoints
-(Train V2 resumes a run re-created with the same storage path and name). No Tune experiment
-state is unpickled.
-
-Early stopping: ASHA on `tune.metric` (default `val_exact_match`, mode max), with the training
-step as its time axis; the grounding loop reports the metric after each validation and carries
-it forward in every later report. Reports before the first validation lack it, which ASHA
-ignores (strict metric checking is off for that reason).
-
-Objective `sft`: each trial runs ground (unless shared, below), a short SFT and the evaluation
-stage in its own run folder (upstream stages hard-linked from the base run) and reports the
-evaluation's validation metric (`tune.metric`: `recall@10`, `ndcg@10`, ... or, with
-`eval.exact_rank`, `mrr` / `mean_percentile_rank`) once at the end; ASHA then has nothing to
-stop early. The valid split must be evaluated: a sweep never picks by the test split.
-
-Shared stages: every stage before the first one a searched key changes runs once in the base
-run and is hard-linked into each trial (`first_searched_stage`): a sweep over `sft.*` keys
-grounds once, not once per trial. Keys of stages upstream of ground (data, embed, sid, model,
-pairs, seed) are refused: the trials share those stages, so a sampled value would be ignored.
-
-Search types: `loguniform`, `uniform`, `randint` and `choice` are sampled (`tune.num_samples`
-draws); `grid` runs every listed value (times `num_samples`), so a 3-value learning-rate
-check is 3 trials with `num_samples: 1`.
-
-Concurrency: `max_concurrent_trials` = what the cluster holds (total CPUs, GPUs and custom
-resources) divided by what one trial holds at once (`num_workers` x `resources_per_worker`,
-plus a CPU of headroom for its Ray Data tasks: see gti.train.resources), capped by
-`tune.num_samples` and `tune.max_concurrent_trials`.
+What it is for: one trial per sampled setting (`tune.search_space`, parsed by
+`gti.experiments.tune_space`), the best written as a complete run config to
+`run_dir/tune/best.yaml`. A trial is a driver that runs the stage's own code
+(`gti.run.pipeline.run_detached`), so it trains exactly what `gti run` trains; its Train run's
+name and storage follow from the trial's index and setting, so an interrupted sweep resumes
+every trial from its checkpoints. ASHA stops weak grounding trials early; objective `sft`
+reports the valid split's metric once at the end. Stages before the first searched one run
+once and are hard-linked into every trial. Search types and concurrency: docs/tuning.md.
 
 What it does NOT know: how grounding trains (that is `gti.stages.ground` and
 `gti.train`), or how stages are fingerprinted (that is `gti.run.pipeline`).

@@ -1,55 +1,16 @@
-"""Stage `evaluate`: top-K metrics of the SFT model with constrained beam search.
+"""Stage `evaluate`: top-K metrics of the run's model by constrained beam search, beside the
+reference rows.
 
-What it is for: for the valid and test splits (`eval.splits`) of a deterministic sample of
-users (`eval.max_users`, seeded), render every row's history prompt (the first retrieval
-template, as in training), decode the top-K items with `gti.eval.decode.constrained_beam_search`
-over the catalog's SID trie, and score them against the row's target. A row is one held-out
-interaction with the history before it (`gti.eval.slices.eval_windows`): one per user and
-split with leave-one-out, every interaction of the period with `data.split: global_time`.
-Metrics are means over rows, CIs resample users (with all their rows); `n_users` and `n_rows`
-count both. HR@K (= Recall@K, one target per row) is in every table beside recall@K.
-
-- Decoding runs in a Ray Data actor pool (`eval.concurrency` actors, `eval.num_gpus` GPUs each,
-  `eval.batch_users` users per call). Every actor loads the exported SFT model folder once
-  and checks its `gti_meta.json` `sid_map_hash` against the `sid` stage's map
-  (`gti.run.versions.check_model_map`: that map or a refreshed version descending from it): a
-  model trained on another SID map is refused with a one-line UnrelatedSidMapError (the check also runs on the
-  driver before any actor starts).
-- Metrics: Recall/NDCG/Precision@K for K in `eval.ks` with bootstrap CIs over users
-  (`gti.eval.metrics`), plus the reference rows of `eval.baselines` on the same users
-  (`gti.eval.reference`): MostPop and Markov fitted per split, SASRec trained once on the
-  training items with its settings tuned on the valid split (`eval.sasrec.sweep`; every
-  candidate's settings, valid score and wall time, the chosen settings and the total under the
-  facts' "sasrec".sweep, also in metrics.json's "reference".sasrec). The invalid-SID rate is
-  reported (0 by construction when `eval.constrained`).
-- Paired differences: per split, the model minus each reference row on the same users
-  (Recall@K and NDCG@K for every K, and MRR: exact with exact ranks on both sides, else MRR@K),
-  mean and paired user-bootstrap CI, under metrics.json's "paired".<split>.<name>
-  (`gti.eval.reference.paired_differences`), logged after the table.
-- Exact ranks (`eval.exact_rank`, off by default): the actor also scores EVERY catalog SID for
-  each user (`gti.eval.rank.score_catalog`: one prefill plus one token per distinct SID prefix)
-  and reports the target's rank among all items; per split MRR, mean percentile rank (with
-  bootstrap CIs) and median rank under "ranks", per-user ranks under per_user.exact_rank.
-  These move long before Recall/NDCG@K leave the floor, so they tell small models apart.
-  SASRec's exact ranks: "baseline_ranks".sasrec.<split>; every reference row's per-user values
-  (layout of per_user.<split>): "baseline_per_user".<name>.<split>, for paired CIs.
-- Cold-item slice: every metric (model, baselines, ranks) is also reported for the users whose
-  target is the target of at most `eval.cold_max_sft_targets` SFT training windows
-  (`sft_data.sft_target_counts`, counted on training items only, never valid/test), under
-  slices.cold.<split>, with the definition under slices.cold.definition. The user sample,
-  the split frames, the cold slice and its metrics are `gti.eval.slices`.
-- Resume: decoded rows are kept in the work dir in chunks (`chunk_rows`; `gti.run.chunked_output`),
-  each written atomically as it completes. A rerun after an interrupted attempt (same
-  fingerprint, so the same work dir) decodes only the prompts after the last whole chunk, in
-  the same batches, so its metrics equal an uninterrupted run's.
-- Outputs: metrics.json (layout in docs/ARCHITECTURE.md, with per-user values for paired
-  bootstrap CIs in the report), recs.parquet (user_id, split, target, items list<str> best
-  first, scores list<float32>), and a table printed at the end. facts.timing: wall seconds of
-  reading the inputs, decoding (actors' start-up included), the reference models (SASRec's
-  training and scoring), the metrics (bootstraps) and the writes.
+What it is for: for the valid and test splits of a seeded user sample, render each held-out
+row's history prompt, decode the top K items over the catalog's SID trie in a Ray Data actor
+pool (every actor checks the model's SID map first), and score them with bootstrap CIs over
+users, beside the reference rows (MostPop, Markov, SASRec tuned on valid) on the same users:
+paired differences, exact ranks over the whole catalog (`eval.exact_rank`) and the cold-item
+slice. Decoded rows are kept in chunks of the work dir, so a rerun decodes only what is
+missing and gives an uninterrupted run's metrics. Outputs and facts: docs/ARCHITECTURE.md.
 
 What it does not know: how the model was trained, how beams are searched (`gti.eval.decode`),
-or how metrics are defined (`gti.eval.metrics`).
+how metrics are defined (`gti.eval.metrics`, `gti.eval.rank`, `gti.eval.slices`).
 """
 
 from __future__ import annotations

@@ -1,47 +1,13 @@
 """Stage `ingest`: validate the catalog and the interactions on Ray Data, build sequences.
 
-What it is for: turning the user's files (see `gti.data.adapters`) into the contract files of
-docs/ARCHITECTURE.md: items.parquet, items_quarantine.parquet, interactions.parquet,
-interactions_quarantine.parquet and sequences.parquet, plus the counting facts.
-
-How: the input is cut into read tasks (files, or row-group ranges of a parquet file). Ray Data
-runs read + row validation (`gti.data.catalog`) in parallel `map_batches` tasks and streams the
-validated batches back in input order (`preserve_order`), so the driver can apply the checks
-that need everything seen so far — duplicate ids (first kept), `data.max_items`, unknown items —
-while writing outputs incrementally; memory stays bounded by the block size plus the set of ids
-seen (`gti.data.idset`: each kept id's bytes plus 16) and the valid interactions, which the
-sequence builder needs at once. Sequences are built with polars in one process (`gti.data.sequences`).
-
-Accounting: every input row ends in exactly one of the ok output or a quarantine file with a
-`reason`, so `*_rows_in == *_rows_ok + *_rows_quarantined` (a test checks it). With
-`data.max_items` set, reading the catalog stops at the N-th kept item: rows after it are not
-read and not counted, and interactions naming other items are quarantined as
-`outside_max_items` (they cannot be told apart from unknown items without reading the rest).
-When a cap or filter (`data.max_items`, `data.max_users`, `data.min_seq_len`) removes most of
-the interactions, one WARNING line names the key to change (facts.warnings). A dense subset
-(`data.dense.top_items`, `gti.data.dense`) is cut from the valid interactions before the
-sequences are built; the rows it leaves out (interactions, then items) are quarantined as
-`outside_dense` and the counts before/after are under facts.dense. facts.timing: wall seconds
-of the items pass, the interactions pass (with sequences and the dense cut) and a Ray start.
-
-Damaged files: every file's header is checked against the column mapping (items and
-interactions) before any row is read. A file that cannot be read (`UnreadableFileError`, found
-by the header check or inside a read task) stops the stage with one line naming it, or, with
-`data.on_unreadable_file: skip`, is left out whole: the pass over that source starts again
-without it (one restart per damaged file found mid-read), so no row of a skipped file reaches
-any output or count. Skipped files are listed with their reason under facts.skipped_files;
-their rows are in no `*_rows_in` (unknown: the files could not be read).
-
-Shared with `gti refresh` (which validates new items the same way, in process), below this
-module: the reading half in `gti.data.batches` (`Source`, `local_stream`, `iterate`,
-`raise_file_error`, `fill_item_raw` / `fill_interaction_raw`), the items pass in
-`gti.data.items` (`ingest_items`: duplicates first kept, `data.max_items`, items.parquet and
-its quarantine, `ItemCounts`), the output schemas in `gti.data.schemas` and the input files'
-fingerprint in `gti.run.input_files`.
-
-With `data.root` (MiniOneRec's train/valid/test CSVs and item.json, `gti.data.minionerec`)
-the folder is first converted to a catalog and interactions under `source/` in the stage's
-folder, read from there like any parquet source, and split by the files' own periods.
+What it is for: turning the user's files (`gti.data.adapters`; a MiniOneRec folder with
+`data.root`) into the contract files of docs/ARCHITECTURE.md. Ray Data reads and checks rows in
+parallel and streams the validated batches back in input order, so the driver applies the
+checks that need everything seen so far (duplicate ids, caps, unknown items) while it writes;
+sequences are built in one process (`gti.data.sequences`). Every input row ends in exactly one
+of the output or a quarantine file with its reason (`*_rows_in == *_rows_ok +
+*_rows_quarantined`); caps, the dense subset, warnings and damaged files: docs/data.md. What
+`gti refresh` shares with it lives below, in `gti.data.batches` and `gti.data.items`.
 
 What it does not know: embeddings or anything downstream.
 """

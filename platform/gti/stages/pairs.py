@@ -1,40 +1,14 @@
 """Stage `pairs`: the grounding data set (item text <-> SID, six directions) on Ray Data.
 
-What it is for:
-1. The tokenizer of `model.name` is extended with the SID tokens of the `sid` stage (and the
-   `<sid_start>`/`<sid_end>` markers when `model.sid_markers`) and saved to `tokenizer/`, so
-   every later stage uses the same ids. The new-token id range comes from the tokenizer; the
-   facts also say how many embedding rows the model has, and how many new ids land on padding
-   rows of a matrix padded past its tokenizer (Qwen3).
-2. Ray Data: items.parquet paired with sid_map.parquet. When both list the same ids in the same
-   order (the normal case: sid_map follows embeddings, which follow items; checked by streaming
-   both id columns) a row-aligned `zip` (no shuffle; output in catalog order); otherwise a LEFT
-   hash join on item_id (an item without a SID is a DataError naming it) sorted by item_id so
-   the output order never depends on scheduling. Then `map_batches` with the renderer
-   `gti.lm.pairs.RenderPairs` over an actor pool renders each item's tasks (a catalog of at
-   most `local_max_items` items: the same join and the same renderer in this process, no Ray
-   Data) through `gti.lm.templates.PairRenderer` (chat template, SID ids from the codec's
-   table, answer-only labels, text cut to `pairs.max_len`, never the SID). The driver streams
-   the blocks into one pairs.parquet (`gti.data.schemas.PAIRS_SCHEMA`).
-
-Text: `title` (ingestion already put a pseudo-title on items that had neither title nor
-description); `description`, cut to `pairs.max_desc_chars`; an item without one gets a
-pseudo-description from its category and attributes (`"<category>. <attributes>"`), or its
-title when it has neither (counted in the facts, never silent). Only catalog text is used: no
-user data reaches the pairs.
-
-Splits: an item is a validation item when a seeded hash of its id falls below
-`pairs.val_fraction` (`gti.lm.pairs.is_val_item`: deterministic, independent of order and of
-the other items). With
-`pairs.val_holdout=text2sid` (default) its text->SID rows are "val" and its SID->text rows stay
-"train" (validation then measures whether the model can write the SID it has learned to read);
-with `item` all its rows are "val". `pairs.exclude_items` (ids, or one path to a file of ids:
-parquet with an item_id column, or text with one id per line) keeps items out entirely, for
-cold-start studies.
-
-facts.timing: wall seconds of the Ray start, the tokenizer (load, extend, save) and the
-rendering streamed into pairs.parquet (`render_write_s`: actor start-up, the id-order check,
-rendering and writing), with `items_per_s` of that phase.
+What it is for: the tokenizer of `model.name` is extended with the SID tokens (and markers) and
+saved, so every later stage uses the same ids; then each item's catalog text is paired with its
+SID (a row-aligned zip when items and map list the same ids in the same order, else a join
+sorted by id, so the output never depends on scheduling) and rendered through the chat template
+with answer-only labels (`gti.lm.pairs.RenderPairs` in an actor pool; in this process for a small
+catalog) into one pairs.parquet. Only catalog text is used, never user data; an item without a
+description gets a pseudo-description, counted in the facts. Validation items are chosen by a
+seeded hash of their id (`gti.lm.pairs.is_val_item`; `pairs.val_holdout` says which of their
+rows are held out); `pairs.exclude_items` keeps items out entirely, for cold-start studies.
 
 What it does NOT know: model weights (only the tokenizer), initialisation, or training.
 """

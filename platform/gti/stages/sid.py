@@ -1,53 +1,13 @@
 """Stage `sid`: semantic IDs for every catalog item (quantiser training, assignment, de-dup).
 
-What it is for: turning `embed`'s embeddings.parquet (item_id, embedding[dim]) into one unique
-SID per item and the artefacts later stages need:
-1. Checks: every embedding finite (DataError names the first bad item ids).
-2. Codebook initialisation on the driver: k-means (`gti.sid.kmeans`, with `sid.fit_threads`
-   torch threads whatever the machine has) on real residuals of a seeded sample of
-   `sid.kmeans_sample` items, so every worker starts from the same codebooks.
-3. Training. `rqvae`: `gti.train.rqvae_task.train_rqvae` on `sid.num_workers` Ray Train
-   workers through the one Train driver (`gti.train.ray_train`; DDP, gloo on CPU, nccl on GPU, fed
-   by Ray Data shards); per epoch the workers all-reduce code usage, re-seed dead codes (rank
-   0's choice is broadcast), report metrics and a checkpoint into Ray Train storage under the
-   stage's work dir, so a rerun after a killed driver resumes from the last epoch. `rqkmeans`: residual k-means on the
-   sample, on the driver (no gradient training to distribute).
-4. Assignment: Ray Data batch inference (`map_batches` with `gti.sid.embeddings.AssignBatch`,
-   an actor pool of `sid.assign_concurrency`) over the whole catalog, streaming; only the int codes come back,
-   written batch by batch to codes.parquet (deleted when the stage ends). A catalog of at most
-   `local_max_items` items is assigned in this process (same batches).
-5. Collisions, on the items that can collide only (`gti.sid.collide`: the prefix groups of the
-   colliding items, found in one streamed pass and kept in prefix-hash buckets, on disk when
-   there are several): Sinkhorn spreading on the last level for colliding items
-   (`sid.sinkhorn_last_level`), then `sid.dedup` (extra level or reassignment), one bucket in
-   memory at a time; the same codes and figures as on the whole catalog. Quality gates
-   (`sid.gates`) fail the stage with one message and the stats.
-6. The map, written batch by batch (codes file + the buckets' resolved rows merged in + the
-   embeddings' ids), hashed as it is written when the ids come sorted, else from the finished
-   file by sorted runs. The driver holds one bucket of the colliding prefix groups, one
-   Sinkhorn sample and window, and the residual cache (`sid.resolve_cache_mb`): nothing that
-   grows with the catalog (bench/scale_memory/RESULTS.md, "A sid driver that does not grow").
-
-Every random draw (the k-means sample, k-means++ seeding, RQ-VAE init and batches, the
-Sinkhorn samples) is seeded by `map_seed`: `sid.seed`, or the run's `seed` when it is None, so
-that several maps of one catalog can be made under one run seed (`gti compare --sid-seeds`).
-
-The fingerprint holds the resolved `sid.assign_dtype` (`input_fingerprints`); the facts hold
-`sid_map_hash` and the machine (CPU model, SIMD flags, threads). facts.timing: wall seconds of
-the embedding check, the Ray start, the sample read, the k-means (init or fit), the RQ-VAE
-training on Ray Train, the assignment, the scan for colliding groups, the collision resolution
-(of it, the Sinkhorn rounds) and the writes; facts.driver_peak_mb: the driver's peak resident MB
-in each of those phases (Linux).
-
-Outputs: sid_map.parquet (item_id, codes list<int32>, sid str; rows in embeddings order),
-codebooks.safetensors (level_l: [K, code_dim]), quantizer.safetensors + quantizer.json.
-
-Pure helpers live in `gti.sid` (`embeddings`: reading and residuals; `mapfile`: SID strings and
-the map's hash; `collide`: the codes file and the colliding subset; `resolve`, `quality`, `quantizer`).
-
-`sid.method: file` reads the map instead (`gti.sid.from_file` checks it, `gti.sid.file_map`
-writes the same map, codec facts and hash, and residual means as codebooks): no quantiser, no
-Ray; the embeddings give the catalog's ids and order and the code vectors.
+What it is for: turning `embed`'s embeddings into one unique SID per item. Codebooks start
+from k-means on a seeded sample; the quantiser trains (`rqvae` on Ray Train workers, resumable
+per epoch; `rqkmeans` on the driver); every item is assigned in a Ray Data actor pool (in this
+process for a small catalog); colliding items are spread and de-duplicated one prefix bucket at
+a time (`gti.sid.collide`, `gti.sid.resolve`); quality gates; the map is written and hashed as
+it streams. The driver holds nothing that grows with the catalog. Every draw is seeded by
+`map_seed`, so one run can make several maps (`gti compare --sid-seeds`); `sid.method: file`
+reads a given map instead (`gti.sid.from_file`). Outputs and facts: docs/ARCHITECTURE.md.
 
 What it does not know: how embeddings were made, tokenizers (the codec spells tokens only).
 """
