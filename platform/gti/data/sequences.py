@@ -1,36 +1,12 @@
 """Per-user chronological sequences and their split into periods (polars, one process).
 
-What it is for: from validated interactions (user_id, item_id, ts, order = global file row),
-build each user's sequence sorted by (ts, file order) — ties keep file order, so the result is
-deterministic — and split it (`data.split`):
-- leave_one_out: the last item is `test_item`, the second-last `valid_item`, everything before
-  is `train_items`;
-- global_time: every kept interaction, sorted by (ts, file order), gets a period by its position:
-  the first int(N * r_train / sum) train, up to int(N * (r_train + r_valid) / sum) valid, the
-  rest test (`data.split_ratios`, 8:1:1 by default, MiniOneRec's arithmetic); or, for files
-  split already (`gti.data.minionerec`), by two timestamps (`cuts`). Each user's train-period
-  items are `train_items`, the others `valid_items` / `test_items` (lists, oldest first);
-  `valid_item` / `test_item` are null (a user has several or none).
-Both layouts carry `valid_items` and `test_items` (leave-one-out: one item each), so readers of
-the periods never ask which split made them; `split_lists` adds them to a table written before
-they existed. A user's periods follow each other (a global sort restricted to one user is that
-user's order), so train_items never holds an item later than a valid or test item.
-
-Decisions:
-- `train_items` keeps the whole history; `data.max_history` is applied later, when SFT and
-  evaluation cut windows, so one ingest output serves any history length.
-- A user needs at least max(3, data.min_seq_len) interactions for leave_one_out (one to train
-  on, plus valid and test), max(2, data.min_seq_len) for global_time; shorter users are
-  returned as dropped rows with reason `short_sequence`, so the ingest
-  stage can quarantine them and keep rows_in == ok + quarantined.
-- `data.max_users` keeps the first N eligible users by first appearance in file order; the rest
-  are dropped with reason `outside_max_users`.
-- Repeat interactions are kept. So the same item id can appear in `train_items` and as the
-  valid/test item of the same user; what the split guarantees is positional: the held-out
-  interactions are the user's last two, never inside `train_items`.
-
-`check_sequences(seqs, source)` is the check every reader of sequences.parquet runs first (SFT
-windows, evaluation prompts): each column of `gti.data.schemas.SEQ_SCHEMA` is there.
+What it is for: from validated interactions, each user's sequence sorted by (ts, file order),
+so ties are deterministic, split by `data.split` (leave-one-out, or global time by ratios or
+by given cuts: docs/data.md, "Splits"). Both layouts carry `valid_items` and `test_items`, so
+readers never ask which split made them, and a user's periods follow each other, so a training
+item is never later than a held-out one. Users too short or past `data.max_users` come back as
+dropped rows with their reason, for ingest's quarantine. `check_sequences` is the check every
+reader of sequences.parquet runs first.
 
 What it does not know: files, Ray, or item validity (unknown items are removed before).
 """
@@ -86,7 +62,12 @@ def build_sequences(df: pl.DataFrame, min_seq_len: int, max_users: int | None = 
     (carried into `dropped`). Returns kept interactions, sequences and dropped rows.
 
     split: "leave_one_out" or "global_time" (by `ratios` of all kept interactions, or, given
-    `cuts` = (first valid ts, first test ts), by timestamp)."""
+    `cuts` = (first valid ts, first test ts), by timestamp). `train_items` keeps the whole
+    history (`data.max_history` cuts windows later, so one ingest serves any length); repeat
+    interactions are kept, so what the split guarantees is positional. A user needs
+    max(3, min_seq_len) interactions for leave_one_out, max(2, min_seq_len) for global_time
+    (else `short_sequence`); `max_users` keeps the first N eligible users by first appearance
+    (the rest `outside_max_users`)."""
     if split not in SPLITS:
         raise DataError(f"data.split must be one of {list(SPLITS)}, got '{split}'")
     need = max(MIN_LEAVE_ONE_OUT if split == "leave_one_out" else MIN_GLOBAL_TIME, min_seq_len)

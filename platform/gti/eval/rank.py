@@ -1,35 +1,12 @@
 """Exact rank of the true next item among ALL catalog items, and the metrics built on it.
 
-What it is for: Recall@K / NDCG@K from beam search stay at the floor for small or young models
-(the target is almost never in the top 10 of thousands of items), so they cannot tell two such
-models apart. The exact rank of the target under the model's own scores moves long before:
-`score_catalog` scores every catalog SID for every user, `exact_ranks` turns the scores into the
-target's rank (mid-rank on ties), and `rank_metrics` reports MRR, mean percentile rank and the
-median rank, with bootstrap CIs over users (`gti.eval.metrics.bootstrap_ci`).
-
-Score of an item = sum over its L SID tokens of the full-vocabulary log-softmax log-prob of the
-token given the prompt and the item's previous SID tokens: the same definition as the beam
-scores of `gti.eval.decode.constrained_beam_search` and `gti.eval.decode.score_all_sids` (the
-brute-force reference, one L-token forward per item after re-reading the prompt).
-
-How it is fast: items share prefixes. Per batch of users the prompts are left-padded and
-prefilled ONCE (attention mask + position ids counting real tokens only, as decode.py does);
-the prefill's last position gives the level-0 distribution. Then, level by level, every
-DISTINCT prefix of length l >= 1 present in the catalog (a node of the SID trie) is fed as ONE
-extra token on top of the prompt's KV cache, in chunks of `prefix_batch` tokens per user.
-All nodes of a user share one batch row (the prompt cache is not copied per prefix): a custom
-4D attention mask lets each node attend to the user's real prompt tokens, to its ancestors in
-the trie (already in the cache) and to itself, and its position id is prompt_len + l - 1 -- so
-each node sees exactly the sequence prompt + its prefix ("tree attention"). The node's logits
-give the log-probs of the level-l token of every item below it. Nodes of the deepest level
-(most of them) are cropped from the cache after each chunk; shallower nodes stay as ancestors.
-Model work per user: 1 prefill + sum over levels 1..L-1 of #distinct prefixes single-token
-positions, instead of N forwards of prompt + L tokens.
-
-Requirements: a transformers causal LM that accepts `cache=`, `position_ids` and a prepared
-4D float attention mask ([B, 1, q, kv], 0 = attend, dtype-min = masked) passed through as-is;
-i.e. attention implementation "eager" or "sdpa" over full-attention `DynamicCache` layers
-(flash-attention kernels ignore arbitrary masks, so they are refused).
+What it is for: Recall@K / NDCG@K from beam search stay at the floor for small or young models,
+so they cannot tell two such models apart; the exact rank of the target under the model's own
+scores moves long before. `score_catalog` scores every catalog SID for every user (the beam
+search's score: the sum of the SID tokens' log-probs), fast because items share prefixes: one
+prefill per prompt, then one token per distinct SID prefix with tree attention (how: the
+comment above `score_catalog`). `exact_ranks` turns scores into the target's rank (mid-rank on
+ties); `rank_metrics` reports MRR, mean percentile rank and the median rank with CIs over users.
 
 What it does NOT know: how prompts are rendered, which row is a user's target (callers pass
 trie/catalog rows), beam search or top-K metrics (`gti.eval.decode`, `gti.eval.metrics`), Ray.
@@ -111,6 +88,24 @@ def _check_attention(model: Any) -> None:
 
 
 # --------------------------------------------------------------------------- scoring
+# How `score_catalog` is fast: items share prefixes. Per batch of users the prompts are left-padded and
+# prefilled ONCE (attention mask + position ids counting real tokens only, as decode.py does);
+# the prefill's last position gives the level-0 distribution. Then, level by level, every
+# DISTINCT prefix of length l >= 1 present in the catalog (a node of the SID trie) is fed as ONE
+# extra token on top of the prompt's KV cache, in chunks of `prefix_batch` tokens per user.
+# All nodes of a user share one batch row (the prompt cache is not copied per prefix): a custom
+# 4D attention mask lets each node attend to the user's real prompt tokens, to its ancestors in
+# the trie (already in the cache) and to itself, and its position id is prompt_len + l - 1 -- so
+# each node sees exactly the sequence prompt + its prefix ("tree attention"). The node's logits
+# give the log-probs of the level-l token of every item below it. Nodes of the deepest level
+# (most of them) are cropped from the cache after each chunk; shallower nodes stay as ancestors.
+# Model work per user: 1 prefill + sum over levels 1..L-1 of #distinct prefixes single-token
+# positions, instead of N forwards of prompt + L tokens.
+#
+# Requirements: a transformers causal LM that accepts `cache=`, `position_ids` and a prepared
+# 4D float attention mask ([B, 1, q, kv], 0 = attend, dtype-min = masked) passed through as-is;
+# i.e. attention implementation "eager" or "sdpa" over full-attention `DynamicCache` layers
+# (flash-attention kernels ignore arbitrary masks, so they are refused).
 def score_catalog(
     model: Any,
     prompts: Sequence[Sequence[int]] | torch.Tensor,
@@ -124,7 +119,7 @@ def score_catalog(
     """Score of EVERY catalog SID for every user. -> FloatTensor [U, N] (on CPU).
 
     Args:
-        model: causal LM (see the module docstring for the attention requirement); run in eval
+        model: causal LM (see the comment above for the attention requirement); run in eval
             mode under `torch.no_grad` (the caller's train mode is restored).
         prompts: U prompts (lists of token ids, any lengths) or a LongTensor [U, T].
         sid_token_ids: LongTensor [N, L], row i = SID token ids of catalog item i (the rows of

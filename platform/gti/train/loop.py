@@ -1,34 +1,13 @@
 """The training loop shared by grounding, SFT and RL (DeepSpeed, on Ray Train workers).
 
-What it is for: `train_loop_per_worker(config)` is the function each Ray Train worker runs
-(`fit` starts them through `gti.train.ray_train.run_trainer`, the one Ray Train driver; the task
-runners in `gti.train` call `fit`). It builds the model through the task's hooks
-(`gti.train.task.TaskHooks`), wraps it in the DeepSpeed engine (`gti.train.engine`, settings from
-`gti.train.deepspeed_config`; Ray Train already initialised torch.distributed, gloo on CPU /
-nccl on GPU, and `deepspeed.initialize` wraps that group), streams micro-batches from the
-worker's shard (`gti.train.shards.ShardStream`: rows {"input_ids", "labels"}, right-padded to
-[B, T] input_ids / labels / attention_mask), steps to `steps`, validates every `val_every`
-steps, reports, checkpoints through `ray.train.report` and resumes from `ray.train.get_checkpoint()`.
-`config` is one `gti.train.worker_config.WorkerConfig` (its fields document the shapes); no
-task-specific code lives here. A task's `step_loss` hook replaces the labelled loss (RL's
-rollout -> reward -> update) and its statistics are reported with the step; with `keep_best`
-the best validation's tensors (the start model's included) are handed back and a run that
-falls `stop_margin` below its start stops early (`gti.train.best`).
-
-Reported metrics (every `log_every` steps and at every checkpoint; `ray.train.report` is a
-barrier, so every rank reports equally often): step, epoch, loss (mean over ranks and
-micro-steps), lr, tokens_per_s, the grad norm before clipping under `hooks.grad_norm_key`, the
-task's step statistics, and the latest validation metrics, carried forward so every report
-after the first validation has them (Tune's schedulers need the metric in each result). A
-non-finite loss or grad norm stops every rank at the same step (`gti.train.nonfinite`).
-
-Checkpoints (every `checkpoint_every` steps and at the last): `ds/` (DeepSpeed's state with
-`exclude_frozen_parameters=True`, read back with `weights_only=True` by
-`gti.train.safe_checkpoint`; not in the final one, after which nothing resumes),
-`gti_state.json` (step, data position, history, timing; rank 0), the best tensors so far
-(`keep_best` tasks) and, in the final one, `trainable.safetensors`. Ray merges the ranks' dirs.
-A resumed run re-iterates the saved epoch's seeded order and skips the consumed micro-batches,
-so it equals an uninterrupted one; a group restarted after the final checkpoint returns at once.
+What it is for: `train_loop_per_worker(config)` is what each Ray Train worker runs (started by
+`fit` through `gti.train.ray_train.run_trainer`). It builds the model through the task's hooks
+(`gti.train.task.TaskHooks`), wraps it in the DeepSpeed engine (`gti.train.engine`), streams
+micro-batches from the worker's shard (`gti.train.shards`), steps, validates, reports,
+checkpoints and resumes so that a resumed run equals an uninterrupted one. `config` is one
+`gti.train.worker_config.WorkerConfig` (its fields document the shapes); no task-specific code
+lives here: a task's `step_loss` hook replaces the labelled loss (RL), and `keep_best` tasks get
+the best validation's tensors back and stop early below `stop_margin` (`gti.train.best`).
 
 What it does NOT know: how rows are made, which task or stage called it, where outputs go (the
 caller reads `trainable.safetensors` from the final checkpoint), or Ray's API (only
@@ -206,6 +185,13 @@ def _train_step(w: _Worker, batches, timing: dict[str, float], config: WorkerCon
     return lr, loss_sum, gn, float(tokens), time.perf_counter() - t0, stats
 
 
+# Checkpoints (every `checkpoint_every` steps and at the last): `ds/` (DeepSpeed's state with
+# `exclude_frozen_parameters=True`, read back with `weights_only=True` by
+# `gti.train.safe_checkpoint`; not in the final one, after which nothing resumes),
+# `gti_state.json` (step, data position, history, timing; rank 0), the best tensors so far
+# (`keep_best` tasks) and, in the final one, `trainable.safetensors`. Ray merges the ranks' dirs.
+# A resumed run re-iterates the saved epoch's seeded order and skips the consumed micro-batches,
+# so it equals an uninterrupted one; a group restarted after the final checkpoint returns at once.
 def _checkpoint(w: _Worker, state: dict[str, Any], metrics: dict[str, Any], final: bool) -> None:
     """Report `metrics` with a checkpoint: DeepSpeed state (not in the final one, after which
     nothing resumes), the loop state (rank 0) and, in the final one, the trainable tensors."""
@@ -249,9 +235,15 @@ def _mean_over_ranks(stats: dict[str, float], world: int, device: torch.device) 
 
 
 # --------------------------------------------------------------------------- the loop
+# Reported metrics (every `log_every` steps and at every checkpoint; `ray.train.report` is a
+# barrier, so every rank reports equally often): step, epoch, loss (mean over ranks and
+# micro-steps), lr, tokens_per_s, the grad norm before clipping under `hooks.grad_norm_key`, the
+# task's step statistics, and the latest validation metrics, carried forward so every report
+# after the first validation has them (Tune's schedulers need the metric in each result). A
+# non-finite loss or grad norm stops every rank at the same step (`gti.train.nonfinite`).
 def train_loop_per_worker(config: WorkerConfig | dict) -> dict[str, Any]:
     """Ray Train worker entry point; `config` is a WorkerConfig or the dict `run_trainer` made
-    of one (see the module docstring).
+    of one (what it reports: the comment above).
 
     Returns (rank 0's value becomes `Result.return_value`): {"step", "history"} with history
     {"loss": [[step, loss]], "val": {metric: [[step, value]]}, "tokens_per_s": [[step, v]]}.
