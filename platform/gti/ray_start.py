@@ -2,34 +2,11 @@
 ground`, `gti compare`/`gti tune`, `gti infer`, `gti doctor`).
 
 What it is for: `ensure_ray(cfg)` joins `cfg.ray_address` (a cluster, "auto") or starts a local
-Ray sized by `cfg.ray_num_cpus`. Calling it twice is harmless. It also quietens Ray Data's
-per-operator progress bars when stdout is not a terminal, so logs stay readable in CI.
-
-- A local start that fails (under heavy load Ray's raylet can miss its start-up deadline) is
-  retried once after `START_RETRY_WAIT_S`; a second failure is one line (`RayStartError`)
-  naming the Ray log folder to read.
-- The run pins its own Ray: the address it started or joined goes to every Ray worker of the
-  job (runtime_env RAY_ADDRESS) and to this process's environment. Ray's own helpers that look
-  the cluster up from inside a worker (Ray Train's PlacementGroupCleaner, the state API) would
-  otherwise pick "the latest" of several Ray instances on the same host, or fail with
-  "Found multiple active Ray instances". A local Ray runs without the dashboard, so Ray Train's
-  once-a-second state query from its PlacementGroupCleaner cannot succeed; its warning line is
-  filtered in the workers (`_quiet_state_api_warnings`).
-- A local Ray is private to the run (`_make_private`): every port on 127.0.0.1 only (Ray's
-  single-machine mode, the one it uses on macOS and Windows) and token authentication with a
-  fresh token of this Ray alone, held in the environment of this process and of the processes
-  Ray starts, so no other machine can reach it and no other local user can join it (Ray's own
-  default token, ~/.ray/auth_token, is shared by every Ray of the user and written with the
-  user's umask, often readable by others).
-  Joining a cluster (`ray_address`) changes nothing of the kind: the cluster's own auth holds.
-- A local Ray's Train controller polls its workers every `LOCAL_TRAIN_POLL_S` seconds instead
-  of Ray's 2 s (`RAY_TRAIN_HEALTH_CHECK_INTERVAL_S`, inherited by the processes Ray starts),
-  unless the user set that variable: Ray Train V2's `ray.train.report()` waits for the
-  controller's next poll, so every metric report and checkpoint of a short run idled up to 2 s
-  (bench/test-suite/RESULTS.md, "Demo and test-suite wall times"). A
-  poll is one small actor call per worker, so 2 a second cost little. A joined cluster keeps
-  its own setting (the controller runs there, with the cluster's environment). Likewise Ray
-  Serve's controller gives a new HTTP proxy `LOCAL_SERVE_PROXY_READY_S` to start instead of 5 s.
+Ray sized by `cfg.ray_num_cpus`; calling it twice is harmless. A local start that fails under
+load is retried once, then named in one line (`RayStartError`). The run pins the Ray it started
+or joined for every worker of the job; a local Ray is private to the run (loopback only, a
+fresh auth token) and polls its Train workers more often than Ray's default. Ray Data's
+per-operator progress bars are quiet when stdout is not a terminal.
 
 What it does not know: what its callers run on Ray.
 """
@@ -81,6 +58,13 @@ def ensure_ray(cfg) -> None:
     ctx.print_on_execution_start = interactive
 
 
+# The run pins its own Ray: the address it started or joined goes to every Ray worker of the
+# job (runtime_env RAY_ADDRESS) and to this process's environment. Ray's own helpers that look
+# the cluster up from inside a worker (Ray Train's PlacementGroupCleaner, the state API) would
+# otherwise pick "the latest" of several Ray instances on the same host, or fail with
+# "Found multiple active Ray instances". A local Ray runs without the dashboard, so Ray Train's
+# once-a-second state query from its PlacementGroupCleaner cannot succeed; its warning line is
+# filtered in the workers (`_quiet_state_api_warnings`).
 def _pin_env(address: str) -> dict | None:
     """runtime_env giving every worker of this job RAY_ADDRESS=address, or None where the job
     (`ray job submit`) already sets RAY_ADDRESS for its workers (Ray refuses a second value)."""
@@ -159,8 +143,12 @@ def _start_local(num_cpus: int | None) -> None:
 
 # Ray's single-machine mode (ray_constants.ENABLE_RAY_CLUSTER false): every address 127.0.0.1.
 LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
-# Ray Train V2's controller poll interval (ray.train.v2._internal.constants; Ray's default 2.0 s):
-# a local Ray's default, see the module docstring; a value the user set is kept.
+# Ray Train V2's controller poll interval (ray.train.v2._internal.constants; Ray's default 2 s).
+# A local Ray polls every LOCAL_TRAIN_POLL_S unless the user set the variable (it is inherited by
+# the processes Ray starts): `ray.train.report()` waits for the controller's next poll, so every
+# metric report and checkpoint of a short run idled until then (bench/test-suite/RESULTS.md,
+# "Demo and test-suite wall times"); a poll is one small actor call per worker. A joined cluster
+# keeps its own setting (the controller runs there, with the cluster's environment).
 TRAIN_POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
 LOCAL_TRAIN_POLL_S = "0.5"
 # How long Ray Serve's controller waits for a new HTTP proxy to be ready before killing it and
@@ -174,6 +162,13 @@ _PRIVATE_VARS = (LOOPBACK_ENV, "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKE
 _saved: dict | None = None  # what _make_private replaced, for _undo_private
 
 
+# A local Ray is private to the run (`_make_private`): every port on 127.0.0.1 only (Ray's
+# single-machine mode, the one it uses on macOS and Windows) and token authentication with a
+# fresh token of this Ray alone, held in the environment of this process and of the processes
+# Ray starts, so no other machine can reach it and no other local user can join it (Ray's own
+# default token, ~/.ray/auth_token, is shared by every Ray of the user and written with the
+# user's umask, often readable by others).
+# Joining a cluster (`ray_address`) changes nothing of the kind: the cluster's own auth holds.
 def _make_private() -> None:
     """The environment of a private local Ray, for this process and the processes Ray starts
     (GCS, raylet, workers inherit it): loopback only, token auth with a fresh per-run token,

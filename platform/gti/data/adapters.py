@@ -1,33 +1,14 @@
 """Readers that turn user files into raw batches with our column names.
 
-What it is for: finding the files behind a configured path (local file, glob, directory, or any
-URI pyarrow/fsspec understands), cutting them into read tasks, and streaming each task as
-batches of Python values under canonical names (`item_id, title, description, category`,
-attribute columns; or `user_id, item_id, ts`). Formats: parquet, CSV/TSV, JSONL/JSON, plus two
-public layouts people already have:
-- `amazon`: Amazon-reviews item metadata (JSON lines, or the 2014 Python-literal lines) with
-  `asin`, `title`, `description` (string or list of strings), `categories` (nested lists; the
-  first path is used, joined with " > ") or `category` (a list), `brand`.
-- `amazon2023`: the Amazon Reviews 2023 metadata / reviews JSON lines (`parent_asin`, list-valued
-  `description` and `features`, `categories`, `details`); see `gti.data.amazon2023`.
-- `movielens`: ml-100k `u.item` (pipe-separated, latin-1, 19 genre flags -> category) and
-  `u.data` (tab-separated user, item, rating, timestamp). The normalised CSV form
-  (items.csv / interactions.csv) is plain `csv`.
-
-Values are handed over untyped on purpose: strings from CSV and JSON stay strings, invalid
-UTF-8 stays bytes, numbers stay numbers, so that `gti.data.catalog` decides what is valid and
-why. A reader-level problem with one row (a JSON line that does not parse, a line that is not
-UTF-8) comes through as that row's `_read_error`, to be quarantined; a problem with a whole file
-(missing required column, unreadable file) raises `DataError` naming the file and column.
-A file that cannot be read, or not past some point (damaged page, truncated compressed
-stream, ragged CSV row), raises `UnreadableFileError`: one line naming the file and, where it is
-known, the row group, data row or line; every read of every format and path (local, URI, driver
-header checks, read tasks) goes through that.
-
-This module is the entry point: `iter_task` picks the reader of a read task and
-`check_header` checks a task's columns before any work starts; where the files are and how
-they are opened lives in `gti.data.sources`, the per-format readers in `gti.data.readers`
-(`gti.data.amazon2023` for the Amazon Reviews 2023 layout).
+What it is for: the entry point of reading. `iter_task` streams a read task (a file, or a range
+of a parquet file's row groups) as batches of Python values under canonical names (`item_id,
+title, description, category`, attributes; or `user_id, item_id, ts`) from parquet, CSV/TSV,
+JSONL/JSON or a public layout (`amazon`, `amazon2023`, `movielens`: docs/data.md);
+`check_header` checks a task's columns before any work starts. Values are handed over untyped
+on purpose, so that `gti.data.catalog` decides what is valid and why: a bad row comes through
+as that row's `_read_error`, a bad file raises `DataError`, an unreadable one
+`UnreadableFileError` naming the file and, where known, the row. Where files are and how they
+are opened: `gti.data.sources`; the per-format readers: `gti.data.readers`.
 
 What it does not know: validation rules, Ray, or where outputs go.
 """

@@ -1,34 +1,14 @@
 """Stage `sft`: full supervised fine-tuning on next-item prediction, on Ray Train + DeepSpeed.
 
-What it is for: starting from the grounded model (`ground/model/`, a standard HF folder whose
-vocabulary already holds the SID tokens), train ALL parameters, the new rows included, on
-user-history -> next-item examples (`gti.train.sft_data`), optionally mixed with the grounding
-pairs (LC-Rec multitask), and export the result.
-
-Flow:
-1. Data: training windows over each user's training items are rendered into token rows by a
-   Ray Data `map_batches` actor (tokenizer loaded once per actor; in this process for a catalog
-   of at most `local_max_items` items and one actor: the same rows); the driver mixes in the
-   grounding pairs, shuffles with the seed, and writes `data/sft_train.parquet` inside the
-   stage's work dir (a rerun after a killed driver reuses it). Validation prompts for
-   `sft.val_users` sampled validation users go to `data/val.parquet`.
-2. Training: `gti.train.sft_run.run_sft` (the SFT runner `gti refresh` uses too: the shared
-   loop with the SFT task's hooks, `gti.train.sft_task.HOOKS`: model, trainable tensors,
-   validation) on the rows of `data/sft_train.parquet` in file order:
-   DeepSpeed ZeRO (`sft.zero_stage`, default 2; 3 supported), `sft.precision` (auto, bf16 or fp32; bf16 = autocast),
-   gradient accumulation, warmup + cosine schedule, checkpoints under `ray_train/` through
-   `ray.train.report` (a restarted worker group or a rerun driver resumes from the latest one;
-   `FailureConfig(max_failures=sft.max_failures)`), and every `sft.val_every` steps Recall@10
-   of constrained beam search on the validation users (`val_recall@10`), their teacher-forced
-   loss on the target SID (`val_loss`) and, with `sft.val_mrr`, the mean reciprocal exact rank
-   of the target among all catalog SIDs (`val_mrr`): learning curves that move before Recall.
-   Optional LoRA (`sft.lora.enabled`): peft adapters on every linear layer of the backbone,
-   the embedding matrix and the output head fully trainable (the paper's appendix variant);
-   `sft.lora.quantize_4bit` (QLoRA) needs bitsandbytes and a GPU, else a ConfigError.
-3. Export (`gti.train.sft_task.rebuild_trained`): the driver rebuilds the same module, loads the trained tensors from the final
-   checkpoint's `trainable.safetensors`, merges LoRA adapters if any, and writes `model/`
-   (standard HF folder + tokenizer + `gti_meta.json` with `sid_map_hash`) and
-   `e_new_sft.safetensors` (`e_new`: the new-token input-embedding rows [V_new, d]).
+What it is for: starting from the grounded model (`ground/model/`, whose vocabulary already
+holds the SID tokens), train ALL parameters on user-history -> next-item examples, optionally
+mixed with the grounding pairs (LC-Rec multitask), and export the result. The rows are
+rendered once into the work dir (a Ray Data actor pool; in this process for a small catalog),
+so a rerun after a killed driver reuses them; training is `gti.train.sft_run.run_sft`, the SFT
+runner `gti refresh` uses too (ZeRO, precision, resumable checkpoints, validation curves:
+Recall@10, the target's loss and optionally exact-rank MRR; optional LoRA); the export rebuilds
+the module from the final checkpoint (`gti.train.sft_task.rebuild_trained`) and writes a
+standard HF folder plus the new rows. Outputs and facts: docs/ARCHITECTURE.md.
 
 What it does not know: how windows are cut or rendered (`gti.train.sft_data`), the training
 loop's internals (`gti.train.loop`), or how the model will be evaluated (`evaluate`).
