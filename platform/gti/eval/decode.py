@@ -2,29 +2,11 @@
 
 What it is for: given a causal LM whose vocabulary was extended with SID tokens, a prompt per
 user and a `SidTrie` of the catalog, return per user the top-K distinct catalog items the model
-ranks highest, with their scores (sum of log-probabilities of the L SID tokens, each a
-log-softmax over the FULL vocabulary, so scores equal those of transformers `generate` with
-`length_penalty=0`).
-
-How it is fast (bench/decode/RESULTS.md, "Constrained decoding"): transformers `generate` copies
-every prompt to all beams before the prefill (U users x W beams prompt rows, most of its time).
-Here the prompts are left-padded into one batch and prefilled ONCE per user; the KV cache is
-then repeated across the W beams (`DynamicCache.batch_repeat_interleave`) and only L-1
-single-token steps follow, with a reorder after each beam selection that moves only the
-generated positions (a user's beams share identical prompt rows; `DynamicCache.reorder_cache`
-would copy the whole cache). The trie's `allowed()` mask is applied as a tensor over the
-new-token slice of the log-probs only, so a step's top-W runs over W x V_new candidates
-instead of W x V.
-
-The result type, the trie protocol, final-beam selection and prompt padding live in
-`gti.eval.beams`; `override_generation_config` (neutralises sampling/top-k/top-p/penalties of
-a checkpoint's generation_config, which would otherwise change the beams and their scores)
-and `generate_with_prefix_fn` (the peer method: `generate` + `prefix_allowed_tokens_fn` over
-the same trie, as LC-Rec and MiniOneRec do) live in `gti.eval.generate`; callers import them
-from there. Also here: `score_all_sids`, the exhaustive teacher-forced reference.
-
-Forward calls use the transformers 5.24 argument `cache=` (`past_key_values=` is deprecated
-there, see `deprecate_kwarg` on `LlamaForCausalLM.forward`).
+ranks highest, with their scores (the sum of the L SID tokens' log-probs over the FULL
+vocabulary, so they equal transformers `generate`'s with `length_penalty=0`), faster than
+`generate` (how: the comment above `_search_batch`). Also here: `score_all_sids`, the
+exhaustive teacher-forced reference. The result type, trie protocol and padding live in
+`gti.eval.beams`; the peer method (`generate` over the same trie) in `gti.eval.generate`.
 
 What it does NOT know: how prompts are rendered (`gti.lm.templates`), how the trie is built
 (`gti.sid.trie`), item ids or titles (callers map trie rows to items), metrics, or Ray.
@@ -133,6 +115,17 @@ def _step_candidates(
 
 
 @torch.no_grad()
+# How the search is fast (bench/decode/RESULTS.md, "Constrained decoding"): transformers `generate` copies
+# every prompt to all beams before the prefill (U users x W beams prompt rows, most of its time).
+# Here the prompts are left-padded into one batch and prefilled ONCE per user; the KV cache is
+# then repeated across the W beams (`DynamicCache.batch_repeat_interleave`) and only L-1
+# single-token steps follow, with a reorder after each beam selection that moves only the
+# generated positions (a user's beams share identical prompt rows; `DynamicCache.reorder_cache`
+# would copy the whole cache). The trie's `allowed()` mask is applied as a tensor over the
+# new-token slice of the log-probs only, so a step's top-W runs over W x V_new candidates
+# instead of W x V.
+# Forward calls use the transformers 5.24 argument `cache=` (`past_key_values=` is deprecated
+# there, see `deprecate_kwarg` on `LlamaForCausalLM.forward`).
 def _search_batch(
     model: Any,
     prompts: list[list[int]],

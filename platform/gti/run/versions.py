@@ -1,32 +1,13 @@
 """Which version of a run is current, which model folder and which SID map go together, and
 whether a SID map is acceptable for a model: the one answer every reader of a run asks for.
 
-What it is for: versioned SID maps in use.
-- The layout `gti refresh` writes: `<run>/refresh/lineage/` (a `gti.sid.versions.LineageDir`:
-  `<hash>.json` + `<hash>.parquet` of the run's base map and of every refreshed version) and
-  `<run>/refresh/v<k>/` (k = 1, 2, ...), each with `_manifest.json`, `sid/sid_map.parquet` +
-  `sid/sid_map.version.json` (the new map and its record, parent hash included), `ingest/`
-  (the new items, their quarantine, the merged sequences) and `model/`. `refresh_versions`
-  lists the finished ones (`RefreshVersion`); `next_version` numbers the next one after the
-  highest, so a version is never numbered over. `find_lineage(map_path)` finds the lineage
-  folder of the run a map file lies in.
-- Bases: each version's manifest records the base it was made on (`facts.base`, `base_record`:
-  the model stage, sft else ground (`find_model_dir`), its manifest fingerprint and creation
-  time, the sid stage's map hash). `current_versions` keeps the versions made on the run's
-  current base and skips each other one (the run retrained since) with one note line.
-- `resolve(run_dir, version)` -> `ResolvedVersion`: None = the newest current refresh, else the
-  run's own stages; 0 = the run's own stages; k = `refresh/v<k>` (refused with one line when
-  it is missing or was made on another base). It names the model folder, the SID map (file,
-  hash, codebook sizes), the base and the refreshes it builds on: what `gti recommend`,
-  `gti serve` and `gti infer` load, and what `gti refresh` builds on.
-- `check_model_map(model_dir, map_hash, map_path=, lineage=)`: the map is the one the model's
-  `gti_meta.json` records (0), or descends from it through k versions (`gti.sid.versions`:
-  parent pointers, same codebooks, the last level may grow, old items keep their SIDs);
-  otherwise `UnrelatedSidMapError` naming both hashes in one line (a map without a version
-  record keeps the old wording, "stale SID map, rerun the stages after 'sid'"), or
-  `MissingSidTokensError` when the map uses codes added after the model's. `check_exact_map`
-  is the strict form (the sft stage trains only on the very map), `check_tokens` the same
-  question asked of a loaded tokenizer.
+What it is for: the layout `gti refresh` writes (`<run>/refresh/lineage/`: every map version of
+the run; `<run>/refresh/v<k>/`: a version's manifest, map and record, new items and model),
+read back: `refresh_versions` and `next_version` (never numbered over), the base each version
+was made on (`base_record`; `current_versions` skips those of a retrained run with one note),
+`resolve(run_dir, version)`, what `gti recommend`, `serve`, `infer` load and `gti refresh`
+builds on, and `check_model_map`, which accepts the model's own map or one descending from it
+(`gti.sid.versions`) and names both hashes in one line otherwise.
 
 What it does not know: models beyond their `gti_meta.json`, tokenizers beyond their vocabulary,
 loading weights, training, Ray. It reads manifests and version records.
