@@ -2,28 +2,13 @@
 
 What it is for: `init_rows(method, old_embeddings, n_new, ...) -> Tensor[V_new, d]` so that a
 comparison between arms differs only in the config key. `old_embeddings` [V_real, d] must be
-the REAL tokenizer rows (rows `[0, len(tokenizer))` before extension), never padding rows of a
-matrix padded past its tokenizer, so the vocabulary statistics are those of actual tokens.
-
-Arms (rows are ordered like the codec's tokens: level-major, then code; rows past the SID
-tokens, e.g. `<sid_start>`/`<sid_end>` markers, always get the vocabulary mean):
-- `mean`: Hewitt's mean of the vocabulary; every new row is the same vector.
-- `mean_noise`: mean + N(0, (noise_std * sigma_j)^2) per dimension j, where sigma_j is the
-  vocabulary's per-dimension std.
-- `random`: isotropic random directions scaled to the vocabulary's mean row norm.
-- `description`: for each code token, the mean input embedding of all text tokens of all
-  items that carry that code at that level (token-weighted: sum of token embeddings / number
-  of tokens). Codes no item carries fall back to the vocabulary mean.
-- `codebook`: the RQ-VAE code vectors of each level mapped into the LM space by an orthonormal
-  map onto the vocabulary's top principal directions. Per level: centre the code vectors,
-  project them through P [code_dim, d] (rows = the first code_dim right singular vectors of the
-  centred vocabulary; if code_dim > d, the codes are first reduced to their own top-d
-  principal components), scale them so their mean norm equals the vocabulary's mean distance
-  from its mean, and add the vocabulary mean. An orthonormal P preserves the code geometry
-  exactly (distances up to one scale per level), so RSA against the codebooks starts at 1;
-  scaling per level keeps residual levels (whose code vectors shrink geometrically) as
-  distinguishable as the first. The PCA basis puts the new rows in directions the LM already
-  uses rather than arbitrary ones. A de-duplication level without code vectors keeps the mean.
+the REAL tokenizer rows (never padding rows of a matrix padded past its tokenizer), so the
+vocabulary statistics are those of actual tokens. Arms: `mean` (Hewitt's mean of the
+vocabulary), `mean_noise`, `random` (random directions at the vocabulary's mean norm),
+`description` (the mean embedding of the text of the items that carry each code) and
+`codebook` (the RQ-VAE code vectors mapped into the LM's space); each is defined where it is
+computed (`init_rows`, `_description_rows`, `_codebook_rows`). Rows follow the codec's token
+order (level-major, then code); rows past the SID tokens (markers) get the vocabulary mean.
 
 What it does NOT know: tokenizers, models, or where rows go (see `gti.lm.new_rows`).
 """
@@ -62,7 +47,9 @@ def vocab_stats(old: Tensor) -> dict[str, Tensor]:
 
 def _description_rows(old: Tensor, n_sid: int, item_codes: Tensor, item_token_ids: Sequence[Sequence[int]],
                       codebook_sizes: Sequence[int], mean: Tensor) -> Tensor:
-    """Rows [n_sid, d]: token-weighted mean embedding of the texts of the items with each code."""
+    """Rows [n_sid, d]: token-weighted mean embedding of the texts of the items with each code
+    at its level (sum of token embeddings / number of tokens); a code no item carries gets the
+    vocabulary mean."""
     item_codes = torch.as_tensor(item_codes, dtype=torch.long)
     n_items, levels = item_codes.shape
     if len(item_token_ids) != n_items:
@@ -99,7 +86,19 @@ def _description_rows(old: Tensor, n_sid: int, item_codes: Tensor, item_token_id
 
 def _codebook_rows(old: Tensor, codebooks: Sequence[Tensor], stats: dict[str, Tensor]) -> Tensor:
     """Rows [sum K_l, d]: each level's code vectors mapped onto the vocabulary's top principal
-    directions, centred on the vocabulary mean, at the vocabulary's spread (see module doc)."""
+    directions, centred on the vocabulary mean, at the vocabulary's spread.
+
+    `codebook`: the RQ-VAE code vectors of each level mapped into the LM space by an orthonormal
+    map onto the vocabulary's top principal directions. Per level: centre the code vectors,
+    project them through P [code_dim, d] (rows = the first code_dim right singular vectors of the
+    centred vocabulary; if code_dim > d, the codes are first reduced to their own top-d
+    principal components), scale them so their mean norm equals the vocabulary's mean distance
+    from its mean, and add the vocabulary mean. An orthonormal P preserves the code geometry
+    exactly (distances up to one scale per level), so RSA against the codebooks starts at 1;
+    scaling per level keeps residual levels (whose code vectors shrink geometrically) as
+    distinguishable as the first. The PCA basis puts the new rows in directions the LM already
+    uses rather than arbitrary ones. A de-duplication level without code vectors keeps the mean.
+    """
     old = old.to(torch.float32)
     d = old.shape[1]
     centred = old - stats["mean"]
@@ -137,7 +136,11 @@ def init_rows(
     codebook_sizes: Sequence[int] | None = None,
     codebooks: Sequence[Tensor] | None = None,
 ) -> Tensor:
-    """Initial new rows, float32 [n_new, d], for `method` in INIT_METHODS.
+    """Initial new rows, float32 [n_new, d], for `method` in INIT_METHODS: `mean` (Hewitt's
+    mean of the vocabulary, every new row the same vector), `mean_noise` (mean + N(0, (noise_std
+    * sigma_j)^2) per dimension j, sigma_j the vocabulary's per-dimension std), `random`
+    (isotropic random directions at the vocabulary's mean row norm), `description`
+    (`_description_rows`), `codebook` (`_codebook_rows`).
 
     old_embeddings: [V_real, d], the real tokenizer rows (no padding rows).
     n_new: number of new rows (SID tokens + markers, if any).

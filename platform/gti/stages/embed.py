@@ -1,25 +1,12 @@
 """Stage `embed`: content embeddings of every catalog item on Ray Data.
 
-What it is for: reading `ingest`'s items.parquet, embedding each item's text (fields from
-`embed.fields`, see `gti.embed.encoders.item_text`) with the configured encoder in a
-`map_batches` callable class over an actor pool (`embed.concurrency` actors,
-`embed.batch_size` items per call, `embed.num_gpus` per actor; a catalog of at most
-`local_max_items` items for one CPU actor: the same class in this process), and writing
-embeddings.parquet: item_id, embedding fixed_size_list<float32>[dim], rows in the same order
-as items.parquet.
-
-Memory stays bounded: the catalog is cut into ranges of items.parquet row groups; each actor
-call reads its range, embeds it batch by batch and writes `parts/part-<idx>.parquet` itself, so
-vectors never pass through the object store or the driver (when they did, the driver's
-resident memory grew with the catalog: shared object-store pages it had touched). The driver
-then joins the parts in range order into embeddings.parquet, checking ids against
-items.parquet row by row, which makes the order deterministic by construction. Parts written
-before a crash are reused on the rerun.
-
-facts.timing: wall seconds of the Ray start, the actor pool (`pool_s`: actor start-up, encoder
-loading and embedding, streamed) and the join of the parts (`concat_s`), plus the actors' own
-seconds summed over actors (`encoder_load_s`, `read_s`, `encode_s`, `write_s`) and
-`encode_items_per_s`, the encoder's rate alone (items / encode_s), to set beside `items_per_s`.
+What it is for: embedding each item's text (`embed.fields`, `gti.embed.encoders.item_text`)
+with the configured encoder in an actor pool (in this process for a small catalog) into
+embeddings.parquet, rows in items.parquet's order. Memory stays bounded: each actor call reads
+a range of items.parquet row groups and writes its own part file, so vectors never pass
+through the object store or the driver; the driver joins the parts in range order, checking
+ids row by row, and a rerun reuses the parts written before a crash. Outputs and facts
+(`encode_items_per_s`: the encoder's rate alone): docs/ARCHITECTURE.md.
 
 What it does not know: how the encoders work (`gti.embed.encoders`), or what the vectors are
 used for downstream.

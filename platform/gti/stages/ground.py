@@ -1,28 +1,14 @@
 """Stage `ground`: extend the LM's vocabulary with the SID tokens, initialise the new rows
 (`init.method`), and ground them on the pair data set with Ray Train + DeepSpeed.
 
-What it does, in order:
-1. Loads the base model and the `pairs` stage's extended tokenizer; the new-token id range
-   `[first, end)` and the real vocabulary size come from the pairs manifest (never from the
-   matrix size, so models padded past their tokenizer work). Refuses pairs built from another
-   SID map than the `sid` stage's (sid_map_hash).
-2. Computes the initial rows with `gti.lm.init.init_rows` from the REAL old rows (input matrix;
-   and output matrix for an untied head): `description` reads item text from `ingest` and codes
-   from `sid`; `codebook` reads `sid/codebooks.safetensors`. Writes `e_new_init.safetensors`.
-3. If `ground.enabled` and `ground.steps > 0`: `gti.train.ground_run.run_grounding` (the
-   grounding runner `gti refresh` and `gti vocab ground` use too) runs the shared loop on
-   `ground.num_workers` workers with the grounding hooks (`gti.train.ground_task`: backbone
-   and old rows frozen, only the new rows in the DeepSpeed optimizer), fed by Ray Data shards
-   of the train pairs; validation is constrained greedy text->SID exact match on
-   `ground.val_samples` held-out title2sid/desc2sid pairs (`gti.train.ground_run.write_val_set`).
-   Ray Train storage is `work_dir/ray_train`, run name `ground` (or the caller's `run_name`), so
-   a rerun after a killed driver resumes from the last checkpoint (the pipeline keeps the
-   partial work dir when the fingerprint is unchanged).
-   Otherwise (the plain init arm) the initial rows are exported as they are, steps_done 0.
-4. Exports `model/`: a standard HF folder (new rows merged back, extended tokenizer,
-   `gti_meta.json` with sid_map_hash and the new-token id range) and `e_new_ground.safetensors`.
-
-Progress: `ctx.log` lines every ~5% of the steps (loss, lr, tokens/s, validation).
+What it is for: the base model is loaded with the `pairs` stage's extended tokenizer (the
+new-token id range comes from the pairs manifest, never from the matrix size, and pairs made
+from another SID map are refused); the new rows are initialised from the REAL old rows
+(`gti.lm.init`); with `ground.enabled` they are grounded by `gti.train.ground_run.run_grounding`
+(the runner `gti refresh` and `gti vocab ground` use too: backbone and old rows frozen,
+validation by constrained text->SID exact match, resumable after a killed driver), else
+exported as initialised (the plain init arms). The model is exported as a standard HF folder
+with the rows before and after grounding beside it. Outputs and facts: docs/ARCHITECTURE.md.
 
 What it does NOT know: how pairs are rendered, how the runner and the loop train
 (gti.train.ground_run, gti.train.loop), SFT.
