@@ -1,31 +1,15 @@
 """Geometry of the new-token embedding matrix E_new: spectra, cosines, block structure, RSA.
 
 What it is for: the numbers behind the paper's geometric evidence, computed from plain arrays
-at initialisation, after grounding and after SFT:
+at initialisation, after grounding and after SFT: singular values and effective rank, how far
+training moved the new rows, mean cosines (among new rows, against old rows), within- vs
+across-level block contrast, and RSA against the RQ-VAE code vectors; `diagnose` gathers them
+for one snapshot. SID rows are assumed level-major (the order of the `sid` stage's
+`new_tokens`); the caller selects them (`gti.stages.report`).
 
-- `singular_values(E)` / `effective_rank(E)`: spectrum of E_new [V_new, d] and its effective
-  rank (Roy & Vetterli 2007) -- exp of the Shannon entropy of the singular values normalised to
-  sum one. Identity [n, n] -> n, any rank-1 matrix -> 1, mean initialisation (all rows equal)
-  -> 1.
-- `row_shift(before, after, old)`: how far training moved the new rows (mean and max L2
-  distance, relative to an old row's norm) and their effective rank before and after.
-- `mean_pairwise_cosine(A)`, `mean_cross_cosine(A, B)`: mean cosine among the rows of A
-  (pairs i < j), and between rows of A and rows of B (e.g. new rows vs a sample of old text
-  rows).
-- `cosine_matrix`, `level_slices`, `block_contrast`: SID-SID cosine matrices ordered by code
-  level; block contrast = mean within-level cosine minus mean across-level cosine (both pooled
-  over pairs, diagonal excluded).
-- `rsa`, `rsa_codes`: representational similarity analysis between the RQ-VAE code vectors and
-  the learned SID embeddings (see `rsa_codes` for how levels are compared).
-
-Rows of E_new that are SID tokens are assumed ordered level-major (all codes of level 0, then
-level 1, ...), which is the order of the `sid` stage's `new_tokens` fact; the caller selects
-those rows (`gti.stages.report` maps tokens to rows through the tokenizer).
-
-What it does not know: where the arrays come from (files, models, Ray) or how they are
-plotted. Inputs may be numpy arrays or torch tensors; everything is computed in float64 numpy.
-Undefined statistics (the correlation of a constant vector, e.g. RSA of a mean-initialised
-matrix whose rows are all equal) are returned as NaN, never as a made-up number.
+What it does not know: where the arrays come from (files, models, Ray) or how they are plotted.
+Everything is computed in float64 numpy; an undefined statistic (e.g. RSA of a mean-initialised
+matrix whose rows are all equal) is NaN, never a made-up number.
 """
 
 from __future__ import annotations

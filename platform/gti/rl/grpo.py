@@ -1,29 +1,13 @@
 """The GRPO objective: group-normalised advantages, per-token log-probs at the SID positions, and
 the clipped policy-gradient loss with a KL penalty to a frozen reference (pure torch).
 
-What it is for: one RL update over a batch of B prompts x G completions.
-`group_advantages` turns rewards [B, G] into advantages (zero mean per group, divided by the
-group's std); `labelled_logprobs` gives the log-prob of every labelled token under a model (the
-label convention of `gti.train.loss`: labels[b, t] is the token at t, IGNORE_INDEX = -100 where
-nothing is predicted, so only the SID tokens of a completion count); `grpo_loss` is
-
-    loss = mean over labelled tokens of  -( min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A)
-                                            - kl_coef * k3 )
-    ratio = exp(logp - logp_old),  k3 = exp(logp_ref - logp) - (logp_ref - logp) - 1
-
-with A the advantage of the token's completion (the same for its L tokens) and logp_old the
-log-probs of the policy that produced the rollouts, before any update on them. On policy
-(`old_logp=None`: the first update of a rollout batch, and every update with
-`rl.updates_per_rollout` 1) logp_old is logp detached, so ratio == 1 in value, nothing is clipped
-and the policy gradient is REINFORCE with group baselines. With several updates per rollout
-batch (`gti.rl.step`), the later updates pass the first one's detached log-probs as `old_logp`:
-the ratio moves off 1 as the policy does, and the clip stops a token's ratio from pushing past
-1 +- eps in the direction its advantage favours (PPO's trust region). `reward_stats` summarises
-a batch's rewards.
-
-Every log-prob here is the full-vocabulary log-softmax at temperature 1, the same quantity the
-beam search scores and SFT's cross-entropy use; the trie mask and the sampling temperature are
-properties of the rollout (behaviour) policy only.
+What it is for: one RL update over a batch of B prompts x G completions: `group_advantages`
+(rewards [B, G] -> zero mean, unit std per group), `labelled_logprobs` (the log-prob of every
+labelled token, so only a completion's SID tokens count), `grpo_loss` (PPO's clipped objective
+with a k3 KL to the reference; with one update per rollout batch it is REINFORCE with group
+baselines) and `reward_stats`. Every log-prob is the full-vocabulary log-softmax at temperature
+1, the quantity the beam search scores and SFT's cross-entropy use; the trie mask and the
+sampling temperature belong to the rollout (behaviour) policy only.
 
 What it does not know: how completions were produced (`gti.rl.rollouts`), what the rewards mean
 (`gti.rl.rewards`), optimizers, DeepSpeed (an engine is run through its own forward), or Ray.
@@ -139,7 +123,18 @@ def grpo_loss(
     clip_eps: float = 0.2,
     kl_coef: float = 0.0,
 ) -> GrpoLoss:
-    """The clipped GRPO objective, a masked mean over the SID tokens.
+    """The clipped GRPO objective, a masked mean over the SID tokens:
+
+        loss = mean over labelled tokens of  -( min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A)
+                                                - kl_coef * k3 )
+        ratio = exp(logp - logp_old),  k3 = exp(logp_ref - logp) - (logp_ref - logp) - 1
+
+    with A the advantage of the token's completion (the same for its L tokens) and logp_old the
+    log-probs of the policy that produced the rollouts, before any update on them. On policy
+    (the first update of a rollout batch, and every update with `rl.updates_per_rollout` 1)
+    ratio == 1 in value, nothing is clipped and the gradient is REINFORCE with group baselines;
+    later updates of the same batch (`gti.rl.step`) move the ratio off 1, and the clip stops a
+    token's ratio from pushing past 1 +- eps in the direction its advantage favours.
 
     logp: [R, T'] token log-probs under the policy (with grad), e.g. `labelled_logprobs`;
     mask: [R, T'] bool, the tokens that count; advantages: [R], one per completion row (a
