@@ -1,27 +1,13 @@
 """Synthetic catalogs and interaction logs for scale tests (`gti data synth`).
 
-What it is for: writing `--items N` items and `--users M` users' interactions that look like a
-product catalog — a three-level category tree (department > family > product type), templated
-titles and descriptions, brands per product type — with sequences driven by latent
-preferences: each user prefers a few product types, picks from them most of the time (with a
-popularity skew inside a type, and a chance to follow the previous item's type) and explores
-uniformly otherwise. That gives the content embeddings, semantic IDs and recommenders real
-structure to find.
-
-Scale: everything is generated in fixed-size chunks with a generator seeded by (seed, chunk
-index), so memory is bounded by one chunk whatever N is (10M items is fine) and the output is
-the same for the same (N, M, seed) on every machine. An item's product type is a function of its
-index (`item % n_types`, through a fixed permutation), so users can sample items of a type
-without any table of all items.
-
-Output: `<out>/items/part-00000.<ext>` ... (item_id, title, description, category, brand) and
-`<out>/interactions/part-00000.<ext>` (user_id, item_id, ts), plus `<out>/synth.json` with the
-parameters and counts. Point `data.items.path` / `data.interactions.path` at the two folders.
-
-`--walk` (`generate_walk`) writes a learnability set instead: the same items, but every user
-walks a fixed random cycle of the catalog (item p[i] -> p[i+1]), so the next item is a
-deterministic function of the previous one; users default to 20 * items, lengths uniform in
-[--min-len, --max-len] (8..14). A pipeline that cannot learn this is broken.
+What it is for: `--items N` items and `--users M` users' interactions that look like a product
+catalog (a category tree, templated titles and descriptions, brands), with sequences driven by
+latent preferences over product types, so embeddings, SIDs and recommenders have structure to
+find. Generated in chunks seeded by (seed, chunk index): memory is one chunk whatever N is, and
+the output is the same for the same (N, M, seed) on every machine. Output: `<out>/items/`,
+`<out>/interactions/` and `<out>/synth.json`. `--walk` (`generate_walk`) writes a learnability
+set instead: every user walks a fixed random cycle of the catalog, so the next item is a
+function of the previous one; a pipeline that cannot learn it is broken.
 
 What it does not know: validation or Ray; it only writes files.
 """

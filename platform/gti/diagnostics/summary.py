@@ -1,26 +1,11 @@
 """The summary `gti run` prints once a run's evaluation is complete (and `gti summary` reprints).
 
-What it is for: one screen that a new user reads at the end of `make demo`:
-- one table: the trained model beside SASRec, Markov-1 and MostPop (the rows of
-  `eval.baselines` present) on the same test users: Recall@5, Recall@10, NDCG@10 and MRR, each
-  with its bootstrap CI, from the evaluate stage's metrics.json (columns at other K when
-  `eval.ks` lacks 5 or 10; MRR from exact ranks where metrics.json has them, the model and
-  SASRec with `eval.exact_rank`, else MRR@K of every row's top K, said under the table); the
-  SASRec row is named by its label ("SASRec (tuned on valid)" when its settings were swept on
-  the valid split); then the paired differences "gti - SASRec", "gti - Markov-1", "gti -
-  MostPop" (metrics.json's "paired": per-user differences on the same users, paired bootstrap
-  CI; '-' where metrics.json has no paired value for a column);
-- one real test user: the end of their history, their true next item and the model's top
-  items, with titles (the first test user of recs.parquet, the evaluate stage's deterministic
-  sample: not chosen for looking good), and where the true item ranked;
-- what grounding did: how far its steps moved the new rows and their effective rank before and
-  after (the ground stage's `rows` fact, `gti.diagnostics.geometry.row_shift`);
-- the wall time of every stage (`duration_s` of each stage manifest; a stage skipped as up to
-  date shows the time of the run that made it);
-- the next commands: the report, `gti recommend` (with that user's history), `gti serve`,
-  `gti infer`.
-`read_run(run_dir, stages)` reads the run folder into a `RunSummary`; `format_summary(s)` is
-the text (pure).
+What it is for: one screen that a new user reads at the end of `make demo`: the trained model
+beside the reference rows on the same test users (Recall, NDCG, MRR with CIs, then the paired
+differences), one real test user (the evaluate stage's first, not chosen for looking good) with
+their history, true next item and the model's top items, what grounding did to the new rows,
+the wall time of every stage, and the next commands to try. `read_run(run_dir, stages)` reads
+the run folder into a `RunSummary`; `format_summary(s)` is the text (pure).
 
 What it does not know: how the numbers were made (`gti.stages.evaluate`), Ray, the config
 (the caller passes the stage order and, optionally, the config path for the commands).

@@ -1,27 +1,13 @@
 """SFT examples for generative recommendation: user history of SIDs -> next item's SID.
 
-What it is for: turning `sequences.parquet` (ingest: user_id, train_items list<str> oldest
-first, valid_item, test_item) and the SID map into token-id rows that the shared training
-loop consumes, in the same row format as the grounding pairs (`input_ids`, `labels` with -100
-outside the answer, `prompt_ids`, `answer_ids`, all list<int32>, plus `task`).
-
-- `sft.objective: window`: training examples are sliding windows over each user's TRAINING
-  items only: for every position i >= 1 the target is train_items[i] and the history
-  train_items[max(0, i-H):i]. `sft.objective: sequence`: the same training items cut into
-  chunks of <= H + 1 items (`training_sequences`), each one row whose every item after the
-  first is a target. Either way the valid and test items never appear as a target or inside a
-  training history.
-- Evaluation prompts (SFT's validation, the evaluate stage) are `gti.eval.slices.eval_windows`.
-- Each training window gets one of the three retrieval templates, drawn by a seeded generator
-  over the window order, so the mix is deterministic and independent of how rows are batched.
-- SID token ids come from the SID codec (one row of L ids per item), never from re-tokenising
-  rendered text; prompts and rows are rendered by `gti.lm.templates` (`RecRenderer`,
-  `make_renderer`, `sid_id_table`).
-- Over-long examples lose their OLDEST history items until they fit `max_len` (the target and
-  the template are never cut).
-- The optional LC-Rec multitask mix appends grounding pairs (split "train") so that there are
-  `round(weight * n_sequence_rows)` of them, drawn by a seeded permutation (cycled when more are
-  asked for than exist), then shuffles the union with the same seed.
+What it is for: turning sequences.parquet and the SID map into token-id rows for the shared
+training loop, in the grounding pairs' row format. `sft.objective: window` makes one row per
+target over each user's TRAINING items (history: the H items before it); `sequence` cuts them
+into chunks whose every item after the first is a target; valid and test items are never a
+target or in a training history. Each window's retrieval template is drawn by a seeded
+generator over the window order; over-long rows lose their OLDEST history items (never the
+target or the template); the LC-Rec multitask mix adds a seeded share of grounding pairs.
+Evaluation prompts are `gti.eval.slices.eval_windows`.
 
 What it does not know: Ray, devices, models, or where files live. It is pure polars/numpy and
 never calls the tokenizer itself (rendering is `gti.lm.templates`).
