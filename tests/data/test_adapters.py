@@ -50,9 +50,11 @@ def test_each_format_round_trips(tmp_path, run_ingest, fmt):
     assert [i["item_id"] for i in items] == ["1", "2", "3"]
     assert items[0]["attributes_text"] == "brand: Pixar" and items[2]["attributes_text"] == ""
     seqs = r.table("sequences").to_pylist()
-    assert seqs[0] == {"user_id": "u1", "train_items": ["1", "2"], "valid_item": "3", "test_item": "1"}
+    assert seqs[0] == {"user_id": "u1", "train_items": ["1", "2"], "valid_item": "3", "test_item": "1",
+                       "valid_items": ["3"], "test_items": ["1"]}
     # u2's timestamps run backwards in the file: sorted chronologically.
-    assert seqs[1] == {"user_id": "u2", "train_items": ["3"], "valid_item": "2", "test_item": "1"}
+    assert seqs[1] == {"user_id": "u2", "train_items": ["3"], "valid_item": "2", "test_item": "1",
+                       "valid_items": ["2"], "test_items": ["1"]}
 
 
 def test_tsv_directory_glob_and_column_mapping(tmp_path, run_ingest):
@@ -82,7 +84,8 @@ def test_no_ts_column_uses_file_order(tmp_path, run_ingest):
     r = run_ingest(ip, xp, "data.interactions.columns.ts=null")
     r.check_accounting()
     seq = r.table("sequences").to_pylist()
-    assert seq[1] == {"user_id": "u2", "train_items": ["1"], "valid_item": "2", "test_item": "3"}
+    assert seq[1] == {"user_id": "u2", "train_items": ["1"], "valid_item": "2", "test_item": "3",
+                       "valid_items": ["2"], "test_items": ["3"]}
     assert r.table("interactions").column("ts").to_pylist()[:4] == [0, 1, 2, 3]
 
 

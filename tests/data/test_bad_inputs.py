@@ -112,7 +112,8 @@ def test_ids_as_floats(tmp_path, files, run_ingest):
     r.check_accounting()
     assert r.table("items").column("item_id").to_pylist() == ["1", "2", "3"]
     assert r.reasons("items_quarantine") == [C.FLOAT_ID, C.MISSING_ID]
-    assert r.table("sequences").to_pylist() == [{"user_id": "7", "train_items": ["1"], "valid_item": "2", "test_item": "3"}]
+    assert r.table("sequences").to_pylist() == [{"user_id": "7", "train_items": ["1"], "valid_item": "2", "test_item": "3",
+                       "valid_items": ["2"], "test_items": ["3"]}]
     assert r.reasons("interactions_quarantine") == [C.UNKNOWN_ITEM]  # "2.5" is a string id not in the catalog
 
 
