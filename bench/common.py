@@ -1,6 +1,8 @@
 """What the bench scripts share: the repository's paths, offline Hugging Face, SmolLM2-135M
 with SID tokens whose rows are noise-initialised, the catalog's random unique SIDs, the bundled
-users as recommendation prompts, and the memory sampler of the scripts that measure memory.
+users as recommendation prompts, the memory sampler of the scripts that measure memory, and what
+the `gti serve` benches (bench/serve/) share: their cached run, its test windows, a private
+local Ray, the deployment of the application, a closed-loop load and latency percentiles.
 
 bench/ is not a package: every script, run as `python bench/<topic>/<script>.py` (or loaded by
 tests through `testkit.load_bench`), puts bench/ on sys.path and imports this module by name:
@@ -16,8 +18,11 @@ ships to Ray must not use it.
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -265,3 +270,166 @@ class MemorySampler:
     def stop(self) -> None:
         self._stop.set()
         self._th.join()
+
+
+# --------------------------------------------------------------------------- `gti serve` benches
+# bench/serve/serve.py, plan.py and soak.py serve the same cached run with the same token and k.
+SERVE_K, SERVE_TOKEN, SERVE_N_NEW = 10, "bench-serve-token", 8  # k per request; admin token; items refresh v1 adds
+SERVE_FULL_OVERRIDES = ["embed.encoder=hash", "embed.dim=64", "sid.method=rqkmeans", "sid.levels=3",
+                        "sid.codebook_size=64", "sid.gates.min_utilisation=0.0", "init.method=random",
+                        "ground.steps=0", "sft.steps=0", "eval.max_users=64", "eval.splits=[test]", "eval.bootstrap=0",
+                        "eval.baselines=[mostpop]"]
+# The run each mode builds (`build_run`) and bench/serve/serve.py's load per mode.
+SERVE_MODES = {
+    "quick": {"config": CONFIGS / "tiny.yaml", "run": "tiny", "overrides": [], "rounds": 1,
+              "requests": {16: 32, 64: 64}, "recommend_calls": 4, "users": 16, "model": "tiny"},
+    "full": {"config": CONFIGS / "demo.yaml", "run": "smollm2", "overrides": SERVE_FULL_OVERRIDES, "rounds": 2,
+             "requests": {16: 128, 64: 256}, "recommend_calls": 8, "users": 64, "model": "smollm2-135m"},
+}
+
+
+def stamped_log(msg: str) -> None:
+    """A progress line on stderr with the time of day (the serve benches' log)."""
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def gti_cli(*args: str) -> None:
+    """The gti CLI in a child process (its own local Ray), output to our stderr."""
+    stamped_log("gti " + " ".join(args))
+    subprocess.run([sys.executable, "-m", "gti", *args], check=True, cwd=ROOT, stdout=sys.stderr)
+
+
+def build_run(mode: dict, work: Path) -> Path:
+    """The run of a `SERVE_MODES` entry (ingest .. sft; up-to-date stages skipped) and its
+    refresh v1 (SERVE_N_NEW items the run left out, SIDs only), cached under `work`."""
+    import polars as pl
+
+    from gti.data import bundled
+    from gti.run.manifest import Manifest
+    from gti.run.versions import current_versions
+
+    run_dir = (work / mode["run"]).resolve()
+    items = pl.read_parquet(bundled.resolve("bundled:amazon-scientific", "items"))
+    n_base = 300 if mode["run"] == "tiny" else items.height - SERVE_N_NEW
+    gti_cli("run", "--config", str(mode["config"]), "--to", "sft", f"run_dir={run_dir}", f"data.max_items={n_base}",
+            *mode["overrides"])
+    if not current_versions(run_dir, note=lambda line: None):
+        sid_map = Manifest.read(run_dir / "sid").output(run_dir / "sid", "sid_map")
+        base = set(pl.read_parquet(sid_map, columns=["item_id"])["item_id"].to_list())
+        new = items.filter(~pl.col("item_id").is_in(list(base))).head(SERVE_N_NEW)
+        path = work / f"{mode['run']}-new-items.parquet"
+        new.write_parquet(path)
+        gti_cli("refresh", "--run-dir", str(run_dir), "--items", str(path), "refresh.ground_steps=0",
+                "refresh.on_full_group=add_tokens")
+    return run_dir
+
+
+def windows(run_dir: Path, n: int | None = None):
+    """The first `n` (all without `n`) test-split windows (user_id, split, history, target) of
+    the run, as evaluate's."""
+    import polars as pl
+
+    from gti.eval.slices import eval_windows
+    from gti.run.loaded import run_config
+    from gti.run.manifest import Manifest
+
+    seqs = pl.read_parquet(Manifest.read(run_dir / "ingest").output(run_dir / "ingest", "sequences"))
+    frame = eval_windows(seqs, "test", run_config(run_dir, "sft").data.max_history)
+    return frame if n is None else frame.head(n)
+
+
+def start_ray(num_cpus: int) -> None:
+    """A private local Ray as `gti serve` starts one (gti.ray_start.ensure_ray: 127.0.0.1 only,
+    no dashboard, a fresh auth token of its own), `num_cpus` CPUs, no progress bars."""
+    import ray
+
+    from gti.config import RunConfig
+    from gti.ray_start import ensure_ray
+
+    ensure_ray(RunConfig(ray_num_cpus=num_cpus))
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = ctx.enable_operator_progress_bars = False
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (for `start_serve`)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def device_options(device: str) -> dict:
+    """The ServeConfig fields of a replica on `device`: cpu, or cuda with one GPU."""
+    return {"device": "cuda", "num_gpus": 1.0} if device == "cuda" else {"device": "cpu"}
+
+
+def deploy(run_dir: Path, port: int, warm: list[str], version: int | None = 0, **cfg_kw) -> dict:
+    """(Re)deploy the `gti serve` application (named "gti", routed from "/", token SERVE_TOKEN)
+    on `version` with the serving defaults plus `cfg_kw`; waits for /readyz and two untimed
+    warm-up requests for `warm`. -> the app's /info."""
+    import httpx
+    from ray import serve
+
+    from gti.config.serve import ServeConfig
+    from gti.serve.app import token_digest
+    from gti.serve.deployment import build_app
+
+    try:
+        serve.delete("gti")
+    except Exception:  # noqa: BLE001 - nothing deployed yet
+        pass
+    cfg = ServeConfig(port=port, max_k=100, **cfg_kw)
+    serve.run(build_app(run_dir, version, cfg, token_digest(SERVE_TOKEN)), name="gti", route_prefix="/")
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):  # the proxy learns the new route a moment after serve.run returns
+        try:
+            r = httpx.get(f"{url}/readyz", timeout=60)
+        except httpx.HTTPError:
+            time.sleep(0.5)
+            continue
+        if r.status_code == 200:
+            for _ in range(2):
+                httpx.post(f"{url}/recommend", json={"history": warm, "k": SERVE_K}, timeout=300)
+            return httpx.get(f"{url}/info", timeout=60).json()
+        time.sleep(0.5)
+    raise RuntimeError(f"gti serve not ready on {url}")
+
+
+async def closed_loop(url: str, bodies: list[dict], n: int, clients: int, stop=None,
+                      on_answer=None) -> tuple[list, float]:
+    """`clients` closed-loop clients (each sends its next request when the previous is answered)
+    POSTing `n` requests to `url`, cycling through `bodies` (with `stop`: until stop(answers) is
+    true; `on_answer(client, answers)` awaited after each answer).
+    -> ([(body index, status, seconds, json)], wall s)."""
+    import asyncio
+
+    import httpx
+
+    out: list = []
+    nxt = iter(range(n))
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(900.0), limits=limits) as client:
+        async def worker() -> None:
+            for i in nxt:
+                if stop is not None and stop(out):
+                    return
+                t = time.perf_counter()
+                try:
+                    r = await client.post(url, json=bodies[i % len(bodies)])
+                    status, body = r.status_code, (r.json() if r.status_code == 200 else None)
+                except Exception as err:  # noqa: BLE001 - a failed request is counted, not raised
+                    status, body = f"{type(err).__name__}: {err}", None
+                out.append((i % len(bodies), status, time.perf_counter() - t, body))
+                if on_answer is not None:
+                    await on_answer(client, out)
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(clients)))
+    return out, time.perf_counter() - t0
+
+
+def percentiles(seconds: list[float], qs: tuple[int, ...] = (50, 95, 99)) -> dict[str, float]:
+    """Latency percentiles `qs` of `seconds` in milliseconds ({"p50_ms": ..}, 0.1 ms; NaN for none)."""
+    import numpy as np
+
+    a = np.asarray(seconds or [float("nan")]) * 1000
+    return {f"p{q}_ms": round(float(np.percentile(a, q)), 1) for q in qs}

