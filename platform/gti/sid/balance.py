@@ -3,14 +3,9 @@
 What it is for: assigning N points to K codes so that every code receives about N/K points
 while each point still prefers near codes. The `sid` stage uses it on the last SID level to
 spread items that collide (as LC-Rec does); balanced residual k-means uses it in the balanced
-steps that end its Lloyd iterations (`gti.sid.kmeans.balanced_kmeans`).
-
-The cost is first shifted per row and scaled by its median gap (`normalise_cost`), so
-`epsilon` is relative to the typical gap between a point's best code and the others. Working with log-potentials keeps
-exp(-cost/epsilon) from underflowing in float32, where the textbook form needs float64.
-`sinkhorn_potentials_scaled` runs the same iterations as two matrix-vector products each on a
-kernel that absorbs the potentials whenever its scalings grow (the stabilised scaling form):
-no exp per iteration, so balanced k-means' fit takes about a quarter of the time.
+steps that end its Lloyd iterations (`gti.sid.kmeans.balanced_kmeans`). The costs are normalised
+first (`normalise_cost`); `sinkhorn_potentials_scaled` is the faster scaling-domain form
+(bench/sid/RESULTS.md, "Balanced k-means with a scaling-domain Sinkhorn").
 
 What it does not know: where the cost comes from (codebooks, residuals), SIDs, Ray.
 """
@@ -57,7 +52,8 @@ def _logsumexp_(x: torch.Tensor, dim: int) -> torch.Tensor:
 def sinkhorn_potentials(
     cost: torch.Tensor, epsilon: float, iters: int, tol: float = 1e-4, v0: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-domain Sinkhorn on cost [N, K] (already normalised).
+    """Log-domain Sinkhorn on cost [N, K] (already normalised). Log-potentials keep
+    exp(-cost/epsilon) from underflowing in float32, where the textbook form needs float64.
 
     Returns (u [N], v [K]) with plan log Q_ij = -cost_ij / epsilon + u_i + v_j, whose rows sum
     to 1/N and columns to 1/K. Stops early once the column marginals are within `tol`
@@ -155,7 +151,8 @@ def sinkhorn_potentials_scaled(
     cost: torch.Tensor, epsilon: float, iters: int, tol: float = 1e-4, v0: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`sinkhorn_potentials` in the scaling domain: the same iterations and stopping rule, each a
-    pair of matrix-vector products on a kernel instead of two log-sum-exps over cost [N, K].
+    pair of matrix-vector products on a kernel instead of two log-sum-exps over cost [N, K]: no
+    exp per iteration, so balanced k-means' fit takes about a quarter of the time.
 
     The kernel A_ij = exp(-cost_ij/epsilon + u_A_i + v_A_j) holds the potentials so far; the
     iterations update scalings a = e^(u - u_A) [N], b = e^(v - v_A) [K] and fold them back into A

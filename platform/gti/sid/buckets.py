@@ -1,15 +1,11 @@
 """The colliding prefix groups S of collision resolution, held bucket by bucket.
 
 What it is for: letting `gti.sid.collide` resolve collisions with at most one bucket of S in
-memory, whatever the share of the catalog that collides. `SBuckets` holds named arrays per
-bucket (S's rows, their codes at each step of the resolution, the colliding rows): in memory
-when there is one bucket, else as raw files in a folder, read back one bucket at a time
-(`get`, which counts the S rows held, `peak_rows`), in pieces (`pieces`) or by row range
-(`slice`). `BucketCodes` is the `gti.sid.resolve.LastCodes` that `sinkhorn_rounds` re-chooses
-last codes on: a round scores the colliders window by window across the buckets and writes
-each bucket's tentative codes as a second generation, so a round that does not help is undone
-by dropping that generation; it holds nothing for all colliders at once. `SortedPieces` streams one bucket's (row, codes) in
-row order, for merging the buckets back into file order.
+memory, whatever the share of the catalog that collides. `SBuckets` holds named arrays per bucket
+(S's rows, their codes at each step of the resolution, the colliding rows). `BucketCodes` is the
+`gti.sid.resolve.LastCodes` that `sinkhorn_rounds` re-chooses last codes on, holding nothing for
+all colliders at once. `SortedPieces` streams one bucket's (row, codes) in row order, for merging
+the buckets back into file order.
 
 What it does not know: how rows were put into buckets (that every prefix group lies in one
 bucket, and rows are ascending inside each, is the caller's promise), embeddings, Ray.
@@ -32,7 +28,8 @@ ROWS = "rows"  # S's rows of a bucket, int64 [s_i] ascending: the name every buc
 
 class SBuckets:
     """Named arrays per bucket 0..parts-1: in memory (`folder` None) or files `s{i}.{name}`
-    under `folder` (removed by `close`). `peak_rows`: the most S rows (bucket sizes) whose
+    under `folder` (removed by `close`), read back one bucket at a time (`get`), in pieces
+    (`pieces`) or by row range (`slice`). `peak_rows`: the most S rows (bucket sizes) whose
     arrays from `get` were alive at once."""
 
     def __init__(self, parts: int, folder: Path | None = None) -> None:

@@ -1,16 +1,10 @@
 """Semantic-ID codec: codes <-> token strings <-> token ids of a given tokenizer.
 
 What it is for: one place that knows how a SID (a row of L integer codes) is spelled as new
-vocabulary tokens (`<a_12><b_201><c_7>` with the default format) and which tokenizer ids those
-tokens have. Later stages build SID token ids from here, never by re-tokenising rendered text
-(a tokenizer may put a separate space token in front of an added token).
-
-Level `l` is spelled with the letter `chr(ord('a') + l)`; level `l` has `codebook_sizes[l]` codes.
-`tokens()` lists every new token level-major (all codes of level a, then level b, ...), which is
-the order in which they are added to the tokenizer, so new-token id = first_new_id + rank.
-(Codes a refresh adds to the last level later, `codes_added`, are appended after whatever the
-tokenizer then ends with, so for a grown codec look ids up through the tokenizer,
-`code_to_token_id_table` / `token_ids`, not with the `*_from_offset` helpers.)
+vocabulary tokens (`<a_12><b_201><c_7>` with the default format; level `l` is the letter
+`chr(ord('a') + l)`) and which tokenizer ids those tokens have. Later stages build SID token ids
+from here, never by re-tokenising rendered text (a tokenizer may put a separate space token in
+front of an added token).
 
 What it does not know: how codes were produced (see `gti.sid.rqvae` / the `sid` stage), how the
 tokenizer is extended (`gti.lm.new_rows`), or anything about Ray. Pure python + torch.
@@ -124,7 +118,11 @@ class SidCodec:
         return self.token_format.format(level=level_letter(level), code=int(code))
 
     def tokens(self) -> list[str]:
-        """All new token strings, level-major then code: [a_0 .. a_{K0-1}, b_0, ...]."""
+        """All new token strings, level-major then code: [a_0 .. a_{K0-1}, b_0, ...]: the order in
+        which they are added to the tokenizer, so new-token id = first_new_id + rank. (Codes a
+        refresh adds to the last level later, `codes_added`, are appended after whatever the
+        tokenizer then ends with, so for a grown codec look ids up through the tokenizer,
+        `code_to_token_id_table` / `token_ids`, not with the `*_from_offset` helpers.)"""
         return list(self._tokens)
 
     def token_rank(self, level: int, code: int) -> int:

@@ -1,30 +1,12 @@
 """Collision resolution with the codes on disk: only the rows that can collide come into memory,
 one bucket of them at a time.
 
-What it is for: keeping the `sid` stage's driver memory independent of the catalog size.
-Greedy codes int32 [N, L] are written batch by batch to a parquet file (`CodesWriter`);
-`scan_codes` streams it once and keeps only what resolution needs: the closed set S (every
-row whose first L-1 codes, its prefix, equal those of a colliding row) with its codes, the
-per-level code counts, and the codes of a few rows asked for. `resolve_subset` runs
-`gti.sid.resolve`'s functions on S alone and gives the same codes, collision rates and level
-usage as on all N rows; `iter_resolved` streams the final codes [N, L'] back in file order.
-
-Why S suffices: a collision needs equal prefixes; Sinkhorn changes only the last code of
-colliding rows and `dedup_reassign` moves a row only to a code free under its own prefix, so
-a row outside S never collides, before or after. On S the functions see the same colliding
-rows in the same order (S is ascending), so the seeded Sinkhorn sample, ties to the lowest row
-and `dedup_extra_level`'s ranks are those of the whole array. With L = 1 every row shares the
-empty prefix: one collision puts all N rows in S (and in one bucket).
-
-Bounded memory: rows are hash-partitioned by prefix into P buckets of about `bucket_rows`
-rows (spilled to a folder when P > 1); every prefix group lies in one bucket, and S stays
-bucket by bucket (`gti.sid.buckets.SBuckets`: on disk when P > 1, in memory when P = 1).
-De-duplication decides within prefix groups, so it runs a bucket at a time; Sinkhorn's
-decisions are global (prices from a sample of all colliders, a round kept or undone on the
-count of all colliders), so each round finds its sample and scores its row windows across the
-buckets, holding one window and one bucket at a time (`gti.sid.buckets.BucketCodes`). The
-figures are integer sums over the buckets, so they are those of the whole array exactly. The final codes are
-merged back into file order from per-bucket files sorted by row.
+What it is for: keeping the `sid` stage's driver memory independent of the catalog size. Greedy
+codes int32 [N, L] are written batch by batch to a parquet file (`CodesWriter`); `scan_codes`
+streams it once and keeps the closed set S (every row whose prefix, its first L-1 codes, equals
+that of a colliding row), hash-partitioned by prefix into buckets; `resolve_subset` runs
+`gti.sid.resolve`'s functions on S alone with the same codes and figures as on all N rows;
+`iter_resolved` streams the final codes [N, L'] back in file order.
 
 What it does not know: embeddings, the quantiser, SID strings, Ray.
 """
@@ -325,6 +307,18 @@ class Resolved:
 
 
 Spread = Callable[[LastCodes, LastCost], int]
+
+# Why S suffices: a collision needs equal prefixes; Sinkhorn changes only the last code of
+# colliding rows and `dedup_reassign` moves a row only to a code free under its own prefix, so a
+# row outside S never collides, before or after. On S the functions see the same colliding rows in
+# the same order (S is ascending), so the seeded Sinkhorn sample, ties to the lowest row and
+# `dedup_extra_level`'s ranks are those of the whole array. With L = 1 every row shares the empty
+# prefix: one collision puts all N rows in S (and in one bucket).
+# Bounded memory: every prefix group lies in one bucket, so de-duplication runs a bucket at a time.
+# Sinkhorn's decisions are global (prices from a sample of all colliders, a round kept or undone on
+# the count of all colliders), so each round scores its row windows across the buckets, holding
+# one window and one bucket at a time. The figures are integer sums over the buckets, so they are
+# those of the whole array exactly.
 
 
 def resolve_subset(scan: CodeScan, sizes: list[int], last_cost: LastCost, dedup: str,

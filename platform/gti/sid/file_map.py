@@ -1,25 +1,13 @@
 """The `sid` stage's outputs for SIDs read from a file (`sid.method: file`).
 
-What it is for: `make_file_map(s, emb_path, work_dir, log)` writes what the stage writes for a
-map it builds, so pairs, ground, sft, evaluate and report read a file map unchanged:
-- sid_map.parquet (item_id, codes list<int32>, sid; rows in embeddings order, which is the
-  catalog's) and its `sid_map_hash` (`gti.sid.mapfile`, the same hash as a built map's);
-- codebooks.safetensors: `level_l` [K_l, dim] for the file's own levels, the residual means
-  of the items' embeddings (level 0: the mean embedding of each code's items; level l: the mean
-  of what levels < l leave over), so `init.method: codebook` and the report's RSA have code
-  vectors; a code no item uses gets zeros. No quantiser is written: nothing can encode a new
-  item into someone else's codes, so `gti refresh` refuses such a run;
-- quarantine.parquet (item_id, reason `no_sid`): with `sid.missing: quarantine`, the catalog
-  items the file lacks (none otherwise);
-- the facts: levels, codebook sizes, token format and new tokens (the codec), the hash, the
-  file's counts (`source`), utilisation and perplexity per level, the share of items whose
-  file SID was shared (`collision_rate_before`), the residual means' reconstruction MSE.
+What it is for: `make_file_map(s, emb_path, work_dir, log)` writes what the stage writes for a map
+it builds (sid_map.parquet and its `sid_map_hash`, codebooks.safetensors, quarantine.parquet, the
+facts), so pairs, ground, sft, evaluate and report read a file map unchanged. No quantiser is
+written: nothing can encode a new item into someone else's codes, so `gti refresh` refuses such
+a run. The checks are `gti.sid.from_file`'s.
 
-The checks are `gti.sid.from_file`'s. Quarantined items must be in no interaction (a DataError
-names the first that is): histories and targets need a SID for every item.
-
-What it does not know: the pipeline, manifests, Ray. The embeddings are read in row batches,
-once per level and once for the MSE.
+What it does not know: the pipeline, manifests, Ray. The embeddings are read in row batches, once
+per level and once for the MSE.
 """
 
 from __future__ import annotations
@@ -83,7 +71,9 @@ def residual_means(emb_path: Path, rows: np.ndarray, codes: np.ndarray, sizes: l
 
 
 def write_map(work_dir: Path, fm: FileMap, codec: SidCodec) -> str:
-    """sid_map.parquet and quarantine.parquet in `work_dir`; returns the map's hash."""
+    """sid_map.parquet (item_id, codes list<int32>, sid; rows in embeddings order, which is the
+    catalog's) and quarantine.parquet (item_id, reason `no_sid`: with `sid.missing: quarantine`
+    the catalog items the file lacks, none otherwise) in `work_dir`; returns the map's hash."""
     ids = pa.array(fm.ids, pa.string())
     sids = sid_strings(codec, torch.from_numpy(fm.codes))
     codes = pa.array([list(map(int, r)) for r in fm.codes], pa.list_(pa.int32()))
@@ -96,7 +86,8 @@ def write_map(work_dir: Path, fm: FileMap, codec: SidCodec) -> str:
 
 
 def check_quarantine_unused(missing: list[str], interactions: Path | None, log: Callable[[str], None]) -> None:
-    """DataError when a quarantined item is in an interaction (it would be a history or a target)."""
+    """DataError when a quarantined item is in an interaction (it would be a history or a target:
+    both need a SID for every item)."""
     if not missing:
         return
     if interactions is None or not interactions.is_file():
@@ -111,7 +102,15 @@ def check_quarantine_unused(missing: list[str], interactions: Path | None, log: 
 
 def make_file_map(s, emb_path: Path, work_dir: Path, log: Callable[[str], None],
                   interactions: Path | None = None) -> tuple[dict[str, str], dict]:
-    """The stage's (outputs, facts) for `s` (a `SidConfig` with method file)."""
+    """The stage's (outputs, facts) for `s` (a `SidConfig` with method file).
+
+    codebooks.safetensors holds `level_l` [K_l, dim] for the file's own levels: the residual means
+    of the items' embeddings (`residual_means`), so `init.method: codebook` and the report's RSA
+    have code vectors; a code no item uses gets zeros. The facts: levels, codebook sizes, token
+    format and new tokens (the codec), the hash, the file's counts (`source`), utilisation and
+    perplexity per level, the share of items whose file SID was shared
+    (`collision_rate_before`), the residual means' reconstruction MSE.
+    """
     from safetensors.torch import save_file
 
     timer = Timer(memory=True)

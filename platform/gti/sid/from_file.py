@@ -1,27 +1,13 @@
 """SID maps from a file (`sid.method: file`): reading, token parsing, checks, duplicates.
 
-What it is for: `read_file_map(sid_cfg, catalog_ids)` turns a map someone else made into the
-codes of our catalog, checked as our own maps are (docs/data.md, "Bring your own SIDs"):
-1. Reading `sid.path`: a JSON object {key: value} (MiniOneRec / LC-Rec `<Dataset>.index.json`;
-   a repeated key is refused) or a parquet table (`item_id` and `codes`, else `sid`, else its
-   two columns in order). A value is a list of int codes, a list of token strings (`<a_12>`:
-   parsed by `sid.token_format`, or by the regex `sid.token_pattern` with groups `code` and
-   `level`) or one SID string of such tokens. Token i must be level i.
-2. Keys: our item ids, or, with `sid.item_json`, indices into their item.json (a list: the
-   position; an object: the key) whose entries name the item (an id, or a record with one of
-   `ID_FIELDS`), or into an LC-Rec `.item2id` (lines `item_id<TAB>index`).
-3. Checks on the catalog's items (the file's other keys are counted and left out): every item
-   covered (else a DataError naming the first missing ids and the count, or with
-   `sid.missing: quarantine` the items left out and listed), one level count, codes in range
-   (`sid.file_codebook_size`, else each level's largest code + 1 is its size), and no SID
-   shared (`sid.duplicates: error`), else one level more numbering each group's items 0, 1, ...
-   in item id order (`gti.sid.resolve.dedup_extra_level`, as TIGER and GRID do).
+What it is for: `read_file_map(sid_cfg, catalog_ids)` turns a map someone else made (a MiniOneRec /
+LC-Rec `<Dataset>.index.json`, or a parquet table) into the codes of our catalog, checked as our
+own maps are (docs/data.md, "Bring your own SIDs"). Every error is a DataError naming the file,
+the item (and the token) it is about. `index_json_entries` / `export_index_json` are the reverse,
+for `gti sid export`: our map in the index.json form.
 
-Every error is a DataError naming the file, the item (and the token) it is about.
-`index_json_entries` is the reverse, for `gti sid export`: our map in the index.json form.
-
-What it does not know: embeddings, the run folder or its manifests, Ray. It holds the whole
-file in memory (a MiniOneRec catalog is 10^4-10^5 items).
+What it does not know: embeddings, the run folder or its manifests, Ray. It holds the whole file
+in memory (a MiniOneRec catalog is 10^4-10^5 items).
 """
 
 from __future__ import annotations
@@ -80,7 +66,9 @@ def _spelling(rx: re.Pattern, pattern: str | None) -> str:
 
 
 def parse_value(item: str, value: Any, rx: re.Pattern, where: str, pattern: str | None = None) -> list[int]:
-    """The codes of one item: a list of ints, of token strings, or one SID string."""
+    """The codes of one item: a list of ints, of token strings (`<a_12>`: parsed by
+    `sid.token_format`, or by the regex `sid.token_pattern` with groups `code` and `level`), or one
+    SID string of such tokens. Token i must be level i."""
     if isinstance(value, str):
         value = split_sid(item, value, rx, where, pattern)
     if not isinstance(value, (list, tuple)) or not value:
@@ -141,7 +129,9 @@ def _read_json(path: Path) -> Any:
 
 
 def read_entries(path: Path) -> list[tuple[str, Any]]:
-    """(key, raw value) of every entry of the map file, in file order."""
+    """(key, raw value) of every entry of the map file, in file order: a JSON object {key: value}
+    (a repeated key is refused) or a parquet table (`item_id` and `codes`, else `sid`, else its two
+    columns in order)."""
     if not path.is_file():
         raise DataError(f"sid.path {path}: no such file")
     if path.suffix == ".json":
@@ -210,7 +200,9 @@ def read_item_names(path: Path) -> dict[str, str]:
 
 
 def read_codes(s) -> dict[str, list[int]]:
-    """item id -> codes of every entry of `s.path` (keys through `s.item_json` when set)."""
+    """item id -> codes of every entry of `s.path`. Keys are our item ids, or, with `s.item_json`,
+    indices into their item.json (whose entries name the item: an id, or a record with one of
+    `ID_FIELDS`) or into an LC-Rec `.item2id` (lines `item_id<TAB>index`)."""
     path = Path(s.path).expanduser()
     entries = read_entries(path)
     if not entries:
@@ -313,7 +305,15 @@ def resolve_duplicates(ids: list[str], codes: np.ndarray, mode: str, token_forma
 
 
 def read_file_map(s, catalog_ids: list[str]) -> FileMap:
-    """The checked map of `s.path` (a `SidConfig` with method file) for the catalog's ids."""
+    """The checked map of `s.path` (a `SidConfig` with method file) for the catalog's ids.
+
+    Checks on the catalog's items (the file's other keys are counted and left out): every item
+    covered (else a DataError naming the first missing ids and the count, or with
+    `sid.missing: quarantine` the items left out and listed), one level count, codes in range
+    (`sid.file_codebook_size`, else each level's largest code + 1 is its size), and no SID shared
+    (`sid.duplicates: error`), else one level more numbering each group's items 0, 1, ... in item
+    id order (`gti.sid.resolve.dedup_extra_level`, as TIGER and GRID do).
+    """
     where = str(Path(s.path).expanduser())
     ids, rows, missing, extra = align(read_codes(s), catalog_ids, s.missing or "error", where)
     codes = check_levels(ids, rows, where)

@@ -2,12 +2,9 @@
 
 What it is for: initialising each RQ-VAE codebook on real residuals (a codebook started from
 noise collapses onto a few codes), and the residual k-means quantiser (`sid.method: rqkmeans`).
-Plain k-means computes distances in chunks so that N x K never has to fit in memory at once.
-Balanced k-means (`balanced_kmeans`) runs plain Lloyd steps until inertia stops falling, then a
-few balanced steps whose Sinkhorn prices are learned on a fixed row sample and warm-started from
-the step before: as fast as faiss's plain k-means at equal iterations, with lower reconstruction
-error and fewer SID collisions than 25 fully balanced steps (bench/sid/RESULTS.md, "Balanced k-means
-at faiss speed").
+Distances are computed in chunks so that N x K never has to fit in memory at once.
+`balanced_kmeans` ends plain Lloyd steps with a few balanced ones (bench/sid/RESULTS.md,
+"Balanced k-means at faiss speed").
 
 What it does not know: which level or residual it is clustering, training, Ray. Randomness comes
 only from the `torch.Generator` passed in, so the same seed gives the same centroids on every
@@ -277,7 +274,10 @@ def balanced_kmeans(x: torch.Tensor, k: int, iters: int = 25, generator: torch.G
     Plain Lloyd steps from k random rows (at most `iters` - BALANCE_STEPS), then the balanced
     Lloyd steps: the assignment is argmax_j(v_j - cost_ij / (scale * epsilon)), cost the squared distances
     shifted to 0 per row, scale their median on the price sample, v the Sinkhorn column
-    potentials (`gti.sid.balance`) of the sample. `iters` of the result counts both kinds.
+    potentials (`gti.sid.balance`) of the sample, learned on a fixed row sample and warm-started
+    from the step before. `iters` of the result counts both kinds. As fast as faiss's plain
+    k-means at equal iterations, with lower reconstruction error and fewer SID collisions than
+    25 fully balanced steps.
     """
     x = x.float().contiguous()
     n = x.shape[0]

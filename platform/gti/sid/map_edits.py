@@ -1,32 +1,14 @@
 """Editing a frozen SID map: new items in, removed items out, never moving an existing SID.
 
-What it is for: a catalog changes after a map is frozen.
-- `assign_new_items(existing_map, new_item_ids, new_codes_prefix, codebook_sizes, ...)`: given
-  the frozen quantiser's codes for new items (its levels only, without the de-duplication
-  level) and the existing map, give every new item a full SID without changing any existing
-  item's SID. With a de-duplication level (`sid.dedup: extra_level`), the extra code is the
-  smallest one free within the item's prefix group (equal quantiser codes). Without one, a new
-  item takes its quantiser codes when that SID is free; if it is taken and the caller passes
-  `last_cost` (distances to the last codebook, as `dedup_reassign` uses), the cheapest
-  last-level code still free under its first L-1 codes. An item that fits nowhere (its group
-  already uses every code of the extra level, or no free code is left) is returned in
-  `needs_new_tokens` with a reason: never dropped, never given a duplicate. Ids already in the
-  map keep their old SID and are reported (`already_present`, and `prefix_changed` when the
-  quantiser now puts them elsewhere).
-- `add_last_level_codes(assignment, codebook_sizes, token_format)` (`gti refresh` with
-  `refresh.on_full_group: add_tokens`): the items `assign_new_items` left in
-  `needs_new_tokens` get codes past the end of the last level: the last level grows by exactly
-  as many codes as the fullest group needs, and each item takes the smallest free code >= the
-  old size in its group (the quantiser prefix with a de-duplication level, else its first L-1
-  codes). Old SIDs unchanged, every SID unique, nothing dropped; the grown sizes are returned
-  (`Growth`) for the new map's version record and the vocabulary. Only the last level grows:
-  its codes are the only ones no quantiser codebook vector stands for.
-- `remove_items(map, ids)`: a removed item simply leaves the map (and so the trie).
-- `map_table(ids, codes, codec)`: a map table from full codes.
+What it is for: a catalog changes after a map is frozen. `assign_new_items` gives new items full
+SIDs from the frozen quantiser's codes; `add_last_level_codes` (`gti refresh` with
+`refresh.on_full_group: add_tokens`) grows the last level for the items that fit nowhere else;
+`remove_items` takes items out; `map_table` builds a map table from full codes.
 
 A SID map is a pyarrow table `item_id` str, `codes` list<int32>, `sid` str (the `sid` stage's
-sid_map.parquet; `gti.data.schemas.SID_MAP_SCHEMA`). Versions of a map and their lineage are `gti.sid.versions`. What it does not
-know: embeddings, quantiser weights, version records, models, Ray.
+sid_map.parquet; `gti.data.schemas.SID_MAP_SCHEMA`); its versions and lineage are
+`gti.sid.versions`. What it does not know: embeddings, quantiser weights, version records,
+models, Ray.
 """
 
 from __future__ import annotations
@@ -192,7 +174,14 @@ def assign_new_items(
     *,
     last_cost: np.ndarray | torch.Tensor | None = None,
 ) -> Assignment:
-    """Full SIDs for new items that leave every existing SID unchanged (see module doc).
+    """Full SIDs for new items that leave every existing SID unchanged.
+
+    With a de-duplication level (`sid.dedup: extra_level`) the extra code is the smallest one free
+    within the item's prefix group (equal quantiser codes). Without one, a new item takes its
+    quantiser codes when that SID is free, else (with `last_cost`) the cheapest last-level code
+    still free under its first L-1 codes. An item that fits nowhere is returned in
+    `needs_new_tokens` with a reason: never dropped, never given a duplicate. Ids already in the
+    map keep their old SID (`already_present`, `prefix_changed`).
 
     existing_map: the current map (item_id, codes, sid).
     new_item_ids: [M] ids (unique).
@@ -272,7 +261,11 @@ def _group_key(need: NeedsNewToken, levels: int) -> tuple[int, ...]:
 
 def add_last_level_codes(assignment: Assignment, codebook_sizes: Sequence[int],
                          token_format: str = "<{level}_{code}>") -> Growth:
-    """Place `assignment.needs_new_tokens` on new codes of the last level (see module doc).
+    """Place `assignment.needs_new_tokens` on new codes of the last level.
+
+    Old SIDs unchanged, every SID unique, nothing dropped; the grown sizes (`Growth`) go to the new
+    map's version record and the vocabulary. Only the last level grows: its codes are the only
+    ones no quantiser codebook vector stands for.
 
     codebook_sizes: the sizes `assignment` was made with (`assign_new_items`'s argument).
     Deterministic: items in `needs_new_tokens` order, each on the smallest free code >= the old

@@ -1,27 +1,13 @@
 """Making every item's SID unique: collision statistics, Sinkhorn spreading, de-duplication.
 
-What it is for: after greedy quantisation several items can share a SID (a collision). The
-`sid` stage resolves them in two steps:
-1. `sinkhorn_resolve` (as LC-Rec does): the colliding items' last-level codes are re-chosen
-   together by a Sinkhorn-balanced assignment, which forces near-identical items apart because
-   no code may take more than its share; repeated while it helps. At millions of colliders the
-   balancing prices are learned on a seeded sample and applied to all of them window by
-   window. The rounds (`sinkhorn_rounds`) run on any `LastCodes`: the whole array in memory
-   (`sinkhorn_resolve`), or the colliding prefix groups bucket by bucket (`gti.sid.buckets`),
-   with the same sample and windows, so the same codes.
-2. De-duplication of whatever still collides: `dedup_extra_level` appends one level whose code
-   numbers the members of each collision group 0..n-1 (every other item gets 0), or
-   `dedup_reassign` moves all but one member of each group to the nearest last-level code that
-   is free under the same prefix (falling back to an extra level where a prefix is full).
-   Both decide within prefix groups only: a group's codes depend on its own rows alone (a
-   group where nothing can move stays as it is, so stopping when nothing moves anywhere, or
-   after `max_rounds`, leaves it as stopping for it alone would). So they give the same codes
-   run on any set of whole prefix groups at a time; only whether an extra level is added at
-   all is a decision over every row.
+What it is for: after greedy quantisation several items can share a SID (a collision). The `sid`
+stage resolves them in two steps: `sinkhorn_rounds` re-chooses the colliding items' last-level
+codes by a Sinkhorn-balanced assignment (as LC-Rec does), on any `LastCodes` (the whole array in
+memory, or the colliding prefix groups bucket by bucket: `gti.sid.buckets`); then
+`dedup_extra_level` or `dedup_reassign` de-duplicates whatever still collides.
 
-Re-scoring the last level needs distances from an item's last residual to the last codebook;
-the caller passes them as `last_cost(rows) -> [n, K]`, so this module never sees embeddings
-or models. Pure torch and numpy; no Ray.
+What it does not know: embeddings or models (the caller passes the distances from an item's last
+residual to the last codebook as `last_cost(rows) -> [n, K]`), Ray. Pure torch and numpy.
 """
 
 from __future__ import annotations
@@ -215,7 +201,8 @@ def sinkhorn_rounds(
     min_gain: float = 0.0,
     log: Callable[[str], None] | None = None,
 ) -> int:
-    """Re-assign the last code of colliding items by balanced Sinkhorn, up to `rounds` times.
+    """Re-assign the last code of colliding items by balanced Sinkhorn, up to `rounds` times:
+    no code may take more than its share, which forces near-identical items apart.
 
     Returns the rounds run; `store` holds the codes. In each round, the colliders' last-level
     costs (`last_cost(rows)`, rows as the store numbers them) give K column prices by one
@@ -258,6 +245,11 @@ def sinkhorn_rounds(
     return done
 
 
+# Both de-duplications decide within prefix groups only: a group's codes depend on its own rows
+# alone (a group where nothing can move stays as it is, so stopping when nothing moves anywhere,
+# or after `max_rounds`, leaves it as stopping for it alone would). So they give the same codes
+# run on any set of whole prefix groups at a time (`gti.sid.collide` runs them bucket by bucket);
+# only whether an extra level is added at all is a decision over every row.
 def dedup_extra_level(codes: torch.Tensor) -> torch.Tensor:
     """Append a level numbering the members of each collision group (0..n-1, in row order).
 

@@ -1,24 +1,14 @@
 """Residual-quantisation VAE (RQ-VAE) for semantic IDs, as a plain torch module.
 
 What it is for: mapping item content embeddings x [N, D] to L discrete codes per item. An MLP
-encoder gives z [N, code_dim]; L codebooks [K, code_dim] quantise z residually (level l picks
-the code nearest to what levels < l left over); an MLP decoder reconstructs x from the sum of
-the chosen code vectors. Trained with reconstruction MSE + per-level codebook and commitment
-losses, gradients passed through the quantiser by the straight-through estimator or, as an
-option, the rotation trick (Fifty et al. 2024). Codebooks are initialised by k-means on real
-residuals (`init_codebooks`), and codes left unused are re-seeded from residuals of the current
-batch (`revive_dead_codes`); an optional diversity term pushes the batch's soft code usage
-towards uniform. As in LC-Rec, the last level can pick its training codes by Sinkhorn balanced
-assignment over the batch (`train_sinkhorn_epsilon` > 0), which spreads items over that
-level's codebook (`train_sinkhorn_levels` > 1: as many of the last levels; the sid stage's
-default is every level); inference
-(`encode`) is always the greedy nearest code. Linear layers start Xavier-normal (as the
-reference RQ-VAE code does): with PyTorch's default init the encoder's outputs start small and
-levels 2-4 use far fewer codes (measured in bench/RESULTS.md).
+encoder gives z [N, code_dim]; L codebooks [K, code_dim] quantise z residually (level l picks the
+code nearest to what levels < l left over); an MLP decoder reconstructs x from the sum of the
+chosen code vectors. Training choices are on `RQVAE`; measured in bench/sid/RESULTS.md,
+"Semantic IDs". Shares the quantiser interface of `gti.sid.quantizer` with residual k-means.
 
 What it does not know: data loading, distributed training (the `sid` stage's worker loop
 all-reduces usage counts and broadcasts revived codes), collision handling (`gti.sid.resolve`),
-Ray. Shares the quantiser interface of `gti.sid.quantizer` with residual k-means.
+Ray.
 """
 
 from __future__ import annotations
@@ -99,7 +89,8 @@ class RQVAEConfig:
 
 def mlp(dims: list[int], dropout: float) -> nn.Sequential:
     """Dropout -> Linear -> ReLU blocks; no activation after the last Linear. Linear weights
-    Xavier-normal, biases zero."""
+    Xavier-normal, biases zero (as the reference RQ-VAE code does): with PyTorch's default init
+    the encoder's outputs start small and levels 2-4 use far fewer codes."""
     mods: list[nn.Module] = []
     for i, (a, b) in enumerate(zip(dims[:-1], dims[1:])):
         if dropout > 0:
@@ -143,7 +134,18 @@ class RQOutput:
 
 
 class RQVAE(nn.Module):
-    """RQ-VAE over inputs of size cfg.in_dim; see the module docstring."""
+    """RQ-VAE over inputs of size cfg.in_dim; see the module docstring.
+
+    Trained with reconstruction MSE + per-level codebook and commitment losses, gradients passed
+    through the quantiser by the straight-through estimator or, as an option, the rotation trick
+    (`rotate_to`, Fifty et al. 2024). Codebooks are initialised by k-means on real residuals
+    (`init_codebooks`); codes left unused are re-seeded from residuals of the current batch
+    (`revive_dead_codes`); an optional diversity term pushes the batch's soft code usage towards
+    uniform. As in LC-Rec, the last level can pick its training codes by Sinkhorn balanced
+    assignment over the batch (`train_sinkhorn_epsilon` > 0; `train_sinkhorn_levels` > 1: as many
+    of the last levels, the sid stage's default is every level). `encode` is always the greedy
+    nearest code.
+    """
 
     method = "rqvae"
 

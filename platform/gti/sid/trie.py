@@ -4,16 +4,7 @@ What it is for: constrained decoding. At step t a beam search holds B = users x 
 of t SID tokens and needs, per row, the mask of new tokens that extend the prefix towards some
 catalog item; after L steps it needs the item each finished SID names. `allowed()` answers the
 first for a whole batch at once and `item_index()` the second; no Python loop runs per beam
-(only one per depth, at most L).
-
-Layout: tokens are made local (`token - vocab_new_start`, in [0, V_new)). Depth d holds the
-sorted unique keys `parent_node * V_new + token` of every edge leaving depth d; the position of
-a key in that array is the child's node id at depth d+1. Because the keys are sorted by parent
-first, they are also a CSR of each node's children, so a node's allowed tokens are one
-contiguous slice. Finding the node of a prefix is one `searchsorted` per depth. Where
-`n_nodes(d) * V_new` is small, a dense bool table per depth is kept as well and `allowed()` is a
-single gather; otherwise the mask is built from the CSR slices with repeat_interleave + scatter.
-Memory is O(N * L) plus the optional dense tables.
+(only one per depth, at most L). The layout is on `SidTrie`.
 
 What it does not know: tokenizers or code spelling (see `gti.sid.codec`), models, Ray.
 """
@@ -34,6 +25,15 @@ class SidTrie:
 
     Duplicate SIDs are allowed; `item_index` then returns the lowest row (`has_duplicates`
     says whether that happened; a finished `sid` stage never produces them).
+
+    Layout: tokens are made local (`token - vocab_new_start`, in [0, V_new)). Depth d holds the
+    sorted unique keys `parent_node * V_new + token` of every edge leaving depth d; the position
+    of a key in that array is the child's node id at depth d+1. Because the keys are sorted by
+    parent first, they are also a CSR of each node's children, so a node's allowed tokens are
+    one contiguous slice. Finding the node of a prefix is one `searchsorted` per depth. Where
+    `n_nodes(d) * V_new` is small, a dense bool table per depth is kept as well and `allowed()`
+    is a single gather; otherwise the mask is built from the CSR slices with repeat_interleave +
+    scatter. Memory is O(N * L) plus the optional dense tables.
     """
 
     def __init__(

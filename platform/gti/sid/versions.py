@@ -1,29 +1,14 @@
 """Versioned SID maps: the record of each version of a map and the lineage that lets a model
 trained on one map version accept a later one.
 
-What it is for: a catalog changes, so a map has versions (editing a map, new items in and
-removed items out, is `gti.sid.map_edits`):
-- `SidMapVersion`: the record written beside a map (`<map>.version.json`): its hash
-  (`sid_map_hash`, the same function the `sid` stage uses), the parent's hash, item count,
-  the codebooks' identity (`codebooks_hash` of codebooks.safetensors, plus the codebook sizes
-  and token format that spell the vocabulary) and a creation time.
-- `descends_from(...)`, `check_map_for_model(...)`: a map *descends* from the model's map when
-  the parent pointers lead there, every version on the way has the codebook identity of the
-  one before it (`identity_problem`: the same codebooks, token format and sizes, except that
-  the last level's size may grow, which a refresh with `refresh.on_full_group: add_tokens`
-  does), and (checked on the tables whenever they are available, never only by the pointers)
-  every item of the ancestor map that is still present has the same SID.
-  `check_map_for_model` raises `UnrelatedSidMapError` with one line naming both hashes
-  otherwise, and `MissingSidTokensError` (one line naming the missing tokens and both hashes)
-  when the map descends from the model's but uses codes added after it: that model's
-  vocabulary lacks those tokens.
-- `LineageDir(folder)`: a folder of version records (`<hash>.json`) and, optionally, their
-  tables (`<hash>.parquet`) to look ancestors up in; any mapping {hash: SidMapVersion} works too.
+What it is for: a catalog changes, so a map has versions. `SidMapVersion` is the record written
+beside a map (`<map>.version.json`); `descends_from` / `check_map_for_model` decide whether a map
+descends from a model's map (parent pointers, the same codebook identity, and every surviving
+item keeping its SID, checked on the tables whenever they are available); `LineageDir` is a
+folder of records and tables to look ancestors up in.
 
-A SID map is a pyarrow table `item_id` str, `codes` list<int32>, `sid` str (the `sid` stage's
-sid_map.parquet). What it does not know: how a map is edited (`gti.sid.map_edits`), which
-map and model a run uses and where its versions lie (`gti.run.versions`), embeddings,
-quantiser weights, models, Ray.
+What it does not know: how a map is edited (`gti.sid.map_edits`), which map and model a run uses
+and where its versions lie (`gti.run.versions`), embeddings, quantiser weights, models, Ray.
 """
 
 from __future__ import annotations
@@ -81,7 +66,10 @@ def codebooks_hash(codebooks: Mapping[str, torch.Tensor] | str | Path) -> str:
 # --------------------------------------------------------------------------- version records
 @dataclass(frozen=True)
 class SidMapVersion:
-    """What identifies one version of a SID map (written beside it as JSON)."""
+    """What identifies one version of a SID map (written beside it as JSON): its hash
+    (`sid_map_hash`, as the `sid` stage records it), the parent's hash, item count, the
+    codebooks' identity (`codebooks_hash`, sizes and token format that spell the vocabulary) and
+    a creation time."""
 
     hash: str
     parent_hash: str | None
@@ -163,7 +151,8 @@ def write_map(map_path: str | Path, table: pa.Table, version: SidMapVersion) -> 
 
 
 class LineageDir:
-    """A folder of version records `<hash>.json`, with optional tables `<hash>.parquet`."""
+    """A folder of version records `<hash>.json`, with optional tables `<hash>.parquet` (any
+    mapping {hash: SidMapVersion} works too where a lineage is asked for)."""
 
     def __init__(self, folder: str | Path) -> None:
         self.folder = Path(folder)
