@@ -2,25 +2,11 @@
 and how well a model maps a description to its token.
 
 What it is for: `gti.vocab_ground` grounds arbitrary new tokens (tool calls, knowledge-graph
-nodes, product codes) the way gti grounds SID tokens. This module holds what needs no Ray:
-- `NewToken(token, descriptions, eval_descriptions)`, `read_tokens(path)`: a JSONL file (one
-  `{"token": "<tool_search>", "descriptions": ["...", ...]}` per line; optional
-  `"eval_descriptions"`, held out of training and used for validation) or a YAML/JSON list of
-  the same objects. Unknown keys, empty descriptions and duplicate tokens are DataErrors naming
-  the file and line/entry.
-- `DEFAULT_TEMPLATES` / `pair_templates(templates)`: the two directions, description -> token
-  (`desc2token`, slot `{description}`) and token -> description (`token2desc`, slot `{token}`).
-  They are rendered by `gti.lm.templates.PairRenderer` as its `desc2sid` / `sid2desc` tasks
-  (a token is a one-level "SID"), so chat template, answer-only labels and text cutting are
-  exactly those of gti's grounding pairs.
-- `render_pairs(tokenizer, tokens, token_ids, ...)`: one row per (token, description, task):
-  split "train" for `descriptions`, "val" for `eval_descriptions`.
-- `initial_rows(method, model, n_real, description_ids, ...)`: `gti.lm.init.init_rows` for any
-  `init.method` except `codebook` (no code vectors here); `description` = token-weighted mean
-  embedding of all of a token's descriptions.
-- `description_ranks(model, prompts, targets, new_ids)`: the rank of each prompt's right token
-  among the new tokens by next-token logit (1 = top), for the example's accuracy-vs-chance
-  figure.
+nodes, product codes) the way gti grounds SID tokens; this module holds what needs no Ray:
+`read_tokens` (the token file), `pair_templates` / `render_pairs` (description -> token and
+token -> description pairs, rendered by `gti.lm.templates.PairRenderer` with a token as a
+one-level "SID", so chat template, answer-only labels and text cutting are those of gti's
+grounding pairs), `initial_rows`, and `description_ranks` (the accuracy-vs-chance figure).
 
 What it does NOT know: Ray, training, where files go (see `gti.vocab_ground`).
 """
@@ -37,6 +23,8 @@ import torch
 from gti.common.errors import ConfigError
 from gti.common.errors import DataError
 
+# The two directions: description -> token (`desc2token`, slot `{description}`) and token ->
+# description (`token2desc`, slot `{token}`), rendered as PairRenderer's desc2sid / sid2desc.
 DEFAULT_TEMPLATES: dict[str, str] = {
     "desc2token": "Which token is described here? {description}",
     "token2desc": "Briefly describe the token {token}.",
@@ -49,6 +37,9 @@ VAL_TASK = "desc2token"
 
 @dataclass(frozen=True)
 class NewToken:
+    """A new token, its training descriptions, and `eval_descriptions` held out of training and
+    used for validation."""
+
     token: str
     descriptions: tuple[str, ...]
     eval_descriptions: tuple[str, ...] = field(default_factory=tuple)
@@ -98,7 +89,10 @@ def parse_tokens(entries: Sequence[Any], source: str = "<tokens>", labels: Seque
 
 
 def read_tokens(path: str | Path) -> list[NewToken]:
-    """Tokens from a JSONL file (`.jsonl`), or a YAML / JSON list (anything else)."""
+    """Tokens from a JSONL file (`.jsonl`: one `{"token": "<tool_search>", "descriptions": ["...",
+    ...]}` per line, optional `"eval_descriptions"`), or a YAML / JSON list of the same objects
+    (anything else). Unknown keys, empty descriptions and duplicate tokens are DataErrors naming
+    the file and line/entry."""
     p = Path(path)
     if not p.is_file():
         raise DataError(f"{p}: tokens file not found")
@@ -149,7 +143,8 @@ def render_pairs(tokenizer, tokens: Sequence[NewToken], token_ids: Sequence[int]
                  templates: dict[str, str] | None = None, system_prompt: str = "You are a helpful assistant.",
                  max_len: int = 128) -> dict[str, list]:
     """Columns item_id (the token string), task (desc2token / token2desc), split, input_ids,
-    labels, prompt_ids, answer_ids, truncated; one row per (token, description, task)."""
+    labels, prompt_ids, answer_ids, truncated; one row per (token, description, task): split
+    "train" for `descriptions`, "val" for `eval_descriptions`."""
     from gti.lm.templates import PairRenderer
 
     back = {v: k for k, v in _TASK_MAP.items()}
@@ -183,9 +178,11 @@ def description_prompts(pairs: dict[str, list], token_ids: dict[str, int], split
 def initial_rows(method: str, model, n_real: int, n_new: int, *,
                  description_ids: Sequence[Sequence[Sequence[int]]] | None = None,
                  noise_std: float = 0.02, seed: int = 0) -> dict[str, torch.Tensor]:
-    """{"e_new": [n_new, d]} (+ "head_new" for an untied head) by `gti.lm.init.init_rows`.
+    """{"e_new": [n_new, d]} (+ "head_new" for an untied head) by `gti.lm.init.init_rows`, for any
+    `init.method` except `codebook` (no code vectors here).
 
-    description_ids: per new token, the token ids of each of its descriptions (`description`).
+    description_ids: per new token, the token ids of each of its descriptions (`description`:
+    the token-weighted mean embedding of all of a token's descriptions).
     """
     from gti.lm import init as lm_init
     from gti.lm import new_rows

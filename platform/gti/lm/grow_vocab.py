@@ -1,15 +1,10 @@
 """Growing an already extended vocabulary: SID tokens appended to a model that has SID rows.
 
-What it is for: `gti refresh` with `refresh.on_full_group: add_tokens` adds codes to the last
-SID level (`gti.sid.map_edits.add_last_level_codes`); their tokens must reach the model the
-refresh continues from. `append_tokens(model, tokenizer, new_tokens, like_ids)` adds them at the
-end of the tokenizer (one token each, contiguous ids, `gti.lm.new_rows.extend_tokenizer`) and
-gives the model a row for each (input embedding, and the output head when it is untied), built
-with the surgery helpers of `gti.lm.new_rows` (attach the rows, merge them back): every old row
-stays bit-identical, a matrix padded past its tokenizer (Qwen3) gets the rows on its padding,
-a tied head keeps sharing one matrix. Each added row starts as the mean of the rows
-`like_ids` (the existing tokens of the same level, `level_mean`): where mean initialisation
-would put a token of that level; a grounding pass then trains them with the other SID rows.
+What it is for: `gti refresh` with `refresh.on_full_group: add_tokens` adds codes to the last SID
+level (`gti.sid.map_edits.add_last_level_codes`); their tokens must reach the model the refresh
+continues from. `append_tokens(model, tokenizer, new_tokens, like_ids)` adds them at the end of
+the tokenizer and gives the model a row for each, the mean of its level's rows (`level_mean`);
+a grounding pass then trains them with the other SID rows.
 
 What it does NOT know: which codes were added or why (the caller passes the token strings and
 the ids of their level's existing tokens), training, files, Ray.
@@ -40,7 +35,12 @@ def append_tokens(model, tokenizer, new_tokens: Sequence[str], like_ids: Sequenc
     """Append `new_tokens` to `tokenizer` and `model` (in place); return their ids `[first, end)`.
 
     like_ids: tokenizer ids of the existing tokens of the level the new ones belong to; each
-    new row (input, and untied head) is their mean (`level_mean` of that matrix).
+    new row (input, and untied head) is their mean (`level_mean` of that matrix): where mean
+    initialisation would put a token of that level.
+    The tokens get contiguous ids, one token each (`gti.lm.new_rows.extend_tokenizer`), and the
+    rows are built with `gti.lm.new_rows`' surgery (attach the rows, merge them back): every old
+    row stays bit-identical, a matrix padded past its tokenizer (Qwen3) gets the rows on its
+    padding, a tied head keeps sharing one matrix.
     The model must be a plain HF model (no split modules attached); afterwards it is one
     again, with `config.vocab_size` covering the new ids. VocabError when a token is in the
     tokenizer already.

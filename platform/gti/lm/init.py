@@ -1,14 +1,11 @@
 """Initialisation arms for the new SID-token rows: one function, chosen by `init.method`.
 
 What it is for: `init_rows(method, old_embeddings, n_new, ...) -> Tensor[V_new, d]` so that a
-comparison between arms differs only in the config key. `old_embeddings` [V_real, d] must be
-the REAL tokenizer rows (never padding rows of a matrix padded past its tokenizer), so the
-vocabulary statistics are those of actual tokens. Arms: `mean` (Hewitt's mean of the
-vocabulary), `mean_noise`, `random` (random directions at the vocabulary's mean norm),
-`description` (the mean embedding of the text of the items that carry each code) and
-`codebook` (the RQ-VAE code vectors mapped into the LM's space); each is defined where it is
-computed (`init_rows`, `_description_rows`, `_codebook_rows`). Rows follow the codec's token
-order (level-major, then code); rows past the SID tokens (markers) get the vocabulary mean.
+comparison between arms differs only in the config key. Arms: `mean`, `mean_noise`, `random`,
+`description` and `codebook`; each is defined where it is computed (`init_rows`,
+`_description_rows`, `_codebook_rows`). `old_embeddings` [V_real, d] must be the REAL tokenizer
+rows (never padding rows of a matrix padded past its tokenizer), so the vocabulary statistics are
+those of actual tokens.
 
 What it does NOT know: tokenizers, models, or where rows go (see `gti.lm.new_rows`).
 """
@@ -143,7 +140,9 @@ def init_rows(
     (`_description_rows`), `codebook` (`_codebook_rows`).
 
     old_embeddings: [V_real, d], the real tokenizer rows (no padding rows).
-    n_new: number of new rows (SID tokens + markers, if any).
+    n_new: number of new rows (SID tokens + markers, if any). Rows follow the codec's token
+        order (level-major, then code); rows past the SID tokens (markers) get the vocabulary
+        mean.
     noise_std: `mean_noise` std relative to the per-dimension vocabulary std.
     generator: torch.Generator for `mean_noise` / `random` (deterministic per seed).
     item_codes: LongTensor[N_items, L] codes per item (`description`).

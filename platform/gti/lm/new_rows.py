@@ -1,30 +1,12 @@
 """Vocabulary surgery: adding SID tokens to an HF causal LM with the new rows in their own
 parameter, and merging them back for export.
 
-What it is for:
-- `extend_tokenizer(tokenizer, new_tokens, markers) -> (first_id, end_id)`: adds the SID tokens
-  (plus `<sid_start>`/`<sid_end>` when `markers`) so each encodes as ONE token. The id range is
-  read back from the tokenizer (never from the embedding-matrix size), so a model whose matrix
-  is padded past its tokenizer (Qwen3) gets its new rows at the tokenizer ids; the stage
-  manifests record `[first_id, end_id)` as the new rows.
-- `SplitEmbedding` / `SplitLMHead`: a frozen old table (`old_weight`, requires_grad False, never
-  given to an optimizer) plus a trainable `new_rows` parameter [V_new, d]. Ids in
-  `[first_new_id, first_new_id + V_new)` read `new_rows`; all other ids read the old table. The
-  head computes logits over `max(V_old_rows, end_id)` ids with the new block at its tokenizer
-  ids, which is correct both when the new ids extend the matrix and when they land on padding
-  rows. Because the old rows are a different tensor from anything the optimizer holds, they
-  stay bit-identical through any number of AdamW steps with weight decay (zeroing gradients
-  of rows inside one big matrix does NOT achieve that: decoupled weight decay still moves them).
-  Tied heads share ONE `new_rows` parameter between input and output; untied heads get their own.
-- `attach_new_rows(model, first_new_id, n_new, init_in, init_out)`, `merge_new_rows(model)`,
-  `export_model(...)` (a standard HF folder: safetensors + tokenizer + gti_meta.json, loadable
-  with `AutoModelForCausalLM.from_pretrained` and no gti code), `freeze_backbone`,
-  `new_rows_parameters`, `new_rows_state_dict` / `load_new_rows_state_dict`, `old_rows`.
-
-ZeRO-3: every read of a possibly partitioned parameter (old rows for initialisation, rows for
-merging) goes through `gathered(...)`, which wraps `deepspeed.zero.GatheredParameters` when a
-parameter carries DeepSpeed's `ds_id` and is a no-op otherwise. Call `attach_new_rows` before
-`deepspeed.initialize`; merge/export on rank 0 from the engine's module (gathered).
+What it is for: `extend_tokenizer` adds the SID tokens (and markers) so each encodes as ONE token;
+`attach_new_rows` installs `SplitEmbedding` / `SplitLMHead`, a frozen old table plus a trainable
+`new_rows` parameter; `merge_new_rows` / `export_model` fold them back into a standard HF folder,
+loadable with `AutoModelForCausalLM.from_pretrained` and no gti code. Under ZeRO-3 every read of
+a possibly partitioned parameter goes through `gathered(...)`: call `attach_new_rows` before
+`deepspeed.initialize`, merge/export on rank 0 from the engine's module (gathered).
 
 What it does NOT know: how the initial rows are computed (`gti.lm.init`), training, or Ray.
 """
@@ -61,7 +43,10 @@ def extend_tokenizer(tokenizer, new_tokens: list[str], markers: bool = False) ->
     The ids are contiguous and SID tokens come first, in the given (level-major) order, so
     `first + i` is the id of `new_tokens[i]`; with markers, `end - 2` is `<sid_start>` and
     `end - 1` is `<sid_end>`. Calling it again with the same tokens on an already-extended
-    tokenizer is a no-op that returns the same range.
+    tokenizer is a no-op that returns the same range. The range is read back from the tokenizer
+    (never from the embedding-matrix size), so a model whose matrix is padded past its tokenizer
+    (Qwen3) gets its new rows at the tokenizer ids; the stage manifests record `[first, end)` as
+    the new rows.
     """
     from tokenizers import AddedToken
 
@@ -91,7 +76,9 @@ def extend_tokenizer(tokenizer, new_tokens: list[str], markers: bool = False) ->
 # --------------------------------------------------------------------------- ZeRO-3
 @contextlib.contextmanager
 def gathered(params: Iterable[Tensor], modifier_rank: int | None = None):
-    """Gather ZeRO-3-partitioned parameters for the duration of the block (no-op otherwise).
+    """Gather ZeRO-3-partitioned parameters for the duration of the block: wraps
+    `deepspeed.zero.GatheredParameters` when a parameter carries DeepSpeed's `ds_id` (no-op
+    otherwise).
 
     `modifier_rank=None` is read-only; pass 0 when rank 0 writes into them."""
     parts = [p for p in params if hasattr(p, "ds_id")]
@@ -162,6 +149,7 @@ class SplitLMHead(_NewRowsSpan, nn.Module):
     """Output head: logits[..., V] with V = max(V_old_rows, end_id); columns
     [first_new_id, end_id) come from `new_rows` [V_new, d], all others from the frozen
     `old_weight` [V_old_rows, d] (and frozen `old_bias` if the head had one; new ids get bias 0).
+    Correct both when the new ids extend the matrix and when they land on padding rows.
 
     forward(h Tensor[..., d]) -> Tensor[..., V].
     """
@@ -236,9 +224,13 @@ def attach_new_rows(model, first_new_id: int, n_new: int, init_in: Tensor,
 
     init_in: Tensor[n_new, d], the initial new input rows (also the head's rows when tied).
     init_out: Tensor[n_new, d] for an untied head; None copies `init_in`.
-    The old matrices become frozen `old_weight`s; the new rows are the only trainable tensors
-    the split modules own. `model.config.vocab_size` becomes max(V_old_rows, first+n_new).
-    Returns the model.
+    The old matrices become frozen `old_weight`s (requires_grad False, never given to an
+    optimizer); the new rows are the only trainable tensors the split modules own. Because the
+    old rows are a different tensor from anything the optimizer holds, they stay bit-identical
+    through any number of AdamW steps with weight decay (zeroing gradients of rows inside one big
+    matrix does NOT achieve that: decoupled weight decay still moves them). Tied heads share ONE
+    `new_rows` parameter between input and output; untied heads get their own.
+    `model.config.vocab_size` becomes max(V_old_rows, first+n_new). Returns the model.
     """
     if is_split(model):
         raise VocabError("model already has new rows attached")

@@ -1,19 +1,12 @@
 """Grounding pairs of catalog items: a batch of items with their SID codes -> pairs rows.
 
 What it is for: `RenderPairs` is the one renderer of the grounding data set. The `pairs` stage
-maps it over the catalog (Ray Data's `map_batches` with an actor pool, or in its own process
-for a small catalog) and `gti refresh` over its new items. One call takes a pyarrow batch of
+maps it over the catalog (Ray Data's `map_batches` with an actor pool, or in its own process for
+a small catalog) and `gti refresh` over its new items. One call takes a pyarrow batch of
 `ITEM_COLUMNS` plus `codes` (list<int>, one code per level) and returns `PAIRS_SCHEMA` rows
-(`gti.data.schemas`) plus two columns its caller counts and drops: `truncated` (the text was
-cut to `pairs.max_len`) and `desc_source` (`gti.data.descriptions.description_text`: the
-item's own description, a pseudo-description from its category and attributes, or its title).
-Each item gives one row per grounding task, rendered by `gti.lm.templates.PairRenderer` (chat
-template, SID ids from the codec's table, answer-only labels, text cut, never the SID).
-
-Splits: `is_val_item` (a seeded hash of the id below `pairs.val_fraction`: deterministic,
-independent of order and of the other items) picks the validation items; with
-`pairs.val_holdout=text2sid` only their text->SID rows are "val", with `item` all their rows.
-An item without codes, or with codes outside the codec, is a DataError naming it.
+(`gti.data.schemas`), one per grounding task, rendered by `gti.lm.templates.PairRenderer`;
+`is_val_item` picks the validation items. An item without codes, or with codes outside the
+codec, is a DataError naming it.
 
 What it does not know: files, Ray, the config type (the `pairs` section arrives as its dict),
 how the codes were made.
@@ -35,7 +28,9 @@ ITEM_COLUMNS = ["item_id", "title", "description", "category", "attributes_text"
 
 
 def is_val_item(item_id: str, seed: int, fraction: float) -> bool:
-    """Seeded, order-independent choice of validation items (blake2b of seed and id)."""
+    """Seeded, order-independent choice of validation items (blake2b of seed and id below
+    `fraction`: deterministic, independent of the other items). With `pairs.val_holdout=text2sid`
+    only their text->SID rows are "val", with `item` all their rows."""
     if fraction <= 0:
         return False
     h = hashlib.blake2b(f"{seed}\x00{item_id}".encode(), digest_size=8).digest()
@@ -44,8 +39,10 @@ def is_val_item(item_id: str, seed: int, fraction: float) -> bool:
 
 class RenderPairs:
     """Callable class for `map_batches`: one PairRenderer per actor; a pyarrow batch of items
-    (joined with their codes) -> pairs rows (+ a `truncated` flag and the description source,
-    which the driver counts and drops).
+    (joined with their codes) -> pairs rows (+ two columns the caller counts and drops:
+    `truncated`, the text was cut to `pairs.max_len`, never the SID; and `desc_source`,
+    `gti.data.descriptions.description_text`: the item's own description, a pseudo-description
+    from its category and attributes, or its title).
 
     pairs_cfg: the `pairs` config section as a dict (`PairsConfig.model_dump()`: templates,
     system_prompt, max_len, max_desc_chars, val_fraction, val_holdout); code_table: [L, Kmax]

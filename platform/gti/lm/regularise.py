@@ -1,14 +1,10 @@
 """Regularisers for full fine-tuning on small data: freezing the lower layers, dropout.
 
 What it is for: two small surgeries `gti.train.sft_task` applies to the grounded model before
-SFT when `sft.freeze_layers` / `sft.dropout` ask for them.
-- `freeze_lower_layers(model, n)`: the token embedding and the first n decoder layers stop
-  training from the input side: their parameters get requires_grad False and the embedding's
-  output is detached, so the backward pass stops at layer n (it costs (L - n) / L of a full
-  one). With tied embeddings the shared matrix still trains through the output head, so the
-  SID rows keep learning what to emit.
-- `add_dropout(model, p)`: dropout p on the token embeddings' output and on the attention
-  probabilities, active only in train mode (Llama-style decoders ship with none).
+SFT when `sft.freeze_layers` / `sft.dropout` ask for them: `freeze_lower_layers(model, n)` (the
+token embedding and the first n decoder layers stop training from the input side) and
+`add_dropout(model, p)` (dropout on the token embeddings' output and the attention
+probabilities, train mode only; Llama-style decoders ship with none).
 
 What it does NOT know: configs, the training loop, or which rows are new.
 """
@@ -33,8 +29,11 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
 def freeze_lower_layers(model: torch.nn.Module, n: int) -> torch.nn.Module:
     """Freeze the first `n` of the L decoder layers and stop gradients at the embedding output.
 
-    The embedding matrix keeps requires_grad when it is tied to the head (it then trains from
-    the output side only); an untied input embedding is frozen. Returns the model (in place)."""
+    Their parameters get requires_grad False and the embedding's output is detached, so the
+    backward pass stops at layer n (it costs (L - n) / L of a full one). The embedding matrix
+    keeps requires_grad when it is tied to the head (it then trains from the output side only,
+    so the SID rows keep learning what to emit); an untied input embedding is frozen. Returns
+    the model (in place)."""
     layers = decoder_layers(model)
     if not 0 <= n < len(layers):
         raise ConfigError(f"sft.freeze_layers={n}: the model has {len(layers)} decoder layers; freeze 0 to "

@@ -1,29 +1,12 @@
 """Rendering grounding pairs and recommendation prompts through a tokenizer's chat template,
 straight to token ids with answer-only labels.
 
-What it is for:
-- `ChatSkeleton` / `chat_skeleton(tokenizer, system_prompt)`: the chat template rendered ONCE
-  around a placeholder user turn, giving `prefix_ids` (everything before the user text),
-  `suffix_ids` (end of the user turn + the assistant header) and `eot_ids` (what closes an
-  assistant turn, e.g. `<|im_end|>`; trailing whitespace dropped so generation stops on it).
-  Every prompt is then `prefix + user ids + suffix`; no Jinja per row.
-- `PairRenderer`: the six bidirectional grounding tasks (title2sid, desc2sid, titledesc2sid,
-  sid2title, sid2desc, sid2titledesc). Templates are strings with `{title}`, `{description}`,
-  `{sid}` slots. Text pieces are tokenised separately and SID token ids are spliced in from the
-  codec's ids, never by re-tokenising rendered text (which is also exactly how an HF tokenizer
-  splits text around added tokens). A space just before a text slot moves into the slot, so
-  " Glass" tokenises as the model would see it in running text. Rows longer than `max_len` are
-  fitted by cutting TEXT tokens (longest text first, from the end); SID tokens, the chat
-  scaffolding and the end of turn are never cut.
-- `render_rec_prompt(tokenizer, history_sid_ids, template, system_prompt)`: a recommendation
-  prompt (history of SIDs -> prompt ids up to and including the assistant header), with the
-  paper's three retrieval templates in `REC_TEMPLATES`; `render_compact_prompt`: the same
-  history with no chat scaffolding or template text (`sft.prompt_style: compact`);
-  `render_sequence_prompt`: the bare history SIDs (`sft.objective: sequence`), a prefix of the
-  row `RecRenderer.sequence_row` trains every item of a chunk on.
-
-Labels are -100 everywhere except the answer: the SID ids (text->SID) or the text ids
-(SID->text), followed by `eot_ids`.
+What it is for: `PairRenderer` renders the six bidirectional grounding tasks (`TASKS`);
+`render_rec_prompt` (the paper's templates, `REC_TEMPLATES`), `render_compact_prompt` and
+`render_sequence_prompt` render recommendation prompts, and `RecRenderer` (`make_renderer`) turns
+(history, target) windows into rows. Every prompt is `prefix + user ids + suffix` around the chat
+skeleton of `gti.lm.chat` (no Jinja per row); labels are -100 everywhere except the answer (SID
+or text ids) and `eot_ids`.
 
 What it does NOT know: where items, SIDs or tokenizers come from (the `pairs` stage), which
 tokens are new (`gti.lm.new_rows`), or Ray. No torch needed.
@@ -90,6 +73,15 @@ REC_TEMPLATES: tuple[str, ...] = (
 # --------------------------------------------------------------------------- grounding pairs
 class PairRenderer:
     """Renders the grounding tasks of one item into token rows.
+
+    Templates are strings with `{title}`, `{description}`, `{sid}` slots. Text pieces are
+    tokenised separately and SID token ids are spliced in from the codec's ids, never by
+    re-tokenising rendered text (which is also exactly how an HF tokenizer splits text around
+    added tokens). A space just before a text slot moves into the slot, so " Glass" tokenises as
+    the model would see it in running text. Rows longer than `max_len` are fitted by cutting TEXT
+    tokens (longest text first, from the end); SID tokens, the chat scaffolding and the end of
+    turn are never cut. Labels cover the answer only: the SID ids (text->SID) or the text ids
+    (SID->text), followed by the end-of-turn ids.
 
     Args:
         tokenizer: the extended HF tokenizer (SID tokens already added).
