@@ -1,26 +1,13 @@
 """Reference recommenders: MostPop and first-order Markov (item -> next item).
 
-What it is for: reference rows in the evaluation table, computed on the same users and split
-as the model, so a generative recommender that cannot beat them is seen to be broken. Their
-reference points on the bundled amazon-scientific data (leave-one-out test split, full
-ranking, fitted on the training sequences) are checked by
-`tests/eval/test_baselines.py::test_reference_numbers_on_bundled_amazon_scientific`.
+What it is for: reference rows in the evaluation table, computed on the same users and split as
+the model, so a generative recommender that cannot beat them is seen to be broken. Both rank the
+whole catalog; which sequences to fit on is the caller's choice (the same training data as the
+model, for a fair row). Their reference points on the bundled amazon-scientific data are checked
+by `tests/eval/test_baselines.py::test_reference_numbers_on_bundled_amazon_scientific`.
 
-- `MostPop(catalog).fit(sequences)`: interaction counts over the training sequences; everyone
-  gets the same list, most frequent first.
-- `Markov(catalog).fit(sequences)`: counts of consecutive pairs (a -> b) within each training
-  sequence. A user's list is the successors of their LAST history item by pair count, ties
-  broken by popularity and then catalog order, then filled up ("back-off") with the popularity
-  ranking minus the items already listed. Users with an empty history get the popularity list.
-
-Both rank the whole catalog (`catalog` = the items that may be recommended, in a fixed order
-used for the final tie-break); catalog items never seen in training rank last, in catalog order,
-and training items outside the catalog are never recommended. History items are not removed
-(the leave-one-out protocol allows repeats).
-
-Which sequences to fit on is the caller's choice (the same training data as the model, for a
-fair row). What it does NOT know: models, SIDs, metrics (see `gti.eval.metrics`), files, Ray.
-Columnar counting in polars; one process.
+What it does NOT know: models, SIDs, metrics (see `gti.eval.metrics`), files, Ray. Columnar
+counting in polars; one process.
 """
 
 from __future__ import annotations
@@ -31,6 +18,12 @@ import polars as pl
 
 
 class _Base:
+    """What both recommenders share: the popularity ranking of the whole catalog (`catalog` = the
+    items that may be recommended, in a fixed order used for the final tie-break). Catalog items
+    never seen in training rank last, in catalog order; training items outside the catalog are
+    never recommended. History items are not removed (the leave-one-out protocol allows
+    repeats)."""
+
     def __init__(self, catalog: Sequence[str] | None = None) -> None:
         self.catalog = None if catalog is None else [str(i) for i in catalog]
         self._pop_order: list[str] | None = None
@@ -70,7 +63,8 @@ class _Base:
 
 
 class MostPop(_Base):
-    """Most popular items of the training sequences, the same list for every user."""
+    """Most popular items of the training sequences (interaction counts), the same list for
+    every user, most frequent first."""
 
     def fit(self, sequences: Sequence[Sequence[str]]) -> "MostPop":
         self._fit_popularity(self._pairs_frame(sequences))
@@ -82,7 +76,12 @@ class MostPop(_Base):
 
 
 class Markov(_Base):
-    """First-order Markov chain over items, backing off to popularity."""
+    """First-order Markov chain over items, backing off to popularity.
+
+    `fit` counts consecutive pairs (a -> b) within each training sequence. A user's list is the
+    successors of their LAST history item by pair count, ties broken by popularity and then
+    catalog order, then filled up ("back-off") with the popularity ranking minus the items
+    already listed. Users with an empty history get the popularity list."""
 
     def fit(self, sequences: Sequence[Sequence[str]]) -> "Markov":
         inter = self._pairs_frame(sequences)

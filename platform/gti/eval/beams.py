@@ -2,15 +2,14 @@
 
 What it is for: `DecodeResult` (per user the top-K catalog items with their scores and SIDs,
 plus every final beam and the invalid-SID counts), `TrieLike` (what a decoder needs from
-`gti.sid.trie.SidTrie`), `finalise` (final beams -> the top-K distinct valid items), the
-prompt batching used by every decoder and scorer (`as_prompt_lists`, `left_pad` with position
-ids counting only real tokens, `chunks`, `model_device`), and `topk_agreement`, which compares
-two results user by user with near-ties treated as equal (our search against the transformers
-peer in tests and bench/decode/decode.py).
+`gti.sid.trie.SidTrie`), `finalise` (final beams -> the top-K distinct valid items), the prompt
+batching every decoder and scorer uses (`as_prompt_lists`, `left_pad`, `chunks`, `model_device`),
+and `topk_agreement` (our search against the transformers peer in tests and
+bench/decode/decode.py).
 
 What it does NOT know: how beams are searched (`gti.eval.decode`), transformers `generate`
-(`gti.eval.generate`), how prompts are rendered (`gti.lm.templates`), how the trie is built
-(`gti.sid.trie`), item ids or titles (callers map trie rows to items), metrics, or Ray.
+(`gti.eval.generate`), how prompts are rendered or the trie built, item ids or titles (callers
+map trie rows to items), metrics, or Ray.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """transformers `generate` for SIDs: the neutral generation config, and the peer method.
 
-What it is for: `override_generation_config(model)` replaces a checkpoint's generation_config
-by a neutral beam-search one (sampling, top-k/top-p and penalties off: a checkpoint's own
-settings would silently change which beams `generate` keeps and how it scores them); exported
-models carry it, so `generate` on them scores beams as our search does.
-`generate_with_prefix_fn` is the peer method: `generate` + `prefix_allowed_tokens_fn` over the
-catalog trie (`make_prefix_allowed_tokens_fn`), as LC-Rec and MiniOneRec do; it returns a
-`DecodeResult` comparable with `gti.eval.decode.constrained_beam_search` and is kept as the
+What it is for: `override_generation_config(model)` replaces a checkpoint's generation_config by
+a neutral beam-search one; exported models carry it, so `generate` on them scores beams as our
+search does. `generate_with_prefix_fn` is the peer method: `generate` +
+`prefix_allowed_tokens_fn` over the catalog trie, as LC-Rec and MiniOneRec do, kept as the
 reference our search is compared with in tests and bench/decode/decode.py.
 
 What it does NOT know: our batched KV-cache search (`gti.eval.decode`), how prompts are

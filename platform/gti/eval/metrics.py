@@ -1,27 +1,12 @@
 """Top-K ranking metrics, per user, with bootstrap confidence intervals.
 
 What it is for: given per user a ranked list of recommended item ids (best first) and the
-held-out truth, compute Recall@K, NDCG@K and Precision@K per user (numpy arrays, so callers can
-average, bootstrap or pair them across arms), percentile-bootstrap CIs of the mean over users
-(seeded), and a metrics table in the layout of docs/ARCHITECTURE.md
-(`{"recall@10": {"value": v, "ci": [lo, hi]}, ...}`).
-
-Two kinds of truth:
-- single relevant item (leave-one-out): Recall@K = HR@K = 1 if the target is in the top K;
-  NDCG@K = 1 / log2(rank + 2) with rank 0-based (the ideal DCG is 1); Precision@K = hit / K.
-- graded relevance (`{item: grade}` per user, grade > 0 relevant): Recall@K = relevant items
-  in the top K / all relevant items; Precision@K = relevant in top K / K; NDCG@K with gain
-  2^grade - 1 (or `gain="linear"`: grade) over log2(rank + 2), normalised by the ideal DCG of
-  the user's own grades. With one item of grade 1 both definitions agree with the above.
-
-A ranked list shorter than K (a user with fewer valid items) simply has fewer hits; an item
-repeated in a list counts once (at its first rank). Users are never dropped.
-
-Rows and users: a value is per ROW (one history, one target). Leave-one-out has one row per
-user; the global time split has several (every interaction of the period), and, as the field
-reports, the metric is the mean over rows while the CI resamples USERS with all their rows
-(`groups`: each row's user; a cluster bootstrap). With one target per row Recall@K is HR@K, and
-the tables carry both names (`hr@K`, the field's, and `recall@K`, which earlier readers use).
+held-out truth (one target, leave-one-out style, or graded relevance `{item: grade}`), compute
+Recall@K, NDCG@K and Precision@K per row (numpy arrays, so callers can average, bootstrap or
+pair them across arms), percentile-bootstrap CIs of the mean that resample users (seeded), and a
+metrics table in the layout of docs/ARCHITECTURE.md (`{"recall@10": {"value": v, "ci": [lo,
+hi]}, ...}`). A value is per ROW (one history, one target): leave-one-out has one row per user,
+the global time split several, and every CI resamples USERS with all their rows (`groups`).
 
 What it does NOT know: models, decoding, ids' meaning, Ray. Pure numpy.
 """
@@ -118,7 +103,9 @@ def graded_precision_at_k(ranked, relevance: Sequence[Mapping[Hashable, float]],
 def graded_ndcg_at_k(
     ranked, relevance: Sequence[Mapping[Hashable, float]], k: int, gain: str = "exp"
 ) -> np.ndarray:
-    """[U]: DCG@K / ideal DCG@K with gains from the grades (0 for users with no relevant item)."""
+    """[U]: DCG@K / ideal DCG@K with gains from the grades (0 for users with no relevant item):
+    gain 2^grade - 1 (or `gain="linear"`: grade) over log2(rank + 2), normalised by the ideal
+    DCG of the user's own grades. With one item of grade 1 it is `ndcg_at_k`."""
     _check_k(k)
     disc = 1.0 / np.log2(np.arange(k) + 2.0)
     out = np.zeros(len(relevance))
@@ -154,6 +141,8 @@ def per_user_metrics(
     """{"recall@5": [U], "ndcg@5": [U], ...} in the order metric-major then K.
 
     Give `targets` (one held-out item per user) or `relevance` (graded, `{item: grade}` per user).
+    A ranked list shorter than K (a user with fewer valid items) simply has fewer hits; an item
+    repeated in a list counts once (at its first rank). Users are never dropped.
     """
     if (targets is None) == (relevance is None):
         raise ValueError("give exactly one of targets (single item) or relevance (graded)")
@@ -284,8 +273,8 @@ def metrics_table(
 ) -> dict[str, Any] | tuple[dict[str, Any], dict[str, list[float]]]:
     """{"hr@10": {"value": mean, "ci": [lo, hi]}, "recall@10": ..., ...} (+ per-row lists if
     asked). Means over rows; CIs resample `groups` (each row's user; None: rows are users).
-    With `targets` (one per row) every recall@K is also given as hr@K (the same cell), first;
-    the per-row lists keep recall@K only."""
+    With `targets` (one per row) every recall@K is also given as hr@K (the same cell, the
+    field's name), first; the per-row lists keep recall@K only."""
     per_user = per_user_metrics(ranked, targets, ks, relevance=relevance, metrics=metrics)
     table = {}
     for name, vals in per_user.items():

@@ -1,17 +1,11 @@
 """Top-K recommendations for one item history from a loaded model, and their text table.
 
-What it is for: `top_k(run, history, k)` renders the prompt exactly as the evaluate stage
-renders it (first retrieval template, the run's system prompt, the newest `max_history` items,
-cut to `sft.max_len`) and decodes the items with `gti.eval.decode.constrained_beam_search` over
-the catalog's SID trie; `format_recommendations` prints them.
-`decode_plan` is THE rule of how one request is decoded (which history items go into the
-prompt, which are left out of the answer, how many items the search returns, its beam width:
-max(k + the excluded items, beam_width)) and `answer_items` applies its exclusion to the
-search's rows: `gti recommend` (here), `gti serve` and `gti infer` (both through
-`gti.serve.service`) call these two, so one request gets one answer whichever path serves it.
-`run` is any object with the attributes of `gti.run.loaded.LoadedRun` (model, trie,
-renderer, item_ids, sids, sid_ids, titles, max_history, beam_width, pad_id, levels), which is
-where a run directory is loaded and its SID map checked (`gti recommend`).
+What it is for: `top_k(run, history, k)` decodes the items for one history with
+`gti.eval.decode.constrained_beam_search` over the catalog's SID trie; `format_recommendations`
+prints them. `decode_plan` is THE rule of how one request is decoded and `answer_items` applies
+its exclusion to the search's rows: `gti recommend` (here), `gti serve` and `gti infer` (both
+through `gti.serve.service`) call these two, so one request gets one answer whichever path
+serves it.
 
 What it does NOT know: run directories, manifests, configs, training, or Ray.
 """
@@ -50,7 +44,9 @@ class DecodePlan:
 
 def decode_plan(history: Sequence[str], k: int, *, exclude_history: bool, beam_width: int, max_history: int,
                 catalog_size: int) -> DecodePlan:
-    """The plan for `history` (known item ids, oldest first, already checked non-empty) and `k`.
+    """The plan for `history` (known item ids, oldest first, already checked non-empty) and `k`:
+    which history items go into the prompt, which are left out of the answer, how many items the
+    search returns, and its beam width, max(k + the excluded items, beam_width).
 
     The search returns k + (the excluded items) so that k remain once they are dropped, and its
     width follows that count: a wider beam can rank the items differently, so every path must
@@ -85,7 +81,12 @@ def top_k(run: Any, history: Sequence[str], k: int = 10, where: str = "the SID m
           exclude_history: bool = False) -> list[dict[str, Any]]:
     """Top-k items for `history` (item ids, oldest first), best first:
     [{"item_id", "title", "score", "sid"}]; score = sum of the SID tokens' log-probs.
-    `exclude_history`: leave the items of the history in the prompt out (as `gti serve`)."""
+    `exclude_history`: leave the items of the history in the prompt out (as `gti serve`).
+    The prompt is rendered exactly as the evaluate stage renders it (first retrieval template,
+    the run's system prompt, the newest `max_history` items, cut to `sft.max_len`). `run` is any
+    object with the attributes of `gti.run.loaded.LoadedRun` (model, trie, renderer, item_ids,
+    sids, sid_ids, titles, max_history, beam_width, pad_id, levels), which is where a run
+    directory is loaded and its SID map checked."""
     from gti.eval.decode import constrained_beam_search
 
     history = [str(h).strip() for h in history if str(h).strip()]

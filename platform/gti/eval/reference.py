@@ -2,23 +2,10 @@
 
 What it is for: the evaluate stage's baseline rows (`eval.baselines`), computed with the same
 metric code (`gti.eval.metrics`) on the same users and split frames as the model, so the rows
-compare like with like.
-
-- mostpop / markov (`gti.eval.baselines`) are fitted per split on that split's training data
-  (`split_train_sequences`: valid -> train items; test -> train items + valid items) and
-  recommend from each row's history, the model's rows exactly.
-- sasrec (`gti.eval.sasrec`) is trained ONCE per evaluation (`fit_reference_models`) on the
-  training items only, its settings (eval.sasrec.sweep: max_len, epochs, dim, dropout) and its
-  checkpoint chosen on the valid rows only; test items are never read. Its input is every
-  item before the row's target (`sasrec_histories`: leave-one-out, the split's training
-  sequence), of which it keeps its own last max_len, not the LM's data.max_history window.
-  `add_reference_columns` puts its top-K lists (and, with exact ranks, each target's rank over
-  the whole catalog) into a split frame as columns, so any slice of the frame (the cold-item
-  slice) carries them.
-- paired differences (`paired_differences`): the model minus each reference row, per row on
-  the same rows, with a paired bootstrap CI over users (`gti.eval.metrics.paired_bootstrap_ci`).
-Rows, not users: a split frame may hold several rows of a user (the global time split); means
-are over rows and every CI resamples users (`groups`, `gti.eval.metrics`).
+compare like with like: mostpop / markov (`gti.eval.baselines`) fitted per split on its training
+data (`baseline_rows`), sasrec (`gti.eval.sasrec`) trained once per evaluation on the training
+items only (`fit_reference_models`), and the model minus each reference row with a paired
+bootstrap CI over users (`paired_differences`). Means are over rows; every CI resamples users.
 
 What it does not know: Ray, files, the LM, decoding. Pure polars/numpy (+ torch via SASRec).
 """
@@ -162,7 +149,8 @@ def sasrec_histories(seqs: pl.DataFrame, frame: pl.DataFrame, split: str) -> lis
 def add_reference_columns(frame: pl.DataFrame, models: dict[str, Any], k: int, exact_rank: bool,
                           histories: list[list[str]] | None = None) -> pl.DataFrame:
     """`frame` (history, target) plus, when models has "sasrec", its top-k lists (sasrec_items
-    list<str>) and, with exact_rank, each target's exact rank over the whole catalog (sasrec_rank).
+    list<str>) and, with exact_rank, each target's exact rank over the whole catalog (sasrec_rank),
+    so any slice of the frame (the cold-item slice) carries them.
     `histories`: SASRec's input per row (`sasrec_histories`; None: the frame's history)."""
     if "sasrec" not in models:
         return frame

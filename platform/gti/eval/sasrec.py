@@ -2,15 +2,10 @@
 
 What it is for: the reference row every sequential recommender is compared with (SASRec, Kang &
 McAuley, ICDM 2018), on the same users, split, metric code and (with exact ranks) the same
-whole-catalog ranking as the generative model, so a reader can tell whether gti's model is any
-good. The model is cornac's (`cornac.models.SASRec`; its default loss is a sampled softmax over
-the batch's targets and shared negatives, not the paper's BCE); this module feeds it each
-user's training items as one session (so its windows are the SFT windows), keeps the best
-checkpoint on the valid split, tunes its settings on the valid split (`tune_sasrec`,
-`eval.sasrec.sweep`; test items are an argument of none of these) and scores every catalog item
-(`SasrecRecommender.scores`; items unknown to training tie last). The sweep's cost:
-bench/proof/RESULTS.md, "What SASRec's default sweep costs". On CPU with a fixed thread count
-the same seed gives the same model, so a candidate kept from the sweep is what a retrain gives.
+whole-catalog ranking as the generative model. `fit_sasrec` trains cornac's model on each user's
+training items, `tune_sasrec` picks its settings on the valid split (`eval.sasrec.sweep`; its
+cost: bench/proof/RESULTS.md, "What SASRec's default sweep costs"), and
+`SasrecRecommender.scores` scores every catalog item. Test items are an argument of none of them.
 
 What it does NOT know: SIDs, the LM, metrics (`gti.eval.metrics`, `gti.eval.rank`), files,
 Ray. cornac is imported lazily, so importing this module is cheap.
@@ -79,7 +74,8 @@ def validation_sessions(
 
 @dataclass
 class SasrecRecommender:
-    """A fitted SASRec over a fixed catalog.
+    """A fitted SASRec over a fixed catalog (`cornac.models.SASRec`; its default loss is a
+    sampled softmax over the batch's targets and shared negatives, not the paper's BCE).
 
     model: the fitted `cornac.models.SASRec`; catalog: N item ids (the ranking's columns, their
     order the tie-break); max_len: the input length (a history's last max_len known items);
@@ -112,7 +108,8 @@ class SasrecRecommender:
         """Scores of every catalog item for each history. -> float32 [U, N]; -inf = unknown item.
 
         histories: U lists of item ids, oldest first (only the last max_len known ones are
-        read). Higher = better, as `gti.eval.rank.exact_ranks` expects.
+        read). Higher = better, as `gti.eval.rank.exact_ranks` expects; items unknown to
+        training tie last.
         """
         import torch
 
@@ -307,9 +304,10 @@ def tune_sasrec(
     trained by `fit_sasrec` on the training items (the rest of `params` shared) and scored by
     `valid_scores` on the valid items of every user (or a seeded sample of val_users); the
     candidate with the highest `metric` (ties: the first tried) is returned, as trained (the
-    same seed and data would retrain it bit for bit). Test items are never read: no argument
-    holds them. facts: the kept model's, label TUNED_LABEL, and "sweep": {search, metric,
-    n_users, candidates [{settings, valid, train_seconds, score_seconds}], chosen, wall_seconds}.
+    same seed and data would retrain it bit for bit, on CPU with a fixed thread count). Test
+    items are never read: no argument holds them. facts: the kept model's, label TUNED_LABEL,
+    and "sweep": {search, metric, n_users, candidates [{settings, valid, train_seconds,
+    score_seconds}], chosen, wall_seconds}.
     """
     t0 = time.time()
     axes, metric = sweep_axes(sweep, history), sweep["metric"]

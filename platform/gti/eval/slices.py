@@ -1,24 +1,10 @@
 """Who is scored: the evaluation prompts of a split, the seeded user sample and the cold slice.
 
-What it is for: the evaluate stage's user slicing, pure polars, for every caller that must
-score the same users the same way (the stage, SFT's validation users, bench scripts):
-- `eval_windows(seqs, split, max_history)`: one prompt per item of the split's period in
-  ingest's sequences.parquet (`valid_items` / `test_items`): its history is everything the
-  user did before it (train items, then the earlier items of the periods before, then the
-  earlier items of its own period), last `max_history`; rows without history are left out.
-  Leave-one-out has one row per user: valid = (train items, valid item), test = (train items
-  + valid item, test item); global_time one per valid/test interaction (docs/data.md, Splits).
-  `pos` is the target's index in the user's whole sequence (SASRec reads the full prefix).
-- `sample_users(user_ids, n, seed)` / `eval_users(seqs, max_users, seed)`: a deterministic
-  sample (all users, in input order, when n is None); `split_frame` is one split's prompts of
-  the sampled users, in sequences order.
-- The cold-item slice: a user is cold when the target is the target of at most
-  `eval.cold_max_sft_targets` SFT training windows (`cold_users`; the counts come from
-  `gti.train.sft_data.sft_target_counts`, on training items only, never valid/test), and
-  `n_cold_items` counts the catalog's cold items under the same definition. `slice_metrics`
-  gives every metric of one split on a slice of its users: the model's metric@k table, the
-  reference rows (`gti.eval.reference`) and, with exact ranks, the rank metrics
-  (`gti.eval.rank.rank_metrics`).
+What it is for: the evaluate stage's user slicing, pure polars, for every caller that must score
+the same users the same way (the stage, SFT's validation users, bench scripts): `eval_windows`
+(one prompt per item of the split's period; docs/data.md, Splits), `sample_users` /
+`eval_users` / `split_frame` (a deterministic user sample and its prompts), and the cold-item
+slice (`cold_users`, `n_cold_items`) that `slice_metrics` scores like any other slice.
 
 What it does not know: models, decoding, Ray, files, how the counts were made.
 """
@@ -40,7 +26,10 @@ def eval_windows(seqs: pl.DataFrame, split: str, max_history: int) -> pl.DataFra
     int32 (the target's index in the user's train + valid + test items), in user order, then
     time. Every item of the split's period is a target; its history is the last `max_history`
     items before it (leave-one-out: valid = train items -> valid item, test = train items +
-    valid item -> test item). Targets with nothing before them are left out.
+    valid item -> test item; global_time: one per valid/test interaction). The history is
+    everything the user did before the target: train items, then the earlier items of the
+    periods before, then the earlier items of its own period. Targets with nothing before them
+    are left out. SASRec reads the full prefix through `pos`.
     """
     check_sequences(seqs)
     if split not in ("valid", "test"):
@@ -80,13 +69,15 @@ def eval_users(seqs: pl.DataFrame, max_users: int | None, seed: int) -> list[str
 
 
 def split_frame(seqs: pl.DataFrame, split: str, users: list[str], max_history: int) -> pl.DataFrame:
+    """One split's prompts (`eval_windows`) of the sampled `users`, in sequences order."""
     w = eval_windows(seqs, split, max_history)
     return w.filter(pl.col("user_id").is_in(users))
 
 
 def cold_users(frame: pl.DataFrame, counts: dict[str, int], max_targets: int) -> list[bool]:
     """Per row of a split frame: is its target cold, i.e. the target of at most `max_targets`
-    SFT training windows (`counts` from `sft_data.sft_target_counts`; absent = 0)?"""
+    SFT training windows (`counts` from `sft_data.sft_target_counts`, on training items only,
+    never valid/test; absent = 0)?"""
     return [counts.get(t, 0) <= max_targets for t in frame["target"].to_list()]
 
 
@@ -98,7 +89,9 @@ def n_cold_items(catalog: list[str], counts: dict[str, int], max_targets: int) -
 def slice_metrics(part: pl.DataFrame, frame: pl.DataFrame, seqs: pl.DataFrame, split: str,
                   ks: list[int], n_boot: int, seed: int, catalog: list[str],
                   exact_rank: bool, names: tuple[str, ...] | list[str] = DEFAULT_BASELINES) -> dict[str, Any]:
-    """Every metric of one split on a slice of its users.
+    """Every metric of one split on a slice of its users: the model's metric@k table, the
+    reference rows (`gti.eval.reference`) and, with exact ranks, the rank metrics
+    (`gti.eval.rank.rank_metrics`).
 
     part: the slice's decoded rows (items, target, exact_rank); frame: the same users' split
     frame (history, target; sasrec columns when `names` has sasrec) for the baselines.
