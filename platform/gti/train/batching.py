@@ -2,16 +2,9 @@
 
 What it is for: a right-padded micro-batch costs `rows * longest row` tokens, so a random mix of
 short and long rows pays for padding. `length_grouped_batches` keeps the epoch random but puts
-rows of similar length together ("bucketing" the way HF's `group_by_length` does it):
-1. a seeded permutation of the rows 0..n-1;
-2. cut into windows of `window * micro` consecutive rows (a local pool, so grouping stays
-   random across the epoch rather than a global sort);
-3. inside each window a stable sort by length, cut into micro-batches of `micro` rows (only the
-   epoch's very last batch may be short; every row appears exactly once);
-4. a seeded shuffle of the batch order, so long and short batches alternate and training sees
-   no length curriculum.
-The result depends only on (lengths, micro, seed, window). `padded_tokens` reports what a list
-of batches costs when right-padded, to compare against random batching.
+rows of similar length together ("bucketing" the way HF's `group_by_length` does it);
+`padded_tokens` reports what a list of batches costs when right-padded, to compare against
+random batching.
 
 What it does NOT know: tokens, collation, padding sides, gradient accumulation, data-parallel
 sharding (split the returned list across ranks yourself), torch or Ray. Pure numpy.
@@ -28,9 +21,15 @@ def length_grouped_batches(lengths: Sequence[int] | np.ndarray, micro: int, seed
                            window: int = 64) -> list[np.ndarray]:
     """Row indices of one epoch as micro-batches of `micro` rows of similar length.
 
-    See the module docstring for the algorithm. Returns a list of int64 arrays whose
-    concatenation is a permutation of 0..len(lengths)-1; all have `micro` rows except possibly
-    one (the epoch's remainder).
+    1. a seeded permutation of the rows 0..n-1;
+    2. cut into windows of `window * micro` consecutive rows (a local pool, so grouping stays
+       random across the epoch rather than a global sort);
+    3. inside each window a stable sort by length, cut into micro-batches of `micro` rows;
+    4. a seeded shuffle of the batch order, so long and short batches alternate and training
+       sees no length curriculum.
+    The result depends only on (lengths, micro, seed, window). Returns a list of int64 arrays
+    whose concatenation is a permutation of 0..len(lengths)-1 (every row exactly once); all have
+    `micro` rows except possibly one (the epoch's remainder).
     """
     if isinstance(micro, bool) or int(micro) != micro or micro < 1:
         raise ValueError(f"micro must be an integer >= 1, got {micro!r}")

@@ -1,26 +1,10 @@
 """The DeepSpeed config dict, built from the typed training config (pure function).
 
 What it is for: `build_ds_config(train_cfg, world_size, use_gpu=...)` turns a
-`gti.config.train.TrainConfig` (grounding or SFT) into the dict handed to `deepspeed.initialize`, and
-checks the batch arithmetic first, so a bad combination fails with a one-line `ConfigError`
-naming the key instead of a DeepSpeed assertion deep inside a Ray worker.
-
-Choices, and why:
-- Optimizer: AdamW from the config (lr, betas, eps, weight_decay) with `torch_adam: true`, i.e.
-  `torch.optim.AdamW`. DeepSpeed's default would be `FusedAdam`, a CUDA op that does not exist on
-  CPU and would need nvcc on GPU nodes; torch's AdamW (foreach) runs everywhere, is supported by
-  ZeRO 1-3, and keeps exactly two fp32 moment tensors per trainable element (the optimizer-state
-  size the grounding benchmark checks). `fused: true` (passed through to torch) runs it as one
-  kernel instead of a loop of per-tensor ops.
-- Scheduler: not in this dict. The loop builds a `LambdaLR` from `gti.train.schedule` and passes
-  it to `deepspeed.initialize(lr_scheduler=...)` (see that module for why).
-- Offload is off (`device: none`): the trainable set in grounding is tiny, and CPU-only machines
-  gain nothing from moving optimizer state between host and host.
-- `overlap_comm` only with a GPU (it needs CUDA streams to overlap anything).
-- DeepSpeed's bf16 mode (bf16 module weights, fp32 master weights and optimizer state in the
-  ZeRO optimizer) iff the model is held in bf16 (`model.dtype: bfloat16`, `bf16_weights`).
-  `precision: bf16` is NOT DeepSpeed's business: it is autocast around the forward in the loop
-  (`gti.train.loss.make_forward`), with fp32 weights. fp16 is never used (no loss scaling).
+`gti.config.train.TrainConfig` (grounding, SFT or RL) into the dict handed to
+`deepspeed.initialize`, and checks the batch arithmetic first, so a bad combination fails with a
+one-line `ConfigError` naming the key instead of a DeepSpeed assertion deep inside a Ray worker.
+The choices it makes, and why, are beside `build_ds_config`.
 
 What it does not know: models, Ray, torch. It never imports deepspeed either.
 """
@@ -64,6 +48,20 @@ def micro_batch(train_cfg: TrainConfig, world_size: int) -> int:
     return train_cfg.batch_size // per_step
 
 
+# Choices, and why:
+# - Optimizer: AdamW from the config with `torch_adam: true`, i.e. `torch.optim.AdamW`. DeepSpeed's
+#   default `FusedAdam` is a CUDA op that does not exist on CPU and would need nvcc on GPU nodes;
+#   torch's AdamW runs everywhere, is supported by ZeRO 1-3, and keeps exactly two fp32 moment
+#   tensors per trainable element (the optimizer-state size the grounding benchmark checks).
+# - Scheduler: not in this dict. The loop builds a `LambdaLR` from `gti.train.schedule` and passes
+#   it to `deepspeed.initialize(lr_scheduler=...)` (see that module for why).
+# - Offload is off (`device: none`): the trainable set in grounding is tiny, and CPU-only machines
+#   gain nothing from moving optimizer state between host and host.
+# - `overlap_comm` only with a GPU (it needs CUDA streams to overlap anything).
+# - DeepSpeed's bf16 mode (bf16 module weights, fp32 master weights and optimizer state in the
+#   ZeRO optimizer) iff the model is held in bf16 (`model.dtype: bfloat16`, `bf16_weights`).
+#   `precision: bf16` is NOT DeepSpeed's business: it is autocast around the forward in the loop
+#   (`gti.train.loss.make_forward`), with fp32 weights. fp16 is never used (no loss scaling).
 def build_ds_config(train_cfg: TrainConfig, world_size: int, *, use_gpu: bool,
                     bf16_weights: bool = False) -> dict[str, Any]:
     """DeepSpeed config for `world_size` data-parallel workers; `bf16_weights` when the model's

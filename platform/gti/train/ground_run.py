@@ -2,12 +2,10 @@
 
 What it is for: `run_grounding(inputs, storage_path=, name=, start_ray=, log=)` is how the
 `ground` stage, `gti refresh` and `gti vocab ground` train: the micro-batch check on the train
-pairs (before Ray starts), the worker config (`WorkerConfig.build("ground", ...)`), the
-seeded Ray dataset of the train pairs, the Train run (`gti.train.runner.train`, so a second
-call with the same storage path and name resumes) and the facts every caller records
-(`TrainResult.facts`). Also what the callers share around it: `check_pairs` (for a caller
-that must fail before loading a model), `write_val_set` (held-out text->SID prompts sampled
-from a pairs file) and `VAL_TASKS`.
+pairs (before Ray starts), the worker config, the seeded Ray dataset of the train pairs, the
+Train run (`gti.train.runner.train`, so a second call with the same storage path and name
+resumes) and the facts every caller records. Also what the callers share around it:
+`check_pairs`, `write_val_set` and `VAL_TASKS`.
 
 What it does not know: how the pairs or the initial rows were made, which caller it serves,
 where the grounded model is exported, Ray's API.

@@ -5,9 +5,7 @@ What it is for: `train_loop_per_worker(config)` is what each Ray Train worker ru
 (`gti.train.task.TaskHooks`), wraps it in the DeepSpeed engine (`gti.train.engine`), streams
 micro-batches from the worker's shard (`gti.train.shards`), steps, validates, reports,
 checkpoints and resumes so that a resumed run equals an uninterrupted one. `config` is one
-`gti.train.worker_config.WorkerConfig` (its fields document the shapes); no task-specific code
-lives here: a task's `step_loss` hook replaces the labelled loss (RL), and `keep_best` tasks get
-the best validation's tensors back and stop early below `stop_margin` (`gti.train.best`).
+`gti.train.worker_config.WorkerConfig`; no task-specific code lives here (the hooks carry it).
 
 What it does NOT know: how rows are made, which task or stage called it, where outputs go (the
 caller reads `trainable.safetensors` from the final checkpoint), or Ray's API (only

@@ -1,21 +1,15 @@
 """The causal-LM loss computed only where there is a label (pure torch; never imports Ray).
 
 What it is for: `labelled_loss(model, input_ids, attention_mask, labels)` gives the same number
-(and the same gradients) as HF's `model(input_ids, attention_mask, labels=labels).loss`, but
-projects onto the vocabulary only the N hidden states whose next-token label is not -100,
-instead of all B*T of them. In grounding and SFT most positions are prompt or padding, so the
-[B, T, V] float32 logits tensor (the largest activation of a small model with a big vocabulary)
-shrinks to [N, V]. It works for plain HF causal LMs (tied or untied `nn.Linear` head), for gti's
-`SplitLMHead` (frozen old rows + trainable new rows), for peft `PeftModel` (LoRA) wrappers and
-for a DeepSpeed engine (passed as the engine itself, the loss runs through `engine(...)`, so
-DeepSpeed's forward bookkeeping and backward hooks stay in place; ZeRO 0-3).
-`supports_labelled_loss(model)` says when the shortcut is known to be wrong, so the caller falls
-back to the HF forward; `check_labelled_loss(...)` compares both paths on one batch.
+(and gradients) as HF's `model(..., labels=labels).loss` but projects onto the vocabulary only
+the N hidden states whose next-token label is not -100: in grounding and SFT most positions are
+prompt or padding, so the [B, T, V] float32 logits (the largest activation of a small model with
+a big vocabulary) shrink to [N, V]. It serves plain HF causal LMs, gti's `SplitLMHead`, peft LoRA
+wrappers and DeepSpeed engines (ZeRO 0-3); `supports_labelled_loss` says when the shortcut is
+known to be wrong (the caller falls back), `check_labelled_loss` compares both paths.
 
-What it does NOT know: architectures whose forward changes the logits after the head in a way
-not named in `_LOGIT_TRANSFORMS` (it assumes logits == head(decoder(ids).last_hidden_state)),
-prompt-learning peft adapters (refused), `num_items_in_batch` (the mean is over this batch's
-labelled tokens only, like HF without it), encoder-decoder models, and Ray.
+What it does NOT know: architectures with an unnamed logit transform after the head,
+prompt-learning peft adapters (refused), encoder-decoder models, and Ray.
 """
 
 from __future__ import annotations
@@ -88,7 +82,8 @@ def supports_labelled_loss(model) -> bool:
     encoder-decoder model, a prompt-learning peft adapter (virtual tokens are prepended by
     PeftModel.forward), or a config with a logit transform after the head (softcapping,
     logit scales/multipliers; see `_LOGIT_TRANSFORMS`). True does not prove equality for an
-    unknown architecture; `check_labelled_loss` does, on one batch."""
+    unknown architecture (the shortcut assumes logits == head(decoder(ids).last_hidden_state));
+    `check_labelled_loss` does, on one batch."""
     peft_cfg = getattr(_engine_free(model), "active_peft_config", None)
     if peft_cfg is not None and getattr(peft_cfg, "is_prompt_learning", False):
         return False
@@ -153,7 +148,8 @@ def labelled_loss(model, input_ids: Tensor, attention_mask: Tensor | None, label
     -log softmax(head(hidden[b, t]))[labels[b, t+1]] -- equal to HF's `.loss`. Logits are
     computed for those N positions only ([N, V], cast to float32 before the cross-entropy, also
     under autocast). With N == 0 the result is an exact 0.0 that is still connected to the
-    graph (zero gradients everywhere), where HF would give NaN.
+    graph (zero gradients everywhere), where HF would give NaN. `num_items_in_batch` is not
+    known here: the mean is over this batch's labelled tokens only, like HF without it.
     """
     if labels.shape != input_ids.shape:
         raise ValueError(f"labels {tuple(labels.shape)} and input_ids {tuple(input_ids.shape)} differ in shape")

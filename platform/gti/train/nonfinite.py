@@ -3,13 +3,10 @@ training with one line naming the section and the step.
 
 What it is for: `gti.train.loop` calls `check_step(config, rank, step, loss, grad_norm,
 bad_ranks)` after every optimizer step, on values all-reduced over the ranks (so every rank
-stops at the same step, before that step's checkpoint: no NaN row is ever exported and
-evaluated as zeros). `check_finite` is the pure test (`NonFiniteError`, a `GtiError`: the CLI
-prints it as one line, `gti.common.errors.user_error` finds it inside Ray Train's failure). Rank 0
-also records the stop next to the run's progress file (`mark`), keyed by the `fit` call's id:
-a worker group Ray Train restarts within the same call (`train.max_failures`) fails at once
-with the same line (`raise_if_marked`) instead of replaying the steps since the last
-checkpoint into the same NaN; a later call (a rerun) trains afresh.
+stops at the same step, before that step's checkpoint: no NaN row is ever exported).
+`check_finite` is the pure test (`NonFiniteError`, a `GtiError`: the CLI prints it as one line,
+`gti.common.errors.user_error` finds it inside Ray Train's failure); `mark` / `raise_if_marked`
+stop a worker group Ray Train restarts within the same `fit` call at once.
 
 What it does not know: DeepSpeed, Ray, the model or the task.
 """

@@ -1,22 +1,12 @@
 """The one Ray Train driver, and the few Ray calls a training worker makes.
 
 What it is for: `run_trainer(worker_fn, loop_config, datasets, spec)` is the only place that
-builds a `TorchTrainer`: its ScalingConfig (workers, GPUs, resources per worker), RunConfig
-(run name and storage path, so a run re-created with both resumes from its latest checkpoint:
-Ray Train V2 has no `Trainer.restore`), FailureConfig (worker failures retried from the latest
-checkpoint), CheckpointConfig (two kept), the workers' environment and the progress file rank
-0 appends to (followed on the driver, one JSON line per step or epoch, `gti.common.progress`). It is
-also the one place a typed worker config (`gti.train.worker_config.WorkerConfig`) becomes the
-dict Ray Train takes as `train_loop_config` (`_train_loop_config`). A
-`GtiError` raised in a worker comes back as itself (`gti.common.errors.user_error`), so the CLI prints
-its one line. It returns the final checkpoint's contents through the caller's `read` function.
-
-Worker side (called inside `worker_fn`): `worker_rank_world()`, `latest_checkpoint()` (a
-directory or None), `report(metrics, checkpoint_dir=None)`, `dataset_shard()`,
-`torch_device()`, `prepare_ddp(model)`. The training loops (`gti.train.loop` for grounding and
-SFT, `gti.train.rqvae_task` for the RQ-VAE) use these, so no other module under `gti/train/`
-imports Ray. `train_dataset_from_parquet` is the Ray Data side of the grounding pairs,
-`read_parquet_dataset` of the SFT rows (the runners `gti.train.ground_run` / `sft_run` call them).
+builds a `TorchTrainer` and turns a typed worker config into Ray Train's `train_loop_config`.
+The worker side (`worker_rank_world`, `latest_checkpoint`, `report`, `dataset_shard`,
+`torch_device`, `prepare_ddp`) serves the training loops (`gti.train.loop` for grounding, SFT
+and RL, `gti.train.rqvae_task` for the RQ-VAE), so no other module under `gti/train/` imports
+Ray. `train_dataset_from_parquet` / `read_parquet_dataset` are the Ray Data side of the pairs
+and SFT rows (the runners `gti.train.ground_run` / `sft_run` call them).
 
 What it does not know: what a worker trains, what a checkpoint holds, or which stage called it.
 """
@@ -93,6 +83,13 @@ def run_trainer(
 ) -> tuple[Any, dict[str, Any], str]:
     """Run `worker_fn(loop_config)` on `spec.num_workers` workers; returns (`read(final
     checkpoint dir)`, the last reported metrics, the run's path).
+
+    The trainer's ScalingConfig (workers, GPUs, resources per worker), RunConfig (run name and
+    storage path, so a run re-created with both resumes from its latest checkpoint: Ray Train V2
+    has no `Trainer.restore`), FailureConfig (worker failures retried from the latest
+    checkpoint), CheckpointConfig (two kept) and the workers' environment come from `spec`. A
+    `GtiError` raised in a worker comes back as itself (`gti.common.errors.user_error`), so the
+    CLI prints its one line.
 
     `loop_config` is a dict or a dataclass with a `progress_file` field (the one boundary where
     a typed config becomes Ray's dict: `_train_loop_config`). Its progress file is set to

@@ -3,14 +3,8 @@
 What it is for: `rl_prompt_rows` makes the RL prompts: a seeded sample of SFT's training windows
 (`gti.train.sft_data.training_windows`: training items only, so no valid or test item is ever a
 rollout's target or in its history) rendered in the evaluation prompt form, each packed with its
-target's SID tokens (`gti.train.rl_task.rl_row`); and
-`run_rl(inputs, storage_path=, name=, start_ray=, log=)` trains: the worker config
-(`WorkerConfig.build("rl", ...)`), the Ray dataset of the rows (materialised, in file order),
-the Train run (`gti.train.runner.train`: a second call with the same storage path and name
-resumes) and the facts (`TrainResult.facts`): SFT's history facts, plus the best validation
-(step 0 is the SFT model), the early stop, the mean of each step statistic and the rollout
-batches' reuse. Steps are optimizer steps (`rl.steps`); with `rl.updates_per_rollout` K a rollout
-batch serves K of them (`gti.train.rl_task`), so a run of S steps rolls out ceil(S / K) times.
+target's SID tokens (`gti.train.rl_task.rl_row`); `run_rl` trains through `gti.train.runner`
+(a second call with the same storage path and name resumes) and returns the facts.
 
 What it does not know: where the SFT rows or the model came from (the caller keeps valid and
 test targets out of the rows), the validation users, where the model is exported, Ray's API.
@@ -91,7 +85,10 @@ def run_rl(
     """GRPO on `inputs.start.model_dir` over the prompts of `inputs.train_path` with
     `inputs.run_cfg.rl`.
 
-    storage_path, name, start_ray, tracker, callbacks: as `gti.train.sft_run.run_sft`.
+    storage_path, name, start_ray, tracker, callbacks: as `gti.train.sft_run.run_sft`. The rows
+    go to Ray as one dataset, materialised, in file order. Steps are optimizer steps
+    (`rl.steps`); with `rl.updates_per_rollout` K a rollout batch serves K of them
+    (`gti.train.rl_task`), so a run of S steps rolls out ceil(S / K) times.
     Returns the best validation's tensors ({name: fp32 tensor}; the SFT model's own when no step
     beat it), the history and the facts: `history_facts` + best {metric, start, value, step},
     stopped_at (the step of an early stop, or None), step_stats (means over optimizer steps; a

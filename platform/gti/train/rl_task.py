@@ -1,25 +1,12 @@
 """The RL task (GRPO after SFT): its rows, model, step loss and validation, as loop hooks.
 
 What it is for: `HOOKS` for `gti.train.loop` (task "rl"). The model is the SFT export with every
-parameter trainable; `rl_step_loss` replaces the teacher-forced loss: for a micro-batch of
-training prompts it rolls out `rl.group_size` candidate SIDs per prompt under the trie, rewards
-them against each prompt's target (`gti.rl.step.grpo_rollout`), and returns the clipped GRPO
-loss with a KL penalty to the frozen SFT model (`gti.rl.step.grpo_update_loss`); validation is
-SFT's (Recall@10, loss and the exact MRR, which `keep_best` uses to keep the best checkpoint and
-stop a run that falls below the SFT model). Rows: `rl_row` packs a prompt and its target SID into the loop's row shape
-({"input_ids", "labels"}, the labels holding only the target on the prompt's last L positions,
-so the loop's padding and sharding carry it unchanged); `split_batch` unpacks a padded batch.
-
-Steps: `rl.steps` counts optimizer steps, as the loop does for every task. With
-`rl.updates_per_rollout` K, optimizer steps s = cK .. cK + K - 1 form rollout cycle c: step cK
-rolls out its micro-batches (one rollout per micro-batch slot of `rl.grad_accum`) and updates on
-policy; steps cK + 1 .. cK + K - 1 update again on the same rollouts, each micro-step reusing
-its slot's batch, with the ratio to the log-probs of step cK (old log-probs, detached). The
-loop still hands those later micro-steps a fresh micro-batch, which goes unused (the prompts are
-a sample of training windows; nothing else depends on them). The rollouts live in the worker
-process only, so `rl.checkpoint_every` is a multiple of K (`RlConfig`) and a resume starts a
-cycle; validation between the steps of a cycle does not touch them. The schedule, checkpoint
-and validation cadences stay in optimizer steps.
+parameter trainable; `rl_step_loss` replaces the teacher-forced loss: it rolls out
+`rl.group_size` candidate SIDs per prompt under the trie, rewards them against each prompt's
+target and returns the clipped GRPO loss with a KL penalty to the frozen SFT model
+(`gti.rl.step`). Validation is SFT's (its exact MRR, `keep_best`, keeps the best checkpoint and
+stops a run that falls below the SFT model). `rl_row` / `split_batch` carry a prompt and its
+target SID in the loop's row shape.
 
 What it does not know: where prompts come from (the caller keeps valid/test targets out), how
 the loop steps or checkpoints, Ray, or where the model is exported.
@@ -53,8 +40,9 @@ STAT_KEYS = ("reward_mean", "reward_std", "zero_std_share", "kl", "clip_fraction
 
 def rl_row(prompt: list[int], target_sid: list[int]) -> dict[str, list[int]]:
     """One training row: input_ids = the prompt [P]; labels [P] = -100 but the last L positions,
-    which hold the target's SID tokens (L = len(target_sid) <= P). Nothing is trained on these
-    labels: `split_batch` reads the target back from them."""
+    which hold the target's SID tokens (L = len(target_sid) <= P), so the loop's padding and
+    sharding carry it unchanged. Nothing is trained on these labels: `split_batch` reads the
+    target back from them."""
     n, levels = len(prompt), len(target_sid)
     if levels < 1 or n < levels:
         raise DataError(f"an RL prompt of {n} tokens cannot carry a target SID of {levels} tokens")
@@ -124,10 +112,21 @@ def rl_step_loss(engine, batch: dict[str, torch.Tensor], config: "WorkerConfig",
                  micro_step: int) -> tuple[torch.Tensor, dict[str, float]]:
     """Loop hook: the GRPO loss of one micro-step and its statistics.
 
-    The first update of a rollout cycle (see the module docstring) rolls out this micro-batch of
+    The first update of a rollout cycle (`rollout_cycle`) rolls out this micro-batch of
     `rl_row`s; the later ones reuse the cycle's rollout of the same slot and ignore `batch`.
     micro_step: the run's 0-based micro-batch index (the same after a resume), which with the
-    seed and the rank seeds sampling rollouts."""
+    seed and the rank seeds sampling rollouts.
+
+    `rl.steps` counts optimizer steps, as the loop does for every task (so do the schedule,
+    checkpoint and validation cadences). With
+    `rl.updates_per_rollout` K, optimizer steps cK .. cK + K - 1 form rollout cycle c: step cK
+    rolls out its micro-batches (one rollout per micro-batch slot of `rl.grad_accum`) and updates
+    on policy; the later steps update again on the same rollouts, with the ratio to the
+    log-probs of step cK (old log-probs, detached). The loop still hands them a fresh
+    micro-batch, which goes unused (the prompts are a sample of training windows). The rollouts
+    live in the worker process only, so `rl.checkpoint_every` is a multiple of K (`RlConfig`)
+    and a resume starts a cycle; validation between the steps of a cycle does not touch them.
+    """
     from gti.rl.step import PhaseClock, grpo_rollout, grpo_update_loss
 
     ctx = _context(config, engine.device)

@@ -2,22 +2,11 @@
 
 What it is for: `train_rqvae(sid_cfg, seed, emb_path, init_model, n_items, storage, log)` trains
 the RQ-VAE on `sid.num_workers` Ray Train workers through the one driver
-(`gti.train.ray_train.run_trainer`: TorchTrainer, RunConfig, checkpoints, failure handling,
-progress) and returns (trained model, epoch history). `sid_train_loop` is the worker: DDP
-(gloo on CPU, nccl on GPU) over shards of the embeddings; per epoch the workers all-reduce
-code usage, re-seed dead codes (rank 0's choice is broadcast) and report metrics; a checkpoint
-(the quantiser, its AdamW state and the epoch history) follows the last epoch and, before it,
-every `sid.checkpoint_every_s` seconds (`checkpoint_due`), so a rerun after a killed driver
-resumes from the last checkpointed epoch. Every worker starts from the same k-means codebooks (the stage
-fits them on the driver) and the shuffle is seeded, so a run is deterministic for a seed.
-
-Epoch batches come one of two ways, chosen on the driver (`sid.epoch_cache_mb`): a worker
-whose shard fits reads it once into one tensor and cuts every epoch from a seeded permutation
-of it (`cached_epoch_batches`, pure), because re-reading a small shard through Ray Data each
-epoch costs far more than the epoch's compute; otherwise (or at 0) it streams the shard every
-epoch with Ray Data's seeded local shuffle, as before. Either way an epoch is ceil(shard rows /
-batch_size) steps, and Ray Train's shards are equal-sized, so every DDP worker runs the same
-number of steps (the collectives in `_revive` rely on it).
+(`gti.train.ray_train.run_trainer`) and returns (trained model, epoch history); a rerun after a
+killed driver resumes from the last checkpointed epoch. `sid_train_loop` is the worker: DDP over
+shards of the embeddings, dead-code revival, checkpoints. Every worker starts from the same
+k-means codebooks (fitted on the driver) and the shuffle is seeded, so a run is deterministic
+for a seed.
 
 What it does not know: how embeddings were made, how codes are assigned or de-duplicated (the
 `sid` stage), or Ray's API (only `gti.train.ray_train` calls it).
@@ -143,7 +132,11 @@ def _read_shard(shard, device) -> torch.Tensor:
 
 def _epoch_batches(shard, cached, config, epoch, rank, device) -> Iterator[torch.Tensor]:
     """The epoch's input batches: from the in-memory `cached` rows, or (None) streamed from the
-    Ray Data shard with the seeded local shuffle exactly as before the cache existed."""
+    Ray Data shard with the seeded local shuffle. The driver chooses (`sid.epoch_cache_mb`): a
+    worker whose shard fits reads it once (`_read_shard`), because re-reading a small shard
+    through Ray Data each epoch costs far more than the epoch's compute. Either way an epoch is
+    ceil(shard rows / batch_size) steps, and Ray Train's shards are equal-sized, so every DDP
+    worker runs the same number of steps (the collectives in `_revive` rely on it)."""
     if cached is not None:
         return cached_epoch_batches(cached, config["batch_size"], config["seed"], epoch, rank)
     return (batch["embedding"].float() for batch in shard.iter_torch_batches(
@@ -191,6 +184,11 @@ def _run_epoch(ddp, core, opt, batches, config, world, device, window, step):
 
 def sid_train_loop(config: dict) -> None:
     """Ray Train worker loop for the RQ-VAE (one call per worker).
+
+    DDP (gloo on CPU, nccl on GPU) over shards of the embeddings; per epoch the workers
+    all-reduce code usage, re-seed dead codes (rank 0's choice is broadcast) and report metrics;
+    a checkpoint (the quantiser, its AdamW state and the epoch history) follows the last epoch
+    and, before it, every `sid.checkpoint_every_s` seconds (`checkpoint_due`).
 
     config: model (RQVAEConfig dict), init_state (state dict with k-means codebooks), epochs,
     batch_size (per worker), lr, weight_decay, dead_code_threshold, seed, shuffle_buffer,

@@ -1,14 +1,12 @@
 """What every training-task runner shares: the typed result, the Train run, the history facts.
 
-What it is for: a task runner (`gti.train.ground_run.run_grounding`, `gti.train.sft_run.run_sft`,
-and the next task's, e.g. RL after SFT) has one shape: typed inputs in (the task's inputs
-dataclass, then the Train run's `storage_path` and `name`, the caller's `start_ray`, `log` and
-optional `tracker`), a `TrainResult` out (the trained tensors, the metric history, the facts a
-caller records). `train` is the part they all do the same way: start Ray (the caller's
-function: `gti.train` sits below the stages, which own Ray's start), make the Ray dataset,
-run `gti.train.loop.fit` inside the caller's tracker. Resume is `fit`'s: a second call with the
-same storage path, run name, worker config and rows continues from the latest checkpoint.
-`loss_ends` and `curve` read the history the way every caller's facts spell it.
+What it is for: a task runner (`gti.train.ground_run`, `gti.train.sft_run`, `gti.train.rl_run`)
+has one shape: typed inputs in (the task's inputs dataclass, then the Train run's `storage_path`
+and `name`, the caller's `start_ray`, `log` and optional `tracker`), a `TrainResult` out. `train`
+is the part they all do the same way (the caller starts Ray: `gti.train` sits below the stages,
+which own Ray's start); resume is `fit`'s: a second call with the same storage path, run name,
+worker config and rows continues from the latest checkpoint. `loss_ends` and `curve` read the
+history the way every caller's facts spell it.
 
 What it does not know: the task (the runner chose the worker config and the dataset), where
 the caller exports, Ray's API (`gti.train.ray_train` reads the data, `gti.train.loop` trains).

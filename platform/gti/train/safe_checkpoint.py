@@ -1,19 +1,12 @@
 """Resuming a DeepSpeed checkpoint without running code from it.
 
 What it is for: `load_checkpoint(engine, load_dir, tag, **kw)` is the one call through which the
-training loop resumes DeepSpeed state. DeepSpeed 0.19's `TorchCheckpointEngine.load` calls
-`torch.load(weights_only=False)`, i.e. full pickle, on files under `run_dir`, which cluster
-configs put on shared storage: anyone who can write there could run code as the user on the
-next resume. Here every file is read with `torch.load(weights_only=True)`, which builds only
-tensors, containers and plain values plus the allow-list below, and a file that needs anything
-else stops the resume with one line naming the file and the global it asked for.
-
-The allow-list is what DeepSpeed itself writes for ZeRO 0-3 with and without bf16 (measured
-with `torch.serialization.get_unsafe_globals_in_checkpoint`): three inert DeepSpeed types in the
-optimizer-state files. Files DeepSpeed does not read for our tag are never opened. Two layers:
-the engine's checkpoint engine is replaced by `SafeCheckpointEngine` (names the file), and
-`TORCH_FORCE_WEIGHTS_ONLY_LOAD` is set while loading, so a `torch.load` elsewhere in DeepSpeed's
-load path is held to the same rule.
+training loop resumes DeepSpeed state. DeepSpeed's `TorchCheckpointEngine.load` (0.19) uses full
+pickle (`torch.load(weights_only=False)`) on files under `run_dir`, which cluster configs put on
+shared storage: anyone who can write there could run code as the user on the next resume. Here
+every file is read with `torch.load(weights_only=True)` plus a small allow-list
+(`allowed_globals`), and a file that needs anything else stops the resume with one line naming
+the file and the global it asked for.
 
 What it does not know: Ray, which task trains, what the loop state holds (JSON, read by the loop).
 """
@@ -35,7 +28,9 @@ class UnsafeCheckpointError(GtiError):
 
 
 def allowed_globals() -> list:
-    """The non-tensor types DeepSpeed's own checkpoints hold (optimizer-state files)."""
+    """The non-tensor types DeepSpeed's own checkpoints hold (optimizer-state files): what
+    DeepSpeed itself writes for ZeRO 0-3 with and without bf16 (measured with
+    `torch.serialization.get_unsafe_globals_in_checkpoint`), three inert DeepSpeed types."""
     from deepspeed.runtime.fp16.loss_scaler import LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
@@ -95,7 +90,12 @@ def _forced_weights_only() -> Iterator[None]:
 
 
 def load_checkpoint(engine, load_dir: str, tag: str, **kw: Any) -> tuple[Any, Any]:
-    """`engine.load_checkpoint(load_dir, tag=tag, **kw)` reading tensors only (see module doc).
+    """`engine.load_checkpoint(load_dir, tag=tag, **kw)` reading tensors only.
+
+    Two layers: the engine's checkpoint engine is replaced by `SafeCheckpointEngine` (names the
+    file), and `TORCH_FORCE_WEIGHTS_ONLY_LOAD` is set while loading, so a `torch.load` elsewhere
+    in DeepSpeed's load path is held to the same rule. Files DeepSpeed does not read for `tag`
+    are never opened.
 
     Raises `UnsafeCheckpointError` (one line, naming the file) when a file DeepSpeed reads holds
     anything but tensors, plain values and the allow-list; nothing in it is executed."""

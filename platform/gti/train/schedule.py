@@ -1,18 +1,11 @@
 """Learning-rate schedules as picklable multipliers for `torch.optim.lr_scheduler.LambdaLR`.
 
-What it is for: one definition of warmup + constant / linear / cosine decay, shared by grounding
-and SFT. We build the scheduler in torch rather than with DeepSpeed's `WarmupLR` family because
-DeepSpeed's versions clamp `warmup_num_steps` to at least 2 (so "no warmup" still starts at a
-reduced lr) and spread their options over three classes; a `LambdaLR` passed to
-`deepspeed.initialize(lr_scheduler=...)` is stepped by the engine once per optimizer step and is
-saved and restored with the engine checkpoint (`LrMultiplier` keeps its settings in `__dict__`,
-which `LambdaLR.state_dict` stores).
-
-Convention: `s` is the 0-based index of the optimizer step about to be taken (the number of
-scheduler steps already made). The lr used by step `s` is `base_lr * LrMultiplier(s)`:
-- warmup (s < W): (s + 1) / W, so the first step already moves (never lr 0);
-- after warmup, with progress p = (s - W) / (T - W) in [0, 1):
-  constant -> 1; linear -> 1 - p; cosine -> (1 + cos(pi p)) / 2.
+What it is for: one definition of warmup + constant / linear / cosine decay (`LrMultiplier`),
+shared by the training tasks. The scheduler is built in torch rather than with DeepSpeed's
+`WarmupLR` family because DeepSpeed's versions clamp `warmup_num_steps` to at least 2 (so "no
+warmup" still starts at a reduced lr) and spread their options over three classes; a `LambdaLR`
+passed to `deepspeed.initialize(lr_scheduler=...)` is stepped by the engine once per optimizer
+step and saved and restored with the engine checkpoint.
 
 What it does not know: optimizers, DeepSpeed, Ray. Pure Python.
 """
@@ -23,7 +16,15 @@ import math
 
 
 class LrMultiplier:
-    """Callable `s -> multiplier` for `LambdaLR`; see the module docstring for the formula."""
+    """Callable `s -> multiplier` for `LambdaLR`; its settings live in `__dict__`, which
+    `LambdaLR.state_dict` stores, so a checkpoint restores them.
+
+    `s` is the 0-based index of the optimizer step about to be taken (the number of scheduler
+    steps already made); the lr used by step `s` is `base_lr * LrMultiplier(s)`:
+    - warmup (s < W): (s + 1) / W, so the first step already moves (never lr 0);
+    - after warmup, with progress p = (s - W) / (T - W) in [0, 1):
+      constant -> 1; linear -> 1 - p; cosine -> (1 + cos(pi p)) / 2.
+    """
 
     def __init__(self, schedule: str, warmup_steps: int, total_steps: int) -> None:
         if schedule not in ("constant", "linear", "cosine"):

@@ -2,12 +2,10 @@
 
 What it is for: turning sequences.parquet and the SID map into token-id rows for the shared
 training loop, in the grounding pairs' row format. `sft.objective: window` makes one row per
-target over each user's TRAINING items (history: the H items before it); `sequence` cuts them
-into chunks whose every item after the first is a target; valid and test items are never a
-target or in a training history. Each window's retrieval template is drawn by a seeded
-generator over the window order; over-long rows lose their OLDEST history items (never the
-target or the template); the LC-Rec multitask mix adds a seeded share of grounding pairs.
-Evaluation prompts are `gti.eval.slices.eval_windows`.
+target over each user's TRAINING items (`training_windows`); `sequence` cuts them into chunks
+whose every item after the first is a target (`training_sequences`); valid and test items are
+never a target or in a training history. `multitask_mix` adds LC-Rec's seeded share of
+grounding pairs. Evaluation prompts are `gti.eval.slices.eval_windows`.
 
 What it does not know: Ray, devices, models, or where files live. It is pure polars/numpy and
 never calls the tokenizer itself (rendering is `gti.lm.templates`).
@@ -33,8 +31,10 @@ def training_windows(
     """Sliding windows over each user's training items.
 
     Returns one row per (user, position i >= 1): user_id, pos, history list<str> (at most
-    `max_history` items, oldest first), target str, template (int8 index into the templates).
-    Row order is the input user order, then position, so it is deterministic.
+    `max_history` items, oldest first), target str, template (int8 index into the templates,
+    drawn by a seeded generator over the window order). Row order is the input user order, then
+    position, so it is deterministic. Rendering (`gti.lm.templates.RecRenderer`) cuts an
+    over-long row's OLDEST history items (never the target or the template).
     """
     check_sequences(seqs)
     if max_history < 1:

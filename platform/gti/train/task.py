@@ -1,14 +1,11 @@
 """The contract between the shared training loop and a task (grounding, SFT, RL), and what the
 tasks' hooks share.
 
-What it is for: `TaskHooks` (build the model, hand back its trainable tensors, validate),
-which each task `name` of `TASKS` defines in its own module `gti.train.<name>_task` and
-registers there (`HOOKS = register(name, TaskHooks(...))`); `hooks_for(name)` looks them up,
-importing that module by name on the first lookup, which is how
-`gti.train.worker_config.WorkerConfig.build` puts them into the worker config without
-importing any task module. And the helpers the tasks' hooks share: `full_fp32_cpu` (a
-parameter's full fp32 copy, ZeRO-aware), `rank_share` (equal validation shares per rank) and
-`load_trie` (the catalog's SID trie, cached per worker).
+What it is for: `TaskHooks` (build the model, hand back its trainable tensors, validate), which
+each task `name` of `TASKS` defines and registers in its own module `gti.train.<name>_task`;
+`hooks_for(name)` looks them up, importing that module by name on the first lookup, so
+`WorkerConfig.build` puts them into the worker config without importing any task module. And
+the helpers the tasks' hooks share: `full_fp32_cpu`, `rank_share` and `load_trie`.
 
 What it does not know: how the loop steps, or any task's data; it imports no task module.
 """
@@ -101,6 +98,7 @@ def rank_share(n: int, rank: int, world: int) -> tuple[list[int], torch.Tensor]:
 
 @lru_cache(maxsize=4)
 def load_trie(path: str, new_start: int, new_end: int):
+    """The catalog's SID trie from `path` (its `sid_token_ids`), cached per worker."""
     from safetensors.torch import load_file
 
     from gti.sid.trie import SidTrie

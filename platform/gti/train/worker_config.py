@@ -3,12 +3,10 @@
 What it is for: `WorkerConfig` (frozen, picklable) says what a worker trains: the task and its
 hooks, the run's config, the padding id, the task's inputs (`GroundRows` for grounding,
 `SftStart` for SFT, `RlStart` for RL), the validation set (`ValSet`), test-only fault injection
-(`FaultInjection`), and two fields the driver side fills in (`progress_file` by
-`gti.train.ray_train.run_trainer`, `fit_id` by `gti.train.loop.fit`). `WorkerConfig.build` is the
-one place a runner makes one (`gti.train.ground_run`, `gti.train.sft_run`). Ray Train takes
-its `train_loop_config` as a dict: `gti.train.ray_train.run_trainer` flattens the top level of
-the dataclass into one (the nested records and the hooks travel as they are, pickled) and the
-worker entry rebuilds the same object with `from_loop_dict`; nothing else sees the dict.
+(`FaultInjection`), and two fields the driver side fills in. `WorkerConfig.build` is the one
+place a runner makes one. Ray Train takes its `train_loop_config` as a dict:
+`gti.train.ray_train.run_trainer` flattens the dataclass's top level into one and the worker
+rebuilds the same object with `from_loop_dict`; nothing else sees the dict.
 
 What it does not know: how the loop trains, what the files hold beyond their shapes, Ray.
 """
