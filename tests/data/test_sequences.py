@@ -83,11 +83,40 @@ def test_global_time_cuts_all_interactions_8_1_1_by_time_ties_in_file_order():
     assert s["a"]["test_items"] == ["a9"] and s["b"]["test_items"] == ["b9"]
     assert s["a"]["valid_item"] is None and s["a"]["test_item"] is None
     assert res.split == {"name": "global_time", "by": "position", "ratios": [8.0, 1.0, 1.0],
-                         "cut_positions": [16, 18], "interactions": {"train": 16, "valid": 2, "test": 2}}
+                         "cut_positions": [16, 18], "cut_ts": [8, 8],
+                         "interactions": {"train": 16, "valid": 2, "test": 2}}
     assert res.sequences.columns == SEQ_SCHEMA.names
     # The same rows in another file order (the order column follows them): the same split.
     again = build_sequences(_df(rows).sample(fraction=1.0, shuffle=True, seed=1), 2, None, "global_time")
     assert again.sequences.sort("user_id").equals(res.sequences.sort("user_id"))
+
+
+def test_given_periods_keep_ties_on_a_cut_and_new_rows_go_by_the_cut_timestamps():
+    # The position cut of the tie test above, re-split by its recorded cut_ts (8, 8: b9 opens
+    # the test period at ts 8) as a refresh does: rows carrying their period keep it (a8 and b8,
+    # valid at ts 8, which the timestamps alone would move to test), new rows go by timestamp.
+    rows = [("a", f"a{i}", i) for i in range(8)] + [("b", f"b{i}", i) for i in range(8)]
+    rows += [("a", "a8", 8), ("b", "b8", 8), ("b", "b9", 8), ("a", "a9", 9)]
+    first = build_sequences(_df(rows), 2, None, "global_time")
+    cuts = tuple(first.split["cut_ts"])
+    old = first.interactions.join(  # each kept row's period, as the first split made it
+        first.sequences.select("user_id", pl.concat_list("valid_items", "test_items").alias("_held"),
+                               pl.col("test_items").alias("_test")), on="user_id", how="left"
+    ).select("user_id", "item_id", "ts", period=pl.when(pl.col("item_id").is_in(pl.col("_test"))).then(2)
+             .when(pl.col("item_id").is_in(pl.col("_held"))).then(1).otherwise(0).cast(pl.Int8))
+    new = pl.DataFrame({"user_id": ["a", "b", "c", "c"], "item_id": ["n_early", "n_tie", "n_c1", "n_c2"],
+                        "ts": [3, 8, 2, 20]}, schema={"user_id": pl.String, "item_id": pl.String, "ts": pl.Int64})
+    merged = pl.concat([old, new], how="diagonal_relaxed").with_columns(order=pl.int_range(0, pl.len()))
+    res = build_sequences(merged, 2, None, "global_time", cuts=cuts)
+    s = {r["user_id"]: r for r in res.sequences.iter_rows(named=True)}
+    assert s["a"]["train_items"] == ["a0", "a1", "a2", "a3", "n_early", "a4", "a5", "a6", "a7"]
+    assert (s["a"]["valid_items"], s["a"]["test_items"]) == (["a8"], ["a9"])
+    assert (s["b"]["valid_items"], s["b"]["test_items"]) == (["b8"], ["b9", "n_tie"])
+    assert (s["c"]["train_items"], s["c"]["valid_items"], s["c"]["test_items"]) == (["n_c1"], [], ["n_c2"])
+    assert res.split["cut_ts"] == [8, 8]
+    # Without the periods the timestamps alone would move a8 and b8 (ts 8) from valid to test.
+    with pytest.raises(DataError, match=r"the valid period\(s\) of the 24 kept"):
+        build_sequences(merged.drop("period"), 2, None, "global_time", cuts=cuts)
 
 
 def test_global_time_a_users_periods_follow_each_other_and_short_users_go():

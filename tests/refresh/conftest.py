@@ -96,26 +96,68 @@ def write_run(run: Path) -> FakeRun:
     return FakeRun(run, h, model)
 
 
+# The time-split run's interactions, in file order; 1:1:1 of 6 by (ts, file order): train
+# (u1 a0 @1, u2 a1 @3), valid (u1 a2 @3, u2 a4 @4), test (u1 a3 @5, u2 a0 @6), so the cuts are
+# ts 3 and 5 and u2's a1 ties the valid cut in train (its timestamp alone would say valid).
+TIME_INTER = [("u1", "a0", 1), ("u2", "a1", 3), ("u1", "a2", 3), ("u2", "a4", 4), ("u1", "a3", 5), ("u2", "a0", 6)]
+
+
+def write_time_split_run(run: Path, record_cuts: bool = True) -> FakeRun:
+    """The fake run made with `data.split: global_time` (ratios 1:1:1): its ingest outputs and
+    `split` facts are `gti.data.sequences.build_sequences`' on TIME_INTER, as the ingest stage
+    writes them; `record_cuts=False`: a run ingested before ingest recorded `cut_ts`."""
+    import polars as pl
+
+    from gti.data.schemas import INTER_OUT_SCHEMA, SEQ_SCHEMA
+    from gti.data.sequences import build_sequences
+
+    fake = write_run(run)
+    cfg = C.load(None, [f"run_dir={run}", "embed.encoder=hash", "embed.dim=16", "seed=7",
+                        "data.split=global_time", "data.split_ratios=[1,1,1]", "data.min_seq_len=2"])
+    (run / "config.yaml").write_text(C.dump(cfg))
+    df = pl.DataFrame({k: [r[i] for r in TIME_INTER] for i, k in enumerate(("user_id", "item_id", "ts"))},
+                      schema={"user_id": pl.String, "item_id": pl.String, "ts": pl.Int64})
+    res = build_sequences(df.with_columns(order=pl.int_range(0, pl.len())), 2, None, "global_time", (1, 1, 1))
+    pq.write_table(res.interactions.to_arrow().cast(INTER_OUT_SCHEMA), str(run / "ingest" / "interactions.parquet"))
+    pq.write_table(res.sequences.to_arrow().cast(SEQ_SCHEMA), str(run / "ingest" / "sequences.parquet"))
+    split = res.split if record_cuts else {k: v for k, v in res.split.items() if k != "cut_ts"}
+    _manifest(run / "ingest", "ingest", {"interactions": "interactions.parquet", "sequences": "sequences.parquet"},
+              {"split": split})
+    return fake
+
+
 @pytest.fixture
 def fake_run(tmp_path) -> FakeRun:
     return write_run(tmp_path / "run")
 
 
-@pytest.fixture
-def make_job(fake_run, tmp_path):
-    """make_job(items=..., interactions=..., *overrides) -> a Job on the fake run (work folder
-    `<run>/refresh/.v1.partial`)."""
+def _job_on(run: FakeRun, items="unused.csv", interactions=None, *overrides):
+    """A Job on the fake `run` (work folder `<run>/refresh/.v1.partial`); its log lines in `.logs`."""
     from gti.refresh.attempt import Job, find_parent, read_manifest
 
-    def _make(items="unused.csv", interactions=None, *overrides):
-        cfg = fake_run.cfg(items, interactions, *overrides)
-        work = fake_run.dir / "refresh" / ".v1.partial"
-        work.mkdir(parents=True, exist_ok=True)
-        sf = read_manifest(fake_run.dir, "sid").facts
-        logs: list[str] = []
-        job = Job(fake_run.dir, cfg, find_parent(fake_run.dir), work, 1, sf, "cbhash", logs.append,
-                  interactions is not None)
-        job.logs = logs  # type: ignore[attr-defined]
-        return job
+    cfg = run.cfg(items, interactions, *overrides)
+    work = run.dir / "refresh" / ".v1.partial"
+    work.mkdir(parents=True, exist_ok=True)
+    sf = read_manifest(run.dir, "sid").facts
+    logs: list[str] = []
+    job = Job(run.dir, cfg, find_parent(run.dir), work, 1, sf, "cbhash", logs.append, interactions is not None)
+    job.logs = logs  # type: ignore[attr-defined]
+    return job
 
-    return _make
+
+@pytest.fixture
+def make_job(fake_run, tmp_path):
+    """make_job(items=..., interactions=..., *overrides) -> a Job on the fake run (`job_on`)."""
+    return lambda *args: _job_on(fake_run, *args)
+
+
+@pytest.fixture
+def time_split_run(tmp_path):
+    """time_split_run(record_cuts=True) -> the fake time-split run (`write_time_split_run`)."""
+    return lambda record_cuts=True: write_time_split_run(tmp_path / "time_run", record_cuts)
+
+
+@pytest.fixture
+def job_on():
+    """job_on(run, items=..., interactions=..., *overrides) -> a Job on the fake `run`."""
+    return _job_on

@@ -41,6 +41,7 @@ def test_parent_of_a_run_never_refreshed_is_the_run(fake_run):
     assert p.map_path == fake_run.dir / "sid" / "sid_map.parquet"
     assert p.interactions_path == fake_run.dir / "ingest" / "interactions.parquet"
     assert p.pair_files == [fake_run.dir / "pairs" / "pairs.parquet"]
+    assert p.sequences_path is None and p.sequences_split is None  # the fake ingest records neither
     shutil.rmtree(fake_run.dir / "sft")
     with pytest.raises(RefreshError, match="no exported model"):
         find_parent(fake_run.dir)
@@ -69,6 +70,7 @@ def test_parent_is_the_newest_refresh_with_every_refreshs_new_pairs(fake_run):
     assert p.pair_files == [fake_run.dir / "pairs" / "pairs.parquet", fake_run.dir / "refresh" / "v1" / "pairs_new.parquet",
                             v2 / "pairs_new.parquet"]
     assert p.interactions_path == fake_run.dir / "refresh" / "v1" / "ingest" / "interactions.parquet"
+    assert p.sequences_path == p.interactions_path.with_name("sequences.parquet") and p.sequences_split is None
     from gti.sid.versions import read_version
 
     assert p.hash == read_version(v2 / "sid" / "sid_map.parquet").hash != fake_run.map_hash

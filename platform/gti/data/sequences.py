@@ -67,7 +67,9 @@ def build_sequences(df: pl.DataFrame, min_seq_len: int, max_users: int | None = 
     interactions are kept, so what the split guarantees is positional. A user needs
     max(3, min_seq_len) interactions for leave_one_out, max(2, min_seq_len) for global_time
     (else `short_sequence`); `max_users` keeps the first N eligible users by first appearance
-    (the rest `outside_max_users`)."""
+    (the rest `outside_max_users`). With `cuts`, a row whose optional `period` column (0/1/2)
+    is set keeps that period (a refresh's old rows: ties on a cut stay where ingest put them).
+    The facts' `cut_ts` are the cuts, or the first valid and test timestamps of a position cut."""
     if split not in SPLITS:
         raise DataError(f"data.split must be one of {list(SPLITS)}, got '{split}'")
     need = max(MIN_LEAVE_ONE_OUT if split == "leave_one_out" else MIN_GLOBAL_TIME, min_seq_len)
@@ -130,10 +132,14 @@ def _global_time(kept: pl.DataFrame, ratios: Sequence[float], cuts: tuple[int, i
         order_rank = kept.select("ts", "order").with_row_index("_i").sort(["ts", "order"]).with_row_index("_g")
         period = (pl.when(pl.col("_g") < c1).then(0).when(pl.col("_g") < c2).then(1).otherwise(2))
         periods = order_rank.select("_i", period.cast(pl.Int8).alias("_p")).sort("_i")["_p"]
-        by = {"by": "position", "ratios": [float(r) for r in ratios], "cut_positions": [c1, c2]}
+        first_ts = order_rank["ts"]  # what a refresh cuts its new interactions by
+        by = {"by": "position", "ratios": [float(r) for r in ratios], "cut_positions": [c1, c2],
+              "cut_ts": [int(first_ts[c]) if c < n else None for c in (c1, c2)]}
     else:
-        periods = kept.select(pl.when(pl.col("ts") < cuts[0]).then(0).when(pl.col("ts") < cuts[1]).then(1)
-                              .otherwise(2).cast(pl.Int8).alias("_p"))["_p"]
+        by_ts = pl.when(pl.col("ts") < cuts[0]).then(0).when(pl.col("ts") < cuts[1]).then(1).otherwise(2)
+        if "period" in kept.columns:
+            by_ts = pl.coalesce(pl.col("period"), by_ts)
+        periods = kept.select(by_ts.cast(pl.Int8).alias("_p"))["_p"]
         by = {"by": "timestamp", "cut_ts": [int(cuts[0]), int(cuts[1])]}
     counts = [int((periods == p).sum()) for p in range(3)]
     empty = [PERIODS[p] for p in range(3) if counts[p] == 0]

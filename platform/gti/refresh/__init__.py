@@ -13,8 +13,9 @@ run's (so evaluation and `gti recommend` accept it for the old model as well as 
    `ingest/items_quarantine.parquet` / `interactions_quarantine.parquet` with their reason,
    file and row; an interaction naming an item that is neither in the run's map nor new is
    `unknown_item`. New interactions are merged with the parent's (each user's history in time
-   order) into `ingest/sequences.parquet` (leave-one-out, as ingest splits). `data.max_items`
-   and `data.max_users` do not apply to a refresh.
+   order) into `ingest/sequences.parquet`, split as the run's `data.split`: leave-one-out, or
+   global_time by the run's ingest cuts (`facts.split.cut_ts`; old rows keep their periods; a
+   run without them is refused). `data.max_items` and `data.max_users` do not apply to a refresh.
 2. embed (`gti.refresh.new_items`, as 3 and 5): the run's encoder (`embed` section;
    `gti.embed.encoders`), in this process.
 3. assign: the run's frozen quantiser (`<run>/sid/quantizer.*`, `gti.sid.quantizer.load_quantizer`)

@@ -6,8 +6,8 @@ with plus the overrides (`load_run_config`; `model.trust_remote_code` only from 
 the version it builds on (`Parent`, from `find_parent`: `gti.run.versions.resolve`'s answer,
 the newest refresh made on the run's current base, else the run, with its map's codebook
 sizes, which an earlier refresh may have grown, and that base; plus the pairs and newest
-interactions of the refreshes it builds on), the work folder `<run>/refresh/.v<k>.partial/`,
-the run's `sid` facts and codebooks hash, and the log. After the assign step, `Job.map_facts()`
+interactions of the refreshes it builds on, with their sequences and split facts), the work
+folder `<run>/refresh/.v<k>.partial/`, the run's `sid` facts and codebooks hash, and the log. After the assign step, `Job.map_facts()`
 is the `sid` facts with the new map's codebook sizes; after the tokens step,
 `Job.base_model_dir` is the model the training steps start from (`<work>/grown_model/` when
 codes were added, else the parent's) and `Job.token_range()` its SID rows. Also the names
@@ -29,7 +29,7 @@ from typing import Any, Callable, Sequence
 from gti import config as C
 from gti.config.io import apply_overrides, read_yaml
 from gti.common.errors import ConfigError, GtiError
-from gti.run.manifest import MANIFEST_NAME, Manifest
+from gti.run.manifest import MANIFEST_NAME, Manifest, ManifestError
 from gti.train.ray_train import STORAGE_DIR
 
 STEPS_FILE = "_steps.json"
@@ -114,6 +114,10 @@ class Parent:
     # The run's current base (`gti.run.versions.base_record`: model stage output, SID map),
     # recorded in the new version's manifest; a version made on another base is no parent.
     base: dict = field(default_factory=dict)
+    # The sequences beside `interactions_path` (None: not recorded) and the split facts of
+    # what wrote them (the run's ingest `split`, a refresh's `ingest.split`; None: not recorded).
+    sequences_path: Path | None = None
+    sequences_split: dict | None = None
 
 
 def find_parent(run_dir: Path, note: Callable[[str], None] | None = None) -> Parent:
@@ -132,12 +136,24 @@ def find_parent(run_dir: Path, note: Callable[[str], None] | None = None) -> Par
         raise RefreshError(str(err)) from None
     pair_files = [pairs.output(run_dir / "pairs", "pairs")]
     inter = ing.output(run_dir / "ingest", "interactions")
+    seqs = ing.output(run_dir / "ingest", "sequences") if "sequences" in ing.outputs else None
+    split = ing.facts.get("split")
     for v in at.refreshes:
         if (v.dir / "pairs_new.parquet").is_file():
             pair_files.append(v.dir / "pairs_new.parquet")
         if (v.dir / "ingest" / "interactions.parquet").is_file():
-            inter = v.dir / "ingest" / "interactions.parquet"
-    return Parent(at.k, at.map_path, at.map_hash, at.model_dir, inter, pair_files, at.codebook_sizes, at.base)
+            inter, seqs = v.dir / "ingest" / "interactions.parquet", v.sequences_path
+            split = _ingest_split(v.dir)
+    return Parent(at.k, at.map_path, at.map_hash, at.model_dir, inter, pair_files, at.codebook_sizes, at.base,
+                  seqs, split)
+
+
+def _ingest_split(version_dir: Path) -> dict | None:
+    """The split facts a refresh version's ingest step recorded (None: none, or no manifest)."""
+    try:
+        return (Manifest.read(version_dir).facts.get("ingest") or {}).get("split")
+    except ManifestError:
+        return None
 
 
 @dataclass

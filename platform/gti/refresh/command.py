@@ -32,7 +32,7 @@ from gti.common.errors import ConfigError
 from gti.run.input_files import fingerprint_files
 from gti.run.manifest import MANIFEST_NAME, Manifest, stable_hash
 from gti.common.files import atomic_write_bytes, atomic_write_json
-from gti.refresh.ingest import ingest_step
+from gti.refresh.ingest import ingest_step, split_cuts
 from gti.refresh.attempt import (
     FINGERPRINT_FILE, GROWN_MODEL, RAY_DIR, STEPS_FILE, Job, Parent, RefreshError, RefreshResult, find_parent,
     load_run_config, log_default, read_manifest,
@@ -148,6 +148,8 @@ def _refresh_locked(run_dir: Path, items, interactions, overrides: Sequence[str]
     cfg = load_run_config(run_dir, items_s, inter_s, overrides, trust_remote_code, note=log)
     if cfg.refresh.sft_steps > 0 and interactions is None:
         raise ConfigError("refresh.sft_steps > 0 needs --interactions (the SFT pass trains on them)")
+    if interactions is not None:
+        split_cuts(run_dir, cfg.data)  # a split refresh cannot repeat is refused before any work
     parent = find_parent(run_dir, note=log)  # skips versions made on another base, one line each
     sid_man = read_manifest(run_dir, "sid")
     cb_hash = V.codebooks_hash(sid_man.output(run_dir / "sid", "codebooks"))

@@ -6,9 +6,11 @@ the in-process stream of `gti.data.batches`); with `--interactions`, also
 interactions_quarantine.parquet (row check failures; `unknown_item` for an item neither in the
 parent's map nor new; users left without enough history), interactions.parquet and
 sequences.parquet (the parent's interactions + the new ones, each user's history in time
-order, leave-one-out as ingest splits) and touched_users.parquet (users with new
-interactions). Without a ts column the file order is the clock, after everything the run saw.
-Returns the step's facts (rows in / ok / quarantined, reasons, users).
+order, split as the run's `data.split`: leave-one-out again, or global_time by the cut
+timestamps of the run's ingest (`facts.split.cut_ts`), the old rows keeping the parent's
+periods) and touched_users.parquet (users with new interactions). Without a ts column the file
+order is the clock, after everything the run saw. Returns the step's facts (rows in / ok /
+quarantined, reasons, users, the split's facts).
 
 What it does not know: embeddings, SIDs, models, Ray (everything runs in this process).
 """
@@ -34,7 +36,8 @@ from gti.data.items import ingest_items
 from gti.data.schemas import INTER_OUT_SCHEMA, INTER_Q_SCHEMA, SEQ_SCHEMA
 from gti.data.sequences import build_sequences
 from gti.common.errors import DataError
-from gti.refresh.attempt import Job
+from gti.refresh.attempt import Job, RefreshError, read_manifest
+from gti.run.manifest import MANIFEST_NAME
 
 
 def ingest_step(job: Job) -> dict:
@@ -66,10 +69,13 @@ def _new_interactions(job: Job, ctx, out: Path, kept: IdSet) -> dict[str, Any]:
     d = job.cfg.data
     src = Source(d, "interactions", ctx.log)
     old = pl.read_parquet(job.parent.interactions_path)
+    cuts = split_cuts(job.run_dir, d)
+    if cuts is not None:
+        old = old.with_columns(period=_old_periods(job, old))
     w_q = pq.ParquetWriter(out / "interactions_quarantine.parquet", INTER_Q_SCHEMA)
     try:
         new, rows_in, reasons = _read_new(d, src, old, old_ids, kept, w_q)
-        res = _merge(old, new, d.min_seq_len, w_q, reasons)
+        res = _merge(old, new, d, w_q, reasons, cuts)
     finally:
         w_q.close()
     pq.write_table(res.interactions.to_arrow().cast(INTER_OUT_SCHEMA), out / "interactions.parquet")
@@ -79,7 +85,7 @@ def _new_interactions(job: Job, ctx, out: Path, kept: IdSet) -> dict[str, Any]:
     facts = {"interactions_rows_in": rows_in, "interactions_rows_ok": new.height - res.dropped.height,
              "interactions_rows_quarantined": rows_in - new.height + res.dropped.height,
              "interactions_quarantine_reasons": reasons, "n_users": res.sequences.height,
-             "touched_users": len(touched)}
+             "touched_users": len(touched), "split": res.split}
     job.log(f"ingest: {facts['interactions_rows_ok']} new interactions ok, "
             f"{facts['interactions_rows_quarantined']} quarantined; {len(touched)} users touched")
     return facts
@@ -130,16 +136,60 @@ def _split_known(batch: pa.Table, old_ids: IdSet, kept: IdSet) -> tuple[pa.Table
     return batch.filter(pa.array(valid & known)), batch.filter(pa.array(~(valid & known)))
 
 
-def _merge(old: pl.DataFrame, new: pl.DataFrame, min_seq_len: int, w_q: pq.ParquetWriter,
-           reasons: dict[str, int]):
-    """The parent's interactions + the new ones as sequences (`build_sequences`, no user cap);
-    users dropped for short histories go to `w_q` and `reasons`."""
+def split_cuts(run_dir: Path, d) -> tuple[int, int] | None:
+    """The cuts (first valid ts, first test ts) of the run's global_time split, from its ingest
+    manifest (None with leave-one-out); RefreshError (one line) when `data.split` (`d`: the data
+    config) is not the split the run's ingest recorded, or a global_time run's ingest did not
+    record its cuts. `gti.refresh.command` asks first, before any work."""
+    where = run_dir / "ingest" / MANIFEST_NAME
+    split = read_manifest(run_dir, "ingest").facts.get("split") or {}
+    if split.get("name", d.split) != d.split:
+        raise RefreshError(f"data.split={d.split}, but the run's ingest split {split['name']} ({where} "
+                           "facts.split.name): a refresh splits new interactions as the run did")
+    if d.split != "global_time":
+        return None
+    cuts = split.get("cut_ts")
+    if not cuts or None in cuts:
+        raise RefreshError(f"{where} has no facts.split.cut_ts (the cut timestamps of data.split=global_time; "
+                           "the run was ingested before ingest recorded them), so refresh cannot split new "
+                           f"interactions as the run did; rerun its ingest (gti stage ingest --config "
+                           f"{run_dir / 'config.yaml'}) to record them")
+    return int(cuts[0]), int(cuts[1])
+
+
+def _old_periods(job: Job, old: pl.DataFrame) -> pl.Series:
+    """Each row of the parent's interactions' period (0 train, 1 valid, 2 test) as the parent's
+    sequences hold it (both list each user's items in time order); RefreshError when those
+    sequences were not split by the run's global_time cuts or do not match the interactions."""
+    p = job.parent
+    name = (p.sequences_split or {}).get("name")
+    if p.sequences_path is None or name != "global_time":
+        raise RefreshError(f"{p.interactions_path.parent}: its sequences were split {name or '(not recorded)'}, "
+                           "not by the run's global_time cuts (a refresh made before refresh kept them): "
+                           "cannot keep the parent's periods")
+    seqs = pl.read_parquet(p.sequences_path, columns=["user_id", "train_items", "valid_items", "test_items"])
+    rows = pl.concat([
+        seqs.with_row_index("_u").select("_u", "user_id", pl.col(c).alias("item_id"), period=pl.lit(k, pl.Int8))
+        .explode("item_id").drop_nulls("item_id")
+        for k, c in enumerate(("train_items", "valid_items", "test_items"))
+    ]).sort(["_u", "period"], maintain_order=True)
+    if not rows.select("user_id", "item_id").equals(old.select("user_id", "item_id")):
+        raise RefreshError(f"{p.sequences_path}: its users' items are not {p.interactions_path}'s in order; "
+                           "cannot keep the parent's periods")
+    return rows["period"]
+
+
+def _merge(old: pl.DataFrame, new: pl.DataFrame, d, w_q: pq.ParquetWriter, reasons: dict[str, int],
+           cuts: tuple[int, int] | None):
+    """The parent's interactions + the new ones as sequences (`build_sequences`, no user cap,
+    `data.split`; global_time by `cuts`, old rows keeping their `period`); users dropped for
+    short histories go to `w_q` and `reasons`."""
     merged = pl.concat([
         old.with_columns(order=pl.int_range(0, old.height, dtype=pl.Int64),
                          source_file=pl.lit(None, pl.Utf8), source_row=pl.lit(None, pl.Int64)),
         new.select("user_id", "item_id", pl.col("ts").cast(pl.Int64), "order", "source_file", "source_row"),
     ], how="diagonal_relaxed")
-    res = build_sequences(merged, min_seq_len, None)
+    res = build_sequences(merged, d.min_seq_len, None, d.split, d.split_ratios, cuts)
     if res.dropped.height:  # only new rows can drop: old users only grow
         dropped = res.dropped.with_columns(
             pl.lit("user_id").alias("detail"),
