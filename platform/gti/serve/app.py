@@ -1,47 +1,14 @@
 """The HTTP face of `gti serve`: a FastAPI app over a `ServiceHolder`.
 
 What it is for: `create_app(holder, cfg, token_sha256, decode=None, stats=None)` returns the app
-that each Ray Serve replica runs (`gti.serve.deployment`, through `call_asgi`) and that the tests
-drive with FastAPI's TestClient:
-- `GET /` -> the page of `gti.serve.page` (static; it sends the token the user types);
-- `GET /items?q=text&limit=20` -> {"items": [{item_id, title, sid}], "q", "limit", version...}:
-  catalog items whose title or id contains the text (limit 1..`serve.max_search_results`);
-- `POST /recommend` {"history": [ids, oldest first], "k": 10, "exclude_history": true} ->
-  one answer of `gti.serve.service` (items best first with item_id, title, score, sid; the
-  version, model and map hash that answered);
-- `POST /recommend/batch` {"histories": [[ids], ...], "k", "exclude_history"} ->
-  {"results": [answer, ...]} (one decode, one version for all of them);
-- `GET /healthz` (process up), `GET /readyz` (a run is loaded; 503 before), `GET /info` (the
-  loaded run: version, map hash, catalog size, levels, decoder; the last reload; "replicas":
-  the version each replica of the app last reported and whether they agree; the limits;
-  `stats()`, e.g. the replica's batching counts);
-- `POST /admin/reload` {"version": k | null, "wait": false} -> 202 (200 with wait) and the
-  reload status (`gti.serve.reload`); 409 while one runs. The version is pinned for every
-  replica (each moves to it at its next poll), not only the one that answers.
-Bad requests get a JSON {"error": one line naming the problem, "status": code} and never a
-traceback: 400 a body that is not UTF-8, malformed JSON (NaN and Infinity included), JSON the
-parser cannot hold (an integer of more than 4,300 digits, nesting deeper than the recursion
-limit), a string with an unpaired surrogate, not an object, or a query string that is not UTF-8;
-413 a body over `serve.max_body_bytes`; 415 a Content-Type other than application/json (or a
-charset other than UTF-8; no Content-Type is taken as JSON); 422 a wrong field, an empty
-history, unknown ids (with `serve.unknown_items: error`), k < 1 or over `serve.max_k` or the
-catalog, too many histories, and on every GET route a query parameter it does not take, one
-given twice, or a bad value (`limit` not an ASCII integer in range); 404 / 405 an unknown path or
-method; 401 a missing or wrong bearer token (needed by /admin/* always, by every endpoint with
-`serve.token_required`), 403 /admin/* when no token is set; 503 while no run is loaded.
-`GET /info` names the run's folders only to a caller holding the token. Reading and checking
-a body or a query string (the 400/413/415/422 above, but the limits per route) is
+that each Ray Serve replica runs (`gti.serve.deployment`, through `call_asgi`, which runs one
+request through the app in this process) and that the tests drive with FastAPI's TestClient.
+Its routes and error statuses are listed above `create_app` and in docs/serving.md; bad requests
+get one JSON line, never a traceback; reading and checking a body or query string is
 `gti.serve.requests`.
 
-`decode(queries) -> awaitable list of answers | RequestError`: how a replica decodes (Ray
-Serve: a `gti.serve.gather.Gatherer` gathering concurrent requests); None = in this process, one
-request at a time.
-
 What it does NOT know: Ray, model loading (gti.serve.service), or where the token comes from
-(`read_token`: an environment variable or a file, never the config; `take_token` also removes
-it from the environment, before `gti serve` starts any process).
-`call_asgi(app, ...)` runs one HTTP request through the app in this process (what a replica
-does with a request the ingress forwards).
+(`read_token`: an environment variable or a file, never the config).
 """
 
 from __future__ import annotations
@@ -168,10 +135,36 @@ def _service(holder: ServiceHolder) -> Any:
     return svc
 
 
+# Routes (docs/serving.md):
+# - GET / -> the page of `gti.serve.page` (static; it sends the token the user types);
+# - GET /items?q=text&limit=20 -> {"items": [{item_id, title, sid}], "q", "limit", version...}:
+#   catalog items whose title or id contains the text (limit 1..`serve.max_search_results`);
+# - POST /recommend {"history": [ids, oldest first], "k": 10, "exclude_history": true} -> one
+#   answer of `gti.serve.service` (items best first; the version, model and map hash that answered);
+# - POST /recommend/batch {"histories": [[ids], ...], "k", "exclude_history"} -> {"results":
+#   [answer, ...]} (one decode, one version for all of them);
+# - GET /healthz (process up), /readyz (a run is loaded; 503 before), /info (the loaded run, the
+#   last reload, "replicas": each replica's version and whether they agree, the limits, `stats()`;
+#   the run's folders only to a caller holding the token);
+# - POST /admin/reload {"version": k | null, "wait": false} -> 202 (200 with wait) and the reload
+#   status (`gti.serve.reload`); 409 while one runs. The version is pinned for every replica.
+# Errors, JSON {"error": one line, "status": code}: 400 a body that is not UTF-8, malformed JSON
+# (NaN and Infinity included), JSON the parser cannot hold (an integer of more than 4,300 digits,
+# nesting deeper than the recursion limit), an unpaired surrogate, not an object, or a query
+# string that is not UTF-8; 413 a body over `serve.max_body_bytes`; 415 a Content-Type other than
+# application/json (or a charset other than UTF-8; none is taken as JSON); 422 a wrong field, an
+# empty history, unknown ids (with `serve.unknown_items: error`), k < 1 or over `serve.max_k` or
+# the catalog, too many histories, and on every GET route a query parameter it does not take, one
+# given twice, or a bad value; 404 / 405 an unknown path or method; 401 a missing or wrong bearer
+# token (needed by /admin/* always, by every endpoint with `serve.token_required`), 403 /admin/*
+# when no token is set; 503 while no run is loaded.
 def create_app(holder: ServiceHolder, cfg: ServeConfig, token_sha256: str | None,
                decode: Decode | None = None, stats: Callable[[], dict] | None = None) -> FastAPI:
-    """The app (see the module docstring); `token_sha256` = `token_digest(read_token(cfg))`:
-    the app holds only the token's hash."""
+    """The app (routes and errors: the comment above); `token_sha256` =
+    `token_digest(read_token(cfg))`: the app holds only the token's hash. `decode(queries) ->
+    awaitable list of answers | RequestError` is how a replica decodes (Ray Serve: a
+    `gti.serve.gather.Gatherer` gathering concurrent requests); None = in this process, one
+    request at a time."""
     app = FastAPI(title="gti serve", docs_url=None, redoc_url=None, openapi_url=None)
     decode = decode or _local_decode(holder)
 

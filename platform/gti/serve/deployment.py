@@ -1,35 +1,12 @@
 """The Ray Serve shell of `gti serve`: replicas holding the loaded run, requests batched.
 
-What it is for: `GtiRecommender`, a Serve deployment whose replicas each load the run once
-(`gti.serve.reload.ServiceHolder` over `gti.serve.service.RecommenderService`, polling the run
-folder for versions `gti refresh` publishes, every `serve.reload_poll_s`) and run the FastAPI
-app of `gti.serve.app` (the same app the tests drive, built per replica around its holder);
-`GtiIngress` in front takes the HTTP requests and forwards each to a replica (`forward`), so a
-replica that dies mid-request answers 503 + Retry-After while the others keep answering (Serve's
-own proxy would answer 500). `GtiVersions` (one replica, no CPU) holds the app's
-`gti.serve.reload.VersionBoard`: the version pinned by `--version` or POST /admin/reload and
-what each replica last served; every model replica reports to it and reads the pin back at each
-poll (`BoardClient`), so all replicas converge on one version within `serve.reload_poll_s` plus
-one load, and a replica Serve restarts loads the agreed version, not the start one. Concurrent requests of a replica are gathered by
-`gti.serve.gather.Gatherer` (`serve.max_batch_size`, `serve.batch_wait_timeout_s`; the batch is
-formed when the decoder is free, which `@serve.batch` does not do; a batch counts histories, not
-requests) into one `answer_batches` call, all answered by the same loaded version, in as few
-constrained beam searches as `serve.decode_budget_tokens` allows (`replica_decode_budget`: the
-setting, or a share of the replica's memory over the model's cache bytes per token).
-`deployment_options(cfg)` maps the `serve:` section to Serve's options (replicas or autoscaling
-bounds, CPUs = torch threads, GPUs per replica). `app_builder(args)` is the import path of a
-Serve config (jobs/serve.yaml: `serve run` / `serve deploy`).
-
-`cli_main` is `gti serve --run-dir R [--version k] [--host 127.0.0.1] [--port 8000]
-[--route-prefix /gti] [--replicas N] [--config FILE] [serve.key=value ...]`: the serve
-settings come from the defaults, the `serve:` section of `--config`, the overrides and the flags
-(never from the run folder, nor `trust_remote_code`: `--trust-remote-code` says it); it starts a private local Ray
-(`gti.ray_start`: 127.0.0.1 only, no dashboard, a fresh auth token of its own) or joins
-`--ray-address`, and runs the application until
-interrupted, mounted at `serve.route_prefix` (the ingress hands the app paths relative to it:
-`app_path`). The bearer token is read here and removed from the environment before Ray starts
-(`gti.serve.app.take_token`): no Ray worker or replica inherits it; the replicas get only its
-sha256.
+What it is for: `GtiRecommender`, a Serve deployment whose replicas each load the run once and
+run the FastAPI app of `gti.serve.app` (the same app the tests drive); `GtiIngress` in front
+forwards each HTTP request to a replica; `GtiVersions` (one replica, no CPU) holds the app's
+`gti.serve.reload.VersionBoard`, so all replicas converge on one version. `deployment_options`
+maps the `serve:` section to Serve's options, `app_builder(args)` is the import path of a Serve
+config (jobs/serve.yaml), and `cli_main` is `gti serve` (docs/serving.md). The bearer token is
+removed from the environment before Ray starts: the replicas get only its sha256.
 
 What it does NOT know: how requests are checked or decoded (gti.serve.app, gti.serve.service).
 """
@@ -73,7 +50,17 @@ RETRY_MESSAGE = "the replica answering this request went away (Serve restarts it
 @serve.deployment(name="gti-recommender")
 class GtiRecommender:
     """One replica: the loaded run, its reloads (POST /admin/reload, and a poll of the run
-    folder for versions `gti refresh` publishes), the app, and the batched decode."""
+    folder for versions `gti refresh` publishes every `serve.reload_poll_s`), the app (built per
+    replica around its `gti.serve.reload.ServiceHolder`), and the batched decode.
+
+    Every replica reports to the `GtiVersions` board and reads the pin back at each poll
+    (`BoardClient`), so all replicas converge on one version within `serve.reload_poll_s` plus
+    one load, and a replica Serve restarts loads the agreed version, not the start one.
+    Concurrent requests are gathered by `gti.serve.gather.Gatherer` (`serve.max_batch_size`,
+    `serve.batch_wait_timeout_s`) into one `answer_batches` call, all answered by the same loaded
+    version, in as few constrained beam searches as `serve.decode_budget_tokens` allows
+    (`replica_decode_budget`: the setting, or a share of the replica's memory over the model's
+    cache bytes per token)."""
 
     def __init__(self, run_dir: str, version: int | None, serve_cfg: dict, token_sha256: str | None,
                  trust_remote_code: bool = False, board: Any = None) -> None:
@@ -381,7 +368,15 @@ def start_serve(host: str, port: int, wait_s: float = PROXY_WAIT_S, echo=None, s
 
 
 def cli_main(args) -> int:
-    """`gti serve` (see the module docstring): blocks until interrupted."""
+    """`gti serve --run-dir R [--version k] [--host 127.0.0.1] [--port 8000] [--route-prefix
+    /gti] [--replicas N] [--config FILE] [serve.key=value ...]`: blocks until interrupted.
+
+    The serve settings come from the defaults, the `serve:` section of `--config`, the overrides
+    and the flags (never from the run folder, nor `trust_remote_code`: `--trust-remote-code`
+    says it). It starts a private local Ray (`start_ray`) or joins `--ray-address`, and runs the
+    application mounted at `serve.route_prefix` (`app_path`). The bearer token is read here and
+    removed from the environment before Ray starts (`gti.serve.app.take_token`): no Ray worker
+    or replica inherits it."""
     from gti.run.versions import RunDirError, chosen_version
     from gti.serve.app import take_token, token_digest
 

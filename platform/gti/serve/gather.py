@@ -1,15 +1,10 @@
 """Concurrent requests gathered into one decode, the batch formed when the decoder is free.
 
 What it is for: a replica's constrained beam search is compute-bound on CPU (seconds per call).
-Ray Serve's `@serve.batch` forms a batch when its first request arrives (then waits
-`batch_wait_timeout_s`) even while the previous batch is still decoding, so under load the
-batches queue up small, one behind the other (bench/serve/RESULTS.md, "gti serve on an idle machine").
-`Gatherer` forms the next batch only when the decoder is free: everything queued by then, up to
-`max_batch_size`, goes into one call, after at most `wait_s` for the batch to fill (no wait
-once it is full). The batch is measured by `size(item)` (a replica: the histories of a request,
-so 16 requests of 64 histories are not one batch of 1,024); an item is never split, and one
-larger than `max_batch_size` alone goes into a batch of its own. Items are taken in arrival
-order: the batch ends at the first one that does not fit.
+Ray Serve's `@serve.batch` forms a batch when its first request arrives even while the previous
+batch is still decoding, so under load the batches queue up small, one behind the other
+(bench/serve/RESULTS.md, "gti serve on an idle machine"). `Gatherer` forms the next batch only
+when the decoder is free: everything queued by then, up to `max_batch_size`, goes into one call.
 
 What it does not know: Serve, models, what an item is. One decode at a time per Gatherer, in a
 worker thread (the event loop keeps taking requests meanwhile).
@@ -28,7 +23,11 @@ R = TypeVar("R")
 class Gatherer(Generic[T, R]):
     """`await gatherer(item)` -> `fn([..., item, ...])[its index]`; `fn` maps a list of items
     to a list of results of the same length and runs in a worker thread. A batch holds items of
-    at most `max_batch_size` in all, each counted `size(item)` (default 1)."""
+    at most `max_batch_size` in all, each counted `size(item)` (default 1; a replica: the
+    histories of a request, so 16 requests of 64 histories are not one batch of 1,024). An item
+    is never split, and one larger than `max_batch_size` alone goes into a batch of its own.
+    Items are taken in arrival order: the batch ends at the first one that does not fit. A
+    batch waits at most `wait_s` to fill (no wait once it is full)."""
 
     def __init__(self, fn: Callable[[list[T]], Sequence[R]], max_batch_size: int, wait_s: float,
                  size: Callable[[T], int] | None = None) -> None:

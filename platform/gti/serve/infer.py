@@ -1,25 +1,12 @@
 """`gti infer`, the part without Ray: which users, cut into which parts, written how, resumed how.
 
-What it is for: `plan_job` turns `--users all|FILE`, `--k`, `--version` into an `InferJob`: the
-users (user_id, history list<str> oldest first, in input order), the parts (part i = users
-[i * part_rows, (i + 1) * part_rows)), the version that answers (model, map hash) and the job's
-key. `decode_part` answers one part with a `RecommenderService` (the decode of `gti serve` and
-`gti recommend`) in sub-batches of `batch_users`, always the same ones from the part's start, so
-a part decodes the same whether or not the job was resumed. `write_part` writes it atomically
-(a temp `.part-*.tmp` in the output folder, renamed into place); `finished_parts` takes a part as
-done only when its file reads back with the plan's user ids (a temp never counts);
-`prepare_out` refuses to mix two jobs' parts in one folder (the key in `_gti_infer.json`). The
-key holds everything a row depends on: the version, the model stage AND its fingerprint
-(`model_fingerprint`: a model retrained on the same map is another model), the map hash, k,
-the beam width, history exclusion and length, the users and how they are cut. A rerun whose
-key differs is refused with one line naming what changed (`--force` replaces the old parts):
-never resumed onto parts another model or setting wrote.
-
-The output folder: `part-<i:05d>.parquet`, rows in input order with the columns of `OUT_SCHEMA`
-(user_id, item_ids best first (<= k), sids, scores = sum of the SID tokens' log-probs,
-history_used, error: null, or why the user got no items). `_gti_infer.json` records the run,
-version, model, map hash, k and the users' hash. Parquet readers read the folder as one table
-(files starting with `.` or `_`, the temps, lock and manifest, are skipped by them).
+What it is for: `plan_job` turns `--users all|FILE`, `--k`, `--version` into an `InferJob` (the
+users, the parts, the version that answers, the job's key); `decode_part` answers one part with a
+`RecommenderService` (the decode of `gti serve` and `gti recommend`); `write_part` writes it
+atomically; `finished_parts` and `prepare_out` resume a job only onto its own parts (a rerun
+whose key differs is refused with one line naming what changed; `--force` replaces them). The
+output folder holds `part-<i:05d>.parquet` files of `OUT_SCHEMA` rows, in input order, and
+`_gti_infer.json`; parquet readers read it as one table.
 
 What it does NOT know: Ray (`gti.serve.infer_ray` runs the parts on a Ray Data actor pool) or
 how a history is decoded (`gti.serve.service`).
@@ -44,6 +31,10 @@ from gti.run.runlock import LOCK_FILE
 
 MANIFEST = "_gti_infer.json"
 PART_ROWS = 4096  # users per part: what a kill can lose, and one actor call
+# A part's rows: user_id, item_ids best first (<= k), sids, scores = sum of the SID tokens'
+# log-probs, history_used, error (null, or why the user got no items). `MANIFEST` records the run,
+# version, model, map hash, k and the users' hash. Parquet readers skip files starting with `.`
+# or `_` (the temps, lock and manifest).
 OUT_SCHEMA = pa.schema([("user_id", pa.string()), ("item_ids", pa.list_(pa.string())),
                         ("sids", pa.list_(pa.string())), ("scores", pa.list_(pa.float32())),
                         ("history_used", pa.int32()), ("error", pa.string())])
@@ -177,7 +168,14 @@ def users_hash(users: pl.DataFrame, chunk: int = 100_000) -> str:
 # --------------------------------------------------------------------------- the job
 @dataclass
 class InferJob:
-    """What one `gti infer` decodes and where; `key` is what a resumed job must match."""
+    """What one `gti infer` decodes and where; `key` is what a resumed job must match.
+
+    `users`: user_id, history list<str> oldest first, in input order; part i = users
+    [i * part_rows, (i + 1) * part_rows). The key holds everything a row depends on: the
+    version, the model stage AND its fingerprint (`model_fingerprint`: a model retrained on the
+    same map is another model), the map hash, k, the beam width, history exclusion and length,
+    the users and how they are cut; never resumed onto parts another model or setting wrote.
+    """
 
     run_dir: Path
     out: Path
@@ -224,8 +222,8 @@ def model_fingerprint(run_dir: Path, stage: str) -> dict[str, Any]:
 def plan_job(run_dir: str | Path, users: str, out: str | Path, *, k: int, version: int | None = None,
              exclude_history: bool = False, part_rows: int | None = None,
              batch_users: int | None = None) -> InferJob:
-    """Read the users and fix everything a resumed job must repeat (see the module docstring);
-    one-line errors for a missing run or version, a k above the catalog, a bad users file."""
+    """Read the users and fix everything a resumed job must repeat (`InferJob.key`); one-line
+    errors for a missing run or version, a k above the catalog, a bad users file."""
     from gti.run.loaded import run_config
     from gti.run.versions import RunDirError
 
@@ -341,7 +339,8 @@ def read_output(out: str | Path) -> pa.Table:
 def decode_part(service: Any, user_ids: Sequence[str], histories: Sequence[Sequence[str]], *, k: int,
                 exclude_history: bool, batch_users: int) -> pa.Table:
     """One part's rows (`OUT_SCHEMA`, input order): `service.answer` on consecutive sub-batches
-    of `batch_users` histories from the part's start, unknown ids ignored; a user with no known
+    of `batch_users` histories from the part's start (always the same ones, so a part decodes
+    the same whether or not the job was resumed), unknown ids ignored; a user with no known
     history gets no items and the reason in `error`."""
     from gti.serve.service import Query, RequestError
 

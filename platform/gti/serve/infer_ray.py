@@ -1,19 +1,12 @@
 """`gti infer`: offline batch inference of a finished run on a Ray Data actor pool (the Ray half).
 
 What it is for: `cli_main` is `gti infer --run-dir R --users all|FILE --k K --out OUT`. It plans
-the job (`gti.serve.infer.plan_job`), holds `RunLock(OUT)` (two jobs never write one output;
-the run folder is only read, without its lock), skips the parts a killed attempt finished, and
-decodes the rest on a pool of `PartDecoder` actors (`eval.concurrency` of the run's config, or
-`--concurrency`; `eval.num_gpus` GPUs each), or, for a catalog of at most `local_max_items` items
-with one CPU decoder, on one `PartDecoder` in this process as the evaluate stage does
-(`decode_here`; no Ray is started): each decoder loads the run once
-(`RecommenderService.load`, the loader of `gti serve`), checks that it holds the planned map,
-and per dataset row (one part: its users and histories) decodes and writes the part file
-itself, so the rows never pass through the driver. The driver draws progress in users from the
-parts' small summaries and, at the end, marks the manifest complete. Each pool decoder first
-registers itself on the job's `DecoderRoll`; however `run_parts` ends (done, an error, Ctrl-C),
-it kills them and waits until each has exited before it returns, so the lock on OUT is released
-only when no decoder can still write a part there.
+the job (`gti.serve.infer.plan_job`), holds `RunLock(OUT)` (two jobs never write one output; the
+run folder is only read, without its lock), skips the parts a killed attempt finished, and
+decodes the rest on a pool of `PartDecoder` actors, or, for a small catalog, on one in this
+process (`decode_here`). Each decoder writes its part files itself, so the rows never pass
+through the driver; `DecoderRoll` makes sure no decoder can still write a part once the lock is
+released.
 
 What it does NOT know: how parts are planned, written or checked (`gti.serve.infer`), or how a
 history is decoded (`gti.serve.service`).
@@ -38,7 +31,9 @@ _on_part = None  # test hook: called with each part index the driver sees writte
 
 class PartDecoder:
     """`map_batches` callable class: rows (part, user_id list, history list) -> one part file
-    written per row; returns (part, rows, errors, seconds) per row."""
+    written per row; returns (part, rows, errors, seconds) per row. It loads the run once
+    (`RecommenderService.load`, the loader of `gti serve`) and checks that it holds the planned
+    map; a pool decoder first registers itself on the job's `DecoderRoll`."""
 
     def __init__(self, run_dir: str, version: int, map_hash: str, out: str, k: int, exclude_history: bool,
                  batch_users: int, num_gpus: float = 0.0, cpu_threads: int | None = None,
@@ -243,7 +238,11 @@ class DecoderRoll:
 def run_parts(job: I.InferJob, todo: list[I.Part], done_rows: int, *, concurrency: int, num_gpus: float,
               trust_remote_code: bool = False, log=None, here: bool = False) -> dict[str, Any]:
     """Decode and write the `todo` parts (`here`: in this process, else on an actor pool of
-    `concurrency`); -> {decoded_users, error_rows, seconds, users_per_s}."""
+    `concurrency`, `eval.concurrency` of the run's config or `--concurrency`, `eval.num_gpus`
+    GPUs each); -> {decoded_users, error_rows, seconds, users_per_s}. Progress is drawn in users
+    from the parts' small summaries. However it ends (done, an error, Ctrl-C), it kills the pool's
+    decoders and waits until each has exited (`DecoderRoll.stop`) before it returns, so the
+    lock on OUT is released only when no decoder can still write a part there."""
     from gti.common.progress import Progress
 
     t0, n, errors = time.time(), 0, 0
@@ -284,7 +283,8 @@ def _ray_config(job: I.InferJob, address: str | None):
 
 
 def cli_main(args) -> int:
-    """`gti infer` (see the module docstring); prints one summary line."""
+    """`gti infer` (see the module docstring); at the end marks the manifest complete and prints
+    one summary line."""
     from gti.run.runlock import RunLock
     from gti.ray_start import ensure_ray
 

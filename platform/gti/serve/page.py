@@ -1,17 +1,10 @@
 """The page `GET /` of `gti serve`: try the recommender in a browser.
 
-What it is for: `PAGE`, one self-contained HTML document (inline CSS and JavaScript, no
-external asset, no framework) that calls the service's own endpoints from the same origin:
-`GET info` (which run and version answer), `GET items?q=&limit=` (search the catalog by
-title or id), `POST recommend` (the history built on the page -> items with titles, scores
-and SIDs, and the version that answered). Every call is relative to the page's own path
-(`BASE`, from `location.pathname`): the page works at "/" and under a route prefix, opened as
-"/gti/" or as "/gti" (where a plain relative URL would resolve against "/"). A bearer token
-typed into the page is sent with each call (needed when `serve.token_required` is set). Titles
-and ids are inserted as text, never as HTML. A link `<page>#q=text&history=id1,id2` opens the
-page with that search and history. When its first calls (info, search, recommend) have
-answered, it sets `<body data-state="ready">` and dispatches a `gti-ready` event on the
-document: the signal its test (and a browser check) waits on instead of a fixed delay.
+What it is for: `PAGE`, one self-contained HTML document (inline CSS and JavaScript, no external
+asset, no framework) that calls the service's own endpoints from the same origin: `GET info`,
+`GET items?q=&limit=` (search the catalog), `POST recommend` (the history built on the page ->
+items with titles, scores and SIDs). How it finds its endpoints, and what its test waits on, is
+beside `PAGE`.
 
 What it does NOT know: the run, the endpoints' rules (gti.serve.app), or any data: the page
 is static, so serving it reveals nothing.
@@ -19,6 +12,14 @@ is static, so serving it reveals nothing.
 
 from __future__ import annotations
 
+# Every call is relative to the page's own path (`BASE`, from `location.pathname`): the page works
+# at "/" and under a route prefix, opened as "/gti/" or as "/gti" (where a plain relative URL
+# would resolve against "/"). A bearer token typed into the page is sent with each call (needed
+# when `serve.token_required` is set). Titles and ids are inserted as text, never as HTML. A link
+# `<page>#q=text&history=id1,id2` opens the page with that search and history. When its first
+# calls (info, search, recommend) have answered, it sets `<body data-state="ready">` and
+# dispatches a `gti-ready` event on the document: the signal its test (and a browser check)
+# waits on instead of a fixed delay.
 PAGE = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">

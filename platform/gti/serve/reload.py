@@ -1,37 +1,15 @@
 """Which version of a run is served, and swapping in a newer one between requests.
 
-What it is for: `ServiceHolder(load)` holds the `RecommenderService` that answers now
-(`current`; None until the first load finished: not ready). `reload(version=None)` (POST
-/admin/reload) loads a `gti refresh` version (None: the newest) in a background thread while
-the old one keeps answering, then replaces the reference in one assignment: a request (or a
-batch) takes `current` once and is answered wholly by that run, so no answer mixes a model and
-a map of different versions, and none fails because of the swap. Before loading, the new
-version's SID map must descend from the serving model's map (`gti.run.versions.check_model_map`
-on the serving model folder, the run's lineage folder; a map that only adds code tokens the
-serving model lacks still descends: the new version brings its own model with them), or, for a
-rollback, the serving map must descend from the map of the older version's own model. A map
-that does neither (or a version that fails to load) is refused with ONE log line and the
-old version keeps serving.
-
-Replicas that agree: which version is served is decided by one rule over one shared record,
-`desired_version(pin, newest)`: a version pinned by /admin/reload (or `gti serve --version`)
-while the newest published version is still the one published when it was pinned; else the
-newest. The pin lives on a `VersionBoard` (a shared one for all replicas of a Serve app: the
-`gti-versions` deployment of gti.serve.deployment; an in-process one otherwise), so a reload
-that reaches one replica reaches all: `watch(interval_s)` runs `poll()` every interval, which
-reports this replica's version to the board, reads the pin back and starts a reload when the
-desired version differs from the served one. Every replica therefore serves the same version
-within one poll interval plus one load after any reload, publish or pinned rollback (a version
-that is refused or fails to load is not retried until the pin or the newest version changes:
-the replica keeps its version and says so in `/info`). `status()` is what `/info` reports
-about this replica's reloads: {"state": "idle" | "loading" | "swapped" | "unchanged" |
-"refused" | "failed", "from", "to", "message"}; `replicas()` what the board last heard from
-every replica (version, state, seconds since).
+What it is for: `ServiceHolder(load)` holds the `RecommenderService` that answers now and
+reloads a `gti refresh` version in the background while the old one keeps answering, so no
+answer mixes a model and a map of different versions and none fails because of the swap; a map
+that does not descend from the serving model's (`gti.run.versions.check_model_map`) is refused
+with ONE log line. Replicas agree through one rule over one shared record: `desired_version`
+over a `VersionBoard` that every replica polls (docs/serving.md).
 
 What it does NOT know: HTTP, batching, or Ray. `load(version)` is any callable returning a
-service for a version (`RecommenderService.load` with the replica's settings); the board is any
-object with `pin(version, published)` and `sync(replica, report)` (a Ray handle's adapter lives
-in gti.serve.deployment).
+service for a version; the board is any object with `pin(version, published)` and
+`sync(replica, report)` (a Ray handle's adapter lives in gti.serve.deployment).
 """
 
 from __future__ import annotations
@@ -90,7 +68,23 @@ class VersionBoard:
 
 
 class ServiceHolder:
-    """The served `RecommenderService` and its reloads (see the module docstring)."""
+    """The served `RecommenderService` and its reloads.
+
+    `current` is the service that answers now (None until the first load finished: not ready).
+    `reload(version=None)` (POST /admin/reload) loads a version in a background thread, then
+    replaces the reference in one assignment: a request (or a batch) takes `current` once and is
+    answered wholly by that run. `watch(interval_s)` runs `poll()` every interval, which reports
+    this replica's version to the board (a shared one for all replicas of a Serve app: the
+    `gti-versions` deployment; an in-process one otherwise), reads the pin back and starts a
+    reload when the desired version differs from the served one. So every replica serves the
+    same version within one poll interval plus one load after any reload, publish or pinned
+    rollback; a version that is refused or fails to load is not retried until the pin or the
+    newest version changes (the replica keeps its version and says so in `/info`).
+    `status()` is what `/info` reports about this replica's reloads: {"state": "idle" |
+    "loading" | "swapped" | "unchanged" | "refused" | "failed", "from", "to", "message"};
+    `replicas()` what the board last heard from every replica (version, state, seconds since).
+    `load` is `RecommenderService.load` with the replica's settings in `gti serve`.
+    """
 
     def __init__(self, load: Callable[[int | None], Any], run_dir: str | Path,
                  logger: Callable[[str], None] | None = None, board: Any = None, replica: str = "local") -> None:

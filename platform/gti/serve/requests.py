@@ -1,18 +1,10 @@
 """Reading a request of `gti serve`'s app: the JSON bodies, the query strings, their checks.
 
 What it is for: `gti.serve.app`'s routes read every request through these, so each malformed
-one gets a `RequestError` with a one-line message (never a traceback):
-- `read_json(request, limit, required=True)` -> the body as a dict: 413 over `limit` bytes
-  (`serve.max_body_bytes`); 415 a Content-Type other than JSON in UTF-8 (none is taken as
-  JSON); 400 not UTF-8, malformed JSON (NaN and Infinity included), JSON the parser cannot
-  hold (an integer of more than 4,300 digits, nesting deeper than the recursion limit), a
-  string with an unpaired surrogate, or not an object;
-- `parse(model, data)` -> `data` as one of the body models (`RecommendBody`, `BatchBody`,
-  `ReloadBody`; unknown fields refused): 422 naming each wrong field;
-- `read_query(request, allowed)` -> a GET route's query parameters: 400 a query string that is
-  not UTF-8, 422 one it does not take or one given twice; `int_param(query, name, ...)` one of
-  them as an integer in range (ASCII digits only), 422 otherwise;
-- `cut(text)` / `short(value)`: a text or a value's repr cut for a one-line message.
+one gets a `RequestError` with a one-line message (never a traceback): `read_json` (the body:
+413 / 415 / 400), `parse` (the body models `RecommendBody`, `BatchBody`, `ReloadBody`; 422
+naming each wrong field), `read_query` and `int_param` (a GET route's query parameters: 400 /
+422); `cut` / `short` cut a text or a value's repr for a one-line message.
 
 What it does NOT know: the routes, the token, the loaded run (gti.serve.app, gti.serve.service).
 """
@@ -104,8 +96,11 @@ def _no_surrogates(data: Any) -> None:
 
 
 async def read_json(request: Request, limit: int, required: bool = True) -> dict[str, Any]:
-    """The body as a JSON object: 413 over `limit` bytes; 415 not declared as JSON in UTF-8;
-    400 not UTF-8, malformed, beyond what the parser holds, or not an object (each one line)."""
+    """The body as a JSON object: 413 over `limit` bytes (`serve.max_body_bytes`); 415 a
+    Content-Type other than JSON in UTF-8 (none is taken as JSON); 400 not UTF-8, malformed JSON
+    (NaN and Infinity included), JSON the parser cannot hold (an integer of more than 4,300
+    digits, nesting deeper than the recursion limit), a string with an unpaired surrogate, or
+    not an object (each one line)."""
     too_big = RequestError(413, f"request body over {limit} bytes (serve.max_body_bytes)")
     length = request.headers.get("content-length", "")
     # ASCII digits only ("²".isdigit() is True, int("²") raises), and no int() of 4,300 of them

@@ -1,26 +1,11 @@
 """Catalog search for `GET /items`: a compact index and a top-k that never sorts every hit.
 
-What it is for: `CatalogIndex.build(item_ids, titles)` holds, per loaded run, ONE bytes object
-(every item's key, `f"{title}\\n{item_id}".lower()` in UTF-8, between NUL separators), one
-int64 array of where each key starts, and the lowercased ids' hashes sorted (with their rows),
-instead of a Python tuple of two lowercased strings per item (several times the memory, and
-GC-tracked objects per item, at the 1M-10M catalogs `gti serve` targets).
-`search(text, limit)` returns the rows of up to `limit` items whose key contains
-`text.strip().lower()`, ranked as `sorted((item_id.lower() != needle, not
-key.startswith(needle), row))[:limit]` (the item with that id first, then keys starting with the
-text, then catalog order): the same rows, ties included, as that full sort, which it replaced:
-
-- the item with that id: a binary search of the ids' hashes, each candidate checked;
-- the other matches come from `bytes.find` (C), one key at a time in row order, so each rank is
-  met in row order and its scan stops after `limit` rows: a search costs O(limit) Python steps
-  however many items match (the page searches the empty text on load), and at most two passes
-  of `find` over the buffer;
-- the candidates of the three ranks (at most a few x `limit`) are merged by `heapq.nsmallest`.
-
-Substring tests on UTF-8 bytes agree with those on the text (UTF-8 is self-synchronising;
-"surrogatepass" keeps even unpaired surrogates one code point to one byte sequence), and every
-hit is checked to lie within one key, so a NUL or newline in a title or in the text changes
-nothing.
+What it is for: `CatalogIndex.build(item_ids, titles)` holds, per loaded run, ONE bytes object of
+every item's lowercased key instead of a Python tuple of two lowercased strings per item
+(several times the memory, and GC-tracked objects per item, at the 1M-10M catalogs `gti serve`
+targets). `search(text, limit)` returns the rows of up to `limit` items whose key contains the
+text: the item with that id first, then keys starting with the text, then catalog order, in
+O(limit) Python steps however many items match.
 
 What it does NOT know: HTTP, models, what a SID is.
 """
@@ -41,7 +26,24 @@ def _utf8(text: str) -> bytes:
 
 
 class CatalogIndex:
-    """The lowercased keys of a catalog in one buffer (see the module docstring)."""
+    """The lowercased keys of a catalog in one buffer: every item's key,
+    `f"{title}\\n{item_id}".lower()` in UTF-8, between NUL separators; one int64 array of where
+    each key starts; and the lowercased ids' hashes sorted (with their rows).
+
+    `search(text, limit)` ranks as `sorted((item_id.lower() != needle, not
+    key.startswith(needle), row))[:limit]` with needle = `text.strip().lower()`: the same rows,
+    ties included, as that full sort, which it replaced:
+    - the item with that id: a binary search of the ids' hashes, each candidate checked;
+    - the other matches come from `bytes.find` (C), one key at a time in row order, so each rank
+      is met in row order and its scan stops after `limit` rows: a search costs O(limit) Python
+      steps however many items match (the page searches the empty text on load), and at most
+      two passes of `find` over the buffer;
+    - the candidates of the three ranks (at most a few x `limit`) are merged by `heapq.nsmallest`.
+    Substring tests on UTF-8 bytes agree with those on the text (UTF-8 is self-synchronising;
+    "surrogatepass" keeps even unpaired surrogates one code point to one byte sequence), and
+    every hit is checked to lie within one key, so a NUL or newline in a title or in the text
+    changes nothing.
+    """
 
     def __init__(self, item_ids: Sequence[str], text: bytes, starts: np.ndarray) -> None:
         self.item_ids, self.text, self.starts = item_ids, text, starts

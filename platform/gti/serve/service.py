@@ -1,32 +1,13 @@
 """One loaded run answering recommendation requests, many histories in one decode.
 
 What it is for: `RecommenderService.load(run_dir, version)` holds ONE loaded run
-(`gti.run.loaded.LoadedRun`: model, tokenizer, SID map, trie, titles; which model and map are
-`gti.run.versions.resolve`'s answer, the map checked against the model there) with the version
-that answers (`version`: 0 = the run's own stages, k = `gti refresh` v<k>; `map_hash`).
-`answer(queries)` checks every query against this run's catalog (`prepare`: empty history,
-unknown ids, k, history longer than `max_history`), then decodes all valid ones in batched
-`constrained_beam_search` calls per beam width (prefill once per request, the beams of a request
-share the trie mask), and returns per query either an answer dict or the `RequestError` for it.
-Memory is bounded by `decode_budget` (tokens; None: unbounded): the search repeats each prompt's
-key/value cache once per beam, so one decode holds histories x width x (padded prompt + SID
-tokens) (`decode_tokens`); consecutive histories are packed into decodes within the budget
-(`pack`), and a history that alone exceeds it gets a 413 naming the limit
-(`serve.decode_budget_tokens`; `replica_decode_budget` sizes the default from the model's
-cache bytes per token, `kv_bytes_per_token`, and the replica's memory).
-The prompt, beam width, history exclusion and scores are those of `gti recommend`: both take
-them from `gti.eval.recommend.decode_plan` and `answer_items`, so an answer equals
-`top_k(run, history, k, exclude_history=...)` for the same history (same top-K, scores within
-fp tolerance; batching left-pads prompts with position ids that count only real tokens). With
-`exclude_history` the search asks for k plus the distinct items of the history it uses (the
-newest `max_history`), drops those, and cuts to k (so the beams stay bounded by max_k +
-max_history).
-
-An answer: {"items": [{"item_id", "title", "score", "sid"}] best first (len <= k),
-"history_used": n items in the prompt, "history_given": n, "truncated": bool,
-"unknown_items": [ids dropped], "excluded": [ids left out], **identity} where identity is
-{"version": k, "model": "sft" | "refresh/v<k>", "map_hash": str}: model and map always come
-from the same loaded run, so one version names both.
+(`gti.run.loaded.LoadedRun`; which model and map is `gti.run.versions.resolve`'s answer, the map
+checked against the model there) with the version that answers. `answer(queries)` checks every
+query against this run's catalog and decodes the valid ones together in batched
+`constrained_beam_search` calls, within a memory budget in cache tokens (`decode_tokens`,
+`pack`, `replica_decode_budget`). Prompt, beam width, history exclusion and scores are those of
+`gti recommend` (`gti.eval.recommend.decode_plan` / `answer_items`), so an answer equals
+`top_k(run, history, k, exclude_history=...)` for the same history.
 
 What it does NOT know: HTTP, tokens, reloading (gti.serve.reload), or Ray.
 """
@@ -148,7 +129,15 @@ def _shown(ids: Sequence[str], n: int = 10) -> str:
 
 
 class RecommenderService:
-    """A loaded run and the version that answers (see the module docstring)."""
+    """A loaded run and the version that answers (`version`: 0 = the run's own stages, k =
+    `gti refresh` v<k>; `map_hash`).
+
+    An answer: {"items": [{"item_id", "title", "score", "sid"}] best first (len <= k),
+    "history_used": n items in the prompt, "history_given": n, "truncated": bool,
+    "unknown_items": [ids dropped], "excluded": [ids left out], **identity} where identity is
+    {"version": k, "model": "sft" | "refresh/v<k>", "map_hash": str}: model and map always come
+    from the same loaded run, so one version names both.
+    """
 
     def __init__(self, run: Any, version: int, map_hash: str, *, unknown_items: UnknownPolicy = "ignore",
                  max_k: int = MAX_K, decode_budget: int | None = None) -> None:
@@ -240,7 +229,14 @@ class RecommenderService:
 
     def answer(self, queries: Sequence[Query]) -> list[dict[str, Any] | RequestError]:
         """Per query an answer dict or its RequestError; the valid ones decoded together, in
-        decodes of at most `decode_budget` tokens."""
+        decodes of at most `decode_budget` tokens (`prepare` checks each: empty history, unknown
+        ids, k, history longer than `max_history`). Decodes run per beam width, prefill once
+        per request, the beams of a request sharing the trie mask. The search repeats each
+        prompt's key/value cache once per beam, so consecutive histories are packed into decodes
+        within the budget (`pack`), and a history that alone exceeds it gets a 413 naming the
+        limit (`serve.decode_budget_tokens`). Answers equal `gti recommend`'s: same top-K, scores
+        within fp tolerance (batching left-pads prompts with position ids that count only real
+        tokens)."""
         out: list[dict[str, Any] | RequestError] = []
         ready: list[tuple[int, Prepared]] = []
         for i, q in enumerate(queries):
