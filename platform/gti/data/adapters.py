@@ -4,10 +4,8 @@ What it is for: the entry point of reading. `iter_task` streams a read task (a f
 of a parquet file's row groups) as batches of Python values under canonical names (`item_id,
 title, description, category`, attributes; or `user_id, item_id, ts`) from parquet, CSV/TSV,
 JSONL/JSON or a public layout (`amazon`, `amazon2023`, `movielens`: docs/data.md);
-`check_header` checks a task's columns before any work starts. Values are handed over untyped
-on purpose, so that `gti.data.catalog` decides what is valid and why: a bad row comes through
-as that row's `_read_error`, a bad file raises `DataError`, an unreadable one
-`UnreadableFileError` naming the file and, where known, the row. Where files are and how they
+`check_header` checks a task's columns before any work starts. Values are handed over untyped on
+purpose, so that `gti.data.catalog` decides what is valid and why. Where files are and how they
 are opened: `gti.data.sources`; the per-format readers: `gti.data.readers`.
 
 What it does not know: validation rules, Ray, or where outputs go.
@@ -40,6 +38,8 @@ def iter_task(task: ReadTask, kind: str, columns, batch_rows: int = 8192) -> Ite
     """Stream one read task as (raw batch with canonical names, file row of its first row).
 
     kind: "items" (columns: gti.config.ItemColumns) or "interactions" (InteractionColumns).
+    A bad row comes through as that row's `_read_error`, a bad file raises `DataError`, an
+    unreadable one `UnreadableFileError` naming the file and, where known, the row.
     """
     if kind == "items":
         mapping = item_mapping(columns)

@@ -2,14 +2,8 @@
 `<Category>.jsonl`), the layout most current generative-recommendation papers use.
 
 What it is for: turning its JSON lines into records with our canonical names, for
-`gti.data.adapters.iter_task` (`format: amazon2023`):
-- metadata lines: `parent_asin` -> item_id (the item the reviews point at; `asin` if absent),
-  `title`; `description` (a list of paragraphs) joined with spaces, then `features` (a list of
-  bullet points) appended as "Features: a; b"; `categories` (a flat list, often empty) joined
-  with " > ", else `main_category`; `details` (a mapping such as {"Brand": .., "Material": ..})
-  flattened to "Key: value; ..." as the attribute `details`; `brand` from details' Brand /
-  Manufacturer, else `store`; `store` and `main_category` kept as attributes.
-- review lines: `user_id`, `parent_asin` (else `asin`) -> item_id, `timestamp` (Unix ms) -> ts.
+`gti.data.adapters.iter_task` (`format: amazon2023`): metadata lines into items
+(`item_record`), review lines into interactions (`review_record`).
 
 What it does not know: validation (gti.data.catalog), finding and opening files (gti.data.sources),
 Ray.
@@ -49,7 +43,15 @@ def _details_text(details: Any) -> str | None:
 
 def item_record(rec: dict) -> dict:
     """One metadata line -> {item_id, title, description, category, brand, store, details,
-    main_category} (values a string or None; the id as given, validated later)."""
+    main_category} (values a string or None; the id as given, validated later).
+
+    `parent_asin` -> item_id (the item the reviews point at; `asin` if absent); `description`
+    (a list of paragraphs) joined with spaces, then `features` (a list of bullet points)
+    appended as "Features: a; b"; `categories` (a flat list, often empty) joined with " > ",
+    else `main_category`; `details` (a mapping such as {"Brand": .., "Material": ..}) flattened
+    to "Key: value; ..." as the attribute `details`; `brand` from details' Brand /
+    Manufacturer, else `store`; `store` and `main_category` kept as attributes.
+    """
     details = rec.get("details") if isinstance(rec.get("details"), dict) else {}
     desc = " ".join(_strings(rec.get("description")))
     feats = _strings(rec.get("features"))
@@ -72,7 +74,8 @@ def item_record(rec: dict) -> dict:
 
 
 def review_record(rec: dict) -> dict:
-    """One review line -> {user_id, item_id, ts} (ts in Unix milliseconds, as shipped)."""
+    """One review line -> {user_id, item_id, ts} (`parent_asin`, else `asin`, is the item; ts in
+    Unix milliseconds, as shipped)."""
     return {"user_id": rec.get("user_id"), "item_id": rec.get("parent_asin", rec.get("asin")),
             "ts": rec.get("timestamp")}
 

@@ -1,22 +1,11 @@
 """Input sources read into validated batches, in this process: the reading half of ingest.
 
 What it is for: the ingest stage (on Ray Data) and `gti refresh` (in process) read the user's
-files the same way, with this module:
-
-- `Source(data, kind, log)`: one source (`"items"` or `"interactions"`, the `data.items` /
-  `data.interactions` section of `data`) planned before any row is read: its files, read tasks
-  (`gti.data.sources.plan_tasks`), the optional columns it lacks (header check), and the files
-  left out as unreadable under `data.on_unreadable_file: skip`. `Source.passes(body)` reruns a
-  pass over the source without each file found unreadable mid-read (`SkipFile`).
-- `validated_batches(tasks, kind, columns, max_text_chars, batch_rows)`: read tasks in,
-  validated pyarrow batches out (`gti.data.catalog` row checks); a file-level user error
-  becomes one marker row (`FILE_ERROR` / `UNREADABLE_FILE`) instead of an exception, so a Ray
-  task can return it. `raise_file_error(batch, skip)` raises for such a row on the driver.
-- `local_stream(...)`: the validated batches of all tasks in input order, computed here (the
-  ingest stage's `ray_stream` yields the same batches from Ray Data tasks); `iterate(stream, ...)`
-  closes a stream as soon as its caller stops.
-- `fill_item_raw(bad)`, `fill_interaction_raw(bad)`: a raw JSON copy for quarantined rows that
-  passed the row check (duplicates, unknown items), which have none yet.
+files the same way, with this module: `Source` plans one source before any row is read;
+`validated_batches` turns read tasks into validated pyarrow batches (`gti.data.catalog` row
+checks), a file-level user error becoming one marker row a Ray task can return
+(`raise_file_error` raises for it on the driver); `local_stream` / `iterate` run them here;
+`fill_item_raw` / `fill_interaction_raw` give a raw JSON copy to rows quarantined later.
 
 What it does not know: Ray, the config classes (any object with the attributes used here
 works), duplicate ids, caps, unknown items or output files: the callers decide those.
@@ -118,7 +107,10 @@ class Source:
     tasks, the optional columns it lacks, and the files skipped as unreadable.
 
     data: the `data` config section (`items` / `interactions` with path, format, columns;
-    `on_unreadable_file`); log: one line per skipped file."""
+    `on_unreadable_file`); log: one line per skipped file. Read tasks come from
+    `gti.data.sources.plan_tasks`, the missing optional columns from a header check; files are
+    left out as unreadable under `data.on_unreadable_file: skip`. `passes(body)` reruns a pass
+    over the source without each file found unreadable mid-read (`SkipFile`)."""
 
     def __init__(self, data, kind: str, log: Callable[[str], None]) -> None:
         self.kind, self.log = kind, log

@@ -3,23 +3,8 @@ batch wrappers that apply them to a pyarrow table.
 
 What it is for: deciding, for every input row, either its normalised form or the reason it goes
 to quarantine. The ingest stage runs `validate_items` / `validate_interactions` inside Ray Data
-`map_batches`; tests call the row functions directly.
-
-Decisions (documented here because they change what a user sees):
-- ids are strings. An int id becomes its decimal string. A float id that is integral
-  (12.0, or the string "12.0" that pandas leaves in CSVs) becomes "12"; a non-integral, NaN or
-  infinite float id is quarantined with reason `float_id`. Other strings are kept verbatim
-  (after stripping blanks), so "3.14" stays "3.14" as a string id.
-- text fields (title, description, category, attributes) must be strings; NaN and empty/blank
-  strings count as absent. bytes are decoded as UTF-8 (`invalid_utf8` if they are not); any other
-  type (a number, a list, a mapping) is quarantined as `non_string_text`: the adapters flatten
-  the list-valued fields of known public formats before this point.
-- text longer than `max_text_chars` is cut to that length and the row is flagged `truncated`.
-- an item without title and description but with a category or attributes keeps a
-  pseudo-text title built from them (`text_is_pseudo`); with none of these it is `no_text`.
-- interaction timestamps must be non-negative integers (int, integral float, digit string, or
-  an ISO-8601 date/time, taken as UTC seconds) that fit int64; anything else is `invalid_ts`
-  (one row quarantined: an out-of-range value never makes its whole file unreadable).
+`map_batches`; tests call the row functions directly. The decisions a user sees (ids, text,
+pseudo titles, timestamps) are on `normalise_id`, `clean_text`, `check_item` and `parse_ts`.
 
 What it does not know: files, Ray, duplicates across batches, or unknown items (those need the
 whole catalog and are decided by the ingest stage, in file order).
@@ -98,7 +83,11 @@ def _is_nan(v: Any) -> bool:
 
 
 def normalise_id(value: Any) -> tuple[str | None, str | None]:
-    """One raw id -> (id string, None) or (None, reason). See the module docstring."""
+    """One raw id -> (id string, None) or (None, reason). Ids are strings: an int id becomes its
+    decimal string; a float id that is integral (12.0, or the string "12.0" that pandas leaves in
+    CSVs) becomes "12"; a non-integral, NaN or infinite float id is quarantined with reason
+    `float_id`. Other strings are kept verbatim (after stripping blanks), so "3.14" stays "3.14"
+    as a string id."""
     if value is None or _is_nan(value):
         return None, MISSING_ID
     if isinstance(value, bool):
@@ -125,7 +114,12 @@ def normalise_id(value: Any) -> tuple[str | None, str | None]:
 
 
 def clean_text(value: Any, max_chars: int) -> tuple[str | None, str | None, bool]:
-    """One raw text value -> (text or None when absent, reason or None, truncated?)."""
+    """One raw text value -> (text or None when absent, reason or None, truncated?).
+
+    Text must be a string; NaN and empty/blank strings count as absent. bytes are decoded as
+    UTF-8 (`invalid_utf8` if they are not); any other type (a number, a list, a mapping) is
+    `non_string_text`: the adapters flatten the list-valued fields of known public formats
+    before this point. Text longer than `max_chars` is cut to that length (truncated)."""
     if value is None or _is_nan(value):
         return None, None, False
     if isinstance(value, (bytes, bytearray)):
@@ -165,7 +159,8 @@ def _ts_in_range(v: int) -> int | None:
 
 def parse_ts(value: Any) -> int | None:
     """A raw timestamp -> int in [0, 2**63 - 1], or None when it is missing, invalid or out of
-    that range (the row is then quarantined as invalid_ts, never the whole file)."""
+    that range (the row is then quarantined as invalid_ts, never the whole file). Accepted: an
+    int, an integral float, a digit string, or an ISO-8601 date/time, taken as UTC seconds."""
     if value is None or _is_nan(value) or isinstance(value, bool):
         return None
     if isinstance(value, int):
@@ -238,7 +233,9 @@ def check_item(
     attributes: dict[str, Any],
     max_text_chars: int,
 ) -> ItemCheck:
-    """Validate one catalog row. Returns the normalised row, or one with `reason` set."""
+    """Validate one catalog row. Returns the normalised row, or one with `reason` set. An item
+    without title and description but with a category or attributes keeps a pseudo-text title
+    built from them (`pseudo_title`, `text_is_pseudo`); with none of these it is `no_text`."""
     item_id, reason = normalise_id(raw_id)
     if reason:
         return ItemCheck(reason=reason, detail="id")

@@ -1,19 +1,13 @@
 """Dense subsets of an interaction log (`gti data dense`): the most interacted items and the
 users most active on them, for training budgets too small for the whole catalog.
 
-What it is for: `dense_subset(items, interactions, n_items, min_user_len)` keeps the `n_items`
-items with the most interactions (ties by catalog order), drops every interaction with another
-item, keeps users left with at least `min_user_len` interactions, and repeats until both hold
-(items that lost interactions with the dropped users keep their place: the item set is fixed
-after the first cut, so the subset is "the top-N items and their active users"). Writes
-`items.parquet` and `interactions.parquet` (same columns as the input) and `dense.json` with
-the parameters and counts, ready for `data.items.path` / `data.interactions.path`.
-
-In the pipeline (`data.dense` in the run config, so no manual step): the ingest stage calls
-`cut_interactions` on the validated interactions (the same `dense_subset`, so the subset equals
-`gti data dense` + ingest on clean data) and `quarantine_items` on its items.parquet; every row
-left out goes to the quarantine files with reason `outside_dense`, so ingest's accounting
-(rows in = ok + quarantined) still holds, and the parameters are in the ingest fingerprint.
+What it is for: `dense_subset(items, interactions, n_items, min_user_len)` keeps "the top-N items
+and their active users"; `cli_main` writes it as files ready for `data.items.path` /
+`data.interactions.path`. In the pipeline (`data.dense` in the run config) the ingest stage calls
+`cut_interactions` and `quarantine_items` instead (the same `dense_subset`, so the subset equals
+`gti data dense` + ingest on clean data): every row left out goes to the quarantine files with
+reason `outside_dense`, so ingest's accounting (rows in = ok + quarantined) still holds, and the
+parameters are in the ingest fingerprint.
 
 What it does not know: validation or the rest of ingest, Ray, or models. Pure polars/pyarrow.
 """
@@ -37,7 +31,12 @@ from gti.common.errors import DataError
 def dense_subset(items: pl.DataFrame, interactions: pl.DataFrame, n_items: int, min_user_len: int,
                  item_col: str = "item_id", user_col: str = "user_id") -> tuple[pl.DataFrame, pl.DataFrame]:
     """(items, interactions) restricted to the top `n_items` items by interaction count and the
-    users with >= `min_user_len` interactions among them. Row order of both inputs is kept."""
+    users with >= `min_user_len` interactions among them. Row order of both inputs is kept.
+
+    The top items go by interaction count (ties by catalog order); every interaction with another
+    item is dropped, then users left with fewer than `min_user_len`, repeated until both hold
+    (items that lost interactions with the dropped users keep their place: the item set is fixed
+    after the first cut)."""
     for name, df, cols in (("items", items, [item_col]), ("interactions", interactions, [user_col, item_col])):
         missing = [c for c in cols if c not in df.columns]
         if missing:
@@ -118,7 +117,8 @@ def quarantine_items(out: Path, keep: list[str], row_group: int = 65_536) -> int
 
 def cli_main(args) -> int:
     """`gti data dense --items-path P --interactions-path Q --items N --min-user-len M --out DIR`
-    (paths may be `bundled:<name>`)."""
+    (paths may be `bundled:<name>`): `items.parquet` and `interactions.parquet` (the input's
+    columns) and `dense.json` with the parameters and counts."""
     from gti.data import bundled
 
     items = pl.read_parquet(bundled.resolve(args.items_path, "items")) if str(args.items_path).endswith(

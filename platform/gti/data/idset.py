@@ -1,14 +1,10 @@
 """A set of string ids held compactly: how ingest's driver spots duplicate ids and unknown items.
 
 What it is for: the catalog check "is this id new?" and the interactions check "is this item
-known?" need every kept id at once, which on a 50M-item catalog is the driver's largest
-object. A Python `set[str]` holds a str object per id, several times the id's bytes
+known?" need every kept id at once, which on a 50M-item catalog is the driver's largest object;
+a Python `set[str]` holds a str object per id, several times the id's bytes
 (bench/scale_memory/RESULTS.md, "Collision resolution that finishes at 5M, and a compact ingest
-id set"). This keeps each id once, in Arrow (8 B offset plus its
-bytes), beside a 64-bit hash (8 B). Both sit in sorted runs that merge
-like a binary counter, so adding N ids copies O(N log N) bytes and a lookup is a few
-`searchsorted` calls. A hash match is confirmed by comparing the ids themselves, so two ids
-that share a hash are never taken for each other: the answers are exact.
+id set"). `IdSet` keeps each id once, in Arrow, beside a 64-bit hash, and its answers are exact.
 
 What it does not know: files, quarantine reasons, Ray.
 """
@@ -28,7 +24,12 @@ def _hash(ids: pa.Array) -> np.ndarray:
 
 
 class IdSet:
-    """Exact set of non-null string ids; batch `contains`, `add` and `first_new`."""
+    """Exact set of non-null string ids; batch `contains`, `add` and `first_new`.
+
+    Each id is held once, in Arrow (8 B offset plus its bytes), beside a 64-bit hash (8 B). Both
+    sit in sorted runs that merge like a binary counter, so adding N ids copies O(N log N) bytes
+    and a lookup is a few `searchsorted` calls. A hash match is confirmed by comparing the ids
+    themselves, so two ids that share a hash are never taken for each other."""
 
     def __init__(self) -> None:
         # Each run: (hashes uint64 [m] sorted, ids large_string [m] in the same order).

@@ -2,22 +2,13 @@
 config block that reads them.
 
 What it is for: a new user points gti at their own catalog (and interactions) and gets, per
-input: the detected format; each column with its type, null count and a few examples; a guess
-of the mapping to gti's fields (items: id, title, description, category, attributes;
-interactions: user, item, ts, or `ts: null` for file order); a dry run of the real readers and
-row checks (`gti.data.adapters`, `gti.data.catalog`) on the first `--sample` rows, with the
-quarantine reasons ingest would give and their counts; and a YAML file holding a `data:` block
-that `gti config validate` accepts and ingest reads.
+input: the detected format (`sniff_format`); each column with its type, null count and a few
+examples (`profile`); a guess of the mapping to gti's fields (`guess_item_columns`,
+`guess_interaction_columns`); a dry run of the real readers and row checks on the first
+`--sample` rows (`dry_run`); and a YAML file holding a `data:` block that `gti config validate`
+accepts and ingest reads.
 
-Guesses are by column name (normalised: lower case, letters and digits only), then by content
-for timestamps (integers that look like Unix times). Known layouts are recognised from their
-keys: Amazon Reviews 2023 (`parent_asin` + `details`/`features`...: format `amazon2023`), the
-older Amazon metadata (`asin` + `categories`/`related`...: `amazon`), MovieLens ml-100k by file
-name (`u.item`, `u.data`).
-
-What it does not know: Ray, the ingest stage's outputs. Whole-catalog checks need the whole
-files, so `unknown_item` and `short_sequence` are counted only when the sample covered both
-files; otherwise the report says they were not checked.
+What it does not know: Ray, the ingest stage's outputs.
 """
 
 from __future__ import annotations
@@ -177,7 +168,10 @@ def _raw_records(file: str, fmt: str, kind: str, n: int) -> tuple[list[dict], li
 
 
 def sniff_format(file: str, kind: str, records: list[dict] | None = None) -> str:
-    """The reader for `file`: by extension (adapters.detect_format), then by layout keys."""
+    """The reader for `file`: by extension (adapters.detect_format), then by layout keys: Amazon
+    Reviews 2023 (`parent_asin` + `details`/`features`...: format `amazon2023`), the older Amazon
+    metadata (`asin` + `categories`/`related`...: `amazon`), MovieLens ml-100k by file name
+    (`u.item`, `u.data`)."""
     fmt = detect_format(file, "auto")
     if fmt in ("jsonl", "json") and records:
         keys = set().union(*(r.keys() for r in records))
@@ -203,7 +197,9 @@ def _pick(columns: list[Column], candidates: list[str], taken: set[str], want_te
 
 
 def guess_item_columns(columns: list[Column], fmt: str) -> dict[str, Any]:
-    """data.items.columns for these columns (adapters of known layouts map names themselves)."""
+    """data.items.columns for these columns (adapters of known layouts map names themselves):
+    id, title, description, category, attributes, guessed by column name (normalised: lower
+    case, letters and digits only)."""
     if fmt == "amazon2023":
         return {"attributes": ["brand", "details"]}
     if fmt == "amazon":
@@ -223,7 +219,8 @@ def guess_item_columns(columns: list[Column], fmt: str) -> dict[str, Any]:
 
 
 def guess_interaction_columns(columns: list[Column], fmt: str) -> dict[str, Any]:
-    """data.interactions.columns: user, item, ts (None: file order is time order)."""
+    """data.interactions.columns: user, item, ts (None: file order is time order); by column
+    name, then by content for timestamps (integers that look like Unix times)."""
     if fmt in ("amazon2023", "movielens"):
         return {}  # the adapter maps them; ts stays the default
     taken: set[str] = set()
@@ -265,8 +262,11 @@ def _read_sample(files: list[str], fmt: str, kind: str, columns, n: int):
 
 
 def dry_run(cfg: Any, n: int, with_interactions: bool = True) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """Quarantine reasons ingest would give on the first n rows of each input:
-    ({rows, ok, reasons, complete}, same for interactions plus users, or None)."""
+    """Quarantine reasons ingest would give on the first n rows of each input (through
+    `gti.data.adapters` and `gti.data.catalog`): ({rows, ok, reasons, complete}, same for
+    interactions plus users, or None). Whole-catalog checks need the whole files, so
+    `unknown_item` and `short_sequence` are counted only when the sample covered both files;
+    otherwise the report says they were not checked."""
     d = cfg.data
     items_files = expand_paths(d.items.path, "items")
     batches, items_complete = _read_sample(items_files, d.items.format, "items", d.items.columns, n)

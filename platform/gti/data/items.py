@@ -1,14 +1,10 @@
 """The items pass of ingest: validated item batches in, items.parquet and its quarantine out.
 
 What it is for: `ingest_items(ctx, out, stream, source)` is how the ingest stage (with Ray
-Data's stream or in process) and `gti refresh` (new items, in process) keep a catalog: the
-batches of `stream` (`gti.data.batches.local_stream` or the stage's Ray stream, in input order)
-over the read tasks of `source` are written to `out`/items.parquet (`ITEMS_OUT_SCHEMA`) and
-items_quarantine.parquet (`ITEMS_Q_SCHEMA`, every row with its `reason`): of duplicate ids
-the first is kept (`duplicate_id` for the others), and `data.max_items` ends the catalog at its
-N-th kept item (rows after it are not read and not counted). A file found unreadable inside a
-pass reruns it without that file (`Source.passes`, `data.on_unreadable_file: skip`). What it
-counted is an `ItemCounts` (the ingest facts' items_* numbers) with the kept ids (`IdSet`).
+Data's stream or in process) and `gti refresh` (new items, in process) keep a catalog:
+items.parquet (`ITEMS_OUT_SCHEMA`) and items_quarantine.parquet (`ITEMS_Q_SCHEMA`, every row
+with its `reason`), counted in an `ItemCounts` (the ingest facts' items_* numbers) with the kept
+ids (`IdSet`).
 
 What it does not know: interactions, sequences, Ray (the stream is the caller's), the stage
 contract (`ctx` is anything with `.cfg`, a RunConfig, and `.log(msg)`).
@@ -48,8 +44,11 @@ class ItemCounts:
 def ingest_items(ctx, out: Path, stream, source: Source | None = None) -> tuple[ItemCounts, IdSet]:
     """The items pass: `stream` (`local_stream`, `ray_stream`) over `source` (default: planned
     from `ctx.cfg.data`) writes `out`/items.parquet and items_quarantine.parquet (duplicates:
-    first kept; `data.max_items` ends the catalog). Returns (counts, the kept ids); DataError
-    when no item is valid. `ctx`: anything with `.cfg` (a RunConfig) and `.log(msg)`."""
+    first kept, `duplicate_id` for the others; `data.max_items` ends the catalog at its N-th kept
+    item: rows after it are not read and not counted). A file found unreadable inside a pass
+    reruns it without that file (`Source.passes`, `data.on_unreadable_file: skip`). Returns
+    (counts, the kept ids); DataError when no item is valid. `ctx`: anything with `.cfg` (a
+    RunConfig) and `.log(msg)`."""
     d = ctx.cfg.data
     source = source or Source(d, "items", ctx.log)
     missing = source.missing_columns

@@ -1,20 +1,11 @@
 """MiniOneRec's data folder read as a catalog, interactions and the time split they carry.
 
-What it is for: MiniOneRec (and D3 / BIGRec before it) ship a data set as train/valid/test
-CSVs whose rows are `user_id, history_item_title, item_title, history_item_id, item_id, ...`
-(one row per interaction that has an earlier one: the last <= 10 items before it, then it;
-every row of all three files sorted by the target's time and cut 8:1:1), plus
-`index/<name>.item.json` (item index -> title, description, brand, categories) and
-`index/<name>.index.json` (item index -> SID tokens, read by `sid.method: file`).
-`find_files(root, dataset)` locates them; `read(files)` rebuilds each user's sequence (the
-first row's history, then every row's target, in file order: train, valid, test) and checks
-that every row's history is the end of what came before it, so the rows gti derives with
-`data.split: global_time` are the files' rows. Timestamps are invented, in file order: row t
-(counted over the three files) has its target at 2t + 1 and a user's first history items at
-2t, so the two cut timestamps (`cuts`) put every interaction in its file's period, and a
-user's first items in the period of their first row (never an earlier one).
-
-Item ids are the files' indices as strings, so index.json's keys are item ids as they stand.
+What it is for: MiniOneRec (and D3 / BIGRec before it) ship a data set as train/valid/test CSVs
+of one row per interaction that has an earlier one, plus `index/<name>.item.json` (the items)
+and `index/<name>.index.json` (their SID tokens, read by `sid.method: file`). `find_files(root,
+dataset)` locates them; `read(files)` rebuilds each user's sequence with invented timestamps,
+so the rows gti derives with `data.split: global_time` are the files' rows. Item ids are the
+files' indices as strings, so index.json's keys are item ids as they stand.
 
 What it does not know: Ray, the run config, ingest's checks (the tables it returns go through
 them), SIDs (`gti.sid.from_file` reads index.json).
@@ -38,6 +29,11 @@ ITEM_FIELDS = {"title": "title", "description": "description", "category": "cate
 
 @dataclass
 class Files:
+    """The CSVs, rows `user_id, history_item_title, item_title, history_item_id, item_id, ...`:
+    one row per interaction that has an earlier one (the last <= 10 items before it, then it),
+    every row of all three files sorted by the target's time and cut 8:1:1; item.json maps an
+    item index to its title, description, brand and categories."""
+
     train: Path
     valid: Path
     test: Path
@@ -125,7 +121,14 @@ def _rows(path: Path) -> pl.DataFrame:
 
 
 def read(files: Files) -> Converted:
-    """The catalog and the interactions the three files describe (module docstring)."""
+    """The catalog and the interactions the three files describe.
+
+    Each user's sequence is the first row's history, then every row's target, in file order
+    (train, valid, test), checked: every row's history must be the end of what came before it.
+    Timestamps are invented, in file order: row t (counted over the three files) has its target
+    at 2t + 1 and a user's first history items at 2t, so the two cut timestamps (`cuts`) put
+    every interaction in its file's period, and a user's first items in the period of their
+    first row (never an earlier one)."""
     items = read_items(files.item_json)
     known = set(items["item_id"].to_list())
     seqs: dict[str, list[str]] = {}

@@ -1,16 +1,14 @@
 """Per-format readers: one read task streamed as raw batches under our column names.
 
-What it is for: mapping the configured user columns to canonical names (`item_id, title,
-description, category`, attribute columns; or `user_id, item_id, ts`), checking that a file
-has the required ones (`DataError` naming the file and column), and reading each format into
-batches of untyped Python values: parquet (one row group at a time), CSV/TSV (every column as a
-string), JSON lines / JSON arrays (bad lines become `_read_error` records), the Amazon-reviews
-metadata records and the ml-100k `u.item` / `u.data` lines. A damaged read raises
-`UnreadableFileError` naming the file and, where known, the row group, data row or line.
+What it is for: mapping the configured user columns to canonical names, checking that a file has
+the required ones (`DataError` naming the file and column), and reading each format into batches
+of untyped Python values: parquet (one row group at a time), CSV/TSV (every column a string),
+JSON lines / arrays (bad lines become `_read_error` records), Amazon-reviews metadata and the
+ml-100k `u.item` / `u.data` lines. A damaged read raises `UnreadableFileError` naming the file
+and, where known, the row group, data row or line.
 
-What it does not know: which files make up a path or how they are opened
-(`gti.data.sources`), which reader a task needs (`gti.data.adapters.iter_task`), validation
-rules (`gti.data.catalog`), Ray, or where outputs go.
+What it does not know: which files make up a path or how they are opened (`gti.data.sources`),
+which reader a task needs (`gti.data.adapters`), validation rules, Ray, or where outputs go.
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """The schemas of the contract files (docs/ARCHITECTURE.md, "Stage outputs"), defined once.
 
-What it is for: every writer and reader of these tables uses the same pyarrow schema, whether
-it is a stage (ingest, pairs) or a command beside the pipeline (`gti refresh`, `gti vocab
-ground`):
-- ingest: items.parquet (`ITEMS_OUT_SCHEMA`), items_quarantine.parquet (`ITEMS_Q_SCHEMA`),
-  interactions.parquet (`INTER_OUT_SCHEMA`), interactions_quarantine.parquet
-  (`INTER_Q_SCHEMA`), sequences.parquet (`SEQ_SCHEMA`);
-- pairs: pairs.parquet (`PAIRS_SCHEMA`; `PAIR_TOKEN_COLUMNS` are its token-id columns);
-- sid: sid_map.parquet (`SID_MAP_SCHEMA`).
-The item and interaction columns come from the row checks' batch schemas (`gti.data.catalog`).
+What it is for: every writer and reader of these tables uses the same pyarrow schema, whether it
+is a stage or a command beside the pipeline (`gti refresh`, `gti vocab ground`): ingest's
+items.parquet (`ITEMS_OUT_SCHEMA`), items_quarantine (`ITEMS_Q_SCHEMA`), interactions.parquet
+(`INTER_OUT_SCHEMA`), interactions_quarantine (`INTER_Q_SCHEMA`) and sequences.parquet
+(`SEQ_SCHEMA`); pairs.parquet (`PAIRS_SCHEMA`, token columns `PAIR_TOKEN_COLUMNS`); sid_map.parquet
+(`SID_MAP_SCHEMA`). The item and interaction columns come from `gti.data.catalog`'s batch schemas.
 
 What it does not know: how the rows are made, files, Ray.
 """

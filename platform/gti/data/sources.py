@@ -1,19 +1,12 @@
 """Where the rows of a configured data path live, and how those files are opened.
 
 What it is for: finding the files behind a configured path (local file, glob, directory, or any
-URI pyarrow/fsspec understands), telling each file's concrete format (parquet, csv, tsv, jsonl,
-json, amazon, amazon2023, movielens) from the configured one and its extension, cutting the
-files into read tasks (a large parquet file into row-group ranges), and opening a file as a
-byte stream (gz/bz2/zstd decompressed) or as a parquet file. A file that cannot be opened
-raises `UnreadableFileError` naming it; `READ_ERRORS` and `error_reason` are how every reader
-catches and words a damaged read.
-
-Private buckets: `data.<source>.storage_options` (e.g. {key, secret} for s3://, {account_name,
-account_key} for abfs://) go to every listing and open of that source's URIs: `filesystem(path,
-storage_options)` builds fsspec's file system for the URI's scheme with them (wrapped for pyarrow);
-without options a URI opens with pyarrow's own file system for its scheme, as before. They travel
-inside `ReadTask.storage_options` to the read tasks; values shown as `***redacted***` (a config
-read back from a run folder) are dropped. Local paths ignore them.
+URI pyarrow/fsspec understands; `data.<source>.storage_options` for private buckets, through
+`filesystem`), telling each file's concrete format from the configured one and its extension,
+cutting the files into read tasks (a large parquet file into row-group ranges), and opening a
+file as a byte stream (gz/bz2/zstd decompressed) or as a parquet file. A file that cannot be
+opened raises `UnreadableFileError` naming it; `READ_ERRORS` and `error_reason` are how every
+reader catches and words a damaged read.
 
 What it does not know: column names, what a row means or when it is valid (`gti.data.readers`,
 `gti.data.catalog`), Ray, or where outputs go.
@@ -62,7 +55,10 @@ def _options(storage_options: Mapping[str, str] | None) -> dict[str, str]:
 def filesystem(path: str, storage_options: Mapping[str, str] | None = None) -> tuple[pafs.FileSystem, str]:
     """(file system, path inside it) for a local path or URI. With `storage_options`, a URI gets
     fsspec's file system for its scheme built with them (credentials, endpoint, ...) and wrapped
-    for pyarrow; without, pyarrow's own file system for the URI."""
+    for pyarrow; without, pyarrow's own file system for the URI. The options (e.g. {key, secret}
+    for s3://, {account_name, account_key} for abfs://) come from `data.<source>.storage_options`
+    and travel inside `ReadTask.storage_options` to the read tasks; values shown as
+    `***redacted***` (a config read back from a run folder) are dropped. Local paths ignore them."""
     if not _is_uri(path):
         return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(_strip_file_scheme(path)))
     opts = _options(storage_options)
@@ -76,7 +72,7 @@ def filesystem(path: str, storage_options: Mapping[str, str] | None = None) -> t
 
 def expand_paths(path: str, kind: str, storage_options: Mapping[str, str] | None = None) -> list[str]:
     """Configured path -> sorted list of files (local paths or URIs). DataError if none.
-    `storage_options`: the source's file-system options for a URI (see the module docstring)."""
+    `storage_options`: the source's file-system options for a URI (see `filesystem`)."""
     path = bundled.resolve(path, kind)
     if _is_uri(path):
         from gti.common.redact import redact_text
