@@ -1,13 +1,11 @@
 """The GRPO objective: group-normalised advantages, per-token log-probs at the SID positions, and
 the clipped policy-gradient loss with a KL penalty to a frozen reference (pure torch).
 
-What it is for: one RL update over a batch of B prompts x G completions: `group_advantages`
-(rewards [B, G] -> zero mean, unit std per group), `labelled_logprobs` (the log-prob of every
-labelled token, so only a completion's SID tokens count), `grpo_loss` (PPO's clipped objective
-with a k3 KL to the reference; with one update per rollout batch it is REINFORCE with group
-baselines) and `reward_stats`. Every log-prob is the full-vocabulary log-softmax at temperature
-1, the quantity the beam search scores and SFT's cross-entropy use; the trie mask and the
-sampling temperature belong to the rollout (behaviour) policy only.
+What it is for: one RL update over a batch of B prompts x G completions: `group_advantages`,
+`labelled_logprobs` (only a completion's SID tokens count), `grpo_loss` (PPO's clipped objective
+with a k3 KL to the reference) and `reward_stats`. Every log-prob is the full-vocabulary
+log-softmax at temperature 1, the quantity the beam search scores and SFT's cross-entropy use;
+the trie mask and the sampling temperature belong to the rollout (behaviour) policy only.
 
 What it does not know: how completions were produced (`gti.rl.rollouts`), what the rewards mean
 (`gti.rl.rewards`), optimizers, DeepSpeed (an engine is run through its own forward), or Ray.

@@ -1,24 +1,12 @@
-"""Rewards for one group of candidate SIDs against the user's target SID (pure python; torch only for the
-batch tensor, imported there, so the config can check `rl.reward` without it).
+"""Rewards for one group of candidate SIDs against the user's target SID (pure python; torch only
+for the batch tensor, imported there, so the config can check `rl.reward` without it).
 
 What it is for: the `rl.reward` setting of the RL stage. A group is the G candidates the policy
-produced for one prompt, best first (beam order, or sampled candidates sorted by their sequence
-log-prob); each reward maps (candidates, target) to G floats:
-
-- `hit`: 1 for a candidate equal to the target, else 0.
-- `rank`: rank-aware, after MiniOneRec's NDCG-like ranking reward (exact formula in
-  `rank_rewards`): in a group that holds the target, the target scores 1, a wrong candidate
-  ranked above it is penalised by its rank (most at rank 1), wrong ones below it score 0; a
-  group without the target scores 0.
-- `prefix`: partial credit, the share of leading SID levels a candidate shares with the target.
-
-`parse_reward_spec` reads `rl.reward` ("hit", or weights such as {"hit": 1.0, "prefix": 0.5}),
-`combined_rewards` gives the weighted sum for one group and `group_rewards` the [B, G] tensor of
-a batch of groups.
-
-A SID is any sequence of L per-level values: code tuples (12, 3, 30) or SID token-id tuples
-give the same rewards, because the rewards only compare values level by level and a level's
-codes map one-to-one to its tokens.
+produced for one prompt, best first; each reward maps (candidates, target) to G floats: `hit`,
+`rank` (after MiniOneRec's NDCG-like ranking reward) and `prefix` (partial credit per SID level).
+`parse_reward_spec` reads `rl.reward`, `combined_rewards` gives the weighted sum for one group
+and `group_rewards` the [B, G] tensor of a batch. A SID is any sequence of L per-level values:
+code tuples and SID token-id tuples give the same rewards (levels map one-to-one to tokens).
 
 What it does not know: models, decoding, advantages, item ids, config files, or Ray.
 """

@@ -2,18 +2,13 @@
 the training batch that scores them.
 
 What it is for: the rollout step of GRPO (`rl.rollout`). `beam_rollouts` takes the G best
-distinct items of gti's batched constrained beam search (`gti.eval.decode`: one prefill per
-prompt, the KV cache repeated across beams); `sample_rollouts` draws G SIDs per prompt with a
-temperature, level by level under the trie mask (one prefill per prompt, the cache repeated G
-times, then L-1 single-token steps; duplicates allowed). Both return `Rollouts`, candidates
-best first by their sequence log-prob (the full-vocabulary log-softmax at temperature 1 summed
-over the L SID tokens, the score beam search ranks by). `completion_batch` builds the
-right-padded [B*G, T] batch (prompt + completion, labels only at the SID tokens) that
-`gti.rl.grpo.labelled_logprobs` scores.
+distinct items of gti's batched constrained beam search (`gti.eval.decode`); `sample_rollouts`
+draws G SIDs per prompt with a temperature under the trie mask. Both return `Rollouts`,
+candidates best first by their sequence log-prob (the score beam search ranks by).
+`completion_batch` builds the right-padded batch that `gti.rl.grpo.labelled_logprobs` scores.
 
-What it does not know: rewards, advantages, the loss, how prompts were rendered
-(`gti.lm.templates`), how the trie was built (`gti.sid.trie`), codes (map `items` through the
-SID map for those), or Ray.
+What it does not know: rewards, advantages, the loss, how prompts were rendered, how the trie
+was built, codes (map `items` through the SID map for those), or Ray.
 """
 
 from __future__ import annotations
@@ -111,9 +106,10 @@ def sample_rollouts(
 ) -> Rollouts:
     """G = `group_size` SIDs per prompt sampled token by token from softmax(logits / T)
     restricted to the tokens the trie allows after the prefix (so every sample is a catalog
-    SID), sorted best first by their sequence log-prob. Runs in eval mode under no_grad (the
-    caller's mode is restored). seed: for a reproducible draw (a generator on the model's
-    device); None uses torch's global RNG."""
+    SID), sorted best first by their sequence log-prob: one prefill per prompt, the cache
+    repeated G times, then L-1 single-token steps; duplicates allowed. Runs in eval mode under
+    no_grad (the caller's mode is restored). seed: for a reproducible draw (a generator on the
+    model's device); None uses torch's global RNG."""
     _check(group_size, levels)
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")

@@ -1,19 +1,12 @@
 """GRPO's rollout and update losses, composed from the rollout, reward and objective blocks, with
 the share of step time each phase took.
 
-What it is for: what an RL training step does before its backward pass, in calls that a
-training loop hook (or a test) can run. `grpo_rollout` rolls out G candidates per prompt with
-the policy (`gti.rl.rollouts`), rewards them against the targets (`gti.rl.rewards`), normalises
-the advantages per group and scores the completions under the frozen reference, once; it returns
-a `RolloutBatch`. `grpo_update_loss` scores that batch under the policy (with gradients) and
-returns the clipped GRPO loss (`gti.rl.grpo`) of one update with its statistics; call it
-`settings.updates_per_rollout` times per rollout, one optimizer step after each. The first
-update is on policy: its log-probs, detached, become the batch's old log-probs (the policy
-before any update of this batch), so its ratio is exactly 1; the later updates' ratios move
-away from 1 and `clip_eps` bounds them.
-`GrpoSettings` holds the knobs of the `rl` config section; `PhaseClock` times the phases
-(rollout / reward / update, the caller adding its backward and optimizer step to "update") and
-reports each one's share of the step.
+What it is for: what an RL training step does before its backward pass, in calls a loop hook
+(or a test) can run. `grpo_rollout` rolls out G candidates per prompt (`gti.rl.rollouts`),
+rewards them (`gti.rl.rewards`), normalises the advantages per group and scores the completions
+under the frozen reference, once, into a `RolloutBatch`; `grpo_update_loss` returns the clipped
+GRPO loss (`gti.rl.grpo`) of one update on it. `GrpoSettings` holds the `rl` section's knobs;
+`PhaseClock` times the phases and reports each one's share of the step.
 
 What it does not know: optimizers, DeepSpeed, data loading, checkpoints, the config file, which
 optimizer step reuses which rollout (`gti.train.rl_task` decides), or Ray.
@@ -77,7 +70,8 @@ class GrpoSettings:
 
 
 class PhaseClock:
-    """Wall seconds per named phase, summed over `with clock.phase(name):` blocks."""
+    """Wall seconds per named phase, summed over `with clock.phase(name):` blocks: rollout /
+    reward / update, the caller adding its backward and optimizer step to "update"."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
@@ -182,7 +176,8 @@ def grpo_rollout(
 
 def grpo_update_loss(policy: Any, batch: RolloutBatch, settings: GrpoSettings, *,
                      clock: PhaseClock | None = None) -> StepOutput:
-    """The clipped GRPO loss of one policy update on `batch` (no backward here).
+    """The clipped GRPO loss of one policy update on `batch` (no backward here); call it
+    `settings.updates_per_rollout` times per rollout, one optimizer step after each.
 
     The first update of a batch is on policy: old log-probs = its own log-probs detached (ratio
     exactly 1), and those detached log-probs are kept in `batch.old_logp`, so every later update
