@@ -1,15 +1,12 @@
-"""What the hardware here can do, for choices that depend on it (precision).
+"""What the hardware here can do, for choices that depend on it (precision, threads).
 
-What it is for: `native_bf16(device)` says whether bf16 matrix products run natively (CUDA with
-bf16 support, or a CPU with AVX512-BF16 / AMX, through oneDNN); `resolve_precision(setting,
-use_gpu)` turns a training config's `precision` ("auto" | "fp32" | "bf16") into the one the run
-uses: "auto" is bf16 where it is native and fp32 elsewhere, where emulated bf16 would be slower
-than fp32.
-
-`cpu_threads` / `use_cpu_threads` set torch's intra-op threads in a worker when the config asks
-(Ray leaves a worker as many threads as CPUs it reserved, 1 by default). `cpu_facts()` names
-this machine's CPU and the instruction sets that pick float kernels, for manifests (the same
-data and config can round differently on another ISA).
+What it is for: `native_bf16(device)` says whether bf16 matrix products run natively;
+`resolve_precision(setting, use_gpu)` turns a training config's `precision` ("auto" | "fp32" |
+"bf16") into the one the run uses ("auto": bf16 where it is native, fp32 elsewhere, where
+emulated bf16 would be slower); `cpu_threads` / `use_cpu_threads` set torch's intra-op threads
+in a worker when the config asks; `cpu_facts()` names this machine's CPU and the instruction
+sets that pick float kernels, for manifests (the same data and config can round differently on
+another ISA).
 
 What it does not know: configs, models, Ray. Pure torch queries; only `use_cpu_threads`
 changes anything (torch's thread count in this process).

@@ -1,15 +1,10 @@
 """Atomic file writes and folder swaps: readers see the old one or the new one, never half of it.
 
 What it is for: every artefact gti writes in place (manifests, configs, metrics, reports), and
-every folder gti replaces whole (an exported model, a stage folder):
-- `atomic_write_bytes` / `atomic_write_json`: a temp file renamed over the target;
-- `replace_dir(new, dst)`: a finished folder put at `dst`, the old one removed only after; on
-  Linux the two are exchanged in one `renameat2(RENAME_EXCHANGE)`, so there is no moment
-  without a complete folder at `dst` (elsewhere: old renamed aside, new renamed in, old
-  removed; a crash between the renames leaves the old one beside `dst`, never deleted);
-- `check_replaceable_dir(dst, ...)`: before any work, refuse a `dst` that gti must not delete
-  (a user's non-empty folder that is not gti's, unless forced; a folder that is or contains the
-  current directory, the home directory or a protected input, even when forced).
+every folder gti replaces whole (an exported model, a stage folder): `atomic_write_bytes` /
+`atomic_write_json` (a temp file renamed over the target), `replace_dir(new, dst)` (a finished
+folder put at `dst`, the old one removed only after), and `check_replaceable_dir(dst, ...)`
+(before any work, refuse a `dst` that gti must not delete).
 
 What it does not know: what the bytes are, or the run-directory layout (that is `manifest`).
 """
@@ -97,7 +92,8 @@ def replace_dir(new: str | Path, dst: str | Path) -> None:
     Where the kernel can exchange two paths, `dst` is always a complete folder: the old one
     until the exchange, the new one after. Elsewhere the old one is renamed aside first (put
     back if the second rename fails). Check first with `check_replaceable_dir` that `dst` may
-    be deleted at all."""
+    be deleted at all. On Linux the exchange is one `renameat2(RENAME_EXCHANGE)`; elsewhere a
+    crash between the two renames leaves the old folder beside `dst`, never deleted."""
     new, dst = Path(new), Path(dst)
     if not dst.exists() and not dst.is_symlink():
         os.rename(new, dst)

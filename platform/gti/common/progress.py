@@ -2,16 +2,11 @@
 periodic line otherwise (CI logs, files, `ray job` output).
 
 What it is for: `Progress(total, desc, unit)` counts done units (`update(n)` adds, `set(done)`
-sets) and shows them. On a TTY it draws a tqdm bar (rate, ETA, an optional postfix such as the
-current loss). Elsewhere it writes one line through `log` at most every `interval_s` seconds
-(and always for the last unit):
-
-    embed: 2,048/4,385 items (46.7%) 312.4 items/s ETA 7s
-
-`JsonlFollower` is the other half of driver-side progress for Ray Train runs: a thread that
-follows a JSON-lines file a worker appends to (one record per step or epoch) and hands every
-complete new record to a callback, so the driver can draw progress and write tracking events
-from what the workers report.
+sets) and shows them: a tqdm bar on a TTY, else one line through `log` at most every
+`interval_s` seconds (and always for the last unit), such as
+`embed: 2,048/4,385 items (46.7%) 312.4 items/s ETA 7s`. `JsonlFollower` is the other half of
+driver-side progress for Ray Train runs: it follows the JSON-lines file a worker appends to and
+hands every new record to a callback (progress, tracking events).
 
 What it does not know: what is being counted, Ray, or where `log` writes. No torch, no Ray.
 """

@@ -1,14 +1,11 @@
 """Where a stage's wall time goes: the `timing` facts of the stages that do not train.
 
-What it is for: `Timer`, named phases timed with `with timer.phase("read"): ...` (a phase
-entered twice adds up), seconds measured elsewhere added with `timer.add(name, seconds)` (e.g.
-summed over Ray actors, which run in parallel, so those may exceed the wall time), and
-`timer.facts()` -> {"read_s": 1.234, ..., "total_s": wall seconds since the timer started} for
-the stage's manifest (`facts.timing`, as the training stages' `gti.train.loop` timing). Rates
-(items per second of a phase) are `rate(n, seconds)`. Costs a `perf_counter` call per phase.
-`Timer(memory=True)` also keeps each phase's peak resident memory of this process
-(`memory_facts()` -> {"read_peak_mb": ...}; Linux only, else empty), so a stage's manifest says
-which phase holds its memory peak (the `sid` stage's driver, bench/scale_memory).
+What it is for: `Timer`, named phases timed with `with timer.phase("read"): ...` (a phase entered
+twice adds up), seconds measured elsewhere added with `timer.add(name, seconds)` (e.g. summed over
+Ray actors, so those may exceed the wall time), and `timer.facts()` -> {"read_s": 1.234, ...,
+"total_s": ...} for the stage's manifest (`facts.timing`). Rates are `rate(n, seconds)`.
+`Timer(memory=True)` also keeps each phase's peak resident memory (`memory_facts()`; Linux
+only), so a manifest says which phase holds its memory peak (bench/scale_memory).
 
 What it does not know: stages, Ray, what the phases mean (each stage's docstring says).
 """

@@ -2,21 +2,10 @@
 
 What it is for: stage code on the driver calls `Tracker.scalar(tag, value, step)` /
 `Tracker.scalars(metrics, step)`; with `tracking.tensorboard: true` (the default) the values go
-to event files under `<run_dir>/tensorboard/<name>/` (`name` = the stage, or `tune/<trial>`),
-so `tensorboard --logdir <run_dir>` shows a whole run and `--logdir <compare out>` (arm runs
-live under `<out>/runs/<arm>/seed<s>/`) compares arms. With `tracking.mlflow: true` the same
-values are also logged to an MLflow run (tracking URI `tracking.mlflow_uri`, default a local
-file store `<run_dir>/mlruns`; experiment `tracking.mlflow_experiment`, run name
-`<run_dir name>/<name>`). Nothing here opens a network connection unless the user points
-`mlflow_uri` at a server.
-
-Tags are cleaned by `clean_tag` (`recall@10` -> `recall_at_10`). `metric_tags` maps a training report to TensorBoard tags: `val_*` keys -> `val/*`, other
-numeric keys -> `train/*` (step and epoch are the x axis, not tags). Lists (per-level SID
-utilisation) become `<tag>/l<i>`.
-
-Failure policy: tracking is not essential, so a failed write (disk full, a broken MLflow
-store) warns once on stderr and turns that sink off; it never fails a training run. A missing
-package is a configuration problem and fails before work starts (`check_available`).
+to event files under `<run_dir>/tensorboard/<name>/`, with `tracking.mlflow: true` also to an
+MLflow run (docs/tracking.md). Nothing here opens a network connection unless the user points
+`mlflow_uri` at a server. Tracking is not essential: a failed write warns once and turns that
+sink off, never failing a run; a missing package fails before work starts (`check_available`).
 
 What it does not know: Ray, training, which stage calls it. It imports tensorboardX / mlflow
 only when a sink is enabled.
@@ -58,7 +47,9 @@ def check_available(cfg) -> None:
 
 
 def metric_tags(metrics: dict[str, Any], prefix: str = "train") -> dict[str, float]:
-    """{report key: value} -> {tag: float} (see the module docstring); non-numbers dropped."""
+    """{report key: value} -> {tag: float}: `val_*` keys -> `val/*`, other numeric keys ->
+    `train/*` (step and epoch are the x axis, not tags), lists (per-level SID utilisation) ->
+    `<tag>/l<i>`; tags cleaned by `clean_tag`; non-numbers dropped."""
     out: dict[str, float] = {}
     for k, v in metrics.items():
         if k in _SKIP_KEYS:
@@ -114,7 +105,12 @@ mlflow_key = clean_tag
 class Tracker:
     """The sinks of one stage (or trial) of one run. Use as a context manager, or call close().
 
-    run_dir: the run's directory; name: sub-folder under `tensorboard/` ("ground", "tune/x").
+    run_dir: the run's directory; name: sub-folder under `tensorboard/` ("ground", "tune/x"),
+    so `tensorboard --logdir <run_dir>` shows a whole run and `--logdir <compare out>` (arm
+    runs live under `<out>/runs/<arm>/seed<s>/`) compares arms. MLflow: tracking URI
+    `tracking.mlflow_uri` (default a local file store `<run_dir>/mlruns`), experiment
+    `tracking.mlflow_experiment`, run name `<run_dir name>/<name>`. A failed write (disk full, a
+    broken MLflow store) warns once on stderr and turns that sink off.
     fresh: remove earlier event files of `name` first, so a rerun of a stage (which replays
     its whole history, resumed steps included) does not draw every curve twice.
     """
