@@ -2,13 +2,11 @@
 
 What it is for: a stage that turns an ordered list of input rows into one output row each (the
 evaluate stage decoding users) keeps every finished chunk as `<folder>/chunk-<i>.parquet`,
-written atomically (temp file + rename), so a driver killed mid-way leaves only whole chunks.
-The pipeline reuses the work dir of an attempt with the same fingerprint
-(`gti.run.pipeline.run_stage`); on the rerun `resume()` finds the chunks that match the expected
-rows and the stage processes only the rest. Chunk i always holds input rows
-[i * chunk_rows, (i + 1) * chunk_rows), so where the work starts again is a chunk boundary: a
-caller that batches rows in multiples dividing `chunk_rows` sees the same batches as an
-uninterrupted run.
+written atomically, so a driver killed mid-way leaves only whole chunks; on a rerun in the same
+work dir (`gti.run.pipeline.run_stage`) `resume()` finds the chunks that match the expected rows
+and the stage processes only the rest. Chunk i always holds input rows [i * chunk_rows, (i + 1)
+* chunk_rows): a caller that batches rows in multiples dividing `chunk_rows` sees the same
+batches as an uninterrupted run.
 
 What it does not know: what the rows mean, Ray, or how they are computed. Each output chunk
 must carry `key_columns` equal to the inputs' (checked on resume).

@@ -2,20 +2,11 @@
 catalog's SID trie, the titles and the prompt renderer.
 
 What it is for: `LoadedRun.open(run_dir, version=)` (what `gti recommend`, `gti serve` and
-`gti infer` load: which model and which map is `gti.run.versions.resolve`'s answer, the newest
-refresh made on the run's current base by default, `version=0` the run's own stages; titles
-from `ingest` and those refreshes' new items; the config the model stage ran with) and
-`LoadedRun.open(model_dir=, sid_map_path=, sid_facts=, cfg=)` (what the evaluate stage's
-actors load: the folders named by the stage context). Either way the map is checked against
-the model before anything loads (`gti.run.versions.check_model_map`: that map or one that
-descends from it, else one line naming both hashes), and the tokenizer against the map's codec
-(`gti.run.versions.check_tokens`). The codec is the `sid` stage's, with the codebook sizes of
-the map's version record when it has one (`map_codec`: a refresh with
-`refresh.on_full_group: add_tokens` grows the last level). `recommend(run_dir, history, k)`
-and `cli_main` are `gti recommend` (decoding through `gti.eval.recommend.top_k`).
-`trust_remote_code` is the caller's flag, never the run folder's config (`with_trust_remote_code`).
-
-Weights load from safetensors only; fp32 on CPU, bf16 on CUDA (or where `model.dtype` says).
+`gti infer` load) and `LoadedRun.open(model_dir=, sid_map_path=, sid_facts=, cfg=)` (what the
+evaluate stage's actors load). Either way the map is checked against the model, and the
+tokenizer against the map's codec, before anything loads. `recommend(run_dir, history, k)` and
+`cli_main` are `gti recommend` (decoding through `gti.eval.recommend.top_k`).
+`trust_remote_code` is the caller's flag, never the run folder's config.
 
 What it does NOT know: which version of a run is current or whether a map fits a model
 (`gti.run.versions`), training, metrics, Ray.
@@ -89,7 +80,10 @@ def map_codec(sid_map_path: Path, sid_facts: dict):
 
 @dataclass
 class LoadedRun:
-    """A model with everything needed to decode items from it (see the module docstring)."""
+    """A model with everything needed to decode items from it: model and tokenizer, SID map,
+    trie, titles (from `ingest` and the loaded version's refreshes' new items), renderer, and
+    the config the model stage ran with. Weights load from safetensors only; fp32 on CPU, bf16
+    on CUDA (or where `model.dtype` says)."""
 
     model_dir: Path
     model: Any
@@ -122,8 +116,10 @@ class LoadedRun:
              cfg: C.RunConfig | None = None, device: Any = None, version: int | None = None,
              trust_remote_code: bool | None = None) -> "LoadedRun":
         """Load a run from `run_dir`, or from an explicit model folder, SID map file, sid
-        facts and config; the SID map is checked (`gti.run.versions.check_model_map`) before
-        the model is loaded.
+        facts and config; the SID map is checked (`gti.run.versions.check_model_map`: that map
+        or one that descends from it, else one line naming both hashes) before the model is
+        loaded, and the tokenizer against the map's codec (`gti.run.versions.check_tokens`;
+        the codec is `map_codec`'s).
 
         With `run_dir`: `version` as `gti.run.versions.resolve` takes it (None = the newest
         refresh made on the run's current base, else the run's own stages; 0 = the run's own

@@ -1,14 +1,11 @@
 """The one ordered list of stages, and the driver that runs a slice of it.
 
 What it is for: deciding which stages run, giving each a `StageContext`, and making the result
-atomic. A stage writes into `run_dir/.<stage>.partial/`; when it returns, its manifest is
-written there and the directory is swapped into `run_dir/<stage>/`. A crash leaves only the
-partial directory (which a rerun reuses, so training checkpoints inside it survive a killed
-driver); the previous complete output stays intact until the swap.
-
-A stage is skipped when its manifest fingerprint equals the fingerprint it would have now. The
-fingerprint covers the stage's config sections, the seed, its own input files and the
-fingerprints of the stages it depends on, so a change invalidates exactly the stages downstream.
+atomic: a stage writes into `run_dir/.<stage>.partial/` (which a rerun reuses, so training
+checkpoints inside it survive a killed driver), and its manifest written, the directory is
+swapped into `run_dir/<stage>/`. A stage is skipped when its manifest fingerprint (its config
+sections, the seed, its own input files and its upstream stages' fingerprints) equals the one it
+would have now, so a change invalidates exactly the stages downstream.
 
 What it does not know: what a stage computes. Stage modules are imported lazily, so importing
 the pipeline imports neither ray nor torch.

@@ -1,16 +1,10 @@
 """One writer per run folder: an exclusive, non-blocking lock on `<folder>/.gti.lock`.
 
 What it is for: every command that writes a run folder (`gti run`, `stage`, `refresh`, `tune`,
-`compare`, `vocab ground`) holds `RunLock(folder)` while it writes. A second writer is refused at
-once with one line naming the holder's pid, command and start time (`RunLockedError`), instead
-of deleting the first one's `.<stage>.partial` or publishing over its refresh version. The lock
-is `flock(2)` on an open file: the kernel drops it when the holder dies however it dies, so a
-killed holder's lock is taken over by the next writer with nothing to clean up. The same
-process may take the same folder's lock again (a Tune sweep runs the base run's stages inside
-its own lock): the lock is counted per process and released with the last holder.
-
-Readers (`gti recommend`, `serve`, `infer`, `report-only`) never take it and never wait on it:
-stage folders and refresh versions are swapped into place whole (`gti.common.files.replace_dir`).
+`compare`, `vocab ground`) holds `RunLock(folder)` while it writes; a second writer is refused
+at once with one line naming the holder (`RunLockedError`). Readers (`gti recommend`, `serve`,
+`infer`, `report-only`) never take it and never wait on it: stage folders and refresh versions
+are swapped into place whole (`gti.common.files.replace_dir`).
 
 What it does not know: what is in the folder. `flock` is advisory and local to one kernel: two
 machines writing one folder on shared storage are not stopped by it (on a cluster only the
@@ -50,7 +44,13 @@ def holder(folder: str | Path, name: str = LOCK_FILE) -> dict | None:
 class RunLock:
     """`with RunLock(folder, what="gti run"):` ... : the folder's exclusive writer lock.
 
-    Creates `folder` if needed. Raises RunLockedError at once when another process holds it."""
+    Creates `folder` if needed. Raises RunLockedError at once when another process holds it,
+    naming its pid, command and start time (instead of deleting the first writer's
+    `.<stage>.partial` or publishing over its refresh version). The lock is `flock(2)` on an open
+    file: the kernel drops it when the holder dies however it dies, so a killed holder's lock is
+    taken over by the next writer with nothing to clean up. The same process may take the same
+    folder's lock again (a Tune sweep runs the base run's stages inside its own lock): the lock
+    is counted per process and released with the last holder."""
 
     def __init__(self, folder: str | Path, what: str | None = None, name: str = LOCK_FILE) -> None:
         self.folder = Path(folder).expanduser().resolve()

@@ -1,13 +1,12 @@
 """Which version of a run is current, which model folder and which SID map go together, and
 whether a SID map is acceptable for a model: the one answer every reader of a run asks for.
 
-What it is for: the layout `gti refresh` writes (`<run>/refresh/lineage/`: every map version of
-the run; `<run>/refresh/v<k>/`: a version's manifest, map and record, new items and model),
-read back: `refresh_versions` and `next_version` (never numbered over), the base each version
-was made on (`base_record`; `current_versions` skips those of a retrained run with one note),
-`resolve(run_dir, version)`, what `gti recommend`, `serve`, `infer` load and `gti refresh`
-builds on, and `check_model_map`, which accepts the model's own map or one descending from it
-(`gti.sid.versions`) and names both hashes in one line otherwise.
+What it is for: the layout `gti refresh` writes (`<run>/refresh/lineage/`: every map version;
+`<run>/refresh/v<k>/`: a version's manifest, map and record, new items and model), read back:
+`refresh_versions` / `next_version` (never numbered over), `base_record` / `current_versions`,
+`resolve(run_dir, version)` (what `gti recommend`, `serve`, `infer` load and `gti refresh`
+builds on), and `check_model_map` (the model's own map or one descending from it, else one line
+naming both hashes).
 
 What it does not know: models beyond their `gti_meta.json`, tokenizers beyond their vocabulary,
 loading weights, training, Ray. It reads manifests and version records.
