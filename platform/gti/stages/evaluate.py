@@ -4,10 +4,9 @@ reference rows.
 What it is for: for the valid and test splits of a seeded user sample, render each held-out
 row's history prompt, decode the top K items over the catalog's SID trie in a Ray Data actor
 pool (every actor checks the model's SID map first), and score them with bootstrap CIs over
-users, beside the reference rows (MostPop, Markov, SASRec tuned on valid) on the same users:
-paired differences, exact ranks over the whole catalog (`eval.exact_rank`) and the cold-item
-slice. Decoded rows are kept in chunks of the work dir, so a rerun decodes only what is
-missing and gives an uninterrupted run's metrics. Outputs and facts: docs/ARCHITECTURE.md.
+users, beside the reference rows (MostPop, Markov, SASRec tuned on valid) on the same users,
+with paired differences, exact ranks and the cold-item slice. Decoded rows are kept in resumable
+chunks of the work dir (`chunk_rows`). Outputs and facts: docs/ARCHITECTURE.md.
 
 What it does not know: how the model was trained, how beams are searched (`gti.eval.decode`),
 how metrics are defined (`gti.eval.metrics`, `gti.eval.rank`, `gti.eval.slices`).
@@ -206,7 +205,8 @@ def _read_inputs(ctx: StageContext) -> _Inputs:
 
 def chunk_rows(ec) -> int:
     """Prompts per resumable chunk: whole `eval.batch_users` batches, so a resumed run decodes the
-    same batches (beam search is exact per batch); fewer with `eval.exact_rank` (slow prompts)."""
+    same batches (beam search is exact per batch) and gives an uninterrupted run's metrics;
+    fewer with `eval.exact_rank` (slow prompts)."""
     target = EXACT_RANK_CHUNK_ROWS if ec.exact_rank else CHUNK_ROWS
     return ec.batch_users * max(1, round(target / ec.batch_users))
 

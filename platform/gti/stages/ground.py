@@ -1,14 +1,12 @@
 """Stage `ground`: extend the LM's vocabulary with the SID tokens, initialise the new rows
 (`init.method`), and ground them on the pair data set with Ray Train + DeepSpeed.
 
-What it is for: the base model is loaded with the `pairs` stage's extended tokenizer (the
-new-token id range comes from the pairs manifest, never from the matrix size, and pairs made
-from another SID map are refused); the new rows are initialised from the REAL old rows
-(`gti.lm.init`); with `ground.enabled` they are grounded by `gti.train.ground_run.run_grounding`
-(the runner `gti refresh` and `gti vocab ground` use too: backbone and old rows frozen,
-validation by constrained text->SID exact match, resumable after a killed driver), else
-exported as initialised (the plain init arms). The model is exported as a standard HF folder
-with the rows before and after grounding beside it. Outputs and facts: docs/ARCHITECTURE.md.
+What it is for: the base model is loaded with the `pairs` stage's extended tokenizer; the new
+rows are initialised from the REAL old rows (`gti.lm.init`); with `ground.enabled` they are
+grounded by `gti.train.ground_run.run_grounding` (the runner `gti refresh` and `gti vocab
+ground` use too), else exported as initialised (the plain init arms). The model is exported as a
+standard HF folder with the rows before and after grounding beside it. Outputs and facts:
+docs/ARCHITECTURE.md.
 
 What it does NOT know: how pairs are rendered, how the runner and the loop train
 (gti.train.ground_run, gti.train.loop), SFT.
@@ -96,7 +94,9 @@ def initial_rows(ctx: StageContext, model, tokenizer, n_real: int, n_new: int) -
 # --------------------------------------------------------------------------- the stage
 def run(ctx: StageContext, run_name: str | None = None, callbacks: list | None = None) -> StageResult:
     """Stage entry point. `run_name` / `callbacks` let `gti tune` run a trial through this
-    exact code (deterministic trial run names; `TuneReportCallback`)."""
+    exact code (deterministic trial run names; `TuneReportCallback`). The new-token id range
+    comes from the pairs manifest, never from the matrix size, and pairs made from another SID
+    map are refused."""
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
@@ -183,7 +183,8 @@ def _row_shift(model, init: dict[str, torch.Tensor], final: dict[str, torch.Tens
 def _ground(ctx: StageContext, init, first, end, first_sid, end_sid, codec, tokenizer,
             run_name: str, callbacks) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The grounding run (`gti.train.ground_run.run_grounding`) on the pairs stage's pairs,
-    validated on held-out text->SID pairs against the catalog's SIDs."""
+    validated on held-out text->SID pairs against the catalog's SIDs by constrained exact match
+    (backbone and old rows frozen; resumable after a killed driver)."""
     from safetensors.torch import save_file
 
     from gti.ray_start import ensure_ray

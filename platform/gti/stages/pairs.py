@@ -2,13 +2,10 @@
 
 What it is for: the tokenizer of `model.name` is extended with the SID tokens (and markers) and
 saved, so every later stage uses the same ids; then each item's catalog text is paired with its
-SID (a row-aligned zip when items and map list the same ids in the same order, else a join
-sorted by id, so the output never depends on scheduling) and rendered through the chat template
-with answer-only labels (`gti.lm.pairs.RenderPairs` in an actor pool; in this process for a small
-catalog) into one pairs.parquet. Only catalog text is used, never user data; an item without a
-description gets a pseudo-description, counted in the facts. Validation items are chosen by a
-seeded hash of their id (`gti.lm.pairs.is_val_item`; `pairs.val_holdout` says which of their
-rows are held out); `pairs.exclude_items` keeps items out entirely, for cold-start studies.
+SID and rendered through the chat template with answer-only labels (`gti.lm.pairs.RenderPairs`)
+into one pairs.parquet. Only catalog text is used, never user data. Validation items are chosen
+by a seeded hash of their id (`gti.lm.pairs.is_val_item`); `pairs.exclude_items` keeps items out
+entirely, for cold-start studies.
 
 What it does NOT know: model weights (only the tokenizer), initialisation, or training.
 """
@@ -168,7 +165,8 @@ def run(ctx: StageContext) -> StageResult:
 
 def _items_with_codes(ctx: StageContext, n_items: int):
     """Ray Dataset of the items' text columns with their SID codes: a row-aligned zip when
-    sid_map lists the items in their order, else a left hash join sorted by item_id."""
+    sid_map lists the items in their order, else a left hash join sorted by item_id (so the
+    output never depends on scheduling)."""
     import ray
 
     ctx_data = ray.data.DataContext.get_current()

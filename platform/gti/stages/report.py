@@ -1,20 +1,11 @@
 """Pipeline stage `report`: embedding diagnostics at init / after grounding / after SFT + report.
 
-What it is for: the last stage of a run. It reads, through upstream manifests,
-- `sid`: facts `codebook_sizes`, `new_tokens`; output `codebooks` (RQ-VAE code vectors
-  `level_l` [K_l, code_dim]);
-- `ground`: outputs `init_embeddings` / `ground_embeddings` (`e_new` [V_new, d]) and `model`
-  (old vocabulary rows for the SID-text cosine); facts `new_token_ids` [start, end);
-- `sft`: outputs `sft_embeddings`, `model`;
-- `evaluate`: output `metrics` (metrics.json, layout in docs/ARCHITECTURE.md),
-computes `gti.diagnostics.geometry.diagnose` per phase, draws the plots and writes
-report.html / report.json / report.csv / plots/ for this one run. `gti compare` later reads
-report.json of many runs and builds the cross-arm report with the same builder.
-
-The first len(new_tokens) rows of E_new are the SID tokens in level-major order (the
-`extend_tokenizer` contract); rows after them (e.g. <sid_start>/<sid_end> markers) enter the
-spectrum but not the per-level quantities. The "ground" phase is left out when grounding was
-disabled or ran zero steps (its matrix would just repeat the init one).
+What it is for: the last stage of a run. It reads, through upstream manifests, the `sid`
+codebooks and codebook facts, the `ground` rows before and after grounding (and the model's old
+rows for the SID-text cosine), the `sft` rows and `evaluate`'s metrics.json; computes
+`gti.diagnostics.geometry.diagnose` per phase, draws the plots and writes report.html /
+report.json / report.csv / plots/ for this one run. `gti compare` later reads report.json of many
+runs and builds the cross-arm report with the same builder.
 
 What it does not know: how the embeddings were trained, Ray (it needs none: the work is a few
 SVDs and cosine matrices on the driver).
@@ -122,7 +113,12 @@ def _ground_ran(ctx: StageContext) -> bool:
 
 
 def compute_diagnostics(ctx: StageContext) -> tuple[dict[str, dict[str, Any]], dict[str, np.ndarray], dict[str, Any]]:
-    """Per-phase diagnose() dicts, the SID rows per phase, and (text rows per phase)."""
+    """Per-phase diagnose() dicts, the SID rows per phase, and (text rows per phase).
+
+    The first len(new_tokens) rows of E_new are the SID tokens in level-major order (the
+    `extend_tokenizer` contract); rows after them (e.g. <sid_start>/<sid_end> markers) enter the
+    spectrum but not the per-level quantities. The "ground" phase is left out when grounding was
+    disabled or ran zero steps (its matrix would just repeat the init one)."""
     sid = ctx.manifest("sid")
     sizes = [int(k) for k in sid.fact("codebook_sizes")]
     n_tokens = len(sid.fact("new_tokens"))

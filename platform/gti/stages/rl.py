@@ -1,18 +1,12 @@
 """Stage `rl`: GRPO after SFT (`rl.enabled`, off by default), on Ray Train + DeepSpeed.
 
 What it is for: starting from the SFT model (`sft/model/`), train every parameter with GRPO
-(`gti.train.rl_run.run_rl`: per rollout batch, `rl.group_size` candidate SIDs per training
-prompt by trie-constrained decoding, rewards `rl.reward` against the prompt's target,
-group-normalised advantages; then `rl.updates_per_rollout` optimizer steps on the clipped
-objective with `rl.kl_coef` x KL to the SFT model: with 1, REINFORCE with group baselines, the
-clip never binding) and export the best
-validation's model to `model/` (a standard HF folder; the SFT model itself when no RL step beat
-it on the validation users' exact MRR). The prompts are `rl.steps` x `rl.batch_size` sampled
-training windows (training items only: validation and test items never reach a rollout),
-rendered as evaluate renders its prompts; the validation users are SFT's (`sft.val_users`,
-the same seeded sample). Checkpoints live under `ray_train/` in the stage's work dir, so a rerun
-after a killed driver resumes. Disabled (or `rl.steps` 0), the stage writes only its manifest
-and the SFT model stays the run's model (`gti.run.versions.find_model_dir`, the evaluate stage).
+(`gti.train.rl_run.run_rl`: per rollout batch, `rl.group_size` candidate SIDs per training prompt
+by trie-constrained decoding, rewarded against the prompt's target; then `rl.updates_per_rollout`
+clipped updates with `rl.kl_coef` x KL to the SFT model) and export the best validation's model
+to `model/`. The prompts are sampled training windows (validation and test items never reach a
+rollout); the validation users are SFT's. Disabled (or `rl.steps` 0), the stage writes only its
+manifest and the SFT model stays the run's model (`gti.run.versions.find_model_dir`).
 
 What it does not know: how SFT trained, the loop's internals, or how the model is evaluated.
 """
@@ -42,7 +36,8 @@ SIDS_FILE = "sid_token_ids.safetensors"
 
 
 def run(ctx: StageContext, fault_injection: FaultInjection | None = None) -> StageResult:
-    """Run the stage. `fault_injection` (tests only) goes to the worker loop."""
+    """Run the stage. `fault_injection` (tests only) goes to the worker loop. Checkpoints live
+    under `ray_train/` in the stage's work dir, so a rerun after a killed driver resumes."""
     cfg = ctx.cfg
     if not cfg.rl.trains:
         ctx.log("rl.enabled is false (or rl.steps is 0): the SFT model stays the run's model")
@@ -64,7 +59,9 @@ def run(ctx: StageContext, fault_injection: FaultInjection | None = None) -> Sta
 def _data(ctx: StageContext, tokenizer) -> tuple[Path, Path, Path, torch.Tensor]:
     """rl_train.parquet (the prompts), val.parquet (SFT's validation users) and the catalog's
     SID tokens [N, L] (sid_token_ids.safetensors), written once into the work dir (a rerun after
-    a killed driver reuses them: same fingerprint)."""
+    a killed driver reuses them: same fingerprint). The prompts are `rl.steps` x `rl.batch_size`
+    sampled training windows (training items only), rendered as evaluate renders its prompts;
+    the validation users are SFT's (`sft.val_users`, the same seeded sample)."""
     from safetensors.torch import load_file, save_file
 
     from gti.data.sequences import check_sequences
@@ -127,7 +124,9 @@ def _train(ctx: StageContext, sft_dir, fault_injection: FaultInjection | None) -
 
 
 def _export(ctx: StageContext, sft_dir, state, sid_map_hash: str) -> None:
-    """model/: the SFT model with the kept tensors, its tokenizer and gti_meta.json."""
+    """model/: the SFT model with the kept tensors (the best validation's by exact MRR; the SFT
+    model itself when no RL step beat it), its tokenizer and gti_meta.json: a standard HF
+    folder."""
     from transformers import AutoTokenizer
 
     from gti.lm import new_rows

@@ -1,14 +1,12 @@
 """Stage `sft`: full supervised fine-tuning on next-item prediction, on Ray Train + DeepSpeed.
 
-What it is for: starting from the grounded model (`ground/model/`, whose vocabulary already
-holds the SID tokens), train ALL parameters on user-history -> next-item examples, optionally
-mixed with the grounding pairs (LC-Rec multitask), and export the result. The rows are
-rendered once into the work dir (a Ray Data actor pool; in this process for a small catalog),
-so a rerun after a killed driver reuses them; training is `gti.train.sft_run.run_sft`, the SFT
-runner `gti refresh` uses too (ZeRO, precision, resumable checkpoints, validation curves:
-Recall@10, the target's loss and optionally exact-rank MRR; optional LoRA); the export rebuilds
-the module from the final checkpoint (`gti.train.sft_task.rebuild_trained`) and writes a
-standard HF folder plus the new rows. Outputs and facts: docs/ARCHITECTURE.md.
+What it is for: starting from the grounded model (`ground/model/`, whose vocabulary already holds
+the SID tokens), train ALL parameters on user-history -> next-item examples, optionally mixed
+with the grounding pairs (LC-Rec multitask), and export the result. The rows are rendered once
+into the work dir, so a rerun after a killed driver reuses them; training is
+`gti.train.sft_run.run_sft`, the SFT runner `gti refresh` uses too; the export rebuilds the module
+from the final checkpoint and writes a standard HF folder plus the new rows. Outputs and facts:
+docs/ARCHITECTURE.md.
 
 What it does not know: how windows are cut or rendered (`gti.train.sft_data`), the training
 loop's internals (`gti.train.loop`), or how the model will be evaluated (`evaluate`).
@@ -308,8 +306,10 @@ def _sid_tables(ctx: StageContext, sid_facts: dict[str, Any], tokenizer) -> _Sid
 
 def _train(ctx: StageContext, tokenizer, pad_id: int, ground_dir: Path, sids: _SidTables,
            fault_injection: FaultInjection | None) -> _Trained:
-    """Prepare the data, train with the SFT runner (`gti.train.sft_run.run_sft`) and rebuild
-    the trained model on the driver."""
+    """Prepare the data, train with the SFT runner (`gti.train.sft_run.run_sft`: ZeRO, precision,
+    resumable checkpoints, validation curves of Recall@10, the target's loss and optionally
+    exact-rank MRR; optional LoRA) and rebuild the trained model on the driver
+    (`gti.train.sft_task.rebuild_trained`)."""
     from safetensors.torch import save_file
 
     from gti.ray_start import ensure_ray
