@@ -1,17 +1,11 @@
 """`gti doctor` and the preflight each command that asks Ray for resources starts with.
 
 What it is for: filling `gti.preflight.Facts` with the resources of the Ray cluster a run will
-use, without reserving any: with no `ray_address` (and no RAY_ADDRESS) it is the local Ray that
-`ensure_ray` would start (ray_num_cpus, the visible GPUs) and Ray is not started at all; with
-one, it joins the cluster as a driver (no tasks, no placement groups), reads
-`ray.cluster_resources()`, and stays joined for the stages that follow (`gti doctor` leaves it
-again). If this process already runs a Ray, its resources are used as they are.
-
-Each command's part (`for_refresh`, `for_tune`, `for_vocab_ground`, `for_serve`, and
+use, without reserving any (`read_cluster`), and each command's part of the preflight
+(`for_refresh`, `for_tune`, `for_vocab_ground`, `for_serve`, and
 `gti.experiments.compare.preflight` through `preflight_each`; `gti run` / `gti stage` check the
-whole config): the config as that command uses
-it and the stages it runs, so a command that would wait for ever for GPUs or CPUs the cluster
-lacks stops at once with the preflight's one line instead.
+whole config): the config as that command uses it and the stages it runs, so a command that
+would wait for ever for GPUs or CPUs the cluster lacks stops at once with one line instead.
 
 What it does not know: the checks themselves (gti.preflight), what the commands then do.
 """
@@ -27,7 +21,13 @@ from gti import preflight
 
 
 def read_cluster(cfg: C.RunConfig) -> tuple[dict[str, float] | None, str, str | None, bool]:
-    """(resources or None for the local machine, where they come from, error line, remote)."""
+    """(resources or None for the local machine, where they come from, error line, remote).
+
+    With no `ray_address` (and no RAY_ADDRESS) it is the local Ray that `ensure_ray` would start
+    (ray_num_cpus, the visible GPUs) and Ray is not started at all; with one, it joins the
+    cluster as a driver (no tasks, no placement groups), reads `ray.cluster_resources()`, and
+    stays joined for the stages that follow (`gti doctor` leaves it again). If this process
+    already runs a Ray, its resources are used as they are."""
     address = cfg.requested_ray_address()
     if "ray" in sys.modules:
         import ray

