@@ -2,11 +2,10 @@
 
 What it is for: `StrictModel`, the pydantic base of every config section (an unknown key fails
 loudly instead of being ignored); `read_yaml` (a file -> its top-level mapping, or a one-line
-ConfigError); `apply_overrides` (`a.b.c=value` onto a raw mapping, values parsed the way YAML
-would by `parse_scalar`); `format_error` (a pydantic ValidationError -> one line naming the key
-and the file); `redact` (secret-looking keys masked, and credentials inside URIs, before
-anything reaches a manifest or log; the rules are `gti.common.redact`'s).
-`Seed` and `PositiveInt`, the bounded types several sections share. `gti.config` builds the
+ConfigError); `apply_overrides` (`a.b.c=value` onto a raw mapping, values parsed as YAML would
+by `parse_scalar`); `format_error` (a ValidationError -> one line naming the key and the file);
+`redact` (secrets masked before anything reaches a manifest or log, by `gti.common.redact`'s
+rules); `Seed` and `PositiveInt`, bounded types several sections share. `gti.config` builds the
 run config from these; `gti.vocab_ground` builds its own.
 
 What it does NOT know: any config section or its defaults (`gti.config`, `gti.config.train`),

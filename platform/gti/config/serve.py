@@ -2,15 +2,14 @@
 
 What it is for: `ServeConfig`, every setting of the service (where it listens and the path it is
 mounted at, replicas and threads per replica, autoscaling bounds, request batching, the memory
-one decode may hold, request limits, what to do with unknown item ids, whether every endpoint
-needs the bearer token). `decode_budget(kv_bytes_per_token, memory_bytes, share)` is the default
-of `serve.decode_budget_tokens` (a pure function: the replica supplies the model's figure and
-its memory).
+one decode may hold, request limits, unknown item ids, whether every endpoint needs the bearer
+token); `decode_budget(kv_bytes_per_token, memory_bytes, share)` is the default of
+`serve.decode_budget_tokens` (pure: the replica supplies the model's figure and its memory).
 `gti.config.RunConfig` holds it as `serve`; it enters no stage's fingerprint.
 
-What it does NOT know: the token itself (only the NAME of the environment variable holding
-it: a secret never lives in a config file), the run being served, FastAPI or Ray. It never
-imports ray or torch.
+What it does NOT know: the token itself (only the NAME of the environment variable holding it:
+a secret never lives in a config file), the run being served, FastAPI or Ray. It never imports
+ray or torch.
 """
 
 from __future__ import annotations

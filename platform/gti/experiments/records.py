@@ -1,14 +1,11 @@
 """Records of finished arm runs: what lets a comparison resume on another machine.
 
 What it is for: as each arm run of `gti compare` finishes, its report record (metrics with
-per-user values, diagnostics, SFT curves, timing, the config it ran with) is kept as
-`<records_dir>/<arm>/seed<s>.json` (`<records_dir>/sid<m>/<arm>/seed<s>.json` on one of
-several SID maps, `record_path`) beside the content hashes of the shared tables it inherited
-(`shared_identity`). `read_record` says whether a stored record stands for a planned run: same
-record format, same shared hashes, and the same config once both are validated with today's
-code and the placement and shared-stage sections (`NON_SEMANTIC_KEYS`) are left out.
+per-user values, diagnostics, SFT curves, timing, the config it ran with) is kept as a file
+(`record_path`) beside the content hashes of the shared tables it inherited
+(`shared_identity`). `read_record` says whether a stored record stands for a planned run;
 `load_record` builds a record from a finished run folder; `run_facts` are the small facts the
-cross-arm report shows per run (with the rl stage's `RL_FACTS` under `rl` when RL trained).
+cross-arm report shows per run.
 
 What it does not know: how runs are planned or scheduled (that is `gti.experiments.compare`).
 """
@@ -113,10 +110,11 @@ def config_diff(a: Any, b: Any, prefix: str = "") -> list[str]:
 
 
 def write_record(r: ArmRun, rdir: Path, identity: dict[str, str]) -> Path:
-    """Keep the finished run `r` as a record file (see the module docstring). A record already
-    there is never rewritten: one that stands for this run is left as it is (a `--report-only`
-    pass does not touch committed records), one for another run (other config or shared data,
-    e.g. a committed one while a run with overrides finishes) raises CompareError naming both."""
+    """Keep the finished run `r` as a record file (`record_path`), with the hashes of its shared
+    tables (`shared_identity`). A record already there is never rewritten: one that stands for
+    this run is left as it is (a `--report-only` pass does not touch committed records), one for
+    another run (other config or shared data, e.g. a committed one while a run with overrides
+    finishes) raises CompareError naming both."""
     path = record_path(rdir, r.arm, r.seed, r.sid_seed)
     if path.is_file():
         stored, _, why = read_record(r, rdir, identity)
@@ -136,7 +134,9 @@ def write_record(r: ArmRun, rdir: Path, identity: dict[str, str]) -> Path:
 
 def read_record(r: ArmRun, rdir: Path, identity: dict[str, str]):
     """(RunRecord, run facts, "") when a stored record stands for run `r`; (None, None, why
-    not) otherwise ("" when there is no record at all)."""
+    not) otherwise ("" when there is no record at all). It stands for `r` with the same record
+    format, the same shared hashes, and the same config once both are validated with today's
+    code and the placement and shared-stage sections (`NON_SEMANTIC_KEYS`) are left out."""
     from gti.diagnostics.runs import RunRecord
 
     path = record_path(rdir, r.arm, r.seed, r.sid_seed)

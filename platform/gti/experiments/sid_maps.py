@@ -1,13 +1,11 @@
 """Several SID maps in one comparison: which maps, and the figures over them.
 
 What it is for: `gti compare --sid-seeds N` trains every arm x seed on N SID maps of the same
-catalog (`sid.seed` = base, base+1, ..., base = `sid.seed` or else the run's `seed`), since one
-map can decide a result on its own. `sid_seeds` lists the maps (`[None]`: one
-map, today's layout); `summarize` turns the runs' records into what compare.json keeps under
-`maps`: per map, each arm's figures (Recall@10, NDCG@10 and MRR where the runs have them, with
-user-bootstrap CIs) and the paired difference of every later arm minus every earlier one on the
-same users; over the maps, the mean of each per-map figure with its spread (sd, min, max) and
-every map's figure beside it. `headline` prints those means one line per arm and metric.
+catalog, since one map can decide a result on its own. `sid_seeds` lists the maps (`[None]`:
+one map, today's layout); `summarize` turns the runs' records into what compare.json keeps
+under `maps`: per map, each arm's figures with user-bootstrap CIs and the paired difference of
+every later arm minus every earlier one on the same users; over the maps, the mean of each
+per-map figure with its spread and every map's figure beside it. `headline` prints those means.
 
 What it does not know: how runs are planned, scheduled or reported (`gti.experiments.compare`,
 `compare_report`); what a metric means (`gti.diagnostics`, `gti.eval`).
@@ -83,7 +81,8 @@ def _paired(a: Mapping[str, float] | None, b: Mapping[str, float] | None, n_boot
 
 def _figures(recs: Sequence, arms: Sequence[str], split: str, n_boot: int, seed: int) -> dict:
     """{arm: {metric: {"value", "ci", "sd_over_seeds", "n_seeds"}}} of one set of runs: the
-    report's metrics rows (mean over seeds, user-bootstrap CI), headline metrics only."""
+    report's metrics rows (mean over seeds, user-bootstrap CI), headline metrics only (Recall@10,
+    NDCG@10 and MRR where the runs have them)."""
     from gti.diagnostics.tables import metrics_table
 
     out: dict[str, dict[str, Any]] = {a: {} for a in arms}

@@ -3,12 +3,10 @@ and evaluation settings scored by the evaluation (Ray Train V2 + Tune interop).
 
 What it is for: one trial per sampled setting (`tune.search_space`, parsed by
 `gti.experiments.tune_space`), the best written as a complete run config to
-`run_dir/tune/best.yaml`. A trial is a driver that runs the stage's own code
-(`gti.run.pipeline.run_detached`), so it trains exactly what `gti run` trains; its Train run's
-name and storage follow from the trial's index and setting, so an interrupted sweep resumes
-every trial from its checkpoints. ASHA stops weak grounding trials early; objective `sft`
-reports the valid split's metric once at the end. Stages before the first searched one run
-once and are hard-linked into every trial. Search types and concurrency: docs/tuning.md.
+`run_dir/tune/best.yaml`. A trial runs the stage's own code (`gti.run.pipeline.run_detached`),
+so it trains exactly what `gti run` trains, and its Train run's name follows from its index and
+setting (`trial_run_name`), so an interrupted sweep resumes every trial from its checkpoints.
+Search types, ASHA and concurrency: docs/tuning.md.
 
 What it does NOT know: how grounding trains (that is `gti.stages.ground` and
 `gti.train`), or how stages are fingerprinted (that is `gti.run.pipeline`).
@@ -165,7 +163,9 @@ def sweep(cfg: C.RunConfig, raw: dict[str, Any] | None = None, echo=_echo) -> di
 
     `raw` is the config mapping the trials start from (default: `cfg` dumped), so best.yaml keeps
     the user's own settings. Upstream stages are run (or found up to date) first. Holds the run
-    folder's writer lock (`gti.run.runlock`) for the whole sweep.
+    folder's writer lock (`gti.run.runlock`) for the whole sweep. Stages before the first
+    searched one run once and are hard-linked into every trial. ASHA stops weak grounding
+    trials early; objective `sft` reports the valid split's metric once at the end.
     """
     from gti.run.runlock import RunLock
 
