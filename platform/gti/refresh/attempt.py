@@ -2,17 +2,10 @@
 
 What it is for: the steps of a refresh (`gti.refresh.ingest`, `.new_items`, `.tokens`,
 `.train`, `.command`) share one `Job`: the run folder, the config the run's model was trained
-with plus the overrides (`load_run_config`; `model.trust_remote_code` only from the caller),
-the version it builds on (`Parent`, from `find_parent`: `gti.run.versions.resolve`'s answer,
-the newest refresh made on the run's current base, else the run, with its map's codebook
-sizes, which an earlier refresh may have grown, and that base; plus the pairs and newest
-interactions of the refreshes it builds on, with their sequences and split facts), the work
-folder `<run>/refresh/.v<k>.partial/`, the run's `sid` facts and codebooks hash, and the log. After the assign step, `Job.map_facts()`
-is the `sid` facts with the new map's codebook sizes; after the tokens step,
-`Job.base_model_dir` is the model the training steps start from (`<work>/grown_model/` when
-codes were added, else the parent's) and `Job.token_range()` its SID rows. Also the names
-every step agrees on (files in the work folder, Ray Train run names) and `RefreshError` /
-`RefreshResult`.
+with plus the overrides (`load_run_config`), the version it builds on (`Parent`, from
+`find_parent`), the work folder `<run>/refresh/.v<k>.partial/`, the run's `sid` facts and
+codebooks hash, and the log. Also the names every step agrees on (files in the work folder,
+Ray Train run names) and `RefreshError` / `RefreshResult`.
 
 What it does not know: which version is current (`gti.run.versions`), how a step does its
 work, Ray, training.
@@ -121,10 +114,11 @@ class Parent:
 
 
 def find_parent(run_dir: Path, note: Callable[[str], None] | None = None) -> Parent:
-    """The version `gti.run.versions.resolve` names for `run_dir` (the newest made on its current
-    base, one `note` line for each one skipped: made on another base), with every earlier
-    refresh's new pairs and the newest interactions of those versions; RefreshError when the
-    run lacks a stage or a trained model."""
+    """The version `gti.run.versions.resolve` names for `run_dir` (the newest refresh made on its
+    current base, else the run; one `note` line for each one skipped: made on another base), with
+    its map's codebook sizes (an earlier refresh may have grown them) and that base, every earlier
+    refresh's new pairs and the newest interactions of those versions, with their sequences and
+    split facts; RefreshError when the run lacks a stage or a trained model."""
     from gti.run.versions import RunDirError, resolve
 
     read_manifest(run_dir, "sid")
@@ -158,7 +152,9 @@ def _ingest_split(version_dir: Path) -> dict | None:
 
 @dataclass
 class Job:
-    """One refresh attempt: version `k` of `run_dir`, built on `parent`, written in `work`."""
+    """One refresh attempt: version `k` of `run_dir`, built on `parent`, written in `work`.
+    Some of it reads what a step wrote: `map_facts` after the assign step, `base_model_dir` and
+    `token_range` after the tokens step."""
 
     run_dir: Path
     cfg: C.RunConfig

@@ -1,19 +1,12 @@
 """The `gti refresh` command: `refresh(run_dir, items, interactions, overrides)`, from the run to
 `<run>/refresh/v<k>/`.
 
-What it is for: the order of the steps and what makes a refresh resumable and traceable. It
-adds the run's base map to the lineage (once), opens the work folder `<run>/refresh/.v<k>.partial/`
-(kept when its `_fingerprint` — parent map, input files, seed, the data/embed/pairs/ground/sft/
-refresh settings — is the same, else started afresh), runs the steps (`gti.refresh.ingest`,
-`.new_items` (embed, assign), `.tokens`, `.new_items` (pairs), `.train`, then `export_step` here), each
-recorded in `_steps.json` so a rerun skips the finished ones, writes `_manifest.json` (facts:
-parent and new hash, counts, the new map's `codebook_sizes` and `added_tokens`, steps, wall
-time of each step) and `config.yaml`, adds the new map to `<run>/refresh/lineage/` and renames
-the work folder to `v<k>`. `export_step` puts the model in `model/` (the SFT model, else the
-grounded one, else the parent's with the added code tokens when the tokens step made it, else
-a copy of the parent's) with `gti_meta.json` naming the new map, its parent, its version
-record and its `codebook_sizes` (`new_token_ids` covers any added tokens). `cli_main` is
-`gti refresh`.
+What it is for: the order of the steps (`run_steps`: `gti.refresh.ingest`, `.new_items`,
+`.tokens`, `.train`, then `export_step` here) and what makes a refresh resumable and
+traceable: the work folder `<run>/refresh/.v<k>.partial/`, kept for the same `fingerprint`;
+each finished step recorded in `_steps.json`; the version's `_manifest.json` and `config.yaml`;
+the new map added to `<run>/refresh/lineage/`; the folder published as `v<k>`. `cli_main` is
+`gti refresh`. What a refresh does and writes: docs/refresh.md.
 
 What it does not know: how a step reads, assigns or trains (the step modules do), Ray.
 """
@@ -78,7 +71,8 @@ def _files_fingerprint(path: str | None, kind: str, storage_options=None) -> str
 
 
 def fingerprint(cfg: C.RunConfig, parent: Parent, items: str, interactions: str | None) -> str:
-    """What a work folder may be reused for: the parent map, the input files, the settings."""
+    """What a work folder may be reused for (`open_work`): the parent map and base, the input
+    files, the seed and the settings of `CONFIG_SECTIONS`."""
     dumped = cfg.model_dump(mode="json")
     d = cfg.data
     return stable_hash({
@@ -119,7 +113,7 @@ def open_work(work: Path, fp: str) -> None:
 def refresh(run_dir: str | Path, items: str | Path, interactions: str | Path | None = None,
             overrides: Sequence[str] = (), *, log: Callable[[str], None] = log_default,
             fault_injection: FaultInjection | None = None, trust_remote_code: bool = False) -> RefreshResult:
-    """Refresh the run in `run_dir` with the new items (see the `gti.refresh` docstring).
+    """Refresh the run in `run_dir` with the new items (docs/refresh.md).
 
     items / interactions: paths in any format `data.items.path` / `data.interactions.path` take
     (the run's column mapping and format apply; override them with `data.items.format=csv` etc.).
@@ -210,7 +204,9 @@ def _facts(job: Job, version, done: dict[str, dict], steps: Steps, t_start: floa
 
 
 def _write_record(job: Job, fp: str, facts: dict, inputs: dict) -> None:
-    """`_manifest.json` and `config.yaml` of the version, in the work folder."""
+    """`_manifest.json` (facts, `_facts`: parent and new hash, counts, the new map's
+    `codebook_sizes` and `added_tokens`, steps, wall time of each step) and `config.yaml` (the
+    config the refresh ran with) of the version, in the work folder."""
     work, cfg = job.work, job.cfg
     outputs = {"sid_map": "sid/sid_map.parquet", "sid_map_version": "sid/sid_map.version.json",
                "model": "model", "items": "ingest/items.parquet",
@@ -286,7 +282,9 @@ def _place_model(job: Job) -> str:
 
 
 def export_step(job: Job) -> dict:
-    """Step 7: `model/` with its `gti_meta.json` naming the new map (see the module docstring)."""
+    """Step 8: `model/` (`_place_model`) with its `gti_meta.json` naming the new map
+    (`sid_map_hash`), its parent (`sid_map_parent`), its version record (`sid_map_version`) and
+    its `codebook_sizes`; `new_token_ids` there covers any added code tokens."""
     from gti.lm.new_rows import META_NAME
     from gti.sid import versions as V
 

@@ -1,16 +1,10 @@
 """Step 1 of `gti refresh`: the new items and new interactions, read and validated as ingest does.
 
-What it is for: `ingest_step(job)` writes `<work>/ingest/`: items.parquet and
-items_quarantine.parquet (the ingest stage's items pass, `gti.data.items.ingest_items`, on
-the in-process stream of `gti.data.batches`); with `--interactions`, also
-interactions_quarantine.parquet (row check failures; `unknown_item` for an item neither in the
-parent's map nor new; users left without enough history), interactions.parquet and
-sequences.parquet (the parent's interactions + the new ones, each user's history in time
-order, split as the run's `data.split`: leave-one-out again, or global_time by the cut
-timestamps of the run's ingest (`facts.split.cut_ts`), the old rows keeping the parent's
-periods) and touched_users.parquet (users with new interactions). Without a ts column the file
-order is the clock, after everything the run saw. Returns the step's facts (rows in / ok /
-quarantined, reasons, users, the split's facts).
+What it is for: `ingest_step(job)` writes `<work>/ingest/` with the ingest stage's own readers
+and items pass (`gti.data.batches`, `gti.data.items.ingest_items`): the new items and their
+quarantine; with `--interactions`, the new interactions and their quarantine, the sequences of
+the parent's interactions + the new ones, split as the run did (`split_cuts`), and the users
+they touch. Step by step: docs/refresh.md#what-it-does.
 
 What it does not know: embeddings, SIDs, models, Ray (everything runs in this process).
 """
@@ -41,7 +35,16 @@ from gti.run.manifest import MANIFEST_NAME
 
 
 def ingest_step(job: Job) -> dict:
-    """Step 1 (see the module docstring); `<work>/ingest/` is written afresh."""
+    """Step 1; `<work>/ingest/` is written afresh: items.parquet and items_quarantine.parquet
+    (the ingest stage's items pass, `gti.data.items.ingest_items`, on the in-process stream of
+    `gti.data.batches`); with `--interactions`, also interactions_quarantine.parquet (row check
+    failures; `unknown_item` for an item neither in the parent's map nor new; users left without
+    enough history), interactions.parquet and sequences.parquet (the parent's interactions + the
+    new ones, each user's history in time order, split as the run's `data.split`: leave-one-out
+    again, or global_time by the cut timestamps of the run's ingest (`facts.split.cut_ts`), the
+    old rows keeping the parent's periods) and touched_users.parquet (users with new
+    interactions). Without a ts column the file order is the clock, after everything the run saw.
+    Returns the step's facts (rows in / ok / quarantined, reasons, users, the split's facts)."""
     out = job.work / "ingest"
     if out.exists():
         shutil.rmtree(out)

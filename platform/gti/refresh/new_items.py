@@ -1,22 +1,11 @@
-"""Steps 2-4 of `gti refresh`: the new items' embeddings, SIDs and grounding pairs.
+"""Steps 2, 3 and 5 of `gti refresh`: the new items' embeddings, SIDs and grounding pairs.
 
-What it is for:
-- `embed_step(job)`: the run's encoder (`embed` section, `gti.embed.encoders`) on the new
-  items, in this process -> `<work>/embed/embeddings.parquet` (RefreshError when its dim is not
-  the run's).
-- `assign_step(job)`: the run's frozen quantiser (`<run>/sid/quantizer.*`) gives the codes and
-  `gti.sid.map_edits.assign_new_items` the SIDs, never changing an existing one ->
-  `<work>/sid/sid_map.parquet` with its version record (parent hash, codebook sizes) and
-  `new_items.json`. The parent map's sizes are the parent version's (an earlier refresh may
-  have grown the last level). Items that would need a new token are listed in
-  `needs_new_tokens.json`; with `refresh.on_full_group: error` the refresh stops with one
-  RefreshError line, with `add_tokens` (the default) `gti.sid.map_edits.add_last_level_codes` puts them on
-  added last-level codes and the version records the grown sizes (the tokens step,
-  `gti.refresh.tokens`, then adds the tokens to the model).
-- `pairs_step(job)`: the new items' grounding pairs (the pairs stage's renderer
-  `gti.lm.pairs.RenderPairs`, same templates, the tokenizer of `job.base_model_dir`, the new map's codec) -> `pairs_new.parquet`,
-  plus `refresh.replay_ratio` x as many old
-  training pairs (a seeded sample of the run's and earlier refreshes' pairs) -> `pairs.parquet`.
+What it is for: `embed_step(job)` (the run's encoder on the new items, in this process),
+`assign_step(job)` (the run's frozen quantiser and `gti.sid.map_edits.assign_new_items`: a new
+SID-map version that never changes an existing SID; full prefix groups as
+`refresh.on_full_group` says, docs/refresh.md#full-prefix-groups) and `pairs_step(job)` (the
+new items' grounding pairs with the pairs stage's renderer, plus a replay sample of old
+pairs), each writing into the work folder.
 
 What it does not know: training, the model's weights, Ray.
 """
@@ -30,7 +19,8 @@ from gti.refresh.attempt import NEEDS_NEW_TOKENS, Job, RefreshError
 
 
 def embed_step(job: Job) -> dict:
-    """Step 2 (see the module docstring)."""
+    """Step 2: the run's encoder (`embed` section, `gti.embed.encoders`) on the new items, in this
+    process -> `<work>/embed/embeddings.parquet` (RefreshError when its dim is not the run's)."""
     import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -91,8 +81,9 @@ def _padded_cost(last_cost, k_last: int):
 
 
 def _full_groups(job: Job, a, sizes: list[int]):
-    """The items needing a new token: listed in `needs_new_tokens.json`; RefreshError with
-    `refresh.on_full_group: error`, else (add_tokens) the `Growth` that places them."""
+    """The items needing a new token: listed in `needs_new_tokens.json`; RefreshError (one line)
+    with `refresh.on_full_group: error`, else (add_tokens, the default) the `Growth` that puts
+    them on added last-level codes (`gti.sid.map_edits.add_last_level_codes`)."""
     from gti.sid.map_edits import add_last_level_codes
 
     path = job.work / NEEDS_NEW_TOKENS
@@ -113,7 +104,13 @@ def _full_groups(job: Job, a, sizes: list[int]):
 
 
 def assign_step(job: Job) -> dict:
-    """Step 3 (see the module docstring)."""
+    """Step 3: the run's frozen quantiser (`<run>/sid/quantizer.*`) gives the codes and
+    `gti.sid.map_edits.assign_new_items` the SIDs, never changing an existing one ->
+    `<work>/sid/sid_map.parquet` with its version record (parent hash, codebook sizes) and
+    `new_items.json`. The parent map's sizes are the parent version's (an earlier refresh may have
+    grown the last level). Items that would need a new token: `_full_groups` (with `add_tokens`
+    the version records the grown sizes, and the tokens step, `gti.refresh.tokens`, then adds the
+    tokens to the model)."""
     import pyarrow.parquet as pq
 
     from gti.sid import versions as V
@@ -178,7 +175,10 @@ def _new_pairs(job: Job, assigned: set[str]):
 
 
 def pairs_step(job: Job) -> dict:
-    """Step 4 (see the module docstring)."""
+    """Step 5: the new items' grounding pairs (`_new_pairs`: the pairs stage's renderer
+    `gti.lm.pairs.RenderPairs`, same templates, the tokenizer of `job.base_model_dir`, the new
+    map's codec) -> `pairs_new.parquet`, plus `refresh.replay_ratio` x as many old training pairs
+    (a seeded sample of the run's and earlier refreshes' pairs) -> `pairs.parquet`."""
     import numpy as np
     import pyarrow as pa
     import pyarrow.compute as pc

@@ -1,17 +1,9 @@
 """Step 4 of `gti refresh`: the code tokens the new map added, appended to the parent's model.
 
 What it is for: with `refresh.on_full_group: add_tokens` the assign step may grow the last SID
-level (the new map's version record has larger codebook sizes than the parent's map).
-`tokens_step(job)` then writes `<work>/grown_model/`: the parent's model and tokenizer with one
-token per added code appended (`gti.lm.grow_vocab.append_tokens`: old rows bit-identical; each added
-row, input and untied head, starts as the mean of the existing rows of the last level, where
-mean initialisation would put it; the grounding pass then trains it with the other SID rows).
-Its `gti_meta.json` is the parent's plus `new_token_ids` [first, end) covering the added
-tokens (the rows grounding trains, `Job.token_range`), `added_token_ids`, `added_tokens` and
-`codebook_sizes`. Every later step starts from it (`Job.base_model_dir`); with
-`refresh.ground_steps: 0` it is the exported model as it is (the added rows untrained, at their
-level's mean). Without added codes the step does nothing. The model is loaded in this process,
-on the CPU, like the embed step's encoder.
+level; `tokens_step(job)` then writes `<work>/grown_model/`, the parent's model and tokenizer
+with one token per added code, which every later step starts from (`Job.base_model_dir`).
+Without added codes it does nothing. Why tokens are added: docs/refresh.md#full-prefix-groups.
 
 What it does not know: how the codes were assigned (it reads the version records), training,
 Ray.
@@ -30,7 +22,16 @@ def added_codes(job: Job) -> list[tuple[int, int]]:
 
 
 def tokens_step(job: Job) -> dict:
-    """Step 4 (see the module docstring)."""
+    """Step 4, when the assign step grew the last level (the new map's version record has larger
+    codebook sizes than the parent's map): `<work>/grown_model/`, the parent's model and tokenizer
+    with one token per added code appended (`gti.lm.grow_vocab.append_tokens`: old rows
+    bit-identical; each added row, input and untied head, starts as the mean of the existing rows
+    of the last level, where mean initialisation would put it; the grounding pass then trains it
+    with the other SID rows). Its `gti_meta.json` is the parent's plus `new_token_ids` [first,
+    end) covering the added tokens (the rows grounding trains, `Job.token_range`),
+    `added_token_ids`, `added_tokens` and `codebook_sizes`. With `refresh.ground_steps: 0` it is
+    the exported model as it is (the added rows untrained, at their level's mean). The model is
+    loaded in this process, on the CPU, like the embed step's encoder."""
     from gti.lm import grow_vocab, models, new_rows
     from gti.sid.codec import SidCodec, level_letter
 

@@ -1,20 +1,11 @@
-"""Steps 5-6 of `gti refresh`: teach the parent model the new SIDs, optionally a short SFT.
+"""Steps 6-7 of `gti refresh`: teach the parent model the new SIDs, optionally a short SFT.
 
-What it is for:
-- `ground_step(job, fault_injection)`: `refresh.ground_steps` steps of the grounding task on
-  Ray Train + DeepSpeed (`gti.train.ground_run.run_grounding`, the `ground` stage's runner:
-  backbone and every non-SID row frozen, only the SID rows train) on `<work>/pairs.parquet`,
-  continuing from `job.base_model_dir` (the parent's model, or `<work>/grown_model/` when the
-  tokens step appended code tokens); its starting rows are that model's SID rows
-  `job.token_range()`, which cover the added tokens too, so they train with the others.
-  Validation: constrained text->SID exact match on the new items (`val_source`: held-out pairs
-  when the split has them, else in-sample; the SID answer tokens are found by id, as the new
-  map's codec spells them). -> `<work>/ground_model/`.
-- `sft_step(job)`: `refresh.sft_steps` steps of the SFT task (`gti.train.sft_run.run_sft`, the
-  `sft` stage's runner) on the training windows of the users the new interactions touch
-  (+ `refresh.sft_replay_ratio` x as many windows of other users, `select_windows`), from the
-  grounded model (else `job.base_model_dir`). -> `<work>/sft_model/`.
-Both resume from their last Ray Train checkpoint under `<work>/ray_train/` when rerun.
+What it is for: `ground_step` runs the grounding task (only the SID rows train) through the
+`ground` stage's runner (`gti.train.ground_run.run_grounding`, Ray Train + DeepSpeed) on
+`<work>/pairs.parquet` -> `<work>/ground_model/`; `sft_step` the SFT task through the `sft`
+stage's runner (`gti.train.sft_run.run_sft`) on the windows of the users the new interactions
+touch -> `<work>/sft_model/`. Both resume from their last Ray Train checkpoint under
+`<work>/ray_train/` when rerun. Settings and what they measured: docs/refresh.md.
 
 What it does not know: how the new items were read or given SIDs (it reads the step files),
 the version folder's layout beyond the work folder.
@@ -83,7 +74,14 @@ def _write_validation(job: Job, gcfg, codec, first: int, end: int, tok) -> tuple
 
 
 def ground_step(job: Job, fault_injection: FaultInjection | None) -> dict:
-    """Step 5 (see the module docstring); fault_injection (tests) goes to the training loop."""
+    """Step 6: `refresh.ground_steps` steps of the grounding task (backbone and every non-SID row
+    frozen, only the SID rows train) on `<work>/pairs.parquet`, continuing from
+    `job.base_model_dir` (the parent's model, or `<work>/grown_model/` when the tokens step
+    appended code tokens); its starting rows are that model's SID rows `job.token_range()`, which
+    cover the added tokens too, so they train with the others. Validation: constrained text->SID
+    exact match on the new items (`val_source`, `_write_validation`). -> `<work>/ground_model/`;
+    nothing trains with `refresh.ground_steps: 0`. fault_injection (tests) goes to the training
+    loop."""
     from safetensors.torch import save_file
 
     from gti.lm import models, new_rows
@@ -175,7 +173,10 @@ def _sft_windows(job: Job, tok):
 
 
 def sft_step(job: Job) -> dict:
-    """Step 6 (see the module docstring); nothing when `refresh.sft_steps` is 0."""
+    """Step 7: `refresh.sft_steps` steps of the SFT task on the training windows of the users the
+    new interactions touch (+ `refresh.sft_replay_ratio` x as many windows of other users,
+    `select_windows`), from the grounded model (else `job.base_model_dir`) -> `<work>/sft_model/`;
+    nothing when `refresh.sft_steps` is 0."""
     import numpy as np
 
     from gti.lm import new_rows
