@@ -54,3 +54,16 @@ def test_every_relative_link_and_anchor_resolves():
             elif anchor and path.suffix == ".md" and anchor not in anchors(path):
                 bad.append(f"{doc.relative_to(ROOT)}: {target} (no such heading)")
     assert not bad, "\n".join(bad)
+
+
+def test_findings_and_limitations_link_no_dated_anchor():
+    """docs/findings.md and docs/limitations.md cite bench/RESULTS.md (a section of it) or a topic
+    page without an anchor: the anchor of a dated entry moves when the entry is rewritten or
+    deleted (issue 53 item 2)."""
+    bad = []
+    for doc in (ROOT / "docs" / "findings.md", ROOT / "docs" / "limitations.md"):
+        for target in LINK.findall(doc.read_text()):
+            file_part, _, anchor = target.partition("#")
+            if file_part.endswith("RESULTS.md") and re.search(r"\d{4}-\d{2}-\d{2}", anchor):
+                bad.append(f"{doc.relative_to(ROOT)}: {target}")
+    assert not bad, "dated anchors (link the page, bench/RESULTS.md):\n" + "\n".join(bad)
