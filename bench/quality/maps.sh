@@ -70,39 +70,6 @@ for split in rows[0]["model"] if rows else []:
             print(f"    model - {b} {k}: mean {mean(ds):+.3f} over maps ({', '.join(f'{d:+.3f}' for d in ds)}); "
                   f"maps with the paired CI above 0: {sum(r['paired'][split][b][k]['ci'][0] > 0 for r in rows)} of {len(rows)}")
 PY
-# The mean over maps with one CI: each user's figure averaged over the maps (same users in
-# every map; the baselines do not depend on the map), minus the baseline's, resampled by user.
-$py - "$out" <<'PY'
-import glob, json, sys
-import numpy as np
-runs = [json.load(open(f)) for f in sorted(glob.glob(f"{sys.argv[1]}/sid*/evaluate/metrics.json"))]
-if not runs:
-    sys.exit()
-rng = np.random.default_rng(0)
-for split in runs[0]["per_user"]:
-    users = runs[0]["per_user"][split]["user_ids"]
-    if any(r["per_user"][split]["user_ids"] != users for r in runs):
-        sys.exit(f"split {split}: the maps were evaluated on different users")
-    for k in ("recall@10", "ndcg@10"):
-        model = np.mean([r["per_user"][split][k] for r in runs], axis=0)
-        for b, per in runs[0].get("baseline_per_user", {}).items():
-            if split not in per or k not in per[split]:
-                continue
-            if per[split]["user_ids"] == users:  # row-aligned (also the time split's several rows per user)
-                base = np.asarray(per[split][k])
-            elif len(set(users)) == len(users):
-                order = {u: i for i, u in enumerate(per[split]["user_ids"])}
-                base = np.asarray(per[split][k])[[order[u] for u in users]]
-            else:
-                sys.exit(f"split {split}: {b}'s rows are not in the model's order and users repeat")
-            d = model - base
-            # Resample users with all their rows (as evaluate's CIs do): rows of one user are not
-            # independent draws.
-            uid, inv = np.unique(np.asarray(users, dtype=str), return_inverse=True)
-            sums, counts = np.bincount(inv, weights=d), np.bincount(inv)
-            pick = rng.integers(0, len(uid), (2000, len(uid)))
-            boots = sums[pick].sum(axis=1) / counts[pick].sum(axis=1)
-            lo, hi = np.quantile(boots, [0.025, 0.975])
-            print(f"{split} {k}: mean over {len(runs)} maps, model - {b} {d.mean():+.3f} [{lo:+.3f}, {hi:+.3f}] "
-                  f"(paired by row, {len(d)} rows of {len(uid)} users)")
-PY
+# The mean over maps with one CI: each row's figure averaged over the maps, minus the
+# baseline's, resampled by user (bench/quality/pooled.py).
+$py "$(dirname "$0")/pooled.py" "$out"
