@@ -141,14 +141,18 @@ def _cycles(run: Path, url: str, every: float, until: float, marks: list, stop: 
 
 
 def summarise(answers: list, marks: list, end: float) -> list[dict]:
-    """Per cycle: the versions of the answers completed from its settling to the next cycle's
-    start (its refresh publishes a version the replicas' poll may take before its reload)."""
+    """Per cycle: the versions of the answers to requests SENT from its settling to the next
+    cycle's start (its refresh publishes a version the replicas' poll may take before its
+    reload). A request sent before the settling may still be answered by the old version after
+    it: counted apart as `old_in_flight`, not a mix. answers: (t_done, ok, version, seconds)."""
     out = []
     for i, m in enumerate(marks):
         stop = marks[i + 1]["t_start"] if i + 1 < len(marks) else end
-        versions = sorted({v for t, ok, v, _ in answers if ok and m["t_settled"] <= t < stop})
+        after = [(t - s, v) for t, ok, v, s in answers if ok and m["t_settled"] <= t < stop]
+        versions = sorted({v for sent, v in after if sent >= m["t_settled"]})
         out.append({"version": m["version"], "refresh_s": m["refresh_s"], "reload_status": m["reload_status"],
                     "settle_s": m["settle_s"], "versions_after_settle": versions, "mixed": len(versions) > 1,
+                    "old_in_flight": sum(sent < m["t_settled"] and v != m["version"] for sent, v in after),
                     "rss_mb": m["rss_mb"]})
     return out
 
@@ -235,6 +239,11 @@ def main(argv: list[str] | None = None) -> int:
     rss0 = {r: v.get("rss_mb") for r, v in start.items()}
     rss1 = {r: v.get("rss_mb") for r, v in end_fleet.items()}
     growth = [rss1[r] - rss0[r] for r in rss1 if rss0.get(r) and rss1.get(r)]
+    # The start is read right after the deploy, before a replica has decoded under load (its
+    # caches and allocator pools not yet grown): growth from the first settled cycle is the
+    # leak figure, growth from the start the whole rise.
+    warm = marks[0]["rss_mb"] if marks else {}
+    growth_warm = [rss1[r] - warm[r] for r in rss1 if warm.get(r) and rss1.get(r)]
     per_cycle = summarise(answers, marks, end)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
     pct = common.percentiles([a[3] for a in ok])
@@ -243,7 +252,9 @@ def main(argv: list[str] | None = None) -> int:
                       "replicas": args.replicas, "requests": len(answers), "failed_requests": len(answers) - len(ok),
                       "requests_per_s": round(len(ok) / max(wall, 1e-9), 3), "p50_ms": pct["p50_ms"],
                       "p99_ms": pct["p99_ms"], "rss_mb_start": rss0, "rss_mb_end": rss1,
-                      "rss_growth_mb": round(max(growth), 1) if growth else None, "cycles": per_cycle,
+                      "rss_growth_mb": round(max(growth), 1) if growth else None, "rss_mb_first_cycle": warm,
+                      "rss_growth_from_first_cycle_mb": round(max(growth_warm), 1) if growth_warm else None,
+                      "cycles": per_cycle,
                       "mixed_cycles": sum(c["mixed"] for c in per_cycle), "cycle_errors": errors,
                       "total_s": round(time.perf_counter() - t_begin, 1), "commit": commit.strip(),
                       "load_avg_start": [round(x, 2) for x in load_start],
