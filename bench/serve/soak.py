@@ -57,17 +57,21 @@ MODES = {"quick": {"serve_mode": "quick", "minutes": 50 / 60, "every": 15.0},
 log = common.stamped_log
 
 
-def fleet(url: str, reads: int = 8) -> dict:
-    """{replica id: {"version", "rss_mb"}} from several GET /info (each answers from one
-    replica: its own rss, and the board's table of every replica's version)."""
+def fleet(url: str, reads: int = 8, most: int = 60) -> dict:
+    """{replica id: {"version", "rss_mb"}} from GET /info: at least `reads` calls, and more (up to
+    `most`) until every replica on the board has answered one (each call answers from one
+    replica: its own rss, and the board's table of every replica's version; the router may send
+    many calls in a row to the same idle replica)."""
     import httpx
 
     out: dict = {}
-    for _ in range(reads):
+    for n in range(most):
         info = httpx.get(f"{url}/info", timeout=60).json()
         for rid, rep in info["replicas"]["each"].items():
             out.setdefault(rid, {})["version"] = rep["version"]
         out.setdefault(info["replica"]["id"], {})["rss_mb"] = info["replica"].get("rss_mb")
+        if n + 1 >= reads and all(r.get("rss_mb") for r in out.values()):
+            break
     return out
 
 
@@ -90,7 +94,7 @@ def settle(url: str, version: int, timeout_s: float = 300.0) -> float:
     """Seconds until every replica reports `version` (board and /info agree); raises past `timeout_s`."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout_s:
-        seen = fleet(url, 6)
+        seen = fleet(url, 6, most=6)  # versions only: the board lists every replica
         if seen and all(r.get("version") == version for r in seen.values()):
             return time.monotonic() - t0
         time.sleep(0.5)

@@ -49,3 +49,31 @@ def test_serve_soak_quick(serve_bench_work):
     assert all(c["reload_status"] in (202, 409) and len(c["versions_after_settle"]) <= 1 for c in out["cycles"])
     assert len(out["rss_mb_start"]) == 2 and all(v for v in out["rss_mb_end"].values())
     assert not list(serve_bench_work.glob("soak-*"))  # the run's copy is gone
+
+
+def test_fleet_reads_until_every_replica_gave_its_memory(monkeypatch):
+    """The router may send many /info calls in a row to one idle replica: the fleet's memory
+    must still name every replica (the quick soak once ended with one replica's rss missing)."""
+    import httpx
+
+    b = load_bench("serve/soak")
+    board = {"each": {"a": {"version": 1}, "b": {"version": 1}}}
+    calls = []
+
+    class _Resp:
+        def __init__(self, rid):
+            self.rid = rid
+
+        def json(self):
+            return {"replicas": board, "replica": {"id": self.rid, "rss_mb": 100.0 if self.rid == "a" else 200.0}}
+
+    def get(url, timeout):
+        calls.append(url)
+        return _Resp("a" if len(calls) <= 15 else "b")  # 15 calls to a before b answers
+
+    monkeypatch.setattr(httpx, "get", get)
+    out = b.fleet("http://x", 12)
+    assert out == {"a": {"version": 1, "rss_mb": 100.0}, "b": {"version": 1, "rss_mb": 200.0}}
+    assert len(calls) == 16
+    calls.clear()
+    assert b.fleet("http://x", 6, most=6)["b"].get("rss_mb") is None and len(calls) == 6
