@@ -474,6 +474,29 @@ def test_work_folder_is_kept_only_for_the_same_inputs_and_settings(fake_run, tmp
     assert not (work / "kept").exists() and (work / "_fingerprint").read_text() == fp2
 
 
+def test_work_folder_begun_by_older_step_code_is_not_resumed(fake_run, tmp_path, monkeypatch):
+    """A refresh interrupted under code that split new rows another way (WORK_FORMAT 1: leave-one-out
+    on a global_time run) must not hand its finished ingest step to today's code."""
+    import gti.refresh.command as cmd
+    from gti.refresh.attempt import find_parent
+
+    items = tmp_path / "items.csv"
+    items.write_text("item_id,title\nn1,A\n")
+    parent = find_parent(fake_run.dir)
+    monkeypatch.setattr(cmd, "WORK_FORMAT", 1)
+    old = cmd.fingerprint(fake_run.cfg(items), parent, str(items), None)
+    work = tmp_path / ".v1.partial"
+    cmd.open_work(work, old)
+    cmd.Steps(work, lambda m: None).run("ingest", lambda: {"split": "leave_one_out"})
+    monkeypatch.undo()
+    new = cmd.fingerprint(fake_run.cfg(items), parent, str(items), None)
+    assert new != old
+    cmd.open_work(work, new)
+    calls = []
+    assert cmd.Steps(work, lambda m: None).run("ingest", lambda: calls.append(1) or {"split": "x"}) == {"split": "x"}
+    assert calls == [1]
+
+
 def test_export_without_training_copies_the_parents_model_with_the_new_map(make_job):
     import pyarrow.parquet as pq
 

@@ -38,6 +38,10 @@ from gti.train.worker_config import FaultInjection
 # In the fingerprint and the manifest: every section a step reads (model: the dtype the parent is
 # loaded in; sid: assignment settings; init: how added code tokens start).
 CONFIG_SECTIONS = ("data", "embed", "sid", "model", "init", "pairs", "ground", "sft", "refresh")
+# Bumped whenever a step's code changes what it writes for the same inputs, so that a work folder
+# begun by older code is emptied instead of resumed (2: a global_time run splits new rows by its
+# recorded cuts; an attempt interrupted before that had split them leave-one-out).
+WORK_FORMAT = 2
 
 
 class Steps:
@@ -71,11 +75,12 @@ def _files_fingerprint(path: str | None, kind: str, storage_options=None) -> str
 
 
 def fingerprint(cfg: C.RunConfig, parent: Parent, items: str, interactions: str | None) -> str:
-    """What a work folder may be reused for (`open_work`): the parent map and base, the input
-    files, the seed and the settings of `CONFIG_SECTIONS`."""
+    """What a work folder may be reused for (`open_work`): the code's `WORK_FORMAT`, the parent
+    map and base, the input files, the seed and the settings of `CONFIG_SECTIONS`."""
     dumped = cfg.model_dump(mode="json")
     d = cfg.data
     return stable_hash({
+        "work_format": WORK_FORMAT,
         # base: a work folder begun before the run retrained is not reused.
         "parent": parent.hash, "base": parent.base,
         "items": _files_fingerprint(items, "items", d.items.storage_options),
