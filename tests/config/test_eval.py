@@ -39,3 +39,14 @@ def test_exact_rank_and_cold_slice_defaults_and_overrides():
     assert ec.exact_rank is True and ec.cold_max_sft_targets == 0
     with pytest.raises(ConfigError, match="eval.cold_max_sft_targets"):
         C.load(None, ["eval.cold_max_sft_targets=-1"])
+
+
+def test_trie_normalisation_is_refused_where_scores_would_disagree():
+    assert C.load(None).eval.normalise == "vocab"
+    assert C.load(None, ["eval.normalise=trie"]).eval.normalise == "trie"
+    with pytest.raises(ConfigError, match="eval.constrained"):
+        C.load(None, ["eval.normalise=trie", "eval.constrained=false"])
+    with pytest.raises(ConfigError, match="exact_rank"):
+        C.load(None, ["eval.normalise=trie", "eval.exact_rank=true"])
+    with pytest.raises(ConfigError, match="eval.normalise"):
+        C.load(None, ["eval.normalise=softmax"])

@@ -63,6 +63,54 @@ def test_topk_equals_exhaustive_scoring(sidspace, trie_cls, n_items):
         torch.testing.assert_close(res.scores[u], top_scores, atol=1e-4, rtol=0)
 
 
+def _trie_normalised_scores(model, prompt, sids):
+    """Reference: each item's sum over levels of log_softmax over the catalog children of its
+    prefix only (teacher forced, brute force over the [N, L] catalog)."""
+    n_items, levels = sids.shape
+    ids = torch.cat([torch.tensor([list(prompt)]).expand(n_items, -1), sids[:, :-1]], dim=1)
+    with torch.no_grad():
+        logits = model(input_ids=ids, logits_to_keep=levels).logits.float()  # [N, L, V]
+    scores = torch.zeros(n_items)
+    for i in range(n_items):
+        for d in range(levels):
+            children = sorted({int(t) for t in sids[(sids[:, :d] == sids[i, :d]).all(-1), d]})
+            row = logits[i, d, children].log_softmax(-1)
+            scores[i] += row[children.index(int(sids[i, d]))]
+    return scores
+
+
+@pytest.mark.parametrize("n_items", [6, 14])
+def test_trie_normalised_scores_are_a_distribution_over_the_catalog(sidspace, trie_cls, n_items):
+    """normalise='trie': with W >= N every item survives to the last step, its score is the
+    brute-force restricted log-prob, and the catalog's probabilities sum to 1 (over the full
+    vocabulary they sum to less: the model's mass off the catalog)."""
+    s = sidspace
+    sids = s.random_sids(n_items, s.LEVELS, s.CODEBOOK, s.FIRST_NEW, seed=n_items)
+    trie = trie_cls(sids, s.FIRST_NEW, s.NEW_END)
+    model = s.tiny_llama(seed=3)
+    users = s.prompts(3, seed=7)
+    res = _search(model, users, trie, s, beam_width=n_items, k=5, normalise="trie")
+    vocab = _search(model, users, trie, s, beam_width=n_items, k=5)
+    for u, prompt in enumerate(users):
+        torch.testing.assert_close(res.beam_scores[u].logsumexp(-1), torch.tensor(0.0), atol=1e-4, rtol=0)
+        assert vocab.beam_scores[u].logsumexp(-1) < -1e-2
+        ref = _trie_normalised_scores(model, prompt, sids)
+        top_scores, top_items = ref.topk(5)
+        assert (top_scores[:-1] - top_scores[1:]).min() > 1e-3, "test model must not have near-ties"
+        assert res.items[u].tolist() == top_items.tolist()
+        torch.testing.assert_close(res.scores[u], top_scores, atol=1e-4, rtol=0)
+
+
+def test_trie_normalisation_needs_the_constraint(sidspace):
+    s = sidspace
+    sids = s.random_sids(6, s.LEVELS, s.CODEBOOK, s.FIRST_NEW)
+    trie = s.DictTrie(sids, s.FIRST_NEW, s.NEW_END)
+    with pytest.raises(ValueError, match="constrained"):
+        _search(s.tiny_llama(), s.prompts(1), trie, s, constrained=False, normalise="trie")
+    with pytest.raises(ValueError, match="normalise='softmax'"):
+        _search(s.tiny_llama(), s.prompts(1), trie, s, normalise="softmax")
+
+
 def test_fewer_items_than_k_pads(sidspace, trie_cls):
     s = sidspace
     sids = s.random_sids(3, s.LEVELS, s.CODEBOOK, s.FIRST_NEW, seed=5)

@@ -142,6 +142,10 @@ class EvalConfig(_Strict):
     constrained: bool = Field(
         True, description="restrict beam search to SIDs in the catalog's trie (false: the invalid-SID rate shows "
         "what the model makes up)")
+    normalise: Literal["vocab", "trie"] = Field(
+        "vocab", description="beam scores: each SID token's log-prob over the full vocabulary (vocab, generate's "
+        "scores) or over the catalog children of its prefix only (trie: an item's score is its log-prob under the "
+        "model restricted to catalog items); needs constrained, not with exact_rank (which scores by vocab)")
     cpu_threads: int | None = Field(
         None, ge=1, description="torch threads per CPU decoding actor (None: Ray's setting, 1 by default)")
     exact_rank: bool = Field(
@@ -155,6 +159,11 @@ class EvalConfig(_Strict):
 
     @model_validator(mode="after")
     def _k_le_beam(self) -> "EvalConfig":
+        if self.normalise == "trie" and not self.constrained:
+            raise ValueError("eval.normalise 'trie' needs eval.constrained true (it normalises over the trie)")
+        if self.normalise == "trie" and self.exact_rank:
+            raise ValueError("eval.normalise 'trie' with eval.exact_rank: the exact rank scores by the full "
+                             "vocabulary, so the two would rank by different scores")
         bad = [k for k in self.ks if k > self.beam_width]
         if bad:
             raise ValueError(f"ks {bad} exceed beam_width {self.beam_width}")

@@ -36,6 +36,7 @@ def constrained_beam_search(
     levels: int,
     pad_id: int,
     constrained: bool = True,
+    normalise: str = "vocab",
     batch_users: int = 8,
     progress: Callable[[int, int], None] | None = None,
 ) -> DecodeResult:
@@ -55,6 +56,10 @@ def constrained_beam_search(
         pad_id: token used for left padding (masked out; its value does not matter).
         constrained: mask every token that does not extend a catalog SID (and every non-SID
             token) to -inf. False = free search over the whole vocabulary, for comparison.
+        normalise: "vocab" = each step's log-probs over the full vocabulary (generate's scores);
+            "trie" = over the catalog children of the beam's prefix only, so an item's score is
+            its log-prob under the model's distribution restricted to catalog items (needs
+            constrained).
         batch_users: users per forward batch (U_b prompt rows at prefill, U_b x W rows after).
         progress: called as progress(users_done, users_total) after each batch.
 
@@ -64,6 +69,10 @@ def constrained_beam_search(
         raise ValueError(f"k={k} must be in 1..beam_width={beam_width}")
     if levels < 1:
         raise ValueError(f"levels must be >= 1, got {levels}")
+    if normalise not in NORMALISE:
+        raise ValueError(f"normalise={normalise!r} is not one of {NORMALISE}")
+    if normalise == "trie" and not constrained:
+        raise ValueError("normalise='trie' needs constrained=True (it normalises over the trie's children)")
     prompts = as_prompt_lists(prompt_ids)
     parts = []
     # Validation during training calls this on a model in train mode: dropout must be off for
@@ -73,7 +82,7 @@ def constrained_beam_search(
     try:
         for sl in chunks(len(prompts), max(1, batch_users)):
             parts.append(
-                _search_batch(model, prompts[sl], trie, beam_width, k, levels, pad_id, constrained)
+                _search_batch(model, prompts[sl], trie, beam_width, k, levels, pad_id, constrained, normalise)
             )
             if progress is not None:
                 progress(sl.stop, len(prompts))
@@ -92,25 +101,34 @@ def constrained_beam_search(
     return DecodeResult.concat(parts)
 
 
+NORMALISE = ("vocab", "trie")
+
+
 def _step_candidates(
     logits: torch.Tensor,
     prefixes: torch.Tensor,
     trie: TrieLike,
     constrained: bool,
+    normalise: str = "vocab",
 ) -> tuple[torch.Tensor, int]:
     """Log-probs of the next token for each row, restricted to the searched token range.
 
     logits: [R, V] (last position); prefixes: [R, t] SID tokens generated so far.
     Returns (logp [R, C], offset): candidate c is token id offset + c. Constrained: C = V_new
     (the new-token slice, disallowed entries -inf); unconstrained: C = V, offset 0.
+    normalise "vocab": log_softmax over all V (generate's scores); "trie": over each row's
+    allowed children only (a row's finite entries then sum to probability 1).
     """
-    # Full-vocabulary normalisation, so scores match generate's log_softmax + masking.
-    logp = F.log_softmax(logits.float(), dim=-1)
     if not constrained:
-        return logp, 0
+        return F.log_softmax(logits.float(), dim=-1), 0
     lo, hi = trie.vocab_new_start, trie.vocab_new_end
-    sub = logp[:, lo:hi]
-    allowed = trie.allowed(prefixes).to(sub.device)
+    allowed = trie.allowed(prefixes).to(logits.device)
+    if normalise == "trie":
+        # The second mask turns a row with no allowed child (a padded beam: all -inf -> NaN) back to -inf.
+        sub = F.log_softmax(logits[:, lo:hi].float().masked_fill(~allowed, NEG_INF), dim=-1)
+        return sub.masked_fill(~allowed, NEG_INF), lo
+    # Full-vocabulary normalisation, so scores match generate's log_softmax + masking.
+    sub = F.log_softmax(logits.float(), dim=-1)[:, lo:hi]
     return sub.masked_fill(~allowed, NEG_INF), lo
 
 
@@ -135,6 +153,7 @@ def _search_batch(
     levels: int,
     pad_id: int,
     constrained: bool,
+    normalise: str = "vocab",
 ) -> DecodeResult:
     t0 = time.perf_counter()
     device = model_device(model)
@@ -153,7 +172,7 @@ def _search_batch(
     t_prefill = time.perf_counter() - t0
 
     empty_prefix = torch.empty((n_users, 0), dtype=torch.long, device=device)
-    logp, offset = _step_candidates(out.logits[:, -1, :], empty_prefix, trie, constrained)
+    logp, offset = _step_candidates(out.logits[:, -1, :], empty_prefix, trie, constrained, normalise)
     del out
     n_cand = logp.shape[1]
     if n_cand < width:  # fewer candidate tokens than beams (tiny vocabularies): pad with -inf
@@ -178,7 +197,7 @@ def _search_batch(
             use_cache=True,
         )
         logp, offset = _step_candidates(
-            out.logits[:, -1, :], seqs.reshape(n_users * width, step), trie, constrained
+            out.logits[:, -1, :], seqs.reshape(n_users * width, step), trie, constrained, normalise
         )
         del out
         n_cand = logp.shape[1]

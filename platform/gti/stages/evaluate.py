@@ -78,7 +78,7 @@ class Recommender:
         res = constrained_beam_search(
             self.model, prompts, self.trie, beam_width=self.ec.beam_width, k=self.k,
             levels=self.levels, pad_id=self.pad_id, constrained=self.ec.constrained,
-            batch_users=self.ec.batch_users,
+            normalise=self.ec.normalise, batch_users=self.ec.batch_users,
         )
         rows, scores = res.items.tolist(), res.scores.float().tolist()
         items = [[self.item_ids[r] for r in row if r >= 0] for row in rows]
@@ -194,7 +194,7 @@ def _read_inputs(ctx: StageContext) -> _Inputs:
     rows = pl.concat([frames[s] for s in ec.splits])
     ctx.log(
         f"{len(users):,} users x splits {list(ec.splits)}: beam {ec.beam_width}, K {ec.ks}, "
-        f"{'constrained' if ec.constrained else 'UNCONSTRAINED'}, {ec.concurrency} actor(s), "
+        f"{'constrained' if ec.constrained else 'UNCONSTRAINED'} ({ec.normalise}-normalised), {ec.concurrency} actor(s), "
         f"{ec.num_gpus} GPU(s) each{', exact ranks over the catalog' if ec.exact_rank else ''}"
     )
     # Cold items: counted on SFT training windows only (train items; never valid/test).
@@ -289,7 +289,7 @@ def _metrics(ctx: StageContext, inp: _Inputs, recs: pl.DataFrame) -> dict[str, A
                                            "n_cold_items": inp.n_cold, "n_items": len(inp.catalog)}}},
         "invalid_sid_rate": n_invalid / n_returned if n_returned else 0.0, "n_users": {}, "n_rows": {},
         "per_user": {},
-        "config": {"beam_width": ec.beam_width, "ks": list(ec.ks), "constrained": ec.constrained,
+        "config": {"beam_width": ec.beam_width, "ks": list(ec.ks), "constrained": ec.constrained, "normalise": ec.normalise,
                    "bootstrap": ec.bootstrap, "max_users": ec.max_users, "exact_rank": ec.exact_rank,
                    "cold_max_sft_targets": ec.cold_max_sft_targets, "baselines": list(ec.baselines)},
     }
