@@ -61,3 +61,16 @@ def test_bad_key_in_a_config_is_named(tmp_path):
     bad.write_text(PAPER.read_text().replace("  code_dim: 32", "  code_dims: 32"))
     with pytest.raises(ConfigError, match="code_dims"):
         config.load(bad)
+
+
+def test_ml100k_config_is_the_demo_recipe_with_only_its_data_files_changed():
+    """The transfer figure means something only while every recipe key equals the demo's."""
+    def recipe(name):
+        cfg = config.load(ROOT / "jobs" / "configs" / name).model_dump(mode="json")
+        cfg.pop("run_dir")
+        cfg["data"].pop("items"), cfg["data"].pop("interactions")
+        return cfg
+
+    assert recipe("ml100k.yaml") == recipe("demo.yaml")
+    cfg = config.load(ROOT / "jobs" / "configs" / "ml100k.yaml")
+    assert cfg.data.items.path.endswith("ml-100k/items.csv") and cfg.data.interactions.columns.ts == "ts"
