@@ -33,6 +33,24 @@ def test_batched_answers_equal_gti_recommend(serve_run, services, version):
     assert answers[0]["map_hash"] == (serve_run["base_hash"] if version == 0 else serve_run["v1_hash"])
 
 
+def _trie_normalised(run):
+    run.cfg = run.cfg.model_copy(update={"eval": run.cfg.eval.model_copy(update={"normalise": "trie"})})
+    return run
+
+
+def test_a_trie_normalised_run_serves_what_recommend_ranks(serve_run):
+    """eval.normalise reaches serve and recommend alike: the whole catalog's probabilities sum to 1."""
+    svc = RecommenderService.load(serve_run["run"], 0, max_k=100)
+    _trie_normalised(svc.run)
+    ref = _trie_normalised(LoadedRun.open(serve_run["run"], version=0))
+    answers = svc.recommend(HISTORIES[:2], k=N_ITEMS, exclude_history=False)
+    for hist, ans in zip(HISTORIES[:2], answers):
+        _same(ans["items"], ref.recommend(hist, N_ITEMS))
+        assert len(ans["items"]) == N_ITEMS
+        np.testing.assert_allclose(np.logaddexp.reduce([r["score"] for r in ans["items"]]), 0.0, atol=1e-4)
+    assert svc.info()["decoder"]["normalise"] == "trie"
+
+
 def test_many_requests_are_one_decode(services, monkeypatch):
     import gti.eval.decode as D
 

@@ -105,7 +105,7 @@ def top_k(run: Any, history: Sequence[str], k: int = 10, where: str = "the SID m
     prompt, _ = run.renderer.prompt(list(plan.used))
     res = constrained_beam_search(
         run.model, [prompt], run.trie, beam_width=plan.width, k=plan.k_decode,
-        levels=run.levels, pad_id=run.pad_id, constrained=True, batch_users=1,
+        levels=run.levels, pad_id=run.pad_id, constrained=True, normalise=run.normalise, batch_users=1,
     )
     return answer_items(run, res.items[0].tolist(), res.scores[0].tolist(), plan)
 

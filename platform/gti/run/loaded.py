@@ -110,6 +110,11 @@ class LoadedRun:
     def beam_width(self) -> int:
         return self.cfg.eval.beam_width
 
+    @property
+    def normalise(self) -> str:
+        """How beam scores are normalised (`eval.normalise`): recommend and serve rank as evaluate did."""
+        return self.cfg.eval.normalise
+
     @classmethod
     def open(cls, run_dir: str | Path | None = None, *, model_dir: str | Path | None = None,
              sid_map_path: str | Path | None = None, sid_facts: dict | None = None,

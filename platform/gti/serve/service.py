@@ -174,8 +174,8 @@ class RecommenderService:
         run = self.run
         return {**self.identity, "model_dir": str(run.model_dir), "run_dir": str(run.run_dir),
                 "catalog_size": self.catalog_size, "levels": run.levels,
-                "decoder": {"beam_width": run.beam_width, "constrained": True, "max_history": run.max_history,
-                            "max_len": run.cfg.sft.max_len, "max_k": self.max_k,
+                "decoder": {"beam_width": run.beam_width, "constrained": True, "normalise": run.normalise,
+                            "max_history": run.max_history, "max_len": run.cfg.sft.max_len, "max_k": self.max_k,
                             "decode_budget_tokens": self.decode_budget, "largest_history_tokens": self.worst_case(),
                             **self.decodes,
                             "scores": "sum of the SID tokens' log-probs (full-vocabulary log-softmax)"}}
@@ -315,7 +315,8 @@ class RecommenderService:
         sizes = self.decodes["sizes"]  # str keys: what JSON makes of them anyway
         sizes[str(len(prompts))] = sizes.get(str(len(prompts)), 0) + 1
         res = constrained_beam_search(run.model, prompts, run.trie, beam_width=width, k=k_dec, levels=run.levels,
-                                      pad_id=run.pad_id, constrained=True, batch_users=len(prompts))
+                                      pad_id=run.pad_id, constrained=True, normalise=run.normalise,
+                                      batch_users=len(prompts))
         out = []
         for u, (i, p) in enumerate(group):
             items = answer_items(run, res.items[u].tolist(), res.scores[u].tolist(), p.plan)
