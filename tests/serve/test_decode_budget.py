@@ -134,9 +134,9 @@ def test_16_concurrent_maximal_requests_never_exceed_the_decode_budget(replica, 
     seen: list[tuple[int, int]] = []
     real = ED._search_batch
 
-    def counting(model, prompts, trie, width, k, levels, pad_id, constrained):
+    def counting(model, prompts, trie, width, k, levels, pad_id, *rest):
         seen.append((len(prompts), decode_tokens(len(prompts), width, max(len(p) for p in prompts), levels)))
-        return real(model, prompts, trie, width, k, levels, pad_id, constrained)
+        return real(model, prompts, trie, width, k, levels, pad_id, *rest)
 
     monkeypatch.setattr(ED, "_search_batch", counting)
     rep = replica(max_batch_histories=per_request, max_batch_size=16, batch_wait_timeout_s=0.05,
