@@ -48,7 +48,7 @@ def test_a_trie_normalised_run_serves_what_recommend_ranks(serve_run):
         _same(ans["items"], ref.recommend(hist, N_ITEMS))
         assert len(ans["items"]) == N_ITEMS
         np.testing.assert_allclose(np.logaddexp.reduce([r["score"] for r in ans["items"]]), 0.0, atol=1e-4)
-    assert svc.info()["decoder"]["normalise"] == "trie"
+    assert svc.info()["decoder"]["normalise"] == "trie" and "catalog children" in svc.info()["decoder"]["scores"]
 
 
 def test_many_requests_are_one_decode(services, monkeypatch):

@@ -178,7 +178,9 @@ class RecommenderService:
                             "max_history": run.max_history, "max_len": run.cfg.sft.max_len, "max_k": self.max_k,
                             "decode_budget_tokens": self.decode_budget, "largest_history_tokens": self.worst_case(),
                             **self.decodes,
-                            "scores": "sum of the SID tokens' log-probs (full-vocabulary log-softmax)"}}
+                            "scores": "sum of the SID tokens' log-probs ("
+                                      + ("full-vocabulary log-softmax)" if run.normalise == "vocab"
+                                         else "log-softmax over each prefix's catalog children)")}}
 
     def worst_case(self) -> int:
         """`decode_tokens` of the largest single history a request may send: k = max_k with the

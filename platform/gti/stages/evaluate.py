@@ -194,7 +194,8 @@ def _read_inputs(ctx: StageContext) -> _Inputs:
     rows = pl.concat([frames[s] for s in ec.splits])
     ctx.log(
         f"{len(users):,} users x splits {list(ec.splits)}: beam {ec.beam_width}, K {ec.ks}, "
-        f"{'constrained' if ec.constrained else 'UNCONSTRAINED'} ({ec.normalise}-normalised), {ec.concurrency} actor(s), "
+        f"{'constrained' if ec.constrained else 'UNCONSTRAINED'} ({ec.normalise}-normalised), "
+        f"{ec.concurrency} actor(s), "
         f"{ec.num_gpus} GPU(s) each{', exact ranks over the catalog' if ec.exact_rank else ''}"
     )
     # Cold items: counted on SFT training windows only (train items; never valid/test).
@@ -289,8 +290,8 @@ def _metrics(ctx: StageContext, inp: _Inputs, recs: pl.DataFrame) -> dict[str, A
                                            "n_cold_items": inp.n_cold, "n_items": len(inp.catalog)}}},
         "invalid_sid_rate": n_invalid / n_returned if n_returned else 0.0, "n_users": {}, "n_rows": {},
         "per_user": {},
-        "config": {"beam_width": ec.beam_width, "ks": list(ec.ks), "constrained": ec.constrained, "normalise": ec.normalise,
-                   "bootstrap": ec.bootstrap, "max_users": ec.max_users, "exact_rank": ec.exact_rank,
+        "config": {"beam_width": ec.beam_width, "ks": list(ec.ks), "constrained": ec.constrained,
+                   "normalise": ec.normalise, "bootstrap": ec.bootstrap, "max_users": ec.max_users, "exact_rank": ec.exact_rank,
                    "cold_max_sft_targets": ec.cold_max_sft_targets, "baselines": list(ec.baselines)},
     }
     for split in ec.splits:
