@@ -153,6 +153,13 @@ def test_mrr_at_k_from_per_user_ndcg():
     lo, hi = got["ci"]
     assert lo <= got["value"] <= hi and hi > lo
     assert S.mrr_at_k(None, 200) is None
+    # Several rows per user: the CI resamples users (one user's two rows move together), so a
+    # user whose rows are all hits and one whose rows all miss give a wider CI than 4 rows apart.
+    # 20 users of 4 rows each, every row of a user a hit or every one a miss.
+    ndcg = [float(u % 2) for u in range(20) for _ in range(4)]
+    rows_apart = S.mrr_at_k(ndcg, n_boot=400)["ci"]
+    by_user = S.mrr_at_k(ndcg, n_boot=400, user_ids=[f"u{u}" for u in range(20) for _ in range(4)])["ci"]
+    assert by_user[1] - by_user[0] > rows_apart[1] - rows_apart[0]
 
 
 def test_a_true_item_below_the_shown_five_says_where_and_none_says_so(tmp_path):
@@ -184,6 +191,30 @@ def test_columns_follow_eval_ks():
     assert S.summary_columns([5, 10, 20]) == ["recall@5", "recall@10", "ndcg@10"]
     assert S.summary_columns([1, 5]) == ["recall@5", "ndcg@5"]
     assert S.summary_columns([20]) == ["recall@20", "ndcg@20"]
+    assert S.summary_columns([3, 5, 10]) == ["recall@3", "recall@5", "recall@10", "ndcg@10"]
+
+
+def test_several_rows_per_user_say_hr_and_count_the_rows(tmp_path):
+    """The global time split (more rows than users): the field's names, HR@3/5/10, the row
+    count in the title; leave-one-out (one row per user) keeps Recall@K."""
+    m = _metrics()
+    m["config"]["ks"] = [3, 5, 10]
+    for table in [m["splits"]["test"], *(b["test"] for b in m["baselines"].values())]:
+        table["recall@3"] = _entry(0.01, 0.0, 0.02)
+        table.update({k.replace("recall", "hr"): dict(v) for k, v in list(table.items()) if k.startswith("recall")})
+    m["n_rows"] = {"test": 1668}
+    m["n_users"]["test"] = 519
+    run = _run(tmp_path)
+    (run / "evaluate" / "metrics.json").write_text(json.dumps(m))
+    lines = S.format_summary(S.read_run(run, STAGES, shown="runs/t")).splitlines()
+    assert lines[0].startswith("Run runs/t: test split, 519 users (1,668 rows), the same users")
+    assert next(ln for ln in lines if "HR@3" in ln).split() == ["HR@3", "HR@5", "HR@10", "NDCG@10", "MRR"]
+    m["n_rows"]["test"] = 519  # one row per user: Recall, and no row count
+    (run / "evaluate" / "metrics.json").write_text(json.dumps(m))
+    lines = S.format_summary(S.read_run(run, STAGES, shown="runs/t")).splitlines()
+    assert lines[0].startswith("Run runs/t: test split, 519 users, the same users")
+    assert next(ln for ln in lines if "Recall@3" in ln).split() == ["Recall@3", "Recall@5", "Recall@10", "NDCG@10",
+                                                                   "MRR"]
 
 
 def test_a_missing_sample_file_drops_the_sample_not_the_table(tmp_path):

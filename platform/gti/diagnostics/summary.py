@@ -145,8 +145,9 @@ def _exact_rank(metrics: dict[str, Any], split: str, user: str) -> float | None:
 
 # --------------------------------------------------------------------------- formatting
 def summary_columns(ks: Sequence[int]) -> list[str]:
-    """Recall@5, Recall@10 and NDCG@10 where `eval.ks` has them, else the largest K's."""
-    recall = [k for k in (5, 10) if k in ks] or [max(ks)]
+    """Recall@3 (the field's first column), Recall@5, Recall@10 and NDCG@10 where `eval.ks` has
+    them, else the largest K's."""
+    recall = [k for k in (3, 5, 10) if k in ks] or [max(ks)]
     return [f"recall@{k}" for k in recall] + [f"ndcg@{10 if 10 in ks else max(ks)}"]
 
 
@@ -166,8 +167,9 @@ def table_rows(metrics: dict[str, Any], split: str, model_row: str = MODEL_ROW) 
     baselines = metrics.get("baselines") or {}
     exact = bool((metrics.get("ranks") or {}).get(split))
     ndcg, n_boot = cols[-1], int((metrics.get("config") or {}).get("bootstrap", 1000))
+    per_user = (metrics.get("per_user") or {}).get(split) or {}
     model_mrr = ((metrics.get("ranks") or {}).get(split) or {}).get("mrr") if exact else mrr_at_k(
-        ((metrics.get("per_user") or {}).get(split) or {}).get(ndcg), n_boot)
+        per_user.get(ndcg), n_boot, per_user.get("user_ids"))
     rows = [(model_row, [_cell((metrics["splits"].get(split) or {}).get(c)) for c in cols] + [_cell(model_mrr)])]
     order = [b for b in ROW_NAMES if b in baselines] + [b for b in baselines if b not in ROW_NAMES]
     paired = (metrics.get("paired") or {}).get(split) or {}
@@ -179,8 +181,8 @@ def table_rows(metrics: dict[str, Any], split: str, model_row: str = MODEL_ROW) 
         if exact:
             mrr = (((metrics.get("baseline_ranks") or {}).get(name) or {}).get(split) or {}).get("mrr")
         else:
-            mrr = mrr_at_k((((metrics.get("baseline_per_user") or {}).get(name) or {}).get(split) or {}).get(ndcg),
-                           n_boot)
+            rows_of = (((metrics.get("baseline_per_user") or {}).get(name) or {}).get(split) or {})
+            mrr = mrr_at_k(rows_of.get(ndcg), n_boot, rows_of.get("user_ids"))
         rows.append((row_name(metrics, name), [_cell(table.get(c)) for c in cols] + [_cell(mrr)]))
     return rows + diffs
 
@@ -201,17 +203,22 @@ def _signed(entry: Any) -> str:
     return f"{entry['value']:+.3f}{ci}"
 
 
-def mrr_at_k(ndcg: Sequence[float] | None, n_boot: int) -> dict[str, Any] | None:
-    """MRR@K with its bootstrap CI (seed 0) from per-user NDCG@K of one target per user [U]:
+def mrr_at_k(ndcg: Sequence[float] | None, n_boot: int,
+             user_ids: Sequence[str] | None = None) -> dict[str, Any] | None:
+    """MRR@K with its bootstrap CI (seed 0) from per-row NDCG@K of one target per row [R]:
     a hit at 0-based rank r has NDCG 1/log2(r + 2), so its reciprocal rank is 1/(r + 1); a miss
-    (NDCG 0) counts 0. None without per-user values (an older metrics.json)."""
+    (NDCG 0) counts 0. `user_ids` [R], each row's user: the CI resamples users with all their
+    rows (the global time split has several per user), as every other CI does. None without
+    per-row values (an older metrics.json)."""
     if ndcg is None:
         return None
     from gti.eval.metrics import bootstrap_ci
     from gti.eval.reference import reciprocal_ranks_at_k
 
     rr = reciprocal_ranks_at_k(ndcg)
-    return {"value": float(rr.mean()) if rr.size else 0.0, "ci": list(bootstrap_ci(rr, n_boot=n_boot, seed=0))}
+    groups = user_ids if user_ids is not None and len(user_ids) == rr.size else None
+    return {"value": float(rr.mean()) if rr.size else 0.0,
+            "ci": list(bootstrap_ci(rr, n_boot=n_boot, seed=0, groups=groups))}
 
 
 def _ks(metrics: dict[str, Any], split: str) -> list[int]:
@@ -224,7 +231,10 @@ def format_table(metrics: dict[str, Any], split: str, model_row: str = MODEL_ROW
     ks = list((metrics.get("config") or {}).get("ks") or _ks(metrics, split))
     cols = summary_columns(ks)
     exact = bool((metrics.get("ranks") or {}).get(split))
-    header = [c.replace("recall", "Recall").replace("ndcg", "NDCG") for c in cols] + [
+    # Several rows per user (the global time split): the field calls the one-target Recall@K
+    # HR@K, and the evaluate stage recorded hr@K as the same cell (docs/data.md, Splits).
+    hr = several_rows(metrics, split) and f"hr@{cols[0].split('@')[1]}" in (metrics["splits"].get(split) or {})
+    header = [c.replace("recall", "HR" if hr else "Recall").replace("ndcg", "NDCG") for c in cols] + [
         "MRR" if exact else f"MRR@{cols[-1].split('@')[1]}"]
     rows = table_rows(metrics, split, model_row)
     name_w = max(len(n) for n, _ in rows)
@@ -232,6 +242,12 @@ def format_table(metrics: dict[str, Any], split: str, model_row: str = MODEL_ROW
     lines = ["  ".join([" " * name_w] + [h.rjust(w) for h, w in zip(header, widths)])]
     lines += ["  ".join([n.ljust(name_w)] + [c.rjust(w) for c, w in zip(cells, widths)]) for n, cells in rows]
     return "\n".join(lines)
+
+
+def several_rows(metrics: dict[str, Any], split: str) -> bool:
+    """True where the split evaluated more rows than users (the global time split)."""
+    n_rows, n_users = (metrics.get("n_rows") or {}).get(split), (metrics.get("n_users") or {}).get(split)
+    return n_rows is not None and n_users is not None and n_rows > n_users
 
 
 def _mrr_note(metrics: dict[str, Any], split: str) -> str:
@@ -340,8 +356,9 @@ def format_summary(s: RunSummary) -> str:
     if split is None:
         return f"Run {s.run_dir}: its metrics.json has no split"
     n_users = (m.get("n_users") or {}).get(split)
-    lines = [f"Run {s.run_dir}: {split} split, {n_users if n_users is not None else '?'} users, the same users "
-             "in every row; [95% bootstrap CI]", "", format_table(m, split, RL_ROW if s.rl else MODEL_ROW),
+    rows = f" ({m['n_rows'][split]:,} rows)" if several_rows(m, split) else ""
+    lines = [f"Run {s.run_dir}: {split} split, {n_users if n_users is not None else '?'} users{rows}, the same "
+             "users in every row; [95% bootstrap CI]", "", format_table(m, split, RL_ROW if s.rl else MODEL_ROW),
              _mrr_note(m, split)] + _paired_note(m, split)
     if s.sample is not None:
         lines += [""] + format_sample(s.sample)
