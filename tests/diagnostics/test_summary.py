@@ -153,9 +153,8 @@ def test_mrr_at_k_from_per_user_ndcg():
     lo, hi = got["ci"]
     assert lo <= got["value"] <= hi and hi > lo
     assert S.mrr_at_k(None, 200) is None
-    # Several rows per user: the CI resamples users (one user's two rows move together), so a
-    # user whose rows are all hits and one whose rows all miss give a wider CI than 4 rows apart.
-    # 20 users of 4 rows each, every row of a user a hit or every one a miss.
+    # Several rows per user: the CI resamples users (a user's rows move together). 20 users of 4
+    # rows each, every row of a user a hit or every one a miss: 20 units, a wider CI than 80.
     ndcg = [float(u % 2) for u in range(20) for _ in range(4)]
     rows_apart = S.mrr_at_k(ndcg, n_boot=400)["ci"]
     by_user = S.mrr_at_k(ndcg, n_boot=400, user_ids=[f"u{u}" for u in range(20) for _ in range(4)])["ci"]
