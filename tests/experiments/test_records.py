@@ -30,6 +30,18 @@ def test_table_hash_ignores_row_order_but_not_content(tmp_path):
     assert table_hash(tmp_path / "a.parquet") != table_hash(tmp_path / "c.parquet")
 
 
+def test_table_hash_of_columns_is_the_hash_of_the_table_without_the_others(tmp_path):
+    """A table that gained a column (sequences.parquet's valid_items, fb92f2e) hashes as before
+    on its old columns, so records made before can still be matched (bench/proof/proof_sasrec.py)."""
+    df = pl.DataFrame({"item_id": ["a", "b", "c"], "n": [1, 2, 3]})
+    df.write_parquet(tmp_path / "old.parquet")
+    df.with_columns(pl.lit("x").alias("new")).write_parquet(tmp_path / "new.parquet")
+    old = table_hash(tmp_path / "old.parquet")
+    assert table_hash(tmp_path / "new.parquet") != old
+    assert table_hash(tmp_path / "new.parquet", ["item_id", "n"]) == old
+    assert table_hash(tmp_path / "new.parquet", ["item_id"]) != old
+
+
 def test_records_live_under_out_or_compare_records_dir(tmp_path):
     cfg = C.RunConfig()
     assert records_dir(cfg, tmp_path) == tmp_path / "records"

@@ -51,12 +51,13 @@ def record_path(rdir: Path, arm: str, seed: int, sid_seed: int | None = None) ->
     return base / slug(arm) / f"seed{seed}.json"
 
 
-def table_hash(path: Path) -> str:
-    """Order-free content hash of a parquet table: schema + sorted row hashes (a Ray Data
-    write may order rows differently from run to run; the content is what matters)."""
+def table_hash(path: Path, columns: list[str] | None = None) -> str:
+    """Order-free content hash of a parquet table (or of `columns` of it): schema + sorted row
+    hashes (a Ray Data write may order rows differently from run to run; the content is what
+    matters)."""
     import polars as pl
 
-    df = pl.read_parquet(path)
+    df = pl.read_parquet(path, columns=columns)
     h = hashlib.sha256(str(df.schema).encode())
     h.update(df.hash_rows(seed=0).sort().to_numpy().tobytes())
     return h.hexdigest()[:16]
